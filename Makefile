@@ -1,0 +1,41 @@
+# ddtree — every target sets up what it needs (a .venv in the repo, editable install).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# CPU build from local disk by default; GPU users: make install TORCH_SPEC="torch"
+TORCH_SPEC ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test test-slow test-all run bench lint clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+run: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m ddtree.run
+
+bench: $(STAMP)
+	$(PY) bench/bench_tree.py
+	$(PY) bench/bench_stages.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check ddtree compat tests bench
+	$(PY) -m ruff format --check ddtree compat tests bench
+
+clean:
+	rm -rf $(VENV) runs/* .pytest_cache
