@@ -1,0 +1,26 @@
+"""ddtree: lossless speculative decoding (AR, DFlash, DDTree) on Hugging Face models.
+
+    import ddtree
+    result = ddtree.generate(target, drafter, input_ids, method="ddtree", budget=64)
+
+Heavy modules load on first use, so `ddtree.errors` / config validation stay cheap.
+"""
+
+from importlib import import_module
+
+_LAZY = {
+    "generate": ("ddtree.engine", "generate"),
+    "GenerationResult": ("ddtree.result", "GenerationResult"),
+    "DFlashDrafter": ("ddtree.drafter", "DFlashDrafter"),
+    "DraftTree": ("ddtree.tree", "DraftTree"),
+    "ConfigError": ("ddtree.errors", "ConfigError"),
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        mod, attr = _LAZY[name]
+        return getattr(import_module(mod), attr)
+    raise AttributeError(f"module 'ddtree' has no attribute {name!r}")

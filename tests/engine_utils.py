@@ -1,0 +1,138 @@
+"""Independent references and scripted proposers shared by engine tests."""
+
+from __future__ import annotations
+
+import copy
+import heapq
+import random
+
+import torch
+from transformers import DynamicCache
+
+from ddtree.tree import DraftTree, tree_from_parents
+
+
+def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """Plain HF greedy decoding: the reference every method must reproduce at T = 0."""
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         pad_token_id=0, eos_token_id=None)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+@torch.no_grad()
+def sequential_path_logits(model, prefix_ids: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """Each node's logits by running its root-to-node path as a plain sequence after the prefix."""
+    cache = DynamicCache(config=model.config)
+    model(prefix_ids, cache=cache, use_cache=True)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    rows = []
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        c = copy.deepcopy(cache)
+        ids = torch.tensor([path[::-1]], device=prefix_ids.device)
+        pos = torch.arange(prefix_ids.shape[1], prefix_ids.shape[1] + len(path), device=ids.device)[None]
+        rows.append(model(ids, position_ids=pos, cache=c, use_cache=True).logits[0, -1])
+    return torch.stack(rows)
+
+
+def heap_best_first(logprobs: torch.Tensor, budget: int) -> list[tuple[float, tuple[int, ...]]]:
+    """The paper's best-first heap over rank tuples; returns (score, token path) of each selected node."""
+    lp = logprobs.double()
+    vals, toks = lp.sort(dim=-1, descending=True)
+    L, V = lp.shape
+    heap = [(-float(vals[0, 0]), (0,))]
+    out = []
+    while heap and len(out) < budget:
+        neg, ranks = heapq.heappop(heap)
+        out.append((-neg, tuple(int(toks[d, r]) for d, r in enumerate(ranks))))
+        d = len(ranks) - 1
+        if ranks[-1] + 1 < V:  # next sibling
+            sib = ranks[:-1] + (ranks[-1] + 1,)
+            heapq.heappush(heap, (neg + float(vals[d, ranks[-1]]) - float(vals[d, ranks[-1] + 1]), sib))
+        if d + 1 < L:  # first child
+            heapq.heappush(heap, (neg - float(vals[d + 1, 0]), ranks + (0,)))
+    return out
+
+
+def tree_paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+    scores = tree.scores.tolist() if tree.scores is not None else [0.0] * len(tokens)
+    res = {}
+    for i in range(1, len(tokens)):
+        path, j = [], i
+        while j > 0:
+            path.append(tokens[j])
+            j = parents[j]
+        res[tuple(path[::-1])] = scores[i]
+    return res
+
+
+def random_tree(n: int, vocab: int, rng: random.Random, max_children: int = 3, root: int = 0) -> DraftTree:
+    """A random branching tree with shuffled flat order (parents still first)."""
+    nodes = [(-1, root, 0)]  # (parent, token, depth)
+    while len(nodes) < n:
+        p = rng.randrange(len(nodes))
+        used = {t for (q, t, _) in nodes if q == p}
+        if len(used) >= min(max_children, vocab):
+            continue
+        t = rng.choice([x for x in range(vocab) if x not in used])
+        nodes.append((p, t, nodes[p][2] + 1))
+    # reorder by depth with random ties, remapping parents
+    order = sorted(range(n), key=lambda i: (nodes[i][2], rng.random() if i else -1))
+    where = {old: new for new, old in enumerate(order)}
+    toks = [nodes[i][1] for i in order]
+    pars = [where[nodes[i][0]] if nodes[i][0] >= 0 else -1 for i in order]
+    return tree_from_parents(toks, pars)
+
+
+class ScriptedProposer:
+    """Knows the true continuation; hides it on a non-first sibling among decoys, at random depths.
+
+    Exercises deep acceptance and non-contiguous KV compaction without a trained drafter.
+    """
+
+    needs_features = False
+
+    def __init__(self, reference: list[int], vocab: int, seed: int = 0, depth: int = 6, decoys: int = 2,
+                 miss_rate: float = 0.25):
+        self.reference, self.vocab, self.depth, self.decoys = reference, vocab, depth, decoys
+        self.miss_rate = miss_rate
+        self.rng = random.Random(seed)
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, state) -> DraftTree:
+        rng = self.rng
+        pos = len(state.generated)
+        truth = self.reference[pos: pos + rng.randint(0, self.depth)]
+        if truth and rng.random() < self.miss_rate:  # a wrong token somewhere on the true path
+            k = rng.randrange(len(truth))
+            truth = truth[:k] + [(truth[k] + 1) % self.vocab]
+        nodes = [(-1, int(state.root), 0)]
+        cur = 0
+        for tok in truth:
+            kids = []
+            for _ in range(self.decoys):
+                d = rng.randrange(self.vocab)
+                if d != tok and d not in [k for k, _ in kids]:
+                    kids.append((d, False))
+            kids.insert(rng.randint(1, len(kids)) if kids else 0, (tok, True))
+            nxt = cur
+            for t, true in kids:
+                nodes.append((cur, t, nodes[cur][2] + 1))
+                if true:
+                    nxt = len(nodes) - 1
+                elif rng.random() < 0.5:  # a decoy grandchild
+                    nodes.append((len(nodes) - 1, rng.randrange(self.vocab), nodes[cur][2] + 2))
+            cur = nxt
+        n = len(nodes)
+        order = sorted(range(n), key=lambda i: (nodes[i][2], rng.random() if i else -1))
+        where = {old: new for new, old in enumerate(order)}
+        toks = [nodes[i][1] for i in order]
+        pars = [where[nodes[i][0]] if nodes[i][0] >= 0 else -1 for i in order]
+        return tree_from_parents(toks, pars, device=state.root.device)

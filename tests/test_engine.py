@@ -1,0 +1,140 @@
+"""Engine: lossless against HF greedy, tree verification against per-path runs, the walk, the builder."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_utils import (
+    ScriptedProposer,
+    heap_best_first,
+    hf_greedy,
+    random_tree,
+    sequential_path_logits,
+    tree_paths,
+)
+
+import ddtree
+from ddtree.target import TargetSession
+from ddtree.tiny import tiny_model
+from ddtree.tree import accepted_path, best_first_tree, chain_tree, tree_from_parents
+
+PURE = ["qwen3", "llama"]
+
+
+@pytest.fixture(scope="module", params=[(t, a) for t in PURE for a in ("eager", "sdpa")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def target(request):
+    model_type, attn = request.param
+    return tiny_model(model_type, seed=1, attn_implementation=attn, vocab_size=96)
+
+
+def prompts(vocab: int, lengths=(1, 5, 23)):
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
+
+
+def test_ar_equals_hf_greedy(target):
+    for ids in prompts(target.config.vocab_size):
+        ref = hf_greedy(target, ids, 12)
+        res = ddtree.generate(target, None, ids, method="ar", max_new_tokens=12)
+        assert res.output_ids == ref
+        assert res.acceptance_lengths == [1] * 11
+
+
+def test_scripted_trees_are_lossless_and_deep(target):
+    V = target.config.vocab_size
+    deep = 0
+    for seed, ids in enumerate(prompts(V)):
+        ref = hf_greedy(target, ids, 30)
+        prop = ScriptedProposer(ref, V, seed=seed)
+        res = ddtree.generate(target, None, ids, method="ddtree", max_new_tokens=30, proposer=prop)
+        assert res.output_ids == ref
+        assert sum(res.acceptance_lengths) == 29
+        deep = max(deep, max(res.acceptance_lengths))
+    assert deep >= 5  # the scripted truth was accepted several levels deep
+
+
+def test_tree_logits_equal_per_path_sequential(target):
+    V = target.config.vocab_size
+    rng = random.Random(3)
+    for ids in prompts(V, (4, 17)):
+        for n in (1, 2, 9, 33):
+            tree = random_tree(n, V, rng)
+            ref = sequential_path_logits(target, ids, tree)
+            sess = TargetSession(target)
+            sess.prefill(ids)
+            logits, _ = sess.verify(tree)
+            torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+
+
+def test_commit_keeps_exactly_the_accepted_path(target):
+    """After a non-contiguous commit, the next forward equals a cache built from prefix + path."""
+    V = target.config.vocab_size
+    rng = random.Random(5)
+    ids = prompts(V, (9,))[0]
+    tree = random_tree(24, V, rng)
+    sess = TargetSession(target)
+    sess.prefill(ids)
+    sess.verify(tree)
+    leaf = max(range(len(tree)), key=lambda i: (int(tree.depths[i]), i))
+    path = torch.nonzero(tree.ancestor_matrix()[leaf]).flatten()
+    sess.commit(tree, path)
+    nxt = torch.tensor([[3]])
+    got = target(nxt, position_ids=torch.tensor([[sess.length]]), cache=sess.cache, use_cache=True).logits[0, -1]
+    full = torch.cat([ids, tree.tokens[path][None], nxt], dim=1)
+    want = target(full).logits[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_walk_follows_target_choices():
+    tree = tree_from_parents([9, 1, 2, 3, 4, 5], [-1, 0, 0, 1, 2, 4])
+    # target after root wants 2 → node 2; after node 2 wants 4 → node 4; after node 4 wants 7 (miss)
+    choice = torch.tensor([2, 0, 4, 0, 7, 0])
+    assert accepted_path(tree, choice).tolist() == [0, 2, 4]
+    assert accepted_path(tree, torch.tensor([8, 0, 0, 0, 0, 0])).tolist() == [0]
+    chain = chain_tree(torch.tensor(9), torch.tensor([1, 2, 3]))
+    assert accepted_path(chain, torch.tensor([1, 2, 0, 0])).tolist() == [0, 1, 2]
+
+
+def test_stop_tokens_and_max_new_tokens(target):
+    ids = prompts(target.config.vocab_size, (6,))[0]
+    ref = hf_greedy(target, ids, 20)
+    stop = ref[7]
+    first = ref.index(stop)
+    prop = ScriptedProposer(ref, target.config.vocab_size, seed=1, miss_rate=0.0)
+    res = ddtree.generate(target, None, ids, max_new_tokens=20, stop_token_ids=[stop], proposer=prop)
+    assert res.output_ids == ref[: first + 1] and res.stopped_by == "stop_token"
+    for m in (1, 2, 13):
+        res = ddtree.generate(target, None, ids, max_new_tokens=m,
+                              proposer=ScriptedProposer(ref, target.config.vocab_size, seed=2, miss_rate=0.0))
+        assert res.output_ids == ref[:m]
+
+
+@pytest.mark.parametrize("budget", [1, 2, 7, 64, 300])
+def test_best_first_tree_matches_heap(budget):
+    g = torch.Generator().manual_seed(budget)
+    for L, V in ((1, 50), (3, 7), (15, 200)):
+        logp = torch.log_softmax(torch.randn(L, V, generator=g) * 3, dim=-1)
+        tree = best_first_tree(torch.tensor(0), logp, budget)
+        ref = heap_best_first(logp, budget)
+        got = tree_paths(tree)
+        assert set(got) == {p for _, p in ref}
+        for s, p in ref:
+            assert abs(got[p] - s) < 1e-4
+        # structure: parents precede children, depth = parent depth + 1
+        par = tree.parents.tolist()
+        assert all(0 <= par[i] < i for i in range(1, len(par)))
+        assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
+
+
+def test_best_first_tree_with_ties_is_a_tree():
+    logp = torch.log_softmax(torch.zeros(6, 5), dim=-1)  # every score ties within a depth
+    a = best_first_tree(torch.tensor(0), logp, 20)
+    b = best_first_tree(torch.tensor(0), logp, 20)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    ref = sorted(s for s, _ in heap_best_first(logp, 20))
+    assert sorted(tree_paths(a).values()) == pytest.approx(ref, abs=1e-5)
+    par = a.parents.tolist()
+    assert all(0 <= par[i] < i for i in range(1, len(par)))
