@@ -124,8 +124,10 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
     depth_scores, depth_tokens, depth_parent = [top_vals[0]], [top_toks[0]], [None]
     for d in range(1, L):
         prev = depth_scores[-1]
-        ok = (p_idx < prev.shape[0]) & (r_idx < k)
-        p, r = p_idx[ok], r_idx[ok]
+        p, r = p_idx, r_idx
+        if prev.shape[0] < budget or k < budget:  # small vocabularies: drop pairs past the lists
+            ok = (p_idx < prev.shape[0]) & (r_idx < k)
+            p, r = p_idx[ok], r_idx[ok]
         cand = prev[p] + top_vals[d, r]
         keep = min(budget, cand.shape[0])
         s, order = cand.topk(keep)

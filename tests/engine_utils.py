@@ -42,8 +42,9 @@ def sequential_path_logits(model, prefix_ids: torch.Tensor, tree: DraftTree) -> 
 def heap_best_first(logprobs: torch.Tensor, budget: int) -> list[tuple[float, tuple[int, ...]]]:
     """The paper's best-first heap over rank tuples; returns (score, token path) of each selected node."""
     lp = logprobs.double()
-    vals, toks = lp.sort(dim=-1, descending=True)
-    L, V = lp.shape
+    L = lp.shape[0]
+    vals, toks = lp.topk(min(budget, lp.shape[1]), dim=-1)  # ranks past `budget` are never reached
+    V = vals.shape[1]
     heap = [(-float(vals[0, 0]), (0,))]
     out = []
     while heap and len(out) < budget:

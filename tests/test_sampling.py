@@ -1,0 +1,51 @@
+"""T > 0: the first two generated tokens follow the target's joint distribution (chi-square)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+import ddtree
+from ddtree.drafter import DFlashDrafter
+from ddtree.tiny import tiny_model
+
+V, T, N = 12, 1.0, 1000
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen3", seed=3, vocab_size=V, num_hidden_layers=2)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=5, mask_token_id=V - 1)
+    return target, drafter
+
+
+@torch.no_grad()
+def exact_joint(target, ids: torch.Tensor) -> torch.Tensor:
+    """p(t1, t2) = p(t1) p(t2 | t1), from plain forwards."""
+    p1 = torch.softmax(target(ids).logits[0, -1] / T, -1)
+    nxt = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
+    p2 = torch.softmax(target(nxt).logits[:, -1] / T, -1)
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 7), ("ddtree", 40)])
+def test_first_two_tokens_follow_target(pair, method, budget):
+    target, drafter = pair
+    ids = torch.tensor([[1, 5, 2, 7]])
+    probs = exact_joint(target, ids).flatten().double()
+    g = torch.Generator().manual_seed(11)
+    counts = torch.zeros(V * V, dtype=torch.float64)
+    drafted = 0
+    for _ in range(N):
+        r = ddtree.generate(target, drafter, ids, method=method, budget=budget, temperature=T,
+                            max_new_tokens=3, generator=g)  # 3: round one is not cut short
+        counts[r.output_ids[0] * V + r.output_ids[1]] += 1
+        drafted += r.acceptance_lengths[0] > 1
+    assert drafted > N // 20  # the second token often came from the draft, so the tree path is tested
+    expected = probs * N
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    exp = exp * (obs.sum() / exp.sum())  # float rounding of the exact probabilities
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
