@@ -35,7 +35,6 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddtree compat tests bench
-	$(PY) -m ruff format --check ddtree compat tests bench
 
 clean:
 	rm -rf $(VENV) runs/* .pytest_cache

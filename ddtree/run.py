@@ -1,0 +1,489 @@
+"""`python -m ddtree.run`: compose conf/, run the baseline and the method on every prompt, record it.
+
+    python -m ddtree.run                                    # tiny smoke run (offline)
+    python -m ddtree.run model=qwen3_8b method=dflash
+    python -m ddtree.run method=ddtree budget=32,64 -m      # a sweep: one MLflow parent, a child per job
+
+Each job writes samples.jsonl (appended as prompts finish) and summary.json into its Hydra job dir
+under runs/, prints a short table and, with tracking=mlflow, records a run. A mistake a user can
+make ends the process with one line on stderr (exit code 2), before any model work where possible.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import json
+import os
+import platform
+import re
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .config import (
+    CONF_DIR,
+    REPO_ROOT,
+    RunConfig,
+    flatten,
+    identity_dict,
+    resolved_dict,
+    to_run_config,
+    tracking_uri,
+    validate,
+)
+from .data import Prompt, encode, fingerprint, load_prompts
+from .errors import ConfigError
+
+USER_ERROR_EXIT = 2
+SAMPLES = "samples.jsonl"
+SUMMARY = "summary.json"
+HISTOGRAM = "acceptance_hist.png"
+RESOLVED = "config_resolved.yaml"
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+# ---------------------------------------------------------------- models, loaded once per process
+
+
+@dataclass
+class ModelCache:
+    """The last target and drafter loaded, so the jobs of a sweep (one process) reuse them.
+
+    One of each is kept: a sweep over models frees the previous one instead of piling them up.
+    """
+
+    target_key: str | None = None
+    target: Any = None
+    tokenizer: Any = None
+    drafter_key: str | None = None
+    drafter: Any = None
+    warmed: set[str] = field(default_factory=set)
+
+    def clear(self) -> None:
+        self.target_key = self.target = self.tokenizer = self.drafter_key = self.drafter = None
+        self.warmed.clear()
+
+
+_MODELS = ModelCache()  # the per-process model cache (Hydra's basic launcher runs a sweep's jobs here)
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def torch_dtype(name: str | None, *, tiny: bool):
+    import torch
+
+    if name in (None, "auto"):
+        return torch.float32 if tiny else "auto"
+    return getattr(torch, name)
+
+
+def load_target(rc: RunConfig, device: str):
+    """(model, tokenizer): a tiny random model built in code, or a checkpoint."""
+    m = rc.model
+    if m.tiny is not None:
+        from .tiny import tiny_model
+        from .tokenizer import tiny_tokenizer
+
+        t = m.tiny
+        model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
+                           dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
+                           num_hidden_layers=t.num_hidden_layers)
+        return model.to(device).eval(), tiny_tokenizer(t.vocab_size)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(
+        m.name_or_path, dtype=torch_dtype(m.dtype, tiny=False), attn_implementation=rc.attention.target,
+        revision=m.revision, trust_remote_code=m.trust_remote_code, device_map=device)
+    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer or m.name_or_path, revision=m.revision,
+                                              trust_remote_code=m.trust_remote_code)
+    return model.eval(), tokenizer
+
+
+def load_drafter(rc: RunConfig, target, device: str):
+    """The DFlash drafter (None for drafter=none), checked against the target before any generation."""
+    d = rc.drafter
+    if d.kind == "none":
+        return None
+    from .drafter import DFlashDrafter
+
+    if d.kind == "random":
+        kw = {"target_layer_ids": list(d.target_layer_ids)} if d.target_layer_ids is not None else {}
+        drafter = DFlashDrafter.random_for_target(target.config, num_layers=d.num_layers,
+                                                  block_size=d.block_size or 16, seed=d.seed,
+                                                  attn_implementation=rc.attention.drafter, **kw)
+        drafter = drafter.to(device=device, dtype=target.dtype)
+    else:
+        dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
+        kw = {"revision": d.revision} if d.revision else {}
+        drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
+                                                attn_implementation=rc.attention.drafter, **kw)
+    drafter.check_compatible(target)
+    return drafter.eval()
+
+
+def _key(*parts: Any) -> str:
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+def get_models(rc: RunConfig, device: str):
+    """(target, tokenizer, drafter), loading only what this job's settings change."""
+    m = OmegaConf.to_container(OmegaConf.structured(rc.model))
+    tkey = _key(m, device, rc.attention.target)
+    if _MODELS.target_key != tkey:
+        _MODELS.clear()
+        _MODELS.target, _MODELS.tokenizer = load_target(rc, device)
+        _MODELS.target_key = tkey
+    drafter = None
+    if rc.method != "ar":
+        d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
+        if rc.drafter.kind == "pretrained":
+            d.pop("block_size")  # applied at generate time, not at load time
+        dkey = _key(tkey, d, rc.attention.drafter)
+        if _MODELS.drafter_key != dkey:
+            _MODELS.drafter = None
+            _MODELS.drafter = load_drafter(rc, _MODELS.target, device)
+            _MODELS.drafter_key = dkey
+        drafter = _MODELS.drafter
+    return _MODELS.target, _MODELS.tokenizer, drafter
+
+
+def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
+    """compat.apply(only=, skip=) when the patch registry is there; its report (one dict per patch)."""
+    if not rc.compat.enabled:
+        return []
+    try:
+        import compat
+
+        apply = getattr(compat, "apply", None)
+        if apply is None:
+            from compat.registry import apply
+    except ImportError:  # compat/ not written yet
+        return []
+    params = inspect.signature(apply).parameters
+    kw = {k: v for k, v in (("only", rc.compat.only), ("skip", list(rc.compat.skip))) if k in params}
+    try:
+        report = apply(**kw)
+    except ValueError as e:  # compat.registry.CompatConfigError: an unknown patch id
+        setting, _, rest = str(e).partition(": ")
+        problem, _, fix = rest.partition(" — ")
+        raise ConfigError(setting or "compat", problem or str(e), fix or None) from None
+    return [r if isinstance(r, dict) else {"id": str(getattr(r, "id", r)), "status": "applied"} for r in report or []]
+
+
+# ---------------------------------------------------------------- one job
+
+
+def stop_token_ids(tokenizer, target) -> list[int]:
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    vocab = target.get_input_embeddings().weight.shape[0]
+    return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
+
+
+def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc: RunConfig, device: str,
+                     stops: list[int], max_new_tokens: int | None = None):
+    """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers."""
+    import torch
+
+    from . import generate
+
+    messages: list[dict[str, str]] = []
+    for turn, user in enumerate(prompt.turns):
+        messages.append({"role": "user", "content": user})
+        ids = encode(tokenizer, messages, chat_template=rc.dataset.chat_template,
+                     enable_thinking=rc.dataset.enable_thinking)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        gen = None
+        if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
+            gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
+        kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and method != "ar" else {}
+        res = generate(target, drafter if method != "ar" else None, input_ids, method=method, budget=rc.budget,
+                       temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
+                       stop_token_ids=stops, generator=gen, **kw)
+        text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        yield turn, res, text
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Totals over generations: tau = committed tokens / rounds; tokens/s = new tokens / wall seconds."""
+    tokens = sum(r["num_new_tokens"] for r in records)
+    seconds = sum(r["total_s"] for r in records)
+    rounds = sum(len(r["acceptance_lengths"]) for r in records)
+    committed = sum(sum(r["acceptance_lengths"]) for r in records)
+    return {
+        "generations": len(records), "new_tokens": tokens, "rounds": rounds, "seconds": seconds,
+        "tau": committed / rounds if rounds else None,
+        "tokens_per_s": tokens / seconds if seconds > 0 else None,
+        "ttft_s_mean": _mean([r["ttft_s"] for r in records]),
+        "decode_s_mean": _mean([r["decode_s"] for r in records]),
+        "stage_seconds_mean": {s: _mean([r["stage_seconds"].get(s, 0.0) for r in records]) for s in STAGES},
+        "stage_ms_per_round": {s: (1000 * sum(r["stage_seconds"].get(s, 0.0) for r in records) / rounds
+                                   if rounds else None) for s in STAGES},
+    }
+
+
+def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    meth = [r for r in records if r["role"] == "method"]
+    base = [r for r in records if r["role"] == "baseline"]
+    m = aggregate(meth)
+    b = aggregate(base) if base else (m if rc.method == "ar" else None)
+    match_rate = None
+    if base and rc.temperature == 0:
+        ref = {(r["id"], r["turn"]): r["output_ids"] for r in base}
+        by_prompt: dict[str, bool] = {}
+        for r in meth:
+            by_prompt[r["id"]] = by_prompt.get(r["id"], True) and ref.get((r["id"], r["turn"])) == r["output_ids"]
+        match_rate = sum(by_prompt.values()) / len(by_prompt) if by_prompt else None
+    speedup = (m["tokens_per_s"] / b["tokens_per_s"]) if b and m["tokens_per_s"] and b["tokens_per_s"] else None
+    block = next((r["block_size"] for r in meth if r.get("block_size")), None)
+    return {
+        "method": rc.method, "budget": rc.budget if rc.method == "ddtree" else None, "block_size": block,
+        "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
+        "num_prompts": len({r["id"] for r in meth}),
+        "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
+        "baseline_tokens_per_s": b["tokens_per_s"] if b else None, "speedup": speedup, "match_rate": match_rate,
+        "new_tokens": m["new_tokens"], "rounds": m["rounds"], "ttft_s_mean": m["ttft_s_mean"],
+        "decode_s_mean": m["decode_s_mean"], "stage_seconds_mean": m["stage_seconds_mean"],
+        "stage_ms_per_round": m["stage_ms_per_round"],
+        "baseline": {k: b[k] for k in ("tau", "tokens_per_s", "new_tokens", "ttft_s_mean", "decode_s_mean")} if base else None,
+        **extra,
+    }
+
+
+def format_table(s: dict[str, Any]) -> str:
+    def f(v, spec=".2f", suffix=""):
+        return "-" if v is None else f"{v:{spec}}{suffix}"
+
+    n = s["num_prompts"]
+    match = "-" if s["match_rate"] is None else f"{round(s['match_rate'] * n)}/{n}"
+    head = ("model", "method", "budget", "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup", "match")
+    row = (s["model"], s["method"], f(s["budget"], "d"), f(s["block_size"], "d"), str(n), f(s["tau"]),
+           f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"), f(s["speedup"], ".2f", "x"), match)
+    w = [max(len(a), len(b)) for a, b in zip(head, row, strict=True)]
+    return "\n".join("  ".join(c.ljust(n) for c, n in zip(line, w, strict=True)).rstrip() for line in (head, row))
+
+
+def environment(device: str, compat_report: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name(torch.device(device))
+    else:
+        name = platform.processor() or platform.machine()
+    try:
+        own = importlib.metadata.version("ddtree")
+    except importlib.metadata.PackageNotFoundError:
+        own = None
+    applied = [r["id"] for r in compat_report if r.get("status") == "applied"]
+    return {"versions": {"python": platform.python_version(), "torch": torch.__version__,
+                         "transformers": transformers.__version__, "ddtree": own},
+            "device": device, "device_name": name,
+            "compat": {"applied": applied, "patches": {r["id"]: r.get("status") for r in compat_report}}}
+
+
+def _job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
+    """(job dir, sweep dir when this job is part of a multirun, this job's overrides, its log file)."""
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # called without Hydra (a notebook): write to the cwd
+        return Path.cwd(), None, [], None
+    from hydra.types import RunMode
+
+    job_dir = Path(hc.runtime.output_dir).resolve()
+    sweep = Path(str(hc.sweep.dir)).resolve() if hc.mode == RunMode.MULTIRUN else None
+    return job_dir, sweep, list(hc.overrides.task), job_dir / f"{hc.job.name}.log"
+
+
+def run_job(cfg: DictConfig) -> dict[str, Any] | None:
+    """One Hydra job. Returns the summary, or None when skipped because it already finished."""
+    rc = to_run_config(cfg)
+    if rc.dataset.path:
+        rc.dataset.path = hydra.utils.to_absolute_path(rc.dataset.path)
+    rc = validate(rc)
+    prompts = load_prompts(rc.dataset.name, rc.dataset.path, max_samples=rc.dataset.max_samples,
+                           shuffle_seed=rc.dataset.shuffle_seed)
+    identity = identity_dict(rc)
+    identity["prompts"] = fingerprint(prompts)
+    job_dir, sweep_dir, overrides, log_file = _job_dirs()
+    job_dir.mkdir(parents=True, exist_ok=True)
+
+    from .tracking import config_hash, git_commit, make_tracker, numeric_metrics, write_histogram
+
+    chash = config_hash(identity)
+    uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" else None
+    tracker = make_tracker(rc.tracking.backend, uri, rc.tracking.experiment)
+    done = None if rc.force else tracker.finished_run(chash)
+    if done:
+        print(f"skipped: this config already finished as MLflow run {done} in experiment "
+              f"'{rc.tracking.experiment}' ({' '.join(overrides) or 'defaults'}); force=true reruns it", flush=True)
+        return None
+
+    compat_report = apply_compat(rc)
+    for r in compat_report:
+        if r.get("status") == "failed":
+            print(f"warning: compat patch {r['id']} failed to install: {r.get('detail')}", file=sys.stderr)
+    device = resolve_device(rc.device)
+    t_load = time.perf_counter()
+    target, tokenizer, drafter = get_models(rc, device)
+    load_s = time.perf_counter() - t_load
+    stops = stop_token_ids(tokenizer, target)
+    env = environment(device, compat_report)
+
+    resolved = resolved_dict(rc)
+    (job_dir / RESOLVED).write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    samples_path = job_dir / SAMPLES
+    samples_path.write_text("")  # a rerun in the same dir starts a fresh file
+    artifacts = [job_dir / ".hydra" / "config.yaml", job_dir / ".hydra" / "overrides.yaml", job_dir / RESOLVED]
+
+    base_name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if rc.method == "ddtree" else "")
+    tags = {"torch_version": env["versions"]["torch"], "transformers_version": env["versions"]["transformers"],
+            "python_version": env["versions"]["python"], "device": device, "device_name": env["device_name"],
+            "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
+            **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
+            "overrides": " ".join(overrides), "job_dir": str(job_dir), "mlflow.source.name": "ddtree.run"}
+    tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
+    sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
+    job = tracker.start(run_name=base_name, params=flatten(resolved), tags=tags, config_hash=chash,
+                        sweep_dir=sweep_dir, sweep_name=sweep_name)
+
+    methods = [rc.method] + (["ar"] if rc.baseline and rc.method != "ar" else [])
+    records: list[dict[str, Any]] = []
+    import torch
+
+    torch.manual_seed(rc.seed)
+    try:
+        wkey = _key(_MODELS.target_key, _MODELS.drafter_key, rc.method)
+        if rc.warmup and wkey not in _MODELS.warmed:  # first-call costs stay out of the timings
+            for meth in methods:
+                for _ in run_conversation(target, drafter, tokenizer, Prompt("warmup", prompts[0].turns[:1]), meth,
+                                          rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens)):
+                    pass
+            _MODELS.warmed.add(wkey)
+        from tqdm import tqdm
+
+        with samples_path.open("a", encoding="utf-8") as out:
+            bar = tqdm(prompts, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True)
+            for prompt in bar:
+                for meth in reversed(methods):  # the baseline first: the method's outputs get compared to it
+                    role = "method" if meth == rc.method else "baseline"
+                    for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc, device,
+                                                            stops):
+                        rec = {"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
+                        records.append(rec)
+                        out.write(json.dumps(rec) + "\n")
+                out.flush()
+                m = [r for r in records if r["role"] == "method"]
+                bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
+        summary = summarize(records, rc, {**env, "load_s": load_s, "config_hash": chash})
+        (job_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+        lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
+        write_histogram(lengths, job_dir / HISTOGRAM, f"{base_name}: tau={summary['tau'] or 0:.2f}")
+        print(format_table(summary), flush=True)
+        print(f"results: {job_dir}", flush=True)
+        if job is not None:
+            job.log_metrics(numeric_metrics(summary))
+            job.log_artifacts([*artifacts, samples_path, job_dir / SUMMARY, job_dir / HISTOGRAM,
+                               *([log_file] if log_file else [])])
+            job.end("FINISHED")
+        return summary
+    except BaseException as e:
+        if job is not None:  # keep what finished; the run says FAILED (KILLED on Ctrl-C)
+            try:
+                job.set_tags({"error": f"{type(e).__name__}: {e}"[:500]})
+                job.log_artifacts([*artifacts, samples_path])
+            finally:
+                job.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        raise
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def _one_line(e: BaseException) -> str:
+    """Hydra and OmegaConf errors in one line: the message and its cause, without search paths."""
+    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
+        group, _, name = str(e.missing_cfg_file).rpartition("/")
+        return f"{group}: unknown option '{name}' — use one of: {', '.join(sorted(e.options))}"
+    msg, cause = str(e), e.__cause__
+    merging = re.match(r"Error merging override (\S+?)=", msg)
+    if merging and cause is not None:
+        return f"{merging.group(1)}: {str(cause).splitlines()[0]}"
+    unknown = re.match(r"Could not override '([^']+)'", msg)
+    if unknown:
+        key = unknown.group(1)
+        return f"{key}: no such setting — check the spelling (python -m ddtree.run --cfg job prints every setting)"
+    skip = ("Config search path", "provider=", "See https://", "Set the environment variable", "full_key:",
+            "object_type=", "Available options")
+    lines: list[str] = []
+    for exc in (e, e.__cause__):
+        if exc is None:
+            continue
+        for ln in str(exc).splitlines():
+            ln = ln.strip()
+            if ln and not ln.startswith(skip) and ln not in lines and not set(ln) <= {"^", " "}:
+                lines.append(ln)
+    return " ".join(lines) or type(e).__name__
+
+
+def _user_error(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(USER_ERROR_EXIT)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run_job(cfg)
+    except BaseException as e:
+        sweep_dir = _job_dirs()[1]
+        if sweep_dir is not None:  # the basic launcher stops the sweep here: its parent run failed too
+            from .tracking import fail_sweep
+
+            try:
+                fail_sweep(sweep_dir)
+            except Exception as err:  # never hide the job's own error behind a tracking one
+                print(f"warning: could not mark the sweep's MLflow run failed: {err}", file=sys.stderr)
+        if isinstance(e, ConfigError) and not os.environ.get("DDTREE_TRACEBACK"):
+            _user_error(str(e))  # leaves Hydra as SystemExit: no "Error executing job" banner either
+        raise
+
+
+def main() -> None:
+    # let composition errors reach us instead of Hydra's multi-line report
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _hydra_main()
+    except (HydraException, OmegaConfBaseException) as e:
+        if os.environ.get("DDTREE_TRACEBACK"):
+            raise
+        _user_error(_one_line(e))
+    except BrokenPipeError:  # `--help | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,282 @@
+"""MLflow tracking: one parent run per multirun sweep, one child run per job, a plain run otherwise.
+
+No engine imports; mlflow and matplotlib load on first use, so a config error never pays for them.
+
+The sweep's parent run id travels to jobs (in this or any other process) through a file in the
+sweep directory (`mlflow_parent.json`, created under a lock by the first job that needs it), or
+through the environment variable DDTREE_MLFLOW_PARENT_RUN_ID when an outer tool made the parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import subprocess
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PARENT_FILE = "mlflow_parent.json"
+PARENT_ENV = "DDTREE_MLFLOW_PARENT_RUN_ID"
+TAG_HASH = "ddtree.config_hash"
+TAG_ROLE = "ddtree.role"  # sweep | job | run
+TAG_SWEEP_DIR = "ddtree.sweep_dir"
+_MAX_PARAM = 6000  # MLflow's limit on a param value
+
+
+def config_hash(identity: dict[str, Any]) -> str:
+    """A stable hash of what decides a job's results (see ddtree.config.identity_dict)."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def numeric_metrics(summary: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """Every finite number in a (nested) summary, keys joined with '.'; bools and strings left out."""
+    out: dict[str, float] = {}
+    for k, v in summary.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(numeric_metrics(v, key + "."))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[key] = float(v)
+    return out
+
+
+def param_value(v: Any) -> str:
+    s = v if isinstance(v, str) else json.dumps(v, default=str)
+    return s[:_MAX_PARAM]
+
+
+def git_commit(repo: Path) -> str | None:
+    """HEAD of the checkout (with '-dirty' when it has local changes), or None outside git."""
+    try:
+        head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if dirty else "") if head else None
+
+
+def write_histogram(lengths: Iterable[int], path: Path, title: str) -> Path:
+    """A PNG histogram of tokens committed per round (bonus included)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    values = list(lengths)
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=100)
+    if values:
+        hi = max(values)
+        ax.hist(values, bins=[b - 0.5 for b in range(1, hi + 2)], rwidth=0.85, color="#3a7bd5")
+        ax.set_xticks(range(1, hi + 1))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("tokens committed per round (bonus included)")
+    ax.set_ylabel("rounds")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path` across processes (sweep jobs may run in parallel)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: jobs of one process only
+        yield
+        return
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+@dataclass
+class JobRun:
+    """One MLflow run of one job; `parent_id` set when it is a sweep child."""
+
+    client: Any
+    run_id: str
+    parent_id: str | None = None
+
+    def log_artifacts(self, paths: Iterable[Path], subdir: str | None = None) -> None:
+        for p in paths:
+            p = Path(p)
+            if p.is_file():
+                self.client.log_artifact(self.run_id, str(p), subdir)
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, v, ts, 0) for k, v in metrics.items()]
+        for i in range(0, len(items), 500):
+            self.client.log_batch(self.run_id, metrics=items[i:i + 500])
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, param_value(v)) for k, v in tags.items() if v is not None]
+        if items:
+            self.client.log_batch(self.run_id, tags=items)
+
+    def end(self, status: str = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status)
+        if status != "FINISHED" and self.parent_id:
+            # the basic launcher aborts a sweep at its first failed job: say so on the parent too
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(self.parent_id, "FAILED")
+
+
+class NoTracker:
+    """tracking=none: nothing is recorded and nothing is skipped."""
+
+    uri = None
+
+    def finished_run(self, config_hash: str) -> str | None:
+        return None
+
+    def start(self, **_: Any) -> None:
+        return None
+
+
+class MlflowTracker:
+    def __init__(self, uri: str, experiment: str):
+        self.uri, self.experiment = uri, experiment
+        db = _sqlite_path(uri)
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        from mlflow import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=uri)
+        self._experiment_id: str | None = None
+
+    # ---- experiment and lookups
+
+    def experiment_id(self, create: bool = True) -> str | None:
+        if self._experiment_id is None:
+            exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is None and create:
+                db = _sqlite_path(self.uri)
+                # keep artifacts next to the database, not in ./mlruns of whatever the cwd is
+                location = (db.resolve().parent / "mlartifacts").as_uri() if db is not None else None
+                try:
+                    self._experiment_id = self.client.create_experiment(self.experiment, artifact_location=location)
+                except Exception:  # created meanwhile by a parallel job
+                    exp = self.client.get_experiment_by_name(self.experiment)
+            if exp is not None:
+                self._experiment_id = exp.experiment_id
+        return self._experiment_id
+
+    def finished_run(self, config_hash: str) -> str | None:
+        """The id of a FINISHED run with this config hash, if the store has one."""
+        eid = self.experiment_id(create=False)
+        if eid is None:
+            return None
+        runs = self.client.search_runs([eid], filter_string=f"tags.`{TAG_HASH}` = '{config_hash}' and "
+                                       "attributes.status = 'FINISHED'", max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def sweep_parent(self, sweep_dir: Path, run_name: str, tags: dict[str, str] | None = None) -> str:
+        """Find or create the parent run of the sweep in `sweep_dir` (see the module docstring)."""
+        if os.environ.get(PARENT_ENV):
+            return os.environ[PARENT_ENV]
+        sweep_dir = sweep_dir.resolve()
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        record = sweep_dir / PARENT_FILE
+        with _locked(sweep_dir / (PARENT_FILE + ".lock")):
+            if record.is_file():
+                d = json.loads(record.read_text())
+                if d.get("tracking_uri") == self.uri:
+                    return d["run_id"]
+            eid = self.experiment_id()
+            run = self.client.create_run(eid, run_name=run_name, tags={
+                TAG_ROLE: "sweep", TAG_SWEEP_DIR: str(sweep_dir), **(tags or {})})
+            record.write_text(json.dumps({"run_id": run.info.run_id, "tracking_uri": self.uri,
+                                          "experiment_id": eid}) + "\n")
+            return run.info.run_id
+
+    # ---- a job's run
+
+    def start(self, *, run_name: str, params: dict[str, Any], tags: dict[str, Any], config_hash: str,
+              sweep_dir: Path | None = None, sweep_name: str | None = None,
+              sweep_tags: dict[str, str] | None = None) -> JobRun:
+        from mlflow.entities import Param
+
+        eid = self.experiment_id()
+        parent = self.sweep_parent(sweep_dir, sweep_name or sweep_dir.name, sweep_tags) if sweep_dir else None
+        base = {TAG_HASH: config_hash, TAG_ROLE: "job" if parent else "run"}
+        if parent:
+            base["mlflow.parentRunId"] = parent
+        run = self.client.create_run(eid, run_name=run_name, tags=base)
+        job = JobRun(self.client, run.info.run_id, parent)
+        items = [Param(k[:250], param_value(v)) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(job.run_id, params=items[i:i + 100])
+        job.set_tags(tags)
+        return job
+
+
+def make_tracker(backend: str, uri: str | None, experiment: str) -> MlflowTracker | NoTracker:
+    return MlflowTracker(uri, experiment) if backend == "mlflow" else NoTracker()
+
+
+def finish_sweep(sweep_dir: Path, extra_artifacts: Iterable[Path] = ()) -> str | None:
+    """End the sweep's parent run FINISHED (unless a job already marked it FAILED); its id, if any."""
+    record = Path(sweep_dir) / PARENT_FILE
+    if not record.is_file() or os.environ.get(PARENT_ENV):
+        return None  # no job ever tracked, or an outer tool owns the parent
+    d = json.loads(record.read_text())
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=d["tracking_uri"])
+    run = client.get_run(d["run_id"])
+    for p in extra_artifacts:
+        if Path(p).is_file():
+            client.log_artifact(d["run_id"], str(p))
+    if run.info.status == "RUNNING":
+        client.set_terminated(d["run_id"], "FINISHED")
+    return d["run_id"]
+
+
+def fail_sweep(sweep_dir: Path) -> None:
+    """Mark the sweep's parent run FAILED (a job stopped the sweep before on_multirun_end could run)."""
+    record = Path(sweep_dir) / PARENT_FILE
+    if not record.is_file() or os.environ.get(PARENT_ENV):
+        return
+    d = json.loads(record.read_text())
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=d["tracking_uri"])
+    if client.get_run(d["run_id"]).info.status == "RUNNING":
+        client.set_terminated(d["run_id"], "FAILED")
+
+
+try:  # the Hydra callback that closes a sweep's parent run once every job has returned
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra is a dependency; keep the module importable alone
+    Callback = object  # type: ignore[misc,assignment]
+
+
+class SweepCallback(Callback):
+    """Registered in conf/config.yaml (hydra.callbacks). Runs in the launching process."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        finish_sweep(sweep_dir, [sweep_dir / "multirun.yaml"])

@@ -1,0 +1,214 @@
+"""The config groups compose, every option fits the schema, and bad settings fail before model work."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from ddtree import config as C
+from ddtree.data import TINY_PROMPTS, encode, load_prompts, read_jsonl
+from ddtree.errors import ConfigError
+from ddtree.tokenizer import MIN_VOCAB, tiny_tokenizer
+
+GROUPS = ("model", "drafter", "method", "attention", "dataset", "tracking")
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((C.CONF_DIR / g).glob("*.yaml"))]
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+
+
+def _compose(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=["device=cpu", *overrides], return_hydra_config=True)
+
+
+@pytest.fixture
+def prompt_file(tmp_path: Path) -> Path:
+    p = tmp_path / "prompts.jsonl"
+    p.write_text("".join(json.dumps({"id": i, "turns": [f"prompt {i}"]}) + "\n" for i in range(5)))
+    return p
+
+
+def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tuple[list[str], str | None]:
+    """Overrides that make `group=option` a complete job, and the setting it must refuse (if any)."""
+    models = {p.stem for p in (C.CONF_DIR / "model").glob("*.yaml")}
+    if group == "drafter":
+        if option in models:
+            return [f"model={option}"], None
+        if option == "none":
+            return ["method=ar"], None
+        if option == "pretrained":  # needs a checkpoint: refused without one, accepted with a fitting one
+            return [], "drafter.name_or_path"
+        return [], None
+    if (group, option) == ("attention", "flex_attention"):
+        return [], "attention.target"  # refused for ddtree (dense tree masks crash flex)
+    if (group, option) == ("attention", "flash_attention_2"):
+        return ["method=dflash"], None if HAS_FLASH else "attention.target"
+    if (group, option) == ("dataset", "jsonl"):
+        return [f"dataset.path={prompt_file}"], None
+    return [], None
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes_and_validates(group, option, tmp_path, prompt_file):
+    extra, refused = _context(group, option, tmp_path, prompt_file)
+    cfg = _compose(f"{group}={option}", *extra)
+    assert cfg.hydra.runtime.choices[group] == option
+    if refused is None:
+        rc = C.validate(cfg)  # schema (typed dataclasses) + every pre-load check
+        assert isinstance(rc, C.RunConfig)
+    else:
+        with pytest.raises(ConfigError) as e:
+            C.validate(cfg)
+        assert e.value.setting == refused and e.value.fix
+
+
+def test_option_tables_are_complete():
+    options = {g: {o for gg, o in OPTIONS if gg == g} for g in GROUPS}
+    assert options["method"] == {"ar", "dflash", "ddtree"}
+    assert {"eager", "sdpa", "flex_attention", "flash_attention_2"} <= options["attention"]
+    assert {"tiny", "jsonl"} <= options["dataset"] and options["tracking"] == {"mlflow", "none"}
+    assert {"tiny_qwen3", "tiny_llama", "tiny_qwen3_5", "qwen3_4b", "qwen3_8b", "qwen3_coder_30b_a3b",
+            "llama3_1_8b_instruct", "qwen3_5_27b", "qwen3_6_27b", "qwen3_6_35b_a3b"} <= options["model"]
+    # `drafter: ${model}` in the defaults list: every model names its default drafter by having one
+    assert options["model"] <= options["drafter"] and {"none", "tiny", "pretrained"} <= options["drafter"]
+    hub = {o: C.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny")}
+    assert hub["qwen3_8b"].model.name_or_path == "Qwen/Qwen3-8B"
+    assert hub["qwen3_8b"].drafter.name_or_path == "z-lab/Qwen3-8B-DFlash-b16"
+    assert hub["llama3_1_8b_instruct"].drafter.name_or_path == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
+    assert all(rc.drafter.kind == "pretrained" and rc.drafter.target == rc.model.name_or_path for rc in hub.values())
+
+
+def test_defaults_are_an_offline_smoke_run():
+    cfg = _compose()
+    rc = C.validate(cfg)
+    assert (rc.model.tiny.model_type, rc.drafter.kind, rc.method, rc.dataset.name) == ("qwen3", "random", "ddtree", "tiny")
+    assert rc.baseline and not rc.force and rc.temperature == 0.0 and rc.budget == 64
+    runs = str(C.REPO_ROOT / "runs")
+    assert C.tracking_uri(rc) == f"sqlite:///{runs}/mlflow.db"
+    assert cfg.hydra.run.dir.startswith(runs) and cfg.hydra.sweep.dir.startswith(runs)
+    tiny_hybrid = C.validate(_compose("model=tiny_qwen3_5"))
+    assert tiny_hybrid.model.hybrid and tiny_hybrid.drafter.kind == "random"
+
+
+def test_overrides_reach_the_schema():
+    rc = C.validate(_compose("model=tiny_llama", "drafter.block_size=8", "attention.target=eager",
+                             "attention.drafter=sdpa", "tracking.uri=sqlite:////tmp/x.db", "budget=7",
+                             "compat.skip=[cache-kwarg]", "dataset.enable_thinking=true"))
+    assert (rc.drafter.block_size, rc.attention.target, rc.attention.drafter, rc.budget) == (8, "eager", "sdpa", 7)
+    assert C.tracking_uri(rc) == "sqlite:////tmp/x.db" and rc.compat.skip == ["cache-kwarg"]
+    assert rc.engine == "native" and rc.upstream.path is None
+
+
+@pytest.mark.parametrize(("overrides", "setting"), [
+    (["budget=0"], "budget"),
+    (["budget=-4"], "budget"),
+    (["temperature=-0.5"], "temperature"),
+    (["max_new_tokens=0"], "max_new_tokens"),
+    (["device=tpu"], "device"),
+    (["model.dtype=int8"], "model.dtype"),
+    (["drafter.block_size=1"], "drafter.block_size"),
+    (["dataset.max_samples=0"], "dataset.max_samples"),
+    (["tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
+    (["engine=upstream"], "engine"),
+    (["model.name_or_path=Qwen/Qwen3-8B"], "model.name_or_path"),
+    (["drafter=none"], "drafter"),  # ddtree without a drafter
+    (["model=qwen3_8b", "drafter=tiny"], "drafter"),  # a random drafter on a real model
+    (["model=tiny_qwen3", "drafter=qwen3_8b"], "drafter"),  # a hub drafter recorded for another target
+    (["model=qwen3_4b", "drafter=qwen3_8b"], "drafter"),
+    (["attention.target=no_such_backend"], "attention.target"),
+    (["+surprise=1"], "surprise"),
+    (["dataset=jsonl"], "dataset.path"),
+    (["dataset=jsonl", "dataset.path=/nonexistent/prompts.jsonl"], "dataset.path"),
+    (["drafter=pretrained"], "drafter.name_or_path"),
+])
+def test_bad_settings_raise_config_error(overrides, setting):
+    with pytest.raises(ConfigError) as e:
+        C.validate(_compose(*overrides))
+    assert e.value.setting == setting
+    assert "\n" not in str(e.value)
+
+
+def test_attention_refusals_name_the_fix(monkeypatch):
+    with pytest.raises(ConfigError, match="use attention=sdpa") as e:
+        C.validate(_compose("attention=flash_attention_2"))  # a tree method needs a tree mask
+    assert e.value.setting == "attention.target"
+    with pytest.raises(ConfigError, match="BlockMask"):
+        C.validate(_compose("attention=flex_attention"))
+    C.validate(_compose("attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
+    with pytest.raises(ConfigError, match="drafter does not implement"):
+        C.validate(_compose("method=dflash", "attention.drafter=flex_attention"))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
+    with pytest.raises(ConfigError, match="pip install flash-attn"):
+        C.validate(_compose("attention=flash_attention_2", "method=dflash"))
+    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
+    with pytest.raises(ConfigError, match="installed but cannot be imported"):  # e.g. built for another CUDA
+        C.validate(_compose("attention=flash_attention_2", "method=dflash"))
+    real_import = importlib.import_module
+    monkeypatch.setattr(C.importlib, "import_module", lambda n, *a: object() if n == "flash_attn" else real_import(n, *a))
+    with pytest.raises(ConfigError, match="CUDA only"):
+        C.validate(_compose("attention=flash_attention_2", "method=dflash"))
+
+
+def _drafter_dir(tmp_path: Path, **fields) -> Path:
+    d = tmp_path / "drafter"
+    d.mkdir()
+    cfg = {"hidden_size": 64, "vocab_size": 128, "num_target_layers": 4, "block_size": 16,
+           "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": 127}, **fields}
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_local_drafter_checked_against_target_before_loading(tmp_path):
+    fits = _drafter_dir(tmp_path)
+    C.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+    (fits / "config.json").write_text(json.dumps({"hidden_size": 4096, "vocab_size": 151936, "num_target_layers": 36,
+                                                  "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}))
+    with pytest.raises(ConfigError, match="does not fit model=tiny_qwen3") as e:
+        C.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+    assert "36 target layers" in str(e.value) and "hidden_size 4096" in str(e.value)
+
+
+def test_identity_ignores_outputs_force_and_tracking():
+    a = C.identity_dict(C.validate(_compose("budget=8")))
+    b = C.identity_dict(C.validate(_compose("budget=8", "force=true", "runs_dir=/tmp/elsewhere",
+                                            "tracking.uri=sqlite:////tmp/other.db", "tracking=none")))
+    c = C.identity_dict(C.validate(_compose("budget=16")))
+    assert a == b and a != c and "hydra" not in a
+
+
+def test_jsonl_prompts(tmp_path, prompt_file):
+    assert [p.id for p in read_jsonl(prompt_file)] == ["0", "1", "2", "3", "4"]
+    shuffled = load_prompts("jsonl", str(prompt_file), max_samples=3, shuffle_seed=1)
+    assert len(shuffled) == 3 and shuffled == load_prompts("jsonl", str(prompt_file), max_samples=3, shuffle_seed=1)
+    assert load_prompts("tiny", max_samples=2) == list(TINY_PROMPTS[:2])
+    bad = {"malformed.jsonl": '{"id": 1, "turns": ["a"]}\n{"id": 2, "turns": \n',
+           "keys.jsonl": '{"id": 1, "prompt": "a"}\n', "turns.jsonl": '{"id": 1, "turns": []}\n',
+           "dup.jsonl": '{"id": 1, "turns": ["a"]}\n{"id": 1, "turns": ["b"]}\n', "empty.jsonl": "\n"}
+    for name, text in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as e:
+            read_jsonl(tmp_path / name)
+        assert e.value.setting == "dataset.path"
+    with pytest.raises(ConfigError, match="line 2 is not valid JSON"):
+        read_jsonl(tmp_path / "malformed.jsonl")
+
+
+def test_tiny_tokenizer_fits_the_tiny_vocab():
+    tok = tiny_tokenizer(128)
+    ids = tok("Hello, world!\n\tx = 1")["input_ids"]
+    assert max(ids) < 128 and tok.decode(ids) == "Hello, world!\n\tx = 1"
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id < 128
+    msgs = [{"role": "user", "content": "Hi"}]
+    text = tok.decode(encode(tok, msgs, chat_template=True, enable_thinking=False))
+    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert tok.decode(encode(tok, msgs, chat_template=False)) == "Hi"
+    assert len(tiny_tokenizer(MIN_VOCAB)) == MIN_VOCAB
+    with pytest.raises(ConfigError):
+        tiny_tokenizer(MIN_VOCAB - 1)

@@ -1,0 +1,173 @@
+"""End to end through the real CLI (`python -m ddtree.run`) on tiny random models and a temporary SQLite store.
+
+The real engine (ddtree.generate) and drafter (DFlashDrafter.random_for_target) run here; the MLflow
+store is read back with MlflowClient.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from ddtree import config as C
+
+SMALL = ("model=tiny_qwen3", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
+
+
+def _client(uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _runs(uri: str):
+    client = _client(uri)
+    exp = client.get_experiment_by_name("ddtree")
+    return [] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def _artifacts(uri: str, run_id: str) -> set[str]:
+    return {a.path for a in _client(uri).list_artifacts(run_id)}
+
+
+def _ok(proc) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    return proc.stdout
+
+
+def test_single_run_sweep_and_resume(cli, tmp_path):
+    runs_dir, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/store/mlflow.db"
+    common = (*SMALL, f"runs_dir={runs_dir}", f"tracking.uri={uri}")
+
+    # 1. a single run: a plain MLflow run with params, metrics, tags and artifacts
+    job = tmp_path / "single"
+    out = _ok(cli(*common, "method=ddtree", "budget=16", f"hydra.run.dir={job}"))
+    assert "speedup" in out and "tiny_qwen3" in out  # the table
+    samples = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
+    # 2 prompts, the second has 2 turns: 3 generations for the method and 3 for the AR baseline
+    assert sorted((r["role"], r["method"]) for r in samples) == [("baseline", "ar")] * 3 + [("method", "ddtree")] * 3
+    assert {"id", "turn", "output_ids", "text", "acceptance_lengths", "stage_seconds", "tokens_per_s"} <= set(samples[0])
+    assert all(0 < len(r["output_ids"]) <= 8 for r in samples)
+    summary = json.loads((job / "summary.json").read_text())
+    assert (summary["method"], summary["budget"], summary["block_size"], summary["temperature"]) == ("ddtree", 16, 16, 0.0)
+    assert summary["match_rate"] == 1.0  # greedy DDTree must reproduce AR exactly
+    assert summary["tau"] >= 1.0 and summary["speedup"] > 0 and summary["baseline_tokens_per_s"] > 0
+    assert set(summary["stage_seconds_mean"]) == {"draft", "tree", "verify", "commit"}
+    assert {"torch", "transformers", "python"} <= set(summary["versions"]) and summary["device"] == "cpu"
+    assert "applied" in summary["compat"]
+
+    (run,) = _runs(uri)
+    assert run.info.status == "FINISHED" and run.data.tags["ddtree.role"] == "run"
+    assert "mlflow.parentRunId" not in run.data.tags
+    p = run.data.params
+    assert (p["method"], p["budget"], p["model.name"], p["drafter.kind"], p["attention.target"]) == (
+        "ddtree", "16", "tiny_qwen3", "random", "sdpa")
+    assert run.data.metrics["match_rate"] == 1.0 and run.data.metrics["tau"] == pytest.approx(summary["tau"])
+    assert {"tokens_per_s", "baseline_tokens_per_s", "speedup", "stage_seconds_mean.verify"} <= set(run.data.metrics)
+    assert {"torch_version", "transformers_version", "python_version", "device_name", "compat.applied"} <= set(run.data.tags)
+    assert {"samples.jsonl", "summary.json", "acceptance_hist.png", "config.yaml"} <= _artifacts(uri, run.info.run_id)
+
+    # 2. a sweep over budget: one parent, one child per job; the models load once (one process)
+    sweep = tmp_path / "sweep"
+    out = _ok(cli(*common, "budget=4,8", f"hydra.sweep.dir={sweep}", "-m"))
+    assert out.count("speedup") == 2 and (sweep / "mlflow_parent.json").is_file()
+    parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
+    runs = _runs(uri)
+    parent = next(r for r in runs if r.info.run_id == parent_id)
+    assert parent.data.tags["ddtree.role"] == "sweep" and parent.info.status == "FINISHED"
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id]
+    assert sorted(r.data.params["budget"] for r in children) == ["4", "8"]
+    assert all(r.info.status == "FINISHED" and r.data.tags["ddtree.role"] == "job" for r in children)
+    assert all("summary.json" in _artifacts(uri, r.info.run_id) for r in children)
+    assert len(runs) == 4
+
+    # 3. the same sweep again, in a new sweep dir: every job already finished, so each is skipped
+    out = _ok(cli(*common, "budget=4,8", f"hydra.sweep.dir={tmp_path / 'sweep2'}", "-m"))
+    assert out.count("skipped") == 2 and "force=true" in out
+    assert len(_runs(uri)) == 4  # (force=true is tested in-process below, where the models are already loaded)
+
+
+BAD_INPUTS = {
+    "unknown group option": (["model=no_such_model"], "model: unknown option 'no_such_model'"),
+    "budget <= 0": (["budget=0"], "budget: must be >= 1"),
+    "temperature < 0": (["temperature=-1"], "temperature: must be >= 0"),
+    "missing prompt file": (["dataset=jsonl", "dataset.path=missing.jsonl"], "dataset.path: no such file"),
+    "malformed jsonl line": (["dataset=jsonl", "dataset.path=bad.jsonl"], "line 2 is not valid JSON"),
+    "drafter incompatible with target": (["drafter=qwen3_8b"], "trained for Qwen/Qwen3-8B"),
+    "attention backend not installed": (["method=dflash", "attention=flash_attention_2"], "pip install flash-attn"),
+    "tree method on a flash backend": (["method=ddtree", "attention=flash_attention_2"], "use attention=sdpa"),
+    "mistyped value": (["budget=lots"], "budget: Value 'lots'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_with_one_line(cli, tmp_path, case):
+    if case == "attention backend not installed" and C.importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
+    args, expected = BAD_INPUTS[case]
+    proc = cli(*args, f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    # refused before any model work: no tracking store was opened and nothing was generated
+    assert not (tmp_path / "runs" / "mlflow.db").exists() and not (tmp_path / "job" / "samples.jsonl").exists()
+
+
+def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
+    """In-process: a drafter that does not fit its target is refused right after loading (before any
+    generation), and a job that crashes mid-way ends its MLflow run FAILED with the samples it finished."""
+    import ddtree.engine
+    from ddtree import run as R
+    from ddtree.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)  # outside Hydra a job writes to the cwd
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+
+    def cfg(*extra):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
+            return compose("config", overrides=[*SMALL, "device=cpu", f"tracking.uri={uri}", "warmup=false",
+                                                "baseline=false", "compat.enabled=false", *extra])
+
+    with pytest.raises(ConfigError) as e:  # layer 9 does not exist in a 4-layer target
+        R.run_job(cfg("drafter.target_layer_ids=[1,9]"))
+    assert "target_layer_ids" in e.value.setting and not _runs(uri)
+
+    real, calls = ddtree.engine.generate, []
+
+    def crash_on_second_prompt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("simulated crash")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ddtree.engine, "generate", crash_on_second_prompt)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        R.run_job(cfg())
+    (run,) = _runs(uri)
+    assert run.info.status == "FAILED" and "simulated crash" in run.data.tags["error"]
+    assert "samples.jsonl" in _artifacts(uri, run.info.run_id)
+    kept = (tmp_path / "samples.jsonl").read_text().splitlines()
+    assert len(kept) == 1 and json.loads(kept[0])["id"] == "tiny-0"
+    target = R._MODELS.target
+    monkeypatch.setattr(ddtree.engine, "generate", real)
+    assert R.run_job(cfg("budget=8"))["match_rate"] is None  # no baseline in this job
+    assert R._MODELS.target is target  # the cached models were reused, not reloaded
+    assert R.run_job(cfg("budget=8")) is None  # finished before: skipped
+    assert R.run_job(cfg("budget=8", "force=true"))["budget"] == 8  # force=true reruns it
+    assert [r.info.status for r in _runs(uri)] == ["FAILED", "FINISHED", "FINISHED"]
+    assert R.run_job(cfg("budget=8", "tracking=none"))["budget"] == 8  # no store, nothing skipped
+    assert len(_runs(uri)) == 3
+    R._MODELS.clear()
+
+
+def test_cli_works_from_any_cwd_and_prints_help(cli, tmp_path: Path):
+    proc = cli("--cfg", "job", "model=tiny_llama", cwd=tmp_path)
+    assert proc.returncode == 0 and "tiny_llama" in proc.stdout and "budget: 64" in proc.stdout
