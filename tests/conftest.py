@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("MLFLOW_DISABLE_TELEMETRY", "true")):
+# one intra-op thread: tiny models gain nothing from more, and 2 threads on a busy 2-core box thrash
+for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("MLFLOW_DISABLE_TELEMETRY", "true"),
+                     ("OMP_NUM_THREADS", "1")):
     os.environ.setdefault(_key, _value)
 
 
