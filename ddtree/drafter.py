@@ -1,0 +1,582 @@
+"""The DFlash drafter: a small block-diffusion transformer conditioned on target hidden states.
+
+Reads and writes the public DFlash checkpoint format (a Qwen3-style config.json with
+`block_size`, `num_target_layers`, optional `layer_types`/`sliding_window` and
+`dflash_config: {target_layer_ids, mask_token_id}`, plus safetensors weights). The drafter
+has no embeddings and no lm_head: it reads the target's.
+
+One forward drafts a block. Queries come from the block `[last token, mask, mask, ...]`;
+keys/values from `[context ‖ block]`, where the context is `hidden_norm(fc(features))` of the
+target's hidden states. Full-attention layers are non-causal: every block query sees every
+context key and every block key. A sliding-window layer shows a key to a query iff
+|pos_q - pos_k| < window. Causality follows the public checkpoints: `is_causal` (top level) or
+`dflash_config.causal` when declared, applied to every layer; when absent, sliding layers are
+causal and full layers are not (as the public DFlash code does for sliding-window drafters).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.activations import ACT2FN
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    eager_attention_forward,
+    rotate_half,
+)
+
+from ddtree.errors import ConfigError
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTN_IMPLEMENTATIONS: dict[str, Callable[..., tuple[torch.Tensor, Any]]] = {
+    "eager": eager_attention_forward,
+    "sdpa": sdpa_attention_forward,
+}
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_ROPE_KEYS = ("rope_parameters", "rope_theta", "rope_scaling")
+
+
+def evenly_spaced_layer_ids(num_target_layers: int, count: int) -> list[int]:
+    """Target layers to read, spread over the target's depth as the public DFlash recipe does."""
+    if not 1 <= count <= num_target_layers:
+        raise ConfigError("drafter.dflash_config.target_layer_ids",
+                          f"cannot pick {count} distinct layers from a target with {num_target_layers}",
+                          "pass target_layer_ids explicitly")
+    if count == 1:
+        return [num_target_layers // 2]
+    # The public recipe spreads over [1, L-3]; a shallow target has too few layers there.
+    start, end = (1, num_target_layers - 3) if num_target_layers - 3 >= count else (0, num_target_layers - 1)
+    return [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+
+
+def _normalized_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """rope_parameters in transformers 5 form, accepting the legacy rope_theta/rope_scaling keys."""
+    rope_kwargs = {k: raw[k] for k in _ROPE_KEYS if raw.get(k) is not None}
+    try:
+        return dict(Qwen3Config(**rope_kwargs).rope_parameters)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ConfigError("drafter.rope_parameters", f"invalid RoPE settings {rope_kwargs}: {e}",
+                          "fix rope_parameters in the drafter's config.json") from e
+
+
+@dataclass
+class DFlashConfig:
+    """The drafter's architecture, in the public DFlash config.json vocabulary."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_key_value_heads: int | None = None  # None: as many as attention heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    block_size: int = 16
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: _normalized_rope({}))
+    max_position_embeddings: int = 32768
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    layer_types: list[str] | None = None  # None: every layer full attention
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # None: sliding layers causal, full layers not (public default)
+    dtype: str | None = None  # the checkpoint's dtype, used by dtype="auto"
+    # Keys we do not interpret (architectures, auto_map, ...), kept so a save round-trips.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._require_positive("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "block_size", "max_position_embeddings")
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.layer_types is None:
+            self.layer_types = ["full_attention"] * self.num_hidden_layers
+        # What the public loaders key on (z-lab's auto_map, vLLM/SGLang's architecture name).
+        self.extra.setdefault("architectures", ["DFlashDraftModel"])
+        self.extra.setdefault("model_type", "qwen3")
+        self.target_layer_ids = list(self.target_layer_ids)
+        self.layer_types = list(self.layer_types)
+        self._validate()
+
+    def _require_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"drafter.{name}", f"must be a positive integer, got {value!r}")
+
+    def _validate(self) -> None:
+        self._require_positive("num_key_value_heads", "head_dim")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("drafter.num_key_value_heads",
+                              f"{self.num_attention_heads} attention heads are not a multiple of "
+                              f"{self.num_key_value_heads} key/value heads", "fix the drafter's config.json")
+        if self.head_dim % 2:
+            raise ConfigError("drafter.head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+        if not self.target_layer_ids or not all(isinstance(i, int) and i >= 0 for i in self.target_layer_ids):
+            raise ConfigError("drafter.dflash_config.target_layer_ids",
+                              f"must be a non-empty list of layer indices, got {self.target_layer_ids!r}")
+        if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
+            raise ConfigError("drafter.dflash_config.target_layer_ids",
+                              f"{self.target_layer_ids} reach past num_target_layers={self.num_target_layers}",
+                              "fix the drafter's config.json")
+        if not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            raise ConfigError("drafter.dflash_config.mask_token_id",
+                              f"must be a token id >= 0, got {self.mask_token_id!r}")
+        if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ConfigError("drafter.layer_types",
+                              f"need {self.num_hidden_layers} entries from {LAYER_TYPES}, got {self.layer_types!r}")
+        if "sliding_attention" in self.layer_types and (
+                not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise ConfigError("drafter.sliding_window",
+                              f"sliding_attention layers need a positive sliding_window, got {self.sliding_window!r}",
+                              "set sliding_window or make every layer full_attention")
+        if self.is_causal not in (None, True, False):
+            raise ConfigError("drafter.is_causal", f"must be true, false or absent, got {self.is_causal!r}")
+        if self.hidden_act not in ACT2FN:
+            raise ConfigError("drafter.hidden_act", f"unknown activation {self.hidden_act!r}")
+        if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
+            raise ConfigError("drafter.rope_parameters",
+                              f"need rope_type and rope_theta, got {self.rope_parameters!r}")
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DFlashConfig:
+        """Build from a public DFlash config.json dict (either transformers 4 or 5 RoPE keys)."""
+        rest = copy.deepcopy(raw)
+        dflash = rest.pop("dflash_config", None) or {}
+
+        def draft_value(name: str) -> Any:
+            # The DFlash keys live in dflash_config; some checkpoints also put them at top level.
+            top, inner = rest.pop(name, None), dflash.pop(name, None)
+            return inner if inner is not None else top
+
+        target_layer_ids = draft_value("target_layer_ids")
+        mask_token_id = draft_value("mask_token_id")
+        block_size = draft_value("block_size")
+        causal = dflash.pop("causal", None)
+        is_causal = rest.pop("is_causal", None)
+        is_causal = is_causal if is_causal is not None else causal
+        rope_parameters = _normalized_rope(rest)
+        for key in _ROPE_KEYS:
+            rest.pop(key, None)
+        dtype, torch_dtype = rest.pop("dtype", None), rest.pop("torch_dtype", None)
+        rest.pop("use_sliding_window", None)  # written back from layer_types
+
+        known = {f.name for f in fields(cls)} - {"extra"}
+        kwargs = {k: rest.pop(k) for k in list(rest) if k in known}
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if name not in kwargs:
+                raise ConfigError(f"drafter.{name}", "missing from the drafter's config.json",
+                                  "is this a DFlash drafter checkpoint?")
+        if mask_token_id is None:
+            raise ConfigError("drafter.dflash_config.mask_token_id", "missing from the drafter's config.json",
+                              "add dflash_config.mask_token_id (the target's mask token id)")
+        if target_layer_ids is None:
+            if kwargs.get("num_target_layers") is None:
+                raise ConfigError("drafter.dflash_config.target_layer_ids", "missing from the drafter's config.json",
+                                  "add dflash_config.target_layer_ids or num_target_layers")
+            # The public loader's fallback: one target layer per drafter layer.
+            target_layer_ids = evenly_spaced_layer_ids(kwargs["num_target_layers"], kwargs["num_hidden_layers"])
+        if dflash:
+            rest["dflash_config"] = dflash
+        return cls(**kwargs, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
+                   block_size=16 if block_size is None else block_size, is_causal=is_causal,
+                   rope_parameters=rope_parameters, dtype=dtype or torch_dtype, extra=rest)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The public DFlash config.json dict."""
+        out = copy.deepcopy(self.extra)
+        data = asdict(self)
+        for key in ("extra", "target_layer_ids", "mask_token_id", "is_causal", "dtype"):
+            data.pop(key)
+        out.update(data)
+        out["rope_theta"] = self.rope_parameters["rope_theta"]  # transformers 4 readers
+        out["dflash_config"] = {**out.get("dflash_config", {}),
+                                "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if "sliding_attention" in self.layer_types:
+            # Qwen3Config-based readers drop sliding_window unless use_sliding_window is set.
+            out["use_sliding_window"] = True
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
+        return out
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> DFlashConfig:
+        try:
+            raw = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError("drafter", f"cannot read {path}: {e}", "point to a DFlash drafter directory") from e
+        return cls.from_dict(raw)
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def qwen3_config(self) -> Qwen3Config:
+        """The transformers Qwen3 config our building blocks (MLP, RoPE) read."""
+        return Qwen3Config(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                           num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           hidden_act=self.hidden_act, rms_norm_eps=self.rms_norm_eps,
+                           max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters))
+
+
+class _RotaryEmbedding(Qwen3RotaryEmbedding):
+    """Qwen3 RoPE whose frequencies stay fp32 when the drafter is cast, as transformers keeps them at load."""
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> _RotaryEmbedding:
+        kept = dict(self.named_buffers(recurse=False))
+        super()._apply(fn, recurse)
+        for name, buffer in kept.items():
+            setattr(self, name, buffer.to(getattr(self, name).device))
+        return self
+
+
+class DrafterCache:
+    """Context keys/values of every drafter layer (after k_norm and RoPE), and their positions.
+
+    Only context is kept: the block's keys/values change every round and are never stored.
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.position_ids: torch.Tensor | None = None  # [B, context tokens held]
+
+    def __len__(self) -> int:
+        return 0 if self.position_ids is None else self.position_ids.shape[1]
+
+    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
+        self.keys[layer_idx] = keys if old_k is None else torch.cat([old_k, keys], dim=2)
+        self.values[layer_idx] = values if old_v is None else torch.cat([old_v, values], dim=2)
+
+    def append_positions(self, position_ids: torch.Tensor) -> None:
+        old = self.position_ids
+        self.position_ids = position_ids if old is None else torch.cat([old, position_ids], dim=1)
+
+
+def _apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [B, heads, n, d] rotated by cos/sin [B, n, d] of its own positions."""
+    cos, sin = (t.unsqueeze(1) for t in rope)
+    return x * cos + rotate_half(x) * sin
+
+
+def _visibility_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, q, k]: 0 where visible, finfo.min where hidden (bool masks break eager)."""
+    delta = query_pos[:, :, None] - key_pos[:, None, :]
+    visible = torch.ones_like(delta, dtype=torch.bool)
+    if causal:
+        visible &= delta >= 0
+    if window is not None:
+        visible &= delta.abs() < window
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = config.head_dim**-0.5
+        # The transformers attention functions read this; visibility comes only from our explicit mask.
+        self.is_causal = False
+        self.sliding_window = (config.sliding_window if config.layer_types[layer_idx] == "sliding_attention"
+                               else None)
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, config.num_attention_heads * config.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, config.num_key_value_heads * config.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, config.num_key_value_heads * config.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, h, bias=bias)
+        self.q_norm = Qwen3RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+
+    def _keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
+        values = self.v_proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
+        return _apply_rope(keys, rope), values
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None,
+                block_rope: tuple[torch.Tensor, torch.Tensor],
+                context_rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: DrafterCache, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+        b, q, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).view(b, q, -1, self.head_dim)).transpose(1, 2)
+        queries = _apply_rope(queries, block_rope)
+        if context is not None:
+            cache.append(self.layer_idx, *self._keys_values(context, context_rope))
+        block_keys, block_values = self._keys_values(x, block_rope)
+        keys, values = block_keys, block_values
+        if cache.keys[self.layer_idx] is not None:
+            keys = torch.cat([cache.keys[self.layer_idx], block_keys], dim=2)
+            values = torch.cat([cache.values[self.layer_idx], block_values], dim=2)
+        # is_causal=False: with fewer queries than keys, sdpa's causal path would keep only the first q keys.
+        out, _ = attend(self, queries, keys, values, mask, dropout=0.0, scaling=self.scaling, is_causal=False)
+        return self.o_proj(out.reshape(b, q, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, qwen3_config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(qwen3_config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None,
+                block_rope: tuple[torch.Tensor, torch.Tensor],
+                context_rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: DrafterCache, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, cache, mask, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, config: DFlashConfig,
+                   state: dict[str, torch.Tensor]) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        if config.dtype is not None:
+            dtype = config.dtype
+        else:
+            return next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError("drafter.dtype", f"not a floating-point dtype: {dtype!r}",
+                          "use 'auto', 'bfloat16', 'float16' or 'float32'")
+    return dtype
+
+
+def _checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict[str, Any]) -> Path:
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    try:
+        return Path(snapshot_download(str(name_or_path),
+                                      allow_patterns=[CONFIG_NAME, "*.safetensors", WEIGHTS_INDEX_NAME],
+                                      **hub_kwargs))
+    except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as e:
+        raise ConfigError("drafter", f"{name_or_path!s} is neither a local directory nor a reachable hub "
+                          f"repository ({type(e).__name__})", "pass a DFlash drafter directory or hub id") from e
+
+
+def _load_weights(directory: Path, device: str) -> dict[str, torch.Tensor]:
+    index = directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / WEIGHTS_NAME).is_file():
+        shards = [WEIGHTS_NAME]
+    else:
+        raise ConfigError("drafter", f"no {WEIGHTS_NAME} in {directory}", "save the drafter in safetensors format")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(directory / shard, device=device))
+    # Some exports nest everything under `model.`; the weights are the same.
+    return {k.removeprefix("model."): v for k, v in state.items()}
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter. `forward` returns the block's final hidden states; logits = target lm_head(hidden)."""
+
+    def __init__(self, config: DFlashConfig, attn_implementation: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        qwen3_config = config.qwen3_config()
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config, qwen3_config, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = _RotaryEmbedding(qwen3_config)
+        self.set_attn_implementation(attn_implementation)
+
+    # ----- properties the engine reads -----
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def set_attn_implementation(self, name: str) -> None:
+        if name not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError("drafter.attn_implementation", f"{name!r} is not supported by the DFlash drafter",
+                              f"use one of {sorted(ATTN_IMPLEMENTATIONS)}")
+        self.attn_implementation = name
+        self._attend = ATTN_IMPLEMENTATIONS[name]
+
+    def new_cache(self) -> DrafterCache:
+        return DrafterCache(self.config.num_hidden_layers)
+
+    def check_compatible(self, target: nn.Module) -> None:
+        """Raise ConfigError unless this drafter can read `target`'s hidden states and embeddings."""
+        text = target.config.get_text_config()
+        fix = "use a drafter trained for this target"
+        if self.config.hidden_size != text.hidden_size:
+            raise ConfigError("drafter.hidden_size",
+                              f"drafter hidden size {self.config.hidden_size} != target hidden size "
+                              f"{text.hidden_size}", fix)
+        n_layers = text.num_hidden_layers
+        bad = [i for i in self.config.target_layer_ids if not 0 <= i < n_layers]
+        if bad:
+            raise ConfigError("drafter.dflash_config.target_layer_ids",
+                              f"{bad} out of range for a target with {n_layers} layers (valid 0..{n_layers - 1})",
+                              fix)
+        vocab = target.get_input_embeddings().weight.shape[0]
+        if self.config.mask_token_id >= vocab:
+            raise ConfigError("drafter.dflash_config.mask_token_id",
+                              f"{self.config.mask_token_id} is outside the target's vocabulary of {vocab} tokens",
+                              fix)
+
+    def forward(self, noise_embedding: torch.Tensor, context_features: torch.Tensor | None,
+                context_position_ids: torch.Tensor | None, block_position_ids: torch.Tensor,
+                cache: DrafterCache | None = None) -> torch.Tensor:
+        """Hidden states [B, q, H] of the block after the final norm.
+
+        noise_embedding [B, q, H]: target input embeddings of [last token, mask, ...].
+        context_features [B, c, n_ids*H] (or None / c == 0): target hidden states of the context
+        tokens new since the last call with this cache; their K/V are appended to `cache`.
+        """
+        cache = self.new_cache() if cache is None else cache
+        x = noise_embedding
+        context = context_rope = None
+        positions = [] if cache.position_ids is None else [cache.position_ids]
+        if context_features is not None and context_features.shape[1] > 0:
+            context = self.hidden_norm(self.fc(context_features))
+            context_rope = self.rotary_emb(context, context_position_ids)
+            positions.append(context_position_ids)
+        key_positions = torch.cat([*positions, block_position_ids], dim=1)
+        block_rope = self.rotary_emb(x, block_position_ids)
+
+        masks: dict[int | None, torch.Tensor | None] = {}
+        declared = self.config.is_causal
+        for layer in self.layers:
+            window = layer.self_attn.sliding_window
+            causal = declared if declared is not None else window is not None
+            if window not in masks:
+                masks[window] = (_visibility_mask(block_position_ids, key_positions, window, causal, x.dtype)
+                                 if window is not None or causal else None)
+            x = layer(x, context, block_rope, context_rope, cache, masks[window], self._attend)
+        if context is not None:
+            cache.append_positions(context_position_ids)
+        return self.norm(x)
+
+    # ----- construction, loading, saving -----
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                        device: torch.device | str | None = None, attn_implementation: str = "sdpa",
+                        **hub_kwargs: Any) -> DFlashDrafter:
+        """Load a public-format DFlash drafter from a local directory or a hub id.
+
+        dtype None or "auto" keeps the checkpoint's dtype; `torch_dtype=` is accepted as an alias.
+        """
+        if "torch_dtype" in hub_kwargs:
+            torch_dtype = hub_kwargs.pop("torch_dtype")
+            if dtype is not None and torch_dtype is not None and torch_dtype != dtype:
+                raise ConfigError("drafter.dtype", f"dtype={dtype!r} and torch_dtype={torch_dtype!r} disagree",
+                                  "pass only dtype")
+            dtype = dtype if dtype is not None else torch_dtype
+        directory = _checkpoint_dir(name_or_path, hub_kwargs)
+        config = DFlashConfig.from_json_file(directory / CONFIG_NAME)
+        state = _load_weights(directory, str(device) if device is not None else "cpu")
+        dtype = _resolve_dtype(dtype, config, state)
+
+        with torch.device("meta"):  # skip a random init that the checkpoint overwrites
+            model = cls(config, attn_implementation=attn_implementation)
+        expected = {k: v.shape for k, v in model.state_dict().items()}
+        missing = sorted(expected.keys() - state.keys())
+        unexpected = sorted(state.keys() - expected.keys())
+        if missing or unexpected:
+            raise ConfigError("drafter weights", f"missing keys {missing[:8]}, unexpected keys {unexpected[:8]}"
+                              f" in {directory}", "the checkpoint does not match its config.json")
+        wrong = [f"{k} {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if state[k].shape != s]
+        if wrong:
+            raise ConfigError("drafter weights", f"shape mismatch: {wrong[:4]}",
+                              "the checkpoint does not match its config.json")
+        model.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                              assign=True)
+        # RoPE frequencies are not in the checkpoint: rebuild them (fp32) off the meta device.
+        model.rotary_emb = _RotaryEmbedding(config.qwen3_config())
+        return (model.to(device) if device is not None else model).eval()
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write config.json + model.safetensors in the public DFlash format (no key prefix)."""
+        directory = Path(path)
+        directory.mkdir(parents=True, exist_ok=True)
+        config = copy.deepcopy(self.config)
+        config.dtype = str(self.dtype).removeprefix("torch.")
+        config.to_json_file(directory / CONFIG_NAME)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, directory / WEIGHTS_NAME, metadata={"format": "pt"})
+
+    @classmethod
+    def random_for_target(cls, target_config: Any, *, num_layers: int = 1, block_size: int = 16,
+                          target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
+                          seed: int = 0, layer_types: list[str] | None = None, sliding_window: int | None = None,
+                          attn_implementation: str = "sdpa") -> DFlashDrafter:
+        """A randomly initialised drafter sized for a transformers target config (tests, smoke runs)."""
+        text = target_config.get_text_config()
+        n_target = text.num_hidden_layers
+        config = DFlashConfig(
+            hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=num_layers,
+            num_attention_heads=text.num_attention_heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            target_layer_ids=(list(target_layer_ids) if target_layer_ids is not None
+                              else evenly_spaced_layer_ids(n_target, num_layers)),
+            mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id,
+            block_size=block_size, num_target_layers=n_target, vocab_size=text.vocab_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_parameters=_normalized_rope({"rope_theta": (text.rope_parameters or {}).get("rope_theta")}),
+            max_position_embeddings=text.max_position_embeddings,
+            attention_bias=bool(getattr(text, "attention_bias", False)),
+            hidden_act=getattr(text, "hidden_act", "silu"), layer_types=layer_types, sliding_window=sliding_window,
+        )
+        model = cls(config, attn_implementation=attn_implementation)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.weight.normal_(0.0, 0.02, generator=generator)  # HF's initializer_range
+                    if module.bias is not None:
+                        module.bias.zero_()
+        return model.eval()
