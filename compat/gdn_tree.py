@@ -1,0 +1,469 @@
+"""Tree-aware Gated DeltaNet for one-pass draft-tree verification, and exact commit.
+
+Upstream GDN layers (qwen3_5, qwen3_5_moe, qwen3_next) ignore the 4-D tree mask and run
+the flat token order as one chain, so every node whose flat predecessors are not all
+its ancestors gets a wrong conv window and a wrong recurrent state. Inside
+``tree_verification(parents)`` the patched forward computes, for every node, what its
+root-to-node path would compute as a plain sequence after the cached prefix, and leaves
+the cache's conv/recurrent state untouched; ``commit_linear_states(cache, accepted)``
+then moves each GDN layer to the state after prefix + accepted path.
+
+The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
+
+    S_i   = exp(g_i) * S_parent(i) + k_i delta_i^T
+    delta_i = beta_i * (v_i - k_i^T exp(g_i) S_parent(i))
+    o_i   = q_i^T S_i
+
+Unrolled along a path with path-cumulative log decay c_i = sum of g over root..i:
+
+    S_a = exp(c_a) S_0 + sum_{j on path(a)} exp(c_a - c_j) k_j delta_j^T
+
+so a node's output and the committed state need only (k_j, delta_j, c_j) of its
+ancestors plus S_0 (the cache's state, never overwritten during verification).
+Two interchangeable ways to get delta for every node:
+
+* ``"chunk"``: one chunk holding the whole tree, whose causal masks are ancestor masks:
+  (I + A) delta = beta*v - W S_0 with A_ij = beta_i k_i.k_j exp(c_i - c_j) for j a
+  strict ancestor of i. Flat order puts parents first, so A is strictly lower
+  triangular and a node's rows touch only its ancestors: each row solves its own path.
+* ``"recurrent"``: the recurrence above, one batched step per depth level.
+
+``compat`` must not import the ``ddtree`` engine; torch and transformers are imported where used,
+so reading VERSIONS / REASON (the registry's table) stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import copy
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import wrapt
+
+if TYPE_CHECKING:
+    import torch
+
+# Verified (tests/test_gdn_tree.py passes) on 5.21.0, 5.21.1, 5.22.0, 5.23.0 and 5.24.0. 5.20 has no
+# Cache.get_conv_state; 5.21-5.23 call the cache argument `cache_params`, 5.24 renames it `cache` and
+# keeps the old name as an alias until 5.40, where the signature changes again.
+VERSIONS = ">=5.21,<5.40"
+REASON = ("Gated DeltaNet layers ignore the tree attention mask; verify each draft-tree node against "
+          "its own ancestors and commit the linear-attention states of the accepted path exactly")
+
+METHODS = ("chunk", "recurrent")
+DEFAULT_METHOD = "chunk"
+
+# (module, qualname) of every GDN forward this patch wraps; all share one structure.
+TARGETS: tuple[tuple[str, str], ...] = (
+    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet.forward"),
+    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet.forward"),
+    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet.forward"),
+)
+
+_PENDING_ATTR = "_ddtree_gdn_tree_pending"
+
+# The patch registry's record: class -> the original forward it replaced.
+_ORIGINAL_FORWARDS: dict[type, object] = {}
+
+
+def target_classes() -> list[type]:
+    """The GDN classes of TARGETS that this transformers install provides."""
+    classes = []
+    for module_name, qualname in TARGETS:
+        class_name = qualname.split(".")[0]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        cls = getattr(module, class_name, None)
+        if cls is not None:
+            classes.append(cls)
+    return classes
+
+
+def install() -> list[str]:
+    """Wrap each GDN class's forward (idempotent). Returns the names of the classes patched."""
+    patched = []
+    for cls in target_classes():
+        if cls not in _ORIGINAL_FORWARDS:
+            _ORIGINAL_FORWARDS[cls] = cls.__dict__["forward"]
+            wrapt.wrap_function_wrapper(cls, "forward", _forward_wrapper)
+        patched.append(cls.__name__)
+    return patched
+
+
+def uninstall() -> None:
+    """Put back every original forward (idempotent)."""
+    for cls, original in list(_ORIGINAL_FORWARDS.items()):
+        cls.forward = original
+        del _ORIGINAL_FORWARDS[cls]
+
+
+def is_installed() -> bool:
+    return bool(_ORIGINAL_FORWARDS)
+
+
+# --------------------------------------------------------------------------- tree context
+
+
+@dataclass
+class _TreeTables:
+    """Index tables of one tree on one device."""
+
+    ancestry: torch.Tensor  # (T, T) float32, [i, j] = 1 where j is i or an ancestor of i, else 0
+    levels: list[torch.Tensor]  # node indices per depth
+    parent_slot: list[torch.Tensor]  # per depth >= 1: position of each node's parent in the previous level
+    conv_index: dict[int, torch.Tensor] = field(default_factory=dict)  # kernel size -> (T, K) gather index
+
+
+class _Tree:
+    def __init__(self, parents: torch.Tensor, method: str):
+        import torch
+
+        if method not in METHODS:
+            raise ValueError(f"tree_verification(method={method!r}): expected one of {METHODS}")
+        if not isinstance(parents, torch.Tensor) or parents.ndim != 1 or parents.numel() == 0:
+            raise ValueError("tree_verification(parents): a non-empty 1-D LongTensor of parent indices is required")
+        plist = [int(p) for p in parents.tolist()]
+        if plist[0] != -1 or any(not 0 <= p < i for i, p in enumerate(plist) if i > 0):
+            raise ValueError("tree_verification(parents): parents[0] must be -1 (the root) and "
+                             "0 <= parents[i] < i for every other node (parents precede children)")
+        self.parents = plist
+        self.method = method
+        self.size = len(plist)
+        depth = [0] * self.size
+        for i in range(1, self.size):
+            depth[i] = depth[plist[i]] + 1
+        self.depth = depth
+        self._tables: dict[torch.device, _TreeTables] = {}
+
+    def tables(self, device: torch.device) -> _TreeTables:
+        found = self._tables.get(device)
+        if found is None:
+            found = self._tables[device] = self._build_tables(device)
+        return found
+
+    def _build_tables(self, device: torch.device) -> _TreeTables:
+        import torch
+
+        n, plist, depth = self.size, self.parents, self.depth
+        ancestors: list[list[int]] = []  # ancestors-or-self of each node, built from its parent's list
+        for i in range(n):
+            ancestors.append((ancestors[plist[i]] if i else []) + [i])
+        rows = [i for i in range(n) for _ in ancestors[i]]
+        cols = [j for i in range(n) for j in ancestors[i]]
+        anc = torch.zeros(n, n, dtype=torch.float32)
+        anc[rows, cols] = 1.0
+        by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
+        slot = [0] * n
+        for i in range(n):
+            slot[i] = len(by_depth[depth[i]])
+            by_depth[depth[i]].append(i)
+        levels = [torch.tensor(nodes, dtype=torch.long, device=device) for nodes in by_depth]
+        parent_slot = [torch.tensor([slot[plist[i]] for i in nodes], dtype=torch.long, device=device)
+                       for nodes in by_depth[1:]]
+        return _TreeTables(ancestry=anc.to(device),
+                           levels=levels, parent_slot=[torch.empty(0, dtype=torch.long, device=device)] + parent_slot)
+
+    def conv_index(self, kernel: int, device: torch.device) -> torch.Tensor:
+        """(T, K) index into [conv state (K columns) ++ tree inputs]: node i's causal window, oldest first."""
+        import torch
+
+        tables = self.tables(device)
+        found = tables.conv_index.get(kernel)
+        if found is None:
+            rows = []
+            for i in range(self.size):
+                window, node, reach = [], i, 0
+                for _ in range(kernel):
+                    if node >= 0:
+                        window.append(kernel + node)
+                        node = self.parents[node]
+                    else:  # past the root: the prefix tail held in the conv state
+                        reach += 1
+                        window.append(kernel - reach)
+                rows.append(window[::-1])
+            found = tables.conv_index[kernel] = torch.tensor(rows, dtype=torch.long, device=device)
+        return found
+
+
+_ACTIVE: contextvars.ContextVar[_Tree | None] = contextvars.ContextVar("ddtree_gdn_tree", default=None)
+
+
+@contextlib.contextmanager
+def tree_verification(parents: torch.Tensor, method: str = DEFAULT_METHOD) -> Iterator[None]:
+    """While active, patched GDN forwards treat their input as the flat tree [root] + nodes.
+
+    parents[i] is the flat index of node i's parent, -1 for the root (index 0).
+    method: "chunk" (ancestor-masked single chunk) or "recurrent" (one step per depth).
+    """
+    token = _ACTIVE.set(_Tree(parents, method))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_tree_size() -> int | None:
+    """Number of tokens of the tree being verified, None outside tree_verification."""
+    tree = _ACTIVE.get()
+    return None if tree is None else tree.size
+
+
+# --------------------------------------------------------------------------- patched forward
+
+
+def _forward_wrapper(wrapped, instance, args, kwargs):
+    tree = _ACTIVE.get()
+    if tree is None:
+        return wrapped(*args, **kwargs)
+    kwargs = dict(kwargs)
+    names = ("hidden_states", "cache", "attention_mask")
+    if len(args) > len(names):
+        raise TypeError(f"{type(instance).__name__}.forward: unexpected positional arguments under tree verification")
+    bound = dict(zip(names[:len(args)], args, strict=True))
+    hidden_states = bound.get("hidden_states", kwargs.pop("hidden_states", None))
+    cache = bound["cache"] if "cache" in bound else kwargs.pop("cache", kwargs.pop("cache_params", None))
+    attention_mask = bound.get("attention_mask", kwargs.pop("attention_mask", None))
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise NotImplementedError("tree verification of packed (varlen) sequences is not supported")
+    hook = getattr(instance.conv1d, "_hf_hook", None)  # accelerate offload: the conv weight is read directly
+    if hook is not None:
+        hook.pre_forward(instance.conv1d)
+    try:
+        return _tree_forward(instance, hidden_states, cache, attention_mask, tree)
+    finally:
+        if hook is not None:
+            hook.post_forward(instance.conv1d, ())
+
+
+def _project(module, hidden_states: torch.Tensor):
+    """Conv input (B, T, C), gate z (B, T, Hv, dv), b and a (B, T, Hv) of one GDN module."""
+    import torch
+
+    bsz, seq_len, _ = hidden_states.shape
+    if hasattr(module, "in_proj_qkvz"):  # qwen3_next: fused, head-interleaved projections
+        query, key, value, z, b, a = module.fix_query_key_value_ordering(
+            module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(bsz, seq_len, -1) for x in (query, key, value)], dim=-1)
+        return mixed, z, b, a
+    mixed = module.in_proj_qkv(hidden_states)
+    z = module.in_proj_z(hidden_states).reshape(bsz, seq_len, -1, module.head_v_dim)
+    return mixed, z, module.in_proj_b(hidden_states), module.in_proj_a(hidden_states)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * (x * x).sum(-1, keepdim=True).add(eps).rsqrt()
+
+
+def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tree: _Tree) -> torch.Tensor:
+    import torch
+    import torch.nn.functional as F
+    from transformers.activations import ACT2FN
+
+    bsz, seq_len, _ = hidden_states.shape
+    if seq_len != tree.size:
+        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) got {seq_len} tokens under "
+                         f"tree_verification of a {tree.size}-token tree ([root] + nodes)")
+    if attention_mask is not None and attention_mask.ndim == 2:  # padding mask, as upstream
+        hidden_states = (hidden_states * attention_mask[:, -seq_len:, None]).to(hidden_states.dtype)
+    device, kernel, layer = hidden_states.device, module.conv_kernel_size, module.layer_idx
+
+    conv_state = recurrent_state = None
+    if cache is not None:
+        conv_state = cache.get_conv_state(layer, state_idx=0)
+        recurrent_state = cache.get_recurrent_state(layer, state_idx=0)
+
+    mixed, z, b, a = _project(module, hidden_states)
+    mixed = mixed.transpose(1, 2)  # (B, C, T)
+
+    # Causal conv over each node's own ancestors, reaching into the prefix's conv state.
+    if conv_state is None:
+        past = mixed.new_zeros(bsz, mixed.shape[1], kernel)
+    else:
+        past = conv_state[..., -kernel:].to(mixed.dtype)
+        if past.shape[-1] < kernel:
+            past = F.pad(past, (kernel - past.shape[-1], 0))
+    extended = torch.cat([past, mixed], dim=-1)  # (B, C, K + T)
+    windows = extended[:, :, tree.conv_index(kernel, device)]  # (B, C, T, K)
+    weight = module.conv1d.weight.squeeze(1)  # (C, K)
+    conv = (windows.float() * weight.float()[:, None, :]).sum(-1)
+    if module.conv1d.bias is not None:
+        conv = conv + module.conv1d.bias.float()[:, None]
+    conv = ACT2FN[module.activation](conv).to(hidden_states.dtype).transpose(1, 2)  # (B, T, C)
+
+    query, key, value = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(bsz, seq_len, -1, module.head_k_dim)
+    key = key.reshape(bsz, seq_len, -1, module.head_k_dim)
+    value = value.reshape(bsz, seq_len, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+
+    core, keys, deltas, cum = _tree_delta_rule(query, key, value, g, beta, recurrent_state, tree)
+
+    if cache is not None:
+        pending = cache.__dict__.setdefault(_PENDING_ATTR, {})
+        pending[layer] = _Pending(tree=tree, kernel=kernel, conv_inputs=mixed, keys=keys, deltas=deltas, cum=cum,
+                                  conv_ref=conv_state, recurrent_ref=recurrent_state,
+                                  versions=_versions(conv_state, recurrent_state))
+
+    core = core.transpose(1, 2).to(hidden_states.dtype)  # (B, T, Hv, dv)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(bsz, seq_len, -1))
+
+
+def _tree_delta_rule(query, key, value, g, beta, initial_state, tree: _Tree):
+    """Gated delta rule over a tree. Inputs (B, T, H*, d), g and beta (B, T, Hv).
+
+    Returns output (B, Hv, T, dv) fp32 and, for commit, keys (B, Hv, T, dk), deltas (B, Hv, T, dv)
+    and path-cumulative log decay (B, Hv, T), all fp32.
+    """
+    import torch
+
+    num_v_heads, num_k_heads = value.shape[2], key.shape[2]
+    if num_v_heads != num_k_heads:  # each q/k head serves consecutive value heads
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    query, key, value, beta, g = (x.transpose(1, 2).float().contiguous() for x in (query, key, value, beta, g))
+    query = _l2norm(query) * query.shape[-1] ** -0.5
+    key = _l2norm(key)
+    bsz, heads, seq_len, dk = key.shape
+    dv = value.shape[-1]
+    tables = tree.tables(key.device)
+    if initial_state is None:
+        state0 = key.new_zeros(bsz, heads, dk, dv)
+    else:
+        state0 = initial_state.to(key)
+    ancestry = tables.ancestry
+    cum = g @ ancestry.transpose(0, 1)  # (B, H, T): sum of g over root..i
+
+    if tree.method == "chunk":
+        # decay from j to i along the path, zero unless j is i or an ancestor of i (exp(-inf) is a slow path)
+        gap = ((cum.unsqueeze(-1) - cum.unsqueeze(-2)) * ancestry).exp() * ancestry
+        k_beta = key * beta.unsqueeze(-1)
+        # lower-triangular with a unit diagonal: solve_triangular reads neither the diagonal nor the upper part
+        system = (k_beta @ key.transpose(-1, -2)) * gap
+        rhs = torch.cat([value * beta.unsqueeze(-1), k_beta * cum.exp().unsqueeze(-1)], dim=-1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        deltas = solved[..., :dv] - solved[..., dv:] @ state0
+        core = (query * cum.exp().unsqueeze(-1)) @ state0 + ((query @ key.transpose(-1, -2)) * gap) @ deltas
+        return core, key, deltas, cum
+
+    core = torch.empty_like(value)
+    deltas = torch.empty_like(value)
+    states = state0.unsqueeze(2)  # (B, H, nodes of the previous level, dk, dv)
+    for depth, nodes in enumerate(tables.levels):
+        parent_states = states if depth == 0 else states[:, :, tables.parent_slot[depth]]
+        k_t, q_t = key[:, :, nodes], query[:, :, nodes]
+        decayed = parent_states * g[:, :, nodes].exp()[..., None, None]
+        predicted = (decayed * k_t.unsqueeze(-1)).sum(-2)
+        delta = (value[:, :, nodes] - predicted) * beta[:, :, nodes].unsqueeze(-1)
+        states = decayed + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        core[:, :, nodes] = (states * q_t.unsqueeze(-1)).sum(-2)
+        deltas[:, :, nodes] = delta
+    return core, key, deltas, cum
+
+
+# --------------------------------------------------------------------------- commit
+
+
+def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...] | None:
+    """In-place version counters, None where untracked (inference tensors, no state)."""
+    if any(t is None or t.is_inference() for t in tensors):
+        return None
+    return tuple(t._version for t in tensors)
+
+
+@dataclass
+class _Pending:
+    """What one GDN layer needs to commit any root-to-node path of the tree it verified."""
+
+    tree: _Tree
+    kernel: int  # conv kernel size
+    conv_inputs: torch.Tensor  # (B, C, T) pre-conv inputs of the tree tokens
+    keys: torch.Tensor  # (B, Hv, T, dk) fp32, normalised
+    deltas: torch.Tensor  # (B, Hv, T, dv) fp32
+    cum: torch.Tensor  # (B, Hv, T) fp32
+    conv_ref: torch.Tensor | None  # the cache's state tensors at verification (None: no prefix yet)
+    recurrent_ref: torch.Tensor | None
+    versions: tuple[int, ...] | None  # their in-place versions, where tracked
+
+    def __deepcopy__(self, memo):
+        copied = _Pending(**{name: copy.deepcopy(value, memo) for name, value in vars(self).items()})
+        copied.versions = None  # a copied tensor starts a new version count
+        return copied
+
+    def check_unchanged(self, layer, layer_idx: int) -> None:
+        had_state = bool(layer.has_previous_state.get(0, False))
+        conv, rec = (layer.conv_states[0], layer.recurrent_states[0]) if had_state else (None, None)
+        if (conv is not self.conv_ref or rec is not self.recurrent_ref
+                or (self.versions is not None and _versions(conv, rec) != self.versions)):
+            raise RuntimeError(f"commit_linear_states: layer {layer_idx}'s linear-attention state changed "
+                               "between verification and commit (a forward ran on this cache in between?)")
+
+
+def commit_linear_states(cache, accepted: torch.Tensor) -> None:
+    """Set every GDN layer verified under the last tree_verification to prefix + accepted path.
+
+    accepted: flat indices of the accepted path, root first (e.g. [0], or [0, 3, 7]).
+    Attention layers are not touched (compacting their K/V is the caller's job).
+    """
+    import torch
+
+    pending: dict[int, _Pending] | None = cache.__dict__.get(_PENDING_ATTR)
+    linear = [i for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")]
+    if not pending:
+        if any(cache.layers[i].has_previous_state.get(0, False) for i in linear):
+            raise RuntimeError("commit_linear_states: this cache has linear-attention state but no GDN tree "
+                               "verification was recorded on it (was the patch installed and the forward run "
+                               "inside tree_verification?)")
+        return
+    if sorted(pending) != linear:
+        raise RuntimeError(f"commit_linear_states: linear-attention layers {sorted(set(linear) - set(pending))} "
+                           "were not verified by the tree-aware GDN forward")
+    trees = {id(p.tree) for p in pending.values()}
+    if len(trees) != 1:
+        raise RuntimeError("commit_linear_states: GDN layers were verified under different trees")
+    tree = next(iter(pending.values())).tree
+    path = [int(i) for i in torch.as_tensor(accepted).reshape(-1).tolist()]
+    if not path or path[0] != 0 or any(not 0 <= i < tree.size for i in path) or any(
+            tree.parents[path[n]] != path[n - 1] for n in range(1, len(path))):
+        raise ValueError(f"commit_linear_states: accepted={path} is not a root-to-node path of the verified tree")
+    for layer_idx, rec in pending.items():
+        rec.check_unchanged(cache.layers[layer_idx], layer_idx)
+    del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
+
+    for layer_idx, rec in sorted(pending.items()):
+        # in-place writes into inference tensors are only allowed in inference mode
+        inference = (rec.conv_ref if rec.conv_ref is not None else rec.keys).is_inference()
+        with torch.no_grad(), torch.inference_mode(inference):
+            _commit_layer(cache, layer_idx, rec, path)
+
+
+def _commit_layer(cache, layer_idx: int, rec: _Pending, path: list[int]) -> None:
+    import torch
+
+    index = torch.tensor(path, dtype=torch.long, device=rec.keys.device)
+    last = path[-1]
+    # S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j) k_j delta_j^T
+    cum_last = rec.cum[:, :, last]  # (B, H)
+    weights = (cum_last.unsqueeze(-1) - rec.cum[:, :, index]).exp()  # (B, H, L)
+    new_state = (rec.keys[:, :, index] * weights.unsqueeze(-1)).transpose(-1, -2) @ rec.deltas[:, :, index]
+    accepted_inputs = rec.conv_inputs[:, :, index.to(rec.conv_inputs.device)]
+    if rec.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
+        cache.update_conv_state(accepted_inputs, layer_idx, conv_kernel_size=rec.kernel)
+        cache.update_recurrent_state(new_state, layer_idx)
+        return
+    layer = cache.layers[layer_idx]
+    conv_old, rec_old = rec.conv_ref, rec.recurrent_ref
+    new_state = rec_old.to(new_state) * cum_last.exp()[..., None, None] + new_state
+    history = torch.cat([conv_old, accepted_inputs.to(conv_old.dtype)], dim=-1)
+    if getattr(layer, "record_past", False):  # keeps the full history, as its update_conv_state does
+        layer.conv_states[0] = history
+    else:
+        conv_old.copy_(history[..., -conv_old.shape[-1]:])
+    rec_old.copy_(new_state.to(rec_old.dtype))

@@ -1,0 +1,389 @@
+"""The compat registry: gating, idempotent apply, exact revert, deferred patches, the table, the CLI."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from compat_fixtures import targets
+
+import compat
+from compat import registry
+from compat.patches import UPSTREAM_PACKAGE
+from compat.registry import Patch, Patcher, PatchUnavailable
+
+TESTS = Path(__file__).resolve().parent
+MISSING = object()
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry():
+    compat.revert()
+    yield
+    compat.revert()
+
+
+def versions(**installed):
+    """A fake installed-version lookup: versions(transformers="5.24.0"); unnamed packages are absent."""
+    return lambda dist: installed.get(dist)
+
+
+def greet_patch(pid="greet-loud", spec=">=5.0", condition=None, imports=(), fail=None):
+    def install(patcher: Patcher, module):
+        if fail is not None:
+            patcher.wrap(targets, "greet", lambda w, i, a, k: "half-installed")
+            raise fail
+        owner = module if module is not None else targets
+        patcher.wrap(
+            owner, "greet" if module is None else "answer", lambda w, i, a, k: str(w(*a, **k)).upper()
+        )
+        return "loud"
+
+    return Patch(
+        pid,
+        ("compat_fixtures.targets:greet",),
+        {"transformers": spec},
+        "test patch",
+        install,
+        condition=condition,
+        condition_doc="test condition",
+        imports=imports,
+    )
+
+
+# --------------------------------------------------------------------------- version gating
+
+
+def test_version_gating_in_range_applies():
+    original = targets.greet
+    [entry] = compat.apply(patches=[greet_patch()], version_of=versions(transformers="5.24.0"))
+    assert entry["status"] == "applied" and entry["detail"] == "loud"
+    assert targets.greet() == "HELLO WORLD"
+    compat.revert()
+    assert targets.greet is original
+
+
+def test_version_gating_out_of_range_is_skipped():
+    [entry] = compat.apply(
+        patches=[greet_patch(spec=">=5.0,<5.20")], version_of=versions(transformers="5.24.0")
+    )
+    assert entry["status"] == "skipped-version"
+    assert "5.24.0" in entry["detail"] and "<5.20" in entry["detail"]
+    assert targets.greet() == "hello world"
+
+
+def test_version_gating_package_absent_is_skipped():
+    [entry] = compat.apply(patches=[greet_patch()], version_of=versions())
+    assert entry["status"] == "skipped-absent" and "transformers is not installed" in entry["detail"]
+    assert targets.greet() == "hello world"
+
+
+def test_version_gating_counts_prereleases_and_every_package():
+    assert registry.gate(greet_patch(spec=">=5.24"), versions(transformers="5.25.0.dev0")) is None
+    both = Patch("p", ("x:y",), {"transformers": ">=5.0", "torch": ">=2.4"}, "r", lambda p, m: None)
+    assert registry.gate(both, versions(transformers="5.24.0", torch="2.13.0")) is None
+    assert registry.gate(both, versions(transformers="5.24.0", torch="2.1.0"))[0] == "skipped-version"
+    assert registry.gate(both, versions(transformers="5.24.0"))[0] == "skipped-absent"
+
+
+def test_version_gating_of_the_real_table():
+    """Every transformers patch is ruled out on 4.x and without transformers; the lookup is injectable."""
+    old = {
+        e["id"]: e["status"] for e in compat.apply(version_of=versions(transformers="4.40.0", torch="2.13.0"))
+    }
+    for patch in compat.PATCHES:
+        if "transformers" in patch.versions:
+            assert old[patch.id] == "skipped-version", patch.id
+    compat.revert()
+    gone = {e["id"]: e["status"] for e in compat.apply(version_of=versions())}
+    assert set(gone.values()) == {"skipped-absent"}
+
+
+def test_apply_reports_the_installed_versions_by_default():
+    entries = compat.apply(skip=[p.id for p in compat.PATCHES if p.id != "cache-crop-absolute"])
+    crop = next(e for e in entries if e["id"] == "cache-crop-absolute")
+    assert crop["status"] == "applied"  # transformers 5.24 in this venv
+
+
+# --------------------------------------------------------------------------- statuses and selection
+
+
+def test_only_and_skip_mark_skipped_config():
+    rows = [greet_patch("a"), greet_patch("b")]
+    entries = {
+        e["id"]: e["status"]
+        for e in compat.apply(only=["a"], patches=rows, version_of=versions(transformers="5.1"))
+    }
+    assert entries == {"a": "applied", "b": "skipped-config"}
+    compat.revert()
+    entries = {
+        e["id"]: e["status"]
+        for e in compat.apply(skip=["a", "b"], patches=rows, version_of=versions(transformers="5.1"))
+    }
+    assert entries == {"a": "skipped-config", "b": "skipped-config"}
+
+
+def test_unknown_ids_are_a_config_error():
+    with pytest.raises(compat.CompatConfigError, match=r"compat.only: unknown patch id\(s\) \['nope'\]"):
+        compat.apply(only=["nope"])
+    with pytest.raises(ValueError, match="compat.skip"):
+        compat.apply(skip=["cache-crop-absolute", "typo"])
+
+
+def test_condition_false_is_skipped_condition():
+    [entry] = compat.apply(
+        patches=[greet_patch(condition=lambda: False)], version_of=versions(transformers="5.1")
+    )
+    assert entry["status"] == "skipped-condition" and "test condition" in entry["detail"]
+
+
+def test_failed_install_leaves_nothing_behind():
+    original = targets.greet
+    [entry] = compat.apply(
+        patches=[greet_patch(fail=RuntimeError("boom"))], version_of=versions(transformers="5.1")
+    )
+    assert entry["status"] == "failed" and entry["detail"] == "RuntimeError: boom"
+    assert targets.greet is original
+    assert compat.failures([entry]) == [entry]
+
+
+def test_unavailable_target_is_skipped_absent():
+    [entry] = compat.apply(
+        patches=[greet_patch(fail=PatchUnavailable("no such class"))], version_of=versions(transformers="5.1")
+    )
+    assert entry["status"] == "skipped-absent" and entry["detail"] == "no such class"
+
+
+def test_apply_is_idempotent_and_revert_is_exact():
+    original = targets.greet
+    compat.apply(patches=[greet_patch()], version_of=versions(transformers="5.1"))
+    wrapped = targets.greet
+    again = compat.apply(patches=[greet_patch()], version_of=versions(transformers="5.1"))
+    assert targets.greet is wrapped and targets.greet() == "HELLO WORLD"  # not wrapped twice
+    assert again[0]["status"] == "applied"
+    assert compat.revert() == ["greet-loud"]
+    assert targets.greet is original and compat.report([greet_patch()]) == []
+
+
+def test_copies_made_while_patched_follow_the_patch_state():
+    """`from x import f` while patched keeps the wrapper; it acts only while the patch is applied."""
+    compat.apply(patches=[greet_patch()], version_of=versions(transformers="5.1"))
+    copy = targets.greet
+    assert copy() == "HELLO WORLD"
+    compat.revert()
+    assert copy() == "hello world" and targets.greet is not copy
+    compat.apply(patches=[greet_patch()], version_of=versions(transformers="5.1"))
+    assert copy() == "HELLO WORLD" and targets.greet() == "HELLO WORLD"
+
+
+def test_patcher_restores_items_attributes_and_absent_names():
+    box_dict_before = dict(vars(targets.Box))
+    p = Patcher("t")
+    p.set_item(targets.REGISTRY, "greet", None)
+    p.set_item(targets.REGISTRY, "new", 1)
+    p.set_attr(targets.Box, "extra", 3)
+    # __repr__ is inherited: revert must delete it from Box, not copy object.__repr__ into Box
+    p.wrap(targets.Box, "__repr__", lambda w, i, a, k: "<box>")
+    assert repr(targets.Box()) == "<box>" and targets.Box.extra == 3
+    p.undo()
+    assert targets.REGISTRY == {"greet": targets.greet}
+    assert vars(targets.Box) == box_dict_before and all(
+        vars(targets.Box)[k] is v for k, v in box_dict_before.items()
+    )
+
+
+# --------------------------------------------------------------------------- deferred (post-import) patches
+
+
+def _late_patch():
+    return greet_patch("late-loud", imports=("compat_fixtures.late_target",))
+
+
+def test_deferred_patch_waits_for_import_then_reverts():
+    sys.modules.pop("compat_fixtures.late_target", None)
+    [entry] = compat.apply(patches=[_late_patch()], version_of=versions(transformers="5.1"))
+    assert entry["status"] == "pending"
+    late = importlib.import_module("compat_fixtures.late_target")
+    assert late.answer() == "41"
+    [entry] = compat.report([_late_patch()])
+    assert entry["status"] == "applied" and entry["detail"].startswith("compat_fixtures.late_target: loud")
+    compat.revert()
+    assert late.answer() == 41 and "answer" in vars(late) and not hasattr(late.answer, "__wrapped__")
+
+
+def test_deferred_patch_reverted_before_import_never_fires():
+    sys.modules.pop("compat_fixtures.late_target", None)
+    compat.apply(patches=[_late_patch()], version_of=versions(transformers="5.1"))
+    compat.revert()
+    late = importlib.import_module("compat_fixtures.late_target")
+    assert late.answer() == 41
+
+
+def test_deferred_patch_follows_a_reimported_module():
+    sys.modules.pop("compat_fixtures.late_target", None)
+    importlib.import_module("compat_fixtures.late_target")
+    compat.apply(patches=[_late_patch()], version_of=versions(transformers="5.1"))
+    sys.modules.pop("compat_fixtures.late_target")
+    [entry] = compat.apply(patches=[_late_patch()], version_of=versions(transformers="5.1"))
+    assert entry["status"] == "pending"  # the module it patched is gone: registered again
+    fresh = importlib.import_module("compat_fixtures.late_target")
+    assert fresh.answer() == "41"
+
+
+# --------------------------------------------------------------------------- the GDN placeholder
+
+
+def test_gdn_tree_verify_placeholder_row_from_a_patch_module():
+    from compat_fixtures import fake_gdn
+
+    row = registry.external_patch("gdn-tree-verify", "compat_fixtures.fake_gdn")
+    assert row.targets == ("compat_fixtures.targets:Box",)
+    assert dict(row.versions) == {"transformers": ">=5.0"} and row.reason == fake_gdn.REASON
+    original = vars(targets.Box)["size"]
+    [entry] = compat.apply(patches=[row], version_of=versions(transformers="5.24.0"))
+    assert entry["status"] == "applied" and entry["detail"] == "patched Box" and targets.Box().size() == 2
+    compat.revert()
+    assert vars(targets.Box)["size"] is original and fake_gdn.CALLS[-2:] == ["install", "uninstall"]
+    [entry] = compat.apply(patches=[row], version_of=versions(transformers="4.57.0"))
+    assert entry["status"] == "skipped-version"
+
+
+def test_gdn_tree_verify_placeholder_absent_or_broken_module():
+    assert registry.external_patch("gdn-tree-verify", "compat_fixtures.no_such_module") is None
+    broken = registry.external_patch("gdn-tree-verify", "compat_fixtures.broken_gdn")
+    [entry] = compat.apply(patches=[broken], version_of=versions())
+    assert entry["status"] == "failed" and "half-written patch module" in entry["detail"]
+
+
+def test_gdn_tree_verify_in_table_when_its_module_exists():
+    present = importlib.util.find_spec("compat.gdn_tree") is not None
+    assert ("gdn-tree-verify" in {p.id for p in compat.PATCHES}) == present
+
+
+# --------------------------------------------------------------------------- the real table
+
+
+def _locate(target: str):
+    """(container, key, is_item) for "module:Qual.name" or "module:Qual.name['key']"; None if not importable."""
+    module, _, qual = target.partition(":")
+    key = None
+    if m := re.fullmatch(r"(.*)\['(.+)'\]", qual):
+        qual, key = m.groups()
+    if module.startswith(UPSTREAM_PACKAGE):
+        return None  # the authors' modules: covered by test_compat_upstream
+    owner = importlib.import_module(module)
+    *path, name = qual.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    if key is not None:
+        return getattr(owner, name), key, True
+    return owner, name, False
+
+
+def _snapshot():
+    snap = {}
+    for patch in compat.PATCHES:
+        for target in patch.targets:
+            located = _locate(target)
+            if located is None:
+                continue
+            container, key, is_item = located
+            value = container.get(key, MISSING) if is_item else vars(container).get(key, MISSING)
+            snap[target] = (value, dict(vars(value)) if isinstance(value, type) else None)
+    return snap
+
+
+def test_round_trip_leaves_every_target_identical():
+    before = _snapshot()
+    entries = compat.apply()
+    assert not [e for e in compat.failures(entries) if e["id"] != "gdn-tree-verify"], entries
+    during = _snapshot()
+    changed = [t for t in before if during[t][0] is not before[t][0]]
+    assert "transformers.cache_utils:Cache.crop" in changed
+    assert "transformers.modeling_utils:AttentionInterface._global_mapping['sdpa']" in changed
+    assert compat.apply() == entries  # idempotent: same report, same objects
+    assert all(_snapshot()[t][0] is during[t][0] for t in during)
+    compat.revert()
+    after = _snapshot()
+    for target, (value, class_dict) in before.items():
+        assert after[target][0] is value, target
+        if class_dict is not None:
+            now = after[target][1]
+            assert now.keys() == class_dict.keys() and all(now[k] is v for k, v in class_dict.items()), target
+
+
+def test_table_rows_are_well_formed():
+    from packaging.specifiers import SpecifierSet
+
+    ids = [p.id for p in compat.PATCHES]
+    assert len(ids) == len(set(ids)) and all(re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", i) for i in ids)
+    for patch in compat.PATCHES:
+        assert patch.targets and all(":" in t for t in patch.targets), patch.id
+        assert patch.reason and "\n" not in patch.reason and len(patch.reason) <= 200, patch.id
+        for spec in patch.versions.values():
+            SpecifierSet(spec)
+
+
+def test_every_patch_has_a_test():
+    """A patch id `some-id` needs a test function whose name contains `some_id` in tests/test_compat*.py."""
+    names = set()
+    for path in TESTS.glob("test_compat*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+                names.add(node.name)
+    untested = [p.id for p in compat.PATCHES if not any(p.id.replace("-", "_") in n for n in names)]
+    assert not untested, f"patches without a test: {untested}"
+
+
+def test_report_tags_and_statuses_are_stable():
+    assert compat.STATUSES == (
+        "applied",
+        "pending",
+        "skipped-version",
+        "skipped-absent",
+        "skipped-config",
+        "skipped-condition",
+        "failed",
+    )
+    entries = compat.apply(patches=[greet_patch()], version_of=versions(transformers="5.1"))
+    assert compat.as_tags(entries) == {"compat.greet-loud": "applied"}
+    assert set(entries[0]) == {
+        "id",
+        "target",
+        "targets",
+        "versions",
+        "condition",
+        "reason",
+        "status",
+        "detail",
+    }
+
+
+# --------------------------------------------------------------------------- python -m compat
+
+
+def test_cli_prints_the_table_and_reverts(capsys):
+    from compat.__main__ import main
+
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    for patch in compat.PATCHES:
+        assert patch.id in out
+    assert "cache-crop-absolute  applied" in out.replace("   ", "  ")
+    assert compat.report() == []  # the CLI reverts what it applied
+
+
+def test_cli_check_fails_on_a_failed_patch(monkeypatch, capsys):
+    from compat.__main__ import main
+
+    broken = greet_patch("always-broken", spec=">=0", fail=RuntimeError("kaput"))
+    monkeypatch.setattr(registry, "table", lambda: (broken,))
+    assert main([]) == 0
+    assert main(["--check"]) == 1
+    assert "always-broken" in capsys.readouterr().err
+    assert main(["--check", "--skip", "always-broken"]) == 0
+    assert main(["--only", "nope"]) == 2

@@ -1,0 +1,421 @@
+"""Tree-aware Gated DeltaNet (compat.gdn_tree) against per-path sequential forwards.
+
+Reference for every check: the unpatched model run on a node's root-to-node path as a plain
+sequence after the same prefix (a deep copy of the prefilled cache). Tiny hybrids keep the
+slow GDN decay of ddtree.tiny so the recurrent state carries memory across the tree.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import pytest
+import torch
+import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionLayer
+
+from compat import gdn_tree
+from ddtree.tiny import tiny_model
+
+MODEL_TYPES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
+ATTN = ("eager", "sdpa")
+VOCAB = 128
+PROMPT_LEN = 9
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # tiny matrices: extra intra-op threads only spin against each other on a shared CPU
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture
+def patched():
+    was_installed = gdn_tree.is_installed()
+    gdn_tree.install()
+    yield
+    if not was_installed:
+        gdn_tree.uninstall()
+
+
+@pytest.fixture
+def unpatched():
+    was_installed = gdn_tree.is_installed()
+    gdn_tree.uninstall()
+    yield
+    if was_installed:
+        gdn_tree.install()
+
+
+@functools.cache
+def _model(model_type: str, attn: str):
+    return tiny_model(model_type, attn_implementation=attn, vocab_size=VOCAB)
+
+
+# --------------------------------------------------------------------------- trees and helpers
+
+
+def _random_tree(n: int, gen: torch.Generator, p_deep: float) -> list[int]:
+    """Parents of an n-token tree; p_deep is the chance a node extends the previous one."""
+    parents = [-1]
+    for i in range(1, n):
+        if torch.rand((), generator=gen).item() < p_deep:
+            parents.append(i - 1)
+        else:
+            parents.append(int(torch.randint(0, i, (), generator=gen)))
+    return parents
+
+
+def _trees(seed: int = 0) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "bushy": _random_tree(20, gen, p_deep=0.0),
+        "deep": _random_tree(24, gen, p_deep=0.85),  # paths longer than the conv kernel
+        "wide": [-1] + [0] * 9 + [1, 1, 2, 10, 13],
+        "chain": [-1] + list(range(7)),  # DFlash
+        "root": [-1],  # AR
+    }
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def _depths(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def _leaves(parents: list[int]) -> list[int]:
+    has_child = set(parents[1:])
+    return [i for i in range(len(parents)) if i not in has_child]
+
+
+def _tree_mask(parents: list[int], past: int, dtype=torch.float32) -> torch.Tensor:
+    """Additive (1, 1, q, past + q) mask: prefix, ancestors and self visible."""
+    n = len(parents)
+    visible = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            visible[i] = visible[p]
+        visible[i, i] = True
+    visible = torch.cat([torch.ones(n, past, dtype=torch.bool), visible], dim=1)
+    return torch.zeros(1, 1, n, past + n, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+
+
+def _forward(model, ids, cache, position_ids=None, attention_mask=None):
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # < 5.24
+    return model(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=True,
+                 **{cache_kw: cache}).logits
+
+
+def _prefill(model, prompt):
+    cache = DynamicCache(config=model.config)
+    _forward(model, prompt, cache)
+    return cache
+
+
+def _verify(model, cache, tokens, parents, past, method=gdn_tree.DEFAULT_METHOD):
+    depth = torch.tensor([_depths(parents)]) + past
+    with gdn_tree.tree_verification(torch.tensor(parents), method=method):
+        return _forward(model, tokens, cache, position_ids=depth, attention_mask=_tree_mask(parents, past))
+
+
+def _per_path_error(model, cache, tokens, parents, tree_logits) -> float:
+    """Max |tree logit - per-path sequential logit| over all nodes (one run per leaf covers its path)."""
+    err = 0.0
+    for leaf in _leaves(parents):
+        path = _path(parents, leaf)
+        ref = _forward(model, tokens[:, path], copy.deepcopy(cache))
+        err = max(err, (ref[0] - tree_logits[0, path]).abs().max().item())
+    return err
+
+
+def _compact_attention(cache, past: int, accepted: list[int]) -> None:
+    keep = torch.tensor(list(range(past)) + [past + i for i in accepted])
+    for layer in cache.layers:
+        if not isinstance(layer, LinearAttentionLayer):
+            layer.keys = layer.keys.index_select(-2, keep)
+            layer.values = layer.values.index_select(-2, keep)
+
+
+def _linear_states(cache):
+    return [(layer.conv_states[0], layer.recurrent_states[0]) for layer in cache.layers
+            if isinstance(layer, LinearAttentionLayer)]
+
+
+# --------------------------------------------------------------------------- verification
+
+
+@pytest.mark.parametrize("method", gdn_tree.METHODS)
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tree_logits_equal_per_path_logits(patched, model_type, attn, method):
+    model = _model(model_type, attn)
+    gen = torch.Generator().manual_seed(1)
+    cache = _prefill(model, torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen))
+    for name, parents in _trees(seed=2).items():
+        tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+        work = copy.deepcopy(cache)
+        before = [(c.clone(), r.clone()) for c, r in _linear_states(work)]
+        logits = _verify(model, work, tokens, parents, PROMPT_LEN, method)
+        err = _per_path_error(model, cache, tokens, parents, logits)
+        assert err <= TOL, f"{model_type}/{attn}/{method} tree {name}: max error {err:.2e}"
+        for (c0, r0), (c1, r1) in zip(before, _linear_states(work), strict=True):  # verification leaves GDN state alone
+            assert torch.equal(c0, c1) and torch.equal(r0, r1)
+
+
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_without_patch_the_tree_is_wrong(unpatched, model_type, attn):
+    """Proves the per-path test sees the bug: upstream GDN runs the flat tree as one chain."""
+    model = _model(model_type, attn)
+    gen = torch.Generator().manual_seed(1)
+    cache = _prefill(model, torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen))
+    parents = _trees(seed=2)["bushy"]
+    tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+    logits = _verify(model, copy.deepcopy(cache), tokens, parents, PROMPT_LEN)
+    assert _per_path_error(model, cache, tokens, parents, logits) > 1e-3
+
+
+def test_tree_on_an_empty_cache(patched):
+    """A tree as the very first tokens: zero conv and recurrent state, then commit initialises them."""
+    model = _model("qwen3_5_text", "sdpa")
+    parents = _trees(seed=3)["deep"]
+    tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=torch.Generator().manual_seed(3))
+    cache = DynamicCache(config=model.config)
+    logits = _verify(model, cache, tokens, parents, past=0)
+    err = 0.0
+    for leaf in _leaves(parents):
+        path = _path(parents, leaf)
+        ref = _forward(model, tokens[:, path], DynamicCache(config=model.config))
+        err = max(err, (ref[0] - logits[0, path]).abs().max().item())
+    assert err <= TOL
+    accepted = _path(parents, _leaves(parents)[-1])
+    _compact_attention(cache, 0, accepted)
+    gdn_tree.commit_linear_states(cache, torch.tensor(accepted))
+    ref_cache = DynamicCache(config=model.config)
+    _forward(model, tokens[:, accepted], ref_cache)
+    nxt = torch.tensor([[5]])
+    pos = torch.tensor([[len(accepted)]])
+    assert (_forward(model, nxt, cache, pos) - _forward(model, nxt, ref_cache, pos)).abs().max() <= TOL
+
+
+# --------------------------------------------------------------------------- commit
+
+
+@pytest.mark.parametrize("method", gdn_tree.METHODS)
+@pytest.mark.parametrize("attn", ATTN)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_commit_equals_sequential_prefix_plus_path(patched, model_type, attn, method):
+    """Several verify/walk/commit rounds, as the engine runs them, against one sequential cache."""
+    model = _model(model_type, attn)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    cache, ref_cache = _prefill(model, prompt), _prefill(model, prompt)
+    trees = _trees(seed=5)
+    rounds = [  # (tree, which node ends the accepted path)
+        (trees["deep"], "deepest"),
+        (trees["bushy"], "random"),
+        (trees["wide"], "root"),
+        (trees["chain"], "deepest"),  # DFlash, everything accepted
+        (trees["root"], "root"),  # AR
+        (trees["deep"], "random"),
+    ]
+    past = PROMPT_LEN
+    for parents, pick in rounds:
+        tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+        logits = _verify(model, cache, tokens, parents, past, method)
+        err = _per_path_error(model, ref_cache, tokens, parents, logits)
+        assert err <= TOL, f"round verification drifted: {err:.2e}"
+        depth = _depths(parents)
+        if pick == "root":
+            node = 0
+        elif pick == "deepest":
+            node = max(range(len(parents)), key=lambda i: depth[i])
+        else:
+            node = int(torch.randint(0, len(parents), (), generator=gen))
+        accepted = _path(parents, node)
+        _compact_attention(cache, past, accepted)
+        gdn_tree.commit_linear_states(cache, torch.tensor(accepted))
+        _forward(model, tokens[:, accepted], ref_cache)
+        past += len(accepted)
+        for (c, r), (rc, rr) in zip(_linear_states(cache), _linear_states(ref_cache), strict=True):
+            assert (c - rc).abs().max() <= 1e-5 and (r - rr).abs().max() <= 1e-5
+    assert cache.get_seq_length() == ref_cache.get_seq_length() == past
+    nxt = torch.randint(0, VOCAB, (1, 3), generator=gen)
+    pos = torch.arange(past, past + 3)[None]
+    err = (_forward(model, nxt, cache, pos) - _forward(model, nxt, ref_cache, pos)).abs().max().item()
+    assert err <= TOL
+
+
+def test_commit_rejects_a_non_path_and_a_changed_state(patched):
+    model = _model("qwen3_5_text", "eager")
+    cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
+    parents = [-1, 0, 0, 1]
+    _verify(model, cache, torch.tensor([[1, 2, 3, 4]]), parents, PROMPT_LEN)
+    for bad in ([0, 2, 3], [1], [0, 4], []):
+        with pytest.raises(ValueError, match="root-to-node path"):
+            gdn_tree.commit_linear_states(cache, torch.tensor(bad, dtype=torch.long))
+    _forward(model, torch.tensor([[5]]), cache)  # a stray forward moves the GDN state in place
+    with pytest.raises(RuntimeError, match="changed between verification and commit"):
+        gdn_tree.commit_linear_states(cache, torch.tensor([0, 1]))
+
+    cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
+    _verify(model, cache, torch.tensor([[1, 2, 3, 4]]), parents, PROMPT_LEN)
+    gdn_tree.commit_linear_states(cache, torch.tensor([0, 1, 3]))
+    with pytest.raises(RuntimeError, match="no GDN tree verification"):
+        gdn_tree.commit_linear_states(cache, torch.tensor([0]))
+
+
+def test_inference_mode_verification_then_plain_commit(patched):
+    """The engine verifies under torch.inference_mode and commits outside it."""
+    model = _model("qwen3_next", "sdpa")
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    parents = _trees(seed=6)["bushy"]
+    tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+    accepted = _path(parents, len(parents) - 1)
+    with torch.inference_mode():
+        cache, ref_cache = _prefill(model, prompt), _prefill(model, prompt)
+        _verify(model, cache, tokens, parents, PROMPT_LEN)
+        _forward(model, tokens[:, accepted], ref_cache)
+    _compact_attention(cache, PROMPT_LEN, accepted)
+    gdn_tree.commit_linear_states(cache, torch.tensor(accepted))
+    with torch.inference_mode():
+        pos = torch.tensor([[PROMPT_LEN + len(accepted)]])
+        out, ref = _forward(model, torch.tensor([[9]]), cache, pos), _forward(model, torch.tensor([[9]]), ref_cache, pos)
+    assert (out - ref).abs().max() <= TOL
+
+
+def test_tree_argument_errors(patched):
+    for bad in ([0, 0], [-1, 1], [-1, 0, 3], []):
+        with pytest.raises(ValueError, match="parents"):
+            with gdn_tree.tree_verification(torch.tensor(bad, dtype=torch.long)):
+                pass
+    with pytest.raises(ValueError, match="method"):
+        with gdn_tree.tree_verification(torch.tensor([-1]), method="fast"):
+            pass
+    model = _model("qwen3_next", "eager")
+    cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
+    with pytest.raises(ValueError, match="3-token tree"):
+        with gdn_tree.tree_verification(torch.tensor([-1, 0, 0])):
+            _forward(model, torch.tensor([[1, 2]]), cache)
+
+
+# --------------------------------------------------------------------------- patch mechanics
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_outside_the_context_the_forward_is_untouched(model_type):
+    model = _model(model_type, "sdpa")
+    prompt, step = torch.arange(PROMPT_LEN)[None], torch.tensor([[7, 8, 9]])
+    was_installed = gdn_tree.is_installed()
+    outputs = []
+    for install in (False, True):
+        gdn_tree.install() if install else gdn_tree.uninstall()
+        cache = _prefill(model, prompt)
+        outputs.append((_forward(model, step, cache), _forward(model, torch.tensor([[3]]), cache),
+                        [(c.clone(), r.clone()) for c, r in _linear_states(cache)]))
+    if not was_installed:
+        gdn_tree.uninstall()
+    (a1, a2, sa), (b1, b2, sb) = outputs
+    assert torch.equal(a1, b1) and torch.equal(a2, b2)
+    assert all(torch.equal(x, y) for pa, pb in zip(sa, sb, strict=True) for x, y in zip(pa, pb, strict=True))
+
+
+def test_install_is_idempotent_and_reversible():
+    was_installed = gdn_tree.is_installed()
+    gdn_tree.uninstall()
+    originals = {cls: cls.__dict__["forward"] for cls in gdn_tree.target_classes()}
+    assert len(originals) == len(gdn_tree.TARGETS)
+    assert not gdn_tree.is_installed()
+    names = gdn_tree.install()
+    assert sorted(names) == sorted(cls.__name__ for cls in originals)
+    wrapped = {cls: cls.__dict__["forward"] for cls in originals}
+    gdn_tree.install()
+    assert gdn_tree.is_installed()
+    assert all(cls.__dict__["forward"] is wrapped[cls] for cls in originals)
+    gdn_tree.uninstall()
+    gdn_tree.uninstall()
+    assert all(cls.__dict__["forward"] is originals[cls] for cls in originals)
+    if was_installed:
+        gdn_tree.install()
+
+
+def test_module_level_padding_mask(patched):
+    """A 2-D padding mask zeroes the masked tokens' inputs, as upstream does; all-ones changes nothing."""
+    model = _model("qwen3_5_text", "eager")
+    cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
+    gdn = model.model.layers[0].linear_attn
+    parents = [-1, 0, 0, 1]
+    hidden = torch.randn(1, 4, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with gdn_tree.tree_verification(torch.tensor(parents)):
+        plain = gdn(hidden, cache=copy.deepcopy(cache), attention_mask=None)
+        ones = gdn(hidden, cache=copy.deepcopy(cache), attention_mask=torch.ones(1, 4))
+        masked = gdn(hidden, cache=copy.deepcopy(cache), attention_mask=torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
+        zeroed = gdn(hidden * torch.tensor([1.0, 1.0, 0.0, 1.0])[None, :, None], cache=copy.deepcopy(cache))
+    assert torch.equal(plain, ones)
+    assert torch.equal(masked, zeroed)
+
+
+# Upstream API this patch reads; a transformers upgrade that changes any of it must fail here.
+_CACHE_PARAM = "cache" if Version(transformers.__version__) >= Version("5.24") else "cache_params"
+_FORWARD_PARAMS = [("self", "POSITIONAL_OR_KEYWORD"), ("hidden_states", "POSITIONAL_OR_KEYWORD"),
+                   (_CACHE_PARAM, "POSITIONAL_OR_KEYWORD"), ("attention_mask", "POSITIONAL_OR_KEYWORD"),
+                   ("kwargs", "VAR_KEYWORD")]
+_MODULE_ATTRS = ("conv1d", "conv_kernel_size", "activation", "A_log", "dt_bias", "norm", "out_proj", "layer_idx",
+                 "key_dim", "value_dim", "head_k_dim", "head_v_dim", "num_k_heads", "num_v_heads")
+
+
+def test_installed_transformers_is_in_the_verified_range():
+    assert Version(transformers.__version__) in SpecifierSet(gdn_tree.VERSIONS)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_upstream_gdn_api_is_pinned(model_type):
+    model = _model(model_type, "eager")
+    gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    assert type(gdn) in gdn_tree.target_classes()
+    forward = inspect.unwrap(gdn_tree._ORIGINAL_FORWARDS.get(type(gdn), type(gdn).__dict__["forward"]))
+    params = [(p.name, p.kind.name) for p in inspect.signature(forward).parameters.values()]
+    assert params == _FORWARD_PARAMS, f"{type(gdn).__name__}.forward signature changed: {params}"
+    for attr in _MODULE_ATTRS:
+        assert hasattr(gdn, attr), attr
+    if model_type == "qwen3_next":
+        assert all(hasattr(gdn, a) for a in ("in_proj_qkvz", "in_proj_ba", "fix_query_key_value_ordering"))
+    else:
+        assert all(hasattr(gdn, a) for a in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+    assert gdn.conv1d.weight.shape == (gdn.key_dim * 2 + gdn.value_dim, 1, gdn.conv_kernel_size)
+
+    cache = DynamicCache(config=model.config)
+    for method, names in (("get_conv_state", ["layer_idx", "state_idx"]),
+                          ("get_recurrent_state", ["layer_idx", "state_idx"]),
+                          ("update_conv_state", ["conv_states", "layer_idx", "state_idx", "kwargs"]),
+                          ("update_recurrent_state", ["recurrent_states", "layer_idx", "state_idx", "kwargs"])):
+        assert list(inspect.signature(getattr(cache, method)).parameters) == names, method
+    layer = cache.layers[0]
+    assert isinstance(layer, LinearAttentionLayer)
+    for attr in ("conv_states", "recurrent_states", "has_previous_state", "record_past", "conv_kernel_size"):
+        assert hasattr(layer, attr), attr
