@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from .errors import ConfigError
 from .result import STAGES, GenerationResult
 from .target import TargetSession, check_target_supported, context_features, model_type
-from .tree import DraftTree, accepted_path, best_first_tree, chain_tree, root_tree
+from .tree import DraftTree, best_first_tree, chain_tree, root_tree, walk
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -23,7 +23,8 @@ __all__ = ["METHODS", "DecodeState", "Proposer", "ARProposer", "DFlashProposer",
 
 
 class StageTimer:
-    """Wall seconds per stage. On CUDA each stage boundary synchronises, for honest attribution."""
+    """Wall seconds per stage. On CUDA with sync=True each stage boundary synchronises, for honest
+    attribution; with sync=False nothing waits on the device (stage times are then launch times)."""
 
     def __init__(self, device: torch.device, sync: bool = True):
         self.seconds = dict.fromkeys(STAGES, 0.0)
@@ -165,11 +166,14 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = True) -> GenerationResult:
+             sync_timing: bool = True, tree_attention: str = "split") -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
     is a sample of the target's distribution. A custom `proposer` replaces the method's drafter.
+    sync_timing: synchronise the device at stage boundaries (honest stage times; costs idle gaps).
+    tree_attention: "split" (ddtree.attention, any backend; the target is switched to the tree
+    implementation wrapping its backend) or "dense" (a 4-D mask over past + tree; eager/sdpa).
     """
     if temperature < 0:
         raise ConfigError("temperature", f"must be >= 0, got {temperature}", "use 0 for greedy")
@@ -186,7 +190,11 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     dev = input_ids.device
     timer = StageTimer(dev, sync_timing)
     layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
-    session = TargetSession(target, layers)
+    tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1) + 1
+    session = TargetSession(target, layers, tree_attention=tree_attention,
+                            capacity=input_ids.shape[1] + max_new_tokens + tree_max)
+    if not isinstance(proposer, ARProposer):
+        session.check_method(method)
     proposer.reset()
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
                               budget=budget if method == "ddtree" else None,
@@ -209,12 +217,11 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
             logits, feats = session.verify(tree)
         with timer.stage("commit"):
             choice = _choose(logits, temperature, generator)
-            path = accepted_path(tree, choice)
-            session.commit(tree, path)
+            w = walk(tree, choice)  # the round's one host read
+            session.commit(tree, w.path, w.path_list)
             if feats is not None:
-                feats = feats[:, path]
-            new = tree.tokens[path[1:]].tolist() + [int(choice[path[-1]])]
-            root = choice[path[-1]]
+                feats = feats[:, w.path]
+            new, root = w.tokens, w.next_root
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)
         for i, t in enumerate(new[:room]):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
+from . import attention
 from .errors import ConfigError
 from .tree import DraftTree, tree_attention_mask
 
@@ -32,19 +35,104 @@ def check_target_supported(model_type_name: str, method: str) -> None:
             "verify a draft tree or roll back rejected tokens exactly", "use method=ar for this model family")
 
 
+TREE_ATTENTION = ("split", "dense")  # split: ddtree.attention (any backend); dense: a 4-D additive mask (eager/sdpa)
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A full-attention KV layer in a preallocated buffer: a forward writes its tokens in place.
+
+    DynamicLayer concatenates (copies) the whole cache at every forward and the tree commit used to
+    re-gather it; here a forward writes only its new tokens, a commit moves only the accepted ones,
+    and the buffer grows by doubling when a hint was short. `keys`/`values` are views [..., :length, :].
+    """
+
+    def __init__(self, capacity: int = 0):
+        super().__init__()
+        self.capacity_hint = capacity
+        self._k = self._v = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._alloc(key_states, value_states, max(self.capacity_hint, 2 * key_states.shape[-2], 64))
+        self.keys, self.values = self._k[..., :0, :], self._v[..., :0, :]
+        self.is_initialized = True
+
+    def _alloc(self, ks: torch.Tensor, vs: torch.Tensor, capacity: int) -> None:
+        self._k = ks.new_empty(*ks.shape[:-2], capacity, ks.shape[-1])
+        self._v = vs.new_empty(*vs.shape[:-2], capacity, vs.shape[-1])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cur = self.keys.shape[-2]
+        new = cur + key_states.shape[-2]
+        if self._k.is_inference() and not torch.is_inference_mode_enabled():
+            # a plain forward after inference-mode rounds (tests, notebooks): leave inference tensors behind
+            self._k, self._v = self._k.clone(), self._v.clone()
+        if new > self._k.shape[-2]:
+            old_k, old_v = self.keys, self.values
+            self._alloc(key_states, value_states, max(2 * self._k.shape[-2], new))
+            self._k[..., :cur, :].copy_(old_k)
+            self._v[..., :cur, :].copy_(old_v)
+        self._k[..., cur:new, :].copy_(key_states)
+        self._v[..., cur:new, :].copy_(value_states)
+        self.keys, self.values = self._k[..., :new, :], self._v[..., :new, :]
+        return self.keys, self.values
+
+    def keep(self, start: int, index: torch.Tensor) -> None:
+        """Keep [:start] plus the rows start + index (in that order); drop the rest. Moves len(index) rows."""
+        k = index.shape[0]
+        rows = start + index
+        self._k[..., start: start + k, :].copy_(self.keys.index_select(-2, rows))
+        self._v[..., start: start + k, :].copy_(self.values.index_select(-2, rows))
+        self.keys, self.values = self._k[..., : start + k, :], self._v[..., : start + k, :]
+
+    def reset(self) -> None:
+        self._k = self._v = None
+        super().reset()
+
+
+def new_cache(model: PreTrainedModel, capacity: int = 0, full_sliding: bool = False) -> DynamicCache:
+    """The model's DynamicCache with every full-attention layer preallocated.
+
+    full_sliding: sliding-window layers keep their whole history too (the tree attention applies the
+    window), so a rejected branch can be rolled back; a DynamicSlidingWindowLayer forgets too early.
+    """
+    cache = DynamicCache(config=model.config)
+    for i, layer in enumerate(cache.layers):
+        if type(layer) is DynamicLayer or (full_sliding and type(layer) is DynamicSlidingWindowLayer):
+            cache.layers[i] = PreallocatedLayer(capacity)
+    return cache
+
+
 def context_features(hidden_states: tuple, layer_ids: list[int]) -> torch.Tensor:
     """DFlash context features: hidden_states[i + 1] of each target layer id, concatenated."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 class TargetSession:
-    """One generation's target state: the cache, its committed length, feature extraction."""
+    """One generation's target state: the cache, its committed length, feature extraction.
 
-    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None):
+    tree_attention: "split" verifies trees through ddtree.attention (the model is switched to the tree
+    implementation wrapping its backend, which is the plain backend outside verification); "dense"
+    passes a 4-D additive mask over past + tree (eager/sdpa only; the reference the split is tested against).
+    capacity: expected total length (prompt + new tokens + one tree), to size the KV buffers once.
+    """
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
+                 tree_attention: str = "split", capacity: int = 0):
+        if tree_attention not in TREE_ATTENTION:
+            raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
         self.model = model
         self.feature_layers = feature_layers
         self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
-        self.cache = DynamicCache(config=model.config)
+        self.split = tree_attention == "split"
+        if self.split:
+            attention.use_tree_attention(model)
+        elif attention.base_backend(model.config._attn_implementation) not in ("eager", "sdpa"):
+            raise ConfigError("tree_attention", f"a dense tree mask needs eager or sdpa, not "
+                              f"{model.config._attn_implementation}", "use tree_attention='split'")
+        self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
         self.mtype = model_type(model)
         self.gdn = self.mtype in GDN_MODEL_TYPES
@@ -78,15 +166,23 @@ class TargetSession:
         """One forward over [root] + nodes; logits [n, V] (row i: the target after node i)."""
         ids = tree.tokens.unsqueeze(0)
         pos = (tree.depths + self.length).unsqueeze(0)
-        # a chain's ancestor mask is the causal mask the model builds itself
-        mask = None if tree.is_chain else tree_attention_mask(tree, self.length, self.model.dtype)
-        if self.gdn and len(tree) > 1:
-            with self._gdn.tree_verification(tree.parents):
-                return self._forward(ids, pos, mask)
-        return self._forward(ids, pos, mask)
+        with contextlib.ExitStack() as stack:
+            mask = None  # a chain's ancestor mask is the causal mask the model builds itself
+            if not tree.is_chain:
+                if self.split:
+                    stack.enter_context(attention.tree_verification(tree, self.length))
+                else:
+                    mask = tree_attention_mask(tree, self.length, self.model.dtype)
+            if self.gdn and len(tree) > 1:
+                stack.enter_context(self._gdn.tree_verification(tree.parents))
+            return self._forward(ids, pos, mask)
 
-    def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
-        """Keep the committed prefix plus the accepted path (flat indices, root first); drop the rest."""
+    @torch.inference_mode()
+    def commit(self, tree: DraftTree, accepted: torch.Tensor, accepted_list: list[int] | None = None) -> None:
+        """Keep the committed prefix plus the accepted path (flat indices, root first); drop the rest.
+
+        accepted_list: the same indices on the host, when the caller has them (saves a device read).
+        """
         n, k = len(tree), accepted.shape[0]
         contiguous = tree.is_chain  # a chain's accepted path is always its first k nodes
         for layer in self.cache.layers:
@@ -98,11 +194,13 @@ class TargetSession:
                 continue
             if contiguous:
                 layer.crop(k - n)
+            elif isinstance(layer, PreallocatedLayer):
+                layer.keep(self.length, accepted)
             else:
                 keep = torch.cat([torch.arange(self.length, device=accepted.device), self.length + accepted])
                 layer.keys = layer.keys.index_select(-2, keep)
                 layer.values = layer.values.index_select(-2, keep)
         if self.gdn:
             if len(tree) > 1:
-                self._gdn.commit_linear_states(self.cache, accepted)
+                self._gdn.commit_linear_states(self.cache, accepted_list if accepted_list is not None else accepted)
         self.length += k

@@ -13,11 +13,15 @@ from ddtree.tiny import tiny_model
 V, T, N = 12, 1.0, 1000
 
 
-@pytest.fixture(scope="module")
-def pair():
-    target = tiny_model("qwen3", seed=3, vocab_size=V, num_hidden_layers=2)
-    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=5, mask_token_id=V - 1)
-    return target, drafter
+_PAIRS = {}
+
+
+def pair(model_type: str = "qwen3"):
+    if model_type not in _PAIRS:
+        target = tiny_model(model_type, seed=3, vocab_size=V, num_hidden_layers=2 if model_type == "qwen3" else 4)
+        drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=5, mask_token_id=V - 1)
+        _PAIRS[model_type] = target, drafter
+    return _PAIRS[model_type]
 
 
 @torch.no_grad()
@@ -29,9 +33,13 @@ def exact_joint(target, ids: torch.Tensor) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 7), ("ddtree", 40)])
-def test_first_two_tokens_follow_target(pair, method, budget):
-    target, drafter = pair
+@pytest.mark.parametrize("model_type,method,budget", [
+    ("qwen3", "dflash", None), ("qwen3", "ddtree", 7), ("qwen3", "ddtree", 40),
+    pytest.param("qwen3_5_text", "dflash", None, marks=pytest.mark.slow),  # hybrid GDN + attention
+    ("qwen3_5_text", "ddtree", 7),
+])
+def test_first_two_tokens_follow_target(model_type, method, budget):
+    target, drafter = pair(model_type)
     ids = torch.tensor([[1, 5, 2, 7]])
     probs = exact_joint(target, ids).flatten().double()
     g = torch.Generator().manual_seed(11)

@@ -1,0 +1,121 @@
+"""Hybrid GDN + attention targets through the whole engine: lossless for every method.
+
+The tiny hybrids keep a slowly decaying GDN state (A_log = log 0.05), so a wrong rollback
+or a GDN layer that ignores the tree shows up in the output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_utils import ScriptedProposer, hf_greedy
+
+import ddtree
+from compat import gdn_tree
+from ddtree.drafter import DFlashDrafter
+from ddtree.errors import ConfigError
+from ddtree.target import check_target_supported
+from ddtree.tiny import tiny_model
+
+HYBRIDS = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"]
+
+
+def _prompts(vocab):
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in (3, 14)]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", HYBRIDS)
+def test_hybrid_methods_equal_hf_greedy(model_type, attn):
+    vocab = 12  # small vocabulary: random drafts are accepted deep
+    target = tiny_model(model_type, seed=6, attn_implementation=attn, vocab_size=vocab)
+    new, deepest = 16, 0
+    for bs in (4, 16):
+        drafter = DFlashDrafter.random_for_target(target.config, block_size=bs, seed=bs, attn_implementation=attn)
+        for ids in _prompts(vocab):
+            ref = hf_greedy(target, ids, new)
+            assert ddtree.generate(target, drafter, ids, method="ar", max_new_tokens=new).output_ids == ref
+            assert ddtree.generate(target, drafter, ids, method="dflash", max_new_tokens=new).output_ids == ref
+            for budget in (2, 7, 48):
+                res = ddtree.generate(target, drafter, ids, method="ddtree", budget=budget, max_new_tokens=new)
+                assert res.output_ids == ref, f"ddtree block {bs} budget {budget}"
+                deepest = max(deepest, max(res.acceptance_lengths))
+    assert deepest >= 3
+
+
+def test_scripted_deep_trees_on_hybrid():
+    target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
+    for seed, ids in enumerate(_prompts(64)):
+        ref = hf_greedy(target, ids, 24)
+        res = ddtree.generate(target, None, ids, max_new_tokens=24, proposer=ScriptedProposer(ref, 64, seed=seed))
+        assert res.output_ids == ref
+        assert max(res.acceptance_lengths) >= 4
+
+
+def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
+    """Proves the lossless tests see the bug: a GDN layer run as a flat chain gives other tokens."""
+    target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
+    monkeypatch.setattr(gdn_tree, "tree_verification", _chain_context)
+    monkeypatch.setattr(gdn_tree, "commit_linear_states", lambda cache, accepted: None)
+    gdn_tree.uninstall()
+    try:
+        wrong = 0
+        for seed, ids in enumerate(_prompts(64)):
+            ref = hf_greedy(target, ids, 24)
+            res = ddtree.generate(target, None, ids, max_new_tokens=24, proposer=ScriptedProposer(ref, 64, seed=seed),
+                                  )
+            wrong += res.output_ids != ref
+        assert wrong > 0
+    finally:
+        monkeypatch.undo()
+        gdn_tree.install()
+
+
+class _chain_context:
+    def __init__(self, parents):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_other_stateful_families_are_refused_for_tree_methods():
+    for family in ("falcon_h1", "nemotron_h", "granitemoehybrid", "mamba2", "lfm2"):
+        check_target_supported(family, "ar")
+        for method in ("dflash", "ddtree"):
+            with pytest.raises(ConfigError, match=family):
+                check_target_supported(family, method)
+
+
+def test_multimodal_wrapper_class_is_lossless():
+    """Qwen3_5ForConditionalGeneration: embeddings and lm_head reached through the wrapper's accessors."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from ddtree.tiny import slow_decay_, tiny_config
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)
+    cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5_text", vocab_size=12).to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    target = slow_decay_(Qwen3_5ForConditionalGeneration(cfg)).eval()
+    drafter = DFlashDrafter.random_for_target(cfg.text_config, block_size=8, seed=1)
+    for ids in _prompts(12):
+        ref = hf_greedy(target, ids, 12)
+        for method, budget in (("dflash", None), ("ddtree", 16)):
+            assert ddtree.generate(target, drafter, ids, method=method, budget=budget,
+                                   max_new_tokens=12).output_ids == ref
+
+
+def test_unknown_linear_attention_family_is_refused():
+    """A model whose cache has linear-attention layers we have no exact tree patch for is refused."""
+    target = tiny_model("qwen3_5_text", seed=1, vocab_size=12)
+    target.config.model_type = "some_new_hybrid"
+    ids = torch.tensor([[1, 2, 3]])
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4)
+    assert ddtree.generate(target, drafter, ids, method="ar", max_new_tokens=3).output_ids
+    with pytest.raises(ConfigError, match="some_new_hybrid"):
+        ddtree.generate(target, drafter, ids, method="ddtree", budget=4, max_new_tokens=3)
