@@ -213,6 +213,7 @@ def table() -> tuple[Patch, ...]:
         hybrid_cache,
         qwen3_import_shims,
         sliding_window,
+        upstream_gdn_tree,
         upstream_timer,
     )
 
@@ -225,6 +226,7 @@ def table() -> tuple[Patch, ...]:
         sliding_window.PATCH,
         qwen3_import_shims.PATCH,
         upstream_timer.PATCH,
+        upstream_gdn_tree.PATCH,
     ]
     gdn = external_patch("gdn-tree-verify", "compat.gdn_tree")
     if gdn is not None:

@@ -115,6 +115,8 @@ RELIED_ON_PINS = {
     ),
     "transformers.cache_utils:get_layer_types_and_kwargs": ("config",),
     "transformers.cache_utils:Cache.get_seq_length": ("self", "layer_idx=0"),
+    # upstream-gdn-tree crops the attention layers of the authors' target cache itself
+    "transformers.cache_utils:DynamicLayer.crop": ("self", "tokens_to_remove"),
     "transformers.modeling_flash_attention_utils:_lazy_define_process_function": ("flash_function",),
     "transformers.models.qwen3.modeling_qwen3:Qwen3ForCausalLM.forward": _CAUSAL_LM_FORWARD,
     "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5ForCausalLM.forward": _CAUSAL_LM_FORWARD,

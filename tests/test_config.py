@@ -46,7 +46,7 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
             return [], "drafter.name_or_path"
         return [], None
     if (group, option) == ("attention", "flex_attention"):
-        return [], "attention.target"  # refused for ddtree (dense tree masks crash flex)
+        return [], None  # ddtree verifies on flex through a BlockMask (ddtree.attention)
     if (group, option) == ("attention", "flash_attention_2"):
         return ["method=dflash"], None if HAS_FLASH else "attention.target"
     if (group, option) == ("dataset", "jsonl"):
@@ -115,7 +115,8 @@ def test_overrides_reach_the_schema():
     (["drafter.block_size=1"], "drafter.block_size"),
     (["dataset.max_samples=0"], "dataset.max_samples"),
     (["tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
-    (["engine=upstream"], "engine"),
+    (["engine=nonsense"], "engine"),
+    (["engine=upstream"], "upstream.path"),  # the authors' checkout is not set
     (["model.name_or_path=Qwen/Qwen3-8B"], "model.name_or_path"),
     (["drafter=none"], "drafter"),  # ddtree without a drafter
     (["model=qwen3_8b", "drafter=tiny"], "drafter"),  # a random drafter on a real model
@@ -138,9 +139,11 @@ def test_attention_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="use attention=sdpa") as e:
         C.validate(_compose("attention=flash_attention_2"))  # a tree method needs a tree mask
     assert e.value.setting == "attention.target"
-    with pytest.raises(ConfigError, match="BlockMask"):
-        C.validate(_compose("attention=flex_attention"))
+    C.validate(_compose("attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.attention)
     C.validate(_compose("attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
+    C.validate(_compose("attention.target=ddtree_split_eager"))  # a tree implementation by name
+    with pytest.raises(ConfigError, match="pip install flash-attn"):  # a wrapper needs its backend's package
+        C.validate(_compose("attention.target=ddtree_split_fa2"))
     with pytest.raises(ConfigError, match="drafter does not implement"):
         C.validate(_compose("method=dflash", "attention.drafter=flex_attention"))
     real = importlib.util.find_spec
