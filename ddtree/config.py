@@ -20,7 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .data import read_jsonl
+from .datasets import check_dataset
+from .distributed import check_device_map
 from .errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,17 +33,16 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_KINDS = ("none", "pretrained", "random")
 DATASETS = ("tiny", "jsonl")
 TRACKERS = ("mlflow", "none")
-ENGINES = ("native",)
+ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.upstream_engine)
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 # backends that need a package beyond torch: backend -> (importable module, pip name)
 ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
                       "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
-# backends that cannot take the additive 4-D tree mask DDTree verifies with
-NO_TREE_MASK = {
-    "flash_attention_2": "flash kernels take no arbitrary 4-D mask, only causal/padding",
-    "flash_attention_3": "flash kernels take no arbitrary 4-D mask, only causal/padding",
-    "flex_attention": "a dense 4-D tree mask crashes flex_attention (it needs a BlockMask)",
-}
+# tree-verifying implementations (ddtree.attention; the engine switches a tree method's target to the one
+# wrapping its backend) -> the backend each wraps. Mirrors ddtree.attention.SPLIT_IMPLEMENTATIONS.
+SPLIT_ATTENTION = {"ddtree_split": "sdpa", "ddtree_split_eager": "eager", "ddtree_split_fa2": "flash_attention_2",
+                   "ddtree_split_fa3": "flash_attention_3", "ddtree_flex": "flex_attention"}
+TREE_BACKENDS = tuple(SPLIT_ATTENTION.values())  # backends a draft tree can be verified on
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -69,6 +69,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto: the checkpoint's dtype (float32 for tiny models)
     trust_remote_code: bool = False
     hybrid: bool = False  # has linear-attention (recurrent) layers
+    # null: the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module: device}:
+    # accelerate splits its layers over the GPUs (see ddtree.distributed)
+    device_map: Any = None
 
 
 @dataclass
@@ -92,13 +95,33 @@ class AttentionConfig:
 
 
 @dataclass
+class PromptSection:
+    """A conditional piece of a prompt template (see ddtree.datasets.format_turns)."""
+
+    when: str = MISSING  # a record field: `then` is used when it is non-empty, `otherwise` when not
+    then: str = ""
+    otherwise: str = ""
+
+
+@dataclass
 class DatasetConfig:
-    name: str = "tiny"  # tiny (built-in prompts) | jsonl
-    path: str | None = None  # jsonl: one {"id": ..., "turns": [user messages]} per line
+    name: str = "tiny"  # tiny (built-in prompts) | jsonl | a hub dataset's label (with `hub` set)
+    path: str | None = None  # jsonl: {"id", "turns"} per line; hub datasets: local records with the hub's fields
     chat_template: bool = True  # false: encode the user turn as raw text
     enable_thinking: bool = False
     max_samples: int | None = None
     shuffle_seed: int | None = None  # null: file order
+    # hub datasets (conf/dataset/<benchmark>.yaml), loaded with `datasets`; see ddtree.datasets
+    title: str | None = None  # display name in reports (null: name)
+    hub: str | None = None  # Hugging Face dataset id
+    subset: str | None = None  # its configuration (gsm8k: main)
+    split: str | None = None
+    data_files: list[str] | None = None  # files inside the hub repo (livecodebench)
+    revision: str | None = None
+    id_field: str | None = None  # the record field used as prompt id (null: the row index)
+    turns_field: str | None = None  # a field holding a list of user turns (mt_bench: prompt)
+    template: str | None = None  # str.format over the record's fields and `sections` ({turn} with turns_field)
+    sections: dict[str, PromptSection] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,7 +140,7 @@ class CompatConfig:
 
 @dataclass
 class UpstreamConfig:
-    path: str | None = None  # placeholder: a checkout of the authors' code for engine=upstream
+    path: str | None = None  # engine=upstream: a checkout of the DDTree authors' repository (their ddtree.py, ...)
 
 
 @dataclass
@@ -140,6 +163,7 @@ class RunConfig:
     warmup: bool = True  # one untimed short generation per method after loading
     engine: str = "native"
     runs_dir: str = "runs"
+    tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (experiment configs set tags.experiment)
 
 
 def _register() -> None:
@@ -152,7 +176,7 @@ def _register() -> None:
 _register()
 
 # keys that do not change what a job computes: left out of its identity (resume)
-NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking")
+NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags")
 
 
 # ---------------------------------------------------------------- conversion
@@ -205,6 +229,8 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     d = resolved_dict(cfg)
     for k in NON_IDENTITY_KEYS:
         d.pop(k, None)
+    if d.get("method") not in TREE_METHODS:  # only a tree reads the budget: a budget sweep runs DFlash once
+        d.pop("budget", None)
     return d
 
 
@@ -248,7 +274,7 @@ def drafter_attention() -> tuple[str, ...] | None:
 
 
 def check_attention(setting: str, name: str, *, method: str, for_target: bool, device: str, dtype: str) -> None:
-    if name not in BUILTIN_ATTENTION and name not in registered_attention():
+    if name not in BUILTIN_ATTENTION and name not in SPLIT_ATTENTION and name not in registered_attention():
         raise ConfigError(setting, f"unknown attention backend '{name}'",
                           f"use one of: {', '.join(registered_attention())}")
     if not for_target and name not in ("eager", "sdpa"):
@@ -256,11 +282,14 @@ def check_attention(setting: str, name: str, *, method: str, for_target: bool, d
         if supported is not None and name not in supported:
             raise ConfigError(setting, f"the DFlash drafter does not implement {name}",
                               f"use {setting}=sdpa (one of: {', '.join(supported)})")
-    if for_target and method in TREE_METHODS and name in NO_TREE_MASK:
-        raise ConfigError(setting, f"method={method} verifies a tree, and {NO_TREE_MASK[name]}",
-                          "use attention=sdpa (or eager)")
-    if name in ATTENTION_PACKAGES:
-        module, pip_name = ATTENTION_PACKAGES[name]
+    base = SPLIT_ATTENTION.get(name, name)
+    if name in SPLIT_ATTENTION:  # registers the tree implementations with transformers before any load
+        importlib.import_module("ddtree.attention")
+    if for_target and method in TREE_METHODS and base not in TREE_BACKENDS:
+        raise ConfigError(setting, f"method={method} verifies a tree, which the engine does on "
+                          f"{', '.join(TREE_BACKENDS)} only, not on '{name}'", "use attention=sdpa")
+    if base in ATTENTION_PACKAGES:
+        module, pip_name = ATTENTION_PACKAGES[base]
         if importlib.util.find_spec(module) is None:
             raise ConfigError(setting, f"{name} needs the '{module}' package, which is not installed",
                               f"pip install {pip_name}, or use attention=sdpa")
@@ -372,6 +401,8 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     rc = to_run_config(cfg)
     _choice("method", rc.method, METHODS)
     _choice("engine", rc.engine, ENGINES)
+    if rc.engine == "upstream":
+        check_upstream_path(rc.upstream.path)
     if rc.budget < 1:
         raise ConfigError("budget", f"must be >= 1, got {rc.budget}", "use e.g. budget=32")
     if not math.isfinite(rc.temperature) or rc.temperature < 0:
@@ -389,6 +420,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
                           "pick a hub model (e.g. model=qwen3_8b) and then model.name_or_path=<id or dir>")
     if m.tiny is not None and m.tiny.vocab_size < 16:
         raise ConfigError("model.tiny.vocab_size", f"must be >= 16, got {m.tiny.vocab_size}")
+    check_device_map(m.device_map)
 
     d = rc.drafter
     _choice("drafter.kind", d.kind, DRAFTER_KINDS)
@@ -418,15 +450,12 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if rc.method != "ar":
         check_attention("attention.drafter", rc.attention.drafter, method=rc.method, for_target=False,
                         device=device, dtype=d.dtype or dtype)
+    base_target = SPLIT_ATTENTION.get(rc.attention.target, rc.attention.target)
+    if rc.engine == "upstream" and rc.method in TREE_METHODS and base_target not in ("eager", "sdpa"):
+        raise ConfigError("attention.target", f"engine=upstream verifies the tree with the authors' dense 4-D mask, "
+                          f"which '{rc.attention.target}' cannot take", "use attention=sdpa (or eager)")
 
-    ds = rc.dataset
-    _choice("dataset.name", ds.name, DATASETS)
-    if ds.max_samples is not None and ds.max_samples < 1:
-        raise ConfigError("dataset.max_samples", f"must be >= 1, got {ds.max_samples}", "use null for all prompts")
-    if ds.name == "jsonl":
-        if not ds.path:
-            raise ConfigError("dataset.path", "is required for dataset=jsonl", "pass dataset.path=<file.jsonl>")
-        read_jsonl(ds.path)  # parses, and so checks, every line
+    check_dataset(rc.dataset)  # settings and local files only: nothing is downloaded here
 
     t = rc.tracking
     _choice("tracking.backend", t.backend, TRACKERS)
@@ -439,6 +468,17 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     if rc.method != "ar":  # AR never loads the drafter
         check_drafter_fits(rc)
     return rc
+
+
+def check_upstream_path(path: str | None) -> None:
+    """engine=upstream: upstream.path must be a checkout of the authors' code (layout only; nothing imported)."""
+    from compat.upstream import UpstreamError, check_path
+
+    try:
+        check_path(path)
+    except UpstreamError as e:
+        problem, _, fix = str(e).removeprefix("upstream.path: ").partition(" — ")
+        raise ConfigError("upstream.path", problem, fix or None) from None
 
 
 def tracking_uri(rc: RunConfig) -> str:

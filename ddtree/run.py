@@ -3,6 +3,7 @@
     python -m ddtree.run                                    # tiny smoke run (offline)
     python -m ddtree.run model=qwen3_8b method=dflash
     python -m ddtree.run method=ddtree budget=32,64 -m      # a sweep: one MLflow parent, a child per job
+    torchrun --nproc_per_node=8 -m ddtree.run model=qwen3_8b  # data parallel: the prompts shared by 8 ranks
 
 Each job writes samples.jsonl (appended as prompts finish) and summary.json into its Hydra job dir
 under runs/, prints a short table and, with tracking=mlflow, records a run. A mistake a user can
@@ -11,6 +12,7 @@ make ends the process with one line on stderr (exit code 2), before any model wo
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
 import json
@@ -19,6 +21,7 @@ import platform
 import re
 import sys
 import time
+import warnings
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,8 +44,14 @@ from .config import (
     tracking_uri,
     validate,
 )
-from .data import Prompt, encode, fingerprint, load_prompts
+from .data import Prompt, encode, fingerprint
+from .datasets import load_dataset_prompts
 from .errors import ConfigError
+
+# conf/hydra/launcher/{submitit_slurm,submitit_local,ray}.yaml shadow the plugins' own configs on purpose
+# (ddtree's defaults: a GPU per job); Hydra 1.3 then validates them against the plugin's schema, and says so
+warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema",
+                        category=UserWarning)
 
 USER_ERROR_EXIT = 2
 SAMPLES = "samples.jsonl"
@@ -50,6 +59,9 @@ SUMMARY = "summary.json"
 HISTOGRAM = "acceptance_hist.png"
 RESOLVED = "config_resolved.yaml"
 STAGES = ("draft", "tree", "verify", "commit")
+# conf/hydra/launcher/*.yaml: the plugin module each needs -> how to install it
+LAUNCHER_PACKAGES = {"hydra_plugins.hydra_submitit_launcher": "pip install 'ddtree[cluster]' (hydra-submitit-launcher)",
+                     "hydra_plugins.hydra_ray_launcher": "pip install hydra-ray-launcher"}
 
 
 # ---------------------------------------------------------------- models, loaded once per process
@@ -94,8 +106,15 @@ def torch_dtype(name: str | None, *, tiny: bool):
 
 
 def load_target(rc: RunConfig, device: str):
-    """(model, tokenizer): a tiny random model built in code, or a checkpoint."""
+    """(model, tokenizer): a tiny random model built in code, or a checkpoint.
+
+    With model.device_map set, accelerate places the layers (over this rank's GPUs under torchrun)
+    and `device` is not used for the target; see ddtree.distributed.input_device.
+    """
+    from .distributed import dispatch, rank_max_memory, world_from_env
+
     m = rc.model
+    max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
     if m.tiny is not None:
         from .tiny import tiny_model
         from .tokenizer import tiny_tokenizer
@@ -104,12 +123,15 @@ def load_target(rc: RunConfig, device: str):
         model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
                            dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
                            num_hidden_layers=t.num_hidden_layers)
-        return model.to(device).eval(), tiny_tokenizer(t.vocab_size)
+        model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
+        return model.eval(), tiny_tokenizer(t.vocab_size)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    kw = {"max_memory": max_memory} if max_memory else {}
     model = AutoModelForCausalLM.from_pretrained(
         m.name_or_path, dtype=torch_dtype(m.dtype, tiny=False), attn_implementation=rc.attention.target,
-        revision=m.revision, trust_remote_code=m.trust_remote_code, device_map=device)
+        revision=m.revision, trust_remote_code=m.trust_remote_code,
+        device_map=m.device_map if m.device_map is not None else device, **kw)
     tokenizer = AutoTokenizer.from_pretrained(m.tokenizer or m.name_or_path, revision=m.revision,
                                               trust_remote_code=m.trust_remote_code)
     return model.eval(), tokenizer
@@ -137,6 +159,15 @@ def load_drafter(rc: RunConfig, target, device: str):
     return drafter.eval()
 
 
+def model_device(target, rc: RunConfig, device: str) -> str:
+    """Where inputs (and the drafter) go: `device`, or with a device map the embeddings' execution device."""
+    if rc.model.device_map is None:
+        return device
+    from .distributed import input_device
+
+    return str(input_device(target))
+
+
 def _key(*parts: Any) -> str:
     return json.dumps(parts, sort_keys=True, default=str)
 
@@ -154,10 +185,14 @@ def get_models(rc: RunConfig, device: str):
         d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
         if rc.drafter.kind == "pretrained":
             d.pop("block_size")  # applied at generate time, not at load time
-        dkey = _key(tkey, d, rc.attention.drafter)
+        dkey = _key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path)
         if _MODELS.drafter_key != dkey:
             _MODELS.drafter = None
-            _MODELS.drafter = load_drafter(rc, _MODELS.target, device)
+            _MODELS.drafter = load_drafter(rc, _MODELS.target, model_device(_MODELS.target, rc, device))
+            if rc.engine == "upstream":  # the authors' drafter class, holding the same tensors
+                from .upstream_engine import upstream_drafter
+
+                _MODELS.drafter = upstream_drafter(load_upstream(rc), _MODELS.drafter)
             _MODELS.drafter_key = dkey
         drafter = _MODELS.drafter
     return _MODELS.target, _MODELS.tokenizer, drafter
@@ -186,6 +221,14 @@ def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
     return [r if isinstance(r, dict) else {"id": str(getattr(r, "id", r)), "status": "applied"} for r in report or []]
 
 
+def load_upstream(rc: RunConfig):
+    """engine=upstream: the authors' modules from upstream.path, patched as compat.* says (cached per path)."""
+    from .upstream_engine import load_upstream_engine
+
+    return load_upstream_engine(rc.upstream.path, only=rc.compat.only, skip=rc.compat.skip,
+                                patch=rc.compat.enabled)
+
+
 # ---------------------------------------------------------------- one job
 
 
@@ -204,6 +247,10 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
 
     from . import generate
 
+    if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
+        from .upstream_engine import generate_upstream
+
+        generate = functools.partial(generate_upstream, load_upstream(rc))
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
@@ -259,6 +306,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
     speedup = (m["tokens_per_s"] / b["tokens_per_s"]) if b and m["tokens_per_s"] and b["tokens_per_s"] else None
     block = next((r["block_size"] for r in meth if r.get("block_size")), None)
     return {
+        "engine": rc.engine,
         "method": rc.method, "budget": rc.budget if rc.method == "ddtree" else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
         "num_prompts": len({r["id"] for r in meth}),
@@ -318,56 +366,81 @@ def _job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 
 def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job. Returns the summary, or None when skipped because it already finished."""
+    """One Hydra job. Returns the summary; None when skipped because it already finished, and on ranks > 0.
+
+    Under torchrun / accelerate launch every rank runs this with the same config: see ddtree.distributed.
+    """
+    from . import distributed as D
+
     rc = to_run_config(cfg)
     if rc.dataset.path:
         rc.dataset.path = hydra.utils.to_absolute_path(rc.dataset.path)
     rc = validate(rc)
-    prompts = load_prompts(rc.dataset.name, rc.dataset.path, max_samples=rc.dataset.max_samples,
-                           shuffle_seed=rc.dataset.shuffle_seed)
+    prompts = load_dataset_prompts(rc.dataset)
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
-    job_dir, sweep_dir, overrides, log_file = _job_dirs()
+    world = D.world_from_env()
+    device = D.rank_device(resolve_device(rc.device), world, rc.model.device_map)
+    D.init(world, device)
+    # rank 0's dirs are the job's: the other ranks' Hydra output went to a scratch dir (hydra_argv_for_rank)
+    job_dir, sweep_dir, overrides, log_file = D.broadcast(_job_dirs(), world)
     job_dir.mkdir(parents=True, exist_ok=True)
 
     from .tracking import config_hash, git_commit, make_tracker, numeric_metrics, write_histogram
 
     chash = config_hash(identity)
-    uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" else None
-    tracker = make_tracker(rc.tracking.backend, uri, rc.tracking.experiment)
-    done = None if rc.force else tracker.finished_run(chash)
+    uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" and world.is_main else None
+    tracker = make_tracker(rc.tracking.backend if world.is_main else "none", uri, rc.tracking.experiment)
+    done = D.broadcast(None if rc.force else tracker.finished_run(chash), world)
     if done:
-        print(f"skipped: this config already finished as MLflow run {done} in experiment "
-              f"'{rc.tracking.experiment}' ({' '.join(overrides) or 'defaults'}); force=true reruns it", flush=True)
+        if world.is_main:
+            print(f"skipped: this config already finished as MLflow run {done} in experiment "
+                  f"'{rc.tracking.experiment}' ({' '.join(overrides) or 'defaults'}); force=true reruns it",
+                  flush=True)
         return None
 
     compat_report = apply_compat(rc)
+    if rc.engine == "upstream":  # import the authors' code before model work; report their patches too
+        compat_report = load_upstream(rc).patches or compat_report
     for r in compat_report:
-        if r.get("status") == "failed":
+        if r.get("status") == "failed" and world.is_main:
             print(f"warning: compat patch {r['id']} failed to install: {r.get('detail')}", file=sys.stderr)
-    device = resolve_device(rc.device)
     t_load = time.perf_counter()
     target, tokenizer, drafter = get_models(rc, device)
     load_s = time.perf_counter() - t_load
+    device = model_device(target, rc, device)  # with a device map: where the embeddings run
     stops = stop_token_ids(tokenizer, target)
     env = environment(device, compat_report)
+    env["world_size"] = world.world_size
+    where = D.placement(target)
+    if where is not None:
+        env["placement"] = where
 
-    resolved = resolved_dict(rc)
-    (job_dir / RESOLVED).write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    # rank 0 writes the job's files; with several ranks each appends its own share of samples
     samples_path = job_dir / SAMPLES
-    samples_path.write_text("")  # a rerun in the same dir starts a fresh file
+    rank_path = job_dir / D.rank_samples_name(world.rank) if world.is_distributed else samples_path
+    rank_path.write_text("")  # a rerun in the same dir starts a fresh file
+    if world.is_distributed and world.is_main:
+        samples_path.unlink(missing_ok=True)  # written whole once the ranks' records are gathered
+    resolved = resolved_dict(rc)
     artifacts = [job_dir / ".hydra" / "config.yaml", job_dir / ".hydra" / "overrides.yaml", job_dir / RESOLVED]
-
     base_name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if rc.method == "ddtree" else "")
-    tags = {"torch_version": env["versions"]["torch"], "transformers_version": env["versions"]["transformers"],
-            "python_version": env["versions"]["python"], "device": device, "device_name": env["device_name"],
-            "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
-            **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
-            "overrides": " ".join(overrides), "job_dir": str(job_dir), "mlflow.source.name": "ddtree.run"}
-    tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
-    sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
-    job = tracker.start(run_name=base_name, params=flatten(resolved), tags=tags, config_hash=chash,
-                        sweep_dir=sweep_dir, sweep_name=sweep_name)
+    base_name += "-upstream" if rc.engine == "upstream" else ""
+    job = None
+    if world.is_main:
+        (job_dir / RESOLVED).write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+        tags = {"torch_version": env["versions"]["torch"], "transformers_version": env["versions"]["transformers"],
+                "python_version": env["versions"]["python"], "device": device, "device_name": env["device_name"],
+                "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
+                **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
+                "overrides": " ".join(overrides), "job_dir": str(job_dir), "mlflow.source.name": "ddtree.run",
+                "world_size": world.world_size, **rc.tags}
+        if where is not None:
+            tags["devices"] = ",".join(where["devices"])
+        tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
+        sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
+        job = tracker.start(run_name=base_name, params=flatten(resolved), tags=tags, config_hash=chash,
+                            sweep_dir=sweep_dir, sweep_name=sweep_name)
 
     methods = [rc.method] + (["ar"] if rc.baseline and rc.method != "ar" else [])
     records: list[dict[str, Any]] = []
@@ -375,28 +448,27 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
     torch.manual_seed(rc.seed)
     try:
-        wkey = _key(_MODELS.target_key, _MODELS.drafter_key, rc.method)
-        if rc.warmup and wkey not in _MODELS.warmed:  # first-call costs stay out of the timings
-            for meth in methods:
-                for _ in run_conversation(target, drafter, tokenizer, Prompt("warmup", prompts[0].turns[:1]), meth,
-                                          rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens)):
-                    pass
-            _MODELS.warmed.add(wkey)
-        from tqdm import tqdm
-
-        with samples_path.open("a", encoding="utf-8") as out:
-            bar = tqdm(prompts, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True)
-            for prompt in bar:
-                for meth in reversed(methods):  # the baseline first: the method's outputs get compared to it
-                    role = "method" if meth == rc.method else "baseline"
-                    for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc, device,
-                                                            stops):
-                        rec = {"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
-                        records.append(rec)
-                        out.write(json.dumps(rec) + "\n")
-                out.flush()
-                m = [r for r in records if r["role"] == "method"]
-                bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
+        failure: BaseException | None = None
+        try:
+            _generate_shard(target, drafter, tokenizer, prompts, D.shard(prompts, world), methods, rc, device,
+                            stops, rank_path, records, base_name, show_progress=world.is_main)
+        except Exception as e:
+            if not world.is_distributed:
+                raise
+            failure = e  # still join the gather below, so rank 0 learns of it instead of waiting
+        gathered = D.gather({"rank": world.rank, "records": records,
+                             "error": None if failure is None else f"{type(failure).__name__}: {failure}"}, world)
+        if failure is not None:
+            raise failure
+        if not world.is_main:
+            return None
+        errors = [f"rank {g['rank']}: {g['error']}" for g in gathered if g["error"]]
+        if errors:
+            raise RuntimeError("a data-parallel rank failed: " + "; ".join(errors))
+        if world.is_distributed:
+            records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
+            with samples_path.open("w", encoding="utf-8") as out:
+                out.writelines(json.dumps(rec) + "\n" for rec in records)
         summary = summarize(records, rc, {**env, "load_s": load_s, "config_hash": chash})
         (job_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
@@ -413,10 +485,40 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
         if job is not None:  # keep what finished; the run says FAILED (KILLED on Ctrl-C)
             try:
                 job.set_tags({"error": f"{type(e).__name__}: {e}"[:500]})
-                job.log_artifacts([*artifacts, samples_path])
+                job.log_artifacts([*artifacts, samples_path if samples_path.is_file() else rank_path])
             finally:
                 job.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
         raise
+
+
+def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
+                    rc: RunConfig, device: str, stops: list[int], path: Path, records: list[dict[str, Any]],
+                    base_name: str, show_progress: bool = True) -> None:
+    """Warm up (once per process and setting), then run every method on this rank's prompts, appending
+    one record per prompt, turn and role to `records` and to `path` as each prompt finishes."""
+    wkey = _key(_MODELS.target_key, _MODELS.drafter_key, rc.method)
+    if rc.warmup and wkey not in _MODELS.warmed:  # first-call costs stay out of the timings
+        for meth in methods:
+            for _ in run_conversation(target, drafter, tokenizer, Prompt("warmup", prompts[0].turns[:1]), meth,
+                                      rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens)):
+                pass
+        _MODELS.warmed.add(wkey)
+    from tqdm import tqdm
+
+    with path.open("a", encoding="utf-8") as out:
+        bar = tqdm(mine, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True,
+                   disable=not show_progress)
+        for prompt in bar:
+            for meth in reversed(methods):  # the baseline first: the method's outputs get compared to it
+                role = "method" if meth == rc.method else "baseline"
+                for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc, device,
+                                                        stops):
+                    rec = {"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
+                    records.append(rec)
+                    out.write(json.dumps(rec) + "\n")
+            out.flush()
+            m = [r for r in records if r["role"] == "method"]
+            bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
 
 
 # ---------------------------------------------------------------- entry point
@@ -459,8 +561,10 @@ def _hydra_main(cfg: DictConfig) -> None:
     try:
         run_job(cfg)
     except BaseException as e:
+        from .distributed import world_from_env
+
         sweep_dir = _job_dirs()[1]
-        if sweep_dir is not None:  # the basic launcher stops the sweep here: its parent run failed too
+        if sweep_dir is not None and world_from_env().is_main:  # the basic launcher stops the sweep here
             from .tracking import fail_sweep
 
             try:
@@ -476,11 +580,21 @@ def main() -> None:
     # let composition errors reach us instead of Hydra's multi-line report
     os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
+        from .distributed import hydra_argv_for_rank, world_from_env
+
+        sys.argv[1:] = hydra_argv_for_rank(sys.argv[1:], world_from_env())  # torchrun ranks > 0: scratch dirs
         _hydra_main()
+    except ConfigError as e:  # a malformed RANK/WORLD_SIZE environment
+        _user_error(str(e))
     except (HydraException, OmegaConfBaseException) as e:
         if os.environ.get("DDTREE_TRACEBACK"):
             raise
         _user_error(_one_line(e))
+    except RuntimeError as e:  # hydra/launcher=<x> whose plugin is not installed
+        missing = next((fix for mod, fix in LAUNCHER_PACKAGES.items() if f"'{mod}." in str(e)), None)
+        if missing is None or os.environ.get("DDTREE_TRACEBACK"):
+            raise
+        _user_error(f"hydra/launcher: the launcher plugin is not installed — {missing}")
     except BrokenPipeError:  # `--help | head`: the reader left, which is fine
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 

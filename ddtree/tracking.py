@@ -2,9 +2,13 @@
 
 No engine imports; mlflow and matplotlib load on first use, so a config error never pays for them.
 
-The sweep's parent run id travels to jobs (in this or any other process) through a file in the
-sweep directory (`mlflow_parent.json`, created under a lock by the first job that needs it), or
-through the environment variable DDTREE_MLFLOW_PARENT_RUN_ID when an outer tool made the parent.
+The sweep's parent run is created in the launching process when the sweep starts (SweepCallback),
+recorded in the sweep directory (`mlflow_parent.json`) and handed to every job through
+`hydra.job.env_set` as DDTREE_MLFLOW_PARENT_RUN_ID, so jobs in other processes or on other machines
+(submitit, Ray) agree on it without a shared file system. A job that finds no id creates the parent
+itself, under a lock on the sweep dir file. An outer tool may set DDTREE_MLFLOW_PARENT_RUN_ID itself:
+ddtree then neither creates nor closes a parent. A sweep whose jobs were all skipped (already
+finished) leaves no parent behind.
 """
 
 from __future__ import annotations
@@ -237,16 +241,35 @@ def make_tracker(backend: str, uri: str | None, experiment: str) -> MlflowTracke
     return MlflowTracker(uri, experiment) if backend == "mlflow" else NoTracker()
 
 
-def finish_sweep(sweep_dir: Path, extra_artifacts: Iterable[Path] = ()) -> str | None:
-    """End the sweep's parent run FINISHED (unless a job already marked it FAILED); its id, if any."""
+def _own_parent(sweep_dir: Path) -> dict[str, Any] | None:
+    """The sweep dir's parent record, unless there is none or an outer tool's parent (another id) is in use."""
     record = Path(sweep_dir) / PARENT_FILE
-    if not record.is_file() or os.environ.get(PARENT_ENV):
-        return None  # no job ever tracked, or an outer tool owns the parent
+    if not record.is_file():
+        return None
     d = json.loads(record.read_text())
+    outer = os.environ.get(PARENT_ENV)
+    return None if outer and outer != d["run_id"] else d
+
+
+def finish_sweep(sweep_dir: Path, extra_artifacts: Iterable[Path] = ()) -> str | None:
+    """End the sweep's parent run FINISHED (unless a job already marked it FAILED); its id, if any.
+
+    A parent without children (every job was skipped) is deleted, with its record.
+    """
+    d = _own_parent(sweep_dir)
+    if d is None:
+        return None  # no job ever tracked, or an outer tool owns the parent
     from mlflow import MlflowClient
+    from mlflow.entities import ViewType
 
     client = MlflowClient(tracking_uri=d["tracking_uri"])
     run = client.get_run(d["run_id"])
+    children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{d['run_id']}'",
+                                  run_view_type=ViewType.ALL, max_results=1)
+    if not children and run.info.status == "RUNNING":
+        client.delete_run(d["run_id"])
+        (Path(sweep_dir) / PARENT_FILE).unlink(missing_ok=True)
+        return None
     for p in extra_artifacts:
         if Path(p).is_file():
             client.log_artifact(d["run_id"], str(p))
@@ -257,10 +280,9 @@ def finish_sweep(sweep_dir: Path, extra_artifacts: Iterable[Path] = ()) -> str |
 
 def fail_sweep(sweep_dir: Path) -> None:
     """Mark the sweep's parent run FAILED (a job stopped the sweep before on_multirun_end could run)."""
-    record = Path(sweep_dir) / PARENT_FILE
-    if not record.is_file() or os.environ.get(PARENT_ENV):
+    d = _own_parent(sweep_dir)
+    if d is None:
         return
-    d = json.loads(record.read_text())
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=d["tracking_uri"])
@@ -274,8 +296,54 @@ except ImportError:  # pragma: no cover - hydra is a dependency; keep the module
     Callback = object  # type: ignore[misc,assignment]
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return not module or importlib.util.find_spec(module) is not None
+    except ImportError:  # a parent package is missing
+        return False
+
+
+def _sweep_store(config: Any) -> tuple[str, str] | None:
+    """(tracking uri, experiment) every job of this sweep records to; None when there is no single one."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from .config import to_run_config, tracking_uri
+
+    try:
+        rc = to_run_config(config)
+        task = [str(o) for o in config.hydra.overrides.task]
+        swept = {o.key_or_group.split(".")[0] for o in OverridesParser.create().parse_overrides(task)
+                 if o.is_sweep_override()}
+    except Exception:  # a bad config: its jobs report it, one line each
+        return None
+    if rc.tracking.backend != "mlflow" or swept & {"tracking", "runs_dir"}:
+        return None  # nothing to record, or jobs in different stores: each job finds its own parent
+    return tracking_uri(rc), rc.tracking.experiment
+
+
 class SweepCallback(Callback):
     """Registered in conf/config.yaml (hydra.callbacks). Runs in the launching process."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        """Create the parent run now and hand its id to every job, whichever process or machine runs it."""
+        from omegaconf import read_write
+
+        from .distributed import world_from_env
+
+        if os.environ.get(PARENT_ENV) or not world_from_env().is_main:
+            return  # an outer tool's parent; or a torchrun rank > 0, which never records
+        if not _importable(str(config.hydra.launcher.get("_target_", "")).rpartition(".")[0]):
+            return  # Hydra is about to fail on the missing launcher plugin: leave no empty parent behind
+        store = _sweep_store(config)
+        if store is None:
+            return
+        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        run_id = MlflowTracker(*store).sweep_parent(sweep_dir, f"sweep {sweep_dir.parent.name}/{sweep_dir.name}")
+        # every launcher rebuilds a job's config from hydra.overrides.hydra (+ the job's own overrides)
+        with read_write(config.hydra.overrides):
+            config.hydra.overrides.hydra.append(f"++hydra.job.env_set.{PARENT_ENV}={run_id}")
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
