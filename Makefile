@@ -27,11 +27,13 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
 
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m ddtree.run
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run +experiment=toy method=dflash force=true
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run +experiment=toy force=true -m
 
 bench: $(STAMP)
 	$(PY) bench/bench_tree.py
 	$(PY) bench/bench_stages.py
+	OMP_NUM_THREADS=1 $(PY) bench/bench_round.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddtree compat tests bench

@@ -108,7 +108,8 @@ class _DrafterBlock:
         blk_pos = torch.arange(state.start, state.start + self.block_size, device=dev).unsqueeze(0)
         hidden = self.drafter(self.embed(block), ctx, ctx_pos, blk_pos, cache=self.cache)
         self.ctx_len += c
-        return self.lm_head(hidden[0, 1:]).float()
+        # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
+        return self.lm_head(hidden[0, 1:]).float().to(dev)
 
 
 class DFlashProposer(_DrafterBlock):

@@ -82,7 +82,7 @@ class PreallocatedLayer(DynamicLayer):
     def keep(self, start: int, index: torch.Tensor) -> None:
         """Keep [:start] plus the rows start + index (in that order); drop the rest. Moves len(index) rows."""
         k = index.shape[0]
-        rows = start + index
+        rows = start + index.to(self._k.device)  # under a device map the layer may sit elsewhere
         self._k[..., start: start + k, :].copy_(self.keys.index_select(-2, rows))
         self._v[..., start: start + k, :].copy_(self.values.index_select(-2, rows))
         self.keys, self.values = self._k[..., : start + k, :], self._v[..., : start + k, :]
@@ -108,6 +108,14 @@ def new_cache(model: PreTrainedModel, capacity: int = 0, full_sliding: bool = Fa
 def context_features(hidden_states: tuple, layer_ids: list[int]) -> torch.Tensor:
     """DFlash context features: hidden_states[i + 1] of each target layer id, concatenated."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _rebind_hooked_forwards(model: PreTrainedModel, classes: tuple[type, ...]) -> None:
+    """A module placed by accelerate (device_map) calls the forward its hook saw when it was attached;
+    point it at the class's current (patched) forward, or a patch installed after loading is bypassed."""
+    for module in model.modules():
+        if isinstance(module, classes) and hasattr(module, "_old_forward"):
+            module._old_forward = type(module).forward.__get__(module, type(module))
 
 
 class TargetSession:
@@ -141,6 +149,18 @@ class TargetSession:
 
             gdn_tree.install()  # idempotent; inert outside a tree_verification context
             self._gdn = gdn_tree
+            _rebind_hooked_forwards(model, tuple(gdn_tree.target_classes()))
+
+    def check_method(self, method: str) -> None:
+        """Refuse a multi-token method when the cache holds linear-attention state no patch verifies exactly."""
+        text_config = getattr(self.model.config, "text_config", None) or self.model.config
+        if method == "ddtree" and getattr(text_config, "attn_logit_softcapping", None):
+            raise ConfigError("method", f"ddtree on a '{self.mtype}' target is not supported: its soft-capped "
+                              "attention logits cannot be verified as a tree", "use method=dflash or method=ar")
+        if self.gdn or not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.cache.layers):
+            return
+        raise ConfigError("method", f"{method} on a '{self.mtype}' target is not supported: its linear-attention "
+                          "layers have no exact tree verification or rollback", "use method=ar for this model family")
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  logits_to_keep: int = 0):
@@ -197,7 +217,8 @@ class TargetSession:
             elif isinstance(layer, PreallocatedLayer):
                 layer.keep(self.length, accepted)
             else:
-                keep = torch.cat([torch.arange(self.length, device=accepted.device), self.length + accepted])
+                dev = layer.keys.device  # under a device map each layer's cache sits on its own device
+                keep = torch.cat([torch.arange(self.length, device=dev), self.length + accepted.to(dev)])
                 layer.keys = layer.keys.index_select(-2, keep)
                 layer.values = layer.values.index_select(-2, keep)
         if self.gdn:

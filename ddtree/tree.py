@@ -27,9 +27,31 @@ class DraftTree:
     is_chain: bool = False
     depth_bound: int | None = None  # an upper bound on the depth, known without a host read
     _anc: torch.Tensor | None = field(default=None, repr=False)
+    _aidx: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
+
+    def ancestor_index(self) -> torch.Tensor:
+        """aidx[i, k] = the k-th ancestor of i (k = 0: i itself; the root once past it): long [n, bound + 1].
+
+        O(n * depth) and built on the device without a host read: the depth bound is known on the host.
+        """
+        if self._aidx is not None:
+            return self._aidx
+        n = len(self)
+        dev = self.tokens.device
+        bound = self.depth_bound if self.depth_bound is not None else int(self.depths.max())
+        if self.is_chain:
+            hops = torch.arange(bound + 1, device=dev)
+            self._aidx = (torch.arange(n, device=dev)[:, None] - hops[None, :]).clamp_(min=0)
+            return self._aidx
+        parent = self.parents.clamp(min=0)
+        cols = [torch.arange(n, device=dev)]
+        for _ in range(bound):
+            cols.append(parent[cols[-1]])
+        self._aidx = torch.stack(cols, dim=1)
+        return self._aidx
 
     def ancestor_matrix(self) -> torch.Tensor:
         """anc[i, j] = j is i or an ancestor of i (bool [n, n]); computed once per tree."""
@@ -40,17 +62,9 @@ class DraftTree:
         if self.is_chain:
             self._anc = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
             return self._anc
-        anc = torch.eye(n, dtype=torch.bool, device=dev)
-        parent = self.parents.clamp(min=0)
-        rows = torch.arange(n, device=dev)
-        hop = rows
-        bound = self.depth_bound if self.depth_bound is not None else int(self.depths.max())
-        # after d hops every ancestor within distance d is marked; the depth bounds the distance
-        for _ in range(bound):
-            hop = parent[hop]
-            anc[rows, hop] = True
-        self._anc = anc
-        return anc
+        anc = torch.zeros(n, n, dtype=torch.bool, device=dev)
+        self._anc = anc.scatter_(1, self.ancestor_index(), True)
+        return self._anc
 
 
 def root_tree(root: torch.Tensor) -> DraftTree:
@@ -91,19 +105,21 @@ def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | tor
                      depth_bound=max(depth))
 
 
-@lru_cache(maxsize=32)
-def _rank_pairs(budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+@lru_cache(maxsize=64)
+def _rank_pairs(budget: int, prev: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(parent rank p, child rank r) pairs that can reach a depth's top `budget`: (p+1)(r+1) <= budget.
 
     Pairs (p', r') with p' <= p and r' <= r all score at least as high, so any other pair
-    has `budget` better ones at the same depth and can never be selected.
+    has `budget` better ones at the same depth and can never be selected. Only p < prev (the
+    previous depth's list) and r < k (the top-k per position) exist. Cached on the device, so a
+    round copies nothing from the host.
     """
     ps, rs = [], []
-    for p in range(budget):
-        width = budget // (p + 1)
+    for p in range(min(budget, prev)):
+        width = min(budget // (p + 1), k)
         ps.append(torch.full((width,), p, dtype=torch.long))
         rs.append(torch.arange(width, dtype=torch.long))
-    return torch.cat(ps), torch.cat(rs)
+    return torch.cat(ps).to(device), torch.cat(rs).to(device)
 
 
 def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
@@ -118,16 +134,11 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
     L, V = logprobs.shape
     k = min(budget, V)
     top_vals, top_toks = logprobs.float().topk(k, dim=-1)  # [L, k], sorted descending
-    p_idx, r_idx = _rank_pairs(budget)
-    p_idx, r_idx = p_idx.to(dev), r_idx.to(dev)
 
     depth_scores, depth_tokens, depth_parent = [top_vals[0]], [top_toks[0]], [None]
     for d in range(1, L):
         prev = depth_scores[-1]
-        p, r = p_idx, r_idx
-        if prev.shape[0] < budget or k < budget:  # small vocabularies: drop pairs past the lists
-            ok = (p_idx < prev.shape[0]) & (r_idx < k)
-            p, r = p_idx[ok], r_idx[ok]
+        p, r = _rank_pairs(budget, prev.shape[0], k, dev)
         cand = prev[p] + top_vals[d, r]
         keep = min(budget, cand.shape[0])
         s, order = cand.topk(keep)
@@ -139,8 +150,8 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
     all_scores = torch.cat(depth_scores)
     n_sel = min(budget, all_scores.shape[0])
     order = torch.sort(all_scores, descending=True, stable=True).indices[:n_sel]
-    selected = torch.zeros_like(all_scores, dtype=torch.bool)
-    selected[order] = True
+    pick = order.sort().values  # the selected candidates in flat (depth-major) order: no masked gather, no sync
+    selected = torch.zeros_like(all_scores, dtype=torch.bool).index_fill_(0, order, True)
     # flat order: depth-major, candidate order within a depth; root takes index 0
     flat = torch.cumsum(selected.long(), 0)
     offsets = [0]
@@ -153,10 +164,10 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
         else:
             parents.append(flat[offsets[d - 1] + depth_parent[d]])
         depths.append(torch.full((size,), d + 1, dtype=torch.long, device=dev))
-    par = torch.cat(parents)[selected]
-    dep = torch.cat(depths)[selected]
-    tok = torch.cat(depth_tokens)[selected]
-    sc = all_scores[selected]
+    par = torch.cat(parents)[pick]
+    dep = torch.cat(depths)[pick]
+    tok = torch.cat(depth_tokens)[pick]
+    sc = all_scores[pick]
     z = torch.zeros(1, dtype=torch.long, device=dev)
     return DraftTree(
         tokens=torch.cat([root.reshape(1).long().to(dev), tok]),
@@ -164,7 +175,7 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
         depths=torch.cat([z, dep]),
         scores=torch.cat([z.float(), sc]),
         is_chain=False,
-        depth_bound=L,
+        depth_bound=min(L, budget),
     )
 
 
@@ -178,21 +189,46 @@ def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch
     return mask
 
 
-def accepted_path(tree: DraftTree, choice: torch.Tensor) -> torch.Tensor:
-    """Flat indices root→deepest node whose every token equals the target's choice at its parent.
+@dataclass
+class Walk:
+    """The accepted path of one round, read from the device once."""
+
+    path: torch.Tensor  # flat indices root→end, on the device
+    path_list: list[int]  # the same on the host
+    tokens: list[int]  # accepted draft tokens (path[1:]) then the target's token after the end
+    next_root: torch.Tensor  # device scalar: the target's token after the end
+
+
+def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
+    """Follow the target's choices: root→deepest node whose every token equals the target's choice at its parent.
 
     choice[i] is the target's token after node i (argmax, or a sample at T > 0). Siblings are
-    distinct, so the consistent nodes form one path; one host read decides its end.
+    distinct, so the consistent nodes form one path. Exactly one host read: it decides the path and
+    brings its tokens and the bonus token along.
     """
-    if len(tree) == 1:
-        return torch.zeros(1, dtype=torch.long, device=choice.device)
+    dev = choice.device
+    n = len(tree)
+    if n == 1:
+        return Walk(torch.zeros(1, dtype=torch.long, device=dev), [0], [int(choice[0])], choice[0])
     if tree.is_chain:
-        hit = (tree.tokens[1:] == choice[:-1]).long()
-        k = int(hit.cumprod(0).sum())
-        return torch.arange(k + 1, device=choice.device)
+        hit = (tree.tokens[1:] == choice[:-1]).long().cumprod(0).sum()
+        host = torch.cat([hit.view(1), tree.tokens[1:], choice]).tolist()
+        k = host[0]
+        return Walk(torch.arange(k + 1, device=dev), list(range(k + 1)), host[1: k + 1] + [host[n + k]], choice[k])
+    aidx = tree.ancestor_index()
     match = tree.tokens == choice[tree.parents.clamp(min=0)]
     match[0] = True
-    anc = tree.ancestor_matrix()
-    ok = ~(anc & ~match.unsqueeze(0)).any(dim=1)  # every ancestor-or-self matches
-    end = int(torch.where(ok, tree.depths, -1).argmax())
-    return torch.nonzero(anc[end], as_tuple=False).flatten()
+    ok = match[aidx].all(dim=1)  # every ancestor-or-self matches
+    end = torch.where(ok, tree.depths, -1).argmax().view(1)  # 1-d: a 0-d index tensor would be read on the host
+    up = aidx.index_select(0, end)[0]  # end, its parent, …, root, root, …
+    m = up.shape[0]
+    host = torch.cat([end, tree.depths.index_select(0, end), up, tree.tokens[up], choice.index_select(0, end)]).tolist()
+    e, d = host[0], host[1]
+    path_list = host[2: 3 + d][::-1]
+    tokens = host[2 + m: 3 + m + d][::-1][1:] + [host[-1]]
+    return Walk(aidx[e, : d + 1].flip(0), path_list, tokens, choice[e])
+
+
+def accepted_path(tree: DraftTree, choice: torch.Tensor) -> torch.Tensor:
+    """Flat indices root→deepest consistent node (see `walk`), on the device."""
+    return walk(tree, choice).path

@@ -1,0 +1,308 @@
+"""Tree attention (ddtree.attention): split and flex against an independent dense reference, then the engine.
+
+The reference builds the full visibility matrix from positions (prefix key j at pos0 + j, node i at
+past + depth_i) and runs fp64 softmax attention with repeated key/value heads and an explicit sink
+column; it shares no code with the implementation.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from engine_utils import ScriptedProposer, hf_greedy, random_tree
+
+import ddtree
+from ddtree import attention as A
+from ddtree import config as C
+from ddtree.drafter import DFlashDrafter
+from ddtree.tiny import tiny_model
+from ddtree.tree import chain_tree, walk
+
+D = 16
+
+
+def reference(q, k, v, tree, past, pos0, window, scale, sink=None):
+    """fp64 attention of the tree's queries over [prefix ++ tree] under the position rule."""
+    B, H, n, _ = q.shape
+    hkv, S = k.shape[1], k.shape[2]
+    kp = S - n
+    depth = torch.tensor(tree.depths.tolist())
+    parents = tree.parents.tolist()
+    anc = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        a = i
+        while a >= 0:  # walk up the parent links
+            anc[i, a] = True
+            a = parents[a]
+    kpos = torch.cat([pos0 + torch.arange(kp), past + depth])
+    qpos = past + depth
+    vis = torch.cat([torch.ones(n, kp, dtype=torch.bool), anc], dim=1)
+    if window is not None:
+        vis &= kpos[None, :] > qpos[:, None] - window
+    kk = k.double().repeat_interleave(H // hkv, dim=1)
+    vv = v.double().repeat_interleave(H // hkv, dim=1)
+    s = (q.double() @ kk.transpose(-1, -2)) * scale
+    s = s.masked_fill(~vis, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.double().view(1, H, 1, 1).expand(B, H, n, 1)], dim=-1)
+        vv = torch.cat([vv, torch.zeros(B, H, 1, vv.shape[-1], dtype=vv.dtype)], dim=2)
+    return (torch.softmax(s, dim=-1) @ vv).transpose(1, 2)  # [B, n, H, D] like the attention functions
+
+
+def _inputs(H, hkv, kp, n, seed, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, n, H, D, generator=g).transpose(1, 2)  # a transposed view, as the models pass it
+    if strided:  # keys as views of a larger preallocated buffer
+        kb = torch.randn(1, hkv, kp + n + 13, D, generator=g)
+        vb = torch.randn(1, hkv, kp + n + 13, D, generator=g)
+        return q, kb[:, :, : kp + n], vb[:, :, : kp + n]
+    return q, torch.randn(1, hkv, kp + n, D, generator=g), torch.randn(1, hkv, kp + n, D, generator=g)
+
+
+def _module():
+    return SimpleNamespace(is_causal=True, num_key_value_groups=1)
+
+
+TREES = [random_tree(n, 50, random.Random(n)) for n in (1, 2, 9, 33, 70)]
+
+
+@pytest.mark.parametrize("base", ["sdpa", "eager"])
+@pytest.mark.parametrize("window", [None, 1, 3, 16, 1000])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 1)], ids=lambda h: f"H{h[0]}kv{h[1]}")
+def test_split_equals_dense_reference(base, window, heads):
+    H, hkv = heads
+    fn = A.split_attention(base)
+    seed = 0
+    for kp in (1, 7, 64, 300):
+        for tree in TREES:
+            for pos0 in ((0, 5) if window is not None else (0,)):  # pos0 > 0: a cropped sliding cache
+                seed += 1
+                past = pos0 + kp
+                q, k, v = _inputs(H, hkv, kp, len(tree), seed, strided=seed % 2 == 0)
+                sink = torch.randn(H, generator=torch.Generator().manual_seed(seed)) if seed % 3 == 0 else None
+                with A.tree_verification(tree, past):
+                    out, _ = fn(_module(), q, k, v, None, scaling=D ** -0.5, sliding_window=window, s_aux=sink)
+                ref = reference(q, k, v, tree, past, pos0, window, D ** -0.5, sink)
+                torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=0)
+    kernels = set(A.chosen_kernels().values())
+    assert ("cpu_flash" if base == "sdpa" else "math") in kernels  # sdpa's lse comes from torch's fused CPU kernel
+
+
+def test_split_is_plain_outside_verification():
+    fn = A.split_attention("sdpa")
+    q, k, v = _inputs(4, 2, 10, 5, 0)
+    mask = torch.zeros(1, 1, 5, 15)
+    mask[..., 12:] = torch.finfo(torch.float32).min
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    got, _ = fn(module, q, k, v, mask, scaling=0.25)
+    assert torch.equal(got, want)
+
+
+def test_merge_is_exact_softmax_over_the_union():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g), torch.randn(1, 2, 30, 8, generator=g)
+    parts = [A.attention_lse(q, k[:, :, a:b], v[:, :, a:b], None, 0.3, "eager") for a, b in ((0, 7), (7, 30))]
+    full, _ = A.attention_lse(q, k, v, None, 0.3, "eager")
+    torch.testing.assert_close(A.merge_lse(parts), full, atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- flex
+
+
+def _dense_mask_mod(bm, qlen, kvlen):
+    b, h = torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long)
+    qi = torch.arange(qlen)[:, None].expand(qlen, kvlen)
+    ki = torch.arange(kvlen)[None, :].expand(qlen, kvlen)
+    return bm.mask_mod(b, h, qi, ki)
+
+
+@pytest.mark.parametrize("window", [None, 5, 200])
+def test_flex_block_lists_cover_the_mask(window):
+    """Every block with a visible entry is listed; a block listed as full is visible everywhere."""
+    B = A.FLEX_BLOCK
+    for kp, n, pos0 in ((3, 9, 0), (127, 2, 0), (130, 33, 0), (600, 140, 0), (400, 20, 7)):
+        tree = random_tree(n, 50, random.Random(kp))
+        past = pos0 + kp
+        ctx = A.TreeVerification(past, tree.depths, tree.ancestor_matrix(), tree.depth_bound, False)
+        bm = A.flex_block_mask(ctx, kp, kp + n, window, pos0, torch.device("cpu"))
+        qpad = -(-n // B) * B
+        vis = _dense_mask_mod(bm, qpad, kp + n)
+        num, idx = bm.kv_num_blocks[0, 0], bm.kv_indices[0, 0]
+        fnum, fidx = bm.full_kv_num_blocks[0, 0], bm.full_kv_indices[0, 0]
+        for qb in range(qpad // B):
+            partial = set(idx[qb, : num[qb]].tolist())
+            full = set(fidx[qb, : fnum[qb]].tolist())
+            assert not partial & full
+            rows = vis[qb * B: (qb + 1) * B]
+            for kb in range(-(-(kp + n) // B)):
+                blk = rows[:, kb * B: (kb + 1) * B]
+                if blk.any():
+                    assert kb in partial | full, (kp, n, qb, kb)
+                if kb in full:
+                    assert blk.all(), (kp, n, qb, kb)
+
+
+@pytest.mark.parametrize("window", [None, 4, 150])
+def test_flex_equals_dense_reference(window):
+    fn = A.split_attention("flex_attention")
+    for seed, (kp, n, pos0, heads) in enumerate(((5, 9, 0, (4, 2)), (140, 33, 0, (4, 4)), (300, 70, 3, (8, 1)))):
+        tree = random_tree(n, 50, random.Random(seed))
+        past = pos0 + kp
+        q, k, v = _inputs(*heads, kp, n, seed)
+        with A.tree_verification(tree, past, flex_compile=False):
+            out, _ = fn(_module(), q, k, v, None, scaling=D ** -0.5, sliding_window=window)
+        torch.testing.assert_close(out.double(), reference(q, k, v, tree, past, pos0, window, D ** -0.5),
+                                   atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_flex_reuses_one_kernel_across_rounds(request):
+    """Compiled flex (CPU inductor, ~30 s): right, and after the key length turns symbolic no recompile per round."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    fn = A.split_attention("flex_attention")
+    graphs = []
+    torch._dynamo.reset()  # dynamo's automatic-dynamic record is per code object: leave none behind either
+    request.addfinalizer(torch._dynamo.reset)
+    for seed, (kp, n) in enumerate(((40, 9), (57, 17), (300, 33), (301, 100), (700, 120), (1500, 64))):
+        tree = random_tree(n, 50, random.Random(seed))  # every n here pads to one 128-query bucket
+        q, k, v = _inputs(4, 2, kp, n, seed)
+        with A.tree_verification(tree, kp, flex_compile=True):
+            out, _ = fn(_module(), q, k, v, None, scaling=D ** -0.5)
+        torch.testing.assert_close(out.double(), reference(q, k, v, tree, kp, 0, None, D ** -0.5), atol=1e-5, rtol=0)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[2], graphs  # rounds 4-6 (new lengths, new trees) reuse the compiled kernel
+
+
+# --------------------------------------------------------------------------- through the engine
+
+
+def _prompts(vocab, lengths=(3, 17)):
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
+
+
+@pytest.mark.parametrize("model_type,attn", [("qwen3", "sdpa"), ("llama", "eager")])
+def test_split_and_dense_generation_equal_hf_greedy(model_type, attn, monkeypatch):
+    vocab = 12  # random drafts are accepted several deep
+    target = tiny_model(model_type, seed=3, attn_implementation=attn, vocab_size=vocab)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1, attn_implementation=attn)
+    for ids in _prompts(vocab):
+        ref = hf_greedy(target, ids, 20)
+        for mode in ("split", "dense"):
+            for budget in (3, 40):
+                res = ddtree.generate(target, drafter, ids, method="ddtree", budget=budget, max_new_tokens=20,
+                                      tree_attention=mode)
+                assert res.output_ids == ref, (mode, budget)
+    assert target.config._attn_implementation == A.TREE_IMPLEMENTATION[attn]
+    # under split no dense mask is ever built
+    monkeypatch.setattr("ddtree.target.tree_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
+    res = ddtree.generate(target, None, ids, max_new_tokens=20, proposer=ScriptedProposer(ref, vocab, seed=0))
+    assert res.output_ids == ref and max(res.acceptance_lengths) >= 4
+
+
+def test_sliding_window_target_is_lossless():
+    """Sliding layers keep full history in the session; the split attention applies each node's window."""
+    vocab = 16
+    target = tiny_model("qwen3", seed=5, attn_implementation="sdpa", vocab_size=vocab, use_sliding_window=True,
+                        sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert any(t == "sliding_attention" for t in target.config.layer_types)
+    for ids in _prompts(vocab, (2, 13)):
+        ref = hf_greedy(target, ids, 24)
+        for seed in range(2):
+            res = ddtree.generate(target, None, ids, max_new_tokens=24,
+                                  proposer=ScriptedProposer(ref, vocab, seed=seed))
+            assert res.output_ids == ref
+            assert max(res.acceptance_lengths) > 4  # trees deeper than the window
+
+
+@pytest.mark.slow
+def test_flex_target_is_lossless():
+    """flex_attention target through the engine (~30 s here: transformers compiles its own flex prefill path)."""
+    vocab = 12
+    target = tiny_model("qwen3", seed=3, attn_implementation="sdpa", vocab_size=vocab, num_hidden_layers=2)
+    ids = _prompts(vocab, (5,))[0]
+    ref = hf_greedy(target, ids, 14)
+    target.set_attn_implementation("flex_attention")
+    res = ddtree.generate(target, None, ids, max_new_tokens=14, proposer=ScriptedProposer(ref, vocab, seed=3))
+    assert res.output_ids == ref and max(res.acceptance_lengths) >= 3
+    assert target.config._attn_implementation == "ddtree_flex"
+
+
+def test_one_host_read_per_round(monkeypatch):
+    """A DDTree round reads the device once (the walk); prefill and the first token add one more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("_local_scalar_dense", "nonzero", "masked_select", "item", "equal", "is_nonzero"):
+                reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or real_tolist(self))
+    vocab = 12
+    target = tiny_model("qwen3", seed=3, attn_implementation="sdpa", vocab_size=vocab, num_hidden_layers=2)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1)
+    ids = _prompts(vocab, (6,))[0]
+    ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4)  # warm caches
+    reads.clear()
+    with Count():
+        res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24)
+    assert len(reads) == res.rounds + 1, reads
+
+
+def test_walk_reads_once_and_matches_the_path():
+    tree = random_tree(40, 6, random.Random(2))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        choice = torch.randint(0, 6, (40,), generator=g)
+        w = walk(tree, choice)
+        par, tok = tree.parents.tolist(), tree.tokens.tolist()
+        assert w.path_list == w.path.tolist() and w.path_list[0] == 0
+        for a, b in zip(w.path_list, w.path_list[1:], strict=False):
+            assert par[b] == a and tok[b] == int(choice[a])
+        end = w.path_list[-1]
+        assert all(not (par[j] == end and tok[j] == int(choice[end])) for j in range(40))  # no consistent child
+        assert w.tokens == [tok[j] for j in w.path_list[1:]] + [int(choice[end])]
+    chain = chain_tree(torch.tensor(1), torch.tensor([2, 3, 4]))
+    w = walk(chain, torch.tensor([2, 3, 0, 0]))
+    assert w.path_list == [0, 1, 2] and w.tokens == [2, 3, 0]
+
+
+def test_config_mirrors_the_registered_names():
+    assert C.SPLIT_ATTENTION == A.SPLIT_IMPLEMENTATIONS
+
+
+def test_hybrid_target_split_and_dense_equal_hf_greedy():
+    """qwen3_5_text (GDN + attention): split attention composes with compat.gdn_tree's verification hook."""
+    vocab = 12
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=vocab)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=2)
+    for ids in _prompts(vocab):
+        ref = hf_greedy(target, ids, 16)
+        for mode in ("split", "dense"):
+            res = ddtree.generate(target, drafter, ids, method="ddtree", budget=24, max_new_tokens=16,
+                                  tree_attention=mode)
+            assert res.output_ids == ref, mode
+
+
+def test_softcapped_sliding_target_dflash_lossless_and_ddtree_refused():
+    """Gemma 2 (sliding layers, soft-capped logits): chains roll back exactly; trees are refused with a fix."""
+    target = tiny_model("gemma2", seed=1, attn_implementation="eager", vocab_size=64, sliding_window=4)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, attn_implementation="eager")
+    ids = _prompts(64, (9,))[0]
+    assert ddtree.generate(target, drafter, ids, method="dflash", max_new_tokens=16).output_ids == \
+        hf_greedy(target, ids, 16)
+    with pytest.raises(ddtree.ConfigError, match="method=dflash"):
+        ddtree.generate(target, drafter, ids, method="ddtree", max_new_tokens=4)
