@@ -258,8 +258,11 @@ def external_patch(patch_id: str, module_name: str) -> Patch | None:
         return Patch(patch_id, (module_name,), {}, error, broken)
 
     def install(patcher: Patcher, module: ModuleType | None) -> str | None:
+        owner = getattr(mod, "is_installed", None)
+        already = bool(owner and owner())
         result = mod.install()
-        patcher.on_revert(mod.uninstall)
+        if not already:  # installed by someone else first (e.g. the engine): theirs to undo
+            patcher.on_revert(mod.uninstall)
         if isinstance(result, (list, tuple)):
             return "patched " + ", ".join(map(str, result)) if result else "nothing to patch here"
         return result if isinstance(result, str) else None

@@ -47,6 +47,7 @@ from .config import (
 from .data import Prompt, encode, fingerprint
 from .datasets import load_dataset_prompts
 from .errors import ConfigError
+from .sweep_table import format_table
 
 # conf/hydra/launcher/{submitit_slurm,submitit_local,ray}.yaml shadow the plugins' own configs on purpose
 # (ddtree's defaults: a GPU per job); Hydra 1.3 then validates them against the plugin's schema, and says so
@@ -318,19 +319,6 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "baseline": {k: b[k] for k in ("tau", "tokens_per_s", "new_tokens", "ttft_s_mean", "decode_s_mean")} if base else None,
         **extra,
     }
-
-
-def format_table(s: dict[str, Any]) -> str:
-    def f(v, spec=".2f", suffix=""):
-        return "-" if v is None else f"{v:{spec}}{suffix}"
-
-    n = s["num_prompts"]
-    match = "-" if s["match_rate"] is None else f"{round(s['match_rate'] * n)}/{n}"
-    head = ("model", "method", "budget", "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup", "match")
-    row = (s["model"], s["method"], f(s["budget"], "d"), f(s["block_size"], "d"), str(n), f(s["tau"]),
-           f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"), f(s["speedup"], ".2f", "x"), match)
-    w = [max(len(a), len(b)) for a, b in zip(head, row, strict=True)]
-    return "\n".join("  ".join(c.ljust(n) for c, n in zip(line, w, strict=True)).rstrip() for line in (head, row))
 
 
 def environment(device: str, compat_report: list[dict[str, Any]]) -> dict[str, Any]:

@@ -75,7 +75,7 @@ def test_single_run_sweep_and_resume(cli, tmp_path):
     # 2. a sweep over budget: one parent, one child per job; the models load once (one process)
     sweep = tmp_path / "sweep"
     out = _ok(cli(*common, "budget=4,8", f"hydra.sweep.dir={sweep}", "-m"))
-    assert out.count("speedup") == 2 and (sweep / "mlflow_parent.json").is_file()
+    assert out.count("speedup") == 3 and (sweep / "mlflow_parent.json").is_file()  # 2 jobs + the sweep table
     parent_id = json.loads((sweep / "mlflow_parent.json").read_text())["run_id"]
     runs = _runs(uri)
     parent = next(r for r in runs if r.info.run_id == parent_id)
