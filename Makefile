@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all run bench lint clean
+.PHONY: install test test-slow test-all run bench lint toy clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,11 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_round.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check ddtree compat tests bench
+	$(PY) -m ruff check ddtree compat tests bench toy
+
+# rebuild assets/toy from scratch: corpus, tokenizer, target pretraining, drafter training (~26 min, 1 thread)
+toy: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) toy/build.py --clean
 
 clean:
 	rm -rf $(VENV) runs/* .pytest_cache

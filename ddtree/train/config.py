@@ -1,0 +1,201 @@
+"""Typed configuration of `python -m ddtree.train` (Hydra schema) and its validation.
+
+Every check raises ConfigError(setting, problem, fix) before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ddtree.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STAGES = ("data", "extract", "train", "eval")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class TargetConfig:
+    name_or_path: str = MISSING  # a local HF checkpoint dir (or hub id) of the target
+    tokenizer: str | None = None  # null: name_or_path
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    source: str = "generate"  # generate: the target answers `prompts` | texts: use `texts` as they are
+    prompts: str | None = None  # JSONL of {"id", "turns": [user messages]} (the run pipeline's format)
+    texts: str | None = None  # JSONL of {"messages": [{"role", "content"}, ...]} or {"text": "..."}
+    max_samples: int | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0  # 0: greedy answers; > 0: sampled
+    batch_size: int = 16  # prompts generated together (same token length, so no padding)
+    chat_template: bool = True
+
+
+@dataclass
+class DrafterConfig:
+    init: str | None = None  # a public-format drafter dir to start from; null: random init
+    num_layers: int = 1
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # null: spread over the target's depth
+    mask_token: str | None = "<|mask|>"  # looked up in the tokenizer; absent -> mask_token_id
+    mask_token_id: int | None = None  # null and no mask_token: the last vocabulary id
+    seed: int = 0
+
+
+@dataclass
+class ExtractConfig:
+    shard_size: int = 512  # sequences per shard
+    batch_size: int = 8  # sequences per target forward (right-padded)
+    dtype: str = "bfloat16"  # storage dtype of the features
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
+    warmup_steps: int = 50
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    grad_clip: float = 1.0
+    batch_size: int = 8  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    anchors_per_seq: int = 8  # blocks drawn per sequence per micro-batch
+    epochs: float = 1.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs
+    loss_decay: float | None = 4.0  # weight of block position k is exp(-(k-1)/loss_decay); null: uniform
+    log_every: int = 10
+    save_every: int = 200  # optimizer steps between checkpoints
+    keep_checkpoints: int = 2
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    prompts: str | None = None  # JSONL of {"id", "turns"}; null: skip the eval stage
+    max_samples: int | None = 16
+    max_new_tokens: int = 128
+    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "ddtree"])
+    budgets: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
+    chat_template: bool = True
+    warmup: bool = True
+
+
+@dataclass
+class TrackingConfig:
+    backend: str = "mlflow"  # mlflow | none
+    uri: str | None = None  # null: sqlite:///<repo>/runs/mlflow.db
+    experiment: str = "ddtree-train"
+    run_name: str | None = None
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str = MISSING  # every stage writes here; rerunning resumes
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    force: list[str] = field(default_factory=list)  # stages to redo even if done
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    threads: int | None = None  # torch CPU threads; null: torch's default
+    seed: int = 0
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def register() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    if not OmegaConf.has_resolver("repo_root"):
+        OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
+
+
+def _first_line(text: str) -> str:
+    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), str(text))
+
+
+def to_train_config(cfg: DictConfig | dict | TrainConfig) -> TrainConfig:
+    """A composed DictConfig (or plain dict) as a validated TrainConfig."""
+    if isinstance(cfg, TrainConfig):
+        validate(cfg)
+        return cfg
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
+    try:
+        node = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+        tc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), node))
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "config"
+        if type(e).__name__ == "MissingMandatoryValue":
+            raise ConfigError(key, "is required but not set", f"pass {key}=<value>") from None
+        raise ConfigError(key, _first_line(getattr(e, "msg", None) or str(e))) from None
+    _refuse_unknown_keys(tc)
+    validate(tc)
+    return tc
+
+
+def _refuse_unknown_keys(obj: Any, prefix: str = "") -> None:
+    names = {f.name for f in fields(obj)}
+    for k, v in vars(obj).items():
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}", "is not a setting", "remove it (python -m ddtree.train --cfg job "
+                              "prints every setting)")
+        if is_dataclass(v):
+            _refuse_unknown_keys(v, f"{prefix}{k}.")
+
+
+def validate(c: TrainConfig) -> None:
+    for s in [*c.stages, *c.force]:
+        if s not in STAGES:
+            raise ConfigError("stages", f"unknown stage '{s}'", f"use a list from {list(STAGES)}")
+    if c.data.source not in ("generate", "texts"):
+        raise ConfigError("data.source", f"unknown source '{c.data.source}'", "use generate or texts")
+    if "data" in c.stages:
+        needed = "prompts" if c.data.source == "generate" else "texts"
+        path = getattr(c.data, needed)
+        if not path:
+            raise ConfigError(f"data.{needed}", f"data.source={c.data.source} needs a JSONL file",
+                              f"pass data.{needed}=<file.jsonl>")
+        if not Path(path).is_file():
+            raise ConfigError(f"data.{needed}", f"no such file: {path}", "pass an existing .jsonl file")
+    for name, value in (("target.dtype", c.target.dtype), ("extract.dtype", c.extract.dtype)):
+        if value not in DTYPES:
+            raise ConfigError(name, f"unknown dtype '{value}'", f"use one of {', '.join(DTYPES)}")
+    positive = {"drafter.num_layers": c.drafter.num_layers, "extract.shard_size": c.extract.shard_size,
+                "extract.batch_size": c.extract.batch_size, "optim.batch_size": c.optim.batch_size,
+                "optim.grad_accum": c.optim.grad_accum, "optim.anchors_per_seq": c.optim.anchors_per_seq,
+                "data.batch_size": c.data.batch_size, "data.max_new_tokens": c.data.max_new_tokens,
+                "optim.save_every": c.optim.save_every, "optim.log_every": c.optim.log_every}
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(name, f"must be >= 1, got {value}")
+    if c.drafter.block_size < 2:
+        raise ConfigError("drafter.block_size", f"must be >= 2, got {c.drafter.block_size}", "use e.g. 16")
+    if c.optim.lr <= 0:
+        raise ConfigError("optim.lr", f"must be > 0, got {c.optim.lr}")
+    if c.optim.max_steps is None and c.optim.epochs <= 0:
+        raise ConfigError("optim.epochs", f"must be > 0, got {c.optim.epochs}", "or set optim.max_steps")
+    if c.optim.loss_decay is not None and c.optim.loss_decay <= 0:
+        raise ConfigError("optim.loss_decay", f"must be > 0 or null, got {c.optim.loss_decay}")
+    if c.tracking.backend not in ("mlflow", "none"):
+        raise ConfigError("tracking.backend", f"unknown backend '{c.tracking.backend}'", "use mlflow or none")
+    if c.eval.prompts and "eval" in c.stages and not Path(c.eval.prompts).is_file():
+        raise ConfigError("eval.prompts", f"no such file: {c.eval.prompts}", "pass an existing .jsonl file or null")
+    for m in c.eval.methods:
+        if m not in ("ar", "dflash", "ddtree"):
+            raise ConfigError("eval.methods", f"unknown method '{m}'", "use ar, dflash, ddtree")
+
+
+def as_dict(c: TrainConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(c), resolve=True)

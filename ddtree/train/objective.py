@@ -1,0 +1,158 @@
+"""The block-diffusion training objective, mirroring what the engine feeds the drafter.
+
+At inference a round anchored at position a (the last committed token, not yet seen by the
+target) runs the drafter on the block [x_a, mask, ..., mask] at positions a..a+bs-1, with
+context = target features of every committed token before it (positions < a); block position
+k predicts x_{a+k}. Training draws several anchors per sequence and runs all their blocks in
+one forward: queries are the blocks side by side, keys are [whole sequence's context ‖ blocks],
+and an additive mask shows block j the context positions < a_j and its own block only. The
+loss is cross-entropy through the target's frozen lm_head, position k weighted by
+exp(-(k-1)/decay), since a draft is accepted only up to its first miss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .features import Sample
+
+IGNORE = -100
+
+
+@dataclass
+class BlockBatch:
+    block_ids: torch.Tensor  # [B, n*bs] tokens of the blocks: [x_a, mask, ...] per anchor
+    block_pos: torch.Tensor  # [B, n*bs] positions a..a+bs-1 per anchor
+    ctx_features: torch.Tensor  # [B, L, F] features of the whole (right-padded) sequence
+    ctx_pos: torch.Tensor  # [B, L]
+    anchors: torch.Tensor  # [B, n] anchor positions, -1 for padding anchors
+    labels: torch.Tensor  # [B, n, bs-1] x_{a+k} for k = 1..bs-1, IGNORE outside the span
+    block_size: int
+
+    def to(self, device, dtype: torch.dtype | None = None) -> BlockBatch:
+        feats = self.ctx_features.to(device, dtype) if dtype is not None else self.ctx_features.to(device)
+        return BlockBatch(self.block_ids.to(device), self.block_pos.to(device), feats, self.ctx_pos.to(device),
+                          self.anchors.to(device), self.labels.to(device), self.block_size)
+
+
+def valid_anchors(spans: list[tuple[int, int]]) -> list[int]:
+    """Positions a with a >= 1 and a + 1 inside the same span (at least one token to predict)."""
+    return [a for s, e in spans for a in range(max(s, 1), e - 1)]
+
+
+def make_batch(samples: list[Sample], block_size: int, anchors_per_seq: int, mask_token_id: int,
+               rng: random.Random, anchors: list[list[int]] | None = None) -> BlockBatch:
+    """Blocks for `samples`: `anchors_per_seq` random anchors each (or the given `anchors`)."""
+    bs, n = block_size, anchors_per_seq
+    if anchors is None:
+        anchors = []
+        for s in samples:
+            pool = valid_anchors(s.spans)
+            anchors.append(sorted(rng.sample(pool, min(n, len(pool)))))
+    n = max(1, max(len(a) for a in anchors))
+    B, L = len(samples), max(len(s.input_ids) for s in samples)
+    fdim = samples[0].features.shape[-1]
+    ctx = torch.zeros(B, L, fdim, dtype=samples[0].features.dtype)
+    block_ids = torch.full((B, n, bs), mask_token_id, dtype=torch.long)
+    block_pos = torch.zeros(B, n, bs, dtype=torch.long)
+    anc = torch.full((B, n), -1, dtype=torch.long)
+    labels = torch.full((B, n, bs - 1), IGNORE, dtype=torch.long)
+    k = torch.arange(bs)
+    for b, (s, avec) in enumerate(zip(samples, anchors, strict=True)):
+        ctx[b, :len(s.input_ids)] = s.features
+        for j, a in enumerate(avec):
+            end = next(e for st, e in s.spans if st <= a < e)
+            anc[b, j] = a
+            block_ids[b, j, 0] = s.input_ids[a]
+            block_pos[b, j] = a + k
+            m = min(bs - 1, end - a - 1)  # targets a+1 .. a+m stay inside the span
+            labels[b, j, :m] = s.input_ids[a + 1:a + 1 + m]
+    return BlockBatch(block_ids.view(B, n * bs), block_pos.view(B, n * bs), ctx,
+                      torch.arange(L).expand(B, L).contiguous(), anc, labels, bs)
+
+
+def block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, n*bs, L + n*bs]: block j sees context positions < a_j and its own block."""
+    B, n = anchors.shape
+    bs = block_size
+    q_anchor = anchors.repeat_interleave(bs, dim=1)  # [B, n*bs]
+    ctx_visible = torch.arange(ctx_len, device=anchors.device)[None, None, :] < q_anchor[:, :, None]
+    q_block = torch.arange(n * bs, device=anchors.device) // bs
+    own = (q_block[:, None] == q_block[None, :]).expand(B, -1, -1)
+    visible = torch.cat([ctx_visible, own], dim=-1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=anchors.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+@contextmanager
+def _added_mask(drafter, mask: torch.Tensor):
+    """Add `mask` to every attention call of the drafter (for drafters without an attention_mask argument)."""
+    attend = drafter._attend
+
+    def masked(module, q, k, v, m, **kw):
+        return attend(module, q, k, v, mask if m is None else m + mask, **kw)
+
+    drafter._attend = masked
+    try:
+        yield
+    finally:
+        drafter._attend = attend
+
+
+def _accepts_mask(drafter) -> bool:
+    return "attention_mask" in inspect.signature(drafter.forward).parameters
+
+
+def drafter_hidden(drafter, embed_weight: torch.Tensor, batch: BlockBatch, call=None) -> torch.Tensor:
+    """The drafter's hidden states [B, n*bs, H] for every block of the batch, in one forward.
+
+    `call`: the module to call instead of `drafter` itself (a DDP wrapper around it).
+    """
+    call = drafter if call is None else call
+    dtype = drafter.dtype
+    noise = F.embedding(batch.block_ids, embed_weight).to(dtype)
+    feats = batch.ctx_features.to(dtype)
+    mask = block_mask(batch.anchors, feats.shape[1], batch.block_size, dtype)
+    if _accepts_mask(drafter):
+        return call(noise, feats, batch.ctx_pos, batch.block_pos, attention_mask=mask)
+    with _added_mask(drafter, mask):
+        return call(noise, feats, batch.ctx_pos, batch.block_pos)
+
+
+def position_weights(block_size: int, decay: float | None, device=None) -> torch.Tensor:
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.ones_like(k) if decay is None else torch.exp(-(k - 1) / decay)
+
+
+def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, block_size: int,
+               decay: float | None = None, lm_head_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """Weighted cross-entropy of block positions 1..bs-1, and accuracy statistics.
+
+    Only positions with a label go through the lm_head (the vocabulary is the large dimension).
+    """
+    B, n, _ = labels.shape
+    h = hidden.view(B, n, block_size, -1)[:, :, 1:]  # position 0 is the given token
+    valid = labels != IGNORE
+    w = position_weights(block_size, decay, hidden.device).expand_as(labels)[valid]
+    logits = F.linear(h[valid], lm_head_weight.to(h.dtype), lm_head_bias).float()
+    tgt = labels[valid]
+    ce = F.cross_entropy(logits, tgt, reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp_min(1e-9)
+    with torch.no_grad():
+        hit = torch.zeros_like(labels, dtype=torch.bool)
+        hit[valid] = logits.argmax(-1) == tgt
+        # accepted length of a greedy chain: leading hits before the first miss (or the span end)
+        lead = (hit | ~valid).int().cumprod(-1) & valid.int()
+        real = valid[:, :, 0]
+        stats = {"loss": loss.item(), "ce": ce.mean().item(), "acc": hit[valid].float().mean().item(),
+                 "acc_first": hit[:, :, 0][real].float().mean().item() if real.any() else 0.0,
+                 # tau proxy: accepted drafts + the bonus token, on teacher-forced context
+                 "tau_proxy": (lead.sum(-1)[real].float().mean().item() + 1.0) if real.any() else 1.0,
+                 "tokens": int(valid.sum())}
+    return loss, stats

@@ -1,0 +1,330 @@
+"""Drafter training (ddtree.train): extraction, the objective, a short training run, the trained checkpoint."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.drafter import DFlashDrafter
+from ddtree.errors import ConfigError
+from ddtree.tiny import tiny_model
+from ddtree.train.config import OptimConfig, to_train_config
+from ddtree.train.features import FeatureShards, Sample, extract_features, shard_name
+from ddtree.train.objective import IGNORE, block_loss, drafter_hidden, make_batch, valid_anchors
+from ddtree.train.trainer import FrozenTarget, latest_checkpoint, train_drafter
+
+VOCAB = 128
+MASK = VOCAB - 1
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy 2-core machine oversubscribed by OpenMP crawls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _target(model_type: str = "qwen3", seed: int = 0):
+    model = tiny_model(model_type, seed=seed, vocab_size=VOCAB, num_hidden_layers=4, attn_implementation="sdpa")
+    with torch.no_grad():  # confident logits, as a trained target has (a random lm_head gives near-uniform ones)
+        model.get_output_embeddings().weight.mul_(20)
+    return model
+
+
+def _records(n: int, seed: int = 0, pattern: bool = False) -> list[dict]:
+    """Sequences of a random prompt then an answer; `pattern`: the answer counts up by one (learnable)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(100) for _ in range(rng.randint(3, 8))]
+        if pattern:
+            start = rng.randrange(100)
+            answer = [(start + k) % 100 for k in range(rng.randint(10, 20))]
+        else:
+            answer = [rng.randrange(100) for _ in range(rng.randint(4, 12))]
+        out.append({"id": f"r{i}", "input_ids": prompt + answer, "spans": [[len(prompt), len(prompt) + len(answer)]]})
+    return out
+
+
+def _direct_features(model, ids: list[int], layer_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[0]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_extraction_round_trip(tmp_path: Path, model_type: str):
+    target = _target(model_type)
+    records = _records(7, seed=1)
+    layer_ids = [0, 2, 3]
+    manifest = extract_features(target, records, layer_ids, tmp_path, shard_size=3, batch_size=2,
+                                dtype=torch.float32, log=lambda _: None)
+    assert manifest["num_shards"] == 3 and manifest["num_sequences"] == 7
+    shards = FeatureShards(tmp_path)
+    samples = list(shards)
+    assert len(samples) == 7 and shards.target_layer_ids == layer_ids
+    assert [s.id for s in samples] != [r["id"] for r in records]  # dealt into shards in a seeded order
+    by_id = {s.id: s for s in samples}
+    for rec in records:
+        s = by_id[rec["id"]]
+        assert s.input_ids.tolist() == rec["input_ids"]
+        assert [list(x) for x in s.spans] == rec["spans"]
+        torch.testing.assert_close(s.features, _direct_features(target, rec["input_ids"], layer_ids),
+                                   atol=1e-5, rtol=1e-5)
+
+    # restartable: a missing shard is redone, finished shards are left alone
+    kept = (tmp_path / shard_name(0)).stat().st_mtime_ns
+    (tmp_path / shard_name(1)).unlink()
+    extract_features(target, records, layer_ids, tmp_path, shard_size=3, batch_size=2, dtype=torch.float32,
+                     log=lambda _: None)
+    assert (tmp_path / shard_name(0)).stat().st_mtime_ns == kept
+    torch.testing.assert_close(FeatureShards(tmp_path).load(1)[0].features, samples[3].features)
+
+
+def test_blocks_mirror_the_engine_call():
+    """All anchors in one masked forward == one drafter call per anchor, fed as the engine feeds it."""
+    target = _target()
+    drafter = DFlashDrafter.random_for_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 3],
+                                              mask_token_id=MASK, seed=3)
+    records = _records(3, seed=2)
+    with torch.no_grad():
+        samples = [Sample(torch.tensor(r["input_ids"]), _direct_features(target, r["input_ids"], [1, 3]),
+                          [tuple(r["spans"][0])]) for r in records]
+        batch = make_batch(samples, 4, 6, MASK, random.Random(0))
+        embed = target.get_input_embeddings().weight
+        hidden = drafter_hidden(drafter, embed, batch)
+        checked = 0
+        for b, s in enumerate(samples):
+            start, end = s.spans[0]
+            for j, a in enumerate(batch.anchors[b].tolist()):
+                if a < 0:
+                    continue
+                assert start <= a < end - 1
+                block = torch.full((1, 4), MASK)
+                block[0, 0] = s.input_ids[a]
+                ref = drafter(embed[block], s.features[:a][None], torch.arange(a)[None],
+                              torch.arange(a, a + 4)[None])
+                torch.testing.assert_close(hidden[b, j * 4:(j + 1) * 4], ref[0], atol=1e-5, rtol=1e-5)
+                want = [t if a + k < end else IGNORE for k, t in
+                        enumerate(s.input_ids[a + 1:a + 4].tolist() + [IGNORE] * 3, start=1)][:3]
+                assert batch.labels[b, j].tolist() == want
+                checked += 1
+    assert checked >= 10
+
+
+def test_block_loss_counts_leading_hits():
+    """tau_proxy = 1 + the hits before the first miss; labels past the span end are ignored."""
+    vocab, h = 8, 8
+    lm_head = torch.eye(vocab, h) * 20
+    labels = torch.tensor([[[1, 2, 3], [4, 5, IGNORE]]])
+    predicted = torch.tensor([[0, 1, 7, 3, 0, 4, 5, 6]])  # block 0: hit, miss, hit; block 1: hit, hit
+    hidden = lm_head[predicted.view(-1)].view(1, 8, h)
+    _, stats = block_loss(hidden, lm_head, labels, 4)
+    # block 0: hit, miss, hit -> 1 accepted; block 1: hit, hit, (end) -> 2 accepted
+    assert stats["tau_proxy"] == pytest.approx(1 + 1.5)
+    assert stats["acc"] == pytest.approx(4 / 5)
+    assert valid_anchors([(3, 6)]) == [3, 4]
+
+
+def _train(tmp_path: Path, target, steps: int, **optim) -> tuple[DFlashDrafter, dict, list[float]]:
+    feats = tmp_path / "features"
+    if not (feats / "manifest.json").exists():
+        extract_features(target, _records(48, seed=5, pattern=True), [1, 3], feats, shard_size=16,
+                         dtype=torch.float32, log=lambda _: None)
+    drafter = DFlashDrafter.random_for_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                              mask_token_id=MASK, seed=0)
+    losses: list[float] = []
+
+    def log(msg: str) -> None:
+        if " loss " in msg:
+            losses.append(float(msg.split(" loss ")[1].split()[0]))
+
+    cfg = OptimConfig(lr=3e-3, warmup_steps=5, batch_size=8, anchors_per_seq=6, max_steps=steps, log_every=5,
+                      save_every=10, loss_decay=None, **optim)
+    summary = train_drafter(drafter, FrozenTarget.of(target), FeatureShards(feats), cfg, tmp_path, log=log)
+    return drafter, summary, losses
+
+
+def test_short_training_run_loss_falls_and_resumes(tmp_path: Path):
+    torch.manual_seed(0)
+    target = _target()
+    drafter, summary, losses = _train(tmp_path, target, 100)
+    assert len(losses) == 20
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert summary["final_tau_proxy"] > 1.5
+    ckpt = latest_checkpoint(tmp_path / "checkpoints")
+    assert ckpt is not None and ckpt.name == "step_000100"
+    assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 2  # keep_checkpoints
+
+    # resume: a run that stopped at step 90 and is restarted ends where an uninterrupted run ends
+    shutil.rmtree(tmp_path / "checkpoints" / "step_000100")
+    resumed, _, more = _train(tmp_path, target, 100)
+    assert len(more) == 2  # steps 95 and 100 only
+    for (k, a), b in zip(drafter.state_dict().items(), resumed.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_trained_checkpoint_loads_back_and_generates_losslessly(tmp_path: Path, model_type: str):
+    import ddtree
+
+    torch.manual_seed(0)
+    target = _target(model_type, seed=1)
+    drafter, _, _ = _train(tmp_path, target, 20)
+    drafter.save_pretrained(tmp_path / "drafter")
+    config = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert config["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": MASK}
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "drafter")
+    for (k, a), b in zip(drafter.state_dict().items(), loaded.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        ref = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=24, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[0, prompt.shape[1]:].tolist()
+    for method, budget in (("dflash", None), ("ddtree", 8)):
+        out = ddtree.generate(target, loaded, prompt, method=method, budget=budget, max_new_tokens=24)
+        assert out.output_ids == ref, (method, out.output_ids, ref)
+
+
+def test_config_errors_name_the_setting(tmp_path: Path):
+    with pytest.raises(ConfigError, match="target.name_or_path"):
+        to_train_config({"out_dir": str(tmp_path)})
+    base = {"out_dir": str(tmp_path), "target": {"name_or_path": "x"}, "data": {"source": "texts"}}
+    with pytest.raises(ConfigError, match="data.texts"):
+        to_train_config(base)
+    with pytest.raises(ConfigError, match="stages"):
+        to_train_config({**base, "stages": ["extract", "fly"]})
+    with pytest.raises(ConfigError, match="optim.nope"):
+        to_train_config({**base, "stages": ["train"], "optim": {"nope": 1}})
+    cfg = to_train_config({**base, "stages": ["train"], "drafter": {"block_size": 8}})
+    assert cfg.drafter.block_size == 8
+
+
+def test_hydra_config_composes():
+    from hydra import compose, initialize_config_dir
+
+    from ddtree.train.config import REPO_ROOT, register
+
+    register()
+    with initialize_config_dir(str(REPO_ROOT / "conf_train"), version_base="1.3"):
+        for overrides in (["target.name_or_path=x", "tracking=none"], ["experiment=toy"]):
+            cfg = compose("train", overrides=overrides)
+            tc = to_train_config({k: v for k, v in cfg.items() if k != "hydra"} | {"stages": ["train"]})
+            assert tc.out_dir
+
+
+def _tiny_tokenizer():
+    from ddtree.tokenizer import tiny_tokenizer
+
+    return tiny_tokenizer(VOCAB)
+
+
+def test_text_sequences_span_the_assistant_turns(tmp_path: Path):
+    from ddtree.train.data import read_sequences, text_sequences
+
+    tok = _tiny_tokenizer()
+    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello you"},
+                          {"role": "user", "content": "again"}, {"role": "assistant", "content": "ok"}]},
+            {"text": "plain text row"}]
+    src = tmp_path / "texts.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text_sequences(tok, str(src), tmp_path, log=lambda _: None)
+    chat, plain = read_sequences(tmp_path / "sequences.jsonl")
+    answers = [tok.decode(chat["input_ids"][s:e]) for s, e in chat["spans"]]
+    assert answers == ["hello you<|im_end|>", "ok<|im_end|>"]
+    assert plain["spans"] == [[1, len(plain["input_ids"])]]
+
+
+def test_generated_answers_are_the_targets_greedy_output(tmp_path: Path):
+    from ddtree.data import encode
+    from ddtree.train.data import generate_sequences, read_sequences
+
+    tok = _tiny_tokenizer()
+    target = _target()
+    prompts = [{"id": i, "turns": [t]} for i, t in enumerate(["abc", "xyz", "hello there", "q"])]
+    prompts.append({"id": "multi", "turns": ["one", "two"]})
+    src = tmp_path / "prompts.jsonl"
+    src.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    stats = generate_sequences(target, tok, str(src), tmp_path, max_new_tokens=12, batch_size=2,
+                               log=lambda _: None)
+    recs = {r["id"]: r for r in read_sequences(tmp_path / "sequences.jsonl")}
+    assert stats["sequences"] == 6 and set(recs) == {"0", "1", "2", "3", "multi#0", "multi#1"}
+    for p in prompts[:4]:
+        ids = encode(tok, [{"role": "user", "content": p["turns"][0]}], chat_template=True)
+        with torch.no_grad():
+            ref = target.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=0)[0].tolist()
+        ref = ref[:ref.index(tok.eos_token_id, len(ids)) + 1] if tok.eos_token_id in ref[len(ids):] else ref
+        rec = recs[str(p["id"])]
+        assert rec["input_ids"] == ref and rec["spans"] == [[len(ids), len(ref)]]
+
+
+# ---------------------------------------------------------------- the toy pair
+
+REPO = Path(__file__).resolve().parent.parent
+ASSETS = REPO / "assets" / "toy"
+
+
+def _toy_module(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"toy_{name}", REPO / "toy" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_toy_corpus_is_deterministic_and_holds_prompts_out():
+    corpus = _toy_module("corpus")
+    a = corpus.build(num_train=600, num_valid=20, num_prompts=18, num_train_prompts=50, seed=3)
+    b = corpus.build(num_train=600, num_valid=20, num_prompts=18, num_train_prompts=50, seed=3)
+    assert a == b
+    held = {p["turns"][0] for p in a["prompts"]}
+    assert len(held) == 18 and len({p["category"] for p in a["prompts"]}) == 9
+    assert not held & {r["messages"][0]["content"] for r in a["train"] + a["valid"]}
+    assert len(a["train_prompts"]) == 50 and not held & {p["turns"][0] for p in a["train_prompts"]}
+
+
+def test_toy_tokenizer_chat_template(tmp_path: Path):
+    corpus, tokenizer = _toy_module("corpus"), _toy_module("tokenizer")
+    data = corpus.build(num_train=300, num_valid=10, num_prompts=9, num_train_prompts=10)
+    tok = tokenizer.train_tokenizer([tokenizer.render(r["messages"]) for r in data["train"]], vocab_size=400)
+    tok.save_pretrained(tmp_path)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    msgs = data["train"][0]["messages"]
+    text = tok.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
+    assert text == tokenizer.render(msgs[:1]) + "<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>" and tok.convert_tokens_to_ids("<|mask|>") == 3
+    ids = tok(tokenizer.render(msgs), add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == tokenizer.render(msgs)
+
+
+@pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="assets/toy not built (make toy)")
+def test_shipped_toy_pair_is_lossless():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ddtree
+    from ddtree.data import encode, read_jsonl
+
+    target = AutoModelForCausalLM.from_pretrained(ASSETS / "target").eval()
+    tok = AutoTokenizer.from_pretrained(ASSETS / "target")
+    drafter = DFlashDrafter.from_pretrained(ASSETS / "drafter")
+    drafter.check_compatible(target)
+    assert sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file()) <= 20 * 2**20
+    prompt = read_jsonl(ASSETS / "prompts.jsonl")[0]
+    ids = torch.tensor([encode(tok, [{"role": "user", "content": prompt.turns[0]}], chat_template=True)])
+    ar = ddtree.generate(target, None, ids, method="ar", max_new_tokens=40, stop_token_ids=[tok.eos_token_id])
+    assert ar.output_ids[-1] == tok.eos_token_id  # the toy target ends its answers
+    tree = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=40,
+                           stop_token_ids=[tok.eos_token_id])
+    assert tree.output_ids == ar.output_ids and tree.tau > 2
