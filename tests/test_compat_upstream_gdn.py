@@ -109,9 +109,18 @@ def test_upstream_gdn_tree_control_without_the_patch(checkout, hybrid):
 
 
 def test_upstream_gdn_tree_needs_gdn_tree_verify(checkout, hybrid):
-    up = load_upstream(checkout, skip=["gdn-tree-verify"])
-    with pytest.raises(RuntimeError, match="gdn-tree-verify patch is not applied"):
-        _run(up, hybrid, 0, "dflash")
+    from compat import gdn_tree
+
+    was_installed = gdn_tree.is_installed()  # the native engine installs it for itself; start without it
+    gdn_tree.uninstall()
+    try:
+        up = load_upstream(checkout, skip=["gdn-tree-verify"])
+        with pytest.raises(RuntimeError, match="gdn-tree-verify patch is not applied"):
+            _run(up, hybrid, 0, "dflash")
+    finally:
+        compat.revert()
+        if was_installed:
+            gdn_tree.install()
 
 
 def _patched(fn) -> bool:
