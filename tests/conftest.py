@@ -26,3 +26,26 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+FIXTURES = Path(__file__).resolve().parent / "compat_fixtures"
+
+
+@pytest.fixture
+def clean_compat():
+    """Every patch reverted and the authors' modules forgotten, before and after the test."""
+    import compat
+    from compat.upstream import purge
+
+    compat.revert()
+    purge()
+    yield
+    compat.revert()
+    purge()
+
+
+def copy_checkout(name: str, tmp_path: Path) -> Path:
+    """A stand-in checkout of the authors' repository (written in tests, none of their code)."""
+    import shutil
+
+    return Path(shutil.copytree(FIXTURES / name, tmp_path / "ddtree-checkout"))

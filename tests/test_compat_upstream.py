@@ -8,29 +8,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_checkout
 
 import compat
 from compat.patches import UPSTREAM_PACKAGE
-from compat.upstream import UpstreamError, load_upstream, purge
+from compat.upstream import UpstreamError, load_upstream
 from ddtree.tiny import tiny_model
 
 FAKE = Path(__file__).resolve().parent / "compat_fixtures" / "fake_upstream"
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    compat.revert()
-    purge()
-    yield
-    compat.revert()
-    purge()
+pytestmark = pytest.mark.usefixtures("clean_compat")
 
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    dest = tmp_path / "ddtree-checkout"
-    shutil.copytree(FAKE, dest)
-    return dest
+    return copy_checkout("fake_upstream", tmp_path)
 
 
 def _greedy(target, ids: torch.Tensor, n: int) -> list[int]:

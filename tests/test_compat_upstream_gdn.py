@@ -9,35 +9,27 @@ back naively would go wrong.
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import copy_checkout
 
 import compat
 from compat.patches import upstream_gdn_tree
-from compat.upstream import load_upstream, purge
+from compat.upstream import load_upstream
 from ddtree.tiny import tiny_model
 
 STAND_IN = Path(__file__).resolve().parent / "compat_fixtures" / "upstream_checkout"
 PROMPT, NEW, BLOCK = 8, 20, 5
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    compat.revert()
-    purge()
-    yield
-    compat.revert()
-    purge()
+pytestmark = pytest.mark.usefixtures("clean_compat")
 
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    dest = tmp_path / "ddtree-checkout"
-    shutil.copytree(STAND_IN, dest)
-    return dest
+    return copy_checkout("upstream_checkout", tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -7,15 +7,13 @@ function names, signatures, returned fields and 4.x call style); it is not their
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import copy_checkout
 
-import compat
-from compat.upstream import purge
 from ddtree import config as C
 from ddtree.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
@@ -31,20 +29,12 @@ from ddtree.upstream_engine import (
 STAND_IN = Path(__file__).resolve().parent / "compat_fixtures" / "upstream_checkout"
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    compat.revert()
-    purge()
-    yield
-    compat.revert()
-    purge()
+pytestmark = pytest.mark.usefixtures("clean_compat")
 
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    dest = tmp_path / "ddtree-checkout"
-    shutil.copytree(STAND_IN, dest)
-    return dest
+    return copy_checkout("upstream_checkout", tmp_path)
 
 
 @pytest.fixture(scope="module")
