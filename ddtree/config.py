@@ -200,19 +200,19 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         if type(e).__name__ == "MissingMandatoryValue":
             raise ConfigError(key, "is required but not set", f"pass {key}=<value>") from None
         raise ConfigError(key, msg) from None
-    _refuse_unknown_keys(rc)
+    refuse_unknown_keys(rc)
     return rc
 
 
-def _refuse_unknown_keys(obj: Any, prefix: str = "") -> None:
+def refuse_unknown_keys(obj: Any, prefix: str = "", cli: str = "ddtree.run") -> None:
     """`+key=value` slips past the schema; a setting nothing reads is a typo, so say so."""
     names = {f.name for f in fields(obj)}
     for k, v in vars(obj).items():
         if k not in names:
-            raise ConfigError(f"{prefix}{k}", "is not a setting", "remove it (python -m ddtree.run --cfg job "
+            raise ConfigError(f"{prefix}{k}", "is not a setting", f"remove it (python -m {cli} --cfg job "
                               "prints every setting)")
         if is_dataclass(v):
-            _refuse_unknown_keys(v, f"{prefix}{k}.")
+            refuse_unknown_keys(v, f"{prefix}{k}.", cli)
 
 
 def resolved_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:

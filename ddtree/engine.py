@@ -163,6 +163,16 @@ def make_proposer(method: str, target, drafter, budget: int | None, block_size: 
     return DDTreeProposer(target, drafter, budget if budget is not None else 64, block_size)
 
 
+def check_generate_args(temperature: float, max_new_tokens: int, input_ids: torch.Tensor) -> None:
+    """The argument checks every engine's generate shares."""
+    if temperature < 0:
+        raise ConfigError("temperature", f"must be >= 0, got {temperature}", "use 0 for greedy")
+    if max_new_tokens < 1:
+        raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError("input_ids must have shape [1, prompt_len]")
+
+
 def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, method: str = "ddtree",
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
@@ -176,12 +186,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     tree_attention: "split" (ddtree.attention, any backend; the target is switched to the tree
     implementation wrapping its backend) or "dense" (a 4-D mask over past + tree; eager/sdpa).
     """
-    if temperature < 0:
-        raise ConfigError("temperature", f"must be >= 0, got {temperature}", "use 0 for greedy")
-    if max_new_tokens < 1:
-        raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("input_ids must have shape [1, prompt_len]")
+    check_generate_args(temperature, max_new_tokens, input_ids)
     check_target_supported(model_type(target), method)
     if proposer is None:
         if drafter is not None and method != "ar":

@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
+from .engine import METHODS, check_generate_args
 from .errors import ConfigError
 from .result import STAGES, GenerationResult
 
-METHODS = ("ar", "dflash", "ddtree")
 NO_TOKEN = -1  # the mask id for AR: their output filter then drops nothing
 
 
@@ -117,12 +117,7 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
     """One generation with the authors' code; the same arguments and result as `ddtree.generate`."""
     if method not in METHODS:
         raise ConfigError("method", f"unknown method '{method}'", f"choose one of {', '.join(METHODS)}")
-    if temperature < 0:
-        raise ConfigError("temperature", f"must be >= 0, got {temperature}", "use 0 for greedy")
-    if max_new_tokens < 1:
-        raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("input_ids must have shape [1, prompt_len]")
+    check_generate_args(temperature, max_new_tokens, input_ids)
     stops = sorted(set(stop_token_ids or ()))
     kw: dict[str, Any] = dict(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,
                               stop_token_ids=stops or None, temperature=temperature)

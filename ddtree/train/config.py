@@ -5,13 +5,14 @@ Every check raises ConfigError(setting, problem, fix) before any model loads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddtree.config import refuse_unknown_keys
 from ddtree.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -140,19 +141,11 @@ def to_train_config(cfg: DictConfig | dict | TrainConfig) -> TrainConfig:
         if type(e).__name__ == "MissingMandatoryValue":
             raise ConfigError(key, "is required but not set", f"pass {key}=<value>") from None
         raise ConfigError(key, _first_line(getattr(e, "msg", None) or str(e))) from None
-    _refuse_unknown_keys(tc)
+    refuse_unknown_keys(tc, cli="ddtree.train")
     validate(tc)
     return tc
 
 
-def _refuse_unknown_keys(obj: Any, prefix: str = "") -> None:
-    names = {f.name for f in fields(obj)}
-    for k, v in vars(obj).items():
-        if k not in names:
-            raise ConfigError(f"{prefix}{k}", "is not a setting", "remove it (python -m ddtree.train --cfg job "
-                              "prints every setting)")
-        if is_dataclass(v):
-            _refuse_unknown_keys(v, f"{prefix}{k}.")
 
 
 def validate(c: TrainConfig) -> None:
