@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compat import gdn_tree  # noqa: E402
 from ddtree.tiny import tiny_model  # noqa: E402
+from ddtree.tree import tree_attention_mask, tree_from_parents  # noqa: E402
 
 
 def draft_tree(budget: int, max_depth: int = 16, seed: int = 0) -> list[int]:
@@ -45,17 +46,6 @@ def draft_tree(budget: int, max_depth: int = 16, seed: int = 0) -> list[int]:
         parents.append(p)
         depth.append(depth[p] + 1)
     return parents
-
-
-def tree_mask(parents: list[int], past: int) -> torch.Tensor:
-    n = len(parents)
-    visible = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            visible[i] = visible[p]
-        visible[i, i] = True
-    visible = torch.cat([torch.ones(n, past, dtype=torch.bool), visible], dim=1)
-    return torch.zeros(1, 1, n, past + n).masked_fill(~visible, torch.finfo(torch.float32).min)
 
 
 def median_ms(variants: dict, setup, repeats: int) -> dict[str, float]:
@@ -96,7 +86,8 @@ def _model_budget(model, cache, budget: int, repeats: int, prompt_len: int) -> t
         depths[i] = depths[parents[i]] + 1
     ids = torch.randint(0, model.config.vocab_size, (1, n))
     pos = torch.tensor([depths]) + prompt_len
-    mask = tree_mask(parents, prompt_len)
+    # token ids do not change the mask; distinct ids keep siblings valid
+    mask = tree_attention_mask(tree_from_parents(list(range(len(parents))), parents), prompt_len, torch.float32)
     tree = torch.tensor(parents)
     leaf = max(range(n), key=lambda i: depths[i])
     path = [leaf]
