@@ -158,6 +158,9 @@ class RunConfig:
     max_new_tokens: int = 256
     seed: int = 0
     baseline: bool = True  # also run AR on each prompt in the same job
+    # reuse the AR baseline an earlier job of this process ran on the same prompts and settings (a sweep over
+    # methods and budgets decodes each prompt with AR once, as the paper does); false: AR in every job
+    baseline_reuse: bool = True
     force: bool = False  # rerun even if this config already finished in the tracking store
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     warmup: bool = True  # one untimed short generation per method after loading
@@ -176,7 +179,7 @@ def _register() -> None:
 _register()
 
 # keys that do not change what a job computes: left out of its identity (resume)
-NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags")
+NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse")
 
 
 # ---------------------------------------------------------------- conversion

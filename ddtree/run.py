@@ -81,10 +81,13 @@ class ModelCache:
     drafter_key: str | None = None
     drafter: Any = None
     warmed: set[str] = field(default_factory=set)
+    # AR baseline records of finished shards, by baseline_key(): reused by later jobs (baseline_reuse=true)
+    baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.target_key = self.target = self.tokenizer = self.drafter_key = self.drafter = None
         self.warmed.clear()
+        self.baselines.clear()
 
 
 _MODELS = ModelCache()  # the per-process model cache (Hydra's basic launcher runs a sweep's jobs here)
@@ -231,6 +234,13 @@ def load_upstream(rc: RunConfig):
 
 
 # ---------------------------------------------------------------- one job
+
+
+def baseline_key(rc: RunConfig, mine: list[Prompt]) -> str:
+    """Everything the AR baseline's tokens and timings depend on, besides the loaded target (its cache key)."""
+    return _key(_MODELS.target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
+                rc.dataset.chat_template, rc.dataset.enable_thinking, rc.engine, rc.upstream.path,
+                OmegaConf.to_container(OmegaConf.structured(rc.compat)), rc.warmup)
 
 
 def stop_token_ids(tokenizer, target) -> list[int]:
@@ -437,14 +447,16 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     torch.manual_seed(rc.seed)
     try:
         failure: BaseException | None = None
+        reused_from = None
         try:
-            _generate_shard(target, drafter, tokenizer, prompts, D.shard(prompts, world), methods, rc, device,
-                            stops, rank_path, records, base_name, show_progress=world.is_main)
+            reused_from = _generate_shard(target, drafter, tokenizer, prompts, D.shard(prompts, world), methods,
+                                          rc, device, stops, rank_path, records, base_name,
+                                          show_progress=world.is_main, origin=str(job_dir))
         except Exception as e:
             if not world.is_distributed:
                 raise
             failure = e  # still join the gather below, so rank 0 learns of it instead of waiting
-        gathered = D.gather({"rank": world.rank, "records": records,
+        gathered = D.gather({"rank": world.rank, "records": records, "baseline_reused_from": reused_from,
                              "error": None if failure is None else f"{type(failure).__name__}: {failure}"}, world)
         if failure is not None:
             raise failure
@@ -457,13 +469,17 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
             records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
             with samples_path.open("w", encoding="utf-8") as out:
                 out.writelines(json.dumps(rec) + "\n" for rec in records)
-        summary = summarize(records, rc, {**env, "load_s": load_s, "config_hash": chash})
+        reused = {g.get("baseline_reused_from") for g in gathered} - {None}
+        summary = summarize(records, rc, {**env, "load_s": load_s, "config_hash": chash,
+                                          "baseline_reused_from": min(reused) if reused else None})
         (job_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
         lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
         write_histogram(lengths, job_dir / HISTOGRAM, f"{base_name}: tau={summary['tau'] or 0:.2f}")
         print(format_table(summary), flush=True)
         print(f"results: {job_dir}", flush=True)
         if job is not None:
+            if summary["baseline_reused_from"]:
+                job.set_tags({"baseline_reused_from": summary["baseline_reused_from"]})
             job.log_metrics(numeric_metrics(summary))
             job.log_artifacts([*artifacts, samples_path, job_dir / SUMMARY, job_dir / HISTOGRAM,
                                *([log_file] if log_file else [])])
@@ -481,9 +497,13 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
 
 def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
                     rc: RunConfig, device: str, stops: list[int], path: Path, records: list[dict[str, Any]],
-                    base_name: str, show_progress: bool = True) -> None:
+                    base_name: str, show_progress: bool = True, origin: str = "") -> str | None:
     """Warm up (once per process and setting), then run every method on this rank's prompts, appending
-    one record per prompt, turn and role to `records` and to `path` as each prompt finishes."""
+    one record per prompt, turn and role to `records` and to `path` as each prompt finishes.
+
+    With rc.baseline_reuse, the AR baseline comes from an earlier job of this process that ran it on the
+    same prompts with the same settings (returned: that job's `origin`); else it runs here and is kept
+    for later jobs under this job's `origin`."""
     wkey = _key(_MODELS.target_key, _MODELS.drafter_key, rc.method)
     if rc.warmup and wkey not in _MODELS.warmed:  # first-call costs stay out of the timings
         for meth in methods:
@@ -493,20 +513,34 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
         _MODELS.warmed.add(wkey)
     from tqdm import tqdm
 
+    bkey = baseline_key(rc, mine) if "ar" in methods and rc.method != "ar" and rc.baseline_reuse else None
+    reused_from, kept = _MODELS.baselines.get(bkey, (None, None)) if bkey else (None, None)
+    by_prompt: dict[str, list[dict[str, Any]]] = {}
+    for rec in kept or []:
+        by_prompt.setdefault(rec["id"], []).append(rec)
+    fresh: list[dict[str, Any]] = []
     with path.open("a", encoding="utf-8") as out:
         bar = tqdm(mine, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True,
                    disable=not show_progress)
         for prompt in bar:
             for meth in reversed(methods):  # the baseline first: the method's outputs get compared to it
                 role = "method" if meth == rc.method else "baseline"
-                for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc, device,
-                                                        stops):
-                    rec = {"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
-                    records.append(rec)
-                    out.write(json.dumps(rec) + "\n")
+                if role == "baseline" and reused_from is not None:
+                    got = [{**rec, "reused_from": reused_from} for rec in by_prompt[prompt.id]]
+                else:
+                    got = [{"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
+                           for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc,
+                                                                   device, stops)]
+                    if role == "baseline":
+                        fresh.extend(got)
+                records.extend(got)
+                out.writelines(json.dumps(rec) + "\n" for rec in got)
             out.flush()
             m = [r for r in records if r["role"] == "method"]
             bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
+    if bkey and reused_from is None:  # complete: later jobs may reuse it
+        _MODELS.baselines[bkey] = (origin, fresh)
+    return reused_from
 
 
 # ---------------------------------------------------------------- entry point

@@ -171,3 +171,42 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
 def test_cli_works_from_any_cwd_and_prints_help(cli, tmp_path: Path):
     proc = cli("--cfg", "job", "model=tiny_llama", cwd=tmp_path)
     assert proc.returncode == 0 and "tiny_llama" in proc.stdout and "budget: 64" in proc.stdout
+
+
+def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
+    """A later job of the same process on the same prompts and settings takes the AR baseline from the
+    earlier one (the paper runs AR once per prompt); any setting the baseline depends on breaks the reuse."""
+    from ddtree import run as R
+
+    monkeypatch.chdir(tmp_path)
+    R._MODELS.clear()
+
+    def cfg(*extra):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
+            return compose("config", overrides=[*SMALL, "device=cpu", "tracking=none", "warmup=false",
+                                                "compat.enabled=false", *extra])
+
+    def baseline(summary_path=tmp_path / "samples.jsonl"):
+        rows = [json.loads(x) for x in summary_path.read_text().splitlines()]
+        return [r for r in rows if r["role"] == "baseline"]
+
+    first = R.run_job(cfg("method=dflash"))
+    ran = baseline()
+    assert first["baseline_reused_from"] is None and not any("reused_from" in r for r in ran)
+
+    second = R.run_job(cfg("method=ddtree", "budget=8"))
+    got = baseline()
+    assert second["baseline_reused_from"] == str(tmp_path)
+    assert [r["output_ids"] for r in got] == [r["output_ids"] for r in ran]
+    assert [r["total_s"] for r in got] == [r["total_s"] for r in ran]  # the same timings, not a rerun
+    assert all(r["reused_from"] == str(tmp_path) for r in got)
+    assert second["baseline_tokens_per_s"] == first["baseline_tokens_per_s"] and second["match_rate"] == 1.0
+
+    for extra in (("max_new_tokens=6",), ("seed=1", "temperature=1"), ("dataset.max_samples=1",),
+                  ("baseline_reuse=false",)):
+        s = R.run_job(cfg("method=ddtree", "budget=8", *extra))
+        assert s["baseline_reused_from"] is None, extra
+    R._MODELS.clear()
+    assert R.run_job(cfg("method=ddtree", "budget=8"))["baseline_reused_from"] is None  # new target: AR again
+    R._MODELS.clear()
