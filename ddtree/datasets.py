@@ -30,6 +30,16 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .config import DatasetConfig
 
+# the paper's dataset order (its tables and plots); others follow alphabetically
+PAPER_ORDER = ("math500", "gsm8k", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe_bench_lite",
+               "mt_bench", "alpaca")
+
+
+def dataset_rank(name: str) -> tuple[int, str]:
+    """Sort key: the paper's datasets in its order, then any other by name."""
+    return (PAPER_ORDER.index(name), name) if name in PAPER_ORDER else (len(PAPER_ORDER), name)
+
+
 LOCAL_DATASETS = ("tiny", "jsonl")
 _FORMATTER = string.Formatter()
 

@@ -10,7 +10,9 @@ speedup (the budget shown). Speedup and tau are each job's own (summary.json): s
 tokens/s over the AR baseline's, run in the same job on the same prompts; tau = tokens committed per
 round, bonus included. Writes into output_dir: report.md (tables, the runs used and skipped, and why),
 table.tex, report.json (every number), speedup_vs_budget_*.png, tau_vs_budget_*.png and
-acceptance_*.png (acceptance-length histograms, DFlash vs DDTree at its best budget).
+acceptance_*.png (acceptance-length histograms, DFlash vs DDTree at its best budget). With `reference=`
+(default docs/paper_reference.yaml), report.md and report.json also hold the paper's published figures
+beside the cells of the models they cover.
 """
 
 from __future__ import annotations
@@ -32,14 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .config import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
+from .datasets import dataset_rank
 from .errors import ConfigError
+from .reference import comparison_rows, load_reference, reference_markdown
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
 METHODS = ("dflash", "ddtree")
 LABELS = {"dflash": "DFlash", "ddtree": "DDTree"}
-# the paper's dataset order; others follow alphabetically
-DATASET_ORDER = ("math500", "gsm8k", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe_bench_lite",
-                 "mt_bench", "alpaca")
 DEFAULT_PROTOCOL = ["max_new_tokens", "block_size", "num_prompts", "seed", "dataset.max_samples",
                     "dataset.shuffle_seed", "dataset.path", "dataset.chat_template", "dataset.enable_thinking",
                     "model.name_or_path", "model.dtype", "drafter.name_or_path", "attention.target",
@@ -67,6 +68,8 @@ class ReportConfig:
     protocol: list[str] = field(default_factory=lambda: list(DEFAULT_PROTOCOL))  # must agree within a cell
     plots: bool = True
     histograms: bool = True
+    # published figures to compare with (docs/paper_reference.yaml; conf/report.yaml sets it); null: none
+    reference: str | None = None
 
 
 ConfigStore.instance().store(name="report_schema", node=ReportConfig)
@@ -301,13 +304,9 @@ def select(store: Store, rc: ReportConfig) -> Selection:
                 continue
             newest[slot] = j
             sel.used.append(j)
-    sel.used.sort(key=lambda j: (_dataset_rank(j.dataset), j.model, j.temperature, j.method != "dflash",
+    sel.used.sort(key=lambda j: (dataset_rank(j.dataset), j.model, j.temperature, j.method != "dflash",
                                  j.budget or 0))
     return sel
-
-
-def _dataset_rank(name: str) -> tuple[int, str]:
-    return (DATASET_ORDER.index(name), name) if name in DATASET_ORDER else (len(DATASET_ORDER), name)
 
 
 # ---------------------------------------------------------------- numbers
@@ -364,7 +363,7 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
                 store.load_samples(job)
             e["per_generation"] = per_generation(job)
         out.append(c)
-    out.sort(key=lambda c: (c["temperature"], c["model"], _dataset_rank(c["dataset"])))
+    out.sort(key=lambda c: (c["temperature"], c["model"], dataset_rank(c["dataset"])))
     return out
 
 
@@ -406,7 +405,7 @@ def _tex(s: str) -> str:
 def latex_table(cells: list[dict[str, Any]]) -> str:
     """The paper's layout: a column pair (speedup, tau) per method per model, a block per temperature."""
     models = sorted({c["model"] for c in cells})
-    datasets = sorted({(c["dataset"], c["title"]) for c in cells}, key=lambda d: _dataset_rank(d[0]))
+    datasets = sorted({(c["dataset"], c["title"]) for c in cells}, key=lambda d: dataset_rank(d[0]))
     look = {(c["temperature"], c["dataset"], c["model"]): c for c in cells}
     ncols = 1 + 4 * len(models)
     lines = [r"% needs \usepackage{booktabs,graphicx}", r"\begin{table*}[t]", r"\centering", r"\small",
@@ -464,7 +463,7 @@ def budget_plots(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         for metric, label in (("speedup", "speedup over AR (x)"), ("tau", "tau (tokens per round)")):
             fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
             budgets = sorted({e["budget"] for c in cs for e in c["ddtree"]})
-            for i, c in enumerate(sorted(cs, key=lambda c: _dataset_rank(c["dataset"]))):
+            for i, c in enumerate(sorted(cs, key=lambda c: dataset_rank(c["dataset"]))):
                 color = f"C{i % 10}"
                 pts = [(e["budget"], e[metric]) for e in c["ddtree"] if e[metric] is not None]
                 if pts:
@@ -531,7 +530,25 @@ def _filters(rc: ReportConfig, uri: str) -> dict[str, Any]:
             "protocol": list(rc.protocol)}
 
 
-def render_markdown(cells, sel: Selection, filters: dict[str, Any], plots: list[Path]) -> str:
+def reference_section(ref: dict[str, Any] | None, cells: list[dict[str, Any]]) -> list[str]:
+    """report.md's "Against the paper": the reference's figures for each reported model beside yours."""
+    if ref is None:
+        return []
+    covered = sorted({k[0] for k in ref["entries"]})
+    models = [m for m in sorted({c["model"] for c in cells}) if m in covered]
+    lines = ["## Against the paper", "",
+             f"Reference: {ref['source'] or ref['path']} ({ref['path']}). An empty paper cell was not found in "
+             "the paper (it is not a zero); `(unverified)` marks numbers not checked against the paper itself. "
+             "report.json (`reference`) has yours / paper for every entry.", ""]
+    if not models:
+        lines += [f"No run here is of a model the reference covers ({', '.join(covered) or 'none'}).", ""]
+    for m in models:
+        lines += [f"### {m}", "", reference_markdown(ref, m, cells)]
+    return lines
+
+
+def render_markdown(cells, sel: Selection, filters: dict[str, Any], plots: list[Path],
+                    ref: dict[str, Any] | None = None) -> str:
     f = {k: v for k, v in filters.items() if v not in (None, {}, []) and k != "protocol"}
     lines = ["# DDTree report", "",
              "Filters: " + ", ".join(f"{k}={v}" for k, v in f.items()) + ".",
@@ -542,6 +559,7 @@ def render_markdown(cells, sel: Selection, filters: dict[str, Any], plots: list[
              "with the best speedup in its cell; `per_generation` numbers in report.json use the authors' "
              "aggregation (means over generations).", "",
              "## Speedup and tau", "", markdown_table(cells)]
+    lines += reference_section(ref, cells)
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     lines += ["## Runs used", "", "| run | name | dataset | model | T | method | budget | speedup | tau |",
@@ -563,6 +581,7 @@ def make_report(rc: ReportConfig) -> dict[str, Any]:
     """Read the store, write every output into rc.output_dir, return the JSON document."""
     uri = tracking_uri(rc)
     out = Path(rc.output_dir).expanduser().resolve()
+    ref = load_reference(rc.reference) if rc.reference else None  # a bad file stops before the store is read
     with tempfile.TemporaryDirectory(prefix="ddtree-report-") as tmp:
         store = Store(uri, Path(tmp))
         sel = select(store, rc)
@@ -578,8 +597,11 @@ def make_report(rc: ReportConfig) -> dict[str, Any]:
            "runs_used": [j.brief() for j in sel.used],
            "runs_skipped": [{**j.brief(), "status": j.status, "reason": why} for j, why in sel.skipped],
            "runs_filtered_out": sel.filtered_out}
+    if ref is not None:
+        doc["reference"] = {"path": ref["path"], "source": ref["source"],
+                            "rows": comparison_rows(ref, cells, sorted({c["model"] for c in cells}))}
     (out / REPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
-    (out / REPORT_MD).write_text(render_markdown(cells, sel, filters, plots))
+    (out / REPORT_MD).write_text(render_markdown(cells, sel, filters, plots, ref))
     (out / REPORT_TEX).write_text(latex_table(cells))
     return doc
 

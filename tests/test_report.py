@@ -127,6 +127,8 @@ def test_report_tables_plots_and_run_lists(grid):
             b: (S[(temp, "ddtree", b)]["speedup"], S[(temp, "ddtree", b)]["tau"]) for b in (4, 8)}
         assert cell["dflash"]["per_generation"]["tau"] >= 1.0  # from samples.jsonl
     assert "99.00x" not in md and "98.00x" not in md and "Temperature = 0" in tex
+    # the default reference (docs/paper_reference.yaml) covers Qwen3-8B only
+    assert "No run here is of a model the reference covers (qwen3_8b)" in md and doc["reference"]["rows"] == []
 
     pngs = sorted(out.glob("*.png"))
     assert {p.name for p in pngs} == {f"{k}_tiny_qwen3_T{t}.png" for k in ("speedup_vs_budget", "tau_vs_budget")
@@ -173,3 +175,46 @@ def test_report_filters(grid, tmp_path):
     with pytest.raises(ConfigError, match="no MLflow store") as e:
         report(tracking=ReportTracking(uri=f"sqlite:///{tmp_path}/missing/mlflow.db"))
     assert e.value.setting == "tracking.uri"
+
+
+def test_report_against_a_reference(grid, tmp_path):
+    """reference=<yaml>: the published figures beside the report's own cells, yours / paper in report.json;
+    a bad reference file stops before the store is read."""
+    ref = tmp_path / "ref.yaml"
+    ref.write_text("source: a test table\nfigures:\n"
+                   "  - {model: tiny_qwen3, temperature: 0, dataset: tiny, dflash: {speedup: 2.0, tau: 4.0},\n"
+                   "     ddtree: {speedup: 3.0, tau: null, budget: 256}, verified: true}\n"
+                   "  - {model: tiny_qwen3, temperature: 1, dataset: tiny, dflash: {speedup: 1.5}, verified: false}\n"
+                   "  - {model: other_model, temperature: 0, dataset: tiny, dflash: {speedup: 9.0}}\n")
+    out = tmp_path / "r"
+    doc = make_report(ReportConfig(tracking=ReportTracking(uri=grid["uri"]), output_dir=str(out), plots=False,
+                                   histograms=False, tags={"experiment": "tiny_grid"}, reference=str(ref)))
+    S = grid["summaries"]
+    rows = {r["temperature"]: r for r in doc["reference"]["rows"]}
+    assert set(rows) == {0.0, 1.0} and doc["reference"]["source"] == "a test table"  # other_model: no runs here
+    d0 = S[(0.0, "dflash", None)]
+    best0 = max((S[(0.0, "ddtree", b)] for b in (4, 8)), key=lambda s: (s["speedup"], -s["budget"]))
+    r0 = rows[0.0]
+    assert r0["paper"]["dflash"] == {"speedup": 2.0, "tau": 4.0}
+    assert r0["yours"]["dflash"]["speedup"] == d0["speedup"] and r0["yours"]["ddtree"]["budget"] == best0["budget"]
+    assert r0["yours_over_paper"]["dflash_speedup"] == pytest.approx(d0["speedup"] / 2.0)
+    assert r0["yours_over_paper"]["dflash_tau"] == pytest.approx(d0["tau"] / 4.0)
+    assert r0["yours_over_paper"]["ddtree_speedup"] == pytest.approx(best0["speedup"] / 3.0)
+    assert r0["yours_over_paper"]["ddtree_tau"] is None  # the paper's value was not found
+
+    md = (out / "report.md").read_text()
+    section = md.split("## Against the paper")[1].split("## Runs used")[0]
+    assert "### tiny_qwen3" in section and "other_model" not in section
+    line0 = next(ln for ln in section.split("Temperature 1:")[0].splitlines() if ln.startswith("| tiny |"))
+    assert line0.startswith(f"| tiny | 2.00x | 3.00x (256) | 4.00 / - | {d0['speedup']:.2f}x | "
+                            f"{best0['speedup']:.2f}x ({best0['budget']}) | {d0['tau']:.2f} / {best0['tau']:.2f} |")
+    line1 = next(ln for ln in section.split("Temperature 1:")[1].splitlines() if ln.startswith("| tiny |"))
+    assert line1.startswith("| tiny | 1.50x (unverified) |  |  |")
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("figures:\n  - {model: m, temperature: 0, dataset: d, dflash: {speedup: -1}}\n")
+    for path, msg in ((bad, "positive number"), (tmp_path / "missing.yaml", "no reference file")):
+        with pytest.raises(ConfigError, match=msg) as e:
+            make_report(ReportConfig(tracking=ReportTracking(uri=f"sqlite:///{tmp_path}/none/mlflow.db"),
+                                     output_dir=str(tmp_path / "x"), reference=str(path)))
+        assert e.value.setting == "reference"  # not tracking.uri: the reference is checked first
