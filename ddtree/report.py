@@ -451,6 +451,13 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def budget_plots(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     """Per model and temperature: speedup and tau against the DDTree budget, one line per dataset,
     DFlash as a dotted level in the same colour."""
@@ -478,11 +485,7 @@ def budget_plots(cells: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.set_title(f"{model}, temperature {temp:g}", fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, ncol=2)
-            fig.tight_layout()
-            path = out / f"{metric}_vs_budget_{_slug(model, f'T{temp:g}')}.png"
-            fig.savefig(path)
-            plt.close(fig)
-            paths.append(path)
+            paths.append(_save(plt, fig, out / f"{metric}_vs_budget_{_slug(model, f'T{temp:g}')}.png"))
     return paths
 
 
@@ -513,11 +516,8 @@ def acceptance_histograms(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_ylabel("share of rounds")
         ax.set_title(f"{c['title']}, {c['model']}, temperature {c['temperature']:g}", fontsize=10)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / f"acceptance_{_slug(c['dataset'], c['model'], 'T' + format(c['temperature'], 'g'))}.png"
-        fig.savefig(path)
-        plt.close(fig)
-        paths.append(path)
+        name = _slug(c["dataset"], c["model"], "T" + format(c["temperature"], "g"))
+        paths.append(_save(plt, fig, out / f"acceptance_{name}.png"))
     return paths
 
 
