@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_gdn.py [--budgets 16 64 256] [--repeats 30] [--threads 1] [--layer]
 
-Model level: the tiny hybrid target (ddtree.tiny, qwen3_5_text by default), a prefilled cache, then
+Model level: the tiny hybrid target (ddtree.testing.tiny, qwen3_5_text by default), a prefilled cache, then
 one verification forward of [root] + `budget` nodes:
   * chain     unpatched flat causal forward of the same length (what DFlash pays),
   * masked    unpatched forward with the 4-D tree mask (attention right, GDN wrong),
@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from compat import gdn_tree  # noqa: E402
-from ddtree.tiny import tiny_model  # noqa: E402
-from ddtree.tree import tree_attention_mask, tree_from_parents  # noqa: E402
+from ddtree.engine.tree import tree_attention_mask, tree_from_parents  # noqa: E402
+from ddtree.testing.tiny import tiny_model  # noqa: E402
 
 
 def draft_tree(budget: int, max_depth: int = 16, seed: int = 0) -> list[int]:

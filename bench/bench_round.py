@@ -8,7 +8,7 @@ Part 1, per round, median over --repeats generations of --new tokens on a tiny r
   target   wall time inside the target's forward calls (forward hooks),
   drafter  the engine's "draft" stage (drafter forward + lm_head),
   overhead the rest of the round: tree building, masks, walk, cache commit, Python bookkeeping.
-Modes: split (ddtree.attention, no dense mask) and dense (a 4-D additive mask over past + tree).
+Modes: split (ddtree.engine.attention, no dense mask) and dense (a 4-D additive mask over past + tree).
 --code DIR imports ddtree from DIR instead (e.g. an export of the commit before this work:
 `git archive 39ced50 ddtree | tar -x -C /tmp/before`), which knows only the dense mask ("before").
 
@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(args.code).resolve() if args.code else Path(__file__
 import torch  # noqa: E402
 
 import ddtree  # noqa: E402
-from ddtree.drafter import DFlashDrafter  # noqa: E402
-from ddtree.target import TargetSession  # noqa: E402
-from ddtree.tiny import tiny_model  # noqa: E402
-from ddtree.tree import best_first_tree  # noqa: E402
+from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
+from ddtree.engine.target import TargetSession  # noqa: E402
+from ddtree.engine.tree import best_first_tree  # noqa: E402
+from ddtree.testing.tiny import tiny_model  # noqa: E402
 
 HAS_MODES = "tree_attention" in inspect.signature(ddtree.generate).parameters
 

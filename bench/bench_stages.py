@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 import ddtree
-from ddtree.drafter import DFlashDrafter
-from ddtree.tiny import tiny_model
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.testing.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

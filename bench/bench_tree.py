@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from engine_utils import heap_best_first  # noqa: E402
-
-from ddtree.tree import best_first_tree  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddtree.engine.tree import best_first_tree  # noqa: E402
+from ddtree.testing.reference import heap_best_first  # noqa: E402
 
 
 def timed(fn, repeats: int, sync) -> float:

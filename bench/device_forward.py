@@ -11,7 +11,7 @@ forward of t tokens through the engine's TargetSession: t = 1 is an AR step (pla
 verification of a DDTree-shaped tree of t tokens (best-first under random draft log-probabilities, 16
 levels), the cache rolled back after each. Backends (those available here):
     sdpa/dense   the 4-D additive mask over past + tree (how the authors verified)
-    sdpa/split   ddtree.attention: prefix without a mask on a fused kernel + tree part, merged by LSE
+    sdpa/split   ddtree.engine.attention: prefix without a mask on a fused kernel + tree part, merged by LSE
     flash_attention_2/split, flash_attention_3/split   the same, prefix on flash-attn
     flex_attention   one compiled flex call with a BlockMask from the ancestor matrix
 Per cell: median milliseconds over --repeats after --warmup, and the peak extra memory of the forward
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ddtree import attention  # noqa: E402
-from ddtree.target import TargetSession  # noqa: E402
-from ddtree.tree import best_first_tree  # noqa: E402
+from ddtree.engine import attention  # noqa: E402
+from ddtree.engine.target import TargetSession  # noqa: E402
+from ddtree.engine.tree import best_first_tree  # noqa: E402
 
 
 def parse():
@@ -143,7 +143,7 @@ def main() -> None:
           f"ffn {a.intermediate}, vocab {a.vocab}, sliding {a.sliding_window}; {a.dtype}; prefix {a.prefix}; "
           f"torch {torch.__version__}")
     prefix_ids = torch.randint(0, a.vocab, (1, a.prefix), generator=torch.Generator().manual_seed(0)).to(device)
-    from ddtree.tree import root_tree
+    from ddtree.engine.tree import root_tree
 
     trees = {n: (root_tree(torch.tensor(7, device=device)) if n == 1 else draft_tree(n, a.vocab, device)) for n in tokens}
     table, all_logits = {}, {}

@@ -21,18 +21,15 @@ from .registry import (
     report,
     revert,
 )
-from .upstream import UpstreamError, load_upstream
 
 __all__ = [
     "PATCHES",
     "STATUSES",
     "CompatConfigError",
     "Patch",
-    "UpstreamError",
     "apply",
     "as_tags",
     "failures",
-    "load_upstream",
     "report",
     "revert",
 ]

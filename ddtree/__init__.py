@@ -9,10 +9,10 @@ Heavy modules load on first use, so `ddtree.errors` / config validation stay che
 from importlib import import_module
 
 _LAZY = {
-    "generate": ("ddtree.engine", "generate"),
-    "GenerationResult": ("ddtree.result", "GenerationResult"),
-    "DFlashDrafter": ("ddtree.drafter", "DFlashDrafter"),
-    "DraftTree": ("ddtree.tree", "DraftTree"),
+    "generate": ("ddtree.engine.loop", "generate"),
+    "GenerationResult": ("ddtree.engine.result", "GenerationResult"),
+    "DFlashDrafter": ("ddtree.engine.drafter", "DFlashDrafter"),
+    "DraftTree": ("ddtree.engine.tree", "DraftTree"),
     "ConfigError": ("ddtree.errors", "ConfigError"),
 }
 

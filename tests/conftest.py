@@ -35,7 +35,7 @@ FIXTURES = Path(__file__).resolve().parent / "compat_fixtures"
 def clean_compat():
     """Every patch reverted and the authors' modules forgotten, before and after the test."""
     import compat
-    from compat.upstream import purge
+    from ddtree.upstream.loader import purge
 
     compat.revert()
     purge()

@@ -1,4 +1,4 @@
-"""Tree attention (ddtree.attention): split and flex against an independent dense reference, then the engine.
+"""Tree attention (ddtree.engine.attention): split and flex against an independent dense reference, then the engine.
 
 The reference builds the full visibility matrix from positions (prefix key j at pos0 + j, node i at
 past + depth_i) and runs fp64 softmax attention with repeated key/value heads and an explicit sink
@@ -12,14 +12,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from engine_utils import ScriptedProposer, hf_greedy, random_tree
 
 import ddtree
-from ddtree import attention as A
-from ddtree import config as C
-from ddtree.drafter import DFlashDrafter
-from ddtree.tiny import tiny_model
-from ddtree.tree import chain_tree, walk
+from ddtree.engine import attention as A
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.tree import chain_tree, walk
+from ddtree.pipeline import schema as C
+from ddtree.testing.reference import ScriptedProposer, hf_greedy, random_tree
+from ddtree.testing.tiny import tiny_model
 
 D = 16
 
@@ -203,7 +203,7 @@ def test_split_and_dense_generation_equal_hf_greedy(model_type, attn, monkeypatc
                 assert res.output_ids == ref, (mode, budget)
     assert target.config._attn_implementation == A.TREE_IMPLEMENTATION[attn]
     # under split no dense mask is ever built
-    monkeypatch.setattr("ddtree.target.tree_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
+    monkeypatch.setattr("ddtree.engine.target.tree_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
     res = ddtree.generate(target, None, ids, max_new_tokens=20, proposer=ScriptedProposer(ref, vocab, seed=0))
     assert res.output_ids == ref and max(res.acceptance_lengths) >= 4
 

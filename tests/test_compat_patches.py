@@ -18,7 +18,7 @@ from transformers import DynamicCache
 import compat
 from compat.patches import embedding_access, qwen3_import_shims
 from compat.registry import Patcher
-from ddtree.tiny import tiny_config, tiny_model
+from ddtree.testing.tiny import tiny_config, tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""compat.upstream.load_upstream on a stand-in checkout laid out like the DDTree authors' repository."""
+"""ddtree.upstream.loader.load_upstream on a stand-in checkout laid out like the DDTree authors' repository."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from conftest import copy_checkout
 
 import compat
 from compat.patches import UPSTREAM_PACKAGE
-from compat.upstream import UpstreamError, load_upstream
-from ddtree.tiny import tiny_model
+from ddtree.testing.tiny import tiny_model
+from ddtree.upstream.loader import UpstreamError, load_upstream
 
 FAKE = Path(__file__).resolve().parent / "compat_fixtures" / "fake_upstream"
 
@@ -87,10 +87,10 @@ def test_upstream_generate_runs_through_the_patches(checkout):
 
 
 def test_upstream_stub_explains_missing_optional_dependency(checkout, monkeypatch):
-    import compat.upstream
+    import ddtree.upstream.loader
 
     real = {name: sys.modules.get(name) for name in ("datasets", "loguru")}
-    monkeypatch.setattr(compat.upstream, "_installed", lambda name: False)  # as on a machine without them
+    monkeypatch.setattr(ddtree.upstream.loader, "_installed", lambda name: False)  # as on a machine without them
     up = load_upstream(checkout)
     assert up.stubs == ("datasets", "loguru")
     assert all(sys.modules.get(name) is module for name, module in real.items())  # stubs only during import

@@ -17,8 +17,8 @@ from conftest import copy_checkout
 
 import compat
 from compat.patches import upstream_gdn_tree
-from compat.upstream import load_upstream
-from ddtree.tiny import tiny_model
+from ddtree.testing.tiny import tiny_model
+from ddtree.upstream.loader import load_upstream
 
 STAND_IN = Path(__file__).resolve().parent / "compat_fixtures" / "upstream_checkout"
 PROMPT, NEW, BLOCK = 8, 20, 5

@@ -11,10 +11,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from ddtree import config as C
-from ddtree.data import TINY_PROMPTS, encode, load_prompts, read_jsonl
 from ddtree.errors import ConfigError
-from ddtree.tokenizer import MIN_VOCAB, tiny_tokenizer
+from ddtree.pipeline import schema as C
+from ddtree.pipeline.prompts import TINY_PROMPTS, encode, load_prompts, read_jsonl
+from ddtree.testing.tokenizer import MIN_VOCAB, tiny_tokenizer
 
 GROUPS = ("model", "drafter", "method", "attention", "dataset", "tracking")
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((C.CONF_DIR / g).glob("*.yaml"))]
@@ -46,7 +46,7 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
             return [], "drafter.name_or_path"
         return [], None
     if (group, option) == ("attention", "flex_attention"):
-        return [], None  # ddtree verifies on flex through a BlockMask (ddtree.attention)
+        return [], None  # ddtree verifies on flex through a BlockMask (ddtree.engine.attention)
     if (group, option) == ("attention", "flash_attention_2"):
         return ["method=dflash"], None if HAS_FLASH else "attention.target"
     if (group, option) == ("dataset", "jsonl"):
@@ -139,7 +139,7 @@ def test_attention_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="use attention=sdpa") as e:
         C.validate(_compose("attention=flash_attention_2"))  # a tree method needs a tree mask
     assert e.value.setting == "attention.target"
-    C.validate(_compose("attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.attention)
+    C.validate(_compose("attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.engine.attention)
     C.validate(_compose("attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
     C.validate(_compose("attention.target=ddtree_split_eager"))  # a tree implementation by name
     with pytest.raises(ConfigError, match="pip install flash-attn"):  # a wrapper needs its backend's package

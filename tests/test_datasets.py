@@ -12,9 +12,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from ddtree import config as C
-from ddtree.datasets import load_dataset_prompts, load_hub, prompts_from_records, sample_indices
 from ddtree.errors import ConfigError
+from ddtree.pipeline import schema as C
+from ddtree.pipeline.datasets import load_dataset_prompts, load_hub, prompts_from_records, sample_indices
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 LCB_HEAD = ("You are an expert Python programmer. You will be given a question (problem specification) and will "
@@ -137,7 +137,7 @@ def test_offline_without_cache_says_how_to_provide_the_data(tmp_path, monkeypatc
         load_dataset_prompts(ds, cache_dir=str(tmp_path / "empty"))
     msg = str(e.value)
     assert e.value.setting == "dataset" and "not in the local datasets cache" in msg
-    assert "dataset.path=" in msg and "python -m ddtree.datasets gsm8k" in msg and "question" in msg
+    assert "dataset.path=" in msg and "python -m ddtree.pipeline.datasets gsm8k" in msg and "question" in msg
     assert "\n" not in msg
 
 
@@ -201,7 +201,7 @@ def test_a_budget_sweep_runs_dflash_once():
 
 def test_hub_format_prompts_run_through_a_job(tmp_path, monkeypatch):
     """In-process job on the tiny model: a GSM8K local copy and MT-Bench's two turns in the paper's format."""
-    from ddtree import run as R
+    from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
     gsm = _jsonl(tmp_path / "gsm8k.jsonl", [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(5)])

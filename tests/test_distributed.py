@@ -14,16 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_utils import hf_greedy
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 import ddtree
-from ddtree import config as C
-from ddtree import distributed as D
-from ddtree.drafter import DFlashDrafter
+from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
-from ddtree.tiny import tiny_model
+from ddtree.pipeline import distributed as D
+from ddtree.pipeline import schema as C
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_model
 
 SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=3", "max_new_tokens=8")
 
@@ -152,7 +152,7 @@ def test_dispatched_target_is_lossless(model_type):
 
 def test_run_loads_a_device_mapped_target(tmp_path, monkeypatch):
     """model.device_map through the run CLI's loader: placed by accelerate, inputs on the embeddings' device."""
-    from ddtree import run as R
+    from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
     GlobalHydra.instance().clear()
@@ -188,7 +188,7 @@ def _key(r: dict) -> tuple:
 def test_ranks_shard_and_rank0_gathers_in_process(tmp_path, monkeypatch):
     """run_job's rank logic with the collectives replaced by a recording: rank 1 runs first and hands its
     records over; rank 0 gets them from `gather`, merges, summarizes, and alone writes samples.jsonl."""
-    from ddtree import run as R
+    from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
     GlobalHydra.instance().clear()

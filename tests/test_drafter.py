@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ddtree.drafter import DFlashConfig, DFlashDrafter
+from ddtree.engine.drafter import DFlashConfig, DFlashDrafter
 from ddtree.errors import ConfigError
-from ddtree.tiny import tiny_config, tiny_model
+from ddtree.testing.tiny import tiny_config, tiny_model
 
 H = 64  # tiny_config hidden size
 

@@ -6,7 +6,11 @@ import random
 
 import pytest
 import torch
-from engine_utils import (
+
+import ddtree
+from ddtree.engine.target import TargetSession
+from ddtree.engine.tree import accepted_path, best_first_tree, chain_tree, tree_from_parents
+from ddtree.testing.reference import (
     ScriptedProposer,
     heap_best_first,
     hf_greedy,
@@ -14,11 +18,7 @@ from engine_utils import (
     sequential_path_logits,
     tree_paths,
 )
-
-import ddtree
-from ddtree.target import TargetSession
-from ddtree.tiny import tiny_model
-from ddtree.tree import accepted_path, best_first_tree, chain_tree, tree_from_parents
+from ddtree.testing.tiny import tiny_model
 
 PURE = ["qwen3", "llama"]
 

@@ -16,8 +16,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from ddtree import config as C
-from ddtree import tracking as T
+from ddtree.pipeline import schema as C
+from ddtree.pipeline import tracking as T
 
 # our conf/hydra/launcher files shadow the plugins' configs of the same name (ddtree.run silences this too)
 pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/\w+' is validated against ConfigStore schema")

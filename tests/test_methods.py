@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_utils import hf_greedy
 
 import ddtree
-from ddtree.drafter import DFlashDrafter
-from ddtree.tiny import tiny_model
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_model
 
 CASES = [(t, a) for t in ("qwen3", "llama") for a in ("eager", "sdpa")]
 

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from ddtree.config import REPO_ROOT
 from ddtree.errors import ConfigError
-from ddtree.reference import DEFAULT_REFERENCE, load_reference, reference_markdown
+from ddtree.pipeline.reference import DEFAULT_REFERENCE, load_reference, reference_markdown
+from ddtree.pipeline.schema import REPO_ROOT
 
 DATASETS = {"math500", "gsm8k", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe_bench_lite",
             "mt_bench", "alpaca"}

@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from ddtree import config as C
+from ddtree.pipeline import schema as C
 
 SMALL = ("model=tiny_qwen3", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 
@@ -123,9 +123,9 @@ def test_bad_input_exits_with_one_line(cli, tmp_path, case):
 def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
     """In-process: a drafter that does not fit its target is refused right after loading (before any
     generation), and a job that crashes mid-way ends its MLflow run FAILED with the samples it finished."""
-    import ddtree.engine
-    from ddtree import run as R
+    import ddtree.engine.loop
     from ddtree.errors import ConfigError
+    from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)  # outside Hydra a job writes to the cwd
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -140,7 +140,7 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
         R.run_job(cfg("drafter.target_layer_ids=[1,9]"))
     assert "target_layer_ids" in e.value.setting and not _runs(uri)
 
-    real, calls = ddtree.engine.generate, []
+    real, calls = ddtree.engine.loop.generate, []
 
     def crash_on_second_prompt(*args, **kwargs):
         calls.append(1)
@@ -148,7 +148,7 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
             raise RuntimeError("simulated crash")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ddtree.engine, "generate", crash_on_second_prompt)
+    monkeypatch.setattr(ddtree.engine.loop, "generate", crash_on_second_prompt)
     with pytest.raises(RuntimeError, match="simulated crash"):
         R.run_job(cfg())
     (run,) = _runs(uri)
@@ -157,7 +157,7 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
     kept = (tmp_path / "samples.jsonl").read_text().splitlines()
     assert len(kept) == 1 and json.loads(kept[0])["id"] == "tiny-0"
     target = R._MODELS.target
-    monkeypatch.setattr(ddtree.engine, "generate", real)
+    monkeypatch.setattr(ddtree.engine.loop, "generate", real)
     assert R.run_job(cfg("budget=8"))["match_rate"] is None  # no baseline in this job
     assert R._MODELS.target is target  # the cached models were reused, not reloaded
     assert R.run_job(cfg("budget=8")) is None  # finished before: skipped
@@ -176,7 +176,7 @@ def test_cli_works_from_any_cwd_and_prints_help(cli, tmp_path: Path):
 def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
     """A later job of the same process on the same prompts and settings takes the AR baseline from the
     earlier one (the paper runs AR once per prompt); any setting the baseline depends on breaks the reuse."""
-    from ddtree import run as R
+    from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
     R._MODELS.clear()

@@ -7,8 +7,8 @@ import torch
 from scipy.stats import chisquare
 
 import ddtree
-from ddtree.drafter import DFlashDrafter
-from ddtree.tiny import tiny_model
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.testing.tiny import tiny_model
 
 V, T, N = 12, 1.0, 1000
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.drafter import DFlashDrafter
+from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
-from ddtree.tiny import tiny_model
+from ddtree.testing.tiny import tiny_model
 from ddtree.train.config import OptimConfig, to_train_config
 from ddtree.train.features import FeatureShards, Sample, extract_features, shard_name
 from ddtree.train.objective import IGNORE, block_loss, drafter_hidden, make_batch, valid_anchors
@@ -222,7 +222,7 @@ def test_hydra_config_composes():
 
 
 def _tiny_tokenizer():
-    from ddtree.tokenizer import tiny_tokenizer
+    from ddtree.testing.tokenizer import tiny_tokenizer
 
     return tiny_tokenizer(VOCAB)
 
@@ -244,7 +244,7 @@ def test_text_sequences_span_the_assistant_turns(tmp_path: Path):
 
 
 def test_generated_answers_are_the_targets_greedy_output(tmp_path: Path):
-    from ddtree.data import encode
+    from ddtree.pipeline.prompts import encode
     from ddtree.train.data import generate_sequences, read_sequences
 
     tok = _tiny_tokenizer()
@@ -314,7 +314,7 @@ def test_shipped_toy_pair_is_lossless():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import ddtree
-    from ddtree.data import encode, read_jsonl
+    from ddtree.pipeline.prompts import encode, read_jsonl
 
     target = AutoModelForCausalLM.from_pretrained(ASSETS / "target").eval()
     tok = AutoTokenizer.from_pretrained(ASSETS / "target")

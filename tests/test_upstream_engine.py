@@ -14,11 +14,11 @@ import pytest
 import torch
 from conftest import copy_checkout
 
-from ddtree import config as C
-from ddtree.drafter import DFlashDrafter
+from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
-from ddtree.tiny import tiny_model
-from ddtree.upstream_engine import (
+from ddtree.pipeline import schema as C
+from ddtree.testing.tiny import tiny_model
+from ddtree.upstream.engine import (
     UpstreamResult,
     generate_upstream,
     load_upstream_engine,

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..registry import PatchUnavailable
 
-# Private package name under which compat.upstream imports the DDTree authors' modules.
+# Private package name under which ddtree.upstream.loader imports the DDTree authors' modules.
 UPSTREAM_PACKAGE = "_ddtree_upstream"
 
 

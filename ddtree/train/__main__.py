@@ -12,15 +12,14 @@ import hydra
 from omegaconf import DictConfig
 
 from ddtree.errors import ConfigError
-
-from .config import REPO_ROOT, register, to_train_config
+from ddtree.train.config import REPO_ROOT, register, to_train_config
 
 register()
 
 
 @hydra.main(config_path=str(REPO_ROOT / "conf_train"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from .pipeline import run
+    from ddtree.train.pipeline import run
 
     try:
         run(to_train_config(cfg))

@@ -12,8 +12,8 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddtree.config import refuse_unknown_keys
 from ddtree.errors import ConfigError
+from ddtree.pipeline.schema import refuse_unknown_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("data", "extract", "train", "eval")

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ddtree.data import encode, read_jsonl
 from ddtree.errors import ConfigError
+from ddtree.pipeline.prompts import encode, read_jsonl
 
 SEQUENCES = "sequences.jsonl"
 PARTIAL = "sequences.jsonl.partial"

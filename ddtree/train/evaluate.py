@@ -11,9 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree.data import encode
-
-from .data import read_prompts, stop_ids
+from ddtree.pipeline.prompts import encode
+from ddtree.train.data import read_prompts, stop_ids
 
 
 def _runs(methods: list[str], budgets: list[int]) -> list[tuple[str, str, int | None]]:

@@ -5,7 +5,7 @@ A shard (`shard_00000.safetensors`) holds, for up to `shard_size` sequences:
   offsets [n + 1] int64 (sequence i is rows offsets[i]:offsets[i+1]),
   spans [m, 3] int64 (sequence index, start, end) — the positions anchors are drawn from.
 Features are the engine's: hidden_states[i + 1] of each target layer id i, concatenated
-(ddtree.target.context_features). A shard is written atomically, so a restart redoes at most
+(ddtree.engine.target.context_features). A shard is written atomically, so a restart redoes at most
 the shard that was being written.
 """
 
@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ddtree.target import context_features
+from ddtree.engine.target import context_features
 
 MANIFEST = "manifest.json"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .features import Sample
+from ddtree.train.features import Sample
 
 IGNORE = -100
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 
 from ddtree.errors import ConfigError
-
-from .config import STAGES, TrainConfig, as_dict
-from .tracking import make_tracker
+from ddtree.train.config import STAGES, TrainConfig, as_dict
+from ddtree.train.tracking import make_tracker
 
 
 def log(msg: str) -> None:
@@ -60,7 +59,7 @@ def mask_token_id(cfg: TrainConfig, tokenizer, vocab_size: int) -> int:
 
 
 def build_drafter(cfg: TrainConfig, target_config, tokenizer, vocab_size: int):
-    from ddtree.drafter import DFlashDrafter
+    from ddtree.engine.drafter import DFlashDrafter
 
     if cfg.drafter.init:
         return DFlashDrafter.from_pretrained(cfg.drafter.init, dtype=torch.float32)
@@ -82,10 +81,10 @@ def _clear(out: Path, stage: str) -> None:
 
 def run(cfg: TrainConfig) -> dict:
     """Run the configured stages; returns the summary (also written to out_dir/summary.json)."""
-    from .data import SEQUENCES, generate_sequences, read_sequences, text_sequences
-    from .evaluate import evaluate
-    from .features import MANIFEST, FeatureShards, extract_features
-    from .trainer import FrozenTarget, train_drafter
+    from ddtree.train.data import SEQUENCES, generate_sequences, read_sequences, text_sequences
+    from ddtree.train.evaluate import evaluate
+    from ddtree.train.features import MANIFEST, FeatureShards, extract_features
+    from ddtree.train.trainer import FrozenTarget, train_drafter
 
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +158,7 @@ def run(cfg: TrainConfig) -> dict:
                 log(f"train: saved {final}")
 
         if "eval" in cfg.stages and cfg.eval.prompts:
-            from ddtree.drafter import DFlashDrafter
+            from ddtree.engine.drafter import DFlashDrafter
 
             eval_path = out / "eval.json"
             if eval_path.exists():

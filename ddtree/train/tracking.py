@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .config import REPO_ROOT, TrackingConfig
+from ddtree.train.config import REPO_ROOT, TrackingConfig
 
 RUN_FILE = "mlflow_run.json"
 

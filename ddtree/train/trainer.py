@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .config import OptimConfig
-from .features import FeatureShards, Sample
-from .objective import block_loss, drafter_hidden, make_batch
-from .tracking import NullTracker
+from ddtree.train.config import OptimConfig
+from ddtree.train.features import FeatureShards, Sample
+from ddtree.train.objective import block_loss, drafter_hidden, make_batch
+from ddtree.train.tracking import NullTracker
 
 STATE = "trainer_state.pt"
 

@@ -38,11 +38,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .errors import ConfigError
+from ddtree.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-# tree-verifying implementation name -> the plain backend it wraps (mirrored in ddtree.config)
+# tree-verifying implementation name -> the plain backend it wraps (mirrored in ddtree.pipeline.schema)
 SPLIT_IMPLEMENTATIONS = {
     "ddtree_split": "sdpa",
     "ddtree_split_eager": "eager",
@@ -100,7 +100,7 @@ def _default_flex_compile(device: torch.device) -> bool:
 def tree_verification(tree, past: int, flex_compile: bool | None = None) -> Iterator[TreeVerification]:
     """While active, tree implementations treat a forward of len(tree) tokens as the flat tree [root] + nodes.
 
-    `tree` is a ddtree.tree.DraftTree (parents before children); `past` the committed length.
+    `tree` is a ddtree.engine.tree.DraftTree (parents before children); `past` the committed length.
     """
     bound = tree.depth_bound if tree.depth_bound is not None else int(tree.depths.max())
     dev = tree.tokens.device

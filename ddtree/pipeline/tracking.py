@@ -34,7 +34,7 @@ _MAX_PARAM = 6000  # MLflow's limit on a param value
 
 
 def config_hash(identity: dict[str, Any]) -> str:
-    """A stable hash of what decides a job's results (see ddtree.config.identity_dict)."""
+    """A stable hash of what decides a job's results (see ddtree.pipeline.schema.identity_dict)."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
@@ -309,7 +309,7 @@ def _sweep_store(config: Any) -> tuple[str, str] | None:
     """(tracking uri, experiment) every job of this sweep records to; None when there is no single one."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from .config import to_run_config, tracking_uri
+    from ddtree.pipeline.schema import to_run_config, tracking_uri
 
     try:
         rc = to_run_config(config)
@@ -330,7 +330,7 @@ class SweepCallback(Callback):
         """Create the parent run now and hand its id to every job, whichever process or machine runs it."""
         from omegaconf import read_write
 
-        from .distributed import world_from_env
+        from ddtree.pipeline.distributed import world_from_env
 
         if os.environ.get(PARENT_ENV) or not world_from_env().is_main:
             return  # an outer tool's parent; or a torchrun rank > 0, which never records

@@ -11,8 +11,8 @@ Rows come from `datasets.load_dataset` (cached under HF_DATASETS_CACHE; HF_DATAS
 HF_HUB_OFFLINE=1 read the cache only), from `dataset.path` (a JSONL file of records with the same
 fields: the way to run offline without a cache), or, in code and tests, from a list of records.
 
-    python -m ddtree.datasets gsm8k mt_bench            # cache them, print the first prompt of each
-    python -m ddtree.datasets gsm8k --out data/         # also write data/gsm8k.jsonl (use as dataset.path=)
+    python -m ddtree.pipeline.datasets gsm8k mt_bench            # cache them, print the first prompt of each
+    python -m ddtree.pipeline.datasets gsm8k --out data/         # also write data/gsm8k.jsonl (use as dataset.path=)
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .data import Prompt, load_prompts, read_jsonl
-from .errors import ConfigError
+from ddtree.errors import ConfigError
+from ddtree.pipeline.prompts import Prompt, load_prompts, read_jsonl
 
 if TYPE_CHECKING:
-    from .config import DatasetConfig
+    from ddtree.pipeline.schema import DatasetConfig
 
 # the paper's dataset order (its tables and plots); others follow alphabetically
 PAPER_ORDER = ("math500", "gsm8k", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe_bench_lite",
@@ -211,7 +211,7 @@ def _offline() -> bool:
 
 def _how_to_provide(ds: DatasetConfig) -> str:
     fields = ", ".join(record_fields(ds) + ([ds.id_field] if ds.id_field else []))
-    return (f"run `python -m ddtree.datasets {ds.name} --out DIR` once where the hub is reachable (it caches the "
+    return (f"run `python -m ddtree.pipeline.datasets {ds.name} --out DIR` once where the hub is reachable (it caches the "
             f"data and writes DIR/{ds.name}.jsonl), then pass dataset.path=DIR/{ds.name}.jsonl; any .jsonl with "
             f"one record per line and the fields {fields} works")
 
@@ -266,7 +266,7 @@ def load_dataset_prompts(ds: DatasetConfig, records: Sequence[Mapping[str, Any]]
 def _dataset_config(name: str) -> DatasetConfig:
     from omegaconf import OmegaConf
 
-    from .config import CONF_DIR, DatasetConfig
+    from ddtree.pipeline.schema import CONF_DIR, DatasetConfig
 
     f = CONF_DIR / "dataset" / f"{name}.yaml"
     if not f.is_file():
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m ddtree.datasets", description="Cache hub benchmarks and "
+    ap = argparse.ArgumentParser(prog="python -m ddtree.pipeline.datasets", description="Cache hub benchmarks and "
                                  "optionally export their records as JSONL for offline machines (dataset.path=).")
     ap.add_argument("names", nargs="+", help="dataset configs, e.g. gsm8k math500 mt_bench")
     ap.add_argument("--out", type=Path, default=None, help="write OUT/<name>.jsonl: every record, all fields")

@@ -31,7 +31,7 @@ def _build(vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size < MIN_VOCAB:
-        from .errors import ConfigError
+        from ddtree.errors import ConfigError
 
         raise ConfigError("model.tiny.vocab_size", f"the tiny tokenizer needs >= {MIN_VOCAB} ids, got {vocab_size}",
                           f"use model.tiny.vocab_size={MIN_VOCAB} or more")

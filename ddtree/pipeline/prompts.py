@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
+from ddtree.errors import ConfigError
 
 
 @dataclass(frozen=True)

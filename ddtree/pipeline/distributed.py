@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
-from .errors import ConfigError
+from ddtree.errors import ConfigError
 
 T = TypeVar("T")
 

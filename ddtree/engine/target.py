@@ -8,9 +8,9 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from . import attention
-from .errors import ConfigError
-from .tree import DraftTree, tree_attention_mask
+from ddtree.engine import attention
+from ddtree.engine.tree import DraftTree, tree_attention_mask
+from ddtree.errors import ConfigError
 
 # Families whose caches hold recurrent state. qwen3_5/qwen3_next GDN layers are made
 # tree-exact by compat.gdn_tree; the others are refused for multi-token trees.
@@ -35,7 +35,7 @@ def check_target_supported(model_type_name: str, method: str) -> None:
             "verify a draft tree or roll back rejected tokens exactly", "use method=ar for this model family")
 
 
-TREE_ATTENTION = ("split", "dense")  # split: ddtree.attention (any backend); dense: a 4-D additive mask (eager/sdpa)
+TREE_ATTENTION = ("split", "dense")  # split: ddtree.engine.attention (any backend); dense: a 4-D additive mask (eager/sdpa)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -121,7 +121,7 @@ def _rebind_hooked_forwards(model: PreTrainedModel, classes: tuple[type, ...]) -
 class TargetSession:
     """One generation's target state: the cache, its committed length, feature extraction.
 
-    tree_attention: "split" verifies trees through ddtree.attention (the model is switched to the tree
+    tree_attention: "split" verifies trees through ddtree.engine.attention (the model is switched to the tree
     implementation wrapping its backend, which is the plain backend outside verification); "dense"
     passes a 4-D additive mask over past + tree (eager/sdpa only; the reference the split is tested against).
     capacity: expected total length (prompt + new tokens + one tree), to size the KV buffers once.

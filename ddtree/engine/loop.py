@@ -11,10 +11,10 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from .errors import ConfigError
-from .result import STAGES, GenerationResult
-from .target import TargetSession, check_target_supported, context_features, model_type
-from .tree import DraftTree, best_first_tree, chain_tree, root_tree, walk
+from ddtree.engine.result import STAGES, GenerationResult
+from ddtree.engine.target import TargetSession, check_target_supported, context_features, model_type
+from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, walk
+from ddtree.errors import ConfigError
 
 METHODS = ("ar", "dflash", "ddtree")
 
@@ -183,7 +183,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
     is a sample of the target's distribution. A custom `proposer` replaces the method's drafter.
     sync_timing: synchronise the device at stage boundaries (honest stage times; costs idle gaps).
-    tree_attention: "split" (ddtree.attention, any backend; the target is switched to the tree
+    tree_attention: "split" (ddtree.engine.attention, any backend; the target is switched to the tree
     implementation wrapping its backend) or "dense" (a 4-D mask over past + tree; eager/sdpa).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)

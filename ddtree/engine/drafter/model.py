@@ -86,7 +86,7 @@ class DFlashConfig:
     num_attention_heads: int
     target_layer_ids: list[int]
     mask_token_id: int
-    num_key_value_heads: int | None = None  # None: as many as attention heads
+    num_key_value_heads: int | None = None  # None: as attention heads
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     block_size: int = 16
     num_target_layers: int | None = None

@@ -25,8 +25,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from . import registry
-from .patches import UPSTREAM_PACKAGE
+from compat import registry
+from compat.patches import UPSTREAM_PACKAGE
 
 AUTHORS_REPO = "https://github.com/liranringel/ddtree"
 REQUIRED = ("ddtree.py", "dflash.py", "model/__init__.py")
@@ -103,7 +103,7 @@ def load_upstream(
     package = ModuleType(UPSTREAM_PACKAGE)
     package.__path__ = [str(root)]
     package.__package__ = UPSTREAM_PACKAGE
-    package.__doc__ = f"The DDTree authors' code, imported from {root} by compat.upstream."
+    package.__doc__ = f"The DDTree authors' code, imported from {root} by ddtree.upstream.loader."
     sys.modules[UPSTREAM_PACKAGE] = package
     stubs = tuple(name for name in _STUBS if not _installed(name))
     try:
@@ -184,7 +184,7 @@ def _unavailable(package: str, use: str):
 def _datasets_stub() -> ModuleType:
     stub = ModuleType("datasets")
     stub.__doc__ = (
-        "compat.upstream stub: `datasets` is not installed (the authors' dataset loader is unused)."
+        "ddtree.upstream.loader stub: `datasets` is not installed (the authors' dataset loader is unused)."
     )
     for name in ("load_dataset", "Features", "Sequence", "Value"):
         setattr(stub, name, _unavailable("datasets", "load_and_process_dataset"))
@@ -205,7 +205,7 @@ class _LoguruLogger:
 def _loguru_stub() -> ModuleType:
     stub = ModuleType("loguru")
     stub.__doc__ = (
-        "compat.upstream stub: `loguru` is not installed; messages go to logging 'ddtree.upstream'."
+        "ddtree.upstream.loader stub: `loguru` is not installed; messages go to logging 'ddtree.upstream'."
     )
     stub.logger = _LoguruLogger()
     return stub

@@ -9,7 +9,7 @@ import random
 import torch
 from transformers import DynamicCache
 
-from ddtree.tree import DraftTree, tree_from_parents
+from ddtree.engine.tree import DraftTree, tree_from_parents
 
 
 def hf_greedy(model, input_ids: torch.Tensor, max_new_tokens: int) -> list[int]:

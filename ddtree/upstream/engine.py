@@ -1,6 +1,6 @@
 """`engine=upstream`: the DDTree authors' own generate functions, run on our models, prompts and metrics.
 
-    from ddtree.upstream_engine import load_upstream_engine, generate_upstream
+    from ddtree.upstream.engine import load_upstream_engine, generate_upstream
     up = load_upstream_engine("/path/to/ddtree-checkout")      # compat patches + their modules
     res = generate_upstream(up, target, drafter, input_ids, method="ddtree", budget=32)
 
@@ -46,9 +46,9 @@ from typing import Any
 
 import torch
 
-from .engine import METHODS, check_generate_args
-from .errors import ConfigError
-from .result import STAGES, GenerationResult
+from ddtree.engine.loop import METHODS, check_generate_args
+from ddtree.engine.result import STAGES, GenerationResult
+from ddtree.errors import ConfigError
 
 NO_TOKEN = -1  # the mask id for AR: their output filter then drops nothing
 
@@ -62,9 +62,9 @@ class UpstreamResult(GenerationResult):
 
 
 def load_upstream_engine(path: str | Path | None, *, only=None, skip=(), patch: bool = True):
-    """compat.load_upstream(path): patches applied, their modules imported; a bad path is a ConfigError."""
+    """load_upstream(path): patches applied, their modules imported; a bad path is a ConfigError."""
     from compat.registry import CompatConfigError
-    from compat.upstream import UpstreamError, load_upstream
+    from ddtree.upstream.loader import UpstreamError, load_upstream
 
     try:
         return load_upstream(path, only=only, skip=list(skip or ()), patch=patch)

@@ -20,11 +20,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .datasets import check_dataset
-from .distributed import check_device_map
-from .errors import ConfigError
+from ddtree.errors import ConfigError
+from ddtree.pipeline.datasets import check_dataset
+from ddtree.pipeline.distributed import check_device_map
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -33,13 +33,13 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_KINDS = ("none", "pretrained", "random")
 DATASETS = ("tiny", "jsonl")
 TRACKERS = ("mlflow", "none")
-ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.upstream_engine)
+ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.upstream.engine)
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 # backends that need a package beyond torch: backend -> (importable module, pip name)
 ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
                       "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
 # tree-verifying implementations (ddtree.attention; the engine switches a tree method's target to the one
-# wrapping its backend) -> the backend each wraps. Mirrors ddtree.attention.SPLIT_IMPLEMENTATIONS.
+# wrapping its backend) -> the backend each wraps. Mirrors ddtree.engine.attention.SPLIT_IMPLEMENTATIONS.
 SPLIT_ATTENTION = {"ddtree_split": "sdpa", "ddtree_split_eager": "eager", "ddtree_split_fa2": "flash_attention_2",
                    "ddtree_split_fa3": "flash_attention_3", "ddtree_flex": "flex_attention"}
 TREE_BACKENDS = tuple(SPLIT_ATTENTION.values())  # backends a draft tree can be verified on
@@ -51,7 +51,7 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 @dataclass
 class TinyModelConfig:
-    """A random model built in-process with ddtree.tiny.tiny_model (no download)."""
+    """A random model built in-process with ddtree.testing.tiny.tiny_model (no download)."""
 
     model_type: str = "qwen3"
     seed: int = 0
@@ -70,7 +70,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     hybrid: bool = False  # has linear-attention (recurrent) layers
     # null: the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module: device}:
-    # accelerate splits its layers over the GPUs (see ddtree.distributed)
+    # accelerate splits its layers over the GPUs (see ddtree.pipeline.distributed)
     device_map: Any = None
 
 
@@ -96,7 +96,7 @@ class AttentionConfig:
 
 @dataclass
 class PromptSection:
-    """A conditional piece of a prompt template (see ddtree.datasets.format_turns)."""
+    """A conditional piece of a prompt template (see ddtree.pipeline.datasets.format_turns)."""
 
     when: str = MISSING  # a record field: `then` is used when it is non-empty, `otherwise` when not
     then: str = ""
@@ -111,7 +111,7 @@ class DatasetConfig:
     enable_thinking: bool = False
     max_samples: int | None = None
     shuffle_seed: int | None = None  # null: file order
-    # hub datasets (conf/dataset/<benchmark>.yaml), loaded with `datasets`; see ddtree.datasets
+    # hub datasets (conf/dataset/<benchmark>.yaml), loaded with `datasets`; see ddtree.pipeline.datasets
     title: str | None = None  # display name in reports (null: name)
     hub: str | None = None  # Hugging Face dataset id
     subset: str | None = None  # its configuration (gsm8k: main)
@@ -269,10 +269,8 @@ def registered_attention() -> tuple[str, ...]:
 
 def drafter_attention() -> tuple[str, ...] | None:
     """The backends the DFlash drafter implements (imports torch; only for unusual names)."""
-    try:
-        from .drafter import ATTN_IMPLEMENTATIONS
-    except ImportError:  # the drafter module is not there yet: let it decide at load time
-        return None
+    from ddtree.engine.drafter.model import ATTN_IMPLEMENTATIONS
+
     return tuple(sorted(ATTN_IMPLEMENTATIONS))
 
 
@@ -287,7 +285,7 @@ def check_attention(setting: str, name: str, *, method: str, for_target: bool, d
                               f"use {setting}=sdpa (one of: {', '.join(supported)})")
     base = SPLIT_ATTENTION.get(name, name)
     if name in SPLIT_ATTENTION:  # registers the tree implementations with transformers before any load
-        importlib.import_module("ddtree.attention")
+        importlib.import_module("ddtree.engine.attention")
     if for_target and method in TREE_METHODS and base not in TREE_BACKENDS:
         raise ConfigError(setting, f"method={method} verifies a tree, which the engine does on "
                           f"{', '.join(TREE_BACKENDS)} only, not on '{name}'", "use attention=sdpa")
@@ -323,7 +321,7 @@ def _check_device(device: str) -> None:
 
 
 def _model_dtype(cfg: RunConfig) -> str:
-    """The dtype a model will actually have, as far as it is known before loading."""
+    """The dtype a model will actually have, as it is known before loading."""
     if cfg.model.dtype == "auto":
         return "float32" if _is_tiny(cfg) else "auto"
     return cfg.model.dtype
@@ -353,7 +351,7 @@ def _local_config_json(name_or_path: str, revision: str | None = None) -> dict |
 def target_config_dict(cfg: RunConfig) -> dict | None:
     """The target's config fields without loading weights: tiny models from code, others from disk."""
     if _is_tiny(cfg):
-        from .tiny import tiny_config
+        from ddtree.testing.tiny import tiny_config
 
         t = cfg.model.tiny
         try:
@@ -475,7 +473,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def check_upstream_path(path: str | None) -> None:
     """engine=upstream: upstream.path must be a checkout of the authors' code (layout only; nothing imported)."""
-    from compat.upstream import UpstreamError, check_path
+    from ddtree.upstream.loader import UpstreamError, check_path
 
     try:
         check_path(path)
