@@ -13,6 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.errors import ConfigError
 from ddtree.pipeline import schema as C
+from ddtree.pipeline import validate as V
 from ddtree.pipeline.prompts import TINY_PROMPTS, encode, load_prompts, read_jsonl
 from ddtree.testing.tokenizer import MIN_VOCAB, tiny_tokenizer
 
@@ -60,11 +61,11 @@ def test_every_option_composes_and_validates(group, option, tmp_path, prompt_fil
     cfg = _compose(f"{group}={option}", *extra)
     assert cfg.hydra.runtime.choices[group] == option
     if refused is None:
-        rc = C.validate(cfg)  # schema (typed dataclasses) + every pre-load check
+        rc = V.validate(cfg)  # schema (typed dataclasses) + every pre-load check
         assert isinstance(rc, C.RunConfig)
     else:
         with pytest.raises(ConfigError) as e:
-            C.validate(cfg)
+            V.validate(cfg)
         assert e.value.setting == refused and e.value.fix
 
 
@@ -77,7 +78,7 @@ def test_option_tables_are_complete():
             "llama3_1_8b_instruct", "qwen3_5_27b", "qwen3_6_27b", "qwen3_6_35b_a3b"} <= options["model"]
     # `drafter: ${model}` in the defaults list: every model names its default drafter by having one
     assert options["model"] <= options["drafter"] and {"none", "tiny", "pretrained"} <= options["drafter"]
-    hub = {o: C.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny")}
+    hub = {o: V.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny")}
     assert hub["qwen3_8b"].model.name_or_path == "Qwen/Qwen3-8B"
     assert hub["qwen3_8b"].drafter.name_or_path == "z-lab/Qwen3-8B-DFlash-b16"
     assert hub["llama3_1_8b_instruct"].drafter.name_or_path == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
@@ -86,18 +87,18 @@ def test_option_tables_are_complete():
 
 def test_defaults_are_an_offline_smoke_run():
     cfg = _compose()
-    rc = C.validate(cfg)
+    rc = V.validate(cfg)
     assert (rc.model.tiny.model_type, rc.drafter.kind, rc.method, rc.dataset.name) == ("qwen3", "random", "ddtree", "tiny")
     assert rc.baseline and not rc.force and rc.temperature == 0.0 and rc.budget == 64
     runs = str(C.REPO_ROOT / "runs")
     assert C.tracking_uri(rc) == f"sqlite:///{runs}/mlflow.db"
     assert cfg.hydra.run.dir.startswith(runs) and cfg.hydra.sweep.dir.startswith(runs)
-    tiny_hybrid = C.validate(_compose("model=tiny_qwen3_5"))
+    tiny_hybrid = V.validate(_compose("model=tiny_qwen3_5"))
     assert tiny_hybrid.model.hybrid and tiny_hybrid.drafter.kind == "random"
 
 
 def test_overrides_reach_the_schema():
-    rc = C.validate(_compose("model=tiny_llama", "drafter.block_size=8", "attention.target=eager",
+    rc = V.validate(_compose("model=tiny_llama", "drafter.block_size=8", "attention.target=eager",
                              "attention.drafter=sdpa", "tracking.uri=sqlite:////tmp/x.db", "budget=7",
                              "compat.skip=[cache-kwarg]", "dataset.enable_thinking=true"))
     assert (rc.drafter.block_size, rc.attention.target, rc.attention.drafter, rc.budget) == (8, "eager", "sdpa", 7)
@@ -130,33 +131,33 @@ def test_overrides_reach_the_schema():
 ])
 def test_bad_settings_raise_config_error(overrides, setting):
     with pytest.raises(ConfigError) as e:
-        C.validate(_compose(*overrides))
+        V.validate(_compose(*overrides))
     assert e.value.setting == setting
     assert "\n" not in str(e.value)
 
 
 def test_attention_refusals_name_the_fix(monkeypatch):
     with pytest.raises(ConfigError, match="use attention=sdpa") as e:
-        C.validate(_compose("attention=flash_attention_2"))  # a tree method needs a tree mask
+        V.validate(_compose("attention=flash_attention_2"))  # a tree method needs a tree mask
     assert e.value.setting == "attention.target"
-    C.validate(_compose("attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.engine.attention)
-    C.validate(_compose("attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
-    C.validate(_compose("attention.target=ddtree_split_eager"))  # a tree implementation by name
+    V.validate(_compose("attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.engine.attention)
+    V.validate(_compose("attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
+    V.validate(_compose("attention.target=ddtree_split_eager"))  # a tree implementation by name
     with pytest.raises(ConfigError, match="pip install flash-attn"):  # a wrapper needs its backend's package
-        C.validate(_compose("attention.target=ddtree_split_fa2"))
+        V.validate(_compose("attention.target=ddtree_split_fa2"))
     with pytest.raises(ConfigError, match="drafter does not implement"):
-        C.validate(_compose("method=dflash", "attention.drafter=flex_attention"))
+        V.validate(_compose("method=dflash", "attention.drafter=flex_attention"))
     real = importlib.util.find_spec
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
+    monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
     with pytest.raises(ConfigError, match="pip install flash-attn"):
-        C.validate(_compose("attention=flash_attention_2", "method=dflash"))
-    monkeypatch.setattr(C.importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
+        V.validate(_compose("attention=flash_attention_2", "method=dflash"))
+    monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
     with pytest.raises(ConfigError, match="installed but cannot be imported"):  # e.g. built for another CUDA
-        C.validate(_compose("attention=flash_attention_2", "method=dflash"))
+        V.validate(_compose("attention=flash_attention_2", "method=dflash"))
     real_import = importlib.import_module
-    monkeypatch.setattr(C.importlib, "import_module", lambda n, *a: object() if n == "flash_attn" else real_import(n, *a))
+    monkeypatch.setattr(V.importlib, "import_module", lambda n, *a: object() if n == "flash_attn" else real_import(n, *a))
     with pytest.raises(ConfigError, match="CUDA only"):
-        C.validate(_compose("attention=flash_attention_2", "method=dflash"))
+        V.validate(_compose("attention=flash_attention_2", "method=dflash"))
 
 
 def _drafter_dir(tmp_path: Path, **fields) -> Path:
@@ -170,19 +171,19 @@ def _drafter_dir(tmp_path: Path, **fields) -> Path:
 
 def test_local_drafter_checked_against_target_before_loading(tmp_path):
     fits = _drafter_dir(tmp_path)
-    C.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+    V.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
     (fits / "config.json").write_text(json.dumps({"hidden_size": 4096, "vocab_size": 151936, "num_target_layers": 36,
                                                   "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}))
     with pytest.raises(ConfigError, match="does not fit model=tiny_qwen3") as e:
-        C.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+        V.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
     assert "36 target layers" in str(e.value) and "hidden_size 4096" in str(e.value)
 
 
 def test_identity_ignores_outputs_force_and_tracking():
-    a = C.identity_dict(C.validate(_compose("budget=8")))
-    b = C.identity_dict(C.validate(_compose("budget=8", "force=true", "runs_dir=/tmp/elsewhere",
+    a = C.identity_dict(V.validate(_compose("budget=8")))
+    b = C.identity_dict(V.validate(_compose("budget=8", "force=true", "runs_dir=/tmp/elsewhere",
                                             "tracking.uri=sqlite:////tmp/other.db", "tracking=none")))
-    c = C.identity_dict(C.validate(_compose("budget=16")))
+    c = C.identity_dict(V.validate(_compose("budget=16")))
     assert a == b and a != c and "hydra" not in a
 
 

@@ -21,6 +21,7 @@ import ddtree
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
 from ddtree.pipeline import distributed as D
+from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
 from ddtree.testing.reference import hf_greedy
 from ddtree.testing.tiny import tiny_model
@@ -160,12 +161,12 @@ def test_run_loads_a_device_mapped_target(tmp_path, monkeypatch):
         dmap = per_layer_map(tiny_model("qwen3", vocab_size=128))
         cfg = compose("config", overrides=[*SMALL, "device=cpu", "tracking=none", "warmup=false",
                                            "compat.enabled=false", f"model.device_map={_hydra_dict(dmap)}"])
-    R._MODELS.clear()
+    M.MODELS.clear()
     try:
         summary = R.run_job(cfg)
-        assert R._MODELS.target.hf_device_map == dmap and hasattr(R._MODELS.target.model.layers[1], "_hf_hook")
+        assert M.MODELS.target.hf_device_map == dmap and hasattr(M.MODELS.target.model.layers[1], "_hf_hook")
     finally:
-        R._MODELS.clear()
+        M.MODELS.clear()
     assert summary["match_rate"] == 1.0 and summary["placement"]["devices"] == ["cpu"]
     assert summary["placement"]["device_map"]["model.layers.3"] == "cpu"
 
@@ -218,7 +219,7 @@ def test_ranks_shard_and_rank0_gathers_in_process(tmp_path, monkeypatch):
         assert (out is None) == (rank == 1)
         if rank == 1:
             assert not (tmp_path / "samples.jsonl").exists() and not (tmp_path / "summary.json").exists()
-    R._MODELS.clear()
+    M.MODELS.clear()
     assert {r["id"] for r in _records(tmp_path / "samples.rank1.jsonl")} == {"tiny-1", "tiny-3"}
     assert {r["id"] for r in _records(tmp_path / "samples.rank0.jsonl")} == {"tiny-0", "tiny-2"}
     gathered = _records(tmp_path / "samples.jsonl")

@@ -13,7 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
+from ddtree.pipeline import validate as V
 
 SMALL = ("model=tiny_qwen3", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 
@@ -107,7 +109,7 @@ BAD_INPUTS = {
 
 @pytest.mark.parametrize("case", list(BAD_INPUTS))
 def test_bad_input_exits_with_one_line(cli, tmp_path, case):
-    if case == "attention backend not installed" and C.importlib.util.find_spec("flash_attn") is not None:
+    if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash_attn is installed here")
     (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
     args, expected = BAD_INPUTS[case]
@@ -156,16 +158,16 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
     assert "samples.jsonl" in _artifacts(uri, run.info.run_id)
     kept = (tmp_path / "samples.jsonl").read_text().splitlines()
     assert len(kept) == 1 and json.loads(kept[0])["id"] == "tiny-0"
-    target = R._MODELS.target
+    target = M.MODELS.target
     monkeypatch.setattr(ddtree.engine.loop, "generate", real)
     assert R.run_job(cfg("budget=8"))["match_rate"] is None  # no baseline in this job
-    assert R._MODELS.target is target  # the cached models were reused, not reloaded
+    assert M.MODELS.target is target  # the cached models were reused, not reloaded
     assert R.run_job(cfg("budget=8")) is None  # finished before: skipped
     assert R.run_job(cfg("budget=8", "force=true"))["budget"] == 8  # force=true reruns it
     assert [r.info.status for r in _runs(uri)] == ["FAILED", "FINISHED", "FINISHED"]
     assert R.run_job(cfg("budget=8", "tracking=none"))["budget"] == 8  # no store, nothing skipped
     assert len(_runs(uri)) == 3
-    R._MODELS.clear()
+    M.MODELS.clear()
 
 
 def test_cli_works_from_any_cwd_and_prints_help(cli, tmp_path: Path):
@@ -179,7 +181,7 @@ def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
     from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
-    R._MODELS.clear()
+    M.MODELS.clear()
 
     def cfg(*extra):
         GlobalHydra.instance().clear()
@@ -207,6 +209,6 @@ def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
                   ("baseline_reuse=false",)):
         s = R.run_job(cfg("method=ddtree", "budget=8", *extra))
         assert s["baseline_reused_from"] is None, extra
-    R._MODELS.clear()
+    M.MODELS.clear()
     assert R.run_job(cfg("method=ddtree", "budget=8"))["baseline_reused_from"] is None  # new target: AR again
-    R._MODELS.clear()
+    M.MODELS.clear()

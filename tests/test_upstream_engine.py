@@ -17,6 +17,7 @@ from conftest import copy_checkout
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
 from ddtree.pipeline import schema as C
+from ddtree.pipeline import validate as V
 from ddtree.testing.tiny import tiny_model
 from ddtree.upstream.engine import (
     UpstreamResult,
@@ -96,14 +97,14 @@ def _rc(**overrides) -> C.RunConfig:
 
 
 def test_validate_engine_upstream(checkout, tmp_path):
-    assert C.validate(_rc(engine="upstream", **{"upstream.path": str(checkout)})).engine == "upstream"
+    assert V.validate(_rc(engine="upstream", **{"upstream.path": str(checkout)})).engine == "upstream"
     for path, words in ((None, "not set"), (str(tmp_path / "nope"), "does not exist"),
                         (str(tmp_path), "lacks ddtree.py")):
         with pytest.raises(ConfigError) as info:
-            C.validate(_rc(engine="upstream", **{"upstream.path": path}))
+            V.validate(_rc(engine="upstream", **{"upstream.path": path}))
         assert info.value.setting == "upstream.path" and words in str(info.value)
     with pytest.raises(ConfigError, match="attention.target: engine=upstream verifies the tree"):
-        C.validate(_rc(engine="upstream", **{"upstream.path": str(checkout), "attention.target": "flex_attention"}))
+        V.validate(_rc(engine="upstream", **{"upstream.path": str(checkout), "attention.target": "flex_attention"}))
 
 
 def test_load_upstream_engine_import_failure_is_a_config_error(checkout):

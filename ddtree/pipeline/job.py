@@ -1,13 +1,9 @@
-"""`python -m ddtree.run`: compose conf/, run the baseline and the method on every prompt, record it.
-
-    python -m ddtree.run                                    # tiny smoke run (offline)
-    python -m ddtree.run model=qwen3_8b method=dflash
-    python -m ddtree.run method=ddtree budget=32,64 -m      # a sweep: one MLflow parent, a child per job
-    torchrun --nproc_per_node=8 -m ddtree.run model=qwen3_8b  # data parallel: the prompts shared by 8 ranks
+"""One job of `python -m ddtree.run`: the baseline and the method on every prompt, recorded.
 
 Each job writes samples.jsonl (appended as prompts finish) and summary.json into its Hydra job dir
-under runs/, prints a short table and, with tracking=mlflow, records a run. A mistake a user can
-make ends the process with one line on stderr (exit code 2), before any model work where possible.
+under runs/, prints a short table and, with tracking=mlflow, records a run. `run_job` is a short
+sequence of named phases; the entry point and its one-line errors are ddtree.pipeline.cli, the model
+cache ddtree.pipeline.models.
 """
 
 from __future__ import annotations
@@ -16,28 +12,23 @@ import functools
 import importlib.metadata
 import inspect
 import json
-import os
 import platform
-import re
 import sys
 import time
-import warnings
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import load_dataset_prompts
+from ddtree.pipeline.models import MODELS, cache_key, get_models, load_upstream, model_device, resolve_device
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.schema import (
-    CONF_DIR,
     REPO_ROOT,
     RunConfig,
     flatten,
@@ -45,161 +36,18 @@ from ddtree.pipeline.schema import (
     resolved_dict,
     to_run_config,
     tracking_uri,
-    validate,
 )
 from ddtree.pipeline.sweep_table import format_table
+from ddtree.pipeline.validate import validate
 
-# conf/hydra/launcher/{submitit_slurm,submitit_local,ray}.yaml shadow the plugins' own configs on purpose
-# (ddtree's defaults: a GPU per job); Hydra 1.3 then validates them against the plugin's schema, and says so
-warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema",
-                        category=UserWarning)
-
-USER_ERROR_EXIT = 2
 SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"
 HISTOGRAM = "acceptance_hist.png"
 RESOLVED = "config_resolved.yaml"
 STAGES = ("draft", "tree", "verify", "commit")
-# conf/hydra/launcher/*.yaml: the plugin module each needs -> how to install it
-LAUNCHER_PACKAGES = {"hydra_plugins.hydra_submitit_launcher": "pip install 'ddtree[cluster]' (hydra-submitit-launcher)",
-                     "hydra_plugins.hydra_ray_launcher": "pip install hydra-ray-launcher"}
 
 
-# ---------------------------------------------------------------- models, loaded once per process
-
-
-@dataclass
-class ModelCache:
-    """The last target and drafter loaded, so the jobs of a sweep (one process) reuse them.
-
-    One of each is kept: a sweep over models frees the previous one instead of piling them up.
-    """
-
-    target_key: str | None = None
-    target: Any = None
-    tokenizer: Any = None
-    drafter_key: str | None = None
-    drafter: Any = None
-    warmed: set[str] = field(default_factory=set)
-    # AR baseline records of finished shards, by baseline_key(): reused by later jobs (baseline_reuse=true)
-    baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
-
-    def clear(self) -> None:
-        self.target_key = self.target = self.tokenizer = self.drafter_key = self.drafter = None
-        self.warmed.clear()
-        self.baselines.clear()
-
-
-_MODELS = ModelCache()  # the per-process model cache (Hydra's basic launcher runs a sweep's jobs here)
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def torch_dtype(name: str | None, *, tiny: bool):
-    import torch
-
-    if name in (None, "auto"):
-        return torch.float32 if tiny else "auto"
-    return getattr(torch, name)
-
-
-def load_target(rc: RunConfig, device: str):
-    """(model, tokenizer): a tiny random model built in code, or a checkpoint.
-
-    With model.device_map set, accelerate places the layers (over this rank's GPUs under torchrun)
-    and `device` is not used for the target; see ddtree.pipeline.distributed.input_device.
-    """
-    from ddtree.pipeline.distributed import dispatch, rank_max_memory, world_from_env
-
-    m = rc.model
-    max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
-    if m.tiny is not None:
-        from ddtree.testing.tiny import tiny_model
-        from ddtree.testing.tokenizer import tiny_tokenizer
-
-        t = m.tiny
-        model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
-                           dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
-                           num_hidden_layers=t.num_hidden_layers)
-        model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
-        return model.eval(), tiny_tokenizer(t.vocab_size)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kw = {"max_memory": max_memory} if max_memory else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        m.name_or_path, dtype=torch_dtype(m.dtype, tiny=False), attn_implementation=rc.attention.target,
-        revision=m.revision, trust_remote_code=m.trust_remote_code,
-        device_map=m.device_map if m.device_map is not None else device, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer or m.name_or_path, revision=m.revision,
-                                              trust_remote_code=m.trust_remote_code)
-    return model.eval(), tokenizer
-
-
-def load_drafter(rc: RunConfig, target, device: str):
-    """The DFlash drafter (None for drafter=none), checked against the target before any generation."""
-    d = rc.drafter
-    if d.kind == "none":
-        return None
-    from ddtree.engine.drafter import DFlashDrafter
-
-    if d.kind == "random":
-        kw = {"target_layer_ids": list(d.target_layer_ids)} if d.target_layer_ids is not None else {}
-        drafter = DFlashDrafter.random_for_target(target.config, num_layers=d.num_layers,
-                                                  block_size=d.block_size or 16, seed=d.seed,
-                                                  attn_implementation=rc.attention.drafter, **kw)
-        drafter = drafter.to(device=device, dtype=target.dtype)
-    else:
-        dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
-        kw = {"revision": d.revision} if d.revision else {}
-        drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
-                                                attn_implementation=rc.attention.drafter, **kw)
-    drafter.check_compatible(target)
-    return drafter.eval()
-
-
-def model_device(target, rc: RunConfig, device: str) -> str:
-    """Where inputs (and the drafter) go: `device`, or with a device map the embeddings' execution device."""
-    if rc.model.device_map is None:
-        return device
-    from ddtree.pipeline.distributed import input_device
-
-    return str(input_device(target))
-
-
-def _key(*parts: Any) -> str:
-    return json.dumps(parts, sort_keys=True, default=str)
-
-
-def get_models(rc: RunConfig, device: str):
-    """(target, tokenizer, drafter), loading only what this job's settings change."""
-    m = OmegaConf.to_container(OmegaConf.structured(rc.model))
-    tkey = _key(m, device, rc.attention.target)
-    if _MODELS.target_key != tkey:
-        _MODELS.clear()
-        _MODELS.target, _MODELS.tokenizer = load_target(rc, device)
-        _MODELS.target_key = tkey
-    drafter = None
-    if rc.method != "ar":
-        d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
-        if rc.drafter.kind == "pretrained":
-            d.pop("block_size")  # applied at generate time, not at load time
-        dkey = _key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path)
-        if _MODELS.drafter_key != dkey:
-            _MODELS.drafter = None
-            _MODELS.drafter = load_drafter(rc, _MODELS.target, model_device(_MODELS.target, rc, device))
-            if rc.engine == "upstream":  # the authors' drafter class, holding the same tensors
-                from ddtree.upstream.engine import upstream_drafter
-
-                _MODELS.drafter = upstream_drafter(load_upstream(rc), _MODELS.drafter)
-            _MODELS.drafter_key = dkey
-        drafter = _MODELS.drafter
-    return _MODELS.target, _MODELS.tokenizer, drafter
+# ---------------------------------------------------------------- compat
 
 
 def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
@@ -225,20 +73,12 @@ def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
     return [r if isinstance(r, dict) else {"id": str(getattr(r, "id", r)), "status": "applied"} for r in report or []]
 
 
-def load_upstream(rc: RunConfig):
-    """engine=upstream: the authors' modules from upstream.path, patched as compat.* says (cached per path)."""
-    from ddtree.upstream.engine import load_upstream_engine
-
-    return load_upstream_engine(rc.upstream.path, only=rc.compat.only, skip=rc.compat.skip,
-                                patch=rc.compat.enabled)
-
-
 # ---------------------------------------------------------------- one job
 
 
 def baseline_key(rc: RunConfig, mine: list[Prompt]) -> str:
     """Everything the AR baseline's tokens and timings depend on, besides the loaded target (its cache key)."""
-    return _key(_MODELS.target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
+    return cache_key(MODELS.target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
                 rc.dataset.chat_template, rc.dataset.enable_thinking, rc.engine, rc.upstream.path,
                 OmegaConf.to_container(OmegaConf.structured(rc.compat)), rc.warmup)
 
@@ -350,7 +190,51 @@ def environment(device: str, compat_report: list[dict[str, Any]]) -> dict[str, A
             "compat": {"applied": applied, "patches": {r["id"]: r.get("status") for r in compat_report}}}
 
 
-def _job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
+# ---------------------------------------------------------------- the job's phases
+
+
+@dataclass
+class JobFiles:
+    """Where a job writes: rank 0's Hydra job dir (the other ranks' Hydra output went to a scratch dir)."""
+
+    job_dir: Path
+    sweep_dir: Path | None  # set when this job is part of a multirun
+    overrides: list[str]
+    log_file: Path | None
+    rank_samples: Path  # this rank's share of samples.jsonl (the file itself on a single process)
+
+    @property
+    def samples(self) -> Path:
+        return self.job_dir / SAMPLES
+
+    @property
+    def summary(self) -> Path:
+        return self.job_dir / SUMMARY
+
+    @property
+    def histogram(self) -> Path:
+        return self.job_dir / HISTOGRAM
+
+    @property
+    def resolved(self) -> Path:
+        return self.job_dir / RESOLVED
+
+    @property
+    def config_artifacts(self) -> list[Path]:
+        return [self.job_dir / ".hydra" / "config.yaml", self.job_dir / ".hydra" / "overrides.yaml", self.resolved]
+
+
+@dataclass
+class LoadedModels:
+    target: Any
+    tokenizer: Any
+    drafter: Any
+    device: str  # where inputs go (with a device map: the embeddings' device)
+    stops: list[int]
+    load_s: float
+
+
+def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
     """(job dir, sweep dir when this job is part of a multirun, this job's overrides, its log file)."""
     try:
         hc = HydraConfig.get()
@@ -363,13 +247,13 @@ def _job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
     return job_dir, sweep, list(hc.overrides.task), job_dir / f"{hc.job.name}.log"
 
 
-def run_job(cfg: DictConfig) -> dict[str, Any] | None:
-    """One Hydra job. Returns the summary; None when skipped because it already finished, and on ranks > 0.
+def run_name(rc: RunConfig) -> str:
+    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if rc.method == "ddtree" else "")
+    return name + ("-upstream" if rc.engine == "upstream" else "")
 
-    Under torchrun / accelerate launch every rank runs this with the same config: see ddtree.pipeline.distributed.
-    """
-    from ddtree.pipeline import distributed as D
 
+def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dict[str, Any]]:
+    """The validated config, its prompts and its identity (what decides the results), before any model work."""
     rc = to_run_config(cfg)
     if rc.dataset.path:
         rc.dataset.path = hydra.utils.to_absolute_path(rc.dataset.path)
@@ -377,127 +261,192 @@ def run_job(cfg: DictConfig) -> dict[str, Any] | None:
     prompts = load_dataset_prompts(rc.dataset)
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
-    world = D.world_from_env()
-    device = D.rank_device(resolve_device(rc.device), world, rc.model.device_map)
-    D.init(world, device)
-    # rank 0's dirs are the job's: the other ranks' Hydra output went to a scratch dir (hydra_argv_for_rank)
-    job_dir, sweep_dir, overrides, log_file = D.broadcast(_job_dirs(), world)
+    return rc, prompts, identity
+
+
+def open_files(world) -> JobFiles:
+    """Rank 0's job dir for every rank, with this rank's samples file started fresh."""
+    from ddtree.pipeline import distributed as D
+
+    job_dir, sweep_dir, overrides, log_file = D.broadcast(job_dirs(), world)
     job_dir.mkdir(parents=True, exist_ok=True)
+    files = JobFiles(job_dir, sweep_dir, overrides, log_file,
+                     job_dir / D.rank_samples_name(world.rank) if world.is_distributed else job_dir / SAMPLES)
+    return files
 
-    from ddtree.pipeline.tracking import (
-        config_hash,
-        git_commit,
-        make_tracker,
-        numeric_metrics,
-        write_histogram,
-    )
 
-    chash = config_hash(identity)
-    uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" and world.is_main else None
-    tracker = make_tracker(rc.tracking.backend if world.is_main else "none", uri, rc.tracking.experiment)
+def already_finished(rc: RunConfig, tracker, chash: str, world, files: JobFiles) -> bool:
+    """Whether the tracking store holds a finished run of this config (force=true reruns it)."""
+    from ddtree.pipeline import distributed as D
+
     done = D.broadcast(None if rc.force else tracker.finished_run(chash), world)
-    if done:
-        if world.is_main:
-            print(f"skipped: this config already finished as MLflow run {done} in experiment "
-                  f"'{rc.tracking.experiment}' ({' '.join(overrides) or 'defaults'}); force=true reruns it",
-                  flush=True)
-        return None
+    if done and world.is_main:
+        print(f"skipped: this config already finished as MLflow run {done} in experiment "
+              f"'{rc.tracking.experiment}' ({' '.join(files.overrides) or 'defaults'}); force=true reruns it",
+              flush=True)
+    return bool(done)
 
+
+def install_compat(rc: RunConfig, world) -> list[dict[str, Any]]:
+    """The compat patches (and with engine=upstream the authors' modules), before model work; their report."""
     compat_report = apply_compat(rc)
     if rc.engine == "upstream":  # import the authors' code before model work; report their patches too
         compat_report = load_upstream(rc).patches or compat_report
     for r in compat_report:
         if r.get("status") == "failed" and world.is_main:
             print(f"warning: compat patch {r['id']} failed to install: {r.get('detail')}", file=sys.stderr)
+    return compat_report
+
+
+def load_models(rc: RunConfig, device: str) -> LoadedModels:
     t_load = time.perf_counter()
     target, tokenizer, drafter = get_models(rc, device)
     load_s = time.perf_counter() - t_load
-    device = model_device(target, rc, device)  # with a device map: where the embeddings run
-    stops = stop_token_ids(tokenizer, target)
-    env = environment(device, compat_report)
+    device = model_device(target, rc, device)
+    return LoadedModels(target, tokenizer, drafter, device, stop_token_ids(tokenizer, target), load_s)
+
+
+def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world) -> dict[str, Any]:
+    from ddtree.pipeline import distributed as D
+
+    env = environment(models.device, compat_report)
     env["world_size"] = world.world_size
-    where = D.placement(target)
+    where = D.placement(models.target)
     if where is not None:
         env["placement"] = where
+    return env
 
-    # rank 0 writes the job's files; with several ranks each appends its own share of samples
-    samples_path = job_dir / SAMPLES
-    rank_path = job_dir / D.rank_samples_name(world.rank) if world.is_distributed else samples_path
-    rank_path.write_text("")  # a rerun in the same dir starts a fresh file
+
+def start_samples(files: JobFiles, world) -> None:
+    """Rank 0 writes the job's files; with several ranks each appends its own share of samples."""
+    files.rank_samples.write_text("")  # a rerun in the same dir starts a fresh file
     if world.is_distributed and world.is_main:
-        samples_path.unlink(missing_ok=True)  # written whole once the ranks' records are gathered
+        files.samples.unlink(missing_ok=True)  # written whole once the ranks' records are gathered
+
+
+def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any], chash: str, world):
+    """Rank 0: the resolved config on disk and the tracked run started (params, tags); the run."""
+    from ddtree.pipeline.tracking import git_commit
+
     resolved = resolved_dict(rc)
-    artifacts = [job_dir / ".hydra" / "config.yaml", job_dir / ".hydra" / "overrides.yaml", job_dir / RESOLVED]
-    base_name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if rc.method == "ddtree" else "")
-    base_name += "-upstream" if rc.engine == "upstream" else ""
-    job = None
-    if world.is_main:
-        (job_dir / RESOLVED).write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-        tags = {"torch_version": env["versions"]["torch"], "transformers_version": env["versions"]["transformers"],
-                "python_version": env["versions"]["python"], "device": device, "device_name": env["device_name"],
-                "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
-                **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
-                "overrides": " ".join(overrides), "job_dir": str(job_dir), "mlflow.source.name": "ddtree.run",
-                "world_size": world.world_size, **rc.tags}
-        if where is not None:
-            tags["devices"] = ",".join(where["devices"])
-        tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
-        sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
-        job = tracker.start(run_name=base_name, params=flatten(resolved), tags=tags, config_hash=chash,
-                            sweep_dir=sweep_dir, sweep_name=sweep_name)
+    files.resolved.write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    tags = {"torch_version": env["versions"]["torch"], "transformers_version": env["versions"]["transformers"],
+            "python_version": env["versions"]["python"], "device": env["device"], "device_name": env["device_name"],
+            "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
+            **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
+            "overrides": " ".join(files.overrides), "job_dir": str(files.job_dir), "mlflow.source.name": "ddtree.run",
+            "world_size": world.world_size, **rc.tags}
+    if "placement" in env:
+        tags["devices"] = ",".join(env["placement"]["devices"])
+    tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
+    sweep_dir = files.sweep_dir
+    sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
+    return tracker.start(run_name=run_name(rc), params=flatten(resolved), tags=tags, config_hash=chash,
+                         sweep_dir=sweep_dir, sweep_name=sweep_name)
+
+
+def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, files: JobFiles,
+                 world) -> tuple[list[dict[str, Any]], str | None] | None:
+    """Every rank runs its share of the prompts; rank 0 gets (all records in prompt order, the job whose
+    baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
+    from ddtree.pipeline import distributed as D
 
     methods = [rc.method] + (["ar"] if rc.baseline and rc.method != "ar" else [])
     records: list[dict[str, Any]] = []
+    failure: BaseException | None = None
+    reused_from = None
+    try:
+        reused_from = _generate_shard(models.target, models.drafter, models.tokenizer, prompts,
+                                      D.shard(prompts, world), methods, rc, models.device, models.stops,
+                                      files.rank_samples, records, run_name(rc), show_progress=world.is_main,
+                                      origin=str(files.job_dir))
+    except Exception as e:
+        if not world.is_distributed:
+            raise
+        failure = e  # still join the gather below, so rank 0 learns of it instead of waiting
+    gathered = D.gather({"rank": world.rank, "records": records, "baseline_reused_from": reused_from,
+                         "error": None if failure is None else f"{type(failure).__name__}: {failure}"}, world)
+    if failure is not None:
+        raise failure
+    if not world.is_main:
+        return None
+    errors = [f"rank {g['rank']}: {g['error']}" for g in gathered if g["error"]]
+    if errors:
+        raise RuntimeError("a data-parallel rank failed: " + "; ".join(errors))
+    if world.is_distributed:
+        records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
+        with files.samples.open("w", encoding="utf-8") as out:
+            out.writelines(json.dumps(rec) + "\n" for rec in records)
+    reused = {g.get("baseline_reused_from") for g in gathered} - {None}
+    return records, min(reused) if reused else None
+
+
+def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig, files: JobFiles,
+           extra: dict[str, Any], run) -> dict[str, Any]:
+    """summary.json, the histogram and the table; the tracked run gets the metrics and files and ends."""
+    from ddtree.pipeline.tracking import numeric_metrics, write_histogram
+
+    summary = summarize(records, rc, {**extra, "baseline_reused_from": reused_from})
+    files.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
+    write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
+    print(format_table(summary), flush=True)
+    print(f"results: {files.job_dir}", flush=True)
+    if run is not None:
+        if summary["baseline_reused_from"]:
+            run.set_tags({"baseline_reused_from": summary["baseline_reused_from"]})
+        run.log_metrics(numeric_metrics(summary))
+        run.log_artifacts([*files.config_artifacts, files.samples, files.summary, files.histogram,
+                           *([files.log_file] if files.log_file else [])])
+        run.end("FINISHED")
+    return summary
+
+
+def record_failure(run, files: JobFiles, e: BaseException) -> None:
+    """Keep what finished; the run says FAILED (KILLED on Ctrl-C)."""
+    if run is None:
+        return
+    try:
+        run.set_tags({"error": f"{type(e).__name__}: {e}"[:500]})
+        run.log_artifacts([*files.config_artifacts, files.samples if files.samples.is_file() else files.rank_samples])
+    finally:
+        run.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+
+
+def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
+    """One Hydra job. Returns the summary; None when skipped because it already finished, and on ranks > 0.
+
+    Under torchrun / accelerate launch every rank runs this with the same config: see ddtree.pipeline.distributed.
+    """
     import torch
 
+    from ddtree.pipeline import distributed as D
+    from ddtree.pipeline.tracking import config_hash, make_tracker
+
+    rc, prompts, identity = configure(cfg)
+    world = D.world_from_env()
+    device = D.rank_device(resolve_device(rc.device), world, rc.model.device_map)
+    D.init(world, device)
+    files = open_files(world)
+    chash = config_hash(identity)
+    uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" and world.is_main else None
+    tracker = make_tracker(rc.tracking.backend if world.is_main else "none", uri, rc.tracking.experiment)
+    if already_finished(rc, tracker, chash, world, files):
+        return None
+    compat_report = install_compat(rc, world)
+    models = load_models(rc, device)
+    env = job_environment(models, compat_report, world)
+    start_samples(files, world)
+    run = start_tracking(rc, tracker, files, env, chash, world) if world.is_main else None
     torch.manual_seed(rc.seed)
     try:
-        failure: BaseException | None = None
-        reused_from = None
-        try:
-            reused_from = _generate_shard(target, drafter, tokenizer, prompts, D.shard(prompts, world), methods,
-                                          rc, device, stops, rank_path, records, base_name,
-                                          show_progress=world.is_main, origin=str(job_dir))
-        except Exception as e:
-            if not world.is_distributed:
-                raise
-            failure = e  # still join the gather below, so rank 0 learns of it instead of waiting
-        gathered = D.gather({"rank": world.rank, "records": records, "baseline_reused_from": reused_from,
-                             "error": None if failure is None else f"{type(failure).__name__}: {failure}"}, world)
-        if failure is not None:
-            raise failure
-        if not world.is_main:
+        generated = generate_all(models, prompts, rc, files, world)
+        if generated is None:  # ranks > 0: rank 0 writes and records the job
             return None
-        errors = [f"rank {g['rank']}: {g['error']}" for g in gathered if g["error"]]
-        if errors:
-            raise RuntimeError("a data-parallel rank failed: " + "; ".join(errors))
-        if world.is_distributed:
-            records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
-            with samples_path.open("w", encoding="utf-8") as out:
-                out.writelines(json.dumps(rec) + "\n" for rec in records)
-        reused = {g.get("baseline_reused_from") for g in gathered} - {None}
-        summary = summarize(records, rc, {**env, "load_s": load_s, "config_hash": chash,
-                                          "baseline_reused_from": min(reused) if reused else None})
-        (job_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-        lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
-        write_histogram(lengths, job_dir / HISTOGRAM, f"{base_name}: tau={summary['tau'] or 0:.2f}")
-        print(format_table(summary), flush=True)
-        print(f"results: {job_dir}", flush=True)
-        if job is not None:
-            if summary["baseline_reused_from"]:
-                job.set_tags({"baseline_reused_from": summary["baseline_reused_from"]})
-            job.log_metrics(numeric_metrics(summary))
-            job.log_artifacts([*artifacts, samples_path, job_dir / SUMMARY, job_dir / HISTOGRAM,
-                               *([log_file] if log_file else [])])
-            job.end("FINISHED")
-        return summary
+        records, reused_from = generated
+        return finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash}, run)
     except BaseException as e:
-        if job is not None:  # keep what finished; the run says FAILED (KILLED on Ctrl-C)
-            try:
-                job.set_tags({"error": f"{type(e).__name__}: {e}"[:500]})
-                job.log_artifacts([*artifacts, samples_path if samples_path.is_file() else rank_path])
-            finally:
-                job.end("KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
+        record_failure(run, files, e)
         raise
 
 
@@ -510,17 +459,17 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
     With rc.baseline_reuse, the AR baseline comes from an earlier job of this process that ran it on the
     same prompts with the same settings (returned: that job's `origin`); else it runs here and is kept
     for later jobs under this job's `origin`."""
-    wkey = _key(_MODELS.target_key, _MODELS.drafter_key, rc.method)
-    if rc.warmup and wkey not in _MODELS.warmed:  # first-call costs stay out of the timings
+    wkey = cache_key(MODELS.target_key, MODELS.drafter_key, rc.method)
+    if rc.warmup and wkey not in MODELS.warmed:  # first-call costs stay out of the timings
         for meth in methods:
             for _ in run_conversation(target, drafter, tokenizer, Prompt("warmup", prompts[0].turns[:1]), meth,
                                       rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens)):
                 pass
-        _MODELS.warmed.add(wkey)
+        MODELS.warmed.add(wkey)
     from tqdm import tqdm
 
     bkey = baseline_key(rc, mine) if "ar" in methods and rc.method != "ar" and rc.baseline_reuse else None
-    reused_from, kept = _MODELS.baselines.get(bkey, (None, None)) if bkey else (None, None)
+    reused_from, kept = MODELS.baselines.get(bkey, (None, None)) if bkey else (None, None)
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for rec in kept or []:
         by_prompt.setdefault(rec["id"], []).append(rec)
@@ -545,87 +494,5 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
             m = [r for r in records if r["role"] == "method"]
             bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
     if bkey and reused_from is None:  # complete: later jobs may reuse it
-        _MODELS.baselines[bkey] = (origin, fresh)
+        MODELS.baselines[bkey] = (origin, fresh)
     return reused_from
-
-
-# ---------------------------------------------------------------- entry point
-
-
-def _one_line(e: BaseException) -> str:
-    """Hydra and OmegaConf errors in one line: the message and its cause, without search paths."""
-    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
-        group, _, name = str(e.missing_cfg_file).rpartition("/")
-        return f"{group}: unknown option '{name}' — use one of: {', '.join(sorted(e.options))}"
-    msg, cause = str(e), e.__cause__
-    merging = re.match(r"Error merging override (\S+?)=", msg)
-    if merging and cause is not None:
-        return f"{merging.group(1)}: {str(cause).splitlines()[0]}"
-    unknown = re.match(r"Could not override '([^']+)'", msg)
-    if unknown:
-        key = unknown.group(1)
-        return f"{key}: no such setting — check the spelling (python -m ddtree.run --cfg job prints every setting)"
-    skip = ("Config search path", "provider=", "See https://", "Set the environment variable", "full_key:",
-            "object_type=", "Available options")
-    lines: list[str] = []
-    for exc in (e, e.__cause__):
-        if exc is None:
-            continue
-        for ln in str(exc).splitlines():
-            ln = ln.strip()
-            if ln and not ln.startswith(skip) and ln not in lines and not set(ln) <= {"^", " "}:
-                lines.append(ln)
-    return " ".join(lines) or type(e).__name__
-
-
-def _user_error(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-    raise SystemExit(USER_ERROR_EXIT)
-
-
-@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        run_job(cfg)
-    except BaseException as e:
-        from ddtree.pipeline.distributed import world_from_env
-
-        sweep_dir = _job_dirs()[1]
-        if sweep_dir is not None and world_from_env().is_main:  # the basic launcher stops the sweep here
-            from ddtree.pipeline.tracking import fail_sweep
-
-            try:
-                fail_sweep(sweep_dir)
-            except Exception as err:  # never hide the job's own error behind a tracking one
-                print(f"warning: could not mark the sweep's MLflow run failed: {err}", file=sys.stderr)
-        if isinstance(e, ConfigError) and not os.environ.get("DDTREE_TRACEBACK"):
-            _user_error(str(e))  # leaves Hydra as SystemExit: no "Error executing job" banner either
-        raise
-
-
-def main() -> None:
-    # let composition errors reach us instead of Hydra's multi-line report
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        from ddtree.pipeline.distributed import hydra_argv_for_rank, world_from_env
-
-        sys.argv[1:] = hydra_argv_for_rank(sys.argv[1:], world_from_env())  # torchrun ranks > 0: scratch dirs
-        _hydra_main()
-    except ConfigError as e:  # a malformed RANK/WORLD_SIZE environment
-        _user_error(str(e))
-    except (HydraException, OmegaConfBaseException) as e:
-        if os.environ.get("DDTREE_TRACEBACK"):
-            raise
-        _user_error(_one_line(e))
-    except RuntimeError as e:  # hydra/launcher=<x> whose plugin is not installed
-        missing = next((fix for mod, fix in LAUNCHER_PACKAGES.items() if f"'{mod}." in str(e)), None)
-        if missing is None or os.environ.get("DDTREE_TRACEBACK"):
-            raise
-        _user_error(f"hydra/launcher: the launcher plugin is not installed — {missing}")
-    except BrokenPipeError:  # `--help | head`: the reader left, which is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-if __name__ == "__main__":
-    main()

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline.cli import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
 from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown
 from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
@@ -617,16 +618,13 @@ def to_report_config(cfg: DictConfig) -> ReportConfig:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="report", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    from ddtree.pipeline.job import _user_error
-
     try:
         rc = to_report_config(cfg)
         doc = make_report(rc)
     except ConfigError as e:
-        if os.environ.get("DDTREE_TRACEBACK"):
+        if tracebacks_wanted():
             raise
-        _user_error(str(e))
-        return
+        user_error(str(e))
     out = Path(rc.output_dir).expanduser().resolve()
     print(f"{len(doc['runs_used'])} runs used, {len(doc['runs_skipped'])} skipped, "
           f"{doc['runs_filtered_out']} left out by the filters; {len(doc['cells'])} table cells")
@@ -638,17 +636,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
-    from ddtree.pipeline.job import _one_line, _user_error
-
-    os.environ["HYDRA_FULL_ERROR"] = "1"
-    try:
-        _hydra_main()
-    except Exception as e:
-        from hydra.errors import HydraException
-
-        if os.environ.get("DDTREE_TRACEBACK") or not isinstance(e, (HydraException, OmegaConfBaseException)):
-            raise
-        _user_error(_one_line(e).replace("ddtree.run --cfg job", "ddtree.report --cfg job"))
+    run_cli(_hydra_main, "ddtree.report")
 
 
 if __name__ == "__main__":

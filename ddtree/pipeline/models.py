@@ -1,0 +1,155 @@
+"""The models a job runs on, loaded once per process: a sweep's jobs (one process under Hydra's basic
+launcher) reuse the target and drafter when their settings are the same."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from ddtree.pipeline.schema import RunConfig
+
+
+@dataclass
+class ModelCache:
+    """The last target and drafter loaded, so the jobs of a sweep (one process) reuse them.
+
+    One of each is kept: a sweep over models frees the previous one instead of piling them up.
+    """
+
+    target_key: str | None = None
+    target: Any = None
+    tokenizer: Any = None
+    drafter_key: str | None = None
+    drafter: Any = None
+    warmed: set[str] = field(default_factory=set)
+    # AR baseline records of finished shards, by baselinecache_key(): reused by later jobs (baseline_reuse=true)
+    baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        self.target_key = self.target = self.tokenizer = self.drafter_key = self.drafter = None
+        self.warmed.clear()
+        self.baselines.clear()
+
+
+MODELS = ModelCache()  # the per-process model cache (Hydra's basic launcher runs a sweep's jobs here)
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def torch_dtype(name: str | None, *, tiny: bool):
+    import torch
+
+    if name in (None, "auto"):
+        return torch.float32 if tiny else "auto"
+    return getattr(torch, name)
+
+
+def load_target(rc: RunConfig, device: str):
+    """(model, tokenizer): a tiny random model built in code, or a checkpoint.
+
+    With model.device_map set, accelerate places the layers (over this rank's GPUs under torchrun)
+    and `device` is not used for the target; see ddtree.pipeline.distributed.input_device.
+    """
+    from ddtree.pipeline.distributed import dispatch, rank_max_memory, world_from_env
+
+    m = rc.model
+    max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
+    if m.tiny is not None:
+        from ddtree.testing.tiny import tiny_model
+        from ddtree.testing.tokenizer import tiny_tokenizer
+
+        t = m.tiny
+        model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
+                           dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
+                           num_hidden_layers=t.num_hidden_layers)
+        model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
+        return model.eval(), tiny_tokenizer(t.vocab_size)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kw = {"max_memory": max_memory} if max_memory else {}
+    model = AutoModelForCausalLM.from_pretrained(
+        m.name_or_path, dtype=torch_dtype(m.dtype, tiny=False), attn_implementation=rc.attention.target,
+        revision=m.revision, trust_remote_code=m.trust_remote_code,
+        device_map=m.device_map if m.device_map is not None else device, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer or m.name_or_path, revision=m.revision,
+                                              trust_remote_code=m.trust_remote_code)
+    return model.eval(), tokenizer
+
+
+def load_drafter(rc: RunConfig, target, device: str):
+    """The DFlash drafter (None for drafter=none), checked against the target before any generation."""
+    d = rc.drafter
+    if d.kind == "none":
+        return None
+    from ddtree.engine.drafter import DFlashDrafter
+
+    if d.kind == "random":
+        kw = {"target_layer_ids": list(d.target_layer_ids)} if d.target_layer_ids is not None else {}
+        drafter = DFlashDrafter.random_for_target(target.config, num_layers=d.num_layers,
+                                                  block_size=d.block_size or 16, seed=d.seed,
+                                                  attn_implementation=rc.attention.drafter, **kw)
+        drafter = drafter.to(device=device, dtype=target.dtype)
+    else:
+        dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
+        kw = {"revision": d.revision} if d.revision else {}
+        drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
+                                                attn_implementation=rc.attention.drafter, **kw)
+    drafter.check_compatible(target)
+    return drafter.eval()
+
+
+def model_device(target, rc: RunConfig, device: str) -> str:
+    """Where inputs (and the drafter) go: `device`, or with a device map the embeddings' execution device."""
+    if rc.model.device_map is None:
+        return device
+    from ddtree.pipeline.distributed import input_device
+
+    return str(input_device(target))
+
+
+def cache_key(*parts: Any) -> str:
+    """A stable string for settings that decide what gets loaded or computed."""
+    return json.dumps(parts, sort_keys=True, default=str)
+
+
+def get_models(rc: RunConfig, device: str):
+    """(target, tokenizer, drafter), loading only what this job's settings change."""
+    m = OmegaConf.to_container(OmegaConf.structured(rc.model))
+    tkey = cache_key(m, device, rc.attention.target)
+    if MODELS.target_key != tkey:
+        MODELS.clear()
+        MODELS.target, MODELS.tokenizer = load_target(rc, device)
+        MODELS.target_key = tkey
+    drafter = None
+    if rc.method != "ar":
+        d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
+        if rc.drafter.kind == "pretrained":
+            d.pop("block_size")  # applied at generate time, not at load time
+        dkey = cache_key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path)
+        if MODELS.drafter_key != dkey:
+            MODELS.drafter = None
+            MODELS.drafter = load_drafter(rc, MODELS.target, model_device(MODELS.target, rc, device))
+            if rc.engine == "upstream":  # the authors' drafter class, holding the same tensors
+                from ddtree.upstream.engine import upstream_drafter
+
+                MODELS.drafter = upstream_drafter(load_upstream(rc), MODELS.drafter)
+            MODELS.drafter_key = dkey
+        drafter = MODELS.drafter
+    return MODELS.target, MODELS.tokenizer, drafter
+
+
+def load_upstream(rc: RunConfig):
+    """engine=upstream: the authors' modules from upstream.path, patched as compat.* says (cached per path)."""
+    from ddtree.upstream.engine import load_upstream_engine
+
+    return load_upstream_engine(rc.upstream.path, only=rc.compat.only, skip=rc.compat.skip,
+                                patch=rc.compat.enabled)
