@@ -214,8 +214,8 @@ def test_hydra_config_composes():
     from ddtree.train.config import REPO_ROOT, register
 
     register()
-    with initialize_config_dir(str(REPO_ROOT / "conf_train"), version_base="1.3"):
-        for overrides in (["target.name_or_path=x", "tracking=none"], ["experiment=toy"]):
+    with initialize_config_dir(str(REPO_ROOT / "conf"), version_base="1.3"):
+        for overrides in (["target.name_or_path=x", "tracking=none"], ["train/experiment=toy"]):
             cfg = compose("train", overrides=overrides)
             tc = to_train_config({k: v for k, v in cfg.items() if k != "hydra"} | {"stages": ["train"]})
             assert tc.out_dir

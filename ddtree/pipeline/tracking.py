@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from collections.abc import Iterable, Iterator
@@ -125,11 +126,18 @@ class JobRun:
             if p.is_file():
                 self.client.log_artifact(self.run_id, str(p), subdir)
 
-    def log_metrics(self, metrics: dict[str, float]) -> None:
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k[:250], param_value(v)) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        items = [Metric(k, v, ts, 0) for k, v in metrics.items()]
+        items = [Metric(k, v, ts, step) for k, v in metrics.items()]
         for i in range(0, len(items), 500):
             self.client.log_batch(self.run_id, metrics=items[i:i + 500])
 
@@ -146,6 +154,27 @@ class JobRun:
             # the basic launcher aborts a sweep at its first failed job: say so on the parent too
             with contextlib.suppress(Exception):
                 self.client.set_terminated(self.parent_id, "FAILED")
+
+
+class NullRun:
+    """A JobRun that records nothing (tracking=none, or a process that does not record)."""
+
+    run_id: str | None = None
+
+    def log_artifacts(self, paths: Iterable[Path], subdir: str | None = None) -> None: ...
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None: ...
+
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+
+    def end(self, status: str = "FINISHED") -> None: ...
+
+
+def metric_key(key: str) -> str:
+    """MLflow allows alphanumerics and _ - . space : / in names ("eval.ddtree@8.tau" -> "eval.ddtree_8.tau")."""
+    return re.sub(r"[^\w\-. :/]", "_", key)
 
 
 class NoTracker:
@@ -221,8 +250,6 @@ class MlflowTracker:
     def start(self, *, run_name: str, params: dict[str, Any], tags: dict[str, Any], config_hash: str,
               sweep_dir: Path | None = None, sweep_name: str | None = None,
               sweep_tags: dict[str, str] | None = None) -> JobRun:
-        from mlflow.entities import Param
-
         eid = self.experiment_id()
         parent = self.sweep_parent(sweep_dir, sweep_name or sweep_dir.name, sweep_tags) if sweep_dir else None
         base = {TAG_HASH: config_hash, TAG_ROLE: "job" if parent else "run"}
@@ -230,11 +257,17 @@ class MlflowTracker:
             base["mlflow.parentRunId"] = parent
         run = self.client.create_run(eid, run_name=run_name, tags=base)
         job = JobRun(self.client, run.info.run_id, parent)
-        items = [Param(k[:250], param_value(v)) for k, v in params.items()]
-        for i in range(0, len(items), 100):
-            self.client.log_batch(job.run_id, params=items[i:i + 100])
+        job.log_params(params)
         job.set_tags(tags)
         return job
+
+    def reopen(self, run_id: str) -> JobRun | None:
+        """The run `run_id` set RUNNING again (a resumed job continues its run); None if the store lost it."""
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+        except Exception:  # the store was wiped or is another one: the caller starts afresh
+            return None
+        return JobRun(self.client, run_id)
 
 
 def make_tracker(backend: str, uri: str | None, experiment: str) -> MlflowTracker | NoTracker:

@@ -1,6 +1,7 @@
-"""python -m ddtree.train [experiment=toy] [key=value ...]  — train a DFlash drafter for a target.
+"""python -m ddtree.train [train/experiment=toy] [key=value ...]  — train a DFlash drafter for a target.
 
-Configuration: conf_train/train.yaml (typed by ddtree.train.config.TrainConfig). Rerunning with
+Configuration: conf/train.yaml (typed by ddtree.train.config.TrainConfig), with conf/train/experiment/
+and the tracking group shared with python -m ddtree.run (conf/tracking/). Rerunning with
 the same out_dir resumes: finished stages are skipped, training continues from its last checkpoint.
 """
 
@@ -17,7 +18,7 @@ from ddtree.train.config import REPO_ROOT, register, to_train_config
 register()
 
 
-@hydra.main(config_path=str(REPO_ROOT / "conf_train"), config_name="train", version_base="1.3")
+@hydra.main(config_path=str(REPO_ROOT / "conf"), config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from ddtree.train.pipeline import run
 
@@ -29,4 +30,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from ddtree.pipeline.distributed import hydra_argv_for_rank, world_from_env
+
+    sys.argv[1:] = hydra_argv_for_rank(sys.argv[1:], world_from_env())  # torchrun ranks > 0: Hydra output to scratch
     main()

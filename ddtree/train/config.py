@@ -13,11 +13,14 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline.schema import TrackingConfig as RunTrackingConfig
 from ddtree.pipeline.schema import refuse_unknown_keys
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("data", "extract", "train", "eval")
 DTYPES = ("float32", "bfloat16", "float16")
+DATA_SOURCES = ("generate", "texts", "hub")
+FEATURES = ("offline", "online")
 
 
 @dataclass
@@ -26,11 +29,25 @@ class TargetConfig:
     tokenizer: str | None = None  # null: name_or_path
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
+    device_map: str | None = None  # null: the whole target on `device`; auto | balanced | ...: placed by accelerate
+
+
+@dataclass
+class HubDataConfig:
+    """A chat dataset read through `datasets` (a hub id, or a loader such as json with data_files)."""
+
+    path: str | None = None  # e.g. HuggingFaceH4/ultrachat_200k, or json (with data_files)
+    name: str | None = None  # the dataset's configuration
+    split: str = "train"
+    data_files: list[str] | None = None
+    revision: str | None = None
+    messages_field: str | None = None  # null: "messages" (role/content) or "conversations" (from/value)
+    regenerate: bool = True  # true: keep the user turns, the target writes the answers (the DFlash recipe)
 
 
 @dataclass
 class DataConfig:
-    source: str = "generate"  # generate: the target answers `prompts` | texts: use `texts` as they are
+    source: str = "generate"  # generate: the target answers `prompts` | texts: `texts` as they are | hub: `hub`
     prompts: str | None = None  # JSONL of {"id", "turns": [user messages]} (the run pipeline's format)
     texts: str | None = None  # JSONL of {"messages": [{"role", "content"}, ...]} or {"text": "..."}
     max_samples: int | None = None
@@ -38,6 +55,7 @@ class DataConfig:
     temperature: float = 0.0  # 0: greedy answers; > 0: sampled
     batch_size: int = 16  # prompts generated together (same token length, so no padding)
     chat_template: bool = True
+    hub: HubDataConfig = field(default_factory=HubDataConfig)
 
 
 @dataclass
@@ -56,6 +74,7 @@ class ExtractConfig:
     shard_size: int = 512  # sequences per shard
     batch_size: int = 8  # sequences per target forward (right-padded)
     dtype: str = "bfloat16"  # storage dtype of the features
+    keep_free_gb: float = 5.0  # refuse an extraction that would leave less free disk than this
 
 
 @dataclass
@@ -87,14 +106,17 @@ class EvalConfig:
     budgets: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
     chat_template: bool = True
     warmup: bool = True
+    every: int | None = None  # optimizer steps between acceptance-curve points (and at the end); null: none
+    curve_budget: int = 8  # the DDTree budget of the curve (DFlash runs beside it)
+    curve_samples: int | None = 8  # held-out prompts per curve point (the first ones of eval.prompts)
 
 
 @dataclass
-class TrackingConfig:
-    backend: str = "mlflow"  # mlflow | none
-    uri: str | None = None  # null: sqlite:///<repo>/runs/mlflow.db
+class TrackingConfig(RunTrackingConfig):
+    """The run CLI's tracking group (conf/tracking/), plus the name of a training run."""
+
     experiment: str = "ddtree-train"
-    run_name: str | None = None
+    run_name: str | None = None  # null: the out_dir's name
 
 
 @dataclass
@@ -105,6 +127,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     threads: int | None = None  # torch CPU threads; null: torch's default
     seed: int = 0
+    features: str = "offline"  # offline: extracted to shards on disk | online: the target computes them in training
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -152,9 +175,15 @@ def validate(c: TrainConfig) -> None:
     for s in [*c.stages, *c.force]:
         if s not in STAGES:
             raise ConfigError("stages", f"unknown stage '{s}'", f"use a list from {list(STAGES)}")
-    if c.data.source not in ("generate", "texts"):
-        raise ConfigError("data.source", f"unknown source '{c.data.source}'", "use generate or texts")
-    if "data" in c.stages:
+    if c.data.source not in DATA_SOURCES:
+        raise ConfigError("data.source", f"unknown source '{c.data.source}'", f"use one of {', '.join(DATA_SOURCES)}")
+    if c.features not in FEATURES:
+        raise ConfigError("features", f"unknown value '{c.features}'", f"use one of {', '.join(FEATURES)}")
+    if "data" in c.stages and c.data.source == "hub":
+        if not c.data.hub.path:
+            raise ConfigError("data.hub.path", "data.source=hub needs a dataset",
+                              "pass data.hub.path=<hub id> (or json with data.hub.data_files=[...])")
+    elif "data" in c.stages:
         needed = "prompts" if c.data.source == "generate" else "texts"
         path = getattr(c.data, needed)
         if not path:
@@ -169,7 +198,10 @@ def validate(c: TrainConfig) -> None:
                 "extract.batch_size": c.extract.batch_size, "optim.batch_size": c.optim.batch_size,
                 "optim.grad_accum": c.optim.grad_accum, "optim.anchors_per_seq": c.optim.anchors_per_seq,
                 "data.batch_size": c.data.batch_size, "data.max_new_tokens": c.data.max_new_tokens,
-                "optim.save_every": c.optim.save_every, "optim.log_every": c.optim.log_every}
+                "optim.save_every": c.optim.save_every, "optim.log_every": c.optim.log_every,
+                "eval.curve_budget": c.eval.curve_budget}
+    if c.eval.every is not None:
+        positive["eval.every"] = c.eval.every
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(name, f"must be >= 1, got {value}")

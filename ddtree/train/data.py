@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from ddtree.errors import ConfigError
-from ddtree.pipeline.prompts import encode, read_jsonl
+from ddtree.pipeline.prompts import Prompt, encode, read_jsonl
+from ddtree.train.config import HubDataConfig
 
 SEQUENCES = "sequences.jsonl"
 PARTIAL = "sequences.jsonl.partial"
@@ -68,7 +69,7 @@ def generate_answers(model, prompts: list[list[int]], *, max_new_tokens: int, te
     return answers
 
 
-def generate_sequences(model, tokenizer, prompts_path: str, out_dir: Path, *, max_samples: int | None = None,
+def generate_sequences(model, tokenizer, prompts: str | list[Prompt], out_dir: Path, *, max_samples: int | None = None,
                        max_new_tokens: int = 256, temperature: float = 0.0, batch_size: int = 16,
                        chat_template: bool = True, seed: int = 0, log: Callable[[str], None] = print) -> dict:
     """Answer every prompt turn with the target; resumable (a partial file keeps finished records).
@@ -76,7 +77,9 @@ def generate_sequences(model, tokenizer, prompts_path: str, out_dir: Path, *, ma
     A multi-turn prompt gives one record per turn; later turns see the target's earlier answers.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = read_prompts(prompts_path, "data.prompts")[:max_samples or None]
+    if isinstance(prompts, str | Path):
+        prompts = read_prompts(str(prompts), "data.prompts")
+    prompts = prompts[:max_samples or None]
     partial = out_dir / PARTIAL
     done = {r["id"] for r in read_sequences(partial)} if partial.exists() else set()
     stops = stop_ids(tokenizer, model)
@@ -149,19 +152,31 @@ def _chat_spans(tokenizer, messages: list[dict]) -> tuple[list[int], list[list[i
     return ids, spans
 
 
-def text_sequences(tokenizer, texts_path: str, out_dir: Path, *, max_samples: int | None = None,
-                   log: Callable[[str], None] = print) -> dict:
-    """Records from given texts: chat rows ({"messages"}) train on assistant turns, raw rows ({"text"}) on all."""
+def _text_rows(texts_path: str | None, hub: HubDataConfig | None) -> Iterator[tuple[int, dict]]:
+    """(row number, row) of a JSONL file, or of a hub dataset with its chat normalised to {"messages"}."""
+    if hub is not None:
+        for i, row in enumerate(hub_rows(hub), 1):
+            yield i, {"id": row.get("id", row.get("prompt_id", f"hub-{i}")), "messages": chat_messages(row, hub)}
+        return
+    with open(texts_path) as src:
+        for lineno, line in enumerate(src, 1):
+            if line.strip():
+                yield lineno, json.loads(line)
+
+
+def text_sequences(tokenizer, texts_path: str | None, out_dir: Path, *, hub: HubDataConfig | None = None,
+                   max_samples: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Records from given texts: chat rows ({"messages"}) train on assistant turns, raw rows ({"text"}) on all.
+
+    The rows come from a JSONL file (`texts_path`) or from a hub chat dataset with its own answers.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     n = skipped = 0
     tmp = out_dir / PARTIAL
-    with open(texts_path) as src, open(tmp, "w") as f:
-        for lineno, line in enumerate(src, 1):
-            if not line.strip():
-                continue
+    with open(tmp, "w") as f:
+        for lineno, row in _text_rows(texts_path, hub):
             if max_samples and n >= max_samples:
                 break
-            row = json.loads(line)
             if "messages" in row:
                 ids, spans = _chat_spans(tokenizer, row["messages"])
             elif "text" in row:
@@ -176,5 +191,52 @@ def text_sequences(tokenizer, texts_path: str, out_dir: Path, *, max_samples: in
             f.write(json.dumps({"id": str(row.get("id", f"text-{lineno}")), "input_ids": ids, "spans": spans}) + "\n")
             n += 1
     os.replace(tmp, out_dir / SEQUENCES)
-    log(f"data: {n} sequences from {texts_path} ({skipped} without a usable span)")
+    log(f"data: {n} sequences from {texts_path or hub.path} ({skipped} without a usable span)")
     return {"sequences": n, "skipped": skipped}
+
+
+# ---------------------------------------------------------------- chat datasets through `datasets`
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+          "bot": "assistant", "system": "system"}
+
+
+def hub_rows(hub: HubDataConfig):
+    """The dataset's rows (streamed from the hub cache or the given data files)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(hub.path, hub.name, split=hub.split, data_files=hub.data_files,
+                                     revision=hub.revision)
+    except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ConfigError("data.hub.path", f"cannot load {hub.path} ({hub.split}): {first[:200]}",
+                          "pass a hub id (or json with data.hub.data_files=[...]) and an existing split") from None
+
+
+def chat_messages(row: dict, hub: HubDataConfig) -> list[dict]:
+    """A row's conversation as [{"role", "content"}], from "messages" (role/content) or "conversations" (from/value)."""
+    field_name = hub.messages_field or next((k for k in ("messages", "conversations") if k in row), None)
+    turns = row.get(field_name) if field_name else None
+    if not isinstance(turns, list):
+        raise ConfigError("data.hub.messages_field", f"row has no chat list (fields: {sorted(row)[:8]})",
+                          "pass data.hub.messages_field=<the field holding the conversation>")
+    out = []
+    for t in turns:
+        role = _ROLES.get(str(t.get("role", t.get("from", ""))).lower())
+        content = t.get("content", t.get("value"))
+        if role is None or not isinstance(content, str):
+            raise ConfigError("data.hub.messages_field", f"a turn is not role/content or from/value: {str(t)[:80]}",
+                              "point data.hub.messages_field at a list of chat turns")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def hub_prompts(hub: HubDataConfig) -> list[Prompt]:
+    """Prompts (the user turns, in order) of a chat dataset: the target writes the answers (regenerate)."""
+    prompts = []
+    for i, row in enumerate(hub_rows(hub)):
+        turns = tuple(m["content"] for m in chat_messages(row, hub) if m["role"] == "user")
+        if turns:
+            prompts.append(Prompt(str(row.get("id", row.get("prompt_id", f"hub-{i}"))), turns))
+    return prompts

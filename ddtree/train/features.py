@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ddtree.engine.target import context_features
+from ddtree.errors import ConfigError
 
 MANIFEST = "manifest.json"
 
@@ -51,26 +53,31 @@ def sequence_features(model, sequences: list[list[int]], layer_ids: list[int]) -
     return [feats[i, :len(s)] for i, s in enumerate(sequences)]
 
 
-def extract_features(model, records: list[dict], layer_ids: list[int], out_dir: Path, *, shard_size: int = 512,
-                     batch_size: int = 8, dtype: torch.dtype = torch.bfloat16, shuffle_seed: int | None = 0,
-                     log: Callable[[str], None] = print) -> dict:
-    """Write every record's features into shards under out_dir; skips shards already there.
+def deal_into_shards(records: list[dict], shard_size: int, shuffle_seed: int | None) -> list[list[dict]]:
+    """Records dealt into shards in a seeded random order (shuffle_seed=None keeps theirs).
 
-    Records are dealt into shards in a seeded random order (shuffle_seed=None keeps theirs), so
-    every shard is a sample of the whole set: training reads shard after shard, and shards made
+    Every shard is then a sample of the whole set: training reads shard after shard, and shards made
     of one kind of record (generated answers come grouped by prompt length) would make it forget.
+    Offline extraction and online features deal alike, so both train on the same micro-batches.
     """
-    out_dir.mkdir(parents=True, exist_ok=True)
     if shuffle_seed is not None:
         records = list(records)
         random.Random(shuffle_seed).shuffle(records)
-    n_shards = (len(records) + shard_size - 1) // shard_size
+    return [records[k:k + shard_size] for k in range(0, len(records), shard_size)]
+
+
+def extract_features(model, records: list[dict], layer_ids: list[int], out_dir: Path, *, shard_size: int = 512,
+                     batch_size: int = 8, dtype: torch.dtype = torch.bfloat16, shuffle_seed: int | None = 0,
+                     log: Callable[[str], None] = print) -> dict:
+    """Write every record's features into shards under out_dir (see deal_into_shards); skips shards already there."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = deal_into_shards(records, shard_size, shuffle_seed)
+    n_shards = len(shards)
     t0, done_seqs, done_tokens = time.perf_counter(), 0, 0
-    for k in range(n_shards):
+    for k, part in enumerate(shards):
         path = out_dir / shard_name(k)
         if path.exists():
             continue
-        part = records[k * shard_size:(k + 1) * shard_size]
         feats: list[torch.Tensor | None] = [None] * len(part)
         order = sorted(range(len(part)), key=lambda i: len(part[i]["input_ids"]))  # little padding per batch
         for b in range(0, len(order), batch_size):
@@ -124,6 +131,7 @@ class FeatureShards:
         self.manifest = json.loads(manifest.read_text())
         self.num_shards = self.manifest["num_shards"]
         self.target_layer_ids = self.manifest["target_layer_ids"]
+        self._loaded: tuple[int, list[Sample]] | None = None  # micro-batches of an epoch come shard by shard
 
     def __len__(self) -> int:
         return self.manifest["num_sequences"]
@@ -143,6 +151,85 @@ class FeatureShards:
         return [Sample(ids[a:b], feats[a:b], by_seq.get(i, []), names[i])
                 for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:], strict=True))]
 
+    def samples(self, shard: int, idx: list[int]) -> list[Sample]:
+        if self._loaded is None or self._loaded[0] != shard:
+            self._loaded = (shard, self.load(shard))
+        return [self._loaded[1][i] for i in idx]
+
     def __iter__(self) -> Iterator[Sample]:
         for k in range(self.num_shards):
             yield from self.load(k)
+
+
+def _record_sample(record: dict, features: torch.Tensor) -> Sample:
+    return Sample(torch.tensor(record["input_ids"], dtype=torch.long), features,
+                  [(int(a), int(b)) for a, b in record["spans"]], record["id"])
+
+
+class OnlineFeatures:
+    """features=online: the frozen target computes each micro-batch's features when it is asked for them.
+
+    Nothing goes to disk; records are dealt into the same groups as offline shards (deal_into_shards),
+    so the data order, resume and checkpoints are those of offline training. One no-grad target forward
+    per micro-batch (right-padded), in the target's own dtype and on its own device(s).
+    """
+
+    def __init__(self, model, records: list[dict], layer_ids: list[int], *, shard_size: int = 512,
+                 shuffle_seed: int | None = 0):
+        self.model, self.target_layer_ids = model, list(layer_ids)
+        self.shards = deal_into_shards(records, shard_size, shuffle_seed)
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.shards)
+
+    def shard_sizes(self) -> list[int]:
+        return [len(p) for p in self.shards]
+
+    def samples(self, shard: int, idx: list[int]) -> list[Sample]:
+        records = [self.shards[shard][i] for i in idx]
+        feats = sequence_features(self.model, [r["input_ids"] for r in records], self.target_layer_ids)
+        return [_record_sample(r, f) for r, f in zip(records, feats, strict=True)]
+
+
+@dataclass
+class DiskPlan:
+    """What offline extraction will write, against the free space where it writes."""
+
+    bytes_per_token: int
+    tokens: int
+    total_bytes: int
+    free_bytes: int
+    written_bytes: int  # shards already there (a resumed extraction)
+
+    def describe(self) -> str:
+        return (f"{self.bytes_per_token:,} B/token x {self.tokens:,} tokens = {_size(self.total_bytes)}, "
+                f"{_size(self.written_bytes)} written, {_size(self.free_bytes)} free")
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def disk_plan(records: list[dict], feature_dim: int, dtype: torch.dtype, out_dir: Path) -> DiskPlan:
+    """Bytes per token (features + the int32 token id), the total for `records`, and the free space."""
+    per_token = feature_dim * torch.empty((), dtype=dtype).element_size() + 4
+    tokens = sum(len(r["input_ids"]) for r in records)
+    probe = out_dir
+    while not probe.exists():
+        probe = probe.parent
+    written = sum(f.stat().st_size for f in out_dir.glob("shard_*.safetensors")) if out_dir.exists() else 0
+    return DiskPlan(per_token, tokens, per_token * tokens, shutil.disk_usage(probe).free, written)
+
+
+def check_disk_plan(plan: DiskPlan, keep_free_gb: float) -> None:
+    """Refuse an extraction that would not fit (leaving keep_free_gb free), before writing anything."""
+    needed = plan.total_bytes - plan.written_bytes
+    room = plan.free_bytes - keep_free_gb * 1e9
+    if needed > room:
+        raise ConfigError("features", f"offline extraction needs {_size(needed)} more ({plan.describe()}; "
+                          f"extract.keep_free_gb={keep_free_gb:g})",
+                          "use features=online (the target computes features during training, nothing on disk)")

@@ -58,7 +58,7 @@ def make_batch(samples: list[Sample], block_size: int, anchors_per_seq: int, mas
     n = max(1, max(len(a) for a in anchors))
     B, L = len(samples), max(len(s.input_ids) for s in samples)
     fdim = samples[0].features.shape[-1]
-    ctx = torch.zeros(B, L, fdim, dtype=samples[0].features.dtype)
+    ctx = torch.zeros(B, L, fdim, dtype=samples[0].features.dtype, device=samples[0].features.device)
     block_ids = torch.full((B, n, bs), mask_token_id, dtype=torch.long)
     block_pos = torch.zeros(B, n, bs, dtype=torch.long)
     anc = torch.full((B, n), -1, dtype=torch.long)

@@ -2,10 +2,14 @@
 
     out_dir/
       data/sequences.jsonl         stage data
-      features/shard_*.safetensors  stage extract (+ manifest.json)
-      checkpoints/step_*/          stage train (resume points); drafter/ is the final drafter
+      features/shard_*.safetensors  stage extract (+ manifest.json); features=online writes none
+      checkpoints/step_*/          stage train (resume points; best.json names the best by tau)
+      drafter/                     the final drafter (public format, loads in python -m ddtree.run)
       eval.json                    stage eval
       summary.json                 what this invocation did
+
+Under torchrun (WORLD_SIZE > 1) every rank loads its own target; rank 0 alone runs data, extract
+and eval and records to MLflow, the other ranks wait for it and train with it.
 """
 
 from __future__ import annotations
@@ -13,13 +17,28 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ddtree.errors import ConfigError
-from ddtree.train.config import STAGES, TrainConfig, as_dict
-from ddtree.train.tracking import make_tracker
+from ddtree.pipeline import distributed
+from ddtree.pipeline.distributed import World
+from ddtree.pipeline.schema import flatten
+from ddtree.pipeline.tracking import (
+    TAG_ROLE,
+    MlflowTracker,
+    NullRun,
+    config_hash,
+    metric_key,
+    numeric_metrics,
+)
+from ddtree.train.config import REPO_ROOT, STAGES, TrainConfig, as_dict
+
+RUN_FILE = "mlflow_run.json"  # the MLflow run of this out_dir: a resumed training continues it
 
 
 def log(msg: str) -> None:
@@ -38,14 +57,17 @@ def load_target(cfg: TrainConfig, device: torch.device):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = cfg.target.name_or_path
+    placement = {"device_map": cfg.target.device_map} if cfg.target.device_map else {}
     try:
         tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.target.dtype),
-                                                     attn_implementation=cfg.target.attn_implementation)
+                                                     attn_implementation=cfg.target.attn_implementation,
+                                                     **placement)
     except OSError as e:
         raise ConfigError("target.name_or_path", f"cannot load {path}: {str(e).splitlines()[0]}",
                           "point to a Hugging Face checkpoint directory or hub id") from None
-    return model.to(device).eval(), tok
+    model.requires_grad_(False)  # frozen: only the drafter trains
+    return (model if placement else model.to(device)).eval(), tok
 
 
 def mask_token_id(cfg: TrainConfig, tokenizer, vocab_size: int) -> int:
@@ -69,112 +91,237 @@ def build_drafter(cfg: TrainConfig, target_config, tokenizer, vocab_size: int):
         seed=cfg.drafter.seed)
 
 
-def _clear(out: Path, stage: str) -> None:
-    paths = {"data": [out / "data"], "extract": [out / "features"],
-             "train": [out / "checkpoints", out / "drafter"], "eval": [out / "eval.json"]}[stage]
-    for p in paths:
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
+def clear_stages(out: Path, forced: list[str]) -> None:
+    """Remove the outputs of the first forced stage and of every stage after it."""
+    if not forced:
+        return
+    outputs = {"data": [out / "data"], "extract": [out / "features"],
+               "train": [out / "checkpoints", out / "drafter"], "eval": [out / "eval.json"]}
+    for stage in STAGES[min(STAGES.index(s) for s in forced):]:
+        for p in outputs[stage]:
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+
+
+def numbers(d: dict[str, Any], prefix: str) -> dict[str, float]:
+    """Every finite number of a (nested) dict as MLflow metrics under `prefix`."""
+    return {metric_key(k): v for k, v in numeric_metrics(d, prefix).items()}
+
+
+def open_tracking(cfg: TrainConfig, out: Path, world: World):
+    """The MLflow run of this out_dir (continued on resume), or a NullRun (tracking=none, ranks > 0)."""
+    if cfg.tracking.backend == "none" or not world.is_main:
+        return NullRun()
+    uri = cfg.tracking.uri or f"sqlite:///{REPO_ROOT / 'runs' / 'mlflow.db'}"
+    tracker = MlflowTracker(uri, cfg.tracking.experiment)
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        record = json.loads(run_file.read_text())
+        job = tracker.reopen(record["run_id"]) if record.get("tracking_uri") == uri else None
+        if job is not None:
+            return job
+    params = as_dict(cfg)
+    job = tracker.start(run_name=cfg.tracking.run_name or out.name, params=flatten(params),
+                        tags={TAG_ROLE: "train", "ddtree.out_dir": str(out)}, config_hash=config_hash(params))
+    run_file.write_text(json.dumps({"run_id": job.run_id, "tracking_uri": uri}) + "\n")
+    return job
+
+
+@dataclass
+class Session:
+    """What the stages share: the config, the loaded models, the tracking run and the summary."""
+
+    cfg: TrainConfig
+    out: Path
+    device: torch.device
+    world: World
+    tracker: Any
+    target: Any = None
+    tokenizer: Any = None
+    drafter: Any = None
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def sequences(self) -> Path:
+        from ddtree.train.data import SEQUENCES
+
+        return self.out / "data" / SEQUENCES
+
+    @property
+    def features(self) -> Path:
+        return self.out / "features"
+
+    @property
+    def final(self) -> Path:
+        return self.out / "drafter"
+
+    def record(self, stage: str, stats: dict, metrics: dict | None = None) -> None:
+        """Keep a stage's stats in the summary and log its numbers (or `metrics`) under '<stage>/'."""
+        self.summary["stages"][stage] = stats
+        self.tracker.log_metrics(numbers(stats if metrics is None else metrics, f"{stage}/"))
+
+
+def stage_data(s: Session) -> None:
+    from ddtree.train.data import generate_sequences, hub_prompts, read_prompts, text_sequences
+
+    if s.sequences.exists():
+        log(f"data: {s.sequences} exists, skipped")
+        return
+    c, t = s.cfg.data, time.perf_counter()
+    if c.source == "texts" or (c.source == "hub" and not c.hub.regenerate):
+        stats = text_sequences(s.tokenizer, c.texts, s.out / "data", max_samples=c.max_samples, log=log,
+                               hub=c.hub if c.source == "hub" else None)
+    else:
+        prompts = hub_prompts(c.hub) if c.source == "hub" else read_prompts(c.prompts, "data.prompts")
+        stats = generate_sequences(s.target, s.tokenizer, prompts, s.out / "data", max_samples=c.max_samples,
+                                   max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                                   batch_size=c.batch_size, chat_template=c.chat_template, seed=s.cfg.seed, log=log)
+    stats["seconds"] = time.perf_counter() - t
+    s.record("data", stats)
+    log(f"data: {stats}")
+
+
+def stage_extract(s: Session) -> None:
+    from ddtree.train.data import read_sequences
+    from ddtree.train.features import MANIFEST, check_disk_plan, disk_plan, extract_features
+
+    if s.cfg.features == "online":
+        log("extract: features=online, the target computes them during training (nothing written)")
+        return
+    if (s.features / MANIFEST).exists():
+        log(f"extract: {s.features} exists, skipped")
+        return
+    if not s.sequences.exists():
+        raise ConfigError("stages", f"extract needs {s.sequences}", "add 'data' to stages")
+    records = read_sequences(s.sequences)
+    hidden = s.target.config.get_text_config().hidden_size
+    plan = disk_plan(records, len(s.drafter.target_layer_ids) * hidden, getattr(torch, s.cfg.extract.dtype),
+                     s.features)
+    log(f"extract: disk plan {plan.describe()}")
+    check_disk_plan(plan, s.cfg.extract.keep_free_gb)
+    t = time.perf_counter()
+    manifest = extract_features(s.target, records, s.drafter.target_layer_ids, s.features,
+                                shard_size=s.cfg.extract.shard_size, batch_size=s.cfg.extract.batch_size,
+                                dtype=getattr(torch, s.cfg.extract.dtype), shuffle_seed=s.cfg.seed, log=log)
+    manifest.update(seconds=time.perf_counter() - t, planned_bytes=plan.total_bytes)
+    s.record("extract", manifest)
+
+
+def feature_source(s: Session):
+    """Shards on disk (features=offline) or the target in this process (features=online)."""
+    from ddtree.train.data import read_sequences
+    from ddtree.train.features import FeatureShards, OnlineFeatures
+
+    layer_ids = s.drafter.target_layer_ids
+    if s.cfg.features == "online":
+        if not s.sequences.exists():
+            raise ConfigError("stages", f"training needs {s.sequences}", "add 'data' to stages")
+        return OnlineFeatures(s.target, read_sequences(s.sequences), layer_ids, shard_size=s.cfg.extract.shard_size,
+                              shuffle_seed=s.cfg.seed)
+    shards = FeatureShards(s.features)
+    if list(shards.target_layer_ids) != list(layer_ids):
+        raise ConfigError("drafter.target_layer_ids", f"features in {s.features} hold target layers "
+                          f"{shards.target_layer_ids}, the drafter reads {layer_ids}",
+                          "pass force=[extract] or those layer ids")
+    return shards
+
+
+def curve_evaluator(s: Session) -> Callable | None:
+    """The acceptance curve: DFlash and DDTree (eval.curve_budget) on the held-out prompts, at a step."""
+    from ddtree.train.evaluate import evaluate
+
+    c = s.cfg.eval
+    if not (c.prompts and c.every):
+        return None
+
+    def run(drafter, step: int) -> dict[str, float]:
+        report = evaluate(s.target, drafter, s.tokenizer, c.prompts, max_samples=c.curve_samples,
+                          max_new_tokens=c.max_new_tokens, methods=["dflash", "ddtree"], budgets=[c.curve_budget],
+                          chat_template=c.chat_template, warmup=False, baseline=False, log=lambda _: None)
+        ms = report["methods"]
+        tree = ms[f"ddtree@{c.curve_budget}"]
+        return {**numbers({k: {"tau": m["tau"], "tokens_per_s": m["tokens_per_s"]} for k, m in ms.items()},
+                          "curve/"), "tau": tree["tau"]}
+
+    return run
+
+
+def stage_train(s: Session) -> None:
+    from ddtree.train.trainer import FrozenTarget, train_drafter
+
+    if (s.final / "config.json").exists():
+        log(f"train: {s.final} exists, skipped")
+        return
+    stats = train_drafter(s.drafter, FrozenTarget.of(s.target, s.device), feature_source(s), s.cfg.optim, s.out,
+                          device=s.device, tracker=s.tracker, log=log, evaluate=curve_evaluator(s),
+                          eval_every=s.cfg.eval.every, world=s.world)
+    if s.world.is_main:
+        s.drafter.to("cpu").save_pretrained(s.final)
+        s.record("train", stats)
+        log(f"train: saved {s.final}")
+
+
+def stage_eval(s: Session) -> None:
+    from ddtree.engine.drafter import DFlashDrafter
+    from ddtree.train.evaluate import evaluate
+
+    c = s.cfg.eval
+    if not c.prompts:
+        return
+    path = s.out / "eval.json"
+    if path.exists():
+        log(f"eval: {path} exists, skipped")
+        return
+    trained = DFlashDrafter.from_pretrained(s.final, dtype=s.target.dtype, device=s.device)
+    report = evaluate(s.target, trained, s.tokenizer, c.prompts, max_samples=c.max_samples,
+                      max_new_tokens=c.max_new_tokens, methods=list(c.methods), budgets=list(c.budgets),
+                      chat_template=c.chat_template, warmup=c.warmup, log=log)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    s.record("eval", report, report["methods"])
+    s.tracker.log_artifacts([path])
+
+
+STAGE_RUNNERS: dict[str, Callable[[Session], None]] = {
+    "data": stage_data, "extract": stage_extract, "train": stage_train, "eval": stage_eval}
+RANK0_STAGES = ("data", "extract", "eval")  # under torchrun the other ranks wait for these
+
+
+def load_models(s: Session) -> None:
+    s.target, s.tokenizer = load_target(s.cfg, s.device)
+    vocab = s.target.get_input_embeddings().weight.shape[0]
+    s.drafter = build_drafter(s.cfg, s.target.config, s.tokenizer, vocab)
+    s.drafter.check_compatible(s.target)
 
 
 def run(cfg: TrainConfig) -> dict:
     """Run the configured stages; returns the summary (also written to out_dir/summary.json)."""
-    from ddtree.train.data import SEQUENCES, generate_sequences, read_sequences, text_sequences
-    from ddtree.train.evaluate import evaluate
-    from ddtree.train.features import MANIFEST, FeatureShards, extract_features
-    from ddtree.train.trainer import FrozenTarget, train_drafter
-
+    world = distributed.world_from_env()
     out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        clear_stages(out, cfg.force)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    if cfg.force:
-        first = min(STAGES.index(s) for s in cfg.force)
-        for s in STAGES[first:]:
-            _clear(out, s)
     device = resolve_device(cfg.device)
-    tracker = make_tracker(cfg.tracking, out)
-    tracker.log_params(as_dict(cfg))
-    summary: dict = {"out_dir": str(out), "stages": {}}
+    device = torch.device(distributed.rank_device(str(device), world))
+    distributed.init(world, str(device))
+    s = Session(cfg, out, device, world, open_tracking(cfg, out, world), summary={"out_dir": str(out), "stages": {}})
     status = "FAILED"
     try:
-        target, tok = load_target(cfg, device)
-        vocab = target.get_input_embeddings().weight.shape[0]
-        drafter = build_drafter(cfg, target.config, tok, vocab)
-        drafter.check_compatible(target)
-        layer_ids = drafter.target_layer_ids
-        seq_path, feat_dir, final = out / "data" / SEQUENCES, out / "features", out / "drafter"
-
-        if "data" in cfg.stages:
-            if seq_path.exists():
-                log(f"data: {seq_path} exists, skipped")
-            else:
-                t = time.perf_counter()
-                if cfg.data.source == "generate":
-                    stats = generate_sequences(target, tok, cfg.data.prompts, out / "data",
-                                               max_samples=cfg.data.max_samples,
-                                               max_new_tokens=cfg.data.max_new_tokens,
-                                               temperature=cfg.data.temperature, batch_size=cfg.data.batch_size,
-                                               chat_template=cfg.data.chat_template, seed=cfg.seed, log=log)
-                else:
-                    stats = text_sequences(tok, cfg.data.texts, out / "data", max_samples=cfg.data.max_samples,
-                                           log=log)
-                stats["seconds"] = time.perf_counter() - t
-                summary["stages"]["data"] = stats
-                tracker.log_metrics({f"data/{k}": v for k, v in stats.items()})
-                log(f"data: {stats}")
-
-        if "extract" in cfg.stages:
-            if (feat_dir / MANIFEST).exists():
-                log(f"extract: {feat_dir} exists, skipped")
-            else:
-                if not seq_path.exists():
-                    raise ConfigError("stages", f"extract needs {seq_path}", "add 'data' to stages")
-                t = time.perf_counter()
-                manifest = extract_features(target, read_sequences(seq_path), layer_ids, feat_dir,
-                                            shard_size=cfg.extract.shard_size, batch_size=cfg.extract.batch_size,
-                                            dtype=getattr(torch, cfg.extract.dtype), shuffle_seed=cfg.seed, log=log)
-                manifest["seconds"] = time.perf_counter() - t
-                summary["stages"]["extract"] = manifest
-                tracker.log_metrics({f"extract/{k}": v for k, v in manifest.items()})
-
-        if "train" in cfg.stages:
-            if (final / "config.json").exists():
-                log(f"train: {final} exists, skipped")
-            else:
-                shards = FeatureShards(feat_dir)
-                if list(shards.target_layer_ids) != list(layer_ids):
-                    raise ConfigError("drafter.target_layer_ids",
-                                      f"features in {feat_dir} hold target layers {shards.target_layer_ids}, the "
-                                      f"drafter reads {layer_ids}", "pass force=[extract] or those layer ids")
-                frozen = FrozenTarget.of(target, device)
-                stats = train_drafter(drafter, frozen, shards, cfg.optim, out, device=device, tracker=tracker, log=log)
-                drafter.to("cpu").save_pretrained(final)
-                summary["stages"]["train"] = stats
-                tracker.log_metrics({f"train/{k}": v for k, v in stats.items()})
-                log(f"train: saved {final}")
-
-        if "eval" in cfg.stages and cfg.eval.prompts:
-            from ddtree.engine.drafter import DFlashDrafter
-
-            eval_path = out / "eval.json"
-            if eval_path.exists():
-                log(f"eval: {eval_path} exists, skipped")
-            else:
-                trained = DFlashDrafter.from_pretrained(final, dtype=target.dtype, device=device)
-                report = evaluate(target, trained, tok, cfg.eval.prompts, max_samples=cfg.eval.max_samples,
-                                  max_new_tokens=cfg.eval.max_new_tokens, methods=list(cfg.eval.methods),
-                                  budgets=list(cfg.eval.budgets), chat_template=cfg.eval.chat_template,
-                                  warmup=cfg.eval.warmup, log=log)
-                eval_path.write_text(json.dumps(report, indent=1) + "\n")
-                summary["stages"]["eval"] = report
-                tracker.log_metrics({f"eval/{name}": m for name, m in report["methods"].items()})
-                tracker.log_artifact(eval_path)
+        load_models(s)
+        for stage in STAGES:
+            if stage not in cfg.stages:
+                continue
+            if world.is_main or stage not in RANK0_STAGES:
+                STAGE_RUNNERS[stage](s)
+            if world.is_distributed:
+                distributed.broadcast(None, world)  # the other ranks wait for rank 0's stage
         status = "FINISHED"
     finally:
-        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
-        tracker.end(status)
-    return summary
+        if world.is_main:
+            (out / "summary.json").write_text(json.dumps(s.summary, indent=1, default=str) + "\n")
+        s.tracker.end(status)
+    return s.summary

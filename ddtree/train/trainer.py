@@ -1,11 +1,18 @@
-"""Stage 3, training: a DFlash drafter from extracted features, resumable from its checkpoints.
+"""Stage 3, training: a DFlash drafter on context features, resumable from its checkpoints.
 
-AdamW with linear warmup and a cosine decay, gradient accumulation and clipping. A checkpoint
-(`checkpoints/step_NNNNNN/`) is the drafter in the public format plus `trainer_state.pt`
-(optimizer, step); the data order of an epoch depends only on (seed, epoch), so a resumed run
-skips exactly the micro-batches it had done. Single process on CPU or one GPU; under
-`accelerate launch` / torchrun (WORLD_SIZE > 1) the micro-batches are split over processes
-and gradients averaged through accelerate.
+AdamW with linear warmup and a cosine decay, gradient accumulation and clipping. Features come from
+a `FeatureSource`: shards on disk (features=offline) or the frozen target itself, one forward per
+micro-batch (features=online); both deal the same sequences into the same groups, so the data order
+of an epoch depends only on (seed, epoch) and a resumed run skips exactly the micro-batches it had done.
+
+A checkpoint (`checkpoints/step_NNNNNN/`) is the drafter in the public format plus `trainer_state.pt`
+(optimizer state and counters, read back with `torch.load(weights_only=True)`: tensors and plain
+values only, so a state file from elsewhere cannot run code). With an evaluation hook the drafter is
+decoded every `eval_every` steps; the checkpoint with the best tau is kept and named in `best.json`.
+
+Under torchrun / accelerate launch (WORLD_SIZE > 1) micro-batch m goes to rank m % world, each rank
+has its own frozen target, and gradients are averaged (DistributedDataParallel): world N with
+grad_accum k trains the drafter that one process with grad_accum N*k trains.
 """
 
 from __future__ import annotations
@@ -13,28 +20,43 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file
 
+from ddtree.errors import ConfigError
+from ddtree.pipeline.distributed import World
+from ddtree.pipeline.tracking import NullRun
 from ddtree.train.config import OptimConfig
-from ddtree.train.features import FeatureShards, Sample
+from ddtree.train.features import Sample
 from ddtree.train.objective import block_loss, drafter_hidden, make_batch
-from ddtree.train.tracking import NullTracker
 
 STATE = "trainer_state.pt"
+BEST = "best.json"
+
+
+class FeatureSource(Protocol):
+    """Sequences dealt into groups (shards), and their samples with context features on request."""
+
+    target_layer_ids: list[int]
+
+    def shard_sizes(self) -> list[int]: ...
+
+    def samples(self, shard: int, idx: list[int]) -> list[Sample]: ...
 
 
 @dataclass
 class FrozenTarget:
-    """What training needs from the target: its input embeddings and its lm_head."""
+    """What the objective needs from the target: its input embeddings and its lm_head."""
 
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
@@ -48,6 +70,19 @@ class FrozenTarget:
                    head.weight.detach().to(device), None if bias is None else bias.detach().to(device))
 
 
+# An evaluation hook: decodes held-out prompts with the drafter at an optimizer step, returns metrics
+# with a "tau" entry (the score that picks the best checkpoint).
+Evaluator = Callable[[torch.nn.Module, int], dict[str, float]]
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    micro: int = 0  # micro-batches consumed, all processes together
+    best_tau: float | None = None
+    best_step: int | None = None
+
+
 def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
@@ -55,13 +90,13 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def epoch_microbatches(shards: FeatureShards, batch_size: int, epoch: int, seed: int
+def epoch_microbatches(source: FeatureSource, batch_size: int, epoch: int, seed: int
                        ) -> list[tuple[int, list[int]]]:
     """(shard, sequence indices) of every micro-batch of an epoch, in order: a pure function of (seed, epoch)."""
     rng = random.Random(f"order-{seed}-{epoch}")
-    order = list(range(shards.num_shards))
+    sizes = source.shard_sizes()
+    order = list(range(len(sizes)))
     rng.shuffle(order)
-    sizes = shards.shard_sizes()
     out = []
     for k in order:
         idx = list(range(sizes[k]))
@@ -70,131 +105,191 @@ def epoch_microbatches(shards: FeatureShards, batch_size: int, epoch: int, seed:
     return out
 
 
-class _ShardCache:
-    """Keeps the last loaded shard (micro-batches of an epoch come shard by shard)."""
-
-    def __init__(self, shards: FeatureShards):
-        self.shards, self.k, self.samples = shards, None, None
-
-    def get(self, k: int, idx: list[int]) -> list[Sample]:
-        if k != self.k:
-            self.k, self.samples = k, self.shards.load(k)
-        return [self.samples[i] for i in idx]
-
-
 def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     found = sorted(p for p in ckpt_dir.glob("step_*") if (p / STATE).exists())
     return found[-1] if found else None
 
 
-def _world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+def make_optimizer(drafter: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    decay = [p for p in drafter.parameters() if p.ndim >= 2]
+    no_decay = [p for p in drafter.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
 
 
-def train_drafter(drafter, target: FrozenTarget, shards: FeatureShards, cfg: OptimConfig, out_dir: Path, *,
-                  device: torch.device | str = "cpu", tracker: NullTracker | None = None,
-                  log: Callable[[str], None] = print) -> dict:
-    """Train `drafter` in place on `shards`; checkpoints under out_dir/checkpoints. Returns a summary."""
-    tracker = tracker or NullTracker()
-    device = torch.device(device)
-    rank, world = _world()
-    if list(shards.target_layer_ids) != list(drafter.target_layer_ids):
-        raise ValueError(f"features were extracted for target layers {shards.target_layer_ids}, the drafter reads "
+def planned_steps(source: FeatureSource, cfg: OptimConfig, world: World) -> tuple[int, int]:
+    """(micro-batches per epoch, optimizer steps in all)."""
+    per_epoch = len(epoch_microbatches(source, cfg.batch_size, 0, cfg.seed))
+    steps_per_epoch = max(1, per_epoch // (cfg.grad_accum * world.world_size))
+    return per_epoch, cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+
+
+def read_trainer_state(path: Path, device: torch.device | str = "cpu") -> dict:
+    """A checkpoint's trainer state, refusing anything but tensors and plain values (no code runs)."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError, ValueError) as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ConfigError("out_dir", f"{path} is not a plain state file and was not loaded ({first[:160]})",
+                          f"delete {path.parent} to resume from an earlier checkpoint, or pass force=[train]") from None
+
+
+def resume(ckpt_dir: Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
+           ) -> tuple[TrainState, Path | None]:
+    """The state of the latest checkpoint, loaded into `drafter` and `opt` (a fresh state when there is none)."""
+    path = latest_checkpoint(ckpt_dir)
+    state = TrainState()
+    if path is not None:
+        saved = read_trainer_state(path / STATE, device)
+        drafter.load_state_dict(load_file(path / "model.safetensors", device=str(device)))
+        opt.load_state_dict(saved["optimizer"])
+        state.step, state.micro = int(saved["step"]), int(saved["micro"])
+    best = ckpt_dir / BEST
+    if best.exists():
+        b = json.loads(best.read_text())
+        state.best_tau, state.best_step = b["tau"], b["step"]
+    return state, path
+
+
+def save_checkpoint(drafter, opt, state: TrainState, ckpt_dir: Path, keep: int) -> Path:
+    """Write step_NNNNNN atomically; keep the newest `keep` checkpoints and the best one."""
+    path = ckpt_dir / f"step_{state.step:06d}"
+    tmp = ckpt_dir / f".tmp_step_{state.step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    drafter.save_pretrained(tmp)
+    torch.save({"optimizer": opt.state_dict(), "step": state.step, "micro": state.micro}, tmp / STATE)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    best = f"step_{state.best_step:06d}" if state.best_step is not None else None
+    older = sorted(p for p in ckpt_dir.glob("step_*") if p != path and p.name != best)
+    for old in older[:max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
+    (ckpt_dir / "latest.json").write_text(json.dumps({"step": state.step, "path": path.name}) + "\n")
+    return path
+
+
+def micro_batches(source: FeatureSource, cfg: OptimConfig, start: int, per_epoch: int, world: World
+                  ) -> Iterator[tuple[int, list[Sample]]]:
+    """(global micro-batch index, samples) of this rank from micro-batch `start` on, epoch after epoch."""
+    m = start
+    while True:
+        epoch, i = divmod(m, per_epoch)
+        for k, idx in epoch_microbatches(source, cfg.batch_size, epoch, cfg.seed)[i:]:
+            if m % world.world_size == world.rank:
+                yield m, source.samples(k, idx)
+            m += 1
+
+
+@dataclass
+class LossWindow:
+    """Loss statistics since the last log line."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    count: int = 0
+    tokens: int = 0
+    since: float = field(default_factory=time.perf_counter)
+
+    def add(self, stats: dict[str, float]) -> None:
+        for k, v in stats.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v
+        self.count += 1
+        self.tokens += int(stats["tokens"])
+
+    def means(self) -> dict[str, float]:
+        out = {k: v / max(1, self.count) for k, v in self.sums.items() if k != "tokens"}
+        out["label_tokens_per_s"] = self.tokens / max(time.perf_counter() - self.since, 1e-9)
+        return out
+
+
+def distribute(drafter: torch.nn.Module, cfg: OptimConfig, world: World, device: torch.device) -> torch.nn.Module:
+    """The module to call: the drafter itself, or its data-parallel wrapper (gradients averaged over ranks)."""
+    if not world.is_distributed:
+        return drafter
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: OptimConfig, out_dir: Path, *,
+                  device: torch.device | str = "cpu", tracker=None, log: Callable[[str], None] = print,
+                  evaluate: Evaluator | None = None, eval_every: int | None = None,
+                  world: World | None = None) -> dict:
+    """Train `drafter` in place; checkpoints under out_dir/checkpoints. Returns a summary."""
+    tracker, world, device = tracker or NullRun(), world or World(), torch.device(device)
+    if list(source.target_layer_ids) != list(drafter.target_layer_ids):
+        raise ValueError(f"features hold target layers {source.target_layer_ids}, the drafter reads "
                          f"{drafter.target_layer_ids}")
     drafter.to(device).train()
-    decay = [p for n, p in drafter.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in drafter.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=tuple(cfg.betas))
-    model, accelerator = drafter, None
-    if world > 1:
-        from accelerate import Accelerator
-
-        accelerator = Accelerator(cpu=device.type == "cpu")
-        model, opt = accelerator.prepare(drafter, opt)
-        device = accelerator.device
-
-    per_epoch = len(epoch_microbatches(shards, cfg.batch_size, 0, cfg.seed))
-    steps_per_epoch = max(1, per_epoch // (cfg.grad_accum * world))
-    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    opt = make_optimizer(drafter, cfg)
     ckpt_dir = out_dir / "checkpoints"
-    step, micro = 0, 0  # optimizer steps done; micro-batches consumed (all processes together)
-    resume = latest_checkpoint(ckpt_dir)
-    if resume is not None:
-        state = torch.load(resume / STATE, map_location=device, weights_only=False)
-        drafter.load_state_dict(load_file(resume / "model.safetensors", device=str(device)))
-        opt.load_state_dict(state["optimizer"])
-        step, micro = state["step"], state["micro"]
-        log(f"train: resumed from {resume.name} (step {step}/{total})")
-    log(f"train: {len(shards)} sequences, {per_epoch} micro-batches/epoch, {total} steps "
-        f"(batch {cfg.batch_size} x accum {cfg.grad_accum} x {world} proc, {cfg.anchors_per_seq} anchors/seq)")
+    state, resumed = resume(ckpt_dir, drafter, opt, device)
+    model = distribute(drafter, cfg, world, device)
+    per_epoch, total = planned_steps(source, cfg, world)
+    if resumed is not None:
+        log(f"train: resumed from {resumed.name} (step {state.step}/{total})")
+    log(f"train: {sum(source.shard_sizes())} sequences, {per_epoch} micro-batches/epoch, {total} steps "
+        f"(batch {cfg.batch_size} x accum {cfg.grad_accum} x {world.world_size} proc, "
+        f"{cfg.anchors_per_seq} anchors/seq)")
 
-    def batches() -> Iterator[tuple[int, list[Sample]]]:
-        cache = _ShardCache(shards)
-        m = micro
-        while True:
-            epoch, i = divmod(m, per_epoch)
-            plan = epoch_microbatches(shards, cfg.batch_size, epoch, cfg.seed)
-            for k, idx in plan[i:]:
-                if m % world == rank:
-                    yield m, cache.get(k, idx)
-                m += 1
-
-    stream = batches()
-    bs, decay_w = drafter.block_size, cfg.loss_decay
+    stream = micro_batches(source, cfg, state.micro, per_epoch, world)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    agg: dict[str, float] = {}
-    n_agg, t_log, tok_log = 0, time.perf_counter(), 0
+    window, last, curve = LossWindow(), {}, []
     t_start = time.perf_counter()
-    last: dict[str, float] = {}
-    while step < total:
+    while state.step < total:
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, total, cfg)
+            g["lr"] = lr_at(state.step, total, cfg)
         for _ in range(cfg.grad_accum):
             m, samples = next(stream)
-            batch = make_batch(samples, bs, cfg.anchors_per_seq, drafter.mask_token_id,
+            batch = make_batch(samples, drafter.block_size, cfg.anchors_per_seq, drafter.mask_token_id,
                                random.Random(f"anchors-{cfg.seed}-{m}")).to(device)
             with autocast:
                 hidden = drafter_hidden(drafter, target.embed_weight, batch, call=model)
-                loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, bs, decay_w, target.lm_head_bias)
-            loss = loss / cfg.grad_accum
-            (accelerator.backward(loss) if accelerator else loss.backward())
-            for k, v in stats.items():
-                agg[k] = agg.get(k, 0.0) + v
-            n_agg += 1
-            tok_log += stats["tokens"]
-        micro = (m // world + 1) * world  # every process has consumed its share up to here
-        gnorm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+                loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size,
+                                         cfg.loss_decay, target.lm_head_bias)
+            (loss / cfg.grad_accum).backward()
+            window.add(stats)
+        state.micro = (m // world.world_size + 1) * world.world_size  # every rank has consumed its share
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        step += 1
-        if step % cfg.log_every == 0 or step == total:
-            dt = time.perf_counter() - t_log
-            last = {k: v / n_agg for k, v in agg.items() if k != "tokens"}
-            last.update(lr=lr_at(step - 1, total, cfg), grad_norm=float(gnorm), label_tokens_per_s=tok_log / dt)
-            if rank == 0:
-                tracker.log_metrics({f"train/{k}": v for k, v in last.items()}, step=step)
-                log(f"train: step {step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} "
-                    f"tau~{last['tau_proxy']:.2f} lr {last['lr']:.2e} {tok_log / dt:.0f} label tok/s")
-            agg, n_agg, t_log, tok_log = {}, 0, time.perf_counter(), 0
-        if rank == 0 and (step % cfg.save_every == 0 or step == total):
-            save_checkpoint(drafter, opt, step, micro, ckpt_dir, cfg.keep_checkpoints)
-    if accelerator is not None:
-        accelerator.wait_for_everyone()
+        state.step += 1
+        if state.step % cfg.log_every == 0 or state.step == total:
+            last = {**window.means(), "lr": lr_at(state.step - 1, total, cfg), "grad_norm": float(gnorm)}
+            if world.is_main:
+                tracker.log_metrics({f"train/{k}": v for k, v in last.items()}, step=state.step)
+                log(f"train: step {state.step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} "
+                    f"tau~{last['tau_proxy']:.2f} lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
+            window = LossWindow()
+        evaluated = evaluate is not None and eval_every and (state.step % eval_every == 0 or state.step == total)
+        if evaluated and world.is_main:
+            curve.append(_evaluate_step(drafter, evaluate, state, tracker, ckpt_dir, log))
+        if world.is_main and (evaluated or state.step % cfg.save_every == 0 or state.step == total):
+            save_checkpoint(drafter, opt, state, ckpt_dir, cfg.keep_checkpoints)
+    if world.is_distributed:
+        import torch.distributed as dist
+
+        dist.barrier()
     drafter.eval()
-    return {"steps": total, "train_s": time.perf_counter() - t_start, **{f"final_{k}": v for k, v in last.items()}}
+    summary = {"steps": total, "train_s": time.perf_counter() - t_start, **{f"final_{k}": v for k, v in last.items()}}
+    if state.best_step is not None:
+        summary.update(best_step=state.best_step, best_tau=state.best_tau)
+    return summary
 
 
-def save_checkpoint(drafter, opt, step: int, micro: int, ckpt_dir: Path, keep: int) -> Path:
-    path = ckpt_dir / f"step_{step:06d}"
-    tmp = ckpt_dir / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    drafter.save_pretrained(tmp)
-    torch.save({"optimizer": opt.state_dict(), "step": step, "micro": micro}, tmp / STATE)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    older = sorted(p for p in ckpt_dir.glob("step_*") if p != path)
-    for old in older[:max(0, len(older) - (keep - 1))]:
-        shutil.rmtree(old, ignore_errors=True)
-    (ckpt_dir / "latest.json").write_text(json.dumps({"step": step, "path": path.name}) + "\n")
-    return path
+def _evaluate_step(drafter, evaluate: Evaluator, state: TrainState, tracker, ckpt_dir: Path,
+                   log: Callable[[str], None]) -> dict[str, float]:
+    """Decode the held-out set now, log the metrics at this step, and mark this step best when tau rose."""
+    drafter.eval()
+    with torch.no_grad():
+        metrics = evaluate(drafter, state.step)
+    drafter.train()
+    tracker.log_metrics(metrics, step=state.step)
+    tau = metrics["tau"]
+    if state.best_tau is None or tau > state.best_tau:
+        state.best_tau, state.best_step = tau, state.step
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        (ckpt_dir / BEST).write_text(json.dumps({"step": state.step, "tau": tau,
+                                                 "path": f"step_{state.step:06d}"}) + "\n")
+        tracker.set_tags({"ddtree.best_step": state.step, "ddtree.best_tau": round(tau, 4)})
+    log(f"train: step {state.step} eval tau {tau:.3f} (best {state.best_tau:.3f} at step {state.best_step})")
+    return {"step": state.step, **metrics}
