@@ -37,3 +37,20 @@ def test_all_methods_equal_hf_greedy(model_type, attn, vocab):
                 deepest = max(deepest, max(res.acceptance_lengths))
     if vocab == 12:
         assert deepest >= 3  # small vocabulary: random drafts are accepted more than one deep
+
+
+def test_method_table_checks_what_each_method_reads():
+    """One table decides: the drafter it needs, the budget it reads (only DDTree), the block size it drafts."""
+    from ddtree.engine.methods import METHODS, check_method_args
+    from ddtree.errors import ConfigError
+
+    assert [m for m in METHODS if METHODS[m].verifies_tree] == ["ddtree"]
+    check_method_args("ar", has_drafter=False, budget=0, block_size=1)  # AR reads neither
+    check_method_args("dflash", has_drafter=True, budget=0, block_size=None)
+    refused = [("ddtree", False, 64, None, "drafter"), ("dflash", False, None, None, "drafter"),
+               ("ddtree", True, 0, None, "budget"), ("dflash", True, None, 1, "drafter.block_size"),
+               ("medusa", True, 64, None, "method")]
+    for name, has, budget, block, setting in refused:
+        with pytest.raises(ConfigError) as e:
+            check_method_args(name, has_drafter=has, budget=budget, block_size=block)
+        assert e.value.setting == setting and e.value.fix

@@ -11,14 +11,13 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from ddtree.engine.methods import check_block_size, check_budget, check_method_args, get_method
 from ddtree.engine.result import STAGES, GenerationResult
 from ddtree.engine.target import TargetSession, check_target_supported, context_features, model_type
 from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, walk
 from ddtree.errors import ConfigError
 
-METHODS = ("ar", "dflash", "ddtree")
-
-__all__ = ["METHODS", "DecodeState", "Proposer", "ARProposer", "DFlashProposer", "DDTreeProposer",
+__all__ = ["DecodeState", "Proposer", "ARProposer", "DFlashProposer", "DDTreeProposer",
            "StageTimer", "generate", "context_features"]
 
 
@@ -85,8 +84,7 @@ class _DrafterBlock:
     def __init__(self, target: PreTrainedModel, drafter, block_size: int | None = None):
         self.target, self.drafter = target, drafter
         self.block_size = block_size or drafter.block_size
-        if self.block_size < 2:
-            raise ConfigError("drafter.block_size", f"must be >= 2, got {self.block_size}", "use 2..16")
+        check_block_size(self.block_size)  # the drafter's own, when no block size is passed
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.cache = None
@@ -132,8 +130,7 @@ class DDTreeProposer(_DrafterBlock):
 
     def __init__(self, target, drafter, budget: int, block_size: int | None = None):
         super().__init__(target, drafter, block_size)
-        if budget < 1:
-            raise ConfigError("budget", f"must be >= 1, got {budget}", "use e.g. budget=32")
+        check_budget(budget)
         self.budget = budget
 
     def propose(self, state: DecodeState) -> DraftTree:
@@ -152,15 +149,9 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
 
 
 def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None) -> Proposer:
-    if method == "ar":
-        return ARProposer()
-    if method not in METHODS:
-        raise ConfigError("method", f"unknown method '{method}'", f"choose one of {', '.join(METHODS)}")
-    if drafter is None:
-        raise ConfigError("drafter", f"method={method} needs a DFlash drafter", "set drafter=<name> or method=ar")
-    if method == "dflash":
-        return DFlashProposer(target, drafter, block_size)
-    return DDTreeProposer(target, drafter, budget if budget is not None else 64, block_size)
+    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares."""
+    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
+    return m.make_proposer(target, drafter, budget, block_size)
 
 
 def check_generate_args(temperature: float, max_new_tokens: int, input_ids: torch.Tensor) -> None:
@@ -170,7 +161,8 @@ def check_generate_args(temperature: float, max_new_tokens: int, input_ids: torc
     if max_new_tokens < 1:
         raise ConfigError("max_new_tokens", f"must be >= 1, got {max_new_tokens}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError("input_ids must have shape [1, prompt_len]")
+        raise ConfigError("input_ids", f"must have shape [1, prompt_len], got {list(input_ids.shape)}",
+                          "pass one prompt: input_ids[None] or tokenizer(..., return_tensors='pt').input_ids")
 
 
 def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, method: str = "ddtree",
@@ -188,8 +180,9 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     check_target_supported(model_type(target), method)
+    spec = get_method(method)
     if proposer is None:
-        if drafter is not None and method != "ar":
+        if drafter is not None and spec.needs_drafter:
             drafter.check_compatible(target)
         proposer = make_proposer(method, target, drafter, budget, block_size)
     stops = set(stop_token_ids or ())
@@ -203,7 +196,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
         session.check_method(method)
     proposer.reset()
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
-                              budget=budget if method == "ddtree" else None,
+                              budget=budget if spec.reads_budget else None,
                               block_size=getattr(proposer, "block_size", None))
 
     t0 = time.perf_counter()

@@ -24,6 +24,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from ddtree.engine.methods import BASELINE, METHODS
+from ddtree.engine.result import STAGES
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import load_dataset_prompts
 from ddtree.pipeline.models import MODELS, cache_key, get_models, load_upstream, model_device, resolve_device
@@ -44,7 +46,6 @@ SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"
 HISTOGRAM = "acceptance_hist.png"
 RESOLVED = "config_resolved.yaml"
-STAGES = ("draft", "tree", "verify", "commit")
 
 
 # ---------------------------------------------------------------- compat
@@ -111,8 +112,9 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
         gen = None
         if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
             gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
-        kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and method != "ar" else {}
-        res = generate(target, drafter if method != "ar" else None, input_ids, method=method, budget=rc.budget,
+        drafts = METHODS[method].needs_drafter
+        kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
+        res = generate(target, drafter if drafts else None, input_ids, method=method, budget=rc.budget,
                        temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
                        stop_token_ids=stops, generator=gen, **kw)
         text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
@@ -146,7 +148,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
     meth = [r for r in records if r["role"] == "method"]
     base = [r for r in records if r["role"] == "baseline"]
     m = aggregate(meth)
-    b = aggregate(base) if base else (m if rc.method == "ar" else None)
+    b = aggregate(base) if base else (m if rc.method == BASELINE else None)
     match_rate = None
     if base and rc.temperature == 0:
         ref = {(r["id"], r["turn"]): r["output_ids"] for r in base}
@@ -158,7 +160,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
     block = next((r["block_size"] for r in meth if r.get("block_size")), None)
     return {
         "engine": rc.engine,
-        "method": rc.method, "budget": rc.budget if rc.method == "ddtree" else None, "block_size": block,
+        "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
@@ -248,7 +250,7 @@ def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 
 def run_name(rc: RunConfig) -> str:
-    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if rc.method == "ddtree" else "")
+    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if METHODS[rc.method].reads_budget else "")
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 
@@ -351,7 +353,7 @@ def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, fil
     baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
     from ddtree.pipeline import distributed as D
 
-    methods = [rc.method] + (["ar"] if rc.baseline and rc.method != "ar" else [])
+    methods = [rc.method] + ([BASELINE] if rc.baseline and rc.method != BASELINE else [])
     records: list[dict[str, Any]] = []
     failure: BaseException | None = None
     reused_from = None
@@ -468,7 +470,7 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
         MODELS.warmed.add(wkey)
     from tqdm import tqdm
 
-    bkey = baseline_key(rc, mine) if "ar" in methods and rc.method != "ar" and rc.baseline_reuse else None
+    bkey = baseline_key(rc, mine) if BASELINE in methods and rc.method != BASELINE and rc.baseline_reuse else None
     reused_from, kept = MODELS.baselines.get(bkey, (None, None)) if bkey else (None, None)
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for rec in kept or []:

@@ -9,6 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from ddtree.engine.methods import METHODS
 from ddtree.pipeline.schema import RunConfig
 
 
@@ -130,7 +131,7 @@ def get_models(rc: RunConfig, device: str):
         MODELS.target, MODELS.tokenizer = load_target(rc, device)
         MODELS.target_key = tkey
     drafter = None
-    if rc.method != "ar":
+    if METHODS[rc.method].needs_drafter:
         d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
         if rc.drafter.kind == "pretrained":
             d.pop("block_size")  # applied at generate time, not at load time

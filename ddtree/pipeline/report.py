@@ -33,6 +33,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.errors import ConfigError
 from ddtree.pipeline.cli import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
@@ -40,7 +41,7 @@ from ddtree.pipeline.reference import comparison_rows, load_reference, reference
 from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
-METHODS = ("dflash", "ddtree")
+DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.needs_drafter)  # a table column each
 LABELS = {"dflash": "DFlash", "ddtree": "DDTree"}
 DEFAULT_PROTOCOL = ["max_new_tokens", "block_size", "num_prompts", "seed", "dataset.max_samples",
                     "dataset.shuffle_seed", "dataset.path", "dataset.chat_template", "dataset.enable_thinking",
@@ -106,7 +107,7 @@ class Job:
 
     @property
     def budget(self) -> int | None:
-        b = self.value("budget") if self.method == "ddtree" else None
+        b = self.value("budget") if self.method in METHODS and METHODS[self.method].reads_budget else None
         return None if b is None else int(b)
 
     @property
@@ -268,10 +269,10 @@ def select(store: Store, rc: ReportConfig) -> Selection:
             sel.skipped.append((job, f"unfinished (status {job.status})"))
             continue
         store.load_summary(job)
-        if job.method == "ar":
-            sel.skipped.append((job, "method=ar: AR is the baseline inside every job, not a table entry"))
+        if job.method == BASELINE:
+            sel.skipped.append((job, f"method={BASELINE}: AR is the baseline inside every job, not a table entry"))
             continue
-        if job.method not in METHODS:
+        if job.method not in DRAFTING_METHODS:
             sel.skipped.append((job, f"unknown method {job.method!r}"))
             continue
         if job.number("speedup") is None or job.number("tau") is None:

@@ -5,7 +5,6 @@ Its validation is ddtree.pipeline.validate. Importing this module stays cheap (n
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -14,28 +13,17 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = REPO_ROOT / "conf"
 
-METHODS = ("ar", "dflash", "ddtree")
-TREE_METHODS = ("ddtree",)  # methods that verify a branching tree (need a tree attention mask)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_KINDS = ("none", "pretrained", "random")
 DATASETS = ("tiny", "jsonl")
 TRACKERS = ("mlflow", "none")
 ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.upstream.engine)
-BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
-# backends that need a package beyond torch: backend -> (importable module, pip name)
-ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
-                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
-# tree-verifying implementations (ddtree.attention; the engine switches a tree method's target to the one
-# wrapping its backend) -> the backend each wraps. Mirrors ddtree.engine.attention.SPLIT_IMPLEMENTATIONS.
-SPLIT_ATTENTION = {"ddtree_split": "sdpa", "ddtree_split_eager": "eager", "ddtree_split_fa2": "flash_attention_2",
-                   "ddtree_split_fa3": "flash_attention_3", "ddtree_flex": "flex_attention"}
-TREE_BACKENDS = tuple(SPLIT_ATTENTION.values())  # backends a draft tree can be verified on
-DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
 # ---------------------------------------------------------------- schema
@@ -224,7 +212,8 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     d = resolved_dict(cfg)
     for k in NON_IDENTITY_KEYS:
         d.pop(k, None)
-    if d.get("method") not in TREE_METHODS:  # only a tree reads the budget: a budget sweep runs DFlash once
+    method = METHODS.get(d.get("method"))
+    if method is None or not method.reads_budget:  # a budget sweep runs DFlash once
         d.pop("budget", None)
     return d
 

@@ -16,26 +16,34 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from ddtree.engine.methods import check_block_size, check_budget, check_method_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
 from ddtree.pipeline.schema import (
-    ATTENTION_PACKAGES,
-    BUILTIN_ATTENTION,
-    DEVICE_RE,
     DRAFTER_KINDS,
     DTYPES,
     ENGINES,
-    METHODS,
-    SPLIT_ATTENTION,
     TRACKERS,
-    TREE_BACKENDS,
-    TREE_METHODS,
     RunConfig,
     first_line,
     to_run_config,
     tracking_uri,
 )
+
+BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+# backends that need a package beyond torch: backend -> (importable module, pip name)
+ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
+DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+
+
+def split_attention() -> dict[str, str]:
+    """The tree-verifying implementations -> the backend each wraps: ddtree.engine.attention's own table
+    (imports torch; importing it also registers them with transformers, as a load needs)."""
+    from ddtree.engine.attention import SPLIT_IMPLEMENTATIONS
+
+    return SPLIT_IMPLEMENTATIONS
 
 
 def validate(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -47,19 +55,18 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     check_attention_settings(rc)
     check_dataset(rc.dataset)  # settings and local files only: nothing is downloaded here
     check_tracking(rc)
-    if rc.method != "ar":  # AR never loads the drafter
+    if get_method(rc.method).needs_drafter:  # AR never loads the drafter
         check_drafter_fits(rc)
     return rc
 
 
 def check_run_settings(rc: RunConfig) -> None:
     """The top-level settings: method, engine, budget, temperature, length, device."""
-    _choice("method", rc.method, METHODS)
+    get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
     if rc.engine == "upstream":
         check_upstream_path(rc.upstream.path)
-    if rc.budget < 1:
-        raise ConfigError("budget", f"must be >= 1, got {rc.budget}", "use e.g. budget=32")
+    check_budget(rc.budget)  # whatever the method: a budget the config carries is >= 1
     if not math.isfinite(rc.temperature) or rc.temperature < 0:
         raise ConfigError("temperature", f"must be >= 0, got {rc.temperature}", "use temperature=0 for greedy")
     if rc.max_new_tokens < 1:
@@ -86,8 +93,7 @@ def check_drafter(rc: RunConfig) -> None:
     _choice("drafter.kind", d.kind, DRAFTER_KINDS)
     if d.dtype is not None:
         _choice("drafter.dtype", d.dtype, DTYPES)
-    if d.block_size is not None and d.block_size < 2:
-        raise ConfigError("drafter.block_size", f"must be >= 2, got {d.block_size}", "use 2..16, or null")
+    check_block_size(d.block_size)
     if d.kind == "pretrained" and not d.name_or_path:
         raise ConfigError("drafter.name_or_path", "is not set", "pass drafter.name_or_path=<hub id or local dir>")
     if d.kind != "pretrained" and d.name_or_path:
@@ -95,10 +101,9 @@ def check_drafter(rc: RunConfig) -> None:
                           "use drafter=pretrained drafter.name_or_path=<hub id or local dir>")
     if d.kind == "random" and d.num_layers < 1:
         raise ConfigError("drafter.num_layers", f"must be >= 1, got {d.num_layers}")
-    if rc.method != "ar":
-        if d.kind == "none":
-            raise ConfigError("drafter", f"method={rc.method} needs a DFlash drafter, but drafter=none",
-                              f"use drafter={m.name} (or drafter=tiny), or method=ar")
+    method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=rc.budget, block_size=d.block_size,
+                               drafter_fix=f"use drafter={m.name} (or drafter=tiny), or method=ar")
+    if method.needs_drafter:
         if d.kind == "random" and m.tiny is None:
             raise ConfigError("drafter", f"a random drafter on the real model {m.name} measures nothing",
                               f"use drafter={m.name}; drafter=tiny is for the tiny test models")
@@ -109,11 +114,11 @@ def check_attention_settings(rc: RunConfig) -> None:
     dtype = _model_dtype(rc)
     check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
                     device=rc.device, dtype=dtype)
-    if rc.method != "ar":
+    if get_method(rc.method).needs_drafter:
         check_attention("attention.drafter", rc.attention.drafter, method=rc.method, for_target=False,
                         device=rc.device, dtype=rc.drafter.dtype or dtype)
-    base_target = SPLIT_ATTENTION.get(rc.attention.target, rc.attention.target)
-    if rc.engine == "upstream" and rc.method in TREE_METHODS and base_target not in ("eager", "sdpa"):
+    if rc.engine == "upstream" and get_method(rc.method).verifies_tree and (
+            split_attention().get(rc.attention.target, rc.attention.target) not in ("eager", "sdpa")):
         raise ConfigError("attention.target", f"engine=upstream verifies the tree with the authors' dense 4-D mask, "
                           f"which '{rc.attention.target}' cannot take", "use attention=sdpa (or eager)")
 
@@ -153,7 +158,9 @@ def drafter_attention() -> tuple[str, ...] | None:
 
 
 def check_attention(setting: str, name: str, *, method: str, for_target: bool, device: str, dtype: str) -> None:
-    if name not in BUILTIN_ATTENTION and name not in SPLIT_ATTENTION and name not in registered_attention():
+    tree = for_target and get_method(method).verifies_tree
+    split = split_attention() if tree or name not in BUILTIN_ATTENTION else {}
+    if name not in BUILTIN_ATTENTION and name not in split and name not in registered_attention():
         raise ConfigError(setting, f"unknown attention backend '{name}'",
                           f"use one of: {', '.join(registered_attention())}")
     if not for_target and name not in ("eager", "sdpa"):
@@ -161,12 +168,10 @@ def check_attention(setting: str, name: str, *, method: str, for_target: bool, d
         if supported is not None and name not in supported:
             raise ConfigError(setting, f"the DFlash drafter does not implement {name}",
                               f"use {setting}=sdpa (one of: {', '.join(supported)})")
-    base = SPLIT_ATTENTION.get(name, name)
-    if name in SPLIT_ATTENTION:  # registers the tree implementations with transformers before any load
-        importlib.import_module("ddtree.engine.attention")
-    if for_target and method in TREE_METHODS and base not in TREE_BACKENDS:
+    base = split.get(name, name)
+    if tree and base not in split.values():
         raise ConfigError(setting, f"method={method} verifies a tree, which the engine does on "
-                          f"{', '.join(TREE_BACKENDS)} only, not on '{name}'", "use attention=sdpa")
+                          f"{', '.join(split.values())} only, not on '{name}'", "use attention=sdpa")
     if base in ATTENTION_PACKAGES:
         module, pip_name = ATTENTION_PACKAGES[base]
         if importlib.util.find_spec(module) is None:

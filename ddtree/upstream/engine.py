@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from ddtree.engine.loop import METHODS, check_generate_args
+from ddtree.engine.loop import check_generate_args
+from ddtree.engine.methods import DEFAULT_BUDGET, check_block_size, check_method_args
 from ddtree.engine.result import STAGES, GenerationResult
 from ddtree.errors import ConfigError
 
@@ -115,26 +116,20 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
                       stop_token_ids=None, generator: torch.Generator | None = None,
                       block_size: int | None = None) -> UpstreamResult:
     """One generation with the authors' code; the same arguments and result as `ddtree.generate`."""
-    if method not in METHODS:
-        raise ConfigError("method", f"unknown method '{method}'", f"choose one of {', '.join(METHODS)}")
+    spec = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
     check_generate_args(temperature, max_new_tokens, input_ids)
     stops = sorted(set(stop_token_ids or ()))
     kw: dict[str, Any] = dict(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,
                               stop_token_ids=stops or None, temperature=temperature)
-    if method == "ar":
+    if not spec.needs_drafter:  # AR: their dflash_generate(block_size=1), which never calls a drafter
         fn, model, mask_id, size, tree_budget = upstream.dflash_generate, _NoDrafter(input_ids.device), NO_TOKEN, 1, None
     else:
-        if drafter is None:
-            raise ConfigError("drafter", f"method={method} needs a DFlash drafter", "set drafter=<name> or method=ar")
         model = upstream_drafter(upstream, drafter)
         mask_id, size = int(model.mask_token_id), int(block_size or model.block_size)
-        if size < 2:
-            raise ConfigError("drafter.block_size", f"must be >= 2, got {size}", "use 2..16")
+        check_block_size(size)  # the drafter's own, when no block size is passed
         fn, tree_budget = upstream.dflash_generate, None
-        if method == "ddtree":
-            if budget is None or budget < 1:
-                raise ConfigError("budget", f"must be >= 1, got {budget}", "use e.g. budget=32")
-            fn, tree_budget = upstream.ddtree_generate, int(budget)
+        if spec.verifies_tree:
+            fn, tree_budget = upstream.ddtree_generate, int(budget if budget is not None else DEFAULT_BUDGET)
             kw["tree_budget"] = tree_budget
     kw.update(model=model, mask_token_id=mask_id, block_size=size)
 
@@ -149,7 +144,7 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
         raw = fn(**kw)
         wall = time.perf_counter() - t0  # their output is copied to the host at the end: nothing in flight
     return to_result(raw, input_ids, method=method, mask_token_id=mask_id, stops=stops, wall_s=wall,
-                     temperature=temperature, budget=tree_budget, block_size=size if method != "ar" else None,
+                     temperature=temperature, budget=tree_budget, block_size=size if spec.needs_drafter else None,
                      max_new_tokens=max_new_tokens)
 
 
