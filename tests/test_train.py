@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
@@ -328,3 +329,144 @@ def test_shipped_toy_pair_is_lossless():
     tree = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=40,
                            stop_token_ids=[tok.eos_token_id])
     assert tree.output_ids == ar.output_ids and tree.tau > 2
+
+
+# ---------------------------------------------------------------- the pipeline: online features, curve, resume
+
+def _target_dir(tmp_path: Path) -> Path:
+    """A tiny target (and the character tokenizer) saved as a checkpoint directory, as a user points at one."""
+    path = tmp_path / "target"
+    if not (path / "config.json").exists():
+        _target(seed=2).save_pretrained(path)
+        _tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _pipeline_cfg(tmp_path: Path, out: str, **over) -> dict:
+    texts = tmp_path / "texts.jsonl"
+    if not texts.exists():
+        rng = random.Random(0)
+        rows = [{"messages": [{"role": "user", "content": f"count from {i}"},
+                              {"role": "assistant", "content": "".join(chr(97 + (i + k) % 26)
+                                                                       for k in range(rng.randint(8, 16)))}]}
+                for i in range(20)]
+        texts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        prompts = [{"id": f"h{i}", "turns": [f"count from {i}"]} for i in range(30, 32)]
+        (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    cfg = {"out_dir": str(tmp_path / out), "stages": ["data", "extract", "train"], "device": "cpu",
+           "target": {"name_or_path": str(_target_dir(tmp_path))},
+           "data": {"source": "texts", "texts": str(texts)},
+           "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 3]},
+           "extract": {"shard_size": 8, "batch_size": 4, "dtype": "float32"},
+           "optim": {"lr": 3e-3, "warmup_steps": 2, "batch_size": 4, "anchors_per_seq": 4, "max_steps": 6,
+                     "log_every": 1, "save_every": 3, "loss_decay": None},
+           "eval": {"prompts": str(tmp_path / "held_out.jsonl"), "every": 3, "curve_budget": 4,
+                    "curve_samples": 2, "max_new_tokens": 12},
+           "tracking": {"backend": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "run_name": out}}
+    for key, value in over.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+def _history(tmp_path: Path, run_name: str, key: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("ddtree-train")
+    run = client.search_runs([exp.experiment_id], f"attributes.run_name = '{run_name}'")[0]
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+def _losses(text: str) -> list[tuple[int, float]]:
+    return [(int(ln.split("step ")[1].split("/")[0]), float(ln.split(" loss ")[1].split()[0]))
+            for ln in text.splitlines() if ln.startswith("train: step") and " loss " in ln]
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    x, y = DFlashDrafter.from_pretrained(a).state_dict(), DFlashDrafter.from_pretrained(b).state_dict()
+    for k in x:
+        torch.testing.assert_close(x[k], y[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_online_features_train_the_offline_drafter_step_by_step(tmp_path: Path, capsys):
+    """features=online (target in the loop, nothing on disk) == offline shards: losses per step and the drafter."""
+    from ddtree.train.pipeline import run
+
+    quiet = {"tracking.backend": "none", "eval.every": None}
+    run(to_train_config(_pipeline_cfg(tmp_path, "offline", **quiet)))
+    off = _losses(capsys.readouterr().out)
+    run(to_train_config(_pipeline_cfg(tmp_path, "online", features="online", **quiet)))
+    on = _losses(capsys.readouterr().out)
+    assert (tmp_path / "offline" / "features" / "manifest.json").exists()
+    assert not (tmp_path / "online" / "features").exists()
+    assert [s for s, _ in off] == list(range(1, 7)) and [s for s, _ in on] == list(range(1, 7))
+    assert [v for _, v in on] == pytest.approx([v for _, v in off], abs=2e-4)  # logged with 4 decimals
+    assert off[-1][1] < off[0][1]
+    _same_weights(tmp_path / "offline" / "drafter", tmp_path / "online" / "drafter")
+
+    # online resume: a run stopped after step 3 and restarted ends with the same drafter
+    shutil.copytree(tmp_path / "online" / "drafter", tmp_path / "uninterrupted")
+    shutil.rmtree(tmp_path / "online" / "checkpoints" / "step_000006")
+    shutil.rmtree(tmp_path / "online" / "drafter")
+    run(to_train_config(_pipeline_cfg(tmp_path, "online", features="online", **quiet)))
+    assert [s for s, _ in _losses(capsys.readouterr().out)] == [4, 5, 6]
+    _same_weights(tmp_path / "uninterrupted", tmp_path / "online" / "drafter")
+
+
+def test_acceptance_curve_in_mlflow_and_the_drafter_loads_in_the_run_pipeline(tmp_path: Path):
+    """Every eval.every steps: DFlash and DDTree tau and tok/s in MLflow beside the loss; best checkpoint by tau."""
+    from ddtree.train.pipeline import run
+
+    run(to_train_config(_pipeline_cfg(tmp_path, "curve", features="online", **{"optim.log_every": 3})))
+    assert [s for s, _ in _history(tmp_path, "curve", "train/loss")] == [3, 6]
+    tau = _history(tmp_path, "curve", "curve/ddtree_4.tau")
+    assert [s for s, _ in tau] == [3, 6] and [s for s, _ in _history(tmp_path, "curve", "curve/dflash.tau")] == [3, 6]
+    assert len(_history(tmp_path, "curve", "curve/ddtree_4.tokens_per_s")) == 2
+    best = json.loads((tmp_path / "curve" / "checkpoints" / "best.json").read_text())
+    assert best["step"] == max(tau, key=lambda t: (t[1], -t[0]))[0]
+    assert (tmp_path / "curve" / "checkpoints" / best["path"] / "model.safetensors").exists()
+
+    # the drafter's config carries what the run pipeline needs: it loads with no drafter override
+    from ddtree.pipeline.job import load_drafter, load_target
+    from ddtree.pipeline.schema import to_run_config
+
+    rc = to_run_config(OmegaConf.create({"model": {"name": "mine", "name_or_path": str(_target_dir(tmp_path))},
+                                         "drafter": {"kind": "pretrained",
+                                                     "name_or_path": str(tmp_path / "curve" / "drafter")}}))
+    target, _ = load_target(rc, "cpu")
+    drafter = load_drafter(rc, target, "cpu")
+    assert (drafter.block_size, drafter.target_layer_ids, drafter.mask_token_id) == (4, [1, 3], 7)
+
+
+class _Payload:
+    """A pickle that would run code when loaded (what a tampered trainer_state.pt can hold)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_tampered_trainer_state_is_refused_in_one_line(tmp_path: Path):
+    from ddtree.train.trainer import STATE, TrainState, make_optimizer, resume, save_checkpoint
+
+    target = _target()
+    drafter = DFlashDrafter.random_for_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                              mask_token_id=MASK)
+    opt = make_optimizer(drafter, OptimConfig())
+    ckpt = save_checkpoint(drafter, opt, TrainState(step=5, micro=5), tmp_path, keep=2)
+    state, path = resume(tmp_path, drafter, opt, torch.device("cpu"))
+    assert (state.step, path) == (5, ckpt)
+
+    marker = tmp_path / "code_ran"
+    torch.save({"optimizer": opt.state_dict(), "step": 5, "micro": 5, "x": _Payload(marker)}, ckpt / STATE)
+    with pytest.raises(ConfigError) as e:
+        resume(tmp_path, drafter, opt, torch.device("cpu"))
+    assert not marker.exists()
+    msg = str(e.value)
+    assert "\n" not in msg and STATE in msg and "force=[train]" in msg
