@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
 
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
@@ -470,3 +471,73 @@ def test_tampered_trainer_state_is_refused_in_one_line(tmp_path: Path):
     assert not marker.exists()
     msg = str(e.value)
     assert "\n" not in msg and STATE in msg and "force=[train]" in msg
+
+
+def test_disk_plan_refuses_an_extraction_that_does_not_fit(tmp_path: Path, capsys):
+    """Offline extraction that would not fit is refused before writing, naming features=online."""
+    from ddtree.train.pipeline import run
+
+    cfg = _pipeline_cfg(tmp_path, "big", stages=["data", "extract"], **{"tracking.backend": "none",
+                                                                         "extract.keep_free_gb": 1e9})
+    with pytest.raises(ConfigError, match=r"^features: offline extraction needs .* use features=online"):
+        run(to_train_config(cfg))
+    assert "B/token" in capsys.readouterr().out  # the plan: bytes per token, total, free space
+    assert not list((tmp_path / "big" / "features").glob("shard_*"))
+    cfg["features"] = "online"
+    run(to_train_config(cfg))  # the suggested fix works: nothing to extract
+
+
+@pytest.mark.slow
+def test_disk_plan_refusal_is_one_line_from_the_cli(tmp_path: Path):
+    """python -m ddtree.train: the refusal is one line on stderr, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    _pipeline_cfg(tmp_path, "x")  # writes the texts
+    out = tmp_path / "big"
+    args = [f"out_dir={out}", f"target.name_or_path={_target_dir(tmp_path)}", "data.source=texts",
+            f"data.texts={tmp_path / 'texts.jsonl'}", "stages=[data,extract]", "tracking=none", "device=cpu",
+            "drafter.target_layer_ids=[1,3]", "extract.keep_free_gb=1e9"]
+    p = subprocess.run([sys.executable, "-m", "ddtree.train", *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert errors[0].startswith("error: features: offline extraction needs") and "features=online" in errors[0]
+    assert "B/token" in p.stdout and "free" in p.stdout  # the plan, printed before the refusal
+    assert not list((out / "features").glob("shard_*"))
+
+
+def test_hub_chat_dataset_answers_regenerated_by_the_target(tmp_path: Path):
+    """data.source=hub reads a chat dataset through `datasets` (a local json file here: nothing downloaded)."""
+    from ddtree.pipeline.prompts import encode
+    from ddtree.train.config import HubDataConfig
+    from ddtree.train.data import hub_prompts, read_sequences, text_sequences
+    from ddtree.train.pipeline import run
+
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "their xyz"}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"},
+                                          {"from": "human", "value": "more"}, {"from": "gpt", "value": "ok"}]}]
+    src = tmp_path / "chat.json"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hub = HubDataConfig(path="json", data_files=[str(src)], cache_dir=str(tmp_path / "cache"))
+    assert [(p.id, p.turns) for p in hub_prompts(hub)] == [("a", ("abc",)), ("b", ("hello", "more"))]
+
+    tok = _tiny_tokenizer()
+    text_sequences(tok, None, tmp_path / "own", hub=hub, log=lambda _: None)  # regenerate=false: their answers
+    own = read_sequences(tmp_path / "own" / "sequences.jsonl")
+    assert [[tok.decode(r["input_ids"][s:e]) for s, e in r["spans"]] for r in own] == [
+        ["their xyz<|im_end|>"], ["hi there<|im_end|>", "ok<|im_end|>"]]
+
+    cfg = _pipeline_cfg(tmp_path, "hub", stages=["data"], **{
+        "tracking.backend": "none", "data.source": "hub", "data.max_new_tokens": 6, "data.batch_size": 2,
+        "data.hub": {"path": "json", "data_files": [str(src)], "cache_dir": str(tmp_path / "cache")}})
+    run(to_train_config(cfg))
+    recs = {r["id"]: r for r in read_sequences(tmp_path / "hub" / "data" / "sequences.jsonl")}
+    assert set(recs) == {"a", "b#0", "b#1"}
+    target = AutoModelForCausalLM.from_pretrained(_target_dir(tmp_path)).eval()
+    ids = encode(tok, [{"role": "user", "content": "abc"}], chat_template=True)
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=0)[0].tolist()
+    ref = ref[:ref.index(tok.eos_token_id, len(ids)) + 1] if tok.eos_token_id in ref[len(ids):] else ref
+    assert recs["a"]["input_ids"] == ref and recs["a"]["spans"] == [[len(ids), len(ref)]]
