@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -541,3 +542,31 @@ def test_hub_chat_dataset_answers_regenerated_by_the_target(tmp_path: Path):
                               pad_token_id=0)[0].tolist()
     ref = ref[:ref.index(tok.eos_token_id, len(ids)) + 1] if tok.eos_token_id in ref[len(ids):] else ref
     assert recs["a"]["input_ids"] == ref and recs["a"]["spans"] == [[len(ids), len(ref)]]
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_train_the_one_process_drafter_with_grad_accum_2(tmp_path: Path):
+    """torchrun --nproc_per_node=2 (CPU, gloo, each rank its own target) == 1 process with optim.grad_accum=2."""
+    import subprocess
+    import sys
+
+    from ddtree.train.pipeline import run
+
+    run(to_train_config(_pipeline_cfg(tmp_path, "prep", stages=["data", "extract"], **{"tracking.backend": "none"})))
+    for name in ("one", "two"):
+        for part in ("data", "features"):
+            shutil.copytree(tmp_path / "prep" / part, tmp_path / name / part)
+    run(to_train_config(_pipeline_cfg(tmp_path, "one", stages=["train"], **{
+        "tracking.backend": "none", "eval.every": None, "optim.grad_accum": 2})))
+    cfg = _pipeline_cfg(tmp_path, "two")
+    args = [f"out_dir={tmp_path / 'two'}", f"target.name_or_path={cfg['target']['name_or_path']}", "stages=[train]",
+            "tracking=none", "device=cpu", "drafter.num_layers=1", "drafter.block_size=4",
+            "drafter.target_layer_ids=[1,3]", "extract.shard_size=8", "optim.lr=3e-3", "optim.warmup_steps=2",
+            "optim.batch_size=4", "optim.anchors_per_seq=4", "optim.max_steps=6", "optim.log_every=1",
+            "optim.save_every=3", "optim.loss_decay=null", "optim.grad_accum=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    p = subprocess.run([*torchrun, "-m", "ddtree.train", *args], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "x 2 proc" in p.stdout
+    _same_weights(tmp_path / "one" / "drafter", tmp_path / "two" / "drafter")
