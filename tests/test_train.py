@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM
 
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
@@ -328,3 +331,242 @@ def test_shipped_toy_pair_is_lossless():
     tree = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=40,
                            stop_token_ids=[tok.eos_token_id])
     assert tree.output_ids == ar.output_ids and tree.tau > 2
+
+
+# ---------------------------------------------------------------- the pipeline: online features, curve, resume
+
+def _target_dir(tmp_path: Path) -> Path:
+    """A tiny target (and the character tokenizer) saved as a checkpoint directory, as a user points at one."""
+    path = tmp_path / "target"
+    if not (path / "config.json").exists():
+        _target(seed=2).save_pretrained(path)
+        _tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def _pipeline_cfg(tmp_path: Path, out: str, **over) -> dict:
+    texts = tmp_path / "texts.jsonl"
+    if not texts.exists():
+        rng = random.Random(0)
+        rows = [{"messages": [{"role": "user", "content": f"count from {i}"},
+                              {"role": "assistant", "content": "".join(chr(97 + (i + k) % 26)
+                                                                       for k in range(rng.randint(8, 16)))}]}
+                for i in range(20)]
+        texts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        prompts = [{"id": f"h{i}", "turns": [f"count from {i}"]} for i in range(30, 32)]
+        (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    cfg = {"out_dir": str(tmp_path / out), "stages": ["data", "extract", "train"], "device": "cpu",
+           "target": {"name_or_path": str(_target_dir(tmp_path))},
+           "data": {"source": "texts", "texts": str(texts)},
+           "drafter": {"num_layers": 1, "block_size": 4, "target_layer_ids": [1, 3]},
+           "extract": {"shard_size": 8, "batch_size": 4, "dtype": "float32"},
+           "optim": {"lr": 3e-3, "warmup_steps": 2, "batch_size": 4, "anchors_per_seq": 4, "max_steps": 6,
+                     "log_every": 1, "save_every": 3, "loss_decay": None},
+           "eval": {"prompts": str(tmp_path / "held_out.jsonl"), "every": 3, "curve_budget": 4,
+                    "curve_samples": 2, "max_new_tokens": 12},
+           "tracking": {"backend": "mlflow", "uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "run_name": out}}
+    for key, value in over.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return cfg
+
+
+def _history(tmp_path: Path, run_name: str, key: str) -> list[tuple[int, float]]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("ddtree-train")
+    run = client.search_runs([exp.experiment_id], f"attributes.run_name = '{run_name}'")[0]
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+
+
+def _losses(text: str) -> list[tuple[int, float]]:
+    return [(int(ln.split("step ")[1].split("/")[0]), float(ln.split(" loss ")[1].split()[0]))
+            for ln in text.splitlines() if ln.startswith("train: step") and " loss " in ln]
+
+
+def _same_weights(a: Path, b: Path) -> None:
+    x, y = DFlashDrafter.from_pretrained(a).state_dict(), DFlashDrafter.from_pretrained(b).state_dict()
+    for k in x:
+        torch.testing.assert_close(x[k], y[k], atol=1e-5, rtol=1e-4, msg=k)
+
+
+def test_online_features_train_the_offline_drafter_step_by_step(tmp_path: Path, capsys):
+    """features=online (target in the loop, nothing on disk) == offline shards: losses per step and the drafter."""
+    from ddtree.train.pipeline import run
+
+    quiet = {"tracking.backend": "none", "eval.every": None}
+    run(to_train_config(_pipeline_cfg(tmp_path, "offline", **quiet)))
+    off = _losses(capsys.readouterr().out)
+    run(to_train_config(_pipeline_cfg(tmp_path, "online", features="online", **quiet)))
+    on = _losses(capsys.readouterr().out)
+    assert (tmp_path / "offline" / "features" / "manifest.json").exists()
+    assert not (tmp_path / "online" / "features").exists()
+    assert [s for s, _ in off] == list(range(1, 7)) and [s for s, _ in on] == list(range(1, 7))
+    assert [v for _, v in on] == pytest.approx([v for _, v in off], abs=2e-4)  # logged with 4 decimals
+    assert off[-1][1] < off[0][1]
+    _same_weights(tmp_path / "offline" / "drafter", tmp_path / "online" / "drafter")
+
+    # online resume: a run stopped after step 3 and restarted ends with the same drafter
+    shutil.copytree(tmp_path / "online" / "drafter", tmp_path / "uninterrupted")
+    shutil.rmtree(tmp_path / "online" / "checkpoints" / "step_000006")
+    shutil.rmtree(tmp_path / "online" / "drafter")
+    run(to_train_config(_pipeline_cfg(tmp_path, "online", features="online", **quiet)))
+    assert [s for s, _ in _losses(capsys.readouterr().out)] == [4, 5, 6]
+    _same_weights(tmp_path / "uninterrupted", tmp_path / "online" / "drafter")
+
+
+def test_acceptance_curve_in_mlflow_and_the_drafter_loads_in_the_run_pipeline(tmp_path: Path):
+    """Every eval.every steps: DFlash and DDTree tau and tok/s in MLflow beside the loss; best checkpoint by tau."""
+    from ddtree.train.pipeline import run
+
+    run(to_train_config(_pipeline_cfg(tmp_path, "curve", features="online", **{"optim.log_every": 3})))
+    assert [s for s, _ in _history(tmp_path, "curve", "train/loss")] == [3, 6]
+    tau = _history(tmp_path, "curve", "curve/ddtree_4.tau")
+    assert [s for s, _ in tau] == [3, 6] and [s for s, _ in _history(tmp_path, "curve", "curve/dflash.tau")] == [3, 6]
+    assert len(_history(tmp_path, "curve", "curve/ddtree_4.tokens_per_s")) == 2
+    best = json.loads((tmp_path / "curve" / "checkpoints" / "best.json").read_text())
+    assert best["step"] == max(tau, key=lambda t: (t[1], -t[0]))[0]
+    assert (tmp_path / "curve" / "checkpoints" / best["path"] / "model.safetensors").exists()
+
+    # the drafter's config carries what the run pipeline needs: it loads with no drafter override
+    from ddtree.pipeline.job import load_drafter, load_target
+    from ddtree.pipeline.schema import to_run_config
+
+    rc = to_run_config(OmegaConf.create({"model": {"name": "mine", "name_or_path": str(_target_dir(tmp_path))},
+                                         "drafter": {"kind": "pretrained",
+                                                     "name_or_path": str(tmp_path / "curve" / "drafter")}}))
+    target, _ = load_target(rc, "cpu")
+    drafter = load_drafter(rc, target, "cpu")
+    assert (drafter.block_size, drafter.target_layer_ids, drafter.mask_token_id) == (4, [1, 3], 7)
+
+
+class _Payload:
+    """A pickle that would run code when loaded (what a tampered trainer_state.pt can hold)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_tampered_trainer_state_is_refused_in_one_line(tmp_path: Path):
+    from ddtree.train.trainer import STATE, TrainState, make_optimizer, resume, save_checkpoint
+
+    target = _target()
+    drafter = DFlashDrafter.random_for_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                              mask_token_id=MASK)
+    opt = make_optimizer(drafter, OptimConfig())
+    ckpt = save_checkpoint(drafter, opt, TrainState(step=5, micro=5), tmp_path, keep=2)
+    state, path = resume(tmp_path, drafter, opt, torch.device("cpu"))
+    assert (state.step, path) == (5, ckpt)
+
+    marker = tmp_path / "code_ran"
+    torch.save({"optimizer": opt.state_dict(), "step": 5, "micro": 5, "x": _Payload(marker)}, ckpt / STATE)
+    with pytest.raises(ConfigError) as e:
+        resume(tmp_path, drafter, opt, torch.device("cpu"))
+    assert not marker.exists()
+    msg = str(e.value)
+    assert "\n" not in msg and STATE in msg and "force=[train]" in msg
+
+
+def test_disk_plan_refuses_an_extraction_that_does_not_fit(tmp_path: Path, capsys):
+    """Offline extraction that would not fit is refused before writing, naming features=online."""
+    from ddtree.train.pipeline import run
+
+    cfg = _pipeline_cfg(tmp_path, "big", stages=["data", "extract"], **{"tracking.backend": "none",
+                                                                         "extract.keep_free_gb": 1e9})
+    with pytest.raises(ConfigError, match=r"^features: offline extraction needs .* use features=online"):
+        run(to_train_config(cfg))
+    assert "B/token" in capsys.readouterr().out  # the plan: bytes per token, total, free space
+    assert not list((tmp_path / "big" / "features").glob("shard_*"))
+    cfg["features"] = "online"
+    run(to_train_config(cfg))  # the suggested fix works: nothing to extract
+
+
+@pytest.mark.slow
+def test_disk_plan_refusal_is_one_line_from_the_cli(tmp_path: Path):
+    """python -m ddtree.train: the refusal is one line on stderr, exit 2, no traceback."""
+    import subprocess
+    import sys
+
+    _pipeline_cfg(tmp_path, "x")  # writes the texts
+    out = tmp_path / "big"
+    args = [f"out_dir={out}", f"target.name_or_path={_target_dir(tmp_path)}", "data.source=texts",
+            f"data.texts={tmp_path / 'texts.jsonl'}", "stages=[data,extract]", "tracking=none", "device=cpu",
+            "drafter.target_layer_ids=[1,3]", "extract.keep_free_gb=1e9"]
+    p = subprocess.run([sys.executable, "-m", "ddtree.train", *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert errors[0].startswith("error: features: offline extraction needs") and "features=online" in errors[0]
+    assert "B/token" in p.stdout and "free" in p.stdout  # the plan, printed before the refusal
+    assert not list((out / "features").glob("shard_*"))
+
+
+def test_hub_chat_dataset_answers_regenerated_by_the_target(tmp_path: Path):
+    """data.source=hub reads a chat dataset through `datasets` (a local json file here: nothing downloaded)."""
+    from ddtree.pipeline.prompts import encode
+    from ddtree.train.config import HubDataConfig
+    from ddtree.train.data import hub_prompts, read_sequences, text_sequences
+    from ddtree.train.pipeline import run
+
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "abc"}, {"from": "gpt", "value": "their xyz"}]},
+            {"id": "b", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi there"},
+                                          {"from": "human", "value": "more"}, {"from": "gpt", "value": "ok"}]}]
+    src = tmp_path / "chat.json"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hub = HubDataConfig(path="json", data_files=[str(src)], cache_dir=str(tmp_path / "cache"))
+    assert [(p.id, p.turns) for p in hub_prompts(hub)] == [("a", ("abc",)), ("b", ("hello", "more"))]
+
+    tok = _tiny_tokenizer()
+    text_sequences(tok, None, tmp_path / "own", hub=hub, log=lambda _: None)  # regenerate=false: their answers
+    own = read_sequences(tmp_path / "own" / "sequences.jsonl")
+    assert [[tok.decode(r["input_ids"][s:e]) for s, e in r["spans"]] for r in own] == [
+        ["their xyz<|im_end|>"], ["hi there<|im_end|>", "ok<|im_end|>"]]
+
+    cfg = _pipeline_cfg(tmp_path, "hub", stages=["data"], **{
+        "tracking.backend": "none", "data.source": "hub", "data.max_new_tokens": 6, "data.batch_size": 2,
+        "data.hub": {"path": "json", "data_files": [str(src)], "cache_dir": str(tmp_path / "cache")}})
+    run(to_train_config(cfg))
+    recs = {r["id"]: r for r in read_sequences(tmp_path / "hub" / "data" / "sequences.jsonl")}
+    assert set(recs) == {"a", "b#0", "b#1"}
+    target = AutoModelForCausalLM.from_pretrained(_target_dir(tmp_path)).eval()
+    ids = encode(tok, [{"role": "user", "content": "abc"}], chat_template=True)
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                              pad_token_id=0)[0].tolist()
+    ref = ref[:ref.index(tok.eos_token_id, len(ids)) + 1] if tok.eos_token_id in ref[len(ids):] else ref
+    assert recs["a"]["input_ids"] == ref and recs["a"]["spans"] == [[len(ids), len(ref)]]
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_train_the_one_process_drafter_with_grad_accum_2(tmp_path: Path):
+    """torchrun --nproc_per_node=2 (CPU, gloo, each rank its own target) == 1 process with optim.grad_accum=2."""
+    import subprocess
+    import sys
+
+    from ddtree.train.pipeline import run
+
+    run(to_train_config(_pipeline_cfg(tmp_path, "prep", stages=["data", "extract"], **{"tracking.backend": "none"})))
+    for name in ("one", "two"):
+        for part in ("data", "features"):
+            shutil.copytree(tmp_path / "prep" / part, tmp_path / name / part)
+    run(to_train_config(_pipeline_cfg(tmp_path, "one", stages=["train"], **{
+        "tracking.backend": "none", "eval.every": None, "optim.grad_accum": 2})))
+    cfg = _pipeline_cfg(tmp_path, "two")
+    args = [f"out_dir={tmp_path / 'two'}", f"target.name_or_path={cfg['target']['name_or_path']}", "stages=[train]",
+            "tracking=none", "device=cpu", "drafter.num_layers=1", "drafter.block_size=4",
+            "drafter.target_layer_ids=[1,3]", "extract.shard_size=8", "optim.lr=3e-3", "optim.warmup_steps=2",
+            "optim.batch_size=4", "optim.anchors_per_seq=4", "optim.max_steps=6", "optim.log_every=1",
+            "optim.save_every=3", "optim.loss_decay=null", "optim.grad_accum=1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    p = subprocess.run([*torchrun, "-m", "ddtree.train", *args], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "x 2 proc" in p.stdout
+    _same_weights(tmp_path / "one" / "drafter", tmp_path / "two" / "drafter")

@@ -41,6 +41,7 @@ class HubDataConfig:
     split: str = "train"
     data_files: list[str] | None = None
     revision: str | None = None
+    cache_dir: str | None = None  # null: the datasets library's cache (HF_DATASETS_CACHE)
     messages_field: str | None = None  # null: "messages" (role/content) or "conversations" (from/value)
     regenerate: bool = True  # true: keep the user turns, the target writes the answers (the DFlash recipe)
 

@@ -207,7 +207,7 @@ def hub_rows(hub: HubDataConfig):
 
     try:
         return datasets.load_dataset(hub.path, hub.name, split=hub.split, data_files=hub.data_files,
-                                     revision=hub.revision)
+                                     revision=hub.revision, cache_dir=hub.cache_dir)
     except (FileNotFoundError, ValueError, ConnectionError, OSError) as e:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ConfigError("data.hub.path", f"cannot load {hub.path} ({hub.split}): {first[:200]}",
