@@ -12,6 +12,7 @@ from conftest import copy_checkout
 
 import compat
 from compat.patches import UPSTREAM_PACKAGE
+from ddtree.errors import ConfigError
 from ddtree.testing.tiny import tiny_model
 from ddtree.upstream.loader import UpstreamError, load_upstream
 
@@ -125,7 +126,7 @@ def test_upstream_path_errors_name_the_setting_and_the_layout(setting, tmp_path,
     assert message.startswith("upstream.path:") and "ddtree.py, dflash.py and model/" in message
     if setting == "no-model":
         assert "lacks model/__init__.py" in message
-    assert isinstance(info.value, ValueError)
+    assert isinstance(info.value, ConfigError) and info.value.setting == "upstream.path" and info.value.fix
     assert UPSTREAM_PACKAGE not in sys.modules
 
 

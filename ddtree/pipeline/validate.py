@@ -282,10 +282,6 @@ def check_drafter_fits(cfg: RunConfig) -> None:
 
 def check_upstream_path(path: str | None) -> None:
     """engine=upstream: upstream.path must be a checkout of the authors' code (layout only; nothing imported)."""
-    from ddtree.upstream.loader import UpstreamError, check_path
+    from ddtree.upstream.loader import check_path
 
-    try:
-        check_path(path)
-    except UpstreamError as e:
-        problem, _, fix = str(e).removeprefix("upstream.path: ").partition(" — ")
-        raise ConfigError("upstream.path", problem, fix or None) from None
+    check_path(path)  # raises UpstreamError, a ConfigError naming upstream.path

@@ -63,23 +63,10 @@ class UpstreamResult(GenerationResult):
 
 
 def load_upstream_engine(path: str | Path | None, *, only=None, skip=(), patch: bool = True):
-    """load_upstream(path): patches applied, their modules imported; a bad path is a ConfigError."""
-    from compat.registry import CompatConfigError
-    from ddtree.upstream.loader import UpstreamError, load_upstream
+    """load_upstream(path): patches applied, their modules imported; a bad path is a ConfigError (UpstreamError)."""
+    from ddtree.upstream.loader import load_upstream
 
-    try:
-        return load_upstream(path, only=only, skip=list(skip or ()), patch=patch)
-    except (UpstreamError, CompatConfigError) as e:
-        raise as_config_error(e, "upstream.path") from None
-
-
-def as_config_error(error: Exception, default_setting: str) -> ConfigError:
-    """"setting: problem — fix" messages (compat's style) as the ConfigError they describe."""
-    setting, sep, rest = str(error).partition(": ")
-    if not sep or " " in setting:
-        setting, rest = default_setting, str(error)
-    problem, _, fix = rest.partition(" — ")
-    return ConfigError(setting, problem, fix or None)
+    return load_upstream(path, only=only, skip=list(skip or ()), patch=patch)
 
 
 def upstream_drafter(upstream, drafter: torch.nn.Module) -> torch.nn.Module:

@@ -27,6 +27,7 @@ from typing import Any
 
 from compat import registry
 from compat.patches import UPSTREAM_PACKAGE
+from ddtree.errors import ConfigError
 
 AUTHORS_REPO = "https://github.com/liranringel/ddtree"
 REQUIRED = ("ddtree.py", "dflash.py", "model/__init__.py")
@@ -36,8 +37,8 @@ FIX = (
 )
 
 
-class UpstreamError(ValueError):
-    """upstream.path does not hold the authors' code, or their code cannot be imported here."""
+class UpstreamError(ConfigError):
+    """upstream.path does not hold the authors' code, or their code cannot be imported here: the user fixes it."""
 
 
 @dataclass(frozen=True)
@@ -67,15 +68,15 @@ class Upstream:
 def check_path(path: str | Path | None) -> Path:
     """The checkout directory, resolved; UpstreamError naming upstream.path when it is not one."""
     if path is None or str(path).strip() == "":
-        raise UpstreamError(f"upstream.path: not set — {FIX}")
+        raise UpstreamError("upstream.path", "not set", FIX)
     root = Path(path).expanduser()
     if not root.exists():
-        raise UpstreamError(f"upstream.path: {str(root)!r} does not exist — {FIX}")
+        raise UpstreamError("upstream.path", f"{str(root)!r} does not exist", FIX)
     if not root.is_dir():
-        raise UpstreamError(f"upstream.path: {str(root)!r} is not a directory — {FIX}")
+        raise UpstreamError("upstream.path", f"{str(root)!r} is not a directory", FIX)
     missing = [name for name in REQUIRED if not (root / name).is_file()]
     if missing:
-        raise UpstreamError(f"upstream.path: {str(root)!r} lacks {', '.join(missing)} — {FIX}")
+        raise UpstreamError("upstream.path", f"{str(root)!r} lacks {', '.join(missing)}", FIX)
     return root.resolve()
 
 
@@ -116,7 +117,7 @@ def load_upstream(
     except Exception as exc:
         purge()
         raise UpstreamError(
-            f"upstream.path: importing the authors' code from {str(root)!r} failed: {type(exc).__name__}: {exc} — "
+            "upstream.path", f"importing the authors' code from {str(root)!r} failed: {type(exc).__name__}: {exc}",
             "check that the checkout is the DDTree authors' repository and that `python -m compat` shows no "
             "failed patch"
         ) from exc
@@ -174,7 +175,7 @@ def _no_bytecode() -> Iterator[None]:
 def _unavailable(package: str, use: str):
     def call(*args, **kwargs):
         raise UpstreamError(
-            f"upstream: the authors' {use} needs the `{package}` package, which is not installed — "
+            "upstream", f"the authors' {use} needs the `{package}` package, which is not installed",
             f"ddtree supplies prompts and logging itself; pip install {package} to call it directly"
         )
 
