@@ -94,7 +94,7 @@ def test_defaults_are_an_offline_smoke_run():
     assert C.tracking_uri(rc) == f"sqlite:///{runs}/mlflow.db"
     assert cfg.hydra.run.dir.startswith(runs) and cfg.hydra.sweep.dir.startswith(runs)
     tiny_hybrid = V.validate(_compose("model=tiny_qwen3_5"))
-    assert tiny_hybrid.model.hybrid and tiny_hybrid.drafter.kind == "random"
+    assert tiny_hybrid.model.tiny.model_type == "qwen3_5_text" and tiny_hybrid.drafter.kind == "random"
 
 
 def test_overrides_reach_the_schema():

@@ -12,7 +12,7 @@ Device map (`model.device_map=auto`, or a {module: device} dict): the target is 
 each layer on its device. Inputs go to the execution device of the input embeddings; cache tensors
 stay where their layer computed them; the engine moves commit indices to each cache layer's device.
 
-The engine does not import this module; run.py does.
+The engine does not import this module; ddtree.pipeline.job does.
 """
 
 from __future__ import annotations

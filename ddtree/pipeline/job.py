@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import inspect
 import json
 import platform
 import sys
@@ -52,26 +51,18 @@ RESOLVED = "config_resolved.yaml"
 
 
 def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
-    """compat.apply(only=, skip=) when the patch registry is there; its report (one dict per patch)."""
+    """compat.apply(only=, skip=); its report (one dict per patch). compat.enabled=false: nothing applied."""
     if not rc.compat.enabled:
         return []
-    try:
-        import compat
+    import compat
 
-        apply = getattr(compat, "apply", None)
-        if apply is None:
-            from compat.registry import apply
-    except ImportError:  # compat/ not written yet
-        return []
-    params = inspect.signature(apply).parameters
-    kw = {k: v for k, v in (("only", rc.compat.only), ("skip", list(rc.compat.skip))) if k in params}
     try:
-        report = apply(**kw)
-    except ValueError as e:  # compat.registry.CompatConfigError: an unknown patch id
+        return compat.apply(only=rc.compat.only, skip=list(rc.compat.skip))
+    except ValueError as e:  # compat.CompatConfigError: an unknown patch id, as "setting: problem — fix"
+        # the one bridge left; it goes when compat raises ddtree.errors.ConfigError itself (compat half of issue 13)
         setting, _, rest = str(e).partition(": ")
         problem, _, fix = rest.partition(" — ")
-        raise ConfigError(setting or "compat", problem or str(e), fix or None) from None
-    return [r if isinstance(r, dict) else {"id": str(getattr(r, "id", r)), "status": "applied"} for r in report or []]
+        raise ConfigError(setting, problem, fix or None) from None
 
 
 # ---------------------------------------------------------------- one job

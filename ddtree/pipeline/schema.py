@@ -48,7 +48,6 @@ class ModelConfig:
     revision: str | None = None
     dtype: str = "auto"  # auto: the checkpoint's dtype (float32 for tiny models)
     trust_remote_code: bool = False
-    hybrid: bool = False  # has linear-attention (recurrent) layers
     # null: the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module: device}:
     # accelerate splits its layers over the GPUs (see ddtree.pipeline.distributed)
     device_map: Any = None
