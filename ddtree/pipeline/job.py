@@ -215,13 +215,9 @@ def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
     except ImportError:  # compat/ not written yet
         return []
     params = inspect.signature(apply).parameters
-    kw = {k: v for k, v in (("only", rc.compat.only), ("skip", list(rc.compat.skip))) if k in params}
-    try:
-        report = apply(**kw)
-    except ValueError as e:  # compat.registry.CompatConfigError: an unknown patch id
-        setting, _, rest = str(e).partition(": ")
-        problem, _, fix = rest.partition(" — ")
-        raise ConfigError(setting or "compat", problem or str(e), fix or None) from None
+    kw = {k: v for k, v in (("only", rc.compat.only), ("skip", list(rc.compat.skip)), ("engine", rc.engine))
+          if k in params}
+    report = apply(**kw)  # an unknown patch id raises ConfigError itself
     return [r if isinstance(r, dict) else {"id": str(getattr(r, "id", r)), "status": "applied"} for r in report or []]
 
 

@@ -63,12 +63,11 @@ class UpstreamResult(GenerationResult):
 
 def load_upstream_engine(path: str | Path | None, *, only=None, skip=(), patch: bool = True):
     """load_upstream(path): patches applied, their modules imported; a bad path is a ConfigError."""
-    from compat.registry import CompatConfigError
     from ddtree.upstream.loader import UpstreamError, load_upstream
 
-    try:
+    try:  # an unknown compat.only/skip id is a ConfigError already and passes through
         return load_upstream(path, only=only, skip=list(skip or ()), patch=patch)
-    except (UpstreamError, CompatConfigError) as e:
+    except UpstreamError as e:
         raise as_config_error(e, "upstream.path") from None
 
 
