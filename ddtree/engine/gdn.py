@@ -49,6 +49,7 @@ import torch.nn.functional as F
 import wrapt
 from transformers.activations import ACT2FN
 
+from ddtree.engine.families import gdn_classes
 from ddtree.engine.tree import DraftTree
 
 # Verified (tests/test_gdn_tree.py passes) on 5.21.0, 5.21.1, 5.22.0, 5.23.0 and 5.24.0. 5.20 has no
@@ -59,12 +60,9 @@ VERSIONS = ">=5.21,<5.40"
 METHODS = ("chunk", "recurrent")
 DEFAULT_METHOD = "chunk"
 
-# (module, qualname) of every GDN forward this patch wraps; all share one structure.
-TARGETS: tuple[tuple[str, str], ...] = (
-    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet.forward"),
-    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet.forward"),
-    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet.forward"),
-)
+# (module, qualname) of every GDN forward wrapped; all share one structure. From the family table.
+TARGETS: tuple[tuple[str, str], ...] = tuple((path.split(":")[0], path.split(":")[1] + ".forward")
+                                             for path in gdn_classes())
 
 _PENDING_ATTR = "_ddtree_gdn_tree_pending"
 

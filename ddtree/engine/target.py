@@ -9,27 +9,17 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from ddtree.engine import attention, gdn
+from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.tree import DraftTree, tree_attention_mask
 from ddtree.errors import ConfigError
 
-# Families whose caches hold recurrent state. qwen3_5/qwen3_next GDN layers are made
-# tree-exact by ddtree.engine.gdn; the others are refused for multi-token trees.
-GDN_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-UNSUPPORTED_STATEFUL = {
-    "falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2", "lfm2", "lfm2_moe", "lfm2_vl",
-    "jamba", "bamba", "zamba", "zamba2", "falcon_mamba", "recurrent_gemma", "rwkv", "minimax", "olmo_hybrid",
-}
-
-
-def model_type(model: PreTrainedModel) -> str:
-    cfg = model.config
-    text = getattr(cfg, "text_config", None)
-    return getattr(text, "model_type", None) or cfg.model_type
+__all__ = ["PreallocatedLayer", "TargetSession", "check_target_supported", "context_features", "model_type",
+           "new_cache"]
 
 
 def check_target_supported(model_type_name: str, method: str) -> None:
     """Refuse families whose verification would be silently wrong (before any generation)."""
-    if method != "ar" and model_type_name in UNSUPPORTED_STATEFUL:
+    if not supports(model_type_name, method):
         raise ConfigError(
             "method", f"{method} on a '{model_type_name}' target is not supported: its recurrent layers cannot "
             "verify a draft tree or roll back rejected tokens exactly", "use method=ar for this model family")
@@ -143,7 +133,7 @@ class TargetSession:
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
         self.mtype = model_type(model)
-        self.gdn = self.mtype in GDN_MODEL_TYPES
+        self.gdn = family(self.mtype).gdn
         if self.gdn:
             gdn.install()  # idempotent; inert outside a tree_verification context
             _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
