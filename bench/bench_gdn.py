@@ -1,4 +1,4 @@
-"""Cost of tree-aware Gated DeltaNet verification (compat.gdn_tree) against an unpatched chain.
+"""Cost of tree-aware Gated DeltaNet verification (ddtree.engine.gdn) against an unpatched chain.
 
     .venv/bin/python bench/bench_gdn.py [--budgets 16 64 256] [--repeats 30] [--threads 1] [--layer]
 
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from compat import gdn_tree  # noqa: E402
+from ddtree.engine import gdn as gdn_tree  # noqa: E402
 from ddtree.engine.tree import tree_attention_mask, tree_from_parents  # noqa: E402
 from ddtree.testing.tiny import tiny_model  # noqa: E402
 
@@ -87,8 +87,8 @@ def _model_budget(model, cache, budget: int, repeats: int, prompt_len: int) -> t
     ids = torch.randint(0, model.config.vocab_size, (1, n))
     pos = torch.tensor([depths]) + prompt_len
     # token ids do not change the mask; distinct ids keep siblings valid
-    mask = tree_attention_mask(tree_from_parents(list(range(len(parents))), parents), prompt_len, torch.float32)
-    tree = torch.tensor(parents)
+    tree = tree_from_parents(list(range(len(parents))), parents)  # the engine's DraftTree, as TargetSession passes
+    mask = tree_attention_mask(tree, prompt_len, torch.float32)
     leaf = max(range(n), key=lambda i: depths[i])
     path = [leaf]
     while parents[path[-1]] >= 0:

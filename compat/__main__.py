@@ -9,7 +9,9 @@ import argparse
 import json
 import sys
 
-from . import registry
+from ddtree.errors import ConfigError
+
+from . import core, registry
 
 
 def _table(entries: list[dict]) -> str:
@@ -19,7 +21,7 @@ def _table(entries: list[dict]) -> str:
     lines = [f"{'id'.ljust(id_w)}  {'status'.ljust(st_w)}  versions / targets"]
     for e in entries:
         versions = ", ".join(f"{k}{v}" for k, v in e["versions"].items()) or "any version"
-        lines.append(f"{e['id'].ljust(id_w)}  {e['status'].ljust(st_w)}  {versions}")
+        lines.append(f"{e['id'].ljust(id_w)}  {e['status'].ljust(st_w)}  {versions}; engine={'/'.join(e['engines'])}")
         pad = " " * (id_w + st_w + 4)
         lines += [f"{pad}target: {t}" for t in e["targets"]]
         if e["condition"]:
@@ -36,10 +38,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--only", nargs="*", default=None, help="patch ids to apply (default: all)")
     parser.add_argument("--skip", nargs="*", default=(), help="patch ids to leave out")
+    parser.add_argument("--engine", choices=core.ENGINES, default=None,
+                        help="apply only the rows that engine needs (default: every row)")
     args = parser.parse_args(argv)
     try:
-        entries = registry.apply(only=args.only, skip=args.skip)
-    except registry.CompatConfigError as exc:
+        entries = registry.apply(only=args.only, skip=args.skip, engine=args.engine)
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(entries, indent=2))
         else:
             print(_table(entries))
-            print(f"\nstatuses: {', '.join(registry.STATUSES)}")
+            print(f"\nstatuses: {', '.join(core.STATUSES)}")
     finally:
         registry.revert()
     failed = registry.failures(entries)

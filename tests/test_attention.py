@@ -289,7 +289,7 @@ def test_config_accepts_every_registered_tree_implementation():
 
 
 def test_hybrid_target_split_and_dense_equal_hf_greedy():
-    """qwen3_5_text (GDN + attention): split attention composes with compat.gdn_tree's verification hook."""
+    """qwen3_5_text (GDN + attention): split attention composes with ddtree.engine.gdn verification hook."""
     vocab = 12
     target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=vocab)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=2)

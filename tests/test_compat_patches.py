@@ -16,8 +16,9 @@ from compat_fixtures import legacy_code
 from transformers import DynamicCache
 
 import compat
+from compat.core import Patcher
 from compat.patches import embedding_access, qwen3_import_shims
-from compat.registry import Patcher
+from ddtree.errors import ConfigError
 from ddtree.testing.tiny import tiny_config, tiny_model
 
 
@@ -305,7 +306,7 @@ def test_flash_s_aux_empty_is_dropped_and_real_sinks_are_never_dropped_silently(
     assert "s_aux" not in _flash_kwargs(_fa3_varlen, s_aux=None)
     assert _flash_kwargs(_fa3_varlen, s_aux=sinks)["s_aux"] is sinks
     assert "s_aux" not in _flash_kwargs(_fa2_varlen, s_aux=None)
-    with pytest.raises(ValueError, match="takes no `s_aux`"):
+    with pytest.raises(ConfigError, match="attention: the loaded flash-attention kernel takes no `s_aux`"):
         _flash_kwargs(_fa2_varlen, s_aux=sinks)
 
 
@@ -316,7 +317,7 @@ def test_flash_s_aux_reaches_kwargs_cached_before_apply():
     fa._process_flash_kwargs_fn = fa._lazy_define_process_function(_fa2_varlen)  # as if FA2 loaded earlier
     try:
         only("flash-s-aux")
-        with pytest.raises(ValueError, match="takes no `s_aux`"):
+        with pytest.raises(ConfigError, match="attention: the loaded flash-attention kernel takes no `s_aux`"):
             fa._process_flash_kwargs_fn(query_length=1, key_length=1, is_causal=True, s_aux=torch.ones(2))
         compat.revert()
         assert fa._process_flash_kwargs_fn.func is fa._process_flash_attention_kwargs
@@ -376,9 +377,9 @@ def test_sliding_window_sdpa_causal_is_bottom_right():
 def test_sliding_window_refused_where_no_mask_can_be_built():
     only("sliding-window")
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match="flex_attention: sliding_window=3"):
+    with pytest.raises(ConfigError, match="attention: flex_attention: sliding_window=3"):
         legacy_code.SlidingBlockAttention(4, 2, 8, sliding_window=3, impl="flex_attention")(q, k, v)
-    with pytest.raises(ValueError, match="no `window_size`"):
+    with pytest.raises(ConfigError, match="no `window_size`"):
         _flash_kwargs(_no_window_varlen, sliding_window=3)
     assert _flash_kwargs(_fa2_varlen, sliding_window=3)["window_size"] == (2, 2)
     assert "window_size" not in _flash_kwargs(_no_window_varlen, sliding_window=20)  # window covers all keys

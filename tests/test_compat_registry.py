@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,8 +14,9 @@ from compat_fixtures import targets
 
 import compat
 from compat import registry
+from compat.core import Patch, Patcher, PatchUnavailable
 from compat.patches import UPSTREAM_PACKAGE
-from compat.registry import Patch, Patcher, PatchUnavailable
+from ddtree.errors import ConfigError
 
 TESTS = Path(__file__).resolve().parent
 MISSING = object()
@@ -127,11 +129,14 @@ def test_only_and_skip_mark_skipped_config():
     assert entries == {"a": "skipped-config", "b": "skipped-config"}
 
 
-def test_unknown_ids_are_a_config_error():
-    with pytest.raises(compat.CompatConfigError, match=r"compat.only: unknown patch id\(s\) \['nope'\]"):
+def test_unknown_ids_and_engine_are_a_config_error():
+    with pytest.raises(ConfigError, match=r"compat.only: unknown patch id\(s\) \['nope'\]") as err:
         compat.apply(only=["nope"])
-    with pytest.raises(ValueError, match="compat.skip"):
+    assert err.value.setting == "compat.only" and "cache-crop-absolute" in err.value.fix
+    with pytest.raises(ConfigError, match="compat.skip"):
         compat.apply(skip=["cache-crop-absolute", "typo"])
+    with pytest.raises(ConfigError, match="engine: unknown engine 'fast'"):
+        compat.apply(engine="fast")
 
 
 def test_condition_false_is_skipped_condition():
@@ -234,34 +239,62 @@ def test_deferred_patch_follows_a_reimported_module():
     assert fresh.answer() == "41"
 
 
-# --------------------------------------------------------------------------- the GDN placeholder
+# --------------------------------------------------------------------------- layering, engines, providers
 
 
-def test_gdn_tree_verify_placeholder_row_from_a_patch_module():
-    from compat_fixtures import fake_gdn
+def test_import_compat_loads_no_engine_and_no_torch():
+    """core, patches and registry import nothing heavy, and never the ddtree engine (the layering rule)."""
+    code = ("import sys, compat, compat.__main__; "
+            "bad = sorted(m for m in sys.modules if m.startswith(('ddtree.engine', 'ddtree.pipeline', 'torch', "
+            "'transformers'))); print(bad); sys.exit(1 if bad else 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
 
-    row = registry.external_patch("gdn-tree-verify", "compat_fixtures.fake_gdn")
-    assert row.targets == ("compat_fixtures.targets:Box",)
-    assert dict(row.versions) == {"transformers": ">=5.0"} and row.reason == fake_gdn.REASON
-    original = vars(targets.Box)["size"]
-    [entry] = compat.apply(patches=[row], version_of=versions(transformers="5.24.0"))
-    assert entry["status"] == "applied" and entry["detail"] == "patched Box" and targets.Box().size() == 2
+
+def test_the_table_is_declared_at_import_and_has_no_gdn_row():
+    """The GDN tree verification is engine code (ddtree.engine.gdn), installed by the target session."""
+    assert registry.PATCHES is compat.PATCHES and len({p.id for p in compat.PATCHES}) == len(compat.PATCHES)
+    assert "gdn-tree-verify" not in {p.id for p in compat.PATCHES}
+
+
+NATIVE_ROWS = {"flash-s-aux", "sliding-window"}  # fixes of transformers itself, for any code
+
+
+def test_each_row_names_its_engines_and_native_applies_only_its_own():
+    assert {p.id for p in compat.PATCHES if "native" in p.for_engines} == NATIVE_ROWS
+    assert all("upstream" in p.for_engines for p in compat.PATCHES)
+    from transformers import PreTrainedModel
+
+    def call_wrapped() -> bool:  # PreTrainedModel inherits nn.Module.__call__ until a patch wraps it
+        return "__call__" in vars(PreTrainedModel)
+
+    assert not call_wrapped()
+    native = {e["id"]: e["status"] for e in compat.apply(engine="native")}
+    assert {i for i, st in native.items() if st != "skipped-engine"} == NATIVE_ROWS
+    assert not call_wrapped()  # cache-kwarg / hybrid-cache stay off the native engine's forwards
+    upstream = {e["id"]: e["status"] for e in compat.apply(engine="upstream")}  # adds the authors' rows
+    assert upstream["cache-kwarg"] == upstream["hybrid-cache-config"] == "applied"
+    assert call_wrapped()
     compat.revert()
-    assert vars(targets.Box)["size"] is original and fake_gdn.CALLS[-2:] == ["install", "uninstall"]
-    [entry] = compat.apply(patches=[row], version_of=versions(transformers="4.57.0"))
-    assert entry["status"] == "skipped-version"
+    assert not call_wrapped()
+    everything = {e["id"]: e["status"] for e in compat.apply()}  # no engine: every row (python -m compat)
+    assert "skipped-engine" not in everything.values()
+    with pytest.raises(ValueError, match="for_engines"):
+        Patch("x", (), {}, "r", lambda p, m: None, for_engines=frozenset({"vllm"}))
 
 
-def test_gdn_tree_verify_placeholder_absent_or_broken_module():
-    assert registry.external_patch("gdn-tree-verify", "compat_fixtures.no_such_module") is None
-    broken = registry.external_patch("gdn-tree-verify", "compat_fixtures.broken_gdn")
-    [entry] = compat.apply(patches=[broken], version_of=versions())
-    assert entry["status"] == "failed" and "half-written patch module" in entry["detail"]
+def test_a_row_that_needs_a_provider_gets_it_from_apply():
+    seen = []
 
+    def install(patcher, module):
+        seen.append(patcher.provided["thing"])
+        return "used it"
 
-def test_gdn_tree_verify_in_table_when_its_module_exists():
-    present = importlib.util.find_spec("compat.gdn_tree") is not None
-    assert ("gdn-tree-verify" in {p.id for p in compat.PATCHES}) == present
+    row = Patch("needs-thing", ("compat_fixtures.targets:Box",), {}, "test", install, needs=("thing",))
+    [entry] = compat.apply(patches=[row], version_of=versions())
+    assert entry["status"] == "skipped-absent" and "needs thing" in entry["detail"] and not seen
+    [entry] = compat.apply(patches=[row], version_of=versions(), provided={"thing": 42, "other": 1})
+    assert entry["status"] == "applied" and seen == [42]
 
 
 # --------------------------------------------------------------------------- the real table
@@ -300,7 +333,7 @@ def _snapshot():
 def test_round_trip_leaves_every_target_identical():
     before = _snapshot()
     entries = compat.apply()
-    assert not [e for e in compat.failures(entries) if e["id"] != "gdn-tree-verify"], entries
+    assert not compat.failures(entries), entries
     during = _snapshot()
     changed = [t for t in before if during[t][0] is not before[t][0]]
     assert "transformers.cache_utils:Cache.crop" in changed
@@ -346,6 +379,7 @@ def test_report_tags_and_statuses_are_stable():
         "skipped-version",
         "skipped-absent",
         "skipped-config",
+        "skipped-engine",
         "skipped-condition",
         "failed",
     )
@@ -356,6 +390,7 @@ def test_report_tags_and_statuses_are_stable():
         "target",
         "targets",
         "versions",
+        "engines",
         "condition",
         "reason",
         "status",
@@ -381,7 +416,7 @@ def test_cli_check_fails_on_a_failed_patch(monkeypatch, capsys):
     from compat.__main__ import main
 
     broken = greet_patch("always-broken", spec=">=0", fail=RuntimeError("kaput"))
-    monkeypatch.setattr(registry, "table", lambda: (broken,))
+    monkeypatch.setattr(registry, "PATCHES", (broken,))
     assert main([]) == 0
     assert main(["--check"]) == 1
     assert "always-broken" in capsys.readouterr().err

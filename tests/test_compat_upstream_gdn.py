@@ -17,6 +17,7 @@ from conftest import copy_checkout
 
 import compat
 from compat.patches import upstream_gdn_tree
+from ddtree.engine import gdn as tree_gdn
 from ddtree.testing.tiny import tiny_model
 from ddtree.upstream.loader import load_upstream
 
@@ -84,7 +85,7 @@ def _run(up, target, seed: int, method: str):
 def test_upstream_gdn_tree_hybrid_equals_greedy(checkout, hybrid, method):
     up = load_upstream(checkout)
     statuses = {e["id"]: e["status"] for e in up.patches}
-    assert statuses["upstream-gdn-tree"] == statuses["gdn-tree-verify"] == "applied"
+    assert statuses["upstream-gdn-tree"] == "applied" and "gdn-tree-verify" not in statuses
     for seed in range(2):
         out, expected = _run(up, hybrid, seed, method)
         assert out.output_ids[0, PROMPT:].tolist() == expected, (method, seed, out.acceptance_lengths)
@@ -100,19 +101,21 @@ def test_upstream_gdn_tree_control_without_the_patch(checkout, hybrid):
         _run(up, hybrid, 0, "ddtree")
 
 
-def test_upstream_gdn_tree_needs_gdn_tree_verify(checkout, hybrid):
-    from compat import gdn_tree
-
-    was_installed = gdn_tree.is_installed()  # the native engine installs it for itself; start without it
-    gdn_tree.uninstall()
+def test_upstream_gdn_tree_gets_the_engine_gdn_from_the_loader(checkout, hybrid):
+    """compat may not import the engine: without the loader's provider the row is skipped-absent."""
+    statuses = {e["id"]: e["status"] for e in compat.apply(engine="upstream")}
+    assert statuses["upstream-gdn-tree"] == "skipped-absent"
+    assert upstream_gdn_tree.VERSIONS == tree_gdn.VERSIONS  # the row's gate is the engine GDN's verified range
+    was_installed = tree_gdn.is_installed()
+    tree_gdn.uninstall()  # the native engine installs it for itself; their loop must install it too
     try:
-        up = load_upstream(checkout, skip=["gdn-tree-verify"])
-        with pytest.raises(RuntimeError, match="gdn-tree-verify patch is not applied"):
-            _run(up, hybrid, 0, "dflash")
+        up = load_upstream(checkout)  # the provider handed over: the row applies
+        assert {e["id"]: e["status"] for e in up.patches}["upstream-gdn-tree"] == "applied"
+        out, expected = _run(up, hybrid, 0, "dflash")
+        assert out.output_ids[0, PROMPT:].tolist() == expected and tree_gdn.is_installed()
     finally:
-        compat.revert()
-        if was_installed:
-            gdn_tree.install()
+        if not was_installed:
+            tree_gdn.uninstall()
 
 
 def _patched(fn) -> bool:
@@ -134,6 +137,6 @@ def test_upstream_gdn_tree_wraps_their_functions_and_reverts(checkout):
 def test_upstream_gdn_tree_leaves_pure_attention_targets_alone(checkout):
     up = load_upstream(checkout)
     target = tiny_model("qwen3", seed=1, attn_implementation="sdpa", vocab_size=48)
-    assert not upstream_gdn_tree.gdn_hybrid(target)
+    assert not upstream_gdn_tree.gdn_hybrid(target, tree_gdn)
     out, expected = _run(up, target, 0, "ddtree")
     assert out.output_ids[0, PROMPT:].tolist() == expected

@@ -1,4 +1,4 @@
-"""Tree-aware Gated DeltaNet (compat.gdn_tree) against per-path sequential forwards.
+"""Tree-aware Gated DeltaNet (ddtree.engine.gdn) against per-path sequential forwards.
 
 Reference for every check: the unpatched model run on a node's root-to-node path as a plain
 sequence after the same prefix (a deep copy of the prefilled cache). Tiny hybrids keep the
@@ -19,7 +19,8 @@ from packaging.version import Version
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
-from compat import gdn_tree
+from ddtree.engine import gdn as tree_gdn
+from ddtree.engine.tree import DraftTree
 from ddtree.testing.tiny import tiny_model
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
@@ -46,20 +47,20 @@ def _no_grad():
 
 @pytest.fixture
 def patched():
-    was_installed = gdn_tree.is_installed()
-    gdn_tree.install()
+    was_installed = tree_gdn.is_installed()
+    tree_gdn.install()
     yield
     if not was_installed:
-        gdn_tree.uninstall()
+        tree_gdn.uninstall()
 
 
 @pytest.fixture
 def unpatched():
-    was_installed = gdn_tree.is_installed()
-    gdn_tree.uninstall()
+    was_installed = tree_gdn.is_installed()
+    tree_gdn.uninstall()
     yield
     if was_installed:
-        gdn_tree.install()
+        tree_gdn.install()
 
 
 @functools.cache
@@ -136,9 +137,9 @@ def _prefill(model, prompt):
     return cache
 
 
-def _verify(model, cache, tokens, parents, past, method=gdn_tree.DEFAULT_METHOD):
+def _verify(model, cache, tokens, parents, past, method=tree_gdn.DEFAULT_METHOD):
     depth = torch.tensor([_depths(parents)]) + past
-    with gdn_tree.tree_verification(torch.tensor(parents), method=method):
+    with tree_gdn.tree_verification(torch.tensor(parents), method=method):
         return _forward(model, tokens, cache, position_ids=depth, attention_mask=_tree_mask(parents, past))
 
 
@@ -165,10 +166,21 @@ def _linear_states(cache):
             if isinstance(layer, LinearAttentionLayer)]
 
 
+def _commit_and_compare(model, cache, ref_cache, tokens, past: int, accepted: list[int]) -> int:
+    """Commit `accepted` (as the engine does: attention compacted, GDN committed), run it on the reference
+    cache as a plain sequence, and check the GDN states agree. Returns the new committed length."""
+    _compact_attention(cache, past, accepted)
+    tree_gdn.commit_linear_states(cache, torch.tensor(accepted))
+    _forward(model, tokens[:, accepted], ref_cache)
+    for (c, r), (rc, rr) in zip(_linear_states(cache), _linear_states(ref_cache), strict=True):
+        assert (c - rc).abs().max() <= 1e-5 and (r - rr).abs().max() <= 1e-5
+    return past + len(accepted)
+
+
 # --------------------------------------------------------------------------- verification
 
 
-@pytest.mark.parametrize("method", gdn_tree.METHODS)
+@pytest.mark.parametrize("method", tree_gdn.METHODS)
 @pytest.mark.parametrize("attn", ATTN)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_tree_logits_equal_per_path_logits(patched, model_type, attn, method):
@@ -184,6 +196,33 @@ def test_tree_logits_equal_per_path_logits(patched, model_type, attn, method):
         assert err <= TOL, f"{model_type}/{attn}/{method} tree {name}: max error {err:.2e}"
         for (c0, r0), (c1, r1) in zip(before, _linear_states(work), strict=True):  # verification leaves GDN state alone
             assert torch.equal(c0, c1) and torch.equal(r0, r1)
+
+
+def _draft_tree(parents: list[int], tokens: torch.Tensor) -> DraftTree:
+    """The engine's form of the same tree (device tensors, a host-known depth bound), built by hand."""
+    depth = _depths(parents)
+    return DraftTree(tokens[0], torch.tensor(parents), torch.tensor(depth), is_chain=parents == [-1, *range(len(parents) - 1)],
+                     depth_bound=max(depth) + 2)  # a loose bound, as best_first_tree gives
+
+
+@pytest.mark.parametrize("method", tree_gdn.METHODS)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_draft_tree_verify_and_commit_equal_per_path(patched, model_type, method):
+    """The engine's path: a DraftTree in, a device path tensor to commit, against sequential forwards."""
+    model = _model(model_type, "sdpa")
+    gen = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)
+    cache, ref_cache = _prefill(model, prompt), _prefill(model, prompt)
+    past = PROMPT_LEN
+    for name in ("deep", "bushy", "chain", "wide"):
+        parents = _trees(seed=8)[name]
+        tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+        depth = torch.tensor([_depths(parents)]) + past
+        with tree_gdn.tree_verification(_draft_tree(parents, tokens), method=method):
+            logits = _forward(model, tokens, cache, position_ids=depth, attention_mask=_tree_mask(parents, past))
+        err = _per_path_error(model, ref_cache, tokens, parents, logits)
+        assert err <= TOL, f"{model_type}/{method} tree {name}: max error {err:.2e}"
+        past = _commit_and_compare(model, cache, ref_cache, tokens, past, _path(parents, len(parents) - 1))
 
 
 @pytest.mark.parametrize("attn", ATTN)
@@ -214,7 +253,7 @@ def test_tree_on_an_empty_cache(patched):
     assert err <= TOL
     accepted = _path(parents, _leaves(parents)[-1])
     _compact_attention(cache, 0, accepted)
-    gdn_tree.commit_linear_states(cache, torch.tensor(accepted))
+    tree_gdn.commit_linear_states(cache, torch.tensor(accepted))
     ref_cache = DynamicCache(config=model.config)
     _forward(model, tokens[:, accepted], ref_cache)
     nxt = torch.tensor([[5]])
@@ -225,7 +264,7 @@ def test_tree_on_an_empty_cache(patched):
 # --------------------------------------------------------------------------- commit
 
 
-@pytest.mark.parametrize("method", gdn_tree.METHODS)
+@pytest.mark.parametrize("method", tree_gdn.METHODS)
 @pytest.mark.parametrize("attn", ATTN)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_commit_equals_sequential_prefix_plus_path(patched, model_type, attn, method):
@@ -256,13 +295,7 @@ def test_commit_equals_sequential_prefix_plus_path(patched, model_type, attn, me
             node = max(range(len(parents)), key=lambda i: depth[i])
         else:
             node = int(torch.randint(0, len(parents), (), generator=gen))
-        accepted = _path(parents, node)
-        _compact_attention(cache, past, accepted)
-        gdn_tree.commit_linear_states(cache, torch.tensor(accepted))
-        _forward(model, tokens[:, accepted], ref_cache)
-        past += len(accepted)
-        for (c, r), (rc, rr) in zip(_linear_states(cache), _linear_states(ref_cache), strict=True):
-            assert (c - rc).abs().max() <= 1e-5 and (r - rr).abs().max() <= 1e-5
+        past = _commit_and_compare(model, cache, ref_cache, tokens, past, _path(parents, node))
     assert cache.get_seq_length() == ref_cache.get_seq_length() == past
     nxt = torch.randint(0, VOCAB, (1, 3), generator=gen)
     pos = torch.arange(past, past + 3)[None]
@@ -277,16 +310,16 @@ def test_commit_rejects_a_non_path_and_a_changed_state(patched):
     _verify(model, cache, torch.tensor([[1, 2, 3, 4]]), parents, PROMPT_LEN)
     for bad in ([0, 2, 3], [1], [0, 4], []):
         with pytest.raises(ValueError, match="root-to-node path"):
-            gdn_tree.commit_linear_states(cache, torch.tensor(bad, dtype=torch.long))
+            tree_gdn.commit_linear_states(cache, torch.tensor(bad, dtype=torch.long))
     _forward(model, torch.tensor([[5]]), cache)  # a stray forward moves the GDN state in place
     with pytest.raises(RuntimeError, match="changed between verification and commit"):
-        gdn_tree.commit_linear_states(cache, torch.tensor([0, 1]))
+        tree_gdn.commit_linear_states(cache, torch.tensor([0, 1]))
 
     cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
     _verify(model, cache, torch.tensor([[1, 2, 3, 4]]), parents, PROMPT_LEN)
-    gdn_tree.commit_linear_states(cache, torch.tensor([0, 1, 3]))
+    tree_gdn.commit_linear_states(cache, torch.tensor([0, 1, 3]))
     with pytest.raises(RuntimeError, match="no GDN tree verification"):
-        gdn_tree.commit_linear_states(cache, torch.tensor([0]))
+        tree_gdn.commit_linear_states(cache, torch.tensor([0]))
 
 
 def test_inference_mode_verification_then_plain_commit(patched):
@@ -302,7 +335,7 @@ def test_inference_mode_verification_then_plain_commit(patched):
         _verify(model, cache, tokens, parents, PROMPT_LEN)
         _forward(model, tokens[:, accepted], ref_cache)
     _compact_attention(cache, PROMPT_LEN, accepted)
-    gdn_tree.commit_linear_states(cache, torch.tensor(accepted))
+    tree_gdn.commit_linear_states(cache, torch.tensor(accepted))
     with torch.inference_mode():
         pos = torch.tensor([[PROMPT_LEN + len(accepted)]])
         out, ref = _forward(model, torch.tensor([[9]]), cache, pos), _forward(model, torch.tensor([[9]]), ref_cache, pos)
@@ -312,15 +345,15 @@ def test_inference_mode_verification_then_plain_commit(patched):
 def test_tree_argument_errors(patched):
     for bad in ([0, 0], [-1, 1], [-1, 0, 3], []):
         with pytest.raises(ValueError, match="parents"):
-            with gdn_tree.tree_verification(torch.tensor(bad, dtype=torch.long)):
+            with tree_gdn.tree_verification(torch.tensor(bad, dtype=torch.long)):
                 pass
     with pytest.raises(ValueError, match="method"):
-        with gdn_tree.tree_verification(torch.tensor([-1]), method="fast"):
+        with tree_gdn.tree_verification(torch.tensor([-1]), method="fast"):
             pass
     model = _model("qwen3_next", "eager")
     cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
     with pytest.raises(ValueError, match="3-token tree"):
-        with gdn_tree.tree_verification(torch.tensor([-1, 0, 0])):
+        with tree_gdn.tree_verification(torch.tensor([-1, 0, 0])):
             _forward(model, torch.tensor([[1, 2]]), cache)
 
 
@@ -331,37 +364,37 @@ def test_tree_argument_errors(patched):
 def test_outside_the_context_the_forward_is_untouched(model_type):
     model = _model(model_type, "sdpa")
     prompt, step = torch.arange(PROMPT_LEN)[None], torch.tensor([[7, 8, 9]])
-    was_installed = gdn_tree.is_installed()
+    was_installed = tree_gdn.is_installed()
     outputs = []
     for install in (False, True):
-        gdn_tree.install() if install else gdn_tree.uninstall()
+        tree_gdn.install() if install else tree_gdn.uninstall()
         cache = _prefill(model, prompt)
         outputs.append((_forward(model, step, cache), _forward(model, torch.tensor([[3]]), cache),
                         [(c.clone(), r.clone()) for c, r in _linear_states(cache)]))
     if not was_installed:
-        gdn_tree.uninstall()
+        tree_gdn.uninstall()
     (a1, a2, sa), (b1, b2, sb) = outputs
     assert torch.equal(a1, b1) and torch.equal(a2, b2)
     assert all(torch.equal(x, y) for pa, pb in zip(sa, sb, strict=True) for x, y in zip(pa, pb, strict=True))
 
 
 def test_install_is_idempotent_and_reversible():
-    was_installed = gdn_tree.is_installed()
-    gdn_tree.uninstall()
-    originals = {cls: cls.__dict__["forward"] for cls in gdn_tree.target_classes()}
-    assert len(originals) == len(gdn_tree.TARGETS)
-    assert not gdn_tree.is_installed()
-    names = gdn_tree.install()
+    was_installed = tree_gdn.is_installed()
+    tree_gdn.uninstall()
+    originals = {cls: cls.__dict__["forward"] for cls in tree_gdn.target_classes()}
+    assert len(originals) == len(tree_gdn.TARGETS)
+    assert not tree_gdn.is_installed()
+    names = tree_gdn.install()
     assert sorted(names) == sorted(cls.__name__ for cls in originals)
     wrapped = {cls: cls.__dict__["forward"] for cls in originals}
-    gdn_tree.install()
-    assert gdn_tree.is_installed()
+    tree_gdn.install()
+    assert tree_gdn.is_installed()
     assert all(cls.__dict__["forward"] is wrapped[cls] for cls in originals)
-    gdn_tree.uninstall()
-    gdn_tree.uninstall()
+    tree_gdn.uninstall()
+    tree_gdn.uninstall()
     assert all(cls.__dict__["forward"] is originals[cls] for cls in originals)
     if was_installed:
-        gdn_tree.install()
+        tree_gdn.install()
 
 
 def test_module_level_padding_mask(patched):
@@ -371,7 +404,7 @@ def test_module_level_padding_mask(patched):
     gdn = model.model.layers[0].linear_attn
     parents = [-1, 0, 0, 1]
     hidden = torch.randn(1, 4, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with gdn_tree.tree_verification(torch.tensor(parents)):
+    with tree_gdn.tree_verification(torch.tensor(parents)):
         plain = gdn(hidden, cache=copy.deepcopy(cache), attention_mask=None)
         ones = gdn(hidden, cache=copy.deepcopy(cache), attention_mask=torch.ones(1, 4))
         masked = gdn(hidden, cache=copy.deepcopy(cache), attention_mask=torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
@@ -390,15 +423,15 @@ _MODULE_ATTRS = ("conv1d", "conv_kernel_size", "activation", "A_log", "dt_bias",
 
 
 def test_installed_transformers_is_in_the_verified_range():
-    assert Version(transformers.__version__) in SpecifierSet(gdn_tree.VERSIONS)
+    assert Version(transformers.__version__) in SpecifierSet(tree_gdn.VERSIONS)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_upstream_gdn_api_is_pinned(model_type):
     model = _model(model_type, "eager")
     gdn = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
-    assert type(gdn) in gdn_tree.target_classes()
-    forward = inspect.unwrap(gdn_tree._ORIGINAL_FORWARDS.get(type(gdn), type(gdn).__dict__["forward"]))
+    assert type(gdn) in tree_gdn.target_classes()
+    forward = inspect.unwrap(tree_gdn._ORIGINAL_FORWARDS.get(type(gdn), type(gdn).__dict__["forward"]))
     params = [(p.name, p.kind.name) for p in inspect.signature(forward).parameters.values()]
     assert params == _FORWARD_PARAMS, f"{type(gdn).__name__}.forward signature changed: {params}"
     for attr in _MODULE_ATTRS:

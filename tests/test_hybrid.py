@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ddtree
-from compat import gdn_tree
+from ddtree.engine import gdn as tree_gdn
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.target import check_target_supported
 from ddtree.errors import ConfigError
@@ -56,9 +56,9 @@ def test_scripted_deep_trees_on_hybrid():
 def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
     """Proves the lossless tests see the bug: a GDN layer run as a flat chain gives other tokens."""
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
-    monkeypatch.setattr(gdn_tree, "tree_verification", _chain_context)
-    monkeypatch.setattr(gdn_tree, "commit_linear_states", lambda cache, accepted: None)
-    gdn_tree.uninstall()
+    monkeypatch.setattr(tree_gdn, "tree_verification", _chain_context)
+    monkeypatch.setattr(tree_gdn, "commit_linear_states", lambda cache, accepted: None)
+    tree_gdn.uninstall()
     try:
         wrong = 0
         for seed, ids in enumerate(_prompts(64)):
@@ -69,7 +69,7 @@ def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
         assert wrong > 0
     finally:
         monkeypatch.undo()
-        gdn_tree.install()
+        tree_gdn.install()
 
 
 class _chain_context:
@@ -119,3 +119,24 @@ def test_unknown_linear_attention_family_is_refused():
     assert ddtree.generate(target, drafter, ids, method="ar", max_new_tokens=3).output_ids
     with pytest.raises(ConfigError, match="some_new_hybrid"):
         ddtree.generate(target, drafter, ids, method="ddtree", budget=4, max_new_tokens=3)
+
+
+def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
+    """The walk's one read per round and nothing else: the GDN verify/commit take the DraftTree where it is."""
+    target = tiny_model("qwen3_5_text", seed=6, vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
+    ids = _prompts(12)[1]
+    ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4)  # first-call work
+    reads = []
+    for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24)
+    monkeypatch.undo()
+    assert res.rounds >= 3
+    assert len(reads) == 1 + res.rounds, reads  # the prefill's first token, then one walk per round

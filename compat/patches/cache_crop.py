@@ -13,8 +13,7 @@ from __future__ import annotations
 import operator
 from types import ModuleType
 
-from ..registry import Patch, Patcher
-from . import resolve
+from ..core import UPSTREAM, Patch, Patcher, resolve
 
 ID = "cache-crop-absolute"
 TARGET = ("transformers.cache_utils", "Cache.crop")
@@ -55,4 +54,5 @@ PATCH = Patch(
     versions={"transformers": ">=5.16"},
     reason="4.x code calls cache.crop(absolute_length); 5.18+ raises unless given a negative count",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
 )

@@ -13,8 +13,7 @@ import functools
 import inspect
 from types import ModuleType
 
-from ..registry import Patch, Patcher
-from . import resolve
+from ..core import UPSTREAM, Patch, Patcher, resolve
 
 ID = "cache-kwarg"
 TARGET = ("transformers.modeling_utils", "PreTrainedModel.__call__")
@@ -55,4 +54,5 @@ PATCH = Patch(
     versions={"transformers": ">=5.24"},
     reason="4.x code passes past_key_values=; 5.24 renamed it to cache= (deprecated, removed in 5.40)",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
 )

@@ -15,8 +15,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from ..registry import Patch, Patcher, PatchUnavailable
-from . import resolve
+from ..core import UPSTREAM, Patch, Patcher, PatchUnavailable, resolve
 
 ID = "embedding-access"
 
@@ -100,4 +99,5 @@ PATCH = Patch(
     versions={"transformers": ">=5.0"},
     reason="multimodal wrappers nest the text model: target.model.embed_tokens raises AttributeError",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
 )

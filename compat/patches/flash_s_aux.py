@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..registry import Patch, Patcher, PatchUnavailable
-from . import rebind_partials, resolve
+from ddtree.errors import ConfigError
+
+from ..core import Patch, Patcher, PatchUnavailable, rebind_partials, resolve
 
 ID = "flash-s-aux"
 TARGET = ("transformers.modeling_flash_attention_utils", "_process_flash_attention_kwargs")
@@ -33,10 +34,11 @@ def guard_s_aux(wrapped, instance, args, kwargs):
         else:
             supports = kwargs.get("supports_mapping") or {}
             if not (supports.get("s_aux") or supports.get("learnable_sink")):
-                raise ValueError(
-                    "attention: the loaded flash-attention kernel takes no `s_aux` (attention sinks), and this "
-                    "model has sinks; dropping them would change its outputs — use attention=eager or sdpa, or a "
-                    "flash kernel that takes sinks (FA3 `s_aux`, FA4 `learnable_sink`)"
+                raise ConfigError(
+                    "attention",
+                    "the loaded flash-attention kernel takes no `s_aux` (attention sinks), and this model has sinks; "
+                    "dropping them would change its outputs",
+                    "use attention=eager or sdpa, or a flash kernel that takes sinks (FA3 `s_aux`, FA4 `learnable_sink`)",
                 )
     return wrapped(*args, **kwargs)
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..registry import Patch, Patcher
-from . import resolve
+from ..core import UPSTREAM, Patch, Patcher, resolve
 
 ID = "hybrid-cache-config"
 TARGET = ("transformers.modeling_utils", "PreTrainedModel.__call__")
@@ -86,5 +85,6 @@ PATCH = Patch(
     versions={"transformers": ">=5.0"},
     reason="hybrid targets need DynamicCache(config=...); a bare DynamicCache() raises IndexError",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
     condition_doc="at call time: the model's config has linear-attention layers",
 )

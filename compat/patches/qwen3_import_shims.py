@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from ..registry import Patch, Patcher
+from ..core import UPSTREAM, Patch, Patcher
 
 ID = "qwen3-import-shims"
 MODULE = "transformers.models.qwen3.modeling_qwen3"
@@ -77,5 +77,6 @@ PATCH = Patch(
     versions={"transformers": ">=5.0"},
     reason="the authors' drafter imports re-exported names from modeling_qwen3 that 5.x files may drop",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
     imports=(MODULE,),
 )

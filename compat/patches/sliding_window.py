@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ..registry import Patch, Patcher, PatchUnavailable
-from . import rebind_partials, resolve
+from ddtree.errors import ConfigError
+
+from ..core import Patch, Patcher, PatchUnavailable, rebind_partials, resolve
 
 ID = "sliding-window"
 SDPA = ("transformers.integrations.sdpa_attention", "sdpa_attention_forward")
@@ -85,9 +86,10 @@ def refuse_flex_window(wrapped, instance, args, kwargs):
     if window is not None:
         _, query, key, mask, _ = _call_parts(args, kwargs)
         if mask is None and key is not None and key.shape[-2] > window:
-            raise ValueError(
-                f"attention=flex_attention: sliding_window={window} with no BlockMask would be ignored — pass a "
-                "BlockMask that carries the window, or use flash_attention_2, sdpa or eager (compat masks those)"
+            raise ConfigError(
+                "attention",
+                f"flex_attention: sliding_window={window} with no BlockMask would be ignored",
+                "pass a BlockMask that carries the window, or use flash_attention_2, sdpa or eager (compat masks those)",
             )
     return wrapped(*args, **kwargs)
 
@@ -101,9 +103,10 @@ def refuse_flash_without_window(wrapped, instance, args, kwargs):
         and key_length > window
         and not supports.get("window_size")
     ):
-        raise ValueError(
-            f"attention: the loaded flash-attention kernel takes no `window_size`, so sliding_window={window} "
-            "would be ignored — use sdpa or eager (compat masks the window there), or a kernel with window_size"
+        raise ConfigError(
+            "attention",
+            f"the loaded flash-attention kernel takes no `window_size`, so sliding_window={window} would be ignored",
+            "use sdpa or eager (compat masks the window there), or a kernel with window_size",
         )
     return wrapped(*args, **kwargs)
 

@@ -7,16 +7,20 @@ are wrong for the linear-attention layers: GDN ignores the tree mask, and a recu
 cropped (transformers raises). While one of their generate functions runs on such a target, this patch:
 
 * runs every verification forward (a forward on a non-empty cache with more than one token) inside
-  `compat.gdn_tree.tree_verification(parents)`: the tree their `build_ddtree_tree` just returned, or a
-  chain for `dflash_generate`. The GDN layers then compute each node against its own ancestors and
-  leave the cache's states untouched;
+  the engine's `gdn.tree_verification(parents)`: the tree their `build_ddtree_tree` just returned, or a
+  chain for `dflash_generate` (host lists, as their loop has them). The GDN layers then compute each
+  node against its own ancestors and leave the cache's states untouched;
 * in `compact_dynamic_cache`, commits the GDN states along their accepted path
   (`gdn_tree.commit_linear_states`) before their code compacts the attention layers as before;
 * gives that one target cache a `crop` that crops the attention layers only (with their 4.x meaning,
   keep the first n tokens), after committing a verified chain's accepted prefix (`dflash_generate`).
 
 Nothing changes on pure-attention targets, nor outside their generate functions. The target's forward
-hooks and the cache's `crop` exist only for the duration of one call. Needs `gdn-tree-verify` applied.
+hooks and the cache's `crop` exist only for the duration of one call.
+
+The tree-exact GDN is engine code (`ddtree.engine.gdn`), which compat may not import: the row
+`needs` it, and `ddtree.upstream.loader` (a layer above both) hands it over as
+`apply(provided={"gdn": ddtree.engine.gdn})`. Without it the row is skipped-absent.
 """
 
 from __future__ import annotations
@@ -28,8 +32,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from ..registry import Patch, Patcher, PatchUnavailable
-from . import UPSTREAM_PACKAGE
+from ..core import UPSTREAM, UPSTREAM_PACKAGE, Patch, Patcher, PatchUnavailable
 
 ID = "upstream-gdn-tree"
 DDTREE = f"{UPSTREAM_PACKAGE}.ddtree"
@@ -43,10 +46,8 @@ WRAPPED = {
 GENERATORS = {"ddtree_generate": "ddtree", "dflash_generate": "dflash"}
 
 
-def _gdn_versions() -> str:
-    from .. import gdn_tree
-
-    return gdn_tree.VERSIONS
+# the range ddtree.engine.gdn is verified on (tests/test_compat_upstream_gdn.py keeps the two equal)
+VERSIONS = ">=5.21,<5.40"
 
 
 @dataclass
@@ -54,7 +55,7 @@ class _Session:
     """One call of their generate function on a GDN hybrid target."""
 
     kind: str  # "ddtree" (trees from build_ddtree_tree) or "dflash" (chains)
-    gdn: Any  # compat.gdn_tree
+    gdn: Any  # ddtree.engine.gdn, as provided to apply()
     parents: list[int] | None = None  # the tree their build_ddtree_tree returned last
     tree: Any = None  # the open tree_verification context, during a verification forward
     verified: tuple[Any, int, int] | None = None  # (cache, past length, tokens) of the last verification
@@ -78,9 +79,7 @@ class _Session:
                                    "build_ddtree_tree (their loop changed?)")
         else:
             parents = [-1, *range(size - 1)]
-        import torch
-
-        self.tree = self.gdn.tree_verification(torch.tensor(parents, dtype=torch.long))
+        self.tree = self.gdn.tree_verification(parents)
         self.tree.__enter__()
         self.verified = (cache, past, size)
         return None
@@ -130,11 +129,9 @@ class _Session:
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("ddtree_upstream_gdn", default=None)
 
 
-def gdn_hybrid(target: Any) -> bool:
-    """Whether `target` has Gated DeltaNet layers compat.gdn_tree can verify as a tree."""
-    from .. import gdn_tree
-
-    classes = tuple(gdn_tree.target_classes())
+def gdn_hybrid(target: Any, gdn: Any) -> bool:
+    """Whether `target` has Gated DeltaNet layers `gdn` (ddtree.engine.gdn) can verify as a tree."""
+    classes = tuple(gdn.target_classes())
     modules = getattr(target, "modules", None)
     return bool(classes) and callable(modules) and any(isinstance(m, classes) for m in modules())
 
@@ -147,19 +144,15 @@ def _target_of(wrapped, args, kwargs) -> Any:
     return bound.arguments.get("target")
 
 
-def _generate(kind: str):
+def _generate(kind: str, gdn: Any):
     def wrapper(wrapped, instance, args, kwargs):
         if _SESSION.get() is not None:  # ddtree_generate(block_size=1) calls dflash_generate
             return wrapped(*args, **kwargs)
         target = _target_of(wrapped, args, kwargs)
-        if target is None or not gdn_hybrid(target):
+        if target is None or not gdn_hybrid(target, gdn):
             return wrapped(*args, **kwargs)
-        from .. import gdn_tree
-
-        if not gdn_tree.is_installed():
-            raise RuntimeError(f"{ID}: the target has Gated DeltaNet layers, but the gdn-tree-verify patch is not "
-                               "applied (compat.skip / compat.only?); their verification would be wrong")
-        session = _Session(kind=kind, gdn=gdn_tree)
+        gdn.install()  # idempotent, as the native TargetSession does; inert outside tree_verification
+        session = _Session(kind=kind, gdn=gdn)
         token = _SESSION.set(session)
         hooks = [target.register_forward_pre_hook(session.before_forward, with_kwargs=True),
                  target.register_forward_hook(session.after_forward, with_kwargs=True, always_call=True)]
@@ -202,7 +195,7 @@ def install(patcher: Patcher, module: ModuleType | None) -> str:
         raise PatchUnavailable(f"{module.__name__} has no {', '.join(missing)}")
     for name in names:
         if name in GENERATORS:
-            patcher.wrap(module, name, _generate(GENERATORS[name]))
+            patcher.wrap(module, name, _generate(GENERATORS[name], patcher.provided["gdn"]))
         elif name == "build_ddtree_tree":
             patcher.wrap(module, name, record_tree)
         else:
@@ -213,9 +206,11 @@ def install(patcher: Patcher, module: ModuleType | None) -> str:
 PATCH = Patch(
     id=ID,
     targets=tuple(f"{m}:{n}" for m in MODULES for n in WRAPPED[m]),
-    versions={"transformers": _gdn_versions()},
+    versions={"transformers": VERSIONS},
     reason="the authors' tree verification and cache rollback are wrong on hybrid GDN targets (mask ignored, "
-    "states not croppable): verify with gdn_tree, commit the accepted path",
+    "states not croppable): verify with the engine's tree-exact GDN, commit the accepted path",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
     imports=MODULES,
+    needs=("gdn",),
 )

@@ -13,8 +13,7 @@ from __future__ import annotations
 import time
 from types import ModuleType
 
-from ..registry import Patch, Patcher, PatchUnavailable
-from . import UPSTREAM_PACKAGE
+from ..core import UPSTREAM, UPSTREAM_PACKAGE, Patch, Patcher, PatchUnavailable
 
 ID = "upstream-cuda-timer"
 MODULES = (f"{UPSTREAM_PACKAGE}.dflash", f"{UPSTREAM_PACKAGE}.ddtree")
@@ -44,6 +43,7 @@ PATCH = Patch(
     versions={"torch": ">=2.0"},
     reason="the authors' cuda_time() calls torch.cuda.synchronize(), which raises on CPU-only torch",
     install=install,
+    for_engines=frozenset({UPSTREAM}),
     condition=cuda_unavailable,
     condition_doc="torch.cuda.is_available() is False",
     imports=MODULES,

@@ -217,7 +217,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
         with timer.stage("commit"):
             choice = _choose(logits, temperature, generator)
             w = walk(tree, choice)  # the round's one host read
-            session.commit(tree, w.path, w.path_list)
+            session.commit(tree, w.path)
             if feats is not None:
                 feats = feats[:, w.path]
             new, root = w.tokens, w.next_root

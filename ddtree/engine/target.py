@@ -8,28 +8,18 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from ddtree.engine import attention
+from ddtree.engine import attention, gdn
+from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.tree import DraftTree, tree_attention_mask
 from ddtree.errors import ConfigError
 
-# Families whose caches hold recurrent state. qwen3_5/qwen3_next GDN layers are made
-# tree-exact by compat.gdn_tree; the others are refused for multi-token trees.
-GDN_MODEL_TYPES = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
-UNSUPPORTED_STATEFUL = {
-    "falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2", "lfm2", "lfm2_moe", "lfm2_vl",
-    "jamba", "bamba", "zamba", "zamba2", "falcon_mamba", "recurrent_gemma", "rwkv", "minimax", "olmo_hybrid",
-}
-
-
-def model_type(model: PreTrainedModel) -> str:
-    cfg = model.config
-    text = getattr(cfg, "text_config", None)
-    return getattr(text, "model_type", None) or cfg.model_type
+__all__ = ["PreallocatedLayer", "TargetSession", "check_target_supported", "context_features", "model_type",
+           "new_cache"]
 
 
 def check_target_supported(model_type_name: str, method: str) -> None:
     """Refuse families whose verification would be silently wrong (before any generation)."""
-    if method != "ar" and model_type_name in UNSUPPORTED_STATEFUL:
+    if not supports(model_type_name, method):
         raise ConfigError(
             "method", f"{method} on a '{model_type_name}' target is not supported: its recurrent layers cannot "
             "verify a draft tree or roll back rejected tokens exactly", "use method=ar for this model family")
@@ -143,13 +133,10 @@ class TargetSession:
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
         self.mtype = model_type(model)
-        self.gdn = self.mtype in GDN_MODEL_TYPES
+        self.gdn = family(self.mtype).gdn
         if self.gdn:
-            from compat import gdn_tree
-
-            gdn_tree.install()  # idempotent; inert outside a tree_verification context
-            self._gdn = gdn_tree
-            _rebind_hooked_forwards(model, tuple(gdn_tree.target_classes()))
+            gdn.install()  # idempotent; inert outside a tree_verification context
+            _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
 
     def check_method(self, method: str) -> None:
         """Refuse a multi-token method when the cache holds linear-attention state no patch verifies exactly."""
@@ -194,15 +181,12 @@ class TargetSession:
                 else:
                     mask = tree_attention_mask(tree, self.length, self.model.dtype)
             if self.gdn and len(tree) > 1:
-                stack.enter_context(self._gdn.tree_verification(tree.parents))
+                stack.enter_context(gdn.tree_verification(tree))
             return self._forward(ids, pos, mask)
 
     @torch.inference_mode()
-    def commit(self, tree: DraftTree, accepted: torch.Tensor, accepted_list: list[int] | None = None) -> None:
-        """Keep the committed prefix plus the accepted path (flat indices, root first); drop the rest.
-
-        accepted_list: the same indices on the host, when the caller has them (saves a device read).
-        """
+    def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
+        """Keep the committed prefix plus the accepted path (flat indices, root first, on the device); drop the rest."""
         n, k = len(tree), accepted.shape[0]
         contiguous = tree.is_chain  # a chain's accepted path is always its first k nodes
         for layer in self.cache.layers:
@@ -221,7 +205,6 @@ class TargetSession:
                 keep = torch.cat([torch.arange(self.length, device=dev), self.length + accepted.to(dev)])
                 layer.keys = layer.keys.index_select(-2, keep)
                 layer.values = layer.values.index_select(-2, keep)
-        if self.gdn:
-            if len(tree) > 1:
-                self._gdn.commit_linear_states(self.cache, accepted_list if accepted_list is not None else accepted)
+        if self.gdn and len(tree) > 1:
+            gdn.commit_linear_states(self.cache, accepted)  # the device path: no host read
         self.length += k

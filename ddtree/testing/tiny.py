@@ -7,22 +7,19 @@ import math
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
+from ddtree.engine.families import family
+
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
 
 
 def tiny_config(model_type: str = "qwen3", vocab_size: int = 128, num_hidden_layers: int = 4, **overrides):
-    """A small config of a real transformers model type."""
-    kw = dict(_COMMON, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers)
-    if model_type in ("qwen3_5_text", "qwen3_5", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe"):
-        # hybrid: 3 GDN layers then 1 full-attention layer, repeated
-        kw.update(layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
-                               for i in range(num_hidden_layers)],
-                  linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-                  linear_value_head_dim=16, linear_conv_kernel_dim=4)
-        if "moe" in model_type or model_type == "qwen3_next":
-            kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=32)
+    """A small config of a real transformers model type (its family's hints from ddtree.engine.families)."""
+    row = family(model_type)
+    kw = dict(_COMMON, vocab_size=vocab_size, num_hidden_layers=num_hidden_layers, **row.tiny)
+    if row.hybrid_every:  # hybrid: linear-attention (GDN) layers, every n-th one full attention
+        kw["layer_types"] = [("full_attention" if (i + 1) % row.hybrid_every == 0 else "linear_attention")
+                             for i in range(num_hidden_layers)]
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)
 

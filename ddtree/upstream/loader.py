@@ -26,6 +26,7 @@ from types import ModuleType
 from typing import Any
 
 from compat import registry
+from compat.core import UPSTREAM
 from compat.patches import UPSTREAM_PACKAGE
 from ddtree.errors import ConfigError
 
@@ -96,10 +97,10 @@ def load_upstream(
     cached = getattr(loaded, "__upstream__", None)
     if isinstance(cached, Upstream) and cached.path == root and _intact(cached):
         if patch:
-            registry.apply(only, skip)
+            apply_patches(only, skip)
         return cached
     purge()
-    entries = registry.apply(only, skip) if patch else []
+    entries = apply_patches(only, skip) if patch else []
 
     package = ModuleType(UPSTREAM_PACKAGE)
     package.__path__ = [str(root)]
@@ -126,6 +127,13 @@ def load_upstream(
     upstream = Upstream(root, ddtree, dflash, model, stubs, entries)
     package.__upstream__ = upstream
     return upstream
+
+
+def apply_patches(only: Iterable[str] | None, skip: Iterable[str] | None) -> list[dict[str, Any]]:
+    """The compat rows for the authors' code, with the engine's tree-exact GDN their GDN row needs."""
+    from ddtree.engine import gdn  # torch + transformers: only once their code is really loaded
+
+    return registry.apply(only, skip, engine=UPSTREAM, provided={"gdn": gdn})
 
 
 def _installed(name: str) -> bool:

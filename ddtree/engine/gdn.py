@@ -1,12 +1,17 @@
-"""Tree-aware Gated DeltaNet for one-pass draft-tree verification, and exact commit.
+"""Tree-exact Gated DeltaNet: verify a whole draft tree in one forward, then commit the accepted path exactly.
 
-Upstream GDN layers (qwen3_5, qwen3_5_moe, qwen3_next) ignore the 4-D tree mask and run
-the flat token order as one chain, so every node whose flat predecessors are not all
-its ancestors gets a wrong conv window and a wrong recurrent state. Inside
-``tree_verification(parents)`` the patched forward computes, for every node, what its
-root-to-node path would compute as a plain sequence after the cached prefix, and leaves
-the cache's conv/recurrent state untouched; ``commit_linear_states(cache, accepted)``
-then moves each GDN layer to the state after prefix + accepted path.
+Upstream GDN layers (qwen3_5, qwen3_5_moe, qwen3_next) ignore the 4-D tree mask and run the flat
+token order as one chain, so every node whose flat predecessors are not all its ancestors gets a
+wrong conv window and a wrong recurrent state. Inside ``tree_verification(tree)`` the patched
+forward computes, for every node, what its root-to-node path would compute as a plain sequence after
+the cached prefix, and leaves the cache's conv/recurrent state untouched;
+``commit_linear_states(cache, accepted)`` then moves each GDN layer to the state after prefix +
+accepted path. `TargetSession` installs the forward wrapper itself (engine correctness, not a compat
+row); it is inert outside a ``tree_verification`` context.
+
+The tree is the engine's `DraftTree`, whose parents, depths and ancestry already sit on the logits'
+device: nothing of it is read back to the host. A parents list (tests, the authors' loops through
+the upstream-gdn-tree compat patch) is validated on the host and turned into one.
 
 The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
 
@@ -26,10 +31,8 @@ Two interchangeable ways to get delta for every node:
   (I + A) delta = beta*v - W S_0 with A_ij = beta_i k_i.k_j exp(c_i - c_j) for j a
   strict ancestor of i. Flat order puts parents first, so A is strictly lower
   triangular and a node's rows touch only its ancestors: each row solves its own path.
-* ``"recurrent"``: the recurrence above, one batched step per depth level.
-
-``compat`` must not import the ``ddtree`` engine; torch and transformers are imported where used,
-so reading VERSIONS / REASON (the registry's table) stays cheap.
+* ``"recurrent"``: the recurrence above, one batched step per depth level (every node computed,
+  the level's nodes kept: no host-side level lists).
 """
 
 from __future__ import annotations
@@ -38,35 +41,32 @@ import contextlib
 import contextvars
 import copy
 import importlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+import torch
+import torch.nn.functional as F
 import wrapt
+from transformers.activations import ACT2FN
 
-if TYPE_CHECKING:
-    import torch
+from ddtree.engine.families import gdn_classes
+from ddtree.engine.tree import DraftTree
 
 # Verified (tests/test_gdn_tree.py passes) on 5.21.0, 5.21.1, 5.22.0, 5.23.0 and 5.24.0. 5.20 has no
 # Cache.get_conv_state; 5.21-5.23 call the cache argument `cache_params`, 5.24 renames it `cache` and
 # keeps the old name as an alias until 5.40, where the signature changes again.
 VERSIONS = ">=5.21,<5.40"
-REASON = ("Gated DeltaNet layers ignore the tree attention mask; verify each draft-tree node against "
-          "its own ancestors and commit the linear-attention states of the accepted path exactly")
 
 METHODS = ("chunk", "recurrent")
 DEFAULT_METHOD = "chunk"
 
-# (module, qualname) of every GDN forward this patch wraps; all share one structure.
-TARGETS: tuple[tuple[str, str], ...] = (
-    ("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet.forward"),
-    ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet.forward"),
-    ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet.forward"),
-)
+# (module, qualname) of every GDN forward wrapped; all share one structure. From the family table.
+TARGETS: tuple[tuple[str, str], ...] = tuple((path.split(":")[0], path.split(":")[1] + ".forward")
+                                             for path in gdn_classes())
 
 _PENDING_ATTR = "_ddtree_gdn_tree_pending"
 
-# The patch registry's record: class -> the original forward it replaced.
+# class -> the original forward it replaced: what uninstall() puts back.
 _ORIGINAL_FORWARDS: dict[type, object] = {}
 
 
@@ -111,107 +111,92 @@ def is_installed() -> bool:
 
 
 @dataclass
-class _TreeTables:
-    """Index tables of one tree on one device."""
-
-    ancestry: torch.Tensor  # (T, T) float32, [i, j] = 1 where j is i or an ancestor of i, else 0
-    levels: list[torch.Tensor]  # node indices per depth
-    parent_slot: list[torch.Tensor]  # per depth >= 1: position of each node's parent in the previous level
-    conv_index: dict[int, torch.Tensor] = field(default_factory=dict)  # kernel size -> (T, K) gather index
-
-
 class _Tree:
-    def __init__(self, parents: torch.Tensor, method: str):
-        import torch
+    """One tree under verification: the DraftTree's device tensors, copied once per other device (device map)."""
 
-        if method not in METHODS:
-            raise ValueError(f"tree_verification(method={method!r}): expected one of {METHODS}")
-        if not isinstance(parents, torch.Tensor) or parents.ndim != 1 or parents.numel() == 0:
-            raise ValueError("tree_verification(parents): a non-empty 1-D LongTensor of parent indices is required")
-        plist = [int(p) for p in parents.tolist()]
-        if plist[0] != -1 or any(not 0 <= p < i for i, p in enumerate(plist) if i > 0):
-            raise ValueError("tree_verification(parents): parents[0] must be -1 (the root) and "
-                             "0 <= parents[i] < i for every other node (parents precede children)")
-        self.parents = plist
-        self.method = method
-        self.size = len(plist)
-        depth = [0] * self.size
-        for i in range(1, self.size):
-            depth[i] = depth[plist[i]] + 1
-        self.depth = depth
-        self._tables: dict[torch.device, _TreeTables] = {}
+    draft: DraftTree
+    method: str
+    host_parents: list[int] | None = None  # known when built from a parents list: commit checks paths against it
+    _on: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict)
 
-    def tables(self, device: torch.device) -> _TreeTables:
-        found = self._tables.get(device)
+    @property
+    def size(self) -> int:
+        return len(self.draft)
+
+    @property
+    def depth_bound(self) -> int:
+        bound = self.draft.depth_bound
+        return bound if bound is not None else int(self.draft.depths.max())
+
+    def _cached(self, name: str, device: torch.device, build) -> torch.Tensor:
+        found = self._on.get((name, device))
         if found is None:
-            found = self._tables[device] = self._build_tables(device)
+            found = self._on[(name, device)] = build().to(device)
         return found
 
-    def _build_tables(self, device: torch.device) -> _TreeTables:
-        import torch
+    def ancestry(self, device: torch.device) -> torch.Tensor:
+        """(T, T) float32, [i, j] = 1 where j is i or an ancestor of i, else 0."""
+        return self._cached("ancestry", device, lambda: self.draft.ancestor_matrix().float())
 
-        n, plist, depth = self.size, self.parents, self.depth
-        ancestors: list[list[int]] = []  # ancestors-or-self of each node, built from its parent's list
-        for i in range(n):
-            ancestors.append((ancestors[plist[i]] if i else []) + [i])
-        rows = [i for i in range(n) for _ in ancestors[i]]
-        cols = [j for i in range(n) for j in ancestors[i]]
-        anc = torch.zeros(n, n, dtype=torch.float32)
-        anc[rows, cols] = 1.0
-        by_depth: list[list[int]] = [[] for _ in range(max(depth) + 1)]
-        slot = [0] * n
-        for i in range(n):
-            slot[i] = len(by_depth[depth[i]])
-            by_depth[depth[i]].append(i)
-        levels = [torch.tensor(nodes, dtype=torch.long, device=device) for nodes in by_depth]
-        parent_slot = [torch.tensor([slot[plist[i]] for i in nodes], dtype=torch.long, device=device)
-                       for nodes in by_depth[1:]]
-        return _TreeTables(ancestry=anc.to(device),
-                           levels=levels, parent_slot=[torch.empty(0, dtype=torch.long, device=device)] + parent_slot)
+    def depths(self, device: torch.device) -> torch.Tensor:
+        return self._cached("depths", device, lambda: self.draft.depths)
+
+    def parents(self, device: torch.device) -> torch.Tensor:
+        return self._cached("parents", device, lambda: self.draft.parents.clamp(min=0))
 
     def conv_index(self, kernel: int, device: torch.device) -> torch.Tensor:
-        """(T, K) index into [conv state (K columns) ++ tree inputs]: node i's causal window, oldest first."""
-        import torch
+        """(T, K) index into [conv state (K columns) ++ tree inputs]: node i's causal window, oldest first.
 
-        tables = self.tables(device)
-        found = tables.conv_index.get(kernel)
-        if found is None:
-            rows = []
-            for i in range(self.size):
-                window, node, reach = [], i, 0
-                for _ in range(kernel):
-                    if node >= 0:
-                        window.append(kernel + node)
-                        node = self.parents[node]
-                    else:  # past the root: the prefix tail held in the conv state
-                        reach += 1
-                        window.append(kernel - reach)
-                rows.append(window[::-1])
-            found = tables.conv_index[kernel] = torch.tensor(rows, dtype=torch.long, device=device)
-        return found
+        Hop h of node i is its h-th ancestor while h <= depth(i), then the prefix tail held in the conv state.
+        """
+        def build() -> torch.Tensor:
+            aidx, depth = self.draft.ancestor_index(), self.draft.depths  # aidx[:, h]: h-th ancestor (root repeats)
+            hops = torch.arange(kernel, device=depth.device)
+            ancestor = aidx[:, hops.clamp(max=aidx.shape[1] - 1)]  # (T, K)
+            past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
+            window = torch.where(past <= 0, kernel + ancestor, kernel - past)
+            return window.flip(1)
+
+        return self._cached(f"conv{kernel}", device, build)
+
+
+def _tree_of(tree: DraftTree | torch.Tensor | Sequence[int], method: str) -> _Tree:
+    if method not in METHODS:
+        raise ValueError(f"tree_verification(method={method!r}): expected one of {METHODS}")
+    if isinstance(tree, DraftTree):
+        return _Tree(tree, method)
+    if isinstance(tree, torch.Tensor) and tree.ndim != 1:
+        raise ValueError("tree_verification(parents): a non-empty 1-D LongTensor of parent indices is required")
+    plist = [int(p) for p in (tree.tolist() if isinstance(tree, torch.Tensor) else tree)]
+    if not plist or plist[0] != -1 or any(not 0 <= p < i for i, p in enumerate(plist) if i > 0):
+        raise ValueError("tree_verification(parents): parents[0] must be -1 (the root) and "
+                         "0 <= parents[i] < i for every other node (parents precede children)")
+    depth = [0] * len(plist)
+    for i in range(1, len(plist)):
+        depth[i] = depth[plist[i]] + 1
+    n = len(plist)
+    draft = DraftTree(tokens=torch.zeros(n, dtype=torch.long), parents=torch.tensor(plist, dtype=torch.long),
+                      depths=torch.tensor(depth, dtype=torch.long), is_chain=plist == list(range(-1, n - 1)),
+                      depth_bound=max(depth))
+    return _Tree(draft, method, host_parents=plist)
 
 
 _ACTIVE: contextvars.ContextVar[_Tree | None] = contextvars.ContextVar("ddtree_gdn_tree", default=None)
 
 
 @contextlib.contextmanager
-def tree_verification(parents: torch.Tensor, method: str = DEFAULT_METHOD) -> Iterator[None]:
+def tree_verification(tree: DraftTree | torch.Tensor | Sequence[int], method: str = DEFAULT_METHOD) -> Iterator[None]:
     """While active, patched GDN forwards treat their input as the flat tree [root] + nodes.
 
-    parents[i] is the flat index of node i's parent, -1 for the root (index 0).
+    tree: the engine's DraftTree (its tensors are used where they are, no host read), or the parents
+    (parents[i] the flat index of node i's parent, -1 for the root at index 0), validated on the host.
     method: "chunk" (ancestor-masked single chunk) or "recurrent" (one step per depth).
     """
-    token = _ACTIVE.set(_Tree(parents, method))
+    token = _ACTIVE.set(_tree_of(tree, method))
     try:
         yield
     finally:
         _ACTIVE.reset(token)
-
-
-def active_tree_size() -> int | None:
-    """Number of tokens of the tree being verified, None outside tree_verification."""
-    tree = _ACTIVE.get()
-    return None if tree is None else tree.size
 
 
 # --------------------------------------------------------------------------- patched forward
@@ -243,8 +228,6 @@ def _forward_wrapper(wrapped, instance, args, kwargs):
 
 def _project(module, hidden_states: torch.Tensor):
     """Conv input (B, T, C), gate z (B, T, Hv, dv), b and a (B, T, Hv) of one GDN module."""
-    import torch
-
     bsz, seq_len, _ = hidden_states.shape
     if hasattr(module, "in_proj_qkvz"):  # qwen3_next: fused, head-interleaved projections
         query, key, value, z, b, a = module.fix_query_key_value_ordering(
@@ -261,10 +244,6 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tree: _Tree) -> torch.Tensor:
-    import torch
-    import torch.nn.functional as F
-    from transformers.activations import ACT2FN
-
     bsz, seq_len, _ = hidden_states.shape
     if seq_len != tree.size:
         raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) got {seq_len} tokens under "
@@ -322,8 +301,6 @@ def _tree_delta_rule(query, key, value, g, beta, initial_state, tree: _Tree):
     Returns output (B, Hv, T, dv) fp32 and, for commit, keys (B, Hv, T, dk), deltas (B, Hv, T, dv)
     and path-cumulative log decay (B, Hv, T), all fp32.
     """
-    import torch
-
     num_v_heads, num_k_heads = value.shape[2], key.shape[2]
     if num_v_heads != num_k_heads:  # each q/k head serves consecutive value heads
         query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
@@ -333,12 +310,11 @@ def _tree_delta_rule(query, key, value, g, beta, initial_state, tree: _Tree):
     key = _l2norm(key)
     bsz, heads, seq_len, dk = key.shape
     dv = value.shape[-1]
-    tables = tree.tables(key.device)
     if initial_state is None:
         state0 = key.new_zeros(bsz, heads, dk, dv)
     else:
         state0 = initial_state.to(key)
-    ancestry = tables.ancestry
+    ancestry = tree.ancestry(key.device)
     cum = g @ ancestry.transpose(0, 1)  # (B, H, T): sum of g over root..i
 
     if tree.method == "chunk":
@@ -353,18 +329,20 @@ def _tree_delta_rule(query, key, value, g, beta, initial_state, tree: _Tree):
         core = (query * cum.exp().unsqueeze(-1)) @ state0 + ((query @ key.transpose(-1, -2)) * gap) @ deltas
         return core, key, deltas, cum
 
-    core = torch.empty_like(value)
-    deltas = torch.empty_like(value)
-    states = state0.unsqueeze(2)  # (B, H, nodes of the previous level, dk, dv)
-    for depth, nodes in enumerate(tables.levels):
-        parent_states = states if depth == 0 else states[:, :, tables.parent_slot[depth]]
-        k_t, q_t = key[:, :, nodes], query[:, :, nodes]
-        decayed = parent_states * g[:, :, nodes].exp()[..., None, None]
-        predicted = (decayed * k_t.unsqueeze(-1)).sum(-2)
-        delta = (value[:, :, nodes] - predicted) * beta[:, :, nodes].unsqueeze(-1)
-        states = decayed + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        core[:, :, nodes] = (states * q_t.unsqueeze(-1)).sum(-2)
-        deltas[:, :, nodes] = delta
+    depths, parents = tree.depths(key.device), tree.parents(key.device)
+    core = torch.zeros_like(value)
+    deltas = torch.zeros_like(value)
+    states = state0.unsqueeze(2).expand(bsz, heads, seq_len, dk, dv).contiguous()  # S after each node, so far
+    for depth in range(tree.depth_bound + 1):
+        here = depths == depth
+        parent_states = state0.unsqueeze(2) if depth == 0 else states[:, :, parents]
+        decayed = parent_states * g.exp()[..., None, None]
+        predicted = (decayed * key.unsqueeze(-1)).sum(-2)
+        delta = (value - predicted) * beta.unsqueeze(-1)
+        new = decayed + key.unsqueeze(-1) * delta.unsqueeze(-2)
+        states = torch.where(here[:, None, None], new, states)
+        core = torch.where(here[:, None], (new * query.unsqueeze(-1)).sum(-2), core)
+        deltas = torch.where(here[:, None], delta, deltas)
     return core, key, deltas, cum
 
 
@@ -406,14 +384,13 @@ class _Pending:
                                "between verification and commit (a forward ran on this cache in between?)")
 
 
-def commit_linear_states(cache, accepted: torch.Tensor) -> None:
+def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int]) -> None:
     """Set every GDN layer verified under the last tree_verification to prefix + accepted path.
 
-    accepted: flat indices of the accepted path, root first (e.g. [0], or [0, 3, 7]).
-    Attention layers are not touched (compacting their K/V is the caller's job).
+    accepted: flat indices of the accepted path, root first (e.g. [0], or [0, 3, 7]). A tree given as
+    parents checks that it is a root-to-node path; the engine's DraftTree trusts its walk and keeps a
+    device tensor where it is (no host read). Attention layers are not touched (their K/V is the caller's).
     """
-    import torch
-
     pending: dict[int, _Pending] | None = cache.__dict__.get(_PENDING_ATTR)
     linear = [i for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")]
     if not pending:
@@ -429,10 +406,7 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
     if len(trees) != 1:
         raise RuntimeError("commit_linear_states: GDN layers were verified under different trees")
     tree = next(iter(pending.values())).tree
-    path = [int(i) for i in torch.as_tensor(accepted).reshape(-1).tolist()]
-    if not path or path[0] != 0 or any(not 0 <= i < tree.size for i in path) or any(
-            tree.parents[path[n]] != path[n - 1] for n in range(1, len(path))):
-        raise ValueError(f"commit_linear_states: accepted={path} is not a root-to-node path of the verified tree")
+    index = _checked_path(tree, accepted)
     for layer_idx, rec in pending.items():
         rec.check_unchanged(cache.layers[layer_idx], layer_idx)
     del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
@@ -441,16 +415,28 @@ def commit_linear_states(cache, accepted: torch.Tensor) -> None:
         # in-place writes into inference tensors are only allowed in inference mode
         inference = (rec.conv_ref if rec.conv_ref is not None else rec.keys).is_inference()
         with torch.no_grad(), torch.inference_mode(inference):
-            _commit_layer(cache, layer_idx, rec, path)
+            _commit_layer(cache, layer_idx, rec, index)
 
 
-def _commit_layer(cache, layer_idx: int, rec: _Pending, path: list[int]) -> None:
-    import torch
+def _checked_path(tree: _Tree, accepted: torch.Tensor | Sequence[int]) -> torch.Tensor:
+    """The accepted path as a long tensor; a path of a parents-built tree is checked on the host."""
+    if isinstance(accepted, torch.Tensor) and tree.host_parents is None:
+        if accepted.ndim != 1 or not 1 <= accepted.shape[0] <= tree.depth_bound + 1:
+            raise ValueError(f"commit_linear_states: accepted of shape {tuple(accepted.shape)} is not a root-to-node "
+                             f"path of the verified {tree.size}-token tree")
+        return accepted.long()
+    path = [int(i) for i in (accepted.reshape(-1).tolist() if isinstance(accepted, torch.Tensor) else accepted)]
+    parents = tree.host_parents
+    if not path or path[0] != 0 or any(not 0 <= i < tree.size for i in path) or (
+            parents is not None and any(parents[path[n]] != path[n - 1] for n in range(1, len(path)))):
+        raise ValueError(f"commit_linear_states: accepted={path} is not a root-to-node path of the verified tree")
+    return torch.tensor(path, dtype=torch.long)
 
-    index = torch.tensor(path, dtype=torch.long, device=rec.keys.device)
-    last = path[-1]
+
+def _commit_layer(cache, layer_idx: int, rec: _Pending, path: torch.Tensor) -> None:
+    index = path.to(rec.keys.device)
     # S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j) k_j delta_j^T
-    cum_last = rec.cum[:, :, last]  # (B, H)
+    cum_last = rec.cum.index_select(2, index[-1:]).squeeze(2)  # (B, H)
     weights = (cum_last.unsqueeze(-1) - rec.cum[:, :, index]).exp()  # (B, H, L)
     new_state = (rec.keys[:, :, index] * weights.unsqueeze(-1)).transpose(-1, -2) @ rec.deltas[:, :, index]
     accepted_inputs = rec.conv_inputs[:, :, index.to(rec.conv_inputs.device)]

@@ -1,0 +1,99 @@
+"""What ddtree knows about each model family, in one table keyed by `model_type` (Liger-Kernel style).
+
+A family absent from the table is treated as pure attention: every method, checked at run time
+by `TargetSession.check_method` (a cache with linear-attention layers no row covers is refused).
+
+    family("qwen3_5_text").gdn          # True: tree-exact Gated DeltaNet (ddtree.engine.gdn)
+    supports("mamba2", "ddtree")        # False: recurrent layers, no exact tree verification
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+ALL_METHODS = ("ar", "dflash", "ddtree")
+AR_ONLY = ("ar",)
+
+# Embedding access: how the authors' code reaches the target's embeddings / head on this family.
+DIRECT = "direct"  # target.model.embed_tokens and target.lm_head exist
+NESTED = "nested"  # a multimodal wrapper nests the text model; compat's embedding-access patch resolves it
+
+# Tiny-config hints (ddtree.testing.tiny): a hybrid's linear-attention geometry, a MoE's experts.
+_HYBRID_TINY = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4)
+_MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model_type. `gdn_class`: "module:Class" of its Gated DeltaNet layer when it has one."""
+
+    model_type: str
+    methods: tuple[str, ...] = ALL_METHODS
+    gdn_class: str | None = None
+    embedding_access: str = DIRECT
+    wrapper_class: str | None = None  # "module:Class" of the nesting wrapper model, when NESTED
+    tiny: Mapping[str, Any] = field(default_factory=dict)  # config overrides a tiny test model needs
+    hybrid_every: int = 0  # tiny hybrids: every n-th layer is full attention, the others linear (0: no GDN)
+
+    @property
+    def gdn(self) -> bool:
+        return self.gdn_class is not None
+
+
+_QWEN3_5_GDN = "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5GatedDeltaNet"
+_QWEN3_5_MOE_GDN = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeGatedDeltaNet"
+_QWEN3_NEXT_GDN = "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3NextGatedDeltaNet"
+
+# Recurrent-state families whose layers cannot verify a tree or roll back rejected tokens exactly.
+_AR_ONLY_TYPES = ("falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2", "lfm2", "lfm2_moe", "lfm2_vl",
+                  "jamba", "bamba", "zamba", "zamba2", "falcon_mamba", "recurrent_gemma", "rwkv", "minimax",
+                  "olmo_hybrid")
+
+_ROWS: tuple[Family, ...] = (
+    Family("qwen3"),
+    Family("llama"),
+    Family("gemma2"),
+    Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4),
+    Family("qwen3_5", gdn_class=_QWEN3_5_GDN, embedding_access=NESTED, tiny=_HYBRID_TINY, hybrid_every=4,
+           wrapper_class="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model"),
+    Family("qwen3_5_moe_text", gdn_class=_QWEN3_5_MOE_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4),
+    Family("qwen3_5_moe", gdn_class=_QWEN3_5_MOE_GDN, embedding_access=NESTED, tiny={**_HYBRID_TINY, **_MOE_TINY},
+           hybrid_every=4, wrapper_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel"),
+    Family("qwen3_next", gdn_class=_QWEN3_NEXT_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4),
+    Family("qwen3_vl", embedding_access=NESTED,
+           wrapper_class="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel"),
+    Family("qwen3_vl_moe", embedding_access=NESTED,
+           wrapper_class="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel"),
+    # a wrapper whose head lives on a nested causal LM (target.lm_head -> language_model.lm_head)
+    Family("nemotron_h_omni", methods=AR_ONLY, embedding_access=NESTED,
+           wrapper_class="transformers.models.nemotron_h_omni.modeling_nemotron_h_omni:NemotronH_Omni_Reasoning_V3"),
+    *(Family(name, methods=AR_ONLY) for name in _AR_ONLY_TYPES),
+)
+
+FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in _ROWS})
+_ATTENTION_ONLY = Family("")  # an unknown model_type: pure attention until the cache says otherwise
+
+
+def family(model_type: str) -> Family:
+    """The table row of `model_type`; an unknown type gets every method (checked again at run time)."""
+    return FAMILIES.get(model_type, _ATTENTION_ONLY)
+
+
+def model_type(model: Any) -> str:
+    """The text model's model_type (a multimodal wrapper's `text_config`, else the config's own)."""
+    cfg = model.config
+    text = getattr(cfg, "text_config", None)
+    return getattr(text, "model_type", None) or cfg.model_type
+
+
+def supports(model_type: str, method: str) -> bool:
+    return method in family(model_type).methods
+
+
+def gdn_classes() -> tuple[str, ...]:
+    """"module:Class" of every Gated DeltaNet layer the table names, each once, in table order."""
+    return tuple(dict.fromkeys(row.gdn_class for row in _ROWS if row.gdn_class))

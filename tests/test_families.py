@@ -1,0 +1,76 @@
+"""The model-family table (ddtree.engine.families) agrees with the code and with transformers."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+from transformers import CONFIG_MAPPING
+from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
+
+from compat.patches import embedding_access
+from ddtree.engine import families, gdn
+from ddtree.engine.families import ALL_METHODS, FAMILIES, NESTED, family, model_type
+from ddtree.engine.target import check_target_supported
+from ddtree.errors import ConfigError
+from ddtree.testing.tiny import tiny_config, tiny_model
+
+
+def _load(path: str) -> type:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def test_every_row_is_a_transformers_model_type_with_known_methods():
+    for name, row in FAMILIES.items():
+        assert name == row.model_type and name in CONFIG_MAPPING, name
+        assert row.methods and set(row.methods) <= set(ALL_METHODS) and row.methods[0] == "ar", name
+        assert (row.embedding_access == NESTED) == (row.wrapper_class is not None), name
+
+
+def test_gdn_rows_are_the_classes_the_gdn_module_wraps():
+    assert {cls for cls in gdn.target_classes()} == {_load(p) for p in families.gdn_classes()}
+    assert len(gdn.TARGETS) == len(families.gdn_classes())
+
+
+@pytest.mark.parametrize("name", [n for n, r in FAMILIES.items() if r.tiny and n.endswith(("_text", "_next"))])
+def test_tiny_hybrids_have_the_table_gdn_class_and_linear_cache_layers(name):
+    model = tiny_model(name, num_hidden_layers=4)
+    row = family(model_type(model))
+    assert row.gdn and any(isinstance(m, _load(row.gdn_class)) for m in model.modules())
+    assert any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=model.config).layers)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama", "gemma2"])
+def test_attention_rows_have_no_linear_cache_layers(name):
+    cfg = tiny_config(name)
+    assert not family(name).gdn and family(name).methods == ALL_METHODS
+    assert not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=cfg).layers)
+
+
+def test_ar_only_rows_are_refused_for_tree_methods_and_unknown_types_are_not():
+    ar_only = [n for n, r in FAMILIES.items() if r.methods == ("ar",)]
+    assert "mamba2" in ar_only and "falcon_h1" in ar_only
+    for name in ar_only:
+        check_target_supported(name, "ar")
+        with pytest.raises(ConfigError, match=name):
+            check_target_supported(name, "ddtree")
+    check_target_supported("some_future_model", "ddtree")  # unknown: the cache is checked at run time
+
+
+def test_nested_embedding_rows_are_the_classes_compat_resolves():
+    """compat may not import the engine, so its embedding-access patch keeps its own class list: the same one."""
+    compat_classes = {f"{module}:{cls}" for module, cls, _ in embedding_access.CLASSES}
+    table = {r.wrapper_class for r in FAMILIES.values() if r.embedding_access == NESTED}
+    assert compat_classes == table
+
+
+def test_model_type_reads_a_wrappers_text_config():
+    from transformers import Qwen3_5Config
+
+    cfg = Qwen3_5Config(text_config=tiny_config("qwen3_5_text", vocab_size=12).to_dict())
+
+    class Wrapped:
+        config = cfg
+
+    assert model_type(Wrapped()) == "qwen3_5_text" and family("qwen3_5").gdn
