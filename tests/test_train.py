@@ -433,7 +433,7 @@ def test_acceptance_curve_in_mlflow_and_the_drafter_loads_in_the_run_pipeline(tm
     assert (tmp_path / "curve" / "checkpoints" / best["path"] / "model.safetensors").exists()
 
     # the drafter's config carries what the run pipeline needs: it loads with no drafter override
-    from ddtree.pipeline.job import load_drafter, load_target
+    from ddtree.pipeline.models import load_drafter, load_target
     from ddtree.pipeline.schema import to_run_config
 
     rc = to_run_config(OmegaConf.create({"model": {"name": "mine", "name_or_path": str(_target_dir(tmp_path))},
