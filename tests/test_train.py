@@ -433,7 +433,7 @@ def test_acceptance_curve_in_mlflow_and_the_drafter_loads_in_the_run_pipeline(tm
     assert (tmp_path / "curve" / "checkpoints" / best["path"] / "model.safetensors").exists()
 
     # the drafter's config carries what the run pipeline needs: it loads with no drafter override
-    from ddtree.pipeline.job import load_drafter, load_target
+    from ddtree.pipeline.models import load_drafter, load_target
     from ddtree.pipeline.schema import to_run_config
 
     rc = to_run_config(OmegaConf.create({"model": {"name": "mine", "name_or_path": str(_target_dir(tmp_path))},
@@ -545,28 +545,35 @@ def test_hub_chat_dataset_answers_regenerated_by_the_target(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_two_gloo_processes_train_the_one_process_drafter_with_grad_accum_2(tmp_path: Path):
-    """torchrun --nproc_per_node=2 (CPU, gloo, each rank its own target) == 1 process with optim.grad_accum=2."""
+@pytest.mark.parametrize("features,fsdp", [("offline", False), ("online", False), ("offline", True)])
+def test_two_gloo_processes_train_the_one_process_drafter_with_grad_accum_2(tmp_path: Path, features: str,
+                                                                            fsdp: bool):
+    """torchrun --nproc_per_node=2 (CPU, gloo, each rank its own target; answers regenerated on both ranks)
+    == 1 process with optim.grad_accum=2: the same sequences and the same drafter."""
     import subprocess
     import sys
 
     from ddtree.train.pipeline import run
 
-    run(to_train_config(_pipeline_cfg(tmp_path, "prep", stages=["data", "extract"], **{"tracking.backend": "none"})))
-    for name in ("one", "two"):
-        for part in ("data", "features"):
-            shutil.copytree(tmp_path / "prep" / part, tmp_path / name / part)
-    run(to_train_config(_pipeline_cfg(tmp_path, "one", stages=["train"], **{
-        "tracking.backend": "none", "eval.every": None, "optim.grad_accum": 2})))
+    held_out = tmp_path / "prompts.jsonl"
+    held_out.write_text("".join(json.dumps({"id": f"p{i}", "turns": [f"say {i}" * (1 + i % 3)]}) + "\n"
+                                for i in range(12)))
+    gen = {"data.source": "generate", "data.prompts": str(held_out), "data.max_new_tokens": 10, "data.batch_size": 3}
+    run(to_train_config(_pipeline_cfg(tmp_path, "one", features=features, **{
+        "tracking.backend": "none", "eval.every": None, "optim.grad_accum": 2, **gen})))
     cfg = _pipeline_cfg(tmp_path, "two")
-    args = [f"out_dir={tmp_path / 'two'}", f"target.name_or_path={cfg['target']['name_or_path']}", "stages=[train]",
+    args = [f"out_dir={tmp_path / 'two'}", f"target.name_or_path={cfg['target']['name_or_path']}",
+            f"features={features}", "data.source=generate", f"data.prompts={held_out}", "data.max_new_tokens=10",
+            "data.batch_size=3", "stages=[data,extract,train]", "extract.dtype=float32", "extract.batch_size=4",
             "tracking=none", "device=cpu", "drafter.num_layers=1", "drafter.block_size=4",
             "drafter.target_layer_ids=[1,3]", "extract.shard_size=8", "optim.lr=3e-3", "optim.warmup_steps=2",
             "optim.batch_size=4", "optim.anchors_per_seq=4", "optim.max_steps=6", "optim.log_every=1",
-            "optim.save_every=3", "optim.loss_decay=null", "optim.grad_accum=1"]
+            "optim.save_every=3", "optim.loss_decay=null", "optim.grad_accum=1", f"optim.fsdp={str(fsdp).lower()}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     p = subprocess.run([*torchrun, "-m", "ddtree.train", *args], capture_output=True, text=True, timeout=900,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     assert "x 2 proc" in p.stdout
+    sequences = [(tmp_path / n / "data" / "sequences.jsonl").read_text() for n in ("one", "two")]
+    assert sequences[0] == sequences[1] and (tmp_path / "two" / "data" / "rank1").is_dir()
     _same_weights(tmp_path / "one" / "drafter", tmp_path / "two" / "drafter")

@@ -25,7 +25,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.engine.result import STAGES
-from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import load_dataset_prompts
 from ddtree.pipeline.models import MODELS, cache_key, get_models, load_upstream, model_device, resolve_device
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint

@@ -96,6 +96,7 @@ class OptimConfig:
     save_every: int = 200  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
     seed: int = 0
+    fsdp: bool = False  # several processes: shard the drafter and its optimizer state (FSDP2) instead of DDP
 
 
 @dataclass

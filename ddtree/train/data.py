@@ -127,10 +127,26 @@ def generate_sequences(model, tokenizer, prompts: str | list[Prompt], out_dir: P
                 messages.append({"role": "assistant", "content": text})
             f.flush()
     os.replace(partial, out_dir / SEQUENCES)
-    records = read_sequences(out_dir / SEQUENCES)
-    stats = {"sequences": len(records), "answer_tokens": sum(e - s for r in records for s, e in r["spans"]),
-             "tokens": sum(len(r["input_ids"]) for r in records), "seconds": time.perf_counter() - t0}
-    return stats
+    return {**sequence_stats(read_sequences(out_dir / SEQUENCES)), "seconds": time.perf_counter() - t0}
+
+
+def generation_order(prompt_ids: list[str]) -> Callable[[dict], tuple]:
+    """The sort key of the order generate_sequences writes records in: single-turn prompts by token
+    length then prompt order (its batches), then multi-turn prompts turn by turn."""
+    index = {pid: i for i, pid in enumerate(prompt_ids)}
+
+    def key(rec: dict) -> tuple:
+        if rec["id"] in index:
+            return 0, rec["spans"][0][0], index[rec["id"]], 0
+        pid, _, turn = rec["id"].rpartition("#")  # a multi-turn record is <prompt id>#<turn>
+        return 1, 0, index[pid], int(turn)
+
+    return key
+
+
+def sequence_stats(records: list[dict]) -> dict:
+    return {"sequences": len(records), "answer_tokens": sum(e - s for r in records for s, e in r["spans"]),
+            "tokens": sum(len(r["input_ids"]) for r in records)}
 
 
 def _chat_spans(tokenizer, messages: list[dict]) -> tuple[list[int], list[list[int]]]:

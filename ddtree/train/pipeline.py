@@ -8,8 +8,9 @@
       eval.json                    stage eval
       summary.json                 what this invocation did
 
-Under torchrun (WORLD_SIZE > 1) every rank loads its own target; rank 0 alone runs data, extract
-and eval and records to MLflow, the other ranks wait for it and train with it.
+Under torchrun (WORLD_SIZE > 1) every rank loads its own target; the ranks share the answers to
+regenerate and the training; rank 0 alone extracts, evaluates and records to MLflow, the other
+ranks wait for it.
 """
 
 from __future__ import annotations
@@ -164,6 +165,7 @@ class Session:
 
 
 def stage_data(s: Session) -> None:
+    """Sequences to train on. Regenerated answers are split over the ranks (prompt i on rank i % world)."""
     from ddtree.train.data import generate_sequences, hub_prompts, read_prompts, text_sequences
 
     if s.sequences.exists():
@@ -171,16 +173,38 @@ def stage_data(s: Session) -> None:
         return
     c, t = s.cfg.data, time.perf_counter()
     if c.source == "texts" or (c.source == "hub" and not c.hub.regenerate):
-        stats = text_sequences(s.tokenizer, c.texts, s.out / "data", max_samples=c.max_samples, log=log,
-                               hub=c.hub if c.source == "hub" else None)
-    else:
-        prompts = hub_prompts(c.hub) if c.source == "hub" else read_prompts(c.prompts, "data.prompts")
-        stats = generate_sequences(s.target, s.tokenizer, prompts, s.out / "data", max_samples=c.max_samples,
-                                   max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                                   batch_size=c.batch_size, chat_template=c.chat_template, seed=s.cfg.seed, log=log)
+        if s.world.is_main:
+            stats = text_sequences(s.tokenizer, c.texts, s.out / "data", max_samples=c.max_samples, log=log,
+                                   hub=c.hub if c.source == "hub" else None)
+            s.record("data", {**stats, "seconds": time.perf_counter() - t})
+        return
+    prompts = hub_prompts(c.hub) if c.source == "hub" else read_prompts(c.prompts, "data.prompts")
+    prompts = prompts[:c.max_samples or None]
+    where = s.out / "data" / f"rank{s.world.rank}" if s.world.is_distributed else s.out / "data"
+    stats = generate_sequences(s.target, s.tokenizer, distributed.shard(prompts, s.world), where,
+                               max_new_tokens=c.max_new_tokens, temperature=c.temperature, batch_size=c.batch_size,
+                               chat_template=c.chat_template, seed=s.cfg.seed + s.world.rank, log=log)
+    if s.world.is_distributed:
+        distributed.gather(None, s.world)  # every rank's file is complete
+        if not s.world.is_main:
+            return
+        stats = merge_rank_sequences(s.out / "data", s.world.world_size, [p.id for p in prompts])
     stats["seconds"] = time.perf_counter() - t
     s.record("data", stats)
     log(f"data: {stats}")
+
+
+def merge_rank_sequences(data_dir: Path, world_size: int, prompt_ids: list[str]) -> dict:
+    """data/rank*/sequences.jsonl as one data/sequences.jsonl in the order one process writes them
+    (so the seeded shards, and the drafter, are those of one process)."""
+    from ddtree.train.data import SEQUENCES, generation_order, read_sequences, sequence_stats
+
+    records = sorted((r for k in range(world_size) for r in read_sequences(data_dir / f"rank{k}" / SEQUENCES)),
+                     key=generation_order(prompt_ids))
+    tmp = data_dir / (SEQUENCES + ".merging")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tmp.replace(data_dir / SEQUENCES)
+    return {**sequence_stats(records), "ranks": world_size}
 
 
 def stage_extract(s: Session) -> None:
@@ -249,7 +273,7 @@ def curve_evaluator(s: Session) -> Callable | None:
 
 
 def stage_train(s: Session) -> None:
-    from ddtree.train.trainer import FrozenTarget, train_drafter
+    from ddtree.train.trainer import FrozenTarget, latest_checkpoint, train_drafter
 
     if (s.final / "config.json").exists():
         log(f"train: {s.final} exists, skipped")
@@ -257,8 +281,11 @@ def stage_train(s: Session) -> None:
     stats = train_drafter(s.drafter, FrozenTarget.of(s.target, s.device), feature_source(s), s.cfg.optim, s.out,
                           device=s.device, tracker=s.tracker, log=log, evaluate=curve_evaluator(s),
                           eval_every=s.cfg.eval.every, world=s.world)
-    if s.world.is_main:
-        s.drafter.to("cpu").save_pretrained(s.final)
+    if s.world.is_main:  # the last step's checkpoint is the final drafter (whole, also under FSDP)
+        last = latest_checkpoint(s.out / "checkpoints")
+        s.final.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy2(last / name, s.final / name)
         s.record("train", stats)
         log(f"train: saved {s.final}")
 
@@ -285,7 +312,7 @@ def stage_eval(s: Session) -> None:
 
 STAGE_RUNNERS: dict[str, Callable[[Session], None]] = {
     "data": stage_data, "extract": stage_extract, "train": stage_train, "eval": stage_eval}
-RANK0_STAGES = ("data", "extract", "eval")  # under torchrun the other ranks wait for these
+RANK0_STAGES = ("extract", "eval")  # under torchrun the other ranks wait for these
 
 
 def load_models(s: Session) -> None:

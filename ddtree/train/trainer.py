@@ -11,12 +11,14 @@ values only, so a state file from elsewhere cannot run code). With an evaluation
 decoded every `eval_every` steps; the checkpoint with the best tau is kept and named in `best.json`.
 
 Under torchrun / accelerate launch (WORLD_SIZE > 1) micro-batch m goes to rank m % world, each rank
-has its own frozen target, and gradients are averaged (DistributedDataParallel): world N with
-grad_accum k trains the drafter that one process with grad_accum N*k trains.
+has its own frozen target, and gradients are averaged (DistributedDataParallel, or FSDP with
+optim.fsdp=true): world N with grad_accum k trains the drafter that one process with grad_accum N*k
+trains. Optimizer state is saved whole and keyed by parameter name, so any of these resumes any other.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -134,30 +136,64 @@ def read_trainer_state(path: Path, device: torch.device | str = "cpu") -> dict:
                           f"delete {path.parent} to resume from an earlier checkpoint, or pass force=[train]") from None
 
 
-def resume(ckpt_dir: Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
-           ) -> tuple[TrainState, Path | None]:
-    """The state of the latest checkpoint, loaded into `drafter` and `opt` (a fresh state when there is none)."""
+def resume_weights(ckpt_dir: Path, drafter: torch.nn.Module, device: torch.device
+                   ) -> tuple[TrainState, dict | None, Path | None]:
+    """The latest checkpoint's counters and optimizer state (None without one); its weights go into `drafter`."""
     path = latest_checkpoint(ckpt_dir)
-    state = TrainState()
+    state, optimizer = TrainState(), None
     if path is not None:
         saved = read_trainer_state(path / STATE, device)
         drafter.load_state_dict(load_file(path / "model.safetensors", device=str(device)))
-        opt.load_state_dict(saved["optimizer"])
-        state.step, state.micro = int(saved["step"]), int(saved["micro"])
+        state.step, state.micro, optimizer = int(saved["step"]), int(saved["micro"]), saved["optimizer"]
     best = ckpt_dir / BEST
     if best.exists():
         b = json.loads(best.read_text())
         state.best_tau, state.best_step = b["tau"], b["step"]
+    return state, optimizer, path
+
+
+def resume(ckpt_dir: Path, drafter: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device
+           ) -> tuple[TrainState, Path | None]:
+    """The state of the latest checkpoint, loaded into `drafter` and `opt` (a fresh state when there is none)."""
+    state, optimizer, path = resume_weights(ckpt_dir, drafter, device)
+    if optimizer is not None:
+        load_optimizer_state(drafter, opt, optimizer)
     return state, path
 
 
-def save_checkpoint(drafter, opt, state: TrainState, ckpt_dir: Path, keep: int) -> Path:
-    """Write step_NNNNNN atomically; keep the newest `keep` checkpoints and the best one."""
+def optimizer_state(drafter: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """The optimizer state keyed by parameter name, whole (FSDP: gathered on every rank; a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(drafter, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(drafter: torch.nn.Module, opt: torch.optim.Optimizer, saved: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(drafter, opt, saved, options=StateDictOptions(full_state_dict=True))
+
+
+def whole_weights(drafter: torch.nn.Module, world: World, cfg: OptimConfig) -> dict[str, torch.Tensor]:
+    """The drafter's weights, whole (FSDP: gathered; a collective every rank calls)."""
+    if not (world.is_distributed and cfg.fsdp):
+        return drafter.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(drafter, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(drafter, opt, state: TrainState, ckpt_dir: Path, keep: int, optimizer: dict | None = None) -> Path:
+    """Write step_NNNNNN atomically; keep the newest `keep` checkpoints and the best one.
+
+    `drafter` is a whole (unsharded) drafter; `optimizer`: its optimizer state when `opt` is sharded.
+    """
     path = ckpt_dir / f"step_{state.step:06d}"
     tmp = ckpt_dir / f".tmp_step_{state.step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     drafter.save_pretrained(tmp)
-    torch.save({"optimizer": opt.state_dict(), "step": state.step, "micro": state.micro}, tmp / STATE)
+    optimizer = optimizer if optimizer is not None else optimizer_state(drafter, opt)
+    torch.save({"optimizer": optimizer, "step": state.step, "micro": state.micro}, tmp / STATE)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
     best = f"step_{state.best_step:06d}" if state.best_step is not None else None
@@ -202,8 +238,21 @@ class LossWindow:
 
 
 def distribute(drafter: torch.nn.Module, cfg: OptimConfig, world: World, device: torch.device) -> torch.nn.Module:
-    """The module to call: the drafter itself, or its data-parallel wrapper (gradients averaged over ranks)."""
+    """The module to call: the drafter itself, or its data-parallel wrapper (gradients averaged over ranks).
+
+    optim.fsdp shards the drafter's parameters, gradients and optimizer state over the ranks in place
+    (FSDP2, each decoder layer and the rest): for a drafter whose AdamW state does not fit one device.
+    """
     if not world.is_distributed:
+        return drafter
+    if cfg.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world.world_size,))
+        for layer in drafter.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(drafter, mesh=mesh)
         return drafter
     from torch.nn.parallel import DistributedDataParallel
 
@@ -220,10 +269,14 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
         raise ValueError(f"features hold target layers {source.target_layer_ids}, the drafter reads "
                          f"{drafter.target_layer_ids}")
     drafter.to(device).train()
-    opt = make_optimizer(drafter, cfg)
     ckpt_dir = out_dir / "checkpoints"
-    state, resumed = resume(ckpt_dir, drafter, opt, device)
+    state, saved_optimizer, resumed = resume_weights(ckpt_dir, drafter, device)
+    # FSDP shards the drafter in place: rank 0 keeps a whole copy to evaluate and save
+    whole = copy.deepcopy(drafter).cpu() if world.is_distributed and cfg.fsdp and world.is_main else drafter
     model = distribute(drafter, cfg, world, device)
+    opt = make_optimizer(drafter, cfg)  # after sharding: it steps the parameters FSDP made
+    if saved_optimizer is not None:
+        load_optimizer_state(drafter, opt, saved_optimizer)
     per_epoch, total = planned_steps(source, cfg, world)
     if resumed is not None:
         log(f"train: resumed from {resumed.name} (step {state.step}/{total})")
@@ -260,11 +313,13 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
                 log(f"train: step {state.step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} "
                     f"tau~{last['tau_proxy']:.2f} lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
             window = LossWindow()
-        evaluated = evaluate is not None and eval_every and (state.step % eval_every == 0 or state.step == total)
-        if evaluated and world.is_main:
-            curve.append(_evaluate_step(drafter, evaluate, state, tracker, ckpt_dir, log))
-        if world.is_main and (evaluated or state.step % cfg.save_every == 0 or state.step == total):
-            save_checkpoint(drafter, opt, state, ckpt_dir, cfg.keep_checkpoints)
+        evaluated = bool(evaluate is not None and eval_every and (state.step % eval_every == 0 or state.step == total))
+        if evaluated or state.step % cfg.save_every == 0 or state.step == total:
+            optimizer = _gather_whole(drafter, opt, whole, world, cfg)
+            if evaluated and world.is_main:
+                curve.append(_evaluate_step(whole, evaluate, state, tracker, ckpt_dir, device, log))
+            if world.is_main:
+                save_checkpoint(whole, opt, state, ckpt_dir, cfg.keep_checkpoints, optimizer)
     if world.is_distributed:
         import torch.distributed as dist
 
@@ -276,13 +331,24 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
     return summary
 
 
-def _evaluate_step(drafter, evaluate: Evaluator, state: TrainState, tracker, ckpt_dir: Path,
+def _gather_whole(drafter, opt, whole, world: World, cfg: OptimConfig) -> dict | None:
+    """Under FSDP: the weights into rank 0's whole copy, and the whole optimizer state (collectives)."""
+    if not (world.is_distributed and cfg.fsdp):
+        return None
+    weights, optimizer = whole_weights(drafter, world, cfg), optimizer_state(drafter, opt)
+    if world.is_main:
+        whole.load_state_dict(weights)
+    return optimizer
+
+
+def _evaluate_step(drafter, evaluate: Evaluator, state: TrainState, tracker, ckpt_dir: Path, device: torch.device,
                    log: Callable[[str], None]) -> dict[str, float]:
     """Decode the held-out set now, log the metrics at this step, and mark this step best when tau rose."""
-    drafter.eval()
+    home = next(drafter.parameters()).device
+    drafter.to(device).eval()
     with torch.no_grad():
         metrics = evaluate(drafter, state.step)
-    drafter.train()
+    drafter.to(home).train()
     tracker.log_metrics(metrics, step=state.step)
     tau = metrics["tau"]
     if state.best_tau is None or tau > state.best_tau:
