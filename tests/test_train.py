@@ -221,7 +221,7 @@ def test_hydra_config_composes():
         for overrides in (["target.name_or_path=x", "tracking=none"], ["train/experiment=toy"]):
             cfg = compose("train", overrides=overrides)
             tc = to_train_config({k: v for k, v in cfg.items() if k != "hydra"} | {"stages": ["train"]})
-            assert tc.out_dir
+            assert tc.out_dir and tc.tracking.experiment == "ddtree-train"  # the shared group, train's experiment
 
 
 def _tiny_tokenizer():

@@ -259,6 +259,47 @@ def distribute(drafter: torch.nn.Module, cfg: OptimConfig, world: World, device:
     return DistributedDataParallel(drafter, device_ids=[device.index] if device.type == "cuda" else None)
 
 
+@dataclass
+class Training:
+    """A training run set up to take steps: the module to call, its optimizer, and rank 0's whole drafter."""
+
+    model: torch.nn.Module  # the drafter, or its DDP wrapper
+    opt: torch.optim.Optimizer
+    whole: torch.nn.Module  # the drafter itself, or under FSDP a whole copy on rank 0
+    state: TrainState
+    resumed: Path | None
+
+
+def prepare(drafter, cfg: OptimConfig, ckpt_dir: Path, world: World, device: torch.device) -> Training:
+    """Resume from the latest checkpoint, wrap for data parallelism, and build the optimizer after it."""
+    drafter.to(device).train()
+    state, saved_optimizer, resumed = resume_weights(ckpt_dir, drafter, device)
+    # FSDP shards the drafter in place: rank 0 keeps a whole copy to evaluate and save
+    whole = copy.deepcopy(drafter).cpu() if world.is_distributed and cfg.fsdp and world.is_main else drafter
+    model = distribute(drafter, cfg, world, device)
+    opt = make_optimizer(drafter, cfg)  # after sharding: it steps the parameters FSDP made
+    if saved_optimizer is not None:
+        load_optimizer_state(drafter, opt, saved_optimizer)
+    return Training(model, opt, whole, state, resumed)
+
+
+def accumulate(drafter, t: Training, target: FrozenTarget, stream, cfg: OptimConfig, device: torch.device,
+               window: LossWindow) -> int:
+    """Forward and backward of grad_accum micro-batches; the index of the last one."""
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    for _ in range(cfg.grad_accum):
+        m, samples = next(stream)
+        batch = make_batch(samples, drafter.block_size, cfg.anchors_per_seq, drafter.mask_token_id,
+                           random.Random(f"anchors-{cfg.seed}-{m}")).to(device)
+        with autocast:
+            hidden = drafter_hidden(drafter, target.embed_weight, batch, call=t.model)
+            loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size,
+                                     cfg.loss_decay, target.lm_head_bias)
+        (loss / cfg.grad_accum).backward()
+        window.add(stats)
+    return m
+
+
 def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: OptimConfig, out_dir: Path, *,
                   device: torch.device | str = "cpu", tracker=None, log: Callable[[str], None] = print,
                   evaluate: Evaluator | None = None, eval_every: int | None = None,
@@ -268,58 +309,39 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
     if list(source.target_layer_ids) != list(drafter.target_layer_ids):
         raise ValueError(f"features hold target layers {source.target_layer_ids}, the drafter reads "
                          f"{drafter.target_layer_ids}")
-    drafter.to(device).train()
     ckpt_dir = out_dir / "checkpoints"
-    state, saved_optimizer, resumed = resume_weights(ckpt_dir, drafter, device)
-    # FSDP shards the drafter in place: rank 0 keeps a whole copy to evaluate and save
-    whole = copy.deepcopy(drafter).cpu() if world.is_distributed and cfg.fsdp and world.is_main else drafter
-    model = distribute(drafter, cfg, world, device)
-    opt = make_optimizer(drafter, cfg)  # after sharding: it steps the parameters FSDP made
-    if saved_optimizer is not None:
-        load_optimizer_state(drafter, opt, saved_optimizer)
+    t = prepare(drafter, cfg, ckpt_dir, world, device)
+    state = t.state
     per_epoch, total = planned_steps(source, cfg, world)
-    if resumed is not None:
-        log(f"train: resumed from {resumed.name} (step {state.step}/{total})")
+    if t.resumed is not None:
+        log(f"train: resumed from {t.resumed.name} (step {state.step}/{total})")
     log(f"train: {sum(source.shard_sizes())} sequences, {per_epoch} micro-batches/epoch, {total} steps "
         f"(batch {cfg.batch_size} x accum {cfg.grad_accum} x {world.world_size} proc, "
         f"{cfg.anchors_per_seq} anchors/seq)")
 
     stream = micro_batches(source, cfg, state.micro, per_epoch, world)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    window, last, curve = LossWindow(), {}, []
-    t_start = time.perf_counter()
+    window, last, t_start = LossWindow(), {}, time.perf_counter()
     while state.step < total:
-        for g in opt.param_groups:
+        for g in t.opt.param_groups:
             g["lr"] = lr_at(state.step, total, cfg)
-        for _ in range(cfg.grad_accum):
-            m, samples = next(stream)
-            batch = make_batch(samples, drafter.block_size, cfg.anchors_per_seq, drafter.mask_token_id,
-                               random.Random(f"anchors-{cfg.seed}-{m}")).to(device)
-            with autocast:
-                hidden = drafter_hidden(drafter, target.embed_weight, batch, call=model)
-                loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size,
-                                         cfg.loss_decay, target.lm_head_bias)
-            (loss / cfg.grad_accum).backward()
-            window.add(stats)
+        m = accumulate(drafter, t, target, stream, cfg, device, window)
         state.micro = (m // world.world_size + 1) * world.world_size  # every rank has consumed its share
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        gnorm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), cfg.grad_clip)
+        t.opt.step()
+        t.opt.zero_grad(set_to_none=True)
         state.step += 1
         if state.step % cfg.log_every == 0 or state.step == total:
             last = {**window.means(), "lr": lr_at(state.step - 1, total, cfg), "grad_norm": float(gnorm)}
             if world.is_main:
-                tracker.log_metrics({f"train/{k}": v for k, v in last.items()}, step=state.step)
-                log(f"train: step {state.step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} "
-                    f"tau~{last['tau_proxy']:.2f} lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
+                _log_step(last, state.step, total, tracker, log)
             window = LossWindow()
         evaluated = bool(evaluate is not None and eval_every and (state.step % eval_every == 0 or state.step == total))
         if evaluated or state.step % cfg.save_every == 0 or state.step == total:
-            optimizer = _gather_whole(drafter, opt, whole, world, cfg)
+            optimizer = _gather_whole(drafter, t.opt, t.whole, world, cfg)
             if evaluated and world.is_main:
-                curve.append(_evaluate_step(whole, evaluate, state, tracker, ckpt_dir, device, log))
+                _evaluate_step(t.whole, evaluate, state, tracker, ckpt_dir, device, log)
             if world.is_main:
-                save_checkpoint(whole, opt, state, ckpt_dir, cfg.keep_checkpoints, optimizer)
+                save_checkpoint(t.whole, t.opt, state, ckpt_dir, cfg.keep_checkpoints, optimizer)
     if world.is_distributed:
         import torch.distributed as dist
 
@@ -329,6 +351,12 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
     if state.best_step is not None:
         summary.update(best_step=state.best_step, best_tau=state.best_tau)
     return summary
+
+
+def _log_step(last: dict[str, float], step: int, total: int, tracker, log: Callable[[str], None]) -> None:
+    tracker.log_metrics({f"train/{k}": v for k, v in last.items()}, step=step)
+    log(f"train: step {step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} tau~{last['tau_proxy']:.2f} "
+        f"lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
 
 
 def _gather_whole(drafter, opt, whole, world: World, cfg: OptimConfig) -> dict | None:
@@ -342,7 +370,7 @@ def _gather_whole(drafter, opt, whole, world: World, cfg: OptimConfig) -> dict |
 
 
 def _evaluate_step(drafter, evaluate: Evaluator, state: TrainState, tracker, ckpt_dir: Path, device: torch.device,
-                   log: Callable[[str], None]) -> dict[str, float]:
+                   log: Callable[[str], None]) -> None:
     """Decode the held-out set now, log the metrics at this step, and mark this step best when tau rose."""
     home = next(drafter.parameters()).device
     drafter.to(device).eval()
@@ -358,4 +386,3 @@ def _evaluate_step(drafter, evaluate: Evaluator, state: TrainState, tracker, ckp
                                                  "path": f"step_{state.step:06d}"}) + "\n")
         tracker.set_tags({"ddtree.best_step": state.step, "ddtree.best_tau": round(tau, 4)})
     log(f"train: step {state.step} eval tau {tau:.3f} (best {state.best_tau:.3f} at step {state.best_step})")
-    return {"step": state.step, **metrics}
