@@ -68,15 +68,19 @@ def deal_into_shards(records: list[dict], shard_size: int, shuffle_seed: int | N
 
 def extract_features(model, records: list[dict], layer_ids: list[int], out_dir: Path, *, shard_size: int = 512,
                      batch_size: int = 8, dtype: torch.dtype = torch.bfloat16, shuffle_seed: int | None = 0,
-                     log: Callable[[str], None] = print) -> dict:
-    """Write every record's features into shards under out_dir (see deal_into_shards); skips shards already there."""
+                     rank: int = 0, world_size: int = 1, log: Callable[[str], None] = print) -> dict | None:
+    """Write every record's features into shards under out_dir (see deal_into_shards); skips shards already there.
+
+    With several ranks, rank r writes the shards k with k % world_size == r, and only rank 0 writes the
+    manifest (call it once every rank has finished; see write_manifest); the others return None.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     shards = deal_into_shards(records, shard_size, shuffle_seed)
     n_shards = len(shards)
     t0, done_seqs, done_tokens = time.perf_counter(), 0, 0
     for k, part in enumerate(shards):
         path = out_dir / shard_name(k)
-        if path.exists():
+        if path.exists() or k % world_size != rank:
             continue
         feats: list[torch.Tensor | None] = [None] * len(part)
         order = sorted(range(len(part)), key=lambda i: len(part[i]["input_ids"]))  # little padding per batch
@@ -99,10 +103,17 @@ def extract_features(model, records: list[dict], layer_ids: list[int], out_dir: 
         dt = time.perf_counter() - t0
         log(f"extract: shard {k + 1}/{n_shards}, {done_seqs / dt:.1f} samples/s, {done_tokens / dt:.0f} tokens/s")
     dt = time.perf_counter() - t0
+    stats = {"samples_per_s": done_seqs / dt if done_seqs else None}
+    return write_manifest(out_dir, records, layer_ids, shard_size, dtype, stats) if world_size == 1 else stats
+
+
+def write_manifest(out_dir: Path, records: list[dict], layer_ids: list[int], shard_size: int, dtype: torch.dtype,
+                   stats: dict) -> dict:
+    """manifest.json: what the shards hold; written last, it marks the extraction finished."""
+    n_shards = (len(records) + shard_size - 1) // shard_size
     manifest = {"num_sequences": len(records), "num_tokens": sum(len(r["input_ids"]) for r in records),
                 "num_shards": n_shards, "shard_size": shard_size, "target_layer_ids": list(layer_ids),
-                "feature_dim": None, "dtype": str(dtype).removeprefix("torch."),
-                "samples_per_s": done_seqs / dt if done_seqs else None}
+                "feature_dim": None, "dtype": str(dtype).removeprefix("torch."), **stats}
     if n_shards:
         with safe_open(out_dir / shard_name(0), "pt") as f:
             manifest["feature_dim"] = f.get_slice("features").get_shape()[1]

@@ -9,8 +9,8 @@
       summary.json                 what this invocation did
 
 Under torchrun (WORLD_SIZE > 1) every rank loads its own target; the ranks share the answers to
-regenerate and the training; rank 0 alone extracts, evaluates and records to MLflow, the other
-ranks wait for it.
+regenerate, the shards to extract and the training; rank 0 alone evaluates and records to MLflow,
+the other ranks wait for it.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def merge_rank_sequences(data_dir: Path, world_size: int, prompt_ids: list[str])
 
 def stage_extract(s: Session) -> None:
     from ddtree.train.data import read_sequences
-    from ddtree.train.features import MANIFEST, check_disk_plan, disk_plan, extract_features
+    from ddtree.train.features import MANIFEST, check_disk_plan, disk_plan, extract_features, write_manifest
 
     if s.cfg.features == "online":
         log("extract: features=online, the target computes them during training (nothing written)")
@@ -223,14 +223,22 @@ def stage_extract(s: Session) -> None:
     hidden = s.target.config.get_text_config().hidden_size
     plan = disk_plan(records, len(s.drafter.target_layer_ids) * hidden, getattr(torch, s.cfg.extract.dtype),
                      s.features)
-    log(f"extract: disk plan {plan.describe()}")
-    check_disk_plan(plan, s.cfg.extract.keep_free_gb)
-    t = time.perf_counter()
-    manifest = extract_features(s.target, records, s.drafter.target_layer_ids, s.features,
-                                shard_size=s.cfg.extract.shard_size, batch_size=s.cfg.extract.batch_size,
-                                dtype=getattr(torch, s.cfg.extract.dtype), shuffle_seed=s.cfg.seed, log=log)
-    manifest.update(seconds=time.perf_counter() - t, planned_bytes=plan.total_bytes)
-    s.record("extract", manifest)
+    if s.world.is_main:
+        log(f"extract: disk plan {plan.describe()}")
+    check_disk_plan(plan, s.cfg.extract.keep_free_gb)  # every rank refuses alike: nobody waits for rank 0
+    t, w, dtype = time.perf_counter(), s.world, getattr(torch, s.cfg.extract.dtype)
+    stats = extract_features(s.target, records, s.drafter.target_layer_ids, s.features,
+                             shard_size=s.cfg.extract.shard_size, batch_size=s.cfg.extract.batch_size, dtype=dtype,
+                             shuffle_seed=s.cfg.seed, rank=w.rank, world_size=w.world_size, log=log)
+    if w.is_distributed:
+        per_rank = distributed.gather(stats, w)  # every rank's shards are written
+        if not w.is_main:
+            return
+        rates = [r["samples_per_s"] for r in per_rank if r["samples_per_s"]]
+        stats = write_manifest(s.features, records, s.drafter.target_layer_ids, s.cfg.extract.shard_size, dtype,
+                               {"samples_per_s": sum(rates) or None, "ranks": w.world_size})
+    stats.update(seconds=time.perf_counter() - t, planned_bytes=plan.total_bytes)
+    s.record("extract", stats)
 
 
 def feature_source(s: Session):
@@ -312,7 +320,7 @@ def stage_eval(s: Session) -> None:
 
 STAGE_RUNNERS: dict[str, Callable[[Session], None]] = {
     "data": stage_data, "extract": stage_extract, "train": stage_train, "eval": stage_eval}
-RANK0_STAGES = ("extract", "eval")  # under torchrun the other ranks wait for these
+RANK0_STAGES = ("eval",)  # under torchrun the other ranks wait for these
 
 
 def load_models(s: Session) -> None:
