@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ddtree.pipeline.sweep_table import verdict_cell
-
 from ddtree.errors import ConfigError
 from ddtree.pipeline.report import ReportConfig, ReportTracking, make_report
+from ddtree.pipeline.sweep_table import verdict_cell
 
 SWEEP = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "warmup=false",
          "temperature=0,1", "method=dflash,ddtree", "budget=4,8", "+tags.experiment=tiny_grid")
