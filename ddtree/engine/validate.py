@@ -44,7 +44,8 @@ class ValidationRule:
     steps: float = 4.0  # a margin up to this many dtype steps at the logits' magnitude is a tie
     calibrate: bool = True  # derive a floor from the baseline's cached-vs-teacher-forced drift
     calibration_factor: float = 2.0  # floor = factor x the largest drift (a margin moves with two logits)
-    calibration_outputs: int = 4  # baseline outputs re-decoded for the calibration (one AR pass each)
+    calibration_outputs: int = 4  # baseline outputs re-decoded for the calibration (one AR pass each) ...
+    calibration_tokens: int = 64  # ... over at most this many of their first tokens
     rescore_dtype: str | None = None  # e.g. "float32": teacher-force in a wider dtype (weights cast, restored)
     false_alarm: float = 1e-3  # T > 0: per-output chance that a correct sampled output is called suspect
     max_evidence: int = 3  # failing positions kept per output
@@ -224,7 +225,8 @@ class Validator:
         """Re-decode up to `calibration_outputs` baseline outputs the AR way; floor = factor x the largest drift."""
         drifts = []
         for prompt, out in itertools.islice(baselines, self.rule.calibration_outputs):
-            if not len(out):
+            out = _ids(out)[: self.rule.calibration_tokens]
+            if not out:
                 continue
             cached = cached_decode_logits(self.model, prompt, out)
             forced = teacher_forced_logits(self.model, prompt, out, self.rescore)[: len(cached)]
@@ -364,7 +366,8 @@ class JobValidation:
     logprob_pvalue: float | None = None  # T > 0: paired sign-flip test, method vs baseline mean log-prob
     logprob_mean_difference: float | None = None
     first_suspects: list[dict[str, Any]] = field(default_factory=list)
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole validation ...
+    calibration_seconds: float = 0.0  # ... of which the calibration's AR re-decoding
 
     def add(self, verdict: Verdict, key: dict[str, Any] | None = None, max_suspects: int = 3) -> None:
         self.checked += 1

@@ -134,7 +134,8 @@ class ValidationConfig:
     steps: float = 4.0  # a margin up to this many dtype steps at the logits' magnitude is a tie
     calibrate: bool = True  # a floor from the AR baseline's cached-vs-teacher-forced drift
     calibration_factor: float = 2.0
-    calibration_outputs: int = 4  # baseline outputs re-decoded for the calibration
+    calibration_outputs: int = 4  # baseline outputs re-decoded for the calibration ...
+    calibration_tokens: int = 64  # ... over at most this many of their first tokens
     rescore_dtype: str | None = None  # e.g. float32: teacher-force in a wider dtype
     false_alarm: float = 1e-3  # T > 0: chance a correct sampled output is called suspect
 

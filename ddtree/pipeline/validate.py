@@ -86,8 +86,8 @@ def check_validation(rc: RunConfig) -> None:
     if not 0 < v.false_alarm < 1:
         raise ConfigError("validation.false_alarm", f"must be in (0, 1), got {v.false_alarm}",
                           "use e.g. validation.false_alarm=0.001")
-    if v.calibration_factor < 0 or v.calibration_outputs < 0:
-        raise ConfigError("validation.calibration_factor", "calibration_factor and calibration_outputs must be >= 0",
+    if min(v.calibration_factor, v.calibration_outputs, v.calibration_tokens) < 0:
+        raise ConfigError("validation.calibration_factor", "calibration_factor, _outputs and _tokens must be >= 0",
                           "use validation.calibrate=false to skip the calibration")
 
 

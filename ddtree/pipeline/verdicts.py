@@ -37,7 +37,8 @@ def rule_of(v: ValidationConfig):
     from ddtree.engine.validate import ValidationRule
 
     return ValidationRule(steps=v.steps, calibrate=v.calibrate, calibration_factor=v.calibration_factor,
-                          calibration_outputs=v.calibration_outputs, rescore_dtype=v.rescore_dtype,
+                          calibration_outputs=v.calibration_outputs, calibration_tokens=v.calibration_tokens,
+                          rescore_dtype=v.rescore_dtype,
                           false_alarm=v.false_alarm)
 
 
@@ -88,10 +89,12 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
     base = {(r["id"], r["turn"]): r for r in records if r["role"] == "baseline"}
     # the AR outputs are the calibration: the baseline's, or the method's own when the method is AR
     ar_role = "baseline" if base else ("method" if rc.method == "ar" else None)
+    t_cal = time.perf_counter()
     if rc.validation.calibrate and rc.temperature == 0 and ar_role:
         validator.calibrate((inputs[(ar_role, r["id"], r["turn"])], r["output_ids"])
                             for r in records if r["role"] == ar_role)
-    job = JobValidation(tolerance=vars(validator.tolerance).copy(), rule=vars(validator.rule).copy())
+    job = JobValidation(tolerance=vars(validator.tolerance).copy(), rule=vars(validator.rule).copy(),
+                        calibration_seconds=time.perf_counter() - t_cal)
     base_checks = {}
     for key, rec in base.items():
         check, _ = validator.check(inputs[("baseline", *key)], rec["output_ids"])
