@@ -187,7 +187,7 @@ def drift(cached: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
 
 
 def _f(x: torch.Tensor | float) -> float:
-    return round(float(x), 6)
+    return float(f"{float(x):.6g}")  # six significant digits: fp32 steps at small logits are ~1e-7
 
 
 def sign_flip_pvalue(differences: Sequence[float], rounds: int = 20000, seed: int = 0) -> float | None:

@@ -9,6 +9,7 @@ Runs after the timed generation (never inside it); its seconds are recorded as a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -66,8 +67,10 @@ def _compact(verdict) -> dict[str, Any]:
 
 
 def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dict[str, Any]], rc: RunConfig,
-                     stops: list[int]) -> dict[str, Any]:
-    """Check every record (adds `validation` to each, in place); the job's summary of the verdicts."""
+                     stops: list[int], calibrations: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check every record (adds `validation` to each, in place); the job's summary of the verdicts.
+
+    calibrations: tolerances already calibrated on this target (the process's model cache), reused by key."""
     import torch
 
     from ddtree.engine.validate import JobValidation, Validator, logprob_test
@@ -91,8 +94,12 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
     ar_role = "baseline" if base else ("method" if rc.method == "ar" else None)
     t_cal = time.perf_counter()
     if rc.validation.calibrate and rc.temperature == 0 and ar_role:
-        validator.calibrate((inputs[(ar_role, r["id"], r["turn"])], r["output_ids"])
-                            for r in records if r["role"] == ar_role)
+        pairs = [(inputs[(ar_role, r["id"], r["turn"])], r["output_ids"]) for r in records if r["role"] == ar_role]
+        calibrated = calibrations if calibrations is not None else {}
+        key = json.dumps([vars(validator.rule), pairs[: validator.rule.calibration_outputs]])
+        if key not in calibrated:  # a sweep reusing one baseline calibrates once
+            calibrated[key] = dataclasses.replace(validator.calibrate(pairs))
+        validator.tolerance = dataclasses.replace(calibrated[key])
     job = JobValidation(tolerance=vars(validator.tolerance).copy(), rule=vars(validator.rule).copy(),
                         calibration_seconds=time.perf_counter() - t_cal)
     base_checks = {}
@@ -135,7 +142,10 @@ def check_outputs(models, prompts: list[Prompt], records: list[dict[str, Any]], 
     """The job's hook (rank 0, after the timed generation): verdicts into the records and samples.jsonl."""
     if not enabled(rc):
         return None
-    result = validate_records(models.target, models.tokenizer, prompts, records, rc, models.stops)
+    from ddtree.pipeline.models import MODELS
+
+    result = validate_records(models.target, models.tokenizer, prompts, records, rc, models.stops,
+                              MODELS.calibrations)
     generation_s = sum(r["total_s"] for r in records if not r.get("reused_from"))
     result["share_of_job"] = result["seconds"] / (result["seconds"] + generation_s) if generation_s else None
     with samples.open("w", encoding="utf-8") as out:
