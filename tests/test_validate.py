@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import ddtree
-from compat import gdn_tree
+from ddtree.engine import gdn as gdn_tree
 from ddtree.engine import loop
 from ddtree.engine import target as target_module
 from ddtree.engine.drafter import DFlashDrafter

@@ -175,7 +175,7 @@ def cached_decode_logits(model: PreTrainedModel, prompt_ids: Sequence[int] | tor
     for tok in out[:-1]:
         tree = root_tree(torch.tensor(tok, device=dev))
         logits, _ = session.verify(tree)
-        session.commit(tree, torch.zeros(1, dtype=torch.long, device=dev), [0])
+        session.commit(tree, torch.zeros(1, dtype=torch.long, device=dev))
         rows.append(logits[0].float())
     return torch.stack(rows)
 
