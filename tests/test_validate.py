@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_hybrid import _chain_context as chain_context
 
 import ddtree
 from ddtree.engine import gdn as gdn_tree
@@ -199,20 +200,9 @@ def test_a_tree_mask_wrong_for_one_node_is_suspect(fp32_qwen3, monkeypatch):
     _assert_suspect_where_greedy_is_left(fp32_qwen3, runs, 32, kind="not_argmax")
 
 
-class _ChainContext:  # the GDN layers see the tree as a flat chain: the patch switched off
-    def __init__(self, parents):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def test_the_gdn_tree_patch_switched_off_on_a_hybrid_is_suspect(monkeypatch):
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
-    monkeypatch.setattr(gdn_tree, "tree_verification", _ChainContext)
+    monkeypatch.setattr(gdn_tree, "tree_verification", chain_context)  # the GDN sees a flat chain
     monkeypatch.setattr(gdn_tree, "commit_linear_states", lambda cache, accepted: None)
     gdn_tree.uninstall()
     try:
