@@ -48,6 +48,7 @@ from .patches import (
     qwen3_import_shims,
     sliding_window,
     upstream_gdn_tree,
+    upstream_mask_filter,
     upstream_timer,
 )
 
@@ -62,6 +63,7 @@ PATCHES: tuple[Patch, ...] = (
     flash_s_aux.PATCH,
     sliding_window.PATCH,
     qwen3_import_shims.PATCH,
+    upstream_mask_filter.PATCH,  # recompiles their generate functions: before any wrapper of them
     upstream_timer.PATCH,
     upstream_gdn_tree.PATCH,
 )

@@ -13,6 +13,7 @@ import ddtree
 from ddtree.engine import gdn as tree_gdn
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.target import check_target_supported
+from ddtree.engine.validate import Validator
 from ddtree.errors import ConfigError
 from ddtree.testing.reference import ScriptedProposer, hf_greedy
 from ddtree.testing.tiny import tiny_model
@@ -31,15 +32,19 @@ def test_hybrid_methods_equal_hf_greedy(model_type, attn):
     vocab = 12  # small vocabulary: random drafts are accepted deep
     target = tiny_model(model_type, seed=6, attn_implementation=attn, vocab_size=vocab)
     new, deepest = 16, 0
+    validator = Validator(target, max_new_tokens=new)  # fp32: every verdict is exact
     for bs in (4, 16):
         drafter = DFlashDrafter.random_for_target(target.config, block_size=bs, seed=bs, attn_implementation=attn)
         for ids in _prompts(vocab):
             ref = hf_greedy(target, ids, new)
+            ref_check, _ = validator.check(ids, ref)
+            assert ref_check.ok
             assert ddtree.generate(target, drafter, ids, method="ar", max_new_tokens=new).output_ids == ref
             assert ddtree.generate(target, drafter, ids, method="dflash", max_new_tokens=new).output_ids == ref
             for budget in (2, 7, 48):
                 res = ddtree.generate(target, drafter, ids, method="ddtree", budget=budget, max_new_tokens=new)
                 assert res.output_ids == ref, f"ddtree block {bs} budget {budget}"
+                assert validator.verdict(ids, res.output_ids, ref, ref_check).verdict == "exact"
                 deepest = max(deepest, max(res.acceptance_lengths))
     assert deepest >= 3
 

@@ -7,6 +7,7 @@ import torch
 
 import ddtree
 from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.validate import Validator
 from ddtree.testing.reference import hf_greedy
 from ddtree.testing.tiny import tiny_model
 
@@ -26,14 +27,19 @@ def test_all_methods_equal_hf_greedy(model_type, attn, vocab):
                                                     attn_implementation=attn) for bs in (2, 4, 16)}
     new = 20
     deepest = 0
+    validator = Validator(target, max_new_tokens=new)  # fp32: every verdict is exact
     for ids in _prompts(vocab):
         ref = hf_greedy(target, ids, new)
+        ref_check, _ = validator.check(ids, ref)
+        assert ref_check.ok
         for bs, drafter in drafters.items():
             res = ddtree.generate(target, drafter, ids, method="dflash", max_new_tokens=new)
             assert res.output_ids == ref, f"dflash block {bs}"
+            assert validator.verdict(ids, res.output_ids, ref, ref_check).verdict == "exact"
             for budget in (1, 2, 7, 64):
                 res = ddtree.generate(target, drafter, ids, method="ddtree", budget=budget, max_new_tokens=new)
                 assert res.output_ids == ref, f"ddtree block {bs} budget {budget}"
+                assert validator.verdict(ids, res.output_ids, ref, ref_check).verdict == "exact"
                 deepest = max(deepest, max(res.acceptance_lengths))
     if vocab == 12:
         assert deepest >= 3  # small vocabulary: random drafts are accepted more than one deep

@@ -15,6 +15,7 @@ import pytest
 
 from ddtree.errors import ConfigError
 from ddtree.pipeline.report import ReportConfig, ReportTracking, make_report
+from ddtree.pipeline.sweep_table import verdict_cell
 
 SWEEP = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "warmup=false",
          "temperature=0,1", "method=dflash,ddtree", "budget=4,8", "+tags.experiment=tiny_grid")
@@ -118,6 +119,8 @@ def test_report_tables_plots_and_run_lists(grid):
         assert row[2:7] == [f"{dflash['speedup']:.2f}x", f"{dflash['tau']:.2f}", f"{best['speedup']:.2f}x",
                             f"{best['tau']:.2f}", str(best["budget"])]
         assert row[7] == f"{best['speedup'] / dflash['speedup']:.2f}x" and row[8] == "4, 8"
+        assert row[9] == f"{verdict_cell(dflash['validation'])}; {verdict_cell(best['validation'])}"
+        assert " ok" in row[9] and ("exact" in row[9]) == (temp == 0)  # T > 0: sampled outputs, no exact/tie
         assert f"{dflash['speedup']:.2f}$\\times$ & {dflash['tau']:.2f} & {best['speedup']:.2f}$\\times$ " \
                f"({best['budget']}) & {best['tau']:.2f}" in tex
         (cell,) = [c for c in doc["cells"] if c["temperature"] == temp]

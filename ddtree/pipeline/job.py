@@ -39,6 +39,7 @@ from ddtree.pipeline.schema import (
 )
 from ddtree.pipeline.sweep_table import format_table
 from ddtree.pipeline.validate import validate
+from ddtree.pipeline.verdicts import check_outputs, report_suspects
 
 SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"
@@ -431,7 +432,11 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
         if generated is None:  # ranks > 0: rank 0 writes and records the job
             return None
         records, reused_from = generated
-        return finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash}, run)
+        checked = check_outputs(models, prompts, records, rc, files.samples)  # untimed: after the generation
+        summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
+                                                            "validation": checked}, run)
+        report_suspects(rc, summary)
+        return summary
     except BaseException as e:
         record_failure(run, files, e)
         raise

@@ -28,11 +28,14 @@ class ModelCache:
     warmed: set[str] = field(default_factory=set)
     # AR baseline records of finished shards, by baselinecache_key(): reused by later jobs (baseline_reuse=true)
     baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
+    # validation tolerances calibrated on this target, by baseline outputs and rule (ddtree.pipeline.verdicts)
+    calibrations: dict[str, Any] = field(default_factory=dict)
 
     def clear(self) -> None:
         self.target_key = self.target = self.tokenizer = self.drafter_key = self.drafter = None
         self.warmed.clear()
         self.baselines.clear()
+        self.calibrations.clear()
 
 
 MODELS = ModelCache()  # the per-process model cache (Hydra's basic launcher runs a sweep's jobs here)

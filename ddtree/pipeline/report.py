@@ -39,6 +39,7 @@ from ddtree.pipeline.cli import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
 from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown
 from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
+from ddtree.pipeline.sweep_table import verdict_cell
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
 DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.needs_drafter)  # a table column each
@@ -318,7 +319,17 @@ def _entry(job: Job) -> dict[str, Any]:
     e = {"run_id": job.run_id, "budget": job.budget}
     for k in ("speedup", "tau", "tokens_per_s", "baseline_tokens_per_s", "match_rate"):
         e[k] = job.number(k)
+    e["verdicts"] = verdict_cell(job_verdicts(job))
     return e
+
+
+def job_verdicts(job: Job) -> dict[str, Any] | None:
+    """The job's verdict counts: summary.json's `validation`, else its MLflow metrics validation.*."""
+    v = job.value("validation")
+    if isinstance(v, dict):
+        return v
+    counts = {k: job.metrics.get(f"validation.{k}") for k in ("checked", "exact", "tie", "ok", "suspect")}
+    return {k: int(x) for k, x in counts.items() if x is not None} if counts["checked"] is not None else None
 
 
 def per_generation(job: Job) -> dict[str, float | None] | None:
@@ -385,14 +396,14 @@ def markdown_table(cells: list[dict[str, Any]]) -> str:
     for temp in sorted({c["temperature"] for c in cells}):
         lines += [f"### Temperature {temp:g}", "",
                   "| dataset | model | DFlash speedup | DFlash tau | DDTree speedup | DDTree tau | best budget | "
-                  "DDTree / DFlash | budgets run |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+                  "DDTree / DFlash | budgets run | verdicts (DFlash; DDTree) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
         for c in (c for c in cells if c["temperature"] == temp):
             d, t = c["dflash"] or {}, c["ddtree_best"] or {}
             budgets = ", ".join(str(e["budget"]) for e in c["ddtree"]) or "-"
             lines.append(f"| {c['title']} | {c['model']} | {_x(d.get('speedup'))} | {_n(d.get('tau'))} | "
                          f"{_x(t.get('speedup'))} | {_n(t.get('tau'))} | {t.get('budget', '-')} | "
-                         f"{_x(c['gain'])} | {budgets} |")
+                         f"{_x(c['gain'])} | {budgets} | {d.get('verdicts', '-')}; {t.get('verdicts', '-')} |")
         lines.append("")
     return "\n".join(lines)
 

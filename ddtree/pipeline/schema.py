@@ -122,6 +122,24 @@ class UpstreamConfig:
     path: str | None = None  # engine=upstream: a checkout of the DDTree authors' repository (their ddtree.py, ...)
 
 
+VALIDATION_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class ValidationConfig:
+    """Verdicts for every output (ddtree.engine.validate), after the timed generation; README "Is my run right?"."""
+
+    mode: str = "auto"  # auto: on when a baseline runs | on | off
+    strict: bool = False  # the job exits non-zero (3) when any output is suspect
+    steps: float = 4.0  # a margin up to this many dtype steps at the logits' magnitude is a tie
+    calibrate: bool = True  # a floor from the AR baseline's cached-vs-teacher-forced drift
+    calibration_factor: float = 2.0
+    calibration_outputs: int = 4  # baseline outputs re-decoded for the calibration ...
+    calibration_tokens: int = 64  # ... over at most this many of their first tokens
+    rescore_dtype: str | None = None  # e.g. float32: teacher-force in a wider dtype
+    false_alarm: float = 1e-3  # T > 0: chance a correct sampled output is called suspect
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -131,6 +149,7 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     method: str = "ddtree"  # set by the `method` group
     budget: int = 64  # DDTree node budget (excluding the root)
     temperature: float = 0.0
@@ -158,7 +177,7 @@ def _register() -> None:
 _register()
 
 # keys that do not change what a job computes: left out of its identity (resume)
-NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse")
+NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation")
 
 
 # ---------------------------------------------------------------- conversion

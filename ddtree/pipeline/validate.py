@@ -25,6 +25,7 @@ from ddtree.pipeline.schema import (
     DTYPES,
     ENGINES,
     TRACKERS,
+    VALIDATION_MODES,
     RunConfig,
     first_line,
     to_run_config,
@@ -55,6 +56,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     check_attention_settings(rc)
     check_dataset(rc.dataset)  # settings and local files only: nothing is downloaded here
     check_tracking(rc)
+    check_validation(rc)
     if get_method(rc.method).needs_drafter:  # AR never loads the drafter
         check_drafter_fits(rc)
     return rc
@@ -72,6 +74,21 @@ def check_run_settings(rc: RunConfig) -> None:
     if rc.max_new_tokens < 1:
         raise ConfigError("max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}", "use e.g. max_new_tokens=256")
     _check_device(rc.device)
+
+
+def check_validation(rc: RunConfig) -> None:
+    v = rc.validation
+    _choice("validation.mode", v.mode, VALIDATION_MODES)
+    if v.rescore_dtype is not None:
+        _choice("validation.rescore_dtype", v.rescore_dtype, tuple(d for d in DTYPES if d != "auto"))
+    if not v.steps >= 0:
+        raise ConfigError("validation.steps", f"must be >= 0, got {v.steps}", "use e.g. validation.steps=4")
+    if not 0 < v.false_alarm < 1:
+        raise ConfigError("validation.false_alarm", f"must be in (0, 1), got {v.false_alarm}",
+                          "use e.g. validation.false_alarm=0.001")
+    if min(v.calibration_factor, v.calibration_outputs, v.calibration_tokens) < 0:
+        raise ConfigError("validation.calibration_factor", "calibration_factor, _outputs and _tokens must be >= 0",
+                          "use validation.calibrate=false to skip the calibration")
 
 
 def check_model(rc: RunConfig) -> None:

@@ -130,7 +130,10 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
         t0 = time.perf_counter()
         raw = fn(**kw)
         wall = time.perf_counter() - t0  # their output is copied to the host at the end: nothing in flight
-    return to_result(raw, input_ids, method=method, mask_token_id=mask_id, stops=stops, wall_s=wall,
+    filtered = not any(p.get("id") == "upstream-mask-filter" and p.get("status") == "applied"
+                       for p in upstream.patches or ())
+    return to_result(raw, input_ids, method=method, mask_token_id=mask_id if filtered else NO_TOKEN, stops=stops,
+                     wall_s=wall,
                      temperature=temperature, budget=tree_budget, block_size=size if spec.needs_drafter else None,
                      max_new_tokens=max_new_tokens)
 
@@ -140,7 +143,7 @@ def to_result(raw: SimpleNamespace, input_ids: torch.Tensor, *, method: str, mas
               max_new_tokens: int) -> UpstreamResult:
     """Their SimpleNamespace as an UpstreamResult (see the module docstring for the mapping)."""
     prompt = input_ids[0].tolist()
-    dropped = sum(1 for t in prompt if t == mask_token_id)  # their mask filter also drops prompt tokens
+    dropped = sum(1 for t in prompt if t == mask_token_id)  # their mask filter (unpatched) drops prompt tokens too
     tokens = [int(t) for t in raw.output_ids[0].tolist()[len(prompt) - dropped:]][:max_new_tokens]
     lengths, left = [], max(0, len(tokens) - 1)  # the first token comes from the prefill, not a round
     for n in raw.acceptance_lengths:

@@ -125,4 +125,6 @@ def ddtree_generate(model, target, input_ids, mask_token_id, max_new_tokens, blo
         stamps.append(cuda_time() - decode_start)
         if stopped(out, start - len(path), start + 1, stop_token_ids):
             break
+    out = out[:, :limit]
+    out = out[:, out[0] != mask_token_id]  # as in the authors' code: drops every mask id, not only the tail
     return finish(out, num_input, limit, mask_token_id, stop_token_ids, lengths, times, ttft, decode_start, stamps)

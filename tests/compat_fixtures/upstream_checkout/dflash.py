@@ -43,7 +43,6 @@ def draft_block(model, target, out, positions, hidden, draft_cache, start, block
 
 def finish(out, num_input, limit, mask_token_id, stop_token_ids, lengths, times, ttft, decode_start, stamps):
     out = out[:, :limit]
-    out = out[:, out[0] != mask_token_id]
     if stop_token_ids:
         hits = torch.isin(out[0, num_input:], torch.tensor(stop_token_ids, device=out.device)).nonzero()
         if hits.numel():
@@ -110,4 +109,6 @@ def dflash_generate(model, target, input_ids, mask_token_id, max_new_tokens, blo
         stamps.append(cuda_time() - decode_start)
         if stopped(out, start - matched - 1, start + 1, stop_token_ids):
             break
+    out = out[:, :limit]
+    out = out[:, out[0] != mask_token_id]  # as in the authors' code: drops every mask id, not only the tail
     return finish(out, num_input, limit, mask_token_id, stop_token_ids, lengths, times, ttft, decode_start, stamps)

@@ -1,0 +1,393 @@
+"""Is this output right? Every generated token checked against one teacher-forced target forward.
+
+Exact match with a baseline is no test in bf16: cached decoding, tree verification and a full forward
+round differently, and a near-tie can flip. This module asks the question that holds in any dtype:
+
+* T = 0: at every generated position the emitted token is the target's argmax within a tolerance
+  (`Tolerance`: `steps` representable steps of the decoding dtype at the logits' magnitude, or a floor
+  calibrated from the AR baseline's own cached-vs-teacher-forced drift, whichever is larger).
+* T > 0: every emitted token has a non-negligible target probability (below `false_alarm / (N * V)`,
+  a sampled output would trip the check with probability under `false_alarm`).
+* Stops and lengths: a stop token the target did not choose, tokens after a stop, or an output shorter
+  than `max_new_tokens` without a stop is suspect.
+
+Against a baseline each method output gets one verdict: `exact` (equal, and the shared output passes),
+`tie` (they diverge, yet every position of both passes), `ok` (passes; nothing to compare: T > 0 or no
+baseline) or `suspect` (with the evidence and the side that failed). No Hydra, no MLflow.
+
+    v = Validator(target, stop_token_ids=[eos], max_new_tokens=256)
+    v.calibrate([(prompt_ids, baseline_ids)])
+    verdict = v.verdict(prompt_ids, method_ids, baseline_ids)
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+VERDICTS = ("exact", "tie", "ok", "suspect")
+_DRIFT_TOPK = 8  # drift is measured on the tokens that compete for the argmax, not on the far tail
+
+
+@dataclass
+class ValidationRule:
+    """The configurable rule (documented in README "Is my run right?")."""
+
+    steps: float = 4.0  # a margin up to this many dtype steps at the logits' magnitude is a tie
+    calibrate: bool = True  # derive a floor from the baseline's cached-vs-teacher-forced drift
+    calibration_factor: float = 2.0  # floor = factor x the largest drift (a margin moves with two logits)
+    calibration_outputs: int = 4  # baseline outputs re-decoded for the calibration (one AR pass each) ...
+    calibration_tokens: int = 64  # ... over at most this many of their first tokens
+    rescore_dtype: str | None = None  # e.g. "float32": teacher-force in a wider dtype (weights cast, restored)
+    false_alarm: float = 1e-3  # T > 0: per-output chance that a correct sampled output is called suspect
+    max_evidence: int = 3  # failing positions kept per output
+
+
+def dtype_step(dtype: torch.dtype, magnitude: torch.Tensor) -> torch.Tensor:
+    """The spacing of representable `dtype` values at |magnitude| (one ulp), elementwise, float32."""
+    fi = torch.finfo(dtype)
+    mag = magnitude.float().abs().clamp(min=fi.tiny)
+    _, exponent = torch.frexp(mag)  # mag = m * 2**e with m in [0.5, 1): the binade starts at 2**(e-1)
+    return torch.ldexp(torch.full_like(mag, fi.eps), exponent - 1)
+
+
+@dataclass
+class Tolerance:
+    """How far below the target's best logit an emitted token's logit may be and still count as its choice."""
+
+    dtype: str  # the decoding dtype, whose steps count
+    steps: float
+    floor: float = 0.0  # logit units, from the calibration
+    drift_max: float | None = None  # the largest cached-vs-teacher-forced drift the calibration saw
+    drift_median: float | None = None
+    calibrated_positions: int = 0
+
+    def allowed(self, magnitude: torch.Tensor) -> torch.Tensor:
+        return (self.steps * dtype_step(getattr(torch, self.dtype), magnitude)).clamp(min=self.floor)
+
+    def in_steps(self, margin: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+        return margin / dtype_step(getattr(torch, self.dtype), magnitude)
+
+
+@dataclass
+class Miss:
+    """One position an output fails at (position 0 = the first generated token)."""
+
+    position: int
+    kind: str  # not_argmax | improbable | stop_not_chosen | after_stop | short_without_stop | too_long
+    emitted: int | None  # None: the output ended here
+    expected: int | None  # the target's argmax here (teacher-forced)
+    emitted_logit: float | None = None
+    expected_logit: float | None = None
+    margin: float | None = None  # expected_logit - emitted_logit
+    margin_steps: float | None = None  # in steps of the decoding dtype at that magnitude
+    allowed: float | None = None
+    logprob: float | None = None  # T > 0: the emitted token's target log-probability
+
+
+@dataclass
+class OutputCheck:
+    """One output against its own teacher-forced forward."""
+
+    ok: bool
+    length: int
+    num_misses: int = 0
+    misses: list[Miss] = field(default_factory=list)  # the first `max_evidence`
+    near_ties: int = 0  # positions whose token is not the exact argmax, but within tolerance
+    worst_margin_steps: float = 0.0
+    mean_logprob: float | None = None  # mean target log-probability per token (at the run's temperature)
+    min_logprob: float | None = None
+
+    @property
+    def first_miss(self) -> Miss | None:
+        return self.misses[0] if self.misses else None
+
+
+@dataclass
+class Verdict:
+    verdict: str  # one of VERDICTS
+    reason: str  # one line
+    side: str | None = None  # suspect: method | baseline | both
+    position: int | None = None  # suspect: the first failing position of the failing side
+    divergence: dict[str, Any] | None = None  # where method and baseline part, with both tokens' logits
+    method: OutputCheck | None = None
+    baseline: OutputCheck | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@contextmanager
+def _cast(model: PreTrainedModel, dtype: torch.dtype | None):
+    """Temporarily hold the model's floating tensors in `dtype`; restored exactly (bf16 -> fp32 -> bf16 is lossless)."""
+    if dtype is None or dtype == model.dtype:
+        yield
+        return
+    kept = [(t, t.data) for t in itertools.chain(model.parameters(), model.buffers()) if t.is_floating_point()]
+    try:
+        for t, data in kept:
+            t.data = data.to(dtype)
+        yield
+    finally:
+        for t, data in kept:
+            t.data = data
+
+
+def _device(model: PreTrainedModel) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _ids(x: Sequence[int] | torch.Tensor) -> list[int]:
+    return x.reshape(-1).tolist() if isinstance(x, torch.Tensor) else [int(t) for t in x]
+
+
+@torch.no_grad()
+def teacher_forced_logits(model: PreTrainedModel, prompt_ids: Sequence[int] | torch.Tensor,
+                          output_ids: Sequence[int], rescore_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[N + 1, V] float32: row i is the target's logits after prompt + output[:i], from one forward, no cache."""
+    prompt, out = _ids(prompt_ids), _ids(output_ids)
+    ids = torch.tensor([prompt + out], dtype=torch.long, device=_device(model))
+    with _cast(model, rescore_dtype):
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(out) + 1).logits
+    return logits[0].float()
+
+
+@torch.no_grad()
+def cached_decode_logits(model: PreTrainedModel, prompt_ids: Sequence[int] | torch.Tensor,
+                         output_ids: Sequence[int]) -> torch.Tensor:
+    """[N, V] float32: the logits AR decoding saw at each position (the engine's cached path, token by token)."""
+    from ddtree.engine.target import TargetSession
+    from ddtree.engine.tree import root_tree
+
+    prompt, out = _ids(prompt_ids), _ids(output_ids)
+    dev = _device(model)
+    session = TargetSession(model, capacity=len(prompt) + len(out) + 1)
+    row, _ = session.prefill(torch.tensor([prompt], dtype=torch.long, device=dev))
+    rows = [row.float()]
+    for tok in out[:-1]:
+        tree = root_tree(torch.tensor(tok, device=dev))
+        logits, _ = session.verify(tree)
+        session.commit(tree, torch.zeros(1, dtype=torch.long, device=dev))
+        rows.append(logits[0].float())
+    return torch.stack(rows)
+
+
+def drift(cached: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Per position: the largest |cached - teacher-forced| logit over the cached top tokens ([N])."""
+    top = cached.topk(min(_DRIFT_TOPK, cached.shape[-1]), dim=-1).indices
+    return (cached.gather(-1, top) - forced.gather(-1, top)).abs().max(dim=-1).values
+
+
+def _f(x: torch.Tensor | float) -> float:
+    return float(f"{float(x):.6g}")  # six significant digits: fp32 steps at small logits are ~1e-7
+
+
+def sign_flip_pvalue(differences: Sequence[float], rounds: int = 20000, seed: int = 0) -> float | None:
+    """Two-sided paired test of mean difference 0: exact over all sign flips up to 16 pairs, else Monte Carlo."""
+    d = [float(x) for x in differences]
+    n = len(d)
+    if n == 0:
+        return None
+    observed = abs(sum(d)) - 1e-12 * (1 + sum(abs(x) for x in d))  # ties with the observed sum count
+    if n <= 16:
+        signs = itertools.product((1, -1), repeat=n)
+        hits = sum(abs(sum(s * x for s, x in zip(flip, d, strict=True))) >= observed for flip in signs)
+        return hits / 2 ** n
+    rng = random.Random(seed)
+    hits = sum(abs(sum(x if rng.random() < 0.5 else -x for x in d)) >= observed for _ in range(rounds))
+    return (hits + 1) / (rounds + 1)
+
+
+class Validator:
+    """Checks outputs of one target under one run's settings; holds the (calibrated) tolerance."""
+
+    def __init__(self, model: PreTrainedModel, *, rule: ValidationRule | None = None, temperature: float = 0.0,
+                 stop_token_ids: Iterable[int] = (), max_new_tokens: int | None = None):
+        self.model = model
+        self.rule = rule or ValidationRule()
+        self.temperature = temperature
+        self.stops = set(stop_token_ids)
+        self.max_new_tokens = max_new_tokens
+        self.rescore = getattr(torch, self.rule.rescore_dtype) if self.rule.rescore_dtype else None
+        self.tolerance = Tolerance(dtype=str(model.dtype).removeprefix("torch."), steps=self.rule.steps)
+
+    # ------------------------------------------------------------ calibration
+
+    def calibrate(self, baselines: Iterable[tuple[Sequence[int] | torch.Tensor, Sequence[int]]]) -> Tolerance:
+        """Re-decode up to `calibration_outputs` baseline outputs the AR way; floor = factor x the largest drift."""
+        drifts = []
+        for prompt, out in itertools.islice(baselines, self.rule.calibration_outputs):
+            out = _ids(out)[: self.rule.calibration_tokens]
+            if not out:
+                continue
+            cached = cached_decode_logits(self.model, prompt, out)
+            forced = teacher_forced_logits(self.model, prompt, out, self.rescore)[: len(cached)]
+            drifts.append(drift(cached, forced))
+        if drifts:
+            d = torch.cat(drifts)
+            self.tolerance.drift_max, self.tolerance.drift_median = _f(d.max()), _f(d.median())
+            self.tolerance.floor = _f(self.rule.calibration_factor * d.max())
+            self.tolerance.calibrated_positions = int(d.numel())
+        return self.tolerance
+
+    # ------------------------------------------------------------ one output
+
+    def check(self, prompt_ids: Sequence[int] | torch.Tensor, output_ids: Sequence[int],
+              logits: torch.Tensor | None = None) -> tuple[OutputCheck, torch.Tensor]:
+        """(the check, the teacher-forced logits [N + 1, V]). Every position is checked, not only the first."""
+        out = _ids(output_ids)
+        if logits is None:
+            logits = teacher_forced_logits(self.model, prompt_ids, out, self.rescore)
+        n = len(out)
+        misses: list[Miss] = []
+        check = OutputCheck(ok=True, length=n)
+        if n:
+            rows = logits[:n]
+            emitted = torch.tensor(out, device=rows.device)
+            best_logit, best = rows.max(dim=-1)
+            own = rows.gather(-1, emitted[:, None])[:, 0]
+            margin = best_logit - own
+            magnitude = torch.maximum(best_logit.abs(), own.abs())
+            allowed = self.tolerance.allowed(magnitude)
+            steps = self.tolerance.in_steps(margin, magnitude)
+            t = self.temperature if self.temperature > 0 else 1.0
+            logprob = torch.log_softmax(rows / t, dim=-1).gather(-1, emitted[:, None])[:, 0]
+            check.mean_logprob, check.min_logprob = _f(logprob.mean()), _f(logprob.min())
+            check.worst_margin_steps = _f(steps.max())
+            if self.temperature > 0:
+                bad = logprob < math.log(self.rule.false_alarm / (n * rows.shape[-1]))
+            else:
+                bad = margin > allowed
+                check.near_ties = int(((best != emitted) & ~bad).sum())
+            for i in bad.nonzero()[:, 0].tolist():
+                kind = "stop_not_chosen" if out[i] in self.stops else ("improbable" if self.temperature > 0
+                                                                       else "not_argmax")
+                misses.append(Miss(i, kind, out[i], int(best[i]), _f(own[i]), _f(best_logit[i]), _f(margin[i]),
+                                   _f(steps[i]), _f(allowed[i]), _f(logprob[i])))
+        stop_at = next((i for i, tok in enumerate(out) if tok in self.stops), None)
+        if stop_at is not None and stop_at < n - 1:
+            misses.append(Miss(stop_at + 1, "after_stop", out[stop_at + 1], None))
+        cap = self.max_new_tokens
+        if cap is not None and n > cap:
+            misses.append(Miss(cap, "too_long", out[cap], None))
+        elif cap is not None and n < cap and stop_at is None:
+            misses.append(Miss(n, "short_without_stop", None, int(logits[n].argmax()),
+                               expected_logit=_f(logits[n].max())))
+        misses.sort(key=lambda m: m.position)
+        check.ok = not misses
+        check.num_misses = len(misses)
+        check.misses = misses[: self.rule.max_evidence]
+        return check, logits
+
+    # ------------------------------------------------------------ against the baseline
+
+    def verdict(self, prompt_ids: Sequence[int] | torch.Tensor, method_ids: Sequence[int],
+                baseline_ids: Sequence[int] | None = None,
+                baseline_check: OutputCheck | None = None) -> Verdict:
+        """One method output's verdict; `baseline_check` reuses the baseline's check when several methods share it."""
+        m, (mc, mlog) = _ids(method_ids), self.check(prompt_ids, method_ids)
+        if baseline_ids is None:
+            if mc.ok:
+                return Verdict("ok", "every token is the target's choice within tolerance (no baseline)", method=mc)
+            return _suspect(mc, None, None, self.tolerance)
+        b = _ids(baseline_ids)
+        bc = baseline_check if baseline_check is not None else (mc if b == m else self.check(prompt_ids, b)[0])
+        div = _divergence(m, b, mlog, self.tolerance)
+        if not mc.ok or not bc.ok:
+            return _suspect(mc, bc, div, self.tolerance)
+        if self.temperature > 0:
+            return Verdict("ok", "every token has non-negligible target probability", divergence=div,
+                           method=mc, baseline=bc)
+        if div is None:
+            return Verdict("exact", "equals the baseline; every token is the target's choice", method=mc, baseline=bc)
+        at = div["position"]
+        return Verdict("tie", f"diverges from the baseline at {at} ({div['margin_steps']} {self.tolerance.dtype} "
+                       "steps apart); every position of both passes", divergence=div, method=mc, baseline=bc)
+
+
+def _divergence(m: list[int], b: list[int], m_logits: torch.Tensor, tol: Tolerance) -> dict[str, Any] | None:
+    """Where method and baseline part; both tokens' logits in the shared context (the method's forward)."""
+    j = next((i for i, (x, y) in enumerate(zip(m, b, strict=False)) if x != y), None)
+    if j is None:
+        if len(m) == len(b):
+            return None
+        j = min(len(m), len(b))
+    row = m_logits[j]
+    mt = m[j] if j < len(m) else None
+    bt = b[j] if j < len(b) else None
+    d: dict[str, Any] = {"position": j, "method_token": mt, "baseline_token": bt, "argmax": int(row.argmax())}
+    if mt is not None and bt is not None:
+        ml, bl = row[mt], row[bt]
+        d.update(method_logit=_f(ml), baseline_logit=_f(bl), margin=_f((ml - bl).abs()),
+                 margin_steps=_f(tol.in_steps((ml - bl).abs(), torch.maximum(ml.abs(), bl.abs()))))
+    else:
+        d.update(margin=None, margin_steps=None)
+    return d
+
+
+def _suspect(mc: OutputCheck, bc: OutputCheck | None, div: dict[str, Any] | None, tol: Tolerance) -> Verdict:
+    side = "both" if (not mc.ok and bc is not None and not bc.ok) else ("method" if not mc.ok else "baseline")
+    first = (mc if not mc.ok else bc).first_miss
+    what = {"not_argmax": "is not the target's choice", "improbable": "has negligible target probability",
+            "stop_not_chosen": "is a stop token the target did not choose",
+            "after_stop": "follows a stop token", "too_long": "is past max_new_tokens",
+            "short_without_stop": "is missing: the output ended without a stop token"}[first.kind]
+    tok = f"token {first.emitted}" if first.emitted is not None else "a token"
+    detail = ""
+    if first.margin is not None:
+        detail = (f" (margin {first.margin:.4g} = {first.margin_steps:.1f} {tol.dtype} steps > allowed "
+                  f"{first.allowed:.4g}; the target wanted {first.expected})")
+    elif first.expected is not None:
+        detail = f" (the target wanted {first.expected})"
+    return Verdict("suspect", f"{side}: {tok} at position {first.position} {what}{detail}", side=side,
+                   position=first.position, divergence=div, method=mc, baseline=bc)
+
+
+@dataclass
+class JobValidation:
+    """A job's verdicts: counts over method outputs, the tolerance used, the first suspects' evidence."""
+
+    checked: int = 0
+    exact: int = 0
+    tie: int = 0
+    ok: int = 0
+    suspect: int = 0
+    baseline_suspect: int = 0  # baseline outputs that failed their own check (cached decoding drifted)
+    tolerance: dict[str, Any] = field(default_factory=dict)
+    rule: dict[str, Any] = field(default_factory=dict)
+    logprob_pvalue: float | None = None  # T > 0: paired sign-flip test, method vs baseline mean log-prob
+    logprob_mean_difference: float | None = None
+    first_suspects: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0  # the whole validation ...
+    calibration_seconds: float = 0.0  # ... of which the calibration's AR re-decoding
+
+    def add(self, verdict: Verdict, key: dict[str, Any] | None = None, max_suspects: int = 3) -> None:
+        self.checked += 1
+        setattr(self, verdict.verdict, getattr(self, verdict.verdict) + 1)
+        if verdict.verdict == "suspect" and len(self.first_suspects) < max_suspects:
+            self.first_suspects.append({**(key or {}), "reason": verdict.reason, "side": verdict.side,
+                                        "position": verdict.position, "divergence": verdict.divergence,
+                                        "misses": [asdict(x) for x in _misses(verdict)]})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _misses(v: Verdict) -> list[Miss]:
+    return [x for c in (v.method, v.baseline) if c is not None and not c.ok for x in c.misses][:4]
+
+
+def logprob_test(pairs: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """(p-value, mean difference) of per-sequence mean log-prob, method minus baseline. A sanity signal only."""
+    diffs = [m - b for m, b in pairs]
+    if not diffs:
+        return None, None
+    return sign_flip_pvalue(diffs), _f(sum(diffs) / len(diffs))

@@ -1,0 +1,117 @@
+"""Verdicts in the pipeline: summary.json, samples.jsonl, MLflow metrics, the table, strict, the re-check CLI.
+
+The engine's validator itself is tested in test_validate.py against HF greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from ddtree.engine import loop
+from ddtree.errors import ConfigError
+from ddtree.pipeline import schema as C
+from ddtree.pipeline.sweep_table import verdict_cell
+from ddtree.pipeline.tracking import numeric_metrics
+from ddtree.pipeline.validate import validate
+from ddtree.pipeline.verdicts import SuspectOutputs, main, recheck
+
+SMALL = ("model=tiny_qwen3", "dataset.max_samples=3", "max_new_tokens=12", "device=cpu")
+
+
+def _recheck(capsys, *args: str) -> tuple[int, str, str]:
+    """`python -m ddtree.validate ARGS` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_verdict_cell():
+    assert verdict_cell({"exact": 12, "tie": 4, "ok": 0, "suspect": 0}) == "16 ok (12 exact, 4 tie)"
+    assert verdict_cell({"exact": 3, "tie": 0, "ok": 0, "suspect": 0}) == "3 ok (3 exact)"
+    assert verdict_cell({"exact": 0, "tie": 0, "ok": 5, "suspect": 0}) == "5 ok"
+    assert verdict_cell({"exact": 14, "tie": 0, "ok": 0, "suspect": 2}) == "2 SUSPECT"
+    assert verdict_cell(None) == "-"
+
+
+def test_bf16_job_records_verdicts_and_the_recheck_finds_a_planted_fault(cli, tmp_path, capsys):
+    job = tmp_path / "job"
+    proc = cli(*SMALL, "model.dtype=bfloat16", "method=ddtree", "budget=16", f"hydra.run.dir={job}", "tracking=none")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "verdicts" in proc.stdout and " ok (" in proc.stdout  # the table's column
+    summary = json.loads((job / "summary.json").read_text())
+    v = summary["validation"]
+    assert v["checked"] == 4 and v["suspect"] == 0 and v["exact"] + v["tie"] == 4  # 3 prompts, one with 2 turns
+    assert v["tolerance"]["dtype"] == "bfloat16" and v["tolerance"]["calibrated_positions"] > 0
+    assert 0 < v["share_of_job"] < 1 and v["seconds"] > 0
+    samples = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
+    assert {r["validation"]["verdict"] for r in samples if r["role"] == "method"} <= {"exact", "tie"}
+    assert {r["validation"]["verdict"] for r in samples if r["role"] == "baseline"} == {"ok"}
+
+    metrics = numeric_metrics(summary)  # what the job logs to MLflow
+    assert metrics["validation.checked"] == 4 and metrics["validation.suspect"] == 0
+
+    # the re-check of the finished job agrees; then a token planted in one method output is found
+    again = recheck(job)
+    assert json.loads((job / "validation.json").read_text())["validation"]["checked"] == 4
+    assert (again["exact"], again["tie"], again["suspect"]) == (v["exact"], v["tie"], 0)
+    rec = next(r for r in samples if r["role"] == "method" and len(r["output_ids"]) > 6)
+    rec["output_ids"][5] = (rec["output_ids"][5] + 1) % 128
+    (job / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples))
+    code, out, err = _recheck(capsys, str(job), "--strict")
+    assert code == 3 and "1 SUSPECT" in out, out + err
+    assert f"prompt {rec['id']} turn {rec['turn']}: method: token {rec['output_ids'][5]} at position 5" in out
+
+
+def test_recheck_of_a_dir_without_a_job_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("DDTREE_TRACEBACK", raising=False)
+    code, _, err = _recheck(capsys, str(tmp_path))
+    assert code == 2 and err.startswith("error: job_dir:") and len(err.splitlines()) == 1
+
+
+def _compose(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_validation_off_and_bad_settings(tmp_path, monkeypatch):
+    from ddtree.pipeline.job import run_job
+
+    monkeypatch.chdir(tmp_path)  # without a Hydra runtime the job writes to the cwd
+    assert run_job(_compose(*SMALL, "validation=off", "tracking=none", "max_new_tokens=4"))["validation"] is None
+    assert "validation" not in json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
+    for bad in ("validation.mode=always", "validation.rescore_dtype=int8", "validation.false_alarm=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            validate(_compose(*SMALL, bad))
+
+
+def test_strict_job_with_a_wrong_token_fails_after_recording_it(tmp_path, monkeypatch):
+    from ddtree.pipeline.job import run_job
+
+    real, planted = loop.walk, []
+
+    def wrong_token(tree, choice):
+        w = real(tree, choice)
+        if not planted and len(tree) > 1:  # the method's first round: the output gets a token the target did not pick
+            planted.append(w.tokens[-1])
+            w = dataclasses.replace(w, tokens=w.tokens[:-1] + [(w.tokens[-1] + 1) % 100])
+        return w
+
+    monkeypatch.setattr(loop, "walk", wrong_token)
+    monkeypatch.chdir(tmp_path)  # without a Hydra runtime the job writes to the cwd
+    cfg = _compose(*SMALL, "validation=strict", "tracking=none", "warmup=false", "baseline_reuse=false")
+    with pytest.raises(SuspectOutputs, match="validation.strict: 1 of 4 outputs are suspect"):
+        run_job(cfg)
+    assert planted
+    v = json.loads((tmp_path / "summary.json").read_text())["validation"]
+    assert v["suspect"] == 1 and v["first_suspects"][0]["side"] == "method"
