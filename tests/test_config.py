@@ -45,7 +45,7 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
             return ["method=ar"], None
         if option == "pretrained":  # needs a checkpoint: refused without one, accepted with a fitting one
             return [], "drafter.name_or_path"
-        return [], None
+        return ["model=tiny_qwen3"], None  # drafter=tiny: a random drafter, for the tiny random models
     if (group, option) == ("attention", "flex_attention"):
         return [], None  # ddtree verifies on flex through a BlockMask (ddtree.engine.attention)
     if (group, option) == ("attention", "flash_attention_2"):
@@ -85,11 +85,16 @@ def test_option_tables_are_complete():
     assert all(rc.drafter.kind == "pretrained" and rc.drafter.target == rc.model.name_or_path for rc in hub.values())
 
 
-def test_defaults_are_an_offline_smoke_run():
+def test_defaults_are_the_shipped_toy_pair_offline():
     cfg = _compose()
     rc = V.validate(cfg)
-    assert (rc.model.tiny.model_type, rc.drafter.kind, rc.method, rc.dataset.name) == ("qwen3", "random", "ddtree", "tiny")
+    toy = C.REPO_ROOT / "assets" / "toy"
+    assert (rc.model.name, rc.model.name_or_path, rc.drafter.kind, rc.drafter.name_or_path) == (
+        "toy", str(toy / "target"), "pretrained", str(toy / "drafter"))
+    assert (rc.method, rc.dataset.name, rc.dataset.path) == ("ddtree", "toy", str(toy / "prompts.jsonl"))
     assert rc.baseline and not rc.force and rc.temperature == 0.0 and rc.budget == 64
+    smoke = V.validate(_compose("model=tiny_qwen3", "dataset=tiny"))  # the random tiny models, by name
+    assert (smoke.model.tiny.model_type, smoke.drafter.kind, smoke.dataset.name) == ("qwen3", "random", "tiny")
     runs = str(C.REPO_ROOT / "runs")
     assert C.tracking_uri(rc) == f"sqlite:///{runs}/mlflow.db"
     assert cfg.hydra.run.dir.startswith(runs) and cfg.hydra.sweep.dir.startswith(runs)
@@ -118,7 +123,7 @@ def test_overrides_reach_the_schema():
     (["tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
     (["engine=nonsense"], "engine"),
     (["engine=upstream"], "upstream.path"),  # the authors' checkout is not set
-    (["model.name_or_path=Qwen/Qwen3-8B"], "model.name_or_path"),
+    (["model=tiny_qwen3", "model.name_or_path=Qwen/Qwen3-8B"], "model.name_or_path"),
     (["drafter=none"], "drafter"),  # ddtree without a drafter
     (["model=qwen3_8b", "drafter=tiny"], "drafter"),  # a random drafter on a real model
     (["model=tiny_qwen3", "drafter=qwen3_8b"], "drafter"),  # a hub drafter recorded for another target
@@ -171,11 +176,11 @@ def _drafter_dir(tmp_path: Path, **fields) -> Path:
 
 def test_local_drafter_checked_against_target_before_loading(tmp_path):
     fits = _drafter_dir(tmp_path)
-    V.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+    V.validate(_compose("model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
     (fits / "config.json").write_text(json.dumps({"hidden_size": 4096, "vocab_size": 151936, "num_target_layers": 36,
                                                   "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}))
     with pytest.raises(ConfigError, match="does not fit model=tiny_qwen3") as e:
-        V.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+        V.validate(_compose("model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
     assert "36 target layers" in str(e.value) and "hidden_size 4096" in str(e.value)
 
 

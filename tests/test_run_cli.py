@@ -17,7 +17,7 @@ from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
 from ddtree.pipeline import validate as V
 
-SMALL = ("model=tiny_qwen3", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
+SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 
 
 def _client(uri: str):

@@ -189,15 +189,42 @@ class NoTracker:
         return None
 
 
+def open_store(uri: str) -> Any:
+    """An MlflowClient on `uri`, the store created or upgraded first, once: a SQLite store is set up under a
+    file lock beside it, so jobs starting together on a fresh store do not race through MLflow's migrations
+    (which leave it half-migrated). A store MLflow cannot open is a ConfigError naming tracking.uri."""
+    from ddtree.errors import ConfigError
+
+    db = _sqlite_path(uri)
+    lock = contextlib.nullcontext()
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError("tracking.uri", f"cannot create the store's folder {db.parent} ({e.strerror})",
+                              "point tracking.uri (or runs_dir) at a writable place") from None
+        lock = _locked(db.with_name(db.name + ".lock"))
+    with lock:
+        try:
+            from mlflow import MlflowClient
+
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)  # the store answers: tables exist and are current
+        except Exception as e:
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            where = f"the file {db}" if db is not None else uri
+            fix = (f"move {db} aside (MLflow then starts a fresh store there), or set tracking.uri=sqlite:///"
+                   "<another path>.db" if db is not None else "check the server, or use tracking.uri=sqlite:///"
+                   "<path>/mlflow.db")
+            raise ConfigError("tracking.uri", f"MLflow cannot open the store {uri} ({where}): {first[:200]}",
+                              fix) from None
+    return client
+
+
 class MlflowTracker:
     def __init__(self, uri: str, experiment: str):
         self.uri, self.experiment = uri, experiment
-        db = _sqlite_path(uri)
-        if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        from mlflow import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = open_store(uri)
         self._experiment_id: str | None = None
 
     # ---- experiment and lookups
