@@ -104,6 +104,20 @@ BAD_INPUTS = {
     "attention backend not installed": (["method=dflash", "attention=flash_attention_2"], "pip install flash-attn"),
     "tree method on a flash backend": (["method=ddtree", "attention=flash_attention_2"], "use attention=sdpa"),
     "mistyped value": (["budget=lots"], "budget: Value 'lots'"),
+    # preflight (ddtree.pipeline.preflight): the sources and prompts, before the store or any weights
+    "model folder missing": (["model=hf", "model.name_or_path=./no_such_dir", "method=ar"],
+                             "model.name_or_path: no such folder"),
+    "model folder lacks config.json": (["model=hf", "model.name_or_path=./empty", "method=ar"], "has no config.json"),
+    "hub model not cached, offline": (["model=qwen3_8b", "drafter=none", "method=ar"],
+                                      "hf download Qwen/Qwen3-8B"),
+    "hub id malformed": (["model=qwen3_8b", "model.name_or_path=a//b", "drafter=none", "method=ar"],
+                         "model.name_or_path: no such folder"),
+    "drafter folder missing": (["drafter=pretrained", "drafter.name_or_path=./no_drafter"],
+                               "drafter.name_or_path: no such folder"),
+    "tokenizer folder lacks files": (["model.tokenizer=./empty", "method=ar"], "model.tokenizer:"),
+    "prompt file not UTF-8": (["dataset=jsonl", "dataset.path=latin1.jsonl"], "latin1.jsonl is not UTF-8"),
+    "prompt longer than the context": (["dataset=jsonl", "dataset.path=long.jsonl"],
+                                       "exceeds the target's context of 2048 tokens"),
 }
 
 
@@ -112,6 +126,9 @@ def test_bad_input_exits_with_one_line(cli, tmp_path, case):
     if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash_attn is installed here")
     (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
+    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "turns": ["café"]}\n'.encode("latin-1"))
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
+    (tmp_path / "empty").mkdir()
     args, expected = BAD_INPUTS[case]
     proc = cli(*args, f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}")
     assert proc.returncode == 2, proc.stderr

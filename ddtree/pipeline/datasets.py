@@ -41,6 +41,11 @@ def dataset_rank(name: str) -> tuple[int, str]:
 
 
 LOCAL_DATASETS = ("tiny", "jsonl")
+
+
+def dataset_label(ds: DatasetConfig) -> str:
+    """The name records carry: the dataset's own, or a plain prompt file's name (dataset=jsonl)."""
+    return Path(ds.path).stem if ds.name == "jsonl" and ds.path else ds.name
 _FORMATTER = string.Formatter()
 
 

@@ -25,8 +25,18 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.engine.result import STAGES
-from ddtree.pipeline.datasets import load_dataset_prompts
-from ddtree.pipeline.models import MODELS, cache_key, get_models, load_upstream, model_device, resolve_device
+from ddtree.pipeline.datasets import dataset_label, load_dataset_prompts
+from ddtree.pipeline.models import (
+    MODELS,
+    cache_key,
+    get_models,
+    load_tokenizer,
+    load_upstream,
+    model_device,
+    resolve_device,
+    target_context,
+)
+from ddtree.pipeline.preflight import check_prompt_lengths, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.schema import (
     REPO_ROOT,
@@ -93,6 +103,11 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
         messages.append({"role": "user", "content": user})
         ids = encode(tokenizer, messages, chat_template=rc.dataset.chat_template,
                      enable_thinking=rc.dataset.enable_thinking)
+        new = max_new_tokens or rc.max_new_tokens
+        if rc.dataset.truncate:
+            ids = keep_last(ids, new, target_context(target))
+        else:  # a later turn grows with the model's answers: checked again here
+            check_prompt_lengths([prompt], [len(ids)], new, target_context(target), False)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         gen = None
         if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
@@ -147,6 +162,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "engine": rc.engine,
         "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
+        "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
         "baseline_tokens_per_s": b["tokens_per_s"] if b else None, "speedup": speedup, "match_rate": match_rate,
@@ -246,9 +262,19 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
         rc.dataset.path = hydra.utils.to_absolute_path(rc.dataset.path)
     rc = validate(rc)
     prompts = load_dataset_prompts(rc.dataset)
+    facts = preflight(rc)  # every source there, before the store opens or a weight loads
+    if facts is not None and facts.context is not None and not rc.dataset.truncate:
+        check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, load_tokenizer(rc)), rc.max_new_tokens,
+                             facts.context, False, "dataset.path" if rc.dataset.path else "dataset")
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
     return rc, prompts, identity
+
+
+def first_turn_lengths(rc: RunConfig, prompts: list[Prompt], tokenizer) -> list[int]:
+    """Tokens of each prompt's first turn as the job encodes it (later turns follow the model's answers)."""
+    return [len(encode(tokenizer, [{"role": "user", "content": p.turns[0]}], chat_template=rc.dataset.chat_template,
+                       enable_thinking=rc.dataset.enable_thinking)) for p in prompts]
 
 
 def open_files(world) -> JobFiles:

@@ -90,6 +90,7 @@ class DatasetConfig:
     enable_thinking: bool = False
     max_samples: int | None = None
     shuffle_seed: int | None = None  # null: file order
+    truncate: bool = False  # a prompt longer than the context allows: false refuses it, true keeps its last tokens
     # hub datasets (conf/dataset/<benchmark>.yaml), loaded with `datasets`; see ddtree.pipeline.datasets
     title: str | None = None  # display name in reports (null: name)
     hub: str | None = None  # Hugging Face dataset id
@@ -153,6 +154,18 @@ def _register() -> None:
     cs.store(name="ddtree_schema", node=RunConfig)
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
+    if not OmegaConf.has_resolver("model_label"):  # model=hf: the hub id, or a local folder's name
+        OmegaConf.register_new_resolver("model_label", model_label)
+
+
+def model_label(name_or_path: str | None) -> str:
+    """The name records carry for a checkpoint: its hub id as written, or the folder's name for a local path."""
+    if not name_or_path:
+        return "?"
+    p = Path(str(name_or_path)).expanduser()
+    if p.exists() or str(name_or_path).startswith(("/", ".", "~")) or str(name_or_path).count("/") > 1:
+        return p.resolve().name or str(name_or_path)
+    return str(name_or_path)
 
 
 _register()
