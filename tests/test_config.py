@@ -38,6 +38,10 @@ def prompt_file(tmp_path: Path) -> Path:
 def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tuple[list[str], str | None]:
     """Overrides that make `group=option` a complete job, and the setting it must refuse (if any)."""
     models = {p.stem for p in (C.CONF_DIR / "model").glob("*.yaml")}
+    if (group, option) == ("model", "hf"):  # any checkpoint: it needs one named
+        return [], "model.name_or_path"
+    if (group, option) == ("drafter", "hf"):  # model=hf brings no drafter: AR as is
+        return ["model=hf", "model.name_or_path=Qwen/Qwen3-8B", "method=ar"], None
     if group == "drafter":
         if option in models:
             return [f"model={option}"], None
@@ -78,11 +82,21 @@ def test_option_tables_are_complete():
             "llama3_1_8b_instruct", "qwen3_5_27b", "qwen3_6_27b", "qwen3_6_35b_a3b"} <= options["model"]
     # `drafter: ${model}` in the defaults list: every model names its default drafter by having one
     assert options["model"] <= options["drafter"] and {"none", "tiny", "pretrained"} <= options["drafter"]
-    hub = {o: V.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny")}
+    hub = {o: V.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny") and o != "hf"}
     assert hub["qwen3_8b"].model.name_or_path == "Qwen/Qwen3-8B"
     assert hub["qwen3_8b"].drafter.name_or_path == "z-lab/Qwen3-8B-DFlash-b16"
     assert hub["llama3_1_8b_instruct"].drafter.name_or_path == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert all(rc.drafter.kind == "pretrained" and rc.drafter.target == rc.model.name_or_path for rc in hub.values())
+
+
+def test_model_hf_names_itself_after_its_checkpoint(tmp_path):
+    rc = V.validate(_compose("model=hf", "model.name_or_path=Qwen/Qwen3-8B", "method=ar"))
+    assert (rc.model.name, rc.drafter.kind) == ("Qwen/Qwen3-8B", "none")
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert V.validate(_compose("model=hf", f"model.name_or_path={folder}", "method=ar")).model.name == "my-model"
+    with pytest.raises(ConfigError, match="drafter=pretrained drafter.name_or_path="):
+        V.validate(_compose("model=hf", "model.name_or_path=Qwen/Qwen3-8B"))
 
 
 def test_defaults_are_the_shipped_toy_pair_offline():

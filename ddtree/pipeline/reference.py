@@ -38,7 +38,7 @@ def load_reference(path: str | Path) -> dict[str, Any]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError("reference", f"no reference file at {p}",
-                          f"pass reference=<a YAML like {DEFAULT_REFERENCE.relative_to(REPO_ROOT)}>, "
+                          "pass reference=<a YAML like docs/paper_reference.yaml>, "
                           "or reference=null for none")
     try:
         doc = yaml.safe_load(p.read_text(encoding="utf-8"))

@@ -179,9 +179,9 @@ class Store:
             raise ConfigError("tracking.uri", f"no MLflow store at {db}",
                               "pass tracking.uri=sqlite:///<path>/mlflow.db (where ddtree.run recorded the runs)")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        from mlflow import MlflowClient
+        from ddtree.pipeline.tracking import open_store
 
-        self.uri, self.tmp, self.client = uri, tmp, MlflowClient(tracking_uri=uri)
+        self.uri, self.tmp, self.client = uri, tmp, open_store(uri)
 
     def experiment_ids(self, name: str | None) -> list[str]:
         if name is None:
