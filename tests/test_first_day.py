@@ -159,3 +159,49 @@ def test_jobs_started_together_on_a_fresh_store_all_finish(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("ddtree").experiment_id])
     assert len(runs) == 3 and {r.info.status for r in runs} == {"FINISHED"}
     assert C.REPO_ROOT.is_dir()
+
+
+@pytest.mark.slow  # two real jobs, one killed mid-run (about a minute alone, minutes on a busy box)
+def test_a_killed_job_resumes_at_its_first_unfinished_prompt(tmp_path):
+    """SIGKILL a real job after two finished prompts; the rerun reuses them, runs the rest, ends the dead run."""
+    import signal
+    import time
+
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/store/mlflow.db"
+    args = ["model=tiny_qwen3", "dataset=tiny", "method=dflash", "max_new_tokens=96", "warmup=false",
+            f"tracking.uri={uri}", f"runs_dir={tmp_path / 'runs'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = subprocess.Popen([sys.executable, "-m", "ddtree.run", *args, f"hydra.run.dir={first}"], cwd=tmp_path,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    samples = first / "samples.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:  # prompt 0 (1 turn) and prompt 1 (2 turns), both roles
+        if samples.is_file() and len(samples.read_text().splitlines()) >= 6:
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    kept = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.endswith("}")]
+    finished_ids = {r["id"] for r in kept if r["role"] == "method"} & {r["id"] for r in kept if r["role"] == "baseline"}
+    client = MlflowClient(tracking_uri=uri)
+    (dead,) = client.search_runs([client.get_experiment_by_name("ddtree").experiment_id])
+    assert dead.info.status == "RUNNING"  # a killed process cannot say otherwise
+
+    out = subprocess.run([sys.executable, "-m", "ddtree.run", *args, f"hydra.run.dir={second}"], cwd=tmp_path,
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reused = int(out.stdout.split("resuming: ")[1].split()[0])
+    assert 2 <= reused <= len(finished_ids) and f"of 6 prompts were finished by {first}" in out.stdout
+    recs = [json.loads(ln) for ln in (second / "samples.jsonl").read_text().splitlines()]
+    assert sum(1 for r in recs if r.get("resumed_from") == str(first)) >= 6  # prompts 0 and 1, both roles
+    assert [r["id"] for r in recs if r.get("resumed_from")][:1] == ["tiny-0"]
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["num_prompts"] == 6 and summary["match_rate"] == 1.0
+    runs = {r.info.run_id: r for r in client.search_runs([dead.info.experiment_id])}
+    old, new = runs[dead.info.run_id], next(r for i, r in runs.items() if i != dead.info.run_id)
+    assert old.info.status == "KILLED" and old.data.tags["ddtree.superseded_by"] == new.info.run_id
+    assert new.info.status == "FINISHED" and new.data.tags["ddtree.resumed_from"] == old.info.run_id

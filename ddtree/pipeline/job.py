@@ -38,6 +38,7 @@ from ddtree.pipeline.models import (
 )
 from ddtree.pipeline.preflight import check_prompt_lengths, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
+from ddtree.pipeline.resume import Resume, find_resume, write_job_file
 from ddtree.pipeline.schema import (
     REPO_ROOT,
     RunConfig,
@@ -359,7 +360,7 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
 
 
 def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, files: JobFiles,
-                 world) -> tuple[list[dict[str, Any]], str | None] | None:
+                 world, resume: Resume | None = None) -> tuple[list[dict[str, Any]], str | None] | None:
     """Every rank runs its share of the prompts; rank 0 gets (all records in prompt order, the job whose
     baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
     from ddtree.pipeline import distributed as D
@@ -372,7 +373,7 @@ def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, fil
         reused_from = _generate_shard(models.target, models.drafter, models.tokenizer, prompts,
                                       D.shard(prompts, world), methods, rc, models.device, models.stops,
                                       files.rank_samples, records, run_name(rc), show_progress=world.is_main,
-                                      origin=str(files.job_dir))
+                                      origin=str(files.job_dir), resume=resume)
     except Exception as e:
         if not world.is_distributed:
             raise
@@ -434,7 +435,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     import torch
 
     from ddtree.pipeline import distributed as D
-    from ddtree.pipeline.tracking import config_hash, make_tracker
+    from ddtree.pipeline.tracking import TAG_RESUMED_FROM, config_hash, make_tracker
 
     rc, prompts, identity = configure(cfg)
     world = D.world_from_env()
@@ -446,14 +447,24 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     tracker = make_tracker(rc.tracking.backend if world.is_main else "none", uri, rc.tracking.experiment)
     if already_finished(rc, tracker, chash, world, files):
         return None
+    methods = {"method"} | ({"baseline"} if rc.baseline and rc.method != BASELINE else set())
+    resume = find_resume(tracker, chash, prompts, methods) if not world.is_distributed else None
+    if world.is_main:
+        write_job_file(files.job_dir, chash)
     compat_report = install_compat(rc, world)
     models = load_models(rc, device)
     env = job_environment(models, compat_report, world)
     start_samples(files, world)
     run = start_tracking(rc, tracker, files, env, chash, world) if world.is_main else None
+    if resume is not None:
+        print(f"resuming: {len(resume.done)} of {len(prompts)} prompts were finished by {resume.job_dir} "
+              f"(MLflow run {resume.run_id}, now ended KILLED); they are reused", flush=True)
+        tracker.supersede(resume.run_id, getattr(run, "run_id", None))
+        if run is not None:
+            run.set_tags({TAG_RESUMED_FROM: resume.run_id, "ddtree.resumed_prompts": len(resume.done)})
     torch.manual_seed(rc.seed)
     try:
-        generated = generate_all(models, prompts, rc, files, world)
+        generated = generate_all(models, prompts, rc, files, world, resume)
         if generated is None:  # ranks > 0: rank 0 writes and records the job
             return None
         records, reused_from = generated
@@ -465,7 +476,8 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
 
 def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
                     rc: RunConfig, device: str, stops: list[int], path: Path, records: list[dict[str, Any]],
-                    base_name: str, show_progress: bool = True, origin: str = "") -> str | None:
+                    base_name: str, show_progress: bool = True, origin: str = "",
+                    resume: Resume | None = None) -> str | None:
     """Warm up (once per process and setting), then run every method on this rank's prompts, appending
     one record per prompt, turn and role to `records` and to `path` as each prompt finishes.
 
@@ -491,6 +503,12 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
         bar = tqdm(mine, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True,
                    disable=not show_progress)
         for prompt in bar:
+            if resume is not None and prompt.id in resume.done:  # finished by the job this one continues
+                got = [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)}
+                       for rec in resume.done[prompt.id]]
+                records.extend(got)
+                out.writelines(json.dumps(rec) + "\n" for rec in got)
+                continue
             for meth in reversed(methods):  # the baseline first: the method's outputs get compared to it
                 role = "method" if meth == rc.method else "baseline"
                 if role == "baseline" and reused_from is not None:
@@ -506,6 +524,6 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
             out.flush()
             m = [r for r in records if r["role"] == "method"]
             bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
-    if bkey and reused_from is None:  # complete: later jobs may reuse it
+    if bkey and reused_from is None and not (resume and resume.done):  # complete: later jobs may reuse it
         MODELS.baselines[bkey] = (origin, fresh)
     return reused_from

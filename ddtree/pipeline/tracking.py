@@ -31,6 +31,8 @@ PARENT_ENV = "DDTREE_MLFLOW_PARENT_RUN_ID"
 TAG_HASH = "ddtree.config_hash"
 TAG_ROLE = "ddtree.role"  # sweep | job | run
 TAG_SWEEP_DIR = "ddtree.sweep_dir"
+TAG_SUPERSEDED_BY = "ddtree.superseded_by"  # on a dead job's run: the run that continued it
+TAG_RESUMED_FROM = "ddtree.resumed_from"  # on that run: the dead one whose finished prompts it reused
 _MAX_PARAM = 6000  # MLflow's limit on a param value
 
 
@@ -185,6 +187,12 @@ class NoTracker:
     def finished_run(self, config_hash: str) -> str | None:
         return None
 
+    def unfinished_run(self, config_hash: str) -> dict[str, Any] | None:
+        return None
+
+    def supersede(self, old_run_id: str, new_run_id: str | None) -> None:
+        return None
+
     def start(self, **_: Any) -> None:
         return None
 
@@ -252,6 +260,30 @@ class MlflowTracker:
         runs = self.client.search_runs([eid], filter_string=f"tags.`{TAG_HASH}` = '{config_hash}' and "
                                        "attributes.status = 'FINISHED'", max_results=1)
         return runs[0].info.run_id if runs else None
+
+    def unfinished_run(self, config_hash: str) -> dict[str, Any] | None:
+        """The latest run of this config that did not finish (died, failed or was stopped): its id, status and
+        tags, so a rerun can continue it; None when there is none."""
+        eid = self.experiment_id(create=False)
+        if eid is None:
+            return None
+        runs = self.client.search_runs([eid], filter_string=f"tags.`{TAG_HASH}` = '{config_hash}' and "
+                                       "attributes.status != 'FINISHED'", order_by=["attributes.start_time DESC"],
+                                       max_results=1)
+        if not runs:
+            return None
+        r = runs[0]
+        return {"run_id": r.info.run_id, "status": r.info.status, "tags": dict(r.data.tags)}
+
+    def supersede(self, old_run_id: str, new_run_id: str | None) -> None:
+        """End a dead job's run KILLED (if it still says RUNNING), tagged with the run that continues it."""
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(TAG_SUPERSEDED_BY, new_run_id)] if new_run_id else []
+        if tags:
+            self.client.log_batch(old_run_id, tags=tags)
+        if self.client.get_run(old_run_id).info.status == "RUNNING":
+            self.client.set_terminated(old_run_id, "KILLED")
 
     def sweep_parent(self, sweep_dir: Path, run_name: str, tags: dict[str, str] | None = None) -> str:
         """Find or create the parent run of the sweep in `sweep_dir` (see the module docstring)."""
