@@ -205,3 +205,18 @@ def test_a_killed_job_resumes_at_its_first_unfinished_prompt(tmp_path):
     old, new = runs[dead.info.run_id], next(r for i, r in runs.items() if i != dead.info.run_id)
     assert old.info.status == "KILLED" and old.data.tags["ddtree.superseded_by"] == new.info.run_id
     assert new.info.status == "FINISHED" and new.data.tags["ddtree.resumed_from"] == old.info.run_id
+
+
+def test_sweep_runs_dflash_once_and_its_table_shows_what_varies(cli, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = cli("model=tiny_qwen3", *TINY, "max_new_tokens=4", "tracking=none", "force=true", "method=dflash,ddtree",
+               "budget=4,8", "attention.target=sdpa,eager", f"hydra.sweep.dir={sweep}", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ran = sorted(p.parent.name for p in sweep.glob("*/summary.json"))
+    skipped = {p.parent.name: json.loads(p.read_text()) for p in sweep.glob("*/skipped.json")}
+    assert len(ran) == 6 and len(skipped) == 2  # dflash x 2 attentions once each; ddtree x 2 budgets x 2
+    assert all(s["method"] == "dflash" and "ignores the budget" in s["note"] for s in skipped.values())
+    table = proc.stdout.split(f"sweep {sweep}:\n")[1].splitlines()
+    assert table[0].split()[:4] == ["model", "method", "budget", "attention.target"] and table[0].endswith("note")
+    assert len(table) == 9 and sum("skipped: same job as" in row for row in table) == 2
+    assert {row.split()[3] for row in table[1:]} == {"sdpa", "eager"}

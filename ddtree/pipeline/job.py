@@ -48,7 +48,7 @@ from ddtree.pipeline.schema import (
     to_run_config,
     tracking_uri,
 )
-from ddtree.pipeline.sweep_table import format_table
+from ddtree.pipeline.sweep_table import SKIPPED, claim_config, format_table
 from ddtree.pipeline.validate import validate
 
 SAMPLES = "samples.jsonl"
@@ -301,6 +301,26 @@ def already_finished(rc: RunConfig, tracker, chash: str, world, files: JobFiles)
     return bool(done)
 
 
+def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool:
+    """Whether an earlier job of this sweep has this config (DFlash in a budget sweep: it ignores the budget);
+    such a job does not run, even with force=true, and says so in skipped.json and the sweep table."""
+    from ddtree.pipeline import distributed as D
+
+    if files.sweep_dir is None:
+        return False
+    first = D.broadcast(claim_config(files.sweep_dir, chash, files.job_dir) if world.is_main else None, world)
+    if first is None:
+        return False
+    if world.is_main:
+        why = f"method={rc.method} ignores the budget" if not METHODS[rc.method].reads_budget else "same config"
+        note = f"skipped: same job as {Path(first).name} ({why})"
+        files.job_dir.joinpath(SKIPPED).write_text(json.dumps(
+            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget
+             else None, "duplicate_of": first, "note": note}) + "\n")
+        print(f"{note}: {first}", flush=True)
+    return True
+
+
 def install_compat(rc: RunConfig, world) -> list[dict[str, Any]]:
     """The compat patches (and with engine=upstream the authors' modules), before model work; their report."""
     compat_report = apply_compat(rc)
@@ -445,7 +465,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     chash = config_hash(identity)
     uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" and world.is_main else None
     tracker = make_tracker(rc.tracking.backend if world.is_main else "none", uri, rc.tracking.experiment)
-    if already_finished(rc, tracker, chash, world, files):
+    if repeats_sweep_job(rc, chash, files, world) or already_finished(rc, tracker, chash, world, files):
         return None
     methods = {"method"} | ({"baseline"} if rc.baseline and rc.method != BASELINE else set())
     resume = find_resume(tracker, chash, prompts, methods) if not world.is_distributed else None
