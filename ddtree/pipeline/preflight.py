@@ -145,7 +145,7 @@ class TargetFacts:
 
 def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_code: bool) -> TargetFacts:
     """The family, hybrid or not, and context of a target config; refuses what cannot run `method`."""
-    from ddtree.engine.target import GDN_MODEL_TYPES, UNSUPPORTED_STATEFUL
+    from ddtree.engine.families import family, supports
 
     mtype = cfg.get("text_model_type") or cfg.get("model_type")
     outer = cfg.get("model_type")
@@ -161,10 +161,11 @@ def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_co
             raise ConfigError(setting, f"its config.json is a '{outer}' model, which this transformers cannot load "
                               "as a causal LM", "set model.trust_remote_code=true (the repo ships its own code)"
                               if remote else "pass a causal language model (a *ForCausalLM checkpoint)")
+    types = [t for t in (mtype, outer) if t]
     layer_types = cfg.get("layer_types") or []
-    hybrid = mtype in GDN_MODEL_TYPES or outer in GDN_MODEL_TYPES or mtype in UNSUPPORTED_STATEFUL \
+    hybrid = any(family(t).gdn or family(t).methods != family("qwen3").methods for t in types) \
         or any("linear" in str(t) or "mamba" in str(t) for t in layer_types)
-    if method != "ar" and (mtype in UNSUPPORTED_STATEFUL or outer in UNSUPPORTED_STATEFUL):
+    if any(not supports(t, method) for t in types):
         raise ConfigError("method", f"method={method} on a '{mtype}' target is not supported: its recurrent layers "
                           "cannot verify a draft tree or roll back rejected tokens exactly",
                           "use method=ar drafter=none for this model family")
