@@ -72,6 +72,8 @@ def test_single_run_sweep_and_resume(cli, tmp_path):
     assert run.data.metrics["match_rate"] == 1.0 and run.data.metrics["tau"] == pytest.approx(summary["tau"])
     assert {"tokens_per_s", "baseline_tokens_per_s", "speedup", "stage_seconds_mean.verify"} <= set(run.data.metrics)
     assert {"torch_version", "transformers_version", "python_version", "device_name", "compat.applied"} <= set(run.data.tags)
+    assert (run.data.tags["ddtree.model"], run.data.tags["ddtree.drafter"], run.data.tags["ddtree.dataset"]) == (
+        "tiny_qwen3", "random", "tiny")  # the names of what ran
     assert {"samples.jsonl", "summary.json", "acceptance_hist.png", "config.yaml"} <= _artifacts(uri, run.info.run_id)
 
     # 2. a sweep over budget: one parent, one child per job; the models load once (one process)

@@ -369,7 +369,9 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
             "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
             **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
             "overrides": " ".join(files.overrides), "job_dir": str(files.job_dir), "mlflow.source.name": "ddtree.run",
-            "world_size": world.world_size, **rc.tags}
+            "world_size": world.world_size, "ddtree.model": rc.model.name, "ddtree.model.source": rc.model.name_or_path,
+            "ddtree.drafter": rc.drafter.name_or_path or rc.drafter.kind, "ddtree.dataset": dataset_label(rc.dataset),
+            **rc.tags}
     if "placement" in env:
         tags["devices"] = ",".join(env["placement"]["devices"])
     tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None

@@ -112,7 +112,9 @@ class Job:
 
     @property
     def dataset(self) -> str:
-        return str(self.params.get("dataset.name", "?"))
+        name = str(self.params.get("dataset.name", "?"))
+        path = self.params.get("dataset.path")
+        return Path(path).stem if name == "jsonl" and path not in (None, "None", "") else name  # as the job names it
 
     @property
     def title(self) -> str:
