@@ -38,6 +38,10 @@ def prompt_file(tmp_path: Path) -> Path:
 def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tuple[list[str], str | None]:
     """Overrides that make `group=option` a complete job, and the setting it must refuse (if any)."""
     models = {p.stem for p in (C.CONF_DIR / "model").glob("*.yaml")}
+    if (group, option) == ("model", "hf"):  # any checkpoint: it needs one named
+        return [], "model.name_or_path"
+    if (group, option) == ("drafter", "hf"):  # model=hf brings no drafter: AR as is
+        return ["model=hf", "model.name_or_path=Qwen/Qwen3-8B", "method=ar"], None
     if group == "drafter":
         if option in models:
             return [f"model={option}"], None
@@ -45,7 +49,7 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
             return ["method=ar"], None
         if option == "pretrained":  # needs a checkpoint: refused without one, accepted with a fitting one
             return [], "drafter.name_or_path"
-        return [], None
+        return ["model=tiny_qwen3"], None  # drafter=tiny: a random drafter, for the tiny random models
     if (group, option) == ("attention", "flex_attention"):
         return [], None  # ddtree verifies on flex through a BlockMask (ddtree.engine.attention)
     if (group, option) == ("attention", "flash_attention_2"):
@@ -78,18 +82,33 @@ def test_option_tables_are_complete():
             "llama3_1_8b_instruct", "qwen3_5_27b", "qwen3_6_27b", "qwen3_6_35b_a3b"} <= options["model"]
     # `drafter: ${model}` in the defaults list: every model names its default drafter by having one
     assert options["model"] <= options["drafter"] and {"none", "tiny", "pretrained"} <= options["drafter"]
-    hub = {o: V.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny")}
+    hub = {o: V.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny") and o != "hf"}
     assert hub["qwen3_8b"].model.name_or_path == "Qwen/Qwen3-8B"
     assert hub["qwen3_8b"].drafter.name_or_path == "z-lab/Qwen3-8B-DFlash-b16"
     assert hub["llama3_1_8b_instruct"].drafter.name_or_path == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert all(rc.drafter.kind == "pretrained" and rc.drafter.target == rc.model.name_or_path for rc in hub.values())
 
 
-def test_defaults_are_an_offline_smoke_run():
+def test_model_hf_names_itself_after_its_checkpoint(tmp_path):
+    rc = V.validate(_compose("model=hf", "model.name_or_path=Qwen/Qwen3-8B", "method=ar"))
+    assert (rc.model.name, rc.drafter.kind) == ("Qwen/Qwen3-8B", "none")
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    assert V.validate(_compose("model=hf", f"model.name_or_path={folder}", "method=ar")).model.name == "my-model"
+    with pytest.raises(ConfigError, match="drafter=pretrained drafter.name_or_path="):
+        V.validate(_compose("model=hf", "model.name_or_path=Qwen/Qwen3-8B"))
+
+
+def test_defaults_are_the_shipped_toy_pair_offline():
     cfg = _compose()
     rc = V.validate(cfg)
-    assert (rc.model.tiny.model_type, rc.drafter.kind, rc.method, rc.dataset.name) == ("qwen3", "random", "ddtree", "tiny")
+    toy = C.REPO_ROOT / "assets" / "toy"
+    assert (rc.model.name, rc.model.name_or_path, rc.drafter.kind, rc.drafter.name_or_path) == (
+        "toy", str(toy / "target"), "pretrained", str(toy / "drafter"))
+    assert (rc.method, rc.dataset.name, rc.dataset.path) == ("ddtree", "toy", str(toy / "prompts.jsonl"))
     assert rc.baseline and not rc.force and rc.temperature == 0.0 and rc.budget == 64
+    smoke = V.validate(_compose("model=tiny_qwen3", "dataset=tiny"))  # the random tiny models, by name
+    assert (smoke.model.tiny.model_type, smoke.drafter.kind, smoke.dataset.name) == ("qwen3", "random", "tiny")
     runs = str(C.REPO_ROOT / "runs")
     assert C.tracking_uri(rc) == f"sqlite:///{runs}/mlflow.db"
     assert cfg.hydra.run.dir.startswith(runs) and cfg.hydra.sweep.dir.startswith(runs)
@@ -118,7 +137,7 @@ def test_overrides_reach_the_schema():
     (["tracking.uri=file:///tmp/mlruns"], "tracking.uri"),
     (["engine=nonsense"], "engine"),
     (["engine=upstream"], "upstream.path"),  # the authors' checkout is not set
-    (["model.name_or_path=Qwen/Qwen3-8B"], "model.name_or_path"),
+    (["model=tiny_qwen3", "model.name_or_path=Qwen/Qwen3-8B"], "model.name_or_path"),
     (["drafter=none"], "drafter"),  # ddtree without a drafter
     (["model=qwen3_8b", "drafter=tiny"], "drafter"),  # a random drafter on a real model
     (["model=tiny_qwen3", "drafter=qwen3_8b"], "drafter"),  # a hub drafter recorded for another target
@@ -171,11 +190,11 @@ def _drafter_dir(tmp_path: Path, **fields) -> Path:
 
 def test_local_drafter_checked_against_target_before_loading(tmp_path):
     fits = _drafter_dir(tmp_path)
-    V.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+    V.validate(_compose("model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
     (fits / "config.json").write_text(json.dumps({"hidden_size": 4096, "vocab_size": 151936, "num_target_layers": 36,
                                                   "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}))
     with pytest.raises(ConfigError, match="does not fit model=tiny_qwen3") as e:
-        V.validate(_compose("drafter=pretrained", f"drafter.name_or_path={fits}"))
+        V.validate(_compose("model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
     assert "36 target layers" in str(e.value) and "hidden_size 4096" in str(e.value)
 
 

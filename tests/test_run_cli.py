@@ -17,7 +17,7 @@ from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
 from ddtree.pipeline import validate as V
 
-SMALL = ("model=tiny_qwen3", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
+SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 
 
 def _client(uri: str):
@@ -72,6 +72,8 @@ def test_single_run_sweep_and_resume(cli, tmp_path):
     assert run.data.metrics["match_rate"] == 1.0 and run.data.metrics["tau"] == pytest.approx(summary["tau"])
     assert {"tokens_per_s", "baseline_tokens_per_s", "speedup", "stage_seconds_mean.verify"} <= set(run.data.metrics)
     assert {"torch_version", "transformers_version", "python_version", "device_name", "compat.applied"} <= set(run.data.tags)
+    assert (run.data.tags["ddtree.model"], run.data.tags["ddtree.drafter"], run.data.tags["ddtree.dataset"]) == (
+        "tiny_qwen3", "random", "tiny")  # the names of what ran
     assert {"samples.jsonl", "summary.json", "acceptance_hist.png", "config.yaml"} <= _artifacts(uri, run.info.run_id)
 
     # 2. a sweep over budget: one parent, one child per job; the models load once (one process)
@@ -104,6 +106,20 @@ BAD_INPUTS = {
     "attention backend not installed": (["method=dflash", "attention=flash_attention_2"], "pip install flash-attn"),
     "tree method on a flash backend": (["method=ddtree", "attention=flash_attention_2"], "use attention=sdpa"),
     "mistyped value": (["budget=lots"], "budget: Value 'lots'"),
+    # preflight (ddtree.pipeline.preflight): the sources and prompts, before the store or any weights
+    "model folder missing": (["model=hf", "model.name_or_path=./no_such_dir", "method=ar"],
+                             "model.name_or_path: no such folder"),
+    "model folder lacks config.json": (["model=hf", "model.name_or_path=./empty", "method=ar"], "has no config.json"),
+    "hub model not cached, offline": (["model=qwen3_8b", "drafter=none", "method=ar"],
+                                      "hf download Qwen/Qwen3-8B"),
+    "hub id malformed": (["model=qwen3_8b", "model.name_or_path=a//b", "drafter=none", "method=ar"],
+                         "model.name_or_path: no such folder"),
+    "drafter folder missing": (["drafter=pretrained", "drafter.name_or_path=./no_drafter"],
+                               "drafter.name_or_path: no such folder"),
+    "tokenizer folder lacks files": (["model.tokenizer=./empty", "method=ar"], "model.tokenizer:"),
+    "prompt file not UTF-8": (["dataset=jsonl", "dataset.path=latin1.jsonl"], "latin1.jsonl is not UTF-8"),
+    "prompt longer than the context": (["dataset=jsonl", "dataset.path=long.jsonl"],
+                                       "exceeds the target's context of 2048 tokens"),
 }
 
 
@@ -112,6 +128,9 @@ def test_bad_input_exits_with_one_line(cli, tmp_path, case):
     if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash_attn is installed here")
     (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
+    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "turns": ["café"]}\n'.encode("latin-1"))
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
+    (tmp_path / "empty").mkdir()
     args, expected = BAD_INPUTS[case]
     proc = cli(*args, f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}")
     assert proc.returncode == 2, proc.stderr

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ddtree.errors import ConfigError
-from ddtree.pipeline.prompts import Prompt, load_prompts, read_jsonl
+from ddtree.pipeline.prompts import Prompt, load_prompts, read_jsonl, text_lines
 
 if TYPE_CHECKING:
     from ddtree.pipeline.schema import DatasetConfig
@@ -41,6 +41,11 @@ def dataset_rank(name: str) -> tuple[int, str]:
 
 
 LOCAL_DATASETS = ("tiny", "jsonl")
+
+
+def dataset_label(ds: DatasetConfig) -> str:
+    """The name records carry: the dataset's own, or a plain prompt file's name (dataset=jsonl)."""
+    return Path(ds.path).stem if ds.name == "jsonl" and ds.path else ds.name
 _FORMATTER = string.Formatter()
 
 
@@ -85,10 +90,10 @@ def check_dataset(ds: DatasetConfig) -> None:
     if ds.max_samples is not None and ds.max_samples < 1:
         raise ConfigError("dataset.max_samples", f"must be >= 1, got {ds.max_samples}", "use null for all prompts")
     if ds.hub is None:
-        if ds.name not in LOCAL_DATASETS:
+        if ds.name not in LOCAL_DATASETS and not ds.path:
             raise ConfigError("dataset.name", f"unknown value '{ds.name}'",
                               "use tiny, jsonl, or a benchmark config (dataset=gsm8k, ...) that sets dataset.hub")
-        if ds.name == "jsonl":
+        if ds.name != "tiny":  # a prompt file; its name is the label records and reports carry (dataset=toy)
             if not ds.path:
                 raise ConfigError("dataset.path", "is required for dataset=jsonl", "pass dataset.path=<file.jsonl>")
             read_jsonl(ds.path)  # parses, and so checks, every line
@@ -186,19 +191,16 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if not p.is_file():
         raise ConfigError("dataset.path", f"no such file: {p}", "pass dataset.path=<an existing .jsonl file>")
     out = []
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError("dataset.path", f"{p.name} line {lineno} is not valid JSON ({e.msg}, column {e.colno})",
-                                  "fix that line: one JSON object per line") from None
-            if not isinstance(obj, dict):
-                raise ConfigError("dataset.path", f"{p.name} line {lineno} is not a JSON object",
-                                  "write one record ({\"field\": value, ...}) per line")
-            out.append(obj)
+    for lineno, line in text_lines(p):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError("dataset.path", f"{p.name} line {lineno} is not valid JSON ({e.msg}, column {e.colno})",
+                              "fix that line: one JSON object per line") from None
+        if not isinstance(obj, dict):
+            raise ConfigError("dataset.path", f"{p.name} line {lineno} is not a JSON object",
+                              "write one record ({\"field\": value, ...}) per line")
+        out.append(obj)
     if not out:
         raise ConfigError("dataset.path", f"{p} holds no records", "add one JSON object per line")
     return out

@@ -25,9 +25,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.engine.result import STAGES
-from ddtree.pipeline.datasets import load_dataset_prompts
-from ddtree.pipeline.models import MODELS, cache_key, get_models, load_upstream, model_device, resolve_device
+from ddtree.pipeline.datasets import dataset_label, load_dataset_prompts
+from ddtree.pipeline.models import (
+    MODELS,
+    cache_key,
+    get_models,
+    load_tokenizer,
+    load_upstream,
+    model_device,
+    resolve_device,
+    target_context,
+)
+from ddtree.pipeline.preflight import check_prompt_lengths, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
+from ddtree.pipeline.resume import Resume, find_resume, write_job_file
 from ddtree.pipeline.schema import (
     REPO_ROOT,
     RunConfig,
@@ -37,7 +48,7 @@ from ddtree.pipeline.schema import (
     to_run_config,
     tracking_uri,
 )
-from ddtree.pipeline.sweep_table import format_table
+from ddtree.pipeline.sweep_table import SKIPPED, claim_config, format_table
 from ddtree.pipeline.validate import validate
 from ddtree.pipeline.verdicts import check_outputs, report_suspects
 
@@ -94,6 +105,11 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
         messages.append({"role": "user", "content": user})
         ids = encode(tokenizer, messages, chat_template=rc.dataset.chat_template,
                      enable_thinking=rc.dataset.enable_thinking)
+        new = max_new_tokens or rc.max_new_tokens
+        if rc.dataset.truncate:
+            ids = keep_last(ids, new, target_context(target))
+        else:  # a later turn grows with the model's answers: checked again here
+            check_prompt_lengths([prompt], [len(ids)], new, target_context(target), False)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         gen = None
         if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
@@ -148,6 +164,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "engine": rc.engine,
         "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
+        "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
         "baseline_tokens_per_s": b["tokens_per_s"] if b else None, "speedup": speedup, "match_rate": match_rate,
@@ -247,9 +264,19 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
         rc.dataset.path = hydra.utils.to_absolute_path(rc.dataset.path)
     rc = validate(rc)
     prompts = load_dataset_prompts(rc.dataset)
+    facts = preflight(rc)  # every source there, before the store opens or a weight loads
+    if facts is not None and facts.context is not None and not rc.dataset.truncate:
+        check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, load_tokenizer(rc)), rc.max_new_tokens,
+                             facts.context, False, "dataset.path" if rc.dataset.path else "dataset")
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
     return rc, prompts, identity
+
+
+def first_turn_lengths(rc: RunConfig, prompts: list[Prompt], tokenizer) -> list[int]:
+    """Tokens of each prompt's first turn as the job encodes it (later turns follow the model's answers)."""
+    return [len(encode(tokenizer, [{"role": "user", "content": p.turns[0]}], chat_template=rc.dataset.chat_template,
+                       enable_thinking=rc.dataset.enable_thinking)) for p in prompts]
 
 
 def open_files(world) -> JobFiles:
@@ -273,6 +300,26 @@ def already_finished(rc: RunConfig, tracker, chash: str, world, files: JobFiles)
               f"'{rc.tracking.experiment}' ({' '.join(files.overrides) or 'defaults'}); force=true reruns it",
               flush=True)
     return bool(done)
+
+
+def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool:
+    """Whether an earlier job of this sweep has this config (DFlash in a budget sweep: it ignores the budget);
+    such a job does not run, even with force=true, and says so in skipped.json and the sweep table."""
+    from ddtree.pipeline import distributed as D
+
+    if files.sweep_dir is None:
+        return False
+    first = D.broadcast(claim_config(files.sweep_dir, chash, files.job_dir) if world.is_main else None, world)
+    if first is None:
+        return False
+    if world.is_main:
+        why = f"method={rc.method} ignores the budget" if not METHODS[rc.method].reads_budget else "same config"
+        note = f"skipped: same job as {Path(first).name} ({why})"
+        files.job_dir.joinpath(SKIPPED).write_text(json.dumps(
+            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget
+             else None, "duplicate_of": first, "note": note}) + "\n")
+        print(f"{note}: {first}", flush=True)
+    return True
 
 
 def install_compat(rc: RunConfig, world) -> list[dict[str, Any]]:
@@ -323,7 +370,9 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
             "git_commit": git_commit(REPO_ROOT), "compat.applied": ",".join(env["compat"]["applied"]) or "none",
             **{f"compat.{k}": v for k, v in env["compat"]["patches"].items()},
             "overrides": " ".join(files.overrides), "job_dir": str(files.job_dir), "mlflow.source.name": "ddtree.run",
-            "world_size": world.world_size, **rc.tags}
+            "world_size": world.world_size, "ddtree.model": rc.model.name, "ddtree.model.source": rc.model.name_or_path,
+            "ddtree.drafter": rc.drafter.name_or_path or rc.drafter.kind, "ddtree.dataset": dataset_label(rc.dataset),
+            **rc.tags}
     if "placement" in env:
         tags["devices"] = ",".join(env["placement"]["devices"])
     tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
@@ -334,7 +383,7 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
 
 
 def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, files: JobFiles,
-                 world) -> tuple[list[dict[str, Any]], str | None] | None:
+                 world, resume: Resume | None = None) -> tuple[list[dict[str, Any]], str | None] | None:
     """Every rank runs its share of the prompts; rank 0 gets (all records in prompt order, the job whose
     baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
     from ddtree.pipeline import distributed as D
@@ -347,7 +396,7 @@ def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, fil
         reused_from = _generate_shard(models.target, models.drafter, models.tokenizer, prompts,
                                       D.shard(prompts, world), methods, rc, models.device, models.stops,
                                       files.rank_samples, records, run_name(rc), show_progress=world.is_main,
-                                      origin=str(files.job_dir))
+                                      origin=str(files.job_dir), resume=resume)
     except Exception as e:
         if not world.is_distributed:
             raise
@@ -409,7 +458,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     import torch
 
     from ddtree.pipeline import distributed as D
-    from ddtree.pipeline.tracking import config_hash, make_tracker
+    from ddtree.pipeline.tracking import TAG_RESUMED_FROM, config_hash, make_tracker
 
     rc, prompts, identity = configure(cfg)
     world = D.world_from_env()
@@ -419,16 +468,26 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     chash = config_hash(identity)
     uri = tracking_uri(rc) if rc.tracking.backend == "mlflow" and world.is_main else None
     tracker = make_tracker(rc.tracking.backend if world.is_main else "none", uri, rc.tracking.experiment)
-    if already_finished(rc, tracker, chash, world, files):
+    if repeats_sweep_job(rc, chash, files, world) or already_finished(rc, tracker, chash, world, files):
         return None
+    methods = {"method"} | ({"baseline"} if rc.baseline and rc.method != BASELINE else set())
+    resume = find_resume(tracker, chash, prompts, methods) if not world.is_distributed else None
+    if world.is_main:
+        write_job_file(files.job_dir, chash)
     compat_report = install_compat(rc, world)
     models = load_models(rc, device)
     env = job_environment(models, compat_report, world)
     start_samples(files, world)
     run = start_tracking(rc, tracker, files, env, chash, world) if world.is_main else None
+    if resume is not None:
+        print(f"resuming: {len(resume.done)} of {len(prompts)} prompts were finished by {resume.job_dir} "
+              f"(MLflow run {resume.run_id}, now ended KILLED); they are reused", flush=True)
+        tracker.supersede(resume.run_id, getattr(run, "run_id", None))
+        if run is not None:
+            run.set_tags({TAG_RESUMED_FROM: resume.run_id, "ddtree.resumed_prompts": len(resume.done)})
     torch.manual_seed(rc.seed)
     try:
-        generated = generate_all(models, prompts, rc, files, world)
+        generated = generate_all(models, prompts, rc, files, world, resume)
         if generated is None:  # ranks > 0: rank 0 writes and records the job
             return None
         records, reused_from = generated
@@ -444,7 +503,8 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
 
 def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
                     rc: RunConfig, device: str, stops: list[int], path: Path, records: list[dict[str, Any]],
-                    base_name: str, show_progress: bool = True, origin: str = "") -> str | None:
+                    base_name: str, show_progress: bool = True, origin: str = "",
+                    resume: Resume | None = None) -> str | None:
     """Warm up (once per process and setting), then run every method on this rank's prompts, appending
     one record per prompt, turn and role to `records` and to `path` as each prompt finishes.
 
@@ -470,6 +530,12 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
         bar = tqdm(mine, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True,
                    disable=not show_progress)
         for prompt in bar:
+            if resume is not None and prompt.id in resume.done:  # finished by the job this one continues
+                got = [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)}
+                       for rec in resume.done[prompt.id]]
+                records.extend(got)
+                out.writelines(json.dumps(rec) + "\n" for rec in got)
+                continue
             for meth in reversed(methods):  # the baseline first: the method's outputs get compared to it
                 role = "method" if meth == rc.method else "baseline"
                 if role == "baseline" and reused_from is not None:
@@ -485,6 +551,6 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
             out.flush()
             m = [r for r in records if r["role"] == "method"]
             bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
-    if bkey and reused_from is None:  # complete: later jobs may reuse it
+    if bkey and reused_from is None and not (resume and resume.done):  # complete: later jobs may reuse it
         MODELS.baselines[bkey] = (origin, fresh)
     return reused_from

@@ -69,24 +69,40 @@ def load_target(rc: RunConfig, device: str):
     max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
     if m.tiny is not None:
         from ddtree.testing.tiny import tiny_model
-        from ddtree.testing.tokenizer import tiny_tokenizer
 
         t = m.tiny
         model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
                            dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
                            num_hidden_layers=t.num_hidden_layers)
         model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
-        return model.eval(), tiny_tokenizer(t.vocab_size)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+        return model.eval(), load_tokenizer(rc)
+    from transformers import AutoModelForCausalLM
 
     kw = {"max_memory": max_memory} if max_memory else {}
     model = AutoModelForCausalLM.from_pretrained(
         m.name_or_path, dtype=torch_dtype(m.dtype, tiny=False), attn_implementation=rc.attention.target,
         revision=m.revision, trust_remote_code=m.trust_remote_code,
         device_map=m.device_map if m.device_map is not None else device, **kw)
-    tokenizer = AutoTokenizer.from_pretrained(m.tokenizer or m.name_or_path, revision=m.revision,
-                                              trust_remote_code=m.trust_remote_code)
-    return model.eval(), tokenizer
+    return model.eval(), load_tokenizer(rc)
+
+
+def load_tokenizer(rc: RunConfig):
+    """The target's tokenizer (the tiny character tokenizer for tiny models); no weights load."""
+    m = rc.model
+    if m.tiny is not None:
+        from ddtree.testing.tokenizer import tiny_tokenizer
+
+        return tiny_tokenizer(m.tiny.vocab_size)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(m.tokenizer or m.name_or_path, revision=m.revision,
+                                         trust_remote_code=m.trust_remote_code)
+
+
+def target_context(target) -> int | None:
+    """The target's context length (max_position_embeddings), if its config has one."""
+    ctx = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    return ctx if isinstance(ctx, int) and ctx > 0 else None
 
 
 def load_drafter(rc: RunConfig, target, device: str):

@@ -28,6 +28,19 @@ TINY_PROMPTS: tuple[Prompt, ...] = (
 )
 
 
+def text_lines(p: Path, setting: str = "dataset.path") -> list[tuple[int, str]]:
+    """(line number, line) of every non-blank line of a UTF-8 text file; a file in another encoding is a
+    ConfigError naming the first bad byte, not a UnicodeDecodeError."""
+    data = p.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(setting, f"{p.name} is not UTF-8 text (line {lineno}: byte 0x{data[e.start]:02x})",
+                          f"convert it, e.g. iconv -f latin1 -t utf-8 {p.name} > fixed.jsonl") from None
+    return [(i, ln) for i, ln in enumerate(text.removeprefix("\ufeff").splitlines(), 1) if ln.strip()]
+
+
 def read_jsonl(path: str | Path) -> list[Prompt]:
     """Parse and check a prompt file: one {"id": str|int, "turns": [str, ...]} object per line."""
     p = Path(path).expanduser()
@@ -35,30 +48,27 @@ def read_jsonl(path: str | Path) -> list[Prompt]:
         raise ConfigError("dataset.path", f"no such file: {p}", "pass dataset.path=<an existing .jsonl file>")
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    with p.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p.name} line {lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError("dataset.path", f"{where} is not valid JSON ({e.msg}, column {e.colno})",
-                                  'fix that line: each line must be {"id": ..., "turns": ["..."]}') from None
-            if not isinstance(obj, dict) or "id" not in obj or "turns" not in obj:
-                raise ConfigError("dataset.path", f"{where} lacks 'id' or 'turns'",
-                                  'each line must be {"id": ..., "turns": ["..."]}')
-            turns = obj["turns"]
-            if isinstance(turns, str):
-                turns = [turns]
-            if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-                raise ConfigError("dataset.path", f"{where}: 'turns' must be a non-empty list of non-empty strings",
-                                  'write e.g. "turns": ["Hello"]')
-            pid = str(obj["id"])
-            if pid in seen:
-                raise ConfigError("dataset.path", f"{where}: duplicate id '{pid}'", "give every line its own id")
-            seen.add(pid)
-            prompts.append(Prompt(pid, tuple(turns)))
+    for lineno, line in text_lines(p):
+        where = f"{p.name} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError("dataset.path", f"{where} is not valid JSON ({e.msg}, column {e.colno})",
+                              'fix that line: each line must be {"id": ..., "turns": ["..."]}') from None
+        if not isinstance(obj, dict) or "id" not in obj or "turns" not in obj:
+            raise ConfigError("dataset.path", f"{where} lacks 'id' or 'turns'",
+                              'each line must be {"id": ..., "turns": ["..."]}')
+        turns = obj["turns"]
+        if isinstance(turns, str):
+            turns = [turns]
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise ConfigError("dataset.path", f"{where}: 'turns' must be a non-empty list of non-empty strings",
+                              'write e.g. "turns": ["Hello"]')
+        pid = str(obj["id"])
+        if pid in seen:
+            raise ConfigError("dataset.path", f"{where}: duplicate id '{pid}'", "give every line its own id")
+        seen.add(pid)
+        prompts.append(Prompt(pid, tuple(turns)))
     if not prompts:
         raise ConfigError("dataset.path", f"{p} holds no prompts", "add one JSON object per line")
     return prompts

@@ -38,7 +38,7 @@ def load_reference(path: str | Path) -> dict[str, Any]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError("reference", f"no reference file at {p}",
-                          f"pass reference=<a YAML like {DEFAULT_REFERENCE.relative_to(REPO_ROOT)}>, "
+                          "pass reference=<a YAML like docs/paper_reference.yaml>, "
                           "or reference=null for none")
     try:
         doc = yaml.safe_load(p.read_text(encoding="utf-8"))
@@ -67,7 +67,19 @@ def load_reference(path: str | Path) -> dict[str, Any]:
             if out[method].get("budget") is not None:
                 out[method]["budget"] = int(out[method]["budget"])
         entries[key] = out
-    return {"path": str(p), "source": doc.get("source"), "entries": entries}
+    models = doc.get("models") or {}
+    if not isinstance(models, dict) or not all(isinstance(v, str) for v in models.values()):
+        raise ConfigError("reference", f"{p} models: must map a model name to its hub id", FIX)
+    return {"path": str(p), "source": doc.get("source"), "entries": entries,
+            "models": {str(k): v for k, v in models.items()}}
+
+
+def reference_model(ref: dict[str, Any], model: str) -> str:
+    """The reference's name for a report cell's model: its own, or the one whose hub id it is (model=hf)."""
+    by_hub = {hub.lower(): name for name, hub in ref.get("models", {}).items()}
+    by_base = {hub.lower().rsplit("/", 1)[-1]: name for name, hub in ref.get("models", {}).items()}
+    low = model.lower()
+    return by_hub.get(low) or by_base.get(low.rsplit("/", 1)[-1]) or model
 
 
 def dataset_titles() -> dict[str, str]:
@@ -93,7 +105,7 @@ def _yours(v: float | None, suffix: str = "") -> str:
 def comparison_rows(ref: dict[str, Any], cells: list[dict[str, Any]] | None, models: list[str]) -> list[dict[str, Any]]:
     """One row per reference entry of `models`: the paper's numbers, the matching report cell's (if any),
     and yours / paper where both exist."""
-    look = {(c["model"], c["dataset"], float(c["temperature"])): c for c in cells or []}
+    look = {(reference_model(ref, c["model"]), c["dataset"], float(c["temperature"])): c for c in cells or []}
     rows = []
     for key, e in sorted(ref["entries"].items(), key=lambda kv: (kv[0][2], kv[0][0], dataset_rank(kv[0][1]))):
         if key[0] not in models:
@@ -135,14 +147,27 @@ def reference_markdown(ref: dict[str, Any], model: str, cells: list[dict[str, An
     return "\n".join(lines)
 
 
+def reference_models(ref: dict[str, Any]) -> list[str]:
+    """The reference's models, in the order of their first entry."""
+    return list(dict.fromkeys(k[0] for k in ref["entries"]))
+
+
+def all_models_markdown(ref: dict[str, Any]) -> str:
+    """Every model's tables, a `###` heading each (the hub id beside the name when the reference has it)."""
+    parts = []
+    for m in reference_models(ref):
+        hub = ref.get("models", {}).get(m)
+        parts.append(f"### {m}" + (f" ({hub})" if hub else "") + "\n\n" + reference_markdown(ref, m))
+    return "\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> None:
-    """`python -m ddtree.reference [file] [model]`: print the table docs/paper.md shows."""
+    """`python -m ddtree.reference [file] [model]`: print the tables docs/paper.md shows (every model)."""
     import sys
 
     args = sys.argv[1:] if argv is None else argv
     ref = load_reference(args[0] if args else DEFAULT_REFERENCE)
-    model = args[1] if len(args) > 1 else "qwen3_8b"
-    print(reference_markdown(ref, model), end="")
+    print(reference_markdown(ref, args[1]) if len(args) > 1 else all_models_markdown(ref), end="")
 
 
 if __name__ == "__main__":

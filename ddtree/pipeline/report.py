@@ -37,7 +37,7 @@ from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.errors import ConfigError
 from ddtree.pipeline.cli import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
-from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown
+from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown, reference_model
 from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
 from ddtree.pipeline.sweep_table import verdict_cell
 
@@ -113,7 +113,9 @@ class Job:
 
     @property
     def dataset(self) -> str:
-        return str(self.params.get("dataset.name", "?"))
+        name = str(self.params.get("dataset.name", "?"))
+        path = self.params.get("dataset.path")
+        return Path(path).stem if name == "jsonl" and path not in (None, "None", "") else name  # as the job names it
 
     @property
     def title(self) -> str:
@@ -180,9 +182,9 @@ class Store:
             raise ConfigError("tracking.uri", f"no MLflow store at {db}",
                               "pass tracking.uri=sqlite:///<path>/mlflow.db (where ddtree.run recorded the runs)")
         os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-        from mlflow import MlflowClient
+        from ddtree.pipeline.tracking import open_store
 
-        self.uri, self.tmp, self.client = uri, tmp, MlflowClient(tracking_uri=uri)
+        self.uri, self.tmp, self.client = uri, tmp, open_store(uri)
 
     def experiment_ids(self, name: str | None) -> list[str]:
         if name is None:
@@ -548,7 +550,7 @@ def reference_section(ref: dict[str, Any] | None, cells: list[dict[str, Any]]) -
     if ref is None:
         return []
     covered = sorted({k[0] for k in ref["entries"]})
-    models = [m for m in sorted({c["model"] for c in cells}) if m in covered]
+    models = [m for m in sorted({reference_model(ref, c["model"]) for c in cells}) if m in covered]
     lines = ["## Against the paper", "",
              f"Reference: {ref['source'] or ref['path']} ({ref['path']}). An empty paper cell was not found in "
              "the paper (it is not a zero); `(unverified)` marks numbers not checked against the paper itself. "
@@ -612,7 +614,8 @@ def make_report(rc: ReportConfig) -> dict[str, Any]:
            "runs_filtered_out": sel.filtered_out}
     if ref is not None:
         doc["reference"] = {"path": ref["path"], "source": ref["source"],
-                            "rows": comparison_rows(ref, cells, sorted({c["model"] for c in cells}))}
+                            "rows": comparison_rows(ref, cells, sorted({reference_model(ref, c["model"])
+                                                                          for c in cells}))}
     (out / REPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
     (out / REPORT_MD).write_text(render_markdown(cells, sel, filters, plots, ref))
     (out / REPORT_TEX).write_text(latex_table(cells))

@@ -15,9 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
+from ddtree.paths import CONF_DIR as CONF_DIR  # re-exported: the entry points read conf/ from here
+from ddtree.paths import DATA_ROOT, runs_root
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-CONF_DIR = REPO_ROOT / "conf"
+REPO_ROOT = DATA_ROOT  # the checkout, or an installed package's ddtree/_data (conf/, assets/toy, docs/)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_KINDS = ("none", "pretrained", "random")
@@ -90,6 +91,7 @@ class DatasetConfig:
     enable_thinking: bool = False
     max_samples: int | None = None
     shuffle_seed: int | None = None  # null: file order
+    truncate: bool = False  # a prompt longer than the context allows: false refuses it, true keeps its last tokens
     # hub datasets (conf/dataset/<benchmark>.yaml), loaded with `datasets`; see ddtree.pipeline.datasets
     title: str | None = None  # display name in reports (null: name)
     hub: str | None = None  # Hugging Face dataset id
@@ -172,6 +174,20 @@ def _register() -> None:
     cs.store(name="ddtree_schema", node=RunConfig)
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
+    if not OmegaConf.has_resolver("runs_root"):  # the checkout, or the current directory when installed
+        OmegaConf.register_new_resolver("runs_root", lambda: str(runs_root()))
+    if not OmegaConf.has_resolver("model_label"):  # model=hf: the hub id, or a local folder's name
+        OmegaConf.register_new_resolver("model_label", model_label)
+
+
+def model_label(name_or_path: str | None) -> str:
+    """The name records carry for a checkpoint: its hub id as written, or the folder's name for a local path."""
+    if not name_or_path:
+        return "?"
+    p = Path(str(name_or_path)).expanduser()
+    if p.exists() or str(name_or_path).startswith(("/", ".", "~")) or str(name_or_path).count("/") > 1:
+        return p.resolve().name or str(name_or_path)
+    return str(name_or_path)
 
 
 _register()

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
+
+SKIPPED = "skipped.json"  # in a job dir: this job repeated an earlier job of its sweep and did not run
+CLAIMS = ".configs"  # in a sweep dir: one file per config hash, naming the job that runs it
+SHOWN = {"model", "method", "budget"}  # settings the table always has a column for
 
 
 def verdict_cell(v: dict[str, Any] | None) -> str:
@@ -20,31 +25,86 @@ def verdict_cell(v: dict[str, Any] | None) -> str:
     return f"{good} ok" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def format_table(summaries: dict[str, Any] | list[dict[str, Any]]) -> str:
-    """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches, verdicts."""
+def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: list[str] | None = None) -> str:
+    """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches; a column for
+    each of `settings` (read from a row's "settings"), and a note for rows that did not run."""
     def f(v, spec=".2f", suffix=""):
         return "-" if v is None else f"{v:{spec}}{suffix}"
 
-    head = ("model", "method", "budget", "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup", "match",
-            "verdicts")
+    rows_in = [summaries] if isinstance(summaries, dict) else summaries
+    extra = list(settings or [])
+    notes = any(s.get("note") for s in rows_in)
+    head = ("model", "method", "budget", *extra, "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup", "match",
+            "verdicts", *(["note"] if notes else []))
     rows = [head]
-    for s in [summaries] if isinstance(summaries, dict) else summaries:
+    for s in rows_in:
+        vals = [str(s.get("settings", {}).get(k, "-")) for k in extra]
+        if s.get("num_prompts") is None:  # a job that did not run
+            rows.append((s["model"], s["method"], f(s.get("budget"), "d"), *vals, *["-"] * 8, s.get("note") or ""))
+            continue
         n = s["num_prompts"]
         match = "-" if s["match_rate"] is None else f"{round(s['match_rate'] * n)}/{n}"
-        rows.append((s["model"], s["method"], f(s["budget"], "d"), f(s["block_size"], "d"), str(n), f(s["tau"]),
-                     f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"), f(s["speedup"], ".2f", "x"),
-                     match, verdict_cell(s.get("validation"))))
+        rows.append((s["model"], s["method"], f(s["budget"], "d"), *vals, f(s["block_size"], "d"), str(n),
+                     f(s["tau"]), f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"),
+                     f(s["speedup"], ".2f", "x"), match, verdict_cell(s.get("validation")),
+                     *([s.get("note") or ""] if notes else [])))
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(line, w, strict=True)).rstrip() for line in rows)
 
 
+def claim_config(sweep_dir: Path, config_hash: str, job_dir: Path) -> str | None:
+    """Claim this config for `job_dir` within its sweep; the job dir that claimed it first, if another did.
+
+    An exclusive create, so jobs of one sweep in other processes (submitit, Ray) agree on it too."""
+    claims = Path(sweep_dir) / CLAIMS
+    claims.mkdir(parents=True, exist_ok=True)
+    path = claims / config_hash
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        first = path.read_text().strip()
+        return first if first and first != str(job_dir) else None
+    with os.fdopen(fd, "w") as f:
+        f.write(str(job_dir))
+    return None
+
+
+def _overrides(job_dir: Path) -> dict[str, str]:
+    """key -> value of the job's own overrides (.hydra/overrides.yaml: a YAML list of `key=value`)."""
+    import yaml
+
+    f = job_dir / ".hydra" / "overrides.yaml"
+    items = yaml.safe_load(f.read_text()) if f.is_file() else []
+    return dict(str(o).lstrip("+~").split("=", 1) for o in items or [] if "=" in str(o))
+
+
+def sweep_rows(sweep_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """A row per job of the sweep (its summary, or what it repeated), and the settings that vary across jobs."""
+    dirs = sorted((p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    rows, settings = [], []
+    for d in dirs:
+        ov = _overrides(d)
+        if (d / "summary.json").is_file():
+            row = json.loads((d / "summary.json").read_text())
+        elif (d / SKIPPED).is_file():
+            row = json.loads((d / SKIPPED).read_text())
+        else:
+            continue
+        rows.append({**row, "settings": ov})
+        settings.append(ov)
+    keys = sorted({k for ov in settings for k in ov})
+    varying = [k for k in keys if k not in SHOWN and len({ov.get(k) for ov in settings}) > 1]
+    return rows, varying
+
+
 class SweepTableCallback(Callback):
-    """At the end of a multirun, one table over every job of the sweep that wrote a summary."""
+    """At the end of a multirun, one table over every job of the sweep: a column for each setting that
+    varies across its jobs, and a row (with a note) for each job that repeated an earlier one."""
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        found = sorted(sweep_dir.glob("*/summary.json"), key=lambda p: int(p.parent.name)
-                       if p.parent.name.isdigit() else 0)
-        summaries = [json.loads(p.read_text()) for p in found]
-        if len(summaries) > 1:
-            print(f"\nsweep {sweep_dir}:\n{format_table(summaries)}")
+        if not sweep_dir.is_dir():
+            return
+        rows, varying = sweep_rows(sweep_dir)
+        if len(rows) > 1:
+            print(f"\nsweep {sweep_dir}:\n{format_table(rows, varying)}")

@@ -31,6 +31,8 @@ PARENT_ENV = "DDTREE_MLFLOW_PARENT_RUN_ID"
 TAG_HASH = "ddtree.config_hash"
 TAG_ROLE = "ddtree.role"  # sweep | job | run
 TAG_SWEEP_DIR = "ddtree.sweep_dir"
+TAG_SUPERSEDED_BY = "ddtree.superseded_by"  # on a dead job's run: the run that continued it
+TAG_RESUMED_FROM = "ddtree.resumed_from"  # on that run: the dead one whose finished prompts it reused
 _MAX_PARAM = 6000  # MLflow's limit on a param value
 
 
@@ -185,19 +187,52 @@ class NoTracker:
     def finished_run(self, config_hash: str) -> str | None:
         return None
 
+    def unfinished_run(self, config_hash: str) -> dict[str, Any] | None:
+        return None
+
+    def supersede(self, old_run_id: str, new_run_id: str | None) -> None:
+        return None
+
     def start(self, **_: Any) -> None:
         return None
+
+
+def open_store(uri: str) -> Any:
+    """An MlflowClient on `uri`, the store created or upgraded first, once: a SQLite store is set up under a
+    file lock beside it, so jobs starting together on a fresh store do not race through MLflow's migrations
+    (which leave it half-migrated). A store MLflow cannot open is a ConfigError naming tracking.uri."""
+    from ddtree.errors import ConfigError
+
+    db = _sqlite_path(uri)
+    lock = contextlib.nullcontext()
+    if db is not None:
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError("tracking.uri", f"cannot create the store's folder {db.parent} ({e.strerror})",
+                              "point tracking.uri (or runs_dir) at a writable place") from None
+        lock = _locked(db.with_name(db.name + ".lock"))
+    with lock:
+        try:
+            from mlflow import MlflowClient
+
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)  # the store answers: tables exist and are current
+        except Exception as e:
+            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            where = f"the file {db}" if db is not None else uri
+            fix = (f"move {db} aside (MLflow then starts a fresh store there), or set tracking.uri=sqlite:///"
+                   "<another path>.db" if db is not None else "check the server, or use tracking.uri=sqlite:///"
+                   "<path>/mlflow.db")
+            raise ConfigError("tracking.uri", f"MLflow cannot open the store {uri} ({where}): {first[:200]}",
+                              fix) from None
+    return client
 
 
 class MlflowTracker:
     def __init__(self, uri: str, experiment: str):
         self.uri, self.experiment = uri, experiment
-        db = _sqlite_path(uri)
-        if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)
-        from mlflow import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = open_store(uri)
         self._experiment_id: str | None = None
 
     # ---- experiment and lookups
@@ -225,6 +260,30 @@ class MlflowTracker:
         runs = self.client.search_runs([eid], filter_string=f"tags.`{TAG_HASH}` = '{config_hash}' and "
                                        "attributes.status = 'FINISHED'", max_results=1)
         return runs[0].info.run_id if runs else None
+
+    def unfinished_run(self, config_hash: str) -> dict[str, Any] | None:
+        """The latest run of this config that did not finish (died, failed or was stopped): its id, status and
+        tags, so a rerun can continue it; None when there is none."""
+        eid = self.experiment_id(create=False)
+        if eid is None:
+            return None
+        runs = self.client.search_runs([eid], filter_string=f"tags.`{TAG_HASH}` = '{config_hash}' and "
+                                       "attributes.status != 'FINISHED'", order_by=["attributes.start_time DESC"],
+                                       max_results=1)
+        if not runs:
+            return None
+        r = runs[0]
+        return {"run_id": r.info.run_id, "status": r.info.status, "tags": dict(r.data.tags)}
+
+    def supersede(self, old_run_id: str, new_run_id: str | None) -> None:
+        """End a dead job's run KILLED (if it still says RUNNING), tagged with the run that continues it."""
+        from mlflow.entities import RunTag
+
+        tags = [RunTag(TAG_SUPERSEDED_BY, new_run_id)] if new_run_id else []
+        if tags:
+            self.client.log_batch(old_run_id, tags=tags)
+        if self.client.get_run(old_run_id).info.status == "RUNNING":
+            self.client.set_terminated(old_run_id, "KILLED")
 
     def sweep_parent(self, sweep_dir: Path, run_name: str, tags: dict[str, str] | None = None) -> str:
         """Find or create the parent run of the sweep in `sweep_dir` (see the module docstring)."""

@@ -21,6 +21,7 @@ from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
 from ddtree.pipeline.schema import (
+    CONF_DIR,
     DRAFTER_KINDS,
     DTYPES,
     ENGINES,
@@ -45,6 +46,14 @@ def split_attention() -> dict[str, str]:
     from ddtree.engine.attention import SPLIT_IMPLEMENTATIONS
 
     return SPLIT_IMPLEMENTATIONS
+
+
+def _drafter_fix(model: str, tiny: bool) -> str:
+    """How to give a model a drafter: its own config when it has one, else any DFlash checkpoint (model=hf)."""
+    own = CONF_DIR / "drafter" / f"{model}.yaml"
+    if tiny or own.is_file() and "kind: none" not in own.read_text():
+        return f"use drafter={model} (or drafter=tiny), or method=ar"
+    return "use drafter=pretrained drafter.name_or_path=<a DFlash checkpoint for this model>, or method=ar"
 
 
 def validate(cfg: DictConfig | RunConfig) -> RunConfig:
@@ -119,7 +128,7 @@ def check_drafter(rc: RunConfig) -> None:
     if d.kind == "random" and d.num_layers < 1:
         raise ConfigError("drafter.num_layers", f"must be >= 1, got {d.num_layers}")
     method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=rc.budget, block_size=d.block_size,
-                               drafter_fix=f"use drafter={m.name} (or drafter=tiny), or method=ar")
+                               drafter_fix=_drafter_fix(m.name, m.tiny is not None))
     if method.needs_drafter:
         if d.kind == "random" and m.tiny is None:
             raise ConfigError("drafter", f"a random drafter on the real model {m.name} measures nothing",

@@ -13,10 +13,11 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
+from ddtree.paths import DATA_ROOT
 from ddtree.pipeline.schema import TrackingConfig as RunTrackingConfig
 from ddtree.pipeline.schema import refuse_unknown_keys
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = DATA_ROOT  # the checkout, or an installed package's ddtree/_data
 STAGES = ("data", "extract", "train", "eval")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("generate", "texts", "hub")

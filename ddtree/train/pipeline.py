@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ddtree.errors import ConfigError
+from ddtree.paths import runs_root
 from ddtree.pipeline import distributed
 from ddtree.pipeline.distributed import World
 from ddtree.pipeline.schema import flatten
@@ -37,7 +38,7 @@ from ddtree.pipeline.tracking import (
     metric_key,
     numeric_metrics,
 )
-from ddtree.train.config import REPO_ROOT, STAGES, TrainConfig, as_dict
+from ddtree.train.config import STAGES, TrainConfig, as_dict
 
 RUN_FILE = "mlflow_run.json"  # the MLflow run of this out_dir: a resumed training continues it
 
@@ -115,7 +116,7 @@ def open_tracking(cfg: TrainConfig, out: Path, world: World):
     """The MLflow run of this out_dir (continued on resume), or a NullRun (tracking=none, ranks > 0)."""
     if cfg.tracking.backend == "none" or not world.is_main:
         return NullRun()
-    uri = cfg.tracking.uri or f"sqlite:///{REPO_ROOT / 'runs' / 'mlflow.db'}"
+    uri = cfg.tracking.uri or f"sqlite:///{runs_root() / 'runs' / 'mlflow.db'}"
     tracker = MlflowTracker(uri, cfg.tracking.experiment)
     run_file = out / RUN_FILE
     if run_file.exists():

@@ -1,0 +1,220 @@
+"""Checks a job runs after validation and before it opens the store or loads any weights.
+
+Where each model comes from (a local checkpoint folder, or a hub repo in the local cache or on a
+reachable hub), what the target is (its family from config.json: hybrid or not, a causal LM or not, the
+methods it supports) and whether every prompt fits its context. Each problem is one ConfigError that
+names the setting and the fix. Nothing here downloads weights: a hub repo is looked up in the cache
+(huggingface_hub.try_to_load_from_cache) and, when online, asked about with one HEAD request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddtree.errors import ConfigError
+from ddtree.pipeline.prompts import Prompt
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+HUB_TIMEOUT_S = 10.0  # one HEAD request per source: a dead network fails fast, not after minutes
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a name_or_path setting points at: a local folder, or a hub repo (cached or not)."""
+
+    setting: str
+    name: str
+    local: Path | None  # the folder, for a local source
+    cached_file: Path | None = None  # the checked file from the hub cache, when it is there
+
+
+def _offline() -> bool:
+    from huggingface_hub import constants
+
+    env = (os.environ.get(k, "").lower() for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return bool(constants.HF_HUB_OFFLINE) or any(v in ("1", "true", "yes", "on") for v in env)
+
+
+def _looks_local(name: str) -> bool:
+    """A path rather than a hub id: it exists, or it is written as a path (hub ids are `org/name` or `name`)."""
+    return (Path(name).expanduser().exists() or name.startswith(("/", ".", "~")) or name.count("/") > 1
+            or "\\" in name)
+
+
+def _hub_fix(repo: str) -> str:
+    return f"hf download {repo} where the hub is reachable (it fills the local cache), then run again"
+
+
+def check_source(setting: str, name: str, revision: str | None, files: tuple[str, ...],
+                 what: str = "a checkpoint") -> Source:
+    """`name` (a local folder or a hub id) holds one of `files`, or is a ConfigError naming `setting`."""
+    if _looks_local(name):
+        p = Path(name).expanduser()
+        if not p.exists():
+            raise ConfigError(setting, f"no such folder: {p}",
+                              f"pass {setting}=<a folder holding {files[0]}> or a hub id such as Qwen/Qwen3-8B")
+        if not p.is_dir():
+            raise ConfigError(setting, f"{p} is a file, not a checkpoint folder",
+                              f"pass the folder that holds {files[0]} and the weights")
+        if not any((p / f).is_file() for f in files):
+            raise ConfigError(setting, f"{p} has no {' or '.join(files)}: it is not {what}",
+                              f"pass the folder that holds {files[0]} (e.g. one written by save_pretrained)")
+        return Source(setting, name, p)
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        raise ConfigError(setting, f"'{name}' is neither a local folder nor a hub id",
+                          f"pass {setting}=<hub id such as Qwen/Qwen3-8B> or an existing folder") from None
+    for f in files:
+        hit = try_to_load_from_cache(name, f, revision=revision)
+        if isinstance(hit, str) and Path(hit).is_file():
+            return Source(setting, name, None, Path(hit))
+    rev = f" (revision {revision})" if revision else ""
+    if _offline():
+        raise ConfigError(setting, f"{name}{rev} is not in the local Hugging Face cache and the hub is off "
+                          "(HF_HUB_OFFLINE=1)", _hub_fix(name) + ", or unset HF_HUB_OFFLINE to download it")
+    _ask_hub(setting, name, revision, files[0])
+    return Source(setting, name, None)
+
+
+def _ask_hub(setting: str, repo: str, revision: str | None, filename: str) -> None:
+    """One HEAD request for `filename`: the repo exists, is readable with this login, and the hub answers."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        get_hf_file_metadata(hf_hub_url(repo, filename, revision=revision), timeout=HUB_TIMEOUT_S)
+    except GatedRepoError:
+        raise ConfigError(setting, f"{repo} is gated: its files need an accepted license and a login",
+                          f"accept the terms on https://huggingface.co/{repo}, then `hf auth login`") from None
+    except RepositoryNotFoundError:
+        raise ConfigError(setting, f"{repo} does not exist on the hub (or is private to another account)",
+                          "check the spelling of the hub id; for a private repo, `hf auth login`") from None
+    except RevisionNotFoundError:
+        raise ConfigError(setting.rsplit(".", 1)[0] + ".revision", f"{repo} has no revision '{revision}'",
+                          "use an existing branch, tag or commit, or revision=null") from None
+    except EntryNotFoundError:
+        raise ConfigError(setting, f"{repo} has no {filename}: it is not a transformers checkpoint",
+                          "pass the hub id of a model repo (with config.json and weights)") from None
+    except HfHubHTTPError as e:
+        raise ConfigError(setting, f"the hub refused {repo} ({str(e).splitlines()[0][:160]})",
+                          _hub_fix(repo)) from None
+    except Exception as e:  # no route, DNS, timeout, proxy: the hub cannot be reached from here
+        raise ConfigError(setting, f"{repo} is not in the local cache and the hub cannot be reached "
+                          f"({type(e).__name__})", _hub_fix(repo) + ", or set HF_HUB_OFFLINE=1 once it is cached"
+                          ) from None
+
+
+def read_config(src: Source) -> dict[str, Any] | None:
+    """config.json of a source, when it is on disk (a local folder, or cached); text_config merged in."""
+    f = src.local / "config.json" if src.local is not None else src.cached_file
+    if f is None or not f.is_file() or f.name != "config.json":
+        return None
+    try:
+        d = json.loads(f.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(src.setting, f"{f} is not readable JSON ({e})", "restore the checkpoint's config.json"
+                          ) from None
+    text = d.get("text_config")
+    return {**d, **text, "model_type": d.get("model_type"), "text_model_type": text.get("model_type")} \
+        if isinstance(text, dict) else d
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    """What the target's config.json says, before any weights load."""
+
+    model_type: str | None
+    hybrid: bool
+    context: int | None  # max_position_embeddings
+
+
+def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_code: bool) -> TargetFacts:
+    """The family, hybrid or not, and context of a target config; refuses what cannot run `method`."""
+    from ddtree.engine.families import family, supports
+
+    mtype = cfg.get("text_model_type") or cfg.get("model_type")
+    outer = cfg.get("model_type")
+    if not trust_remote_code and outer is not None:
+        from transformers.models.auto.modeling_auto import (
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+        )
+
+        known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+        if outer not in known and mtype not in known:
+            remote = "auto_map" in cfg
+            raise ConfigError(setting, f"its config.json is a '{outer}' model, which this transformers cannot load "
+                              "as a causal LM", "set model.trust_remote_code=true (the repo ships its own code)"
+                              if remote else "pass a causal language model (a *ForCausalLM checkpoint)")
+    types = [t for t in (mtype, outer) if t]
+    layer_types = cfg.get("layer_types") or []
+    hybrid = any(family(t).gdn or family(t).methods != family("qwen3").methods for t in types) \
+        or any("linear" in str(t) or "mamba" in str(t) for t in layer_types)
+    if any(not supports(t, method) for t in types):
+        raise ConfigError("method", f"method={method} on a '{mtype}' target is not supported: its recurrent layers "
+                          "cannot verify a draft tree or roll back rejected tokens exactly",
+                          "use method=ar drafter=none for this model family")
+    ctx = cfg.get("max_position_embeddings")
+    return TargetFacts(mtype, hybrid, int(ctx) if isinstance(ctx, int) and ctx > 0 else None)
+
+
+def preflight(rc) -> TargetFacts | None:
+    """Every source a job will load (target, tokenizer, drafter) is there; the target's facts from its config.
+
+    Sets rc.model.hybrid from the config (what ran is recorded, not what a config file guessed)."""
+    m = rc.model
+    if m.tiny is not None:
+        from ddtree.testing.tiny import tiny_config
+
+        c = tiny_config(m.tiny.model_type, vocab_size=m.tiny.vocab_size, num_hidden_layers=m.tiny.num_hidden_layers)
+        facts = target_facts(c.to_dict(), "model.tiny.model_type", rc.method, True)
+    else:
+        src = check_source("model.name_or_path", m.name_or_path, m.revision, ("config.json",))
+        tok_setting = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+        check_source(tok_setting, m.tokenizer or m.name_or_path, m.revision, TOKENIZER_FILES, "a tokenizer")
+        cfg = read_config(src)
+        facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
+        if facts is not None:
+            m.hybrid = facts.hybrid
+    d = rc.drafter
+    if rc.method != "ar" and d.kind == "pretrained":
+        check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
+    return facts
+
+
+def check_prompt_lengths(prompts: list[Prompt], lengths: list[int], max_new_tokens: int, context: int | None,
+                         truncate: bool, setting: str = "dataset") -> None:
+    """Refuse a prompt whose tokens plus max_new_tokens exceed the target's context (unless truncating)."""
+    if context is None or truncate:
+        return
+    if max_new_tokens >= context:
+        raise ConfigError("max_new_tokens", f"{max_new_tokens} new tokens do not fit the target's context of "
+                          f"{context} tokens", f"use max_new_tokens<={context // 2}")
+    for p, n in zip(prompts, lengths, strict=True):
+        if n + max_new_tokens > context:
+            lower = f"lower max_new_tokens to {context - n}, " if n < context else ""
+            raise ConfigError(setting, f"prompt '{p.id}' is {n} tokens; with max_new_tokens={max_new_tokens} it "
+                              f"exceeds the target's context of {context} tokens",
+                              f"shorten it, {lower}or set dataset.truncate=true (keeps each prompt's last tokens)")
+
+
+def keep_last(ids: list[int], max_new_tokens: int, context: int | None) -> list[int]:
+    """dataset.truncate: the last tokens of a prompt, as many as fit before max_new_tokens new ones."""
+    if context is None or len(ids) + max_new_tokens <= context:
+        return ids
+    return ids[len(ids) + max_new_tokens - context:]

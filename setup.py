@@ -1,0 +1,29 @@
+"""The build step pyproject.toml cannot say: copy conf/, assets/toy and the paper reference into the
+package (ddtree/_data/), so a wheel or a plain `pip install .` can compose configs and run the toy pair."""
+
+import shutil
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+SHIPPED = ("conf", "assets/toy", "docs/paper_reference.yaml")  # mirrors ddtree.paths.SHIPPED
+
+
+class BuildWithData(build_py):
+    def run(self):
+        super().run()
+        if self.editable_mode:  # an editable install reads the checkout itself
+            return
+        root = Path(__file__).resolve().parent
+        data = Path(self.build_lib) / "ddtree" / "_data"
+        for rel in SHIPPED:
+            src, dst = root / rel, data / rel
+            if src.is_dir():
+                shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+            elif src.is_file():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, dst)
+
+
+setup(cmdclass={"build_py": BuildWithData})
