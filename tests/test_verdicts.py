@@ -20,7 +20,7 @@ from ddtree.pipeline.tracking import numeric_metrics
 from ddtree.pipeline.validate import validate
 from ddtree.pipeline.verdicts import SuspectOutputs, main, recheck
 
-SMALL = ("model=tiny_qwen3", "dataset.max_samples=3", "max_new_tokens=12", "device=cpu")
+SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=3", "max_new_tokens=12", "device=cpu")
 
 
 def _recheck(capsys, *args: str) -> tuple[int, str, str]:
