@@ -99,7 +99,7 @@ def test_any_checkpoint_by_path_records_its_name_and_family(cli, tmp_path, local
     assert (summary["model"], summary["match_rate"]) == ("my-hybrid", 1.0)
     assert summary["drafter"] == str(drafter) and summary["dataset"] == "tiny"
     resolved = (job / "config_resolved.yaml").read_text()
-    assert "hybrid: true" in resolved  # read from its config.json (model/hf.yaml says false)
+    assert "ddtree.hybrid: 'true'" in resolved and "ddtree.model_type: qwen3_5_text" in resolved  # its config.json
     # without a drafter, model=hf says how to give one
     _one_line(cli("model=hf", f"model.name_or_path={target}", *TINY, f"hydra.run.dir={tmp_path / 'j2'}"),
               "drafter=pretrained drafter.name_or_path=")

@@ -176,7 +176,7 @@ def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_co
 def preflight(rc) -> TargetFacts | None:
     """Every source a job will load (target, tokenizer, drafter) is there; the target's facts from its config.
 
-    Sets rc.model.hybrid from the config (what ran is recorded, not what a config file guessed)."""
+    Adds the family and hybrid-or-not to rc.tags (what ran is recorded, as its config.json says)."""
     m = rc.model
     if m.tiny is not None:
         from ddtree.testing.tiny import tiny_config
@@ -189,8 +189,8 @@ def preflight(rc) -> TargetFacts | None:
         check_source(tok_setting, m.tokenizer or m.name_or_path, m.revision, TOKENIZER_FILES, "a tokenizer")
         cfg = read_config(src)
         facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
-        if facts is not None:
-            m.hybrid = facts.hybrid
+        if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
+            rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
     d = rc.drafter
     if rc.method != "ar" and d.kind == "pretrained":
         check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
