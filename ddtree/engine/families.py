@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-ALL_METHODS = ("ar", "dflash", "ddtree")
-AR_ONLY = ("ar",)
+from ddtree.engine.methods import BASELINE, METHOD_NAMES
+
+ALL_METHODS = METHOD_NAMES
+AR_ONLY = (BASELINE,)
 
 # Embedding access: how the authors' code reaches the target's embeddings / head on this family.
 DIRECT = "direct"  # target.model.embed_tokens and target.lm_head exist

@@ -10,6 +10,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from ddtree.engine import attention, gdn
 from ddtree.engine.families import family, model_type, supports
+from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, tree_attention_mask
 from ddtree.errors import ConfigError
 
@@ -141,8 +142,8 @@ class TargetSession:
     def check_method(self, method: str) -> None:
         """Refuse a multi-token method when the cache holds linear-attention state no patch verifies exactly."""
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
-        if method == "ddtree" and getattr(text_config, "attn_logit_softcapping", None):
-            raise ConfigError("method", f"ddtree on a '{self.mtype}' target is not supported: its soft-capped "
+        if get_method(method).verifies_tree and getattr(text_config, "attn_logit_softcapping", None):
+            raise ConfigError("method", f"{method} on a '{self.mtype}' target is not supported: its soft-capped "
                               "attention logits cannot be verified as a tree", "use method=dflash or method=ar")
         if self.gdn or not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.cache.layers):
             return
