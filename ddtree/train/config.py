@@ -12,6 +12,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ddtree.engine.methods import METHOD_NAMES
 from ddtree.errors import ConfigError
 from ddtree.paths import DATA_ROOT
 from ddtree.pipeline.schema import TrackingConfig as RunTrackingConfig
@@ -105,7 +106,7 @@ class EvalConfig:
     prompts: str | None = None  # JSONL of {"id", "turns"}; null: skip the eval stage
     max_samples: int | None = 16
     max_new_tokens: int = 128
-    methods: list[str] = field(default_factory=lambda: ["ar", "dflash", "ddtree"])
+    methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
     budgets: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
     chat_template: bool = True
     warmup: bool = True
@@ -221,8 +222,8 @@ def validate(c: TrainConfig) -> None:
     if c.eval.prompts and "eval" in c.stages and not Path(c.eval.prompts).is_file():
         raise ConfigError("eval.prompts", f"no such file: {c.eval.prompts}", "pass an existing .jsonl file or null")
     for m in c.eval.methods:
-        if m not in ("ar", "dflash", "ddtree"):
-            raise ConfigError("eval.methods", f"unknown method '{m}'", "use ar, dflash, ddtree")
+        if m not in METHOD_NAMES:
+            raise ConfigError("eval.methods", f"unknown method '{m}'", f"use {', '.join(METHOD_NAMES)}")
 
 
 def as_dict(c: TrainConfig) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ddtree.engine.methods import BASELINE, METHOD_NAMES, get_method
 from ddtree.pipeline.prompts import encode
 from ddtree.train.data import read_prompts, stop_ids
 
@@ -18,8 +19,8 @@ from ddtree.train.data import read_prompts, stop_ids
 def _runs(methods: list[str], budgets: list[int]) -> list[tuple[str, str, int | None]]:
     out = []
     for m in methods:
-        if m == "ddtree":
-            out += [(f"ddtree@{b}", "ddtree", b) for b in budgets]
+        if get_method(m).reads_budget:
+            out += [(f"{m}@{b}", m, b) for b in budgets]
         else:
             out.append((m, m, None))
     return out
@@ -33,9 +34,9 @@ def evaluate(target, drafter, tokenizer, prompts_path: str, *, max_samples: int 
     (baseline=True) speedup over AR and match rate (the share of outputs equal to AR's)."""
     import ddtree
 
-    methods = methods or ["ar", "dflash", "ddtree"]
-    if baseline and "ar" not in methods:
-        methods = ["ar", *methods]  # the lossless reference and the speed baseline
+    methods = methods or list(METHOD_NAMES)
+    if baseline and BASELINE not in methods:
+        methods = [BASELINE, *methods]  # the lossless reference and the speed baseline
     runs = _runs(methods, budgets or [8, 16, 32, 64])
     prompts = read_prompts(prompts_path, "eval.prompts")[:max_samples or None]
     stops = stop_ids(tokenizer, target)
@@ -44,7 +45,7 @@ def evaluate(target, drafter, tokenizer, prompts_path: str, *, max_samples: int 
                            device=dev) for p in prompts]
 
     def gen(method: str, budget: int | None, ids: torch.Tensor, n: int):
-        return ddtree.generate(target, drafter if method != "ar" else None, ids, method=method, budget=budget,
+        return ddtree.generate(target, drafter if get_method(method).needs_drafter else None, ids, method=method, budget=budget,
                                max_new_tokens=n, stop_token_ids=stops)
 
     if warmup and inputs:
@@ -64,7 +65,7 @@ def evaluate(target, drafter, tokenizer, prompts_path: str, *, max_samples: int 
             if ref is None:
                 ref = r.output_ids
             a["match"] += int(r.output_ids == ref)
-    ar_tps = acc["ar"]["tokens"] / max(acc["ar"]["seconds"], 1e-9) if "ar" in acc else 0.0
+    ar_tps = acc[BASELINE]["tokens"] / max(acc[BASELINE]["seconds"], 1e-9) if BASELINE in acc else 0.0
     report: dict = {"prompts": len(inputs), "max_new_tokens": max_new_tokens, "methods": {}}
     for name, a in acc.items():
         tps = a["tokens"] / max(a["seconds"], 1e-9)
