@@ -212,6 +212,28 @@ def test_cache_split_equals_one_call():
     torch.testing.assert_close(again, whole, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("layer_types", [("full_attention",), ("sliding_attention", "full_attention")])
+def test_preallocated_cache_over_many_rounds_equals_whole_context(layer_types):
+    """Round after round (buffers growing past their hint), the cached drafter equals one call over the whole
+    context: the plain path without a cache, and the float64 dense reference."""
+    drafter = make_drafter(layer_types, window=5)
+    g = torch.Generator().manual_seed(3)
+    n_ids, block = len(drafter.target_layer_ids), 6
+    features = torch.randn(1, 96, n_ids * H, generator=g)
+    cache = drafter.new_cache(capacity=8)  # far too small: exercises the doubling
+    held = 0
+    for c in (7, 1, 6, 3, 0, 5, 6, 2, 6, 1) * 2 + (19,):
+        noise = torch.randn(1, block, H, generator=g)
+        blk_pos = torch.arange(held + c, held + c + block)[None]
+        out = drafter(noise, features[:, held: held + c], torch.arange(held, held + c)[None], blk_pos, cache)
+        held += c
+        assert len(cache) == held
+        args = noise, features[:, :held], torch.arange(held)[None], blk_pos
+        torch.testing.assert_close(out, drafter(*args), rtol=0, atol=1e-5)
+        torch.testing.assert_close(out.double(), reference_forward(drafter, *args), rtol=0, atol=1e-5)
+    assert cache.keys[0].shape[-2] >= held + block
+
+
 # ----- (5) compatibility with a target -----
 
 def test_check_compatible(target):

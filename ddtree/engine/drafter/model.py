@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from safetensors.torch import load_file, save_file
@@ -254,28 +255,63 @@ class _RotaryEmbedding(Qwen3RotaryEmbedding):
         return self
 
 
-class DrafterCache:
-    """Context keys/values of every drafter layer (after k_norm and RoPE), and their positions.
+class _RMSNorm(Qwen3RMSNorm):
+    """Qwen3RMSNorm (same weight, same fp32 math) in one fused call instead of six small ones."""
 
-    Only context is kept: the block's keys/values change every round and are never stored.
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), None, self.variance_epsilon).to(x.dtype) * self.weight
+
+
+class DrafterCache:
+    """Context keys/values of every drafter layer (after k_norm and RoPE) in preallocated buffers.
+
+    Layout per layer: [B, kv heads, capacity, d]; rows [:len) hold the context, and a forward writes
+    its new context and then its block right behind it, so attention reads one view, with no
+    concatenation. The block rows are overwritten by the next call (only context is kept). Buffers
+    grow by doubling when `capacity` was short (a copy of the context, amortised O(1) per token).
     """
 
-    def __init__(self, num_layers: int):
-        self.keys: list[torch.Tensor | None] = [None] * num_layers
+    def __init__(self, num_layers: int, capacity: int = 0):
+        self.capacity_hint = capacity
+        self.keys: list[torch.Tensor | None] = [None] * num_layers  # full buffers
         self.values: list[torch.Tensor | None] = [None] * num_layers
-        self.position_ids: torch.Tensor | None = None  # [B, context tokens held]
+        self.positions: torch.Tensor | None = None  # [B, capacity] long: position of each row
+        self.length = 0  # context rows held
 
     def __len__(self) -> int:
-        return 0 if self.position_ids is None else self.position_ids.shape[1]
+        return self.length
 
-    def append(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        old_k, old_v = self.keys[layer_idx], self.values[layer_idx]
-        self.keys[layer_idx] = keys if old_k is None else torch.cat([old_k, keys], dim=2)
-        self.values[layer_idx] = values if old_v is None else torch.cat([old_v, values], dim=2)
+    def _reserve(self, buffer: torch.Tensor | None, like: torch.Tensor, rows: int) -> torch.Tensor:
+        """`buffer` with room for `rows` rows along dim -2, shaped like `like` elsewhere."""
+        if buffer is not None and buffer.shape[-2] >= rows:
+            return buffer
+        size = max(rows, self.capacity_hint, 64, 2 * (0 if buffer is None else buffer.shape[-2]))
+        grown = like.new_empty(*like.shape[:-2], size, like.shape[-1])
+        if buffer is not None:
+            grown[..., : self.length, :].copy_(buffer[..., : self.length, :])
+        return grown
 
-    def append_positions(self, position_ids: torch.Tensor) -> None:
-        old = self.position_ids
-        self.position_ids = position_ids if old is None else torch.cat([old, position_ids], dim=1)
+    def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Positions of [context ‖ new rows]: the new rows are written at [len, len + n)."""
+        n = position_ids.shape[1]
+        buffer = self._reserve(None if self.positions is None else self.positions.unsqueeze(-1),
+                               position_ids.unsqueeze(-1), self.length + n).squeeze(-1)
+        buffer[:, self.length: self.length + n].copy_(position_ids)
+        self.positions = buffer
+        return buffer[:, : self.length + n]
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write new rows (context then block) at [len, len + n); return views of [:len + n)."""
+        end = self.length + keys.shape[-2]
+        k = self.keys[layer_idx] = self._reserve(self.keys[layer_idx], keys, end)
+        v = self.values[layer_idx] = self._reserve(self.values[layer_idx], values, end)
+        k[..., self.length: end, :].copy_(keys)
+        v[..., self.length: end, :].copy_(values)
+        return k[..., :end, :], v[..., :end, :]
+
+    def advance(self, context_rows: int) -> None:
+        """Keep the `context_rows` context rows the last forward wrote; its block rows become free."""
+        self.length += context_rows
 
 
 def _apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -313,30 +349,22 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(h, config.num_key_value_heads * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(h, config.num_key_value_heads * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.num_attention_heads * config.head_dim, h, bias=bias)
-        self.q_norm = Qwen3RMSNorm(config.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = Qwen3RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.q_norm = _RMSNorm(config.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = _RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
-    def _keys_values(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        b, n, _ = x.shape
-        keys = self.k_norm(self.k_proj(x).view(b, n, -1, self.head_dim)).transpose(1, 2)
-        values = self.v_proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
-        return _apply_rope(keys, rope), values
-
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None,
-                block_rope: tuple[torch.Tensor, torch.Tensor],
-                context_rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: DrafterCache, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+        """rope: cos/sin of [new context ‖ block] positions; the block's queries use its last q rows."""
         b, q, _ = x.shape
         queries = self.q_norm(self.q_proj(x).view(b, q, -1, self.head_dim)).transpose(1, 2)
-        queries = _apply_rope(queries, block_rope)
-        if context is not None:
-            cache.append(self.layer_idx, *self._keys_values(context, context_rope))
-        block_keys, block_values = self._keys_values(x, block_rope)
-        keys, values = block_keys, block_values
-        if cache.keys[self.layer_idx] is not None:
-            keys = torch.cat([cache.keys[self.layer_idx], block_keys], dim=2)
-            values = torch.cat([cache.values[self.layer_idx], block_values], dim=2)
+        queries = _apply_rope(queries, tuple(t[:, -q:] for t in rope))
+        fresh = x if context is None else torch.cat([context, x], dim=1)  # one projection for both
+        n = fresh.shape[1]
+        keys = self.k_norm(self.k_proj(fresh).view(b, n, -1, self.head_dim)).transpose(1, 2)
+        keys = _apply_rope(keys, rope)
+        values = self.v_proj(fresh).view(b, n, -1, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            keys, values = cache.write(self.layer_idx, keys, values)
         # is_causal=False: with fewer queries than keys, sdpa's causal path would keep only the first q keys.
         out, _ = attend(self, queries, keys, values, mask, dropout=0.0, scaling=self.scaling, is_causal=False)
         return self.o_proj(out.reshape(b, q, -1))
@@ -347,14 +375,12 @@ class DFlashDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(qwen3_config)
-        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None,
-                block_rope: tuple[torch.Tensor, torch.Tensor],
-                context_rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: DrafterCache, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, block_rope, context_rope, cache, mask, attend)
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -410,9 +436,9 @@ class DFlashDrafter(nn.Module):
         qwen3_config = config.qwen3_config()
         self.layers = nn.ModuleList(DFlashDecoderLayer(config, qwen3_config, i)
                                     for i in range(config.num_hidden_layers))
-        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
-        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.hidden_norm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = _RotaryEmbedding(qwen3_config)
         self.set_attn_implementation(attn_implementation)
 
@@ -444,8 +470,9 @@ class DFlashDrafter(nn.Module):
         self.attn_implementation = name
         self._attend = ATTN_IMPLEMENTATIONS[name]
 
-    def new_cache(self) -> DrafterCache:
-        return DrafterCache(self.config.num_hidden_layers)
+    def new_cache(self, capacity: int = 0) -> DrafterCache:
+        """An empty context cache; `capacity`: expected context + block rows (sizes the buffers once)."""
+        return DrafterCache(self.config.num_hidden_layers, capacity)
 
     def check_compatible(self, target: nn.Module) -> None:
         """Raise ConfigError unless this drafter can read `target`'s hidden states and embeddings."""
@@ -476,16 +503,14 @@ class DFlashDrafter(nn.Module):
         context_features [B, c, n_ids*H] (or None / c == 0): target hidden states of the context
         tokens new since the last call with this cache; their K/V are appended to `cache`.
         """
-        cache = self.new_cache() if cache is None else cache
         x = noise_embedding
-        context = context_rope = None
-        positions = [] if cache.position_ids is None else [cache.position_ids]
+        context = None
+        positions = block_position_ids
         if context_features is not None and context_features.shape[1] > 0:
             context = self.hidden_norm(self.fc(context_features))
-            context_rope = self.rotary_emb(context, context_position_ids)
-            positions.append(context_position_ids)
-        key_positions = torch.cat([*positions, block_position_ids], dim=1)
-        block_rope = self.rotary_emb(x, block_position_ids)
+            positions = torch.cat([context_position_ids, block_position_ids], dim=1)
+        rope = self.rotary_emb(x, positions)  # one RoPE call for the new context and the block
+        key_positions = positions if cache is None else cache.write_positions(positions)
 
         masks: dict[int | None, torch.Tensor | None] = {}
         declared = self.config.is_causal
@@ -495,9 +520,9 @@ class DFlashDrafter(nn.Module):
             if window not in masks:
                 masks[window] = (_visibility_mask(block_position_ids, key_positions, window, causal, x.dtype)
                                  if window is not None or causal else None)
-            x = layer(x, context, block_rope, context_rope, cache, masks[window], self._attend)
-        if context is not None:
-            cache.append_positions(context_position_ids)
+            x = layer(x, context, rope, cache, masks[window], self._attend)
+        if cache is not None:
+            cache.advance(0 if context is None else context.shape[1])
         return self.norm(x)
 
     # ----- construction, loading, saving -----
