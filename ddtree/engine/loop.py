@@ -90,21 +90,29 @@ class _DrafterBlock:
         self.cache = None
         self.ctx_len = 0
 
-    def reset(self) -> None:
-        self.cache = self.drafter.new_cache()
+    def reset(self, capacity: int = 0) -> None:
+        """A new generation; capacity: prompt + new tokens + one block (sizes the drafter cache once)."""
+        self.cache = self.drafter.new_cache(capacity)
         self.ctx_len = 0
+        self._block = None  # [root, mask, …] ids and their position offsets, built once per generation
+
+    def _block_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._block is None or self._block[0].device != device:
+            ids = torch.full((1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=device)
+            self._block = ids, torch.arange(self.block_size, device=device).unsqueeze(0)
+        return self._block
 
     @torch.inference_mode()
     def draft_logits(self, state: DecodeState) -> torch.Tensor:
         dev = state.root.device
         ctx = state.new_context
         c = 0 if ctx is None else ctx.shape[1]
-        ctx_pos = torch.arange(self.ctx_len, self.ctx_len + c, device=dev).unsqueeze(0)
         assert self.ctx_len + c == state.start, "drafter context must cover every committed token"
-        block = torch.full((1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=dev)
-        block[0, 0] = state.root
-        blk_pos = torch.arange(state.start, state.start + self.block_size, device=dev).unsqueeze(0)
-        hidden = self.drafter(self.embed(block), ctx, ctx_pos, blk_pos, cache=self.cache)
+        block, offsets = self._block_inputs(dev)
+        block[0, 0] = state.root  # the mask ids behind it never change
+        ctx_pos = offsets[:, :c] + self.ctx_len if c <= self.block_size else (
+            torch.arange(self.ctx_len, self.ctx_len + c, device=dev).unsqueeze(0))
+        hidden = self.drafter(self.embed(block), ctx, ctx_pos, offsets + state.start, cache=self.cache)
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
         return self.lm_head(hidden[0, 1:]).float().to(dev)
@@ -169,14 +177,15 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = True, tree_attention: str = "split") -> GenerationResult:
+             sync_timing: bool = True, tree_attention: str = "auto") -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
     is a sample of the target's distribution. A custom `proposer` replaces the method's drafter.
     sync_timing: synchronise the device at stage boundaries (honest stage times; costs idle gaps).
     tree_attention: "split" (ddtree.engine.attention, any backend; the target is switched to the tree
-    implementation wrapping its backend) or "dense" (a 4-D mask over past + tree; eager/sdpa).
+    implementation wrapping its backend), "dense" (a 4-D mask over past + tree; eager/sdpa) or "auto"
+    (split, but dense for a small mask on a CPU eager/sdpa target without sliding layers: cheaper there).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     check_target_supported(model_type(target), method)
@@ -194,7 +203,10 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
                             capacity=input_ids.shape[1] + max_new_tokens + tree_max)
     if not isinstance(proposer, ARProposer):
         session.check_method(method)
-    proposer.reset()
+    if isinstance(proposer, _DrafterBlock):
+        proposer.reset(input_ids.shape[1] + max_new_tokens + tree_max)
+    else:
+        proposer.reset()
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
                               budget=budget if spec.reads_budget else None,
                               block_size=getattr(proposer, "block_size", None))
