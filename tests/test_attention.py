@@ -196,7 +196,7 @@ def test_split_and_dense_generation_equal_hf_greedy(model_type, attn, monkeypatc
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1, attn_implementation=attn)
     for ids in _prompts(vocab):
         ref = hf_greedy(target, ids, 20)
-        for mode in ("split", "dense"):
+        for mode in ("split", "dense", "auto"):
             for budget in (3, 40):
                 res = ddtree.generate(target, drafter, ids, method="ddtree", budget=budget, max_new_tokens=20,
                                       tree_attention=mode)
@@ -204,7 +204,8 @@ def test_split_and_dense_generation_equal_hf_greedy(model_type, attn, monkeypatc
     assert target.config._attn_implementation == A.TREE_IMPLEMENTATION[attn]
     # under split no dense mask is ever built
     monkeypatch.setattr("ddtree.engine.target.tree_attention_mask", lambda *a, **k: pytest.fail("dense mask built"))
-    res = ddtree.generate(target, None, ids, max_new_tokens=20, proposer=ScriptedProposer(ref, vocab, seed=0))
+    res = ddtree.generate(target, None, ids, max_new_tokens=20, proposer=ScriptedProposer(ref, vocab, seed=0),
+                          tree_attention="split")
     assert res.output_ids == ref and max(res.acceptance_lengths) >= 4
 
 
@@ -295,7 +296,7 @@ def test_hybrid_target_split_and_dense_equal_hf_greedy():
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=2)
     for ids in _prompts(vocab):
         ref = hf_greedy(target, ids, 16)
-        for mode in ("split", "dense"):
+        for mode in ("split", "dense", "auto"):
             res = ddtree.generate(target, drafter, ids, method="ddtree", budget=24, max_new_tokens=16,
                                   tree_attention=mode)
             assert res.output_ids == ref, mode
@@ -310,3 +311,29 @@ def test_softcapped_sliding_target_dflash_lossless_and_ddtree_refused():
         hf_greedy(target, ids, 16)
     with pytest.raises(ddtree.ConfigError, match="method=dflash"):
         ddtree.generate(target, drafter, ids, method="ddtree", max_new_tokens=4)
+
+
+def test_auto_dense_mask_buffer_equals_a_fresh_mask_every_round():
+    """auto on CPU keeps one mask buffer across rounds; each round's view equals the mask built from scratch."""
+    from ddtree.engine.target import TargetSession
+    from ddtree.engine.tree import tree_attention_mask
+
+    target = tiny_model("qwen3", seed=0, attn_implementation="sdpa", vocab_size=16)
+    session = TargetSession(target, tree_attention="auto", capacity=8)  # short: the buffer must grow
+    assert session.dense_auto
+    session.prefill(torch.tensor([[1, 2, 3]]))
+    rng = random.Random(4)
+    for n in (9, 3, 17, 17, 5, 30):
+        tree = random_tree(n, 16, rng)
+        mask = session._dense_mask(tree)
+        assert torch.equal(mask, tree_attention_mask(tree, session.length, target.dtype))
+        session.length += rng.randint(1, 4)  # a commit of some accepted tokens
+
+
+def test_auto_uses_split_where_dense_would_be_wrong_or_costly():
+    from ddtree.engine.target import TargetSession
+
+    sliding = tiny_model("qwen3", seed=5, attn_implementation="sdpa", vocab_size=16, use_sliding_window=True,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert not TargetSession(sliding, tree_attention="auto").dense_auto
+    assert TargetSession(tiny_model("qwen3", seed=0, attn_implementation="sdpa"), tree_attention="auto").dense_auto

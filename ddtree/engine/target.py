@@ -26,7 +26,12 @@ def check_target_supported(model_type_name: str, method: str) -> None:
             "verify a draft tree or roll back rejected tokens exactly", "use method=ar for this model family")
 
 
-TREE_ATTENTION = ("split", "dense")  # split: ddtree.engine.attention (any backend); dense: a 4-D additive mask (eager/sdpa)
+# split: ddtree.engine.attention (any backend); dense: a 4-D additive mask (eager/sdpa); auto: per round, dense
+# where that is cheaper (a CPU eager/sdpa target without sliding layers, past + tree <= DENSE_AUTO_KEYS), else split
+TREE_ATTENTION = ("auto", "split", "dense")
+# On CPU one sdpa call with a small mask beats split's two calls and merge; a masked sdpa copies K/V per GQA head,
+# so long contexts stay on split
+DENSE_AUTO_KEYS = 1024
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -96,6 +101,14 @@ def new_cache(model: PreTrainedModel, capacity: int = 0, full_sliding: bool = Fa
     return cache
 
 
+def _has_sliding_layers(model: PreTrainedModel) -> bool:
+    text = model.config.get_text_config()
+    types = getattr(text, "layer_types", None)
+    if types is not None:
+        return "sliding_attention" in types
+    return getattr(text, "sliding_window", None) is not None and getattr(text, "use_sliding_window", True)
+
+
 def context_features(hidden_states: tuple, layer_ids: list[int]) -> torch.Tensor:
     """DFlash context features: hidden_states[i + 1] of each target layer id, concatenated."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
@@ -119,20 +132,26 @@ class TargetSession:
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
-                 tree_attention: str = "split", capacity: int = 0):
+                 tree_attention: str = "auto", capacity: int = 0):
         if tree_attention not in TREE_ATTENTION:
             raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
         self.model = model
         self.feature_layers = feature_layers
         self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
-        self.split = tree_attention == "split"
-        if self.split:
-            attention.use_tree_attention(model)
-        elif attention.base_backend(model.config._attn_implementation) not in ("eager", "sdpa"):
+        dense_ok = attention.base_backend(model.config._attn_implementation) in ("eager", "sdpa")
+        if tree_attention == "dense" and not dense_ok:
             raise ConfigError("tree_attention", f"a dense tree mask needs eager or sdpa, not "
                               f"{model.config._attn_implementation}", "use tree_attention='split'")
+        self.split = tree_attention != "dense"  # auto may take either path: the split layout serves both
+        # auto takes the dense path only where one masked call is exact and cheaper
+        self.dense_auto = (tree_attention == "auto" and dense_ok and model.device.type == "cpu"
+                           and not _has_sliding_layers(model))
+        if self.split:
+            attention.use_tree_attention(model)
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
+        self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
+        self._mask_zero = self._mask_dirty = 0  # columns [:zero) are 0 in every row; [zero:dirty) may be stale
         self.mtype = model_type(model)
         self.gdn = family(self.mtype).gdn
         if self.gdn:
@@ -177,13 +196,33 @@ class TargetSession:
         with contextlib.ExitStack() as stack:
             mask = None  # a chain's ancestor mask is the causal mask the model builds itself
             if not tree.is_chain:
-                if self.split:
-                    stack.enter_context(attention.tree_verification(tree, self.length))
-                else:
+                n = len(tree)
+                if not self.split:
                     mask = tree_attention_mask(tree, self.length, self.model.dtype)
+                elif self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
+                    mask = self._dense_mask(tree)
+                else:
+                    stack.enter_context(attention.tree_verification(tree, self.length))
             if self.gdn and len(tree) > 1:
                 stack.enter_context(gdn.tree_verification(tree))
             return self._forward(ids, pos, mask)
+
+    def _dense_mask(self, tree: DraftTree) -> torch.Tensor:
+        """tree_attention_mask(tree, length) as a view of a buffer kept across rounds: O(n * (accepted + n)) a round."""
+        n, past = len(tree), self.length
+        buf, fill = self._mask, torch.finfo(self.model.dtype).min
+        if buf is None or buf.shape[2] < n or buf.shape[3] < past + n:
+            rows = max(n, 0 if buf is None else buf.shape[2])
+            cols = max(2 * (past + n), 0 if buf is None else 2 * buf.shape[3])
+            buf = self._mask = torch.full((1, 1, rows, cols), fill, dtype=self.model.dtype, device=self.model.device)
+            self._mask_zero = self._mask_dirty = 0
+        buf[..., self._mask_zero: past] = 0  # newly committed columns: visible to every node
+        if self._mask_dirty > past:
+            buf[..., past: self._mask_dirty] = fill  # the last tree's columns past the new prefix
+        block = buf[0, 0, :n, past: past + n]
+        block.masked_fill_(tree.ancestor_matrix(), 0)
+        self._mask_zero, self._mask_dirty = past, past + n
+        return buf[:, :, :n, : past + n]
 
     @torch.inference_mode()
     def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
