@@ -1,0 +1,325 @@
+"""The native engine against every peer that runs here: same pair, prompts, settings and warm-up, one process.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_engines.py [--upstream PATH] [--pairs toy,pure]
+        [--prompts 16] [--new 128] [--passes 3] [--budgets 16,64,256] [--device cpu] [--dtype float32]
+        [--out runs/bench_engines.md]
+
+Peers (each skipped, with the reason printed, where it cannot run):
+  upstream      the DDTree authors' generate functions (`--upstream PATH` or $DDTREE_UPSTREAM: a checkout
+                of github.com/liranringel/ddtree; never committed), through ddtree.upstream.engine on our
+                models, drafting with our drafter's very weights;
+  transformers  transformers' own DFlash (`generate(assistant_model=..., speculation_type="dflash")`, its
+                MuseGlimmerAssistantModel holding our drafter's weights) and its plain greedy `generate`
+                for the AR row. It refuses stateful (hybrid) targets, so it runs on the `pure` pair only.
+Pairs:
+  toy   the shipped trained pair (assets/toy: hybrid Qwen3.5 target + DFlash drafter), 16 held-out prompts;
+  pure  a tiny random pure-attention Qwen3 (6 x 192, vocab 1024) and a random drafter: acceptance is
+        meaningless there (tau about 1), costs are not. (A trained pure-attention toy pair would take as
+        long as the hybrid one, ~25 min on one thread, to build.)
+Workload: long answers through a no-stop mode: no stop token, exactly --new tokens per prompt (>= 128), so
+each figure rests on hundreds of rounds. Every engine runs greedy (T = 0); outputs are compared per prompt.
+
+Interleaved: each pass runs every row and, inside a row, every engine over all prompts, the engine order
+rotating per pass. tok/s = new tokens / wall seconds of the generate calls. ratio = native / peer, the
+median over passes of the per-pass ratio (runs side by side, so machine noise mostly cancels), with its
+min-max spread. Stage columns: native / upstream ms per round for the drafter forward (draft), tree
+building (tree), the target forward (verify) and the walk + cache commit (commit); overhead = the share of
+the native round spent outside the drafter and target forwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import ddtree  # noqa: E402
+from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
+from ddtree.testing.tiny import tiny_model  # noqa: E402
+
+ENGINES = ("native", "upstream", "transformers")
+STAGES = ("draft", "tree", "verify", "commit")
+
+
+@dataclass
+class Pair:
+    name: str
+    target: torch.nn.Module
+    drafter: DFlashDrafter
+    prompts: list[torch.Tensor]
+    hybrid: bool
+
+
+@dataclass
+class Cell:
+    """One engine on one row, summed over the prompts of one pass."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    rounds: int = 0
+    stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def toy_pair(n: int, device: str, dtype: torch.dtype) -> Pair | None:
+    toy = ROOT / "assets" / "toy"
+    if not (toy / "target" / "config.json").exists():
+        return None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(toy / "target", dtype=dtype).to(device).eval()
+    tok = AutoTokenizer.from_pretrained(toy / "target")
+    rows = [json.loads(x) for x in (toy / "prompts.jsonl").read_text().splitlines()][:n]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"].to(device) for r in rows]
+    drafter = DFlashDrafter.from_pretrained(toy / "drafter", dtype=dtype, device=device)
+    return Pair("toy (hybrid Qwen3.5 + trained DFlash)", target, drafter, prompts, hybrid=True)
+
+
+def pure_pair(n: int, device: str, dtype: torch.dtype) -> Pair:
+    target = tiny_model("qwen3", seed=0, attn_implementation="sdpa", dtype=dtype, vocab_size=1024, hidden_size=192,
+                        intermediate_size=576, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
+                        head_dim=32, max_position_embeddings=4096).to(device)
+    target.generation_config.eos_token_id = None  # no-stop mode for transformers' generate too
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=16).to(device=device, dtype=dtype)
+    prompts = [torch.randint(4, 1000, (1, 24), generator=torch.Generator().manual_seed(i)).to(device)
+               for i in range(n)]
+    return Pair("pure (random Qwen3 + random DFlash)", target, drafter, prompts, hybrid=False)
+
+
+def hf_assistant(drafter: DFlashDrafter) -> torch.nn.Module:
+    """transformers' DFlash drafter (MuseGlimmerAssistantModel) holding `drafter`'s tensors."""
+    from transformers import MuseGlimmerAssistantConfig, MuseGlimmerAssistantModel
+
+    c = drafter.config
+    cfg = MuseGlimmerAssistantConfig(
+        hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps, rope_parameters=dict(c.rope_parameters),
+        max_position_embeddings=c.max_position_embeddings, layer_types=list(c.layer_types),
+        sliding_window=c.sliding_window or c.max_position_embeddings, hidden_act=c.hidden_act,
+        block_size=c.block_size, mask_token_id=c.mask_token_id, target_layer_ids=list(c.target_layer_ids),
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = drafter.attn_implementation
+    with torch.device(drafter.device):
+        model = MuseGlimmerAssistantModel(cfg).to(drafter.dtype)
+    names = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+    model.load_state_dict({names.get(k, k): v for k, v in drafter.state_dict().items()}, strict=True, assign=True)
+    return model.eval()
+
+
+class Runner:
+    """One generate call per engine, timed the same way (wall clock around the call, device synced)."""
+
+    def __init__(self, pair: Pair, upstream, new: int):
+        self.pair, self.upstream, self.new = pair, upstream, new
+        self.assistant = None if pair.hybrid else hf_assistant(pair.drafter)
+        self.cuda = pair.prompts[0].device.type == "cuda"
+
+    def available(self, engine: str, method: str) -> bool:
+        if engine == "upstream":
+            return self.upstream is not None
+        if engine == "transformers":
+            return not self.pair.hybrid and method in ("ar", "dflash")
+        return True
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def one(self, engine: str, method: str, budget: int | None, ids: torch.Tensor, cell: Cell) -> None:
+        p = self.pair
+        self._sync()
+        t0 = time.perf_counter()
+        if engine == "transformers":
+            kw = dict(assistant_model=self.assistant, speculation_type="dflash") if method == "dflash" else {}
+            out = p.target.generate(ids, max_new_tokens=self.new, do_sample=False, **kw)
+            self._sync()
+            cell.wall_s += time.perf_counter() - t0
+            toks = out[0, ids.shape[1]:].tolist()
+            cell.tokens += len(toks)
+            cell.outputs.append(toks)
+            return
+        if engine == "native":
+            r = ddtree.generate(p.target, p.drafter, ids, method=method, budget=budget, max_new_tokens=self.new)
+        else:
+            from ddtree.upstream.engine import generate_upstream
+
+            r = generate_upstream(self.upstream, p.target, p.drafter, ids, method=method, budget=budget,
+                                  max_new_tokens=self.new)
+        self._sync()
+        cell.wall_s += time.perf_counter() - t0
+        cell.tokens += r.num_new_tokens
+        cell.rounds += sum(1 for n in r.acceptance_lengths if n)  # upstream's last round may keep 0 tokens
+        for k in STAGES:
+            cell.stage_s[k] += r.stage_seconds.get(k, 0.0)
+        cell.outputs.append(list(r.output_ids))
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
+                 if x.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    import transformers
+
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} cores (load average {load}){gpu}; torch {torch.__version__}, "
+            f"transformers {transformers.__version__}, {torch.get_num_threads()} torch thread(s)")
+
+
+def load_upstream(path: str | None):
+    if not path:
+        print("# upstream: skipped — pass --upstream PATH or set DDTREE_UPSTREAM to a checkout of "
+              "https://github.com/liranringel/ddtree (their code is never committed here)")
+        return None
+    from ddtree.errors import ConfigError
+    from ddtree.upstream.engine import load_upstream_engine
+
+    try:
+        return load_upstream_engine(path)
+    except ConfigError as e:
+        print(f"# upstream: skipped — {e}")
+        return None
+
+
+def median_ratio(a: list[Cell], b: list[Cell]) -> tuple[float, float, float] | None:
+    ratios = [x.tok_s / y.tok_s for x, y in zip(a, b, strict=True) if y.tok_s]
+    return (statistics.median(ratios), min(ratios), max(ratios)) if ratios else None
+
+
+def fmt_ratio(r: tuple[float, float, float] | None) -> str:
+    return "–" if r is None else f"{r[0]:.2f}x ({r[1]:.2f}–{r[2]:.2f})"
+
+
+def tau(cells: list[Cell], n_prompts: int) -> str:
+    c = cells[0]
+    return f"{(c.tokens - n_prompts) / c.rounds:.2f}" if c.rounds else "–"  # the prefill's token is not a round
+
+
+def stage_ratio(nat: list[Cell], up: list[Cell], stage: str) -> str:
+    def per_round(cells: list[Cell]) -> float:
+        return statistics.median(c.stage_s[stage] / max(1, c.rounds) for c in cells)
+
+    a, b = per_round(nat), per_round(up)
+    return f"{1e3 * a:.2f}/{1e3 * b:.2f}" if a or b else "–"
+
+
+def overhead_share(nat: list[Cell]) -> str:
+    shares = [(c.wall_s - c.stage_s["draft"] - c.stage_s["verify"]) / c.wall_s for c in nat if c.wall_s]
+    return f"{100 * statistics.median(shares):.1f}%"
+
+
+def run_pair(pair: Pair, upstream, args) -> list[str]:
+    rows = [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
+    runner = Runner(pair, upstream, args.new)
+    engines = [e for e in ENGINES if e == "native" or (e == "upstream" and upstream is not None)
+               or (e == "transformers" and not pair.hybrid)]
+    if pair.hybrid:
+        print(f"# transformers: skipped on {pair.name} — its DFlash refuses stateful (hybrid) targets")
+    for method, budget in rows:  # warm-up: one prompt per engine and row
+        for e in engines:
+            if runner.available(e, method):
+                runner.one(e, method, budget, pair.prompts[0], Cell())
+    cells: dict[tuple, list[Cell]] = {}
+    for p in range(args.passes):
+        order = engines[p % len(engines):] + engines[: p % len(engines)]
+        for method, budget in rows:
+            for e in order:
+                if not runner.available(e, method):
+                    continue
+                cell = Cell()
+                for ids in pair.prompts:
+                    runner.one(e, method, budget, ids, cell)
+                cells.setdefault((method, budget, e), []).append(cell)
+        print(f"# {pair.name}: pass {p + 1}/{args.passes} done", file=sys.stderr)
+
+    head = ["method", "budget"] + [f"{e} tok/s" for e in engines]
+    head += [f"native/{e}" for e in engines if e != "native"]
+    head += ["tau native", "tau upstream"] if upstream is not None else ["tau native"]
+    head += ["same output"]
+    if upstream is not None:
+        head += [f"{s} ms nat/up" for s in STAGES]
+    head += ["overhead"]
+    lines = [f"\n### {pair.name}: {len(pair.prompts)} prompts, {args.new} new tokens each (no stop), "
+             f"median of {args.passes} interleaved passes\n", "| " + " | ".join(head) + " |",
+             "|" + " --- |" * len(head)]
+    for method, budget in rows:
+        nat = cells[(method, budget, "native")]
+        row = [method, str(budget or "–")]
+        for e in engines:
+            c = cells.get((method, budget, e))
+            row.append(f"{statistics.median(x.tok_s for x in c):.1f}" if c else "–")
+        for e in engines[1:]:
+            c = cells.get((method, budget, e))
+            row.append(fmt_ratio(median_ratio(nat, c)) if c else "–")
+        row.append(tau(nat, len(pair.prompts)))
+        if upstream is not None:
+            row.append(tau(cells[(method, budget, "upstream")], len(pair.prompts)))
+        same = []
+        for e in engines[1:]:
+            c = cells.get((method, budget, e))
+            if c:
+                same.append(f"{e[:2]} {sum(a == b for a, b in zip(nat[0].outputs, c[0].outputs, strict=True))}/{len(pair.prompts)}")
+        row.append(", ".join(same) or "–")
+        if upstream is not None:
+            up = cells[(method, budget, "upstream")]
+            row += [stage_ratio(nat, up, s) for s in STAGES]
+        row.append(overhead_share(nat) if method != "ar" else "–")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--upstream", default=os.environ.get("DDTREE_UPSTREAM"))
+    ap.add_argument("--pairs", default="toy,pure")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--passes", type=int, default=3)
+    ap.add_argument("--budgets", default="16,64,256")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: as torch chose)")
+    ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    upstream = load_upstream(args.upstream)
+    lines = [f"## Engines side by side ({args.device}, {args.dtype})", "", f"Machine: {machine()}",
+             f"Command: `{' '.join(['python', *sys.argv])}`"]
+    for name in args.pairs.split(","):
+        pair = (toy_pair if name == "toy" else pure_pair)(args.prompts, args.device, dtype)
+        if pair is None:
+            print(f"# {name}: skipped — assets/toy is missing (make toy)")
+            continue
+        lines += run_pair(pair, upstream, args)
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
