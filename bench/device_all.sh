@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Every CUDA path in one call, under 8 minutes on one GPU, written to one Markdown file:
+#   1. the lossless and verdict tests on CUDA (pytest -m gpu: fp32/bf16, sdpa/flash, split/dense, the CUDA kernels),
+#   2. bench/device_forward.py (target forward per backend and tree size, a Qwen3-8B-shaped random model),
+#   3. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved).
+#
+#   bench/device_all.sh [OUT.md]                     # default runs/device_all.md
+#   DDTREE_UPSTREAM=runs/ddtree-upstream bench/device_all.sh   # with the authors' checkout (never committed)
+#
+# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_ENGINES seconds) so a slow step
+# cannot eat the others; a failed or timed-out step is recorded in the file and the next one still runs.
+# The exit status is the tests' (0 = every CUDA test passed). Without a CUDA device it says so and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_MD=${1:-runs/device_all.md}
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+mkdir -p "$(dirname "$OUT_MD")"
+LOG_DIR=$(mktemp -d)
+
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "device_all: no CUDA device visible to $PY (torch.cuda.is_available() is False): nothing to run"
+  exit 0
+fi
+
+step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.log, echo the status
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=15 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$LOG_DIR/status"
+  return $rc
+}
+
+step tests "${STEP_S_TESTS:-210}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider
+TESTS_RC=$?
+step forward "${STEP_S_FORWARD:-90}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
+  --repeats 5 --warmup 2
+step engines "${STEP_S_ENGINES:-150}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
+  --prompts 4 --new 128 --passes 3 --out "$LOG_DIR/engines.md"
+
+{
+  echo "# device_all: $("$PY" -c "import torch; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| CUDA', torch.version.cuda)")"
+  echo
+  echo "$(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+  echo '```'
+  cat "$LOG_DIR/status"
+  echo '```'
+  echo
+  echo "## 1. CUDA tests (pytest -m gpu)"
+  echo
+  echo '```'
+  tail -n 40 "$LOG_DIR/tests.log"
+  echo '```'
+  echo
+  echo "## 2. Target forward per backend (bench/device_forward.py)"
+  echo
+  echo '```'
+  cat "$LOG_DIR/forward.log"
+  echo '```'
+  echo
+  if [ -s "$LOG_DIR/engines.md" ]; then
+    cat "$LOG_DIR/engines.md"
+  else
+    echo "## 3. Engines side by side: no table (see the log)"
+    echo
+    echo '```'
+    tail -n 40 "$LOG_DIR/engines.log"
+    echo '```'
+  fi
+} >"$OUT_MD"
+echo "device_all: wrote $OUT_MD"
+exit $TESTS_RC

@@ -1,0 +1,124 @@
+"""Lossless and verdict tests on a CUDA device (`pytest -m gpu`; skipped without one; bench/device_all.sh runs them).
+
+Grid: fp32 and bf16 x sdpa and flash_attention_2 (where flash-attn is installed) x split and dense tree
+attention x AR / DFlash / DDTree, on a tiny pure-attention Qwen3 and a tiny hybrid Qwen3.5 (GDN) target.
+fp32: every method equals HF greedy decoding. bf16: exact equality is no test (ties within a few bf16 steps,
+see DESIGN.md), so each output gets a verdict against a teacher-forced target forward: every emitted token
+is the target's argmax within a dtype-derived tolerance. The split path must run on the CUDA kernels
+(aten flash / efficient, flash-attn), not the math fallback.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.engine import attention as A
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
+
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+VOCAB = 12  # random drafts are accepted several deep
+NEW = 24
+RUNS = [("ar", None), ("dflash", None), ("ddtree", 4), ("ddtree", 48)]
+
+
+@pytest.fixture(autouse=True)
+def exact_fp32():
+    """No TF32 (cuDNN convolutions allow it by default): fp32 must be fp32 for the greedy comparison."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _pair(model_type: str, attn: str, dtype: torch.dtype):
+    target = tiny_model(model_type, seed=3, attn_implementation=attn, vocab_size=VOCAB, dtype=dtype).to("cuda")
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1)
+    return target, drafter.to(device="cuda", dtype=dtype)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (1, n), generator=g).to("cuda") for n in (3, 17)]
+
+
+def verdict(target, prompt: torch.Tensor, output: list[int]) -> list[int]:
+    """Positions where an emitted token is not the teacher-forced target's argmax within the dtype's tolerance."""
+    ids = torch.cat([prompt[0], torch.tensor(output, device=prompt.device)])[None]
+    with torch.inference_mode():
+        logits = target(ids).logits[0, prompt.shape[1] - 1: -1].float()
+    best = logits.max(-1).values
+    chosen = logits.gather(-1, ids[0, prompt.shape[1]:, None])[:, 0]
+    eps = torch.finfo(target.dtype).eps
+    tol = 4 * eps * best.abs().clamp(min=1.0)  # a few steps of the dtype at the logit's magnitude
+    return (best - chosen > tol).nonzero().flatten().tolist()
+
+
+def _modes(attn: str) -> list[str]:
+    return ["split", "dense"] if attn == "sdpa" else ["split"]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("flash_attention_2", marks=pytest.mark.skipif(
+    not HAS_FLASH, reason="flash-attn not installed"))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_methods_on_cuda(model_type, attn, dtype):
+    if attn == "flash_attention_2" and dtype == torch.float32:
+        pytest.skip("flash-attn has no fp32 kernels")
+    target, drafter = _pair(model_type, attn, dtype)
+    for ids in _prompts():
+        ref = hf_greedy(target, ids, NEW) if dtype == torch.float32 else None
+        for mode in _modes(attn):
+            for method, budget in RUNS:
+                res = ddtree.generate(target, drafter, ids, method=method, budget=budget, max_new_tokens=NEW,
+                                      tree_attention=mode)
+                where = (model_type, attn, str(dtype), mode, method, budget)
+                assert len(res.output_ids) == NEW, where
+                if ref is not None:
+                    assert res.output_ids == ref, where
+                else:
+                    assert verdict(target, ids, res.output_ids) == [], where
+    kernels = {k: v for k, v in A.chosen_kernels().items() if "/cuda/" in k}
+    assert kernels and all(v != "math" for v in kernels.values()), kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_split_equals_dense_verification_on_cuda(dtype):
+    """One DDTree-shaped tree after a prefill: split and dense logits agree within the dtype's noise."""
+    from ddtree.engine.target import TargetSession
+    from ddtree.engine.tree import best_first_tree
+
+    target = tiny_model("qwen3", seed=0, attn_implementation="sdpa", vocab_size=256, dtype=dtype).to("cuda")
+    logp = torch.log_softmax(torch.randn(15, 256, generator=torch.Generator().manual_seed(1)) * 3, -1).cuda()
+    tree = best_first_tree(torch.tensor(5, device="cuda"), logp, 64)
+    prefix = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(2)).cuda()
+    out = {}
+    for mode in ("split", "dense"):
+        session = TargetSession(target, tree_attention=mode)
+        session.prefill(prefix)
+        out[mode] = session.verify(tree)[0].float()
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out["split"], out["dense"], rtol=tol, atol=tol)
+
+
+def test_drafter_cache_on_cuda():
+    """The preallocated drafter cache on CUDA equals one call over the whole context."""
+    target = tiny_model("qwen3", seed=0, attn_implementation="sdpa")
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=6).to("cuda")
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(1, 40, len(drafter.target_layer_ids) * 64, generator=g).cuda()
+    cache, held = drafter.new_cache(capacity=4), 0
+    for c in (9, 3, 5, 1, 6, 2):
+        noise = torch.randn(1, 6, 64, generator=g).cuda()
+        blk = torch.arange(held + c, held + c + 6, device="cuda")[None]
+        out = drafter(noise, feats[:, held: held + c], torch.arange(held, held + c, device="cuda")[None], blk, cache)
+        held += c
+        whole = drafter(noise, feats[:, :held], torch.arange(held, device="cuda")[None], blk)
+        torch.testing.assert_close(out, whole, rtol=0, atol=1e-5)
