@@ -2,12 +2,13 @@
 # Every CUDA path in one call, under 8 minutes on one GPU, written to one Markdown file:
 #   1. the lossless and verdict tests on CUDA (pytest -m gpu: fp32/bf16, sdpa/flash, split/dense, the CUDA kernels),
 #   2. bench/device_forward.py (target forward per backend and tree size, a Qwen3-8B-shaped random model),
-#   3. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved).
+#   3. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved),
+#   4. device_forward's flex_attention row (compiled first, so last and alone).
 #
 #   bench/device_all.sh [OUT.md]                     # default runs/device_all.md
 #   DDTREE_UPSTREAM=runs/ddtree-upstream bench/device_all.sh   # with the authors' checkout (never committed)
 #
-# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_ENGINES seconds) so a slow step
+# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_ENGINES, STEP_S_FLEX seconds) so a slow step
 # cannot eat the others; a failed or timed-out step is recorded in the file and the next one still runs.
 # The exit status is the tests' (0 = every CUDA test passed). Without a CUDA device it says so and exits 0.
 set -uo pipefail
@@ -35,12 +36,16 @@ step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.lo
   return $rc
 }
 
-step tests "${STEP_S_TESTS:-210}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider
+# limits add up to 450 s, plus start-up: under 8 minutes
+step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider
 TESTS_RC=$?
-step forward "${STEP_S_FORWARD:-90}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
-  --repeats 5 --warmup 2
-step engines "${STEP_S_ENGINES:-150}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
+step forward "${STEP_S_FORWARD:-100}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
+  --repeats 5 --warmup 2 --backends sdpa/dense,sdpa/split,flash_attention_2/split,flash_attention_3/split
+step engines "${STEP_S_ENGINES:-140}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
   --prompts 4 --new 128 --passes 3 --out "$LOG_DIR/engines.md"
+# flex compiles its kernel first (tens of seconds): last, alone, so a slow compile costs only its own figures
+step flex "${STEP_S_FLEX:-60}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
+  --backends sdpa/split,flex_attention/split
 
 {
   echo "# device_all: $("$PY" -c "import torch; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| CUDA', torch.version.cuda)")"
@@ -61,6 +66,12 @@ step engines "${STEP_S_ENGINES:-150}" "$PY" bench/bench_engines.py --device cuda
   echo
   echo '```'
   cat "$LOG_DIR/forward.log"
+  echo '```'
+  echo
+  echo "## 2b. flex_attention (compiled) against sdpa/split"
+  echo
+  echo '```'
+  cat "$LOG_DIR/flex.log"
   echo '```'
   echo
   if [ -s "$LOG_DIR/engines.md" ]; then
