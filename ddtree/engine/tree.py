@@ -122,6 +122,23 @@ def _rank_pairs(budget: int, prev: int, k: int, device: torch.device) -> tuple[t
     return torch.cat(ps).to(device), torch.cat(rs).to(device)
 
 
+@lru_cache(maxsize=64)
+def _depth_layout(budget: int, L: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per candidate of the flat (depth-major) list: its depth (1-based), and for depth >= 2 the offset of
+    the previous depth's list. The sizes follow from (budget, L, k) alone, so this is built once, on the device."""
+    sizes = [k]
+    for _ in range(1, L):
+        pairs = sum(min(budget // (p + 1), k) for p in range(min(budget, sizes[-1])))
+        sizes.append(min(budget, pairs))
+    depth = torch.repeat_interleave(torch.arange(1, L + 1), torch.tensor(sizes))
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    parent_start = torch.repeat_interleave(torch.tensor(starts[:-1], dtype=torch.long),
+                                           torch.tensor(sizes[1:], dtype=torch.long))
+    return depth.to(device), parent_start.to(device)
+
+
 def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
     """The `budget` highest-scoring prefixes under cumulative draft log-probability.
 
@@ -146,7 +163,6 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
         depth_tokens.append(top_toks[d, r[order]])
         depth_parent.append(p[order])
 
-    sizes = [s.shape[0] for s in depth_scores]
     all_scores = torch.cat(depth_scores)
     n_sel = min(budget, all_scores.shape[0])
     order = torch.sort(all_scores, descending=True, stable=True).indices[:n_sel]
@@ -154,18 +170,12 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
     selected = torch.zeros_like(all_scores, dtype=torch.bool).index_fill_(0, order, True)
     # flat order: depth-major, candidate order within a depth; root takes index 0
     flat = torch.cumsum(selected.long(), 0)
-    offsets = [0]
-    for s in sizes[:-1]:
-        offsets.append(offsets[-1] + s)
-    parents, depths = [], []
-    for d, size in enumerate(sizes):
-        if d == 0:
-            parents.append(torch.zeros(size, dtype=torch.long, device=dev))
-        else:
-            parents.append(flat[offsets[d - 1] + depth_parent[d]])
-        depths.append(torch.full((size,), d + 1, dtype=torch.long, device=dev))
-    par = torch.cat(parents)[pick]
-    dep = torch.cat(depths)[pick]
+    depth_all, parent_start = _depth_layout(budget, L, k, dev)
+    parent_all = torch.zeros_like(depth_all)  # depth 1: the root
+    if L > 1:
+        parent_all[depth_scores[0].shape[0]:] = flat[parent_start + torch.cat(depth_parent[1:])]
+    par = parent_all[pick]
+    dep = depth_all[pick]
     tok = torch.cat(depth_tokens)[pick]
     sc = all_scores[pick]
     z = torch.zeros(1, dtype=torch.long, device=dev)
