@@ -314,11 +314,11 @@ def main() -> None:
             print(f"# {name}: skipped — assets/toy is missing (make toy)")
             continue
         lines += run_pair(pair, upstream, args)
-    text = "\n".join(lines) + "\n"
-    print("\n" + text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+        text = "\n".join(lines) + "\n"
+        print("\n" + text, flush=True)  # after each pair: a later pair's failure keeps this one's table
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text)
 
 
 if __name__ == "__main__":
