@@ -1,6 +1,6 @@
-"""`python -m ddtree.validate <job dir>`: re-check a finished job; the code lives in `ddtree.pipeline.verdicts`."""
+"""`python -m ddtree.validate <job dir>`: re-check a finished job; the code lives in `ddtree.pipeline.recheck`."""
 
-from ddtree.pipeline.verdicts import main
+from ddtree.pipeline.recheck import main
 
 if __name__ == "__main__":
     main()

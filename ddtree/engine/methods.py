@@ -11,28 +11,29 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddtree.engine.checks import check_block_size, check_budget
 from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
-    from ddtree.engine.loop import Proposer
+    from ddtree.engine.proposers import Proposer
 
 DEFAULT_BUDGET = 64  # DDTree's node budget when a caller passes budget=None
 
 
 def _ar(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
-    from ddtree.engine.loop import ARProposer
+    from ddtree.engine.proposers import ARProposer
 
     return ARProposer()
 
 
 def _dflash(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
-    from ddtree.engine.loop import DFlashProposer
+    from ddtree.engine.proposers import DFlashProposer
 
     return DFlashProposer(target, drafter, block_size)
 
 
 def _ddtree(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
-    from ddtree.engine.loop import DDTreeProposer
+    from ddtree.engine.proposers import DDTreeProposer
 
     return DDTreeProposer(target, drafter, budget if budget is not None else DEFAULT_BUDGET, block_size)
 
@@ -66,16 +67,6 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise ConfigError("method", f"unknown value '{name}'", f"use one of: {', '.join(METHOD_NAMES)}")
     return METHODS[name]
-
-
-def check_budget(budget: int | None) -> None:
-    if budget is not None and budget < 1:
-        raise ConfigError("budget", f"must be >= 1, got {budget}", "use e.g. budget=32")
-
-
-def check_block_size(block_size: int | None) -> None:
-    if block_size is not None and block_size < 2:
-        raise ConfigError("drafter.block_size", f"must be >= 2, got {block_size}", "use 2..16, or null")
 
 
 def check_method_args(name: str, *, has_drafter: bool, budget: int | None, block_size: int | None,

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddtree.engine.methods import check_block_size, check_budget, check_method_args, get_method
+from ddtree.engine.checks import check_block_size, check_budget
+from ddtree.engine.methods import check_method_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map

@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from ddtree.engine.loop import check_generate_args
-from ddtree.engine.methods import DEFAULT_BUDGET, check_block_size, check_method_args
+from ddtree.engine.checks import check_block_size, check_generate_args
+from ddtree.engine.methods import DEFAULT_BUDGET, check_method_args
 from ddtree.engine.result import STAGES, GenerationResult
 from ddtree.errors import ConfigError
 
