@@ -8,19 +8,14 @@ Heavy modules load on first use, so `ddtree.errors` / config validation stay che
 
 from importlib import import_module
 
-_LAZY = {
-    "generate": ("ddtree.engine.loop", "generate"),
-    "GenerationResult": ("ddtree.engine.result", "GenerationResult"),
-    "DFlashDrafter": ("ddtree.engine.drafter", "DFlashDrafter"),
-    "DraftTree": ("ddtree.engine.tree", "DraftTree"),
-    "ConfigError": ("ddtree.errors", "ConfigError"),
-}
+from ddtree.errors import ConfigError
 
-__all__ = list(_LAZY)
+_ENGINE = ("generate", "GenerationResult", "DFlashDrafter", "DraftTree")  # ddtree.engine's lazy names
+
+__all__ = [*_ENGINE, "ConfigError"]
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        mod, attr = _LAZY[name]
-        return getattr(import_module(mod), attr)
+    if name in _ENGINE:
+        return getattr(import_module("ddtree.engine"), name)
     raise AttributeError(f"module 'ddtree' has no attribute {name!r}")
