@@ -1,8 +1,8 @@
 """The native engine against every peer that runs here: same pair, prompts, settings and warm-up, one process.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_engines.py [--upstream PATH] [--pairs toy,pure]
-        [--prompts 16] [--new 128] [--passes 3] [--budgets 16,64,256] [--device cpu] [--dtype float32]
-        [--out runs/bench_engines.md]
+        [--prompts 48] [--new 128] [--no-stop] [--passes 3] [--budgets 16,64,256] [--device cpu]
+        [--dtype float32] [--out runs/bench_engines.md]
 
 Peers (each skipped, with the reason printed, where it cannot run):
   upstream      the DDTree authors' generate functions (`--upstream PATH` or $DDTREE_UPSTREAM: a checkout
@@ -10,21 +10,30 @@ Peers (each skipped, with the reason printed, where it cannot run):
                 models, drafting with our drafter's very weights;
   transformers  transformers' own DFlash (`generate(assistant_model=..., speculation_type="dflash")`, its
                 MuseGlimmerAssistantModel holding our drafter's weights) and its plain greedy `generate`
-                for the AR row. It refuses stateful (hybrid) targets, so it runs on the `pure` pair only.
-Pairs:
-  toy   the shipped trained pair (assets/toy: hybrid Qwen3.5 target + DFlash drafter), 16 held-out prompts;
-  pure  a tiny random pure-attention Qwen3 (6 x 192, vocab 1024) and a random drafter: acceptance is
-        meaningless there (tau about 1), costs are not. (A trained pure-attention toy pair would take as
-        long as the hybrid one, ~25 min on one thread, to build.)
-Workload: long answers through a no-stop mode: no stop token, exactly --new tokens per prompt (>= 128), so
-each figure rests on hundreds of rounds. Every engine runs greedy (T = 0); outputs are compared per prompt.
+                for the AR row. It refuses stateful (hybrid) targets, so it runs on toy_pure and pure only.
+Pairs (default toy,toy_pure):
+  toy       the shipped trained pair (assets/toy: hybrid Qwen3.5 target + DFlash drafter), its held-out prompts
+            (48; --prompts N takes the first N);
+  toy_pure  the pure-attention trained pair (assets/toy_pure, `make toy-pure`: a Qwen3 target of the same size
+            trained on the same corpus, and its drafter), the same prompts: the fair pair for transformers' DFlash;
+  pure      a tiny random pure-attention Qwen3 (6 x 192, vocab 1024) and a random drafter, --pure-prompts
+            random prompts (default 4), always no-stop: acceptance is meaningless there (tau about 1), costs
+            are not.
+Workload, greedy (T = 0) everywhere, outputs compared per prompt:
+  answers (default on toy) every prompt's answer up to its stop token (at most --new tokens): the regime the
+          drafter was trained for (tau 5-8). The toy's answers are short (~20 tokens), so the figures rest on
+          many prompts instead: 48 prompts give ~1,000 new tokens and ~170 DDTree rounds per engine, row and pass;
+  no-stop (--no-stop, and always on the random pure pair, which has no meaningful stop token) exactly --new
+          tokens per prompt. Past its answer the toy target keeps going (it starts a new count or greeting),
+          which the drafter never saw: tau falls to 1.1-1.4, so this measures the engines on near-AR rounds.
 
-Interleaved: each pass runs every row and, inside a row, every engine over all prompts, the engine order
-rotating per pass. tok/s = new tokens / wall seconds of the generate calls. ratio = native / peer, the
-median over passes of the per-pass ratio (runs side by side, so machine noise mostly cancels), with its
-min-max spread. Stage columns: native / upstream ms per round for the drafter forward (draft), tree
-building (tree), the target forward (verify) and the walk + cache commit (commit); overhead = the share of
-the native round spent outside the drafter and target forwards.
+Interleaved per prompt: each pass runs every row; inside a row, each prompt runs on every engine back to
+back, the engine order rotating per prompt, so slow drift of a shared machine hits all engines alike.
+tok/s = new tokens / wall seconds of the generate calls. ratio = native / peer, the median over passes of
+the per-pass ratio, with its min-max spread. Stage columns: native / upstream ms per round for the drafter
+forward (draft; theirs leaves out each generation's first drafter call, the one over the whole prompt, so
+theirs reads low), tree building (tree), the target forward (verify) and the walk + cache commit (commit);
+overhead = the share of the native decode time (wall minus the prefills) spent outside the drafter and target forwards.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ class Pair:
     drafter: DFlashDrafter
     prompts: list[torch.Tensor]
     hybrid: bool
+    stops: list[int] = field(default_factory=list)  # the answers workload's stop tokens (none: no-stop only)
 
 
 @dataclass
@@ -66,6 +76,7 @@ class Cell:
     """One engine on one row, summed over the prompts of one pass."""
 
     wall_s: float = 0.0
+    ttft_s: float = 0.0  # the prefills (and first tokens) inside wall_s
     tokens: int = 0
     rounds: int = 0
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
@@ -76,11 +87,17 @@ class Cell:
         return self.tokens / self.wall_s if self.wall_s else 0.0
 
 
-def toy_pair(n: int, device: str, dtype: torch.dtype) -> Pair | None:
-    toy = ROOT / "assets" / "toy"
+TRAINED = {"toy": "toy (hybrid Qwen3.5 + trained DFlash)", "toy_pure": "toy_pure (Qwen3 + trained DFlash)"}
+
+
+def trained_pair(name: str, n: int, device: str, dtype: torch.dtype) -> Pair | None:
+    """A shipped trained pair (assets/NAME: target + DFlash drafter), its first n held-out prompts."""
+    toy = ROOT / "assets" / name
     if not (toy / "target" / "config.json").exists():
         return None
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ddtree.train.data import stop_ids
 
     target = AutoModelForCausalLM.from_pretrained(toy / "target", dtype=dtype).to(device).eval()
     tok = AutoTokenizer.from_pretrained(toy / "target")
@@ -88,7 +105,8 @@ def toy_pair(n: int, device: str, dtype: torch.dtype) -> Pair | None:
     prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
                                        return_tensors="pt", return_dict=True)["input_ids"].to(device) for r in rows]
     drafter = DFlashDrafter.from_pretrained(toy / "drafter", dtype=dtype, device=device)
-    return Pair("toy (hybrid Qwen3.5 + trained DFlash)", target, drafter, prompts, hybrid=True)
+    hybrid = "linear_attention" in (getattr(target.config.get_text_config(), "layer_types", None) or ())
+    return Pair(TRAINED[name], target, drafter, prompts, hybrid=hybrid, stops=stop_ids(tok, target))
 
 
 def pure_pair(n: int, device: str, dtype: torch.dtype) -> Pair:
@@ -126,8 +144,8 @@ def hf_assistant(drafter: DFlashDrafter) -> torch.nn.Module:
 class Runner:
     """One generate call per engine, timed the same way (wall clock around the call, device synced)."""
 
-    def __init__(self, pair: Pair, upstream, new: int):
-        self.pair, self.upstream, self.new = pair, upstream, new
+    def __init__(self, pair: Pair, upstream, new: int, stops: list[int]):
+        self.pair, self.upstream, self.new, self.stops = pair, upstream, new, stops
         self.assistant = None if pair.hybrid else hf_assistant(pair.drafter)
         self.cuda = pair.prompts[0].device.type == "cuda"
 
@@ -148,7 +166,8 @@ class Runner:
         t0 = time.perf_counter()
         if engine == "transformers":
             kw = dict(assistant_model=self.assistant, speculation_type="dflash") if method == "dflash" else {}
-            out = p.target.generate(ids, max_new_tokens=self.new, do_sample=False, **kw)
+            out = p.target.generate(ids, max_new_tokens=self.new, do_sample=False, eos_token_id=self.stops or None,
+                                    **kw)
             self._sync()
             cell.wall_s += time.perf_counter() - t0
             toks = out[0, ids.shape[1]:].tolist()
@@ -156,15 +175,17 @@ class Runner:
             cell.outputs.append(toks)
             return
         if engine == "native":
-            r = ddtree.generate(p.target, p.drafter, ids, method=method, budget=budget, max_new_tokens=self.new)
+            r = ddtree.generate(p.target, p.drafter, ids, method=method, budget=budget, max_new_tokens=self.new,
+                                stop_token_ids=self.stops)
         else:
             from ddtree.upstream.engine import generate_upstream
 
             r = generate_upstream(self.upstream, p.target, p.drafter, ids, method=method, budget=budget,
-                                  max_new_tokens=self.new)
+                                  max_new_tokens=self.new, stop_token_ids=self.stops)
         self._sync()
         cell.wall_s += time.perf_counter() - t0
         cell.tokens += r.num_new_tokens
+        cell.ttft_s += r.ttft_s
         cell.rounds += sum(1 for n in r.acceptance_lengths if n)  # upstream's last round may keep 0 tokens
         for k in STAGES:
             cell.stage_s[k] += r.stage_seconds.get(k, 0.0)
@@ -225,13 +246,15 @@ def stage_ratio(nat: list[Cell], up: list[Cell], stage: str) -> str:
 
 
 def overhead_share(nat: list[Cell]) -> str:
-    shares = [(c.wall_s - c.stage_s["draft"] - c.stage_s["verify"]) / c.wall_s for c in nat if c.wall_s]
+    shares = [(c.wall_s - c.ttft_s - c.stage_s["draft"] - c.stage_s["verify"]) / (c.wall_s - c.ttft_s)
+              for c in nat if c.wall_s > c.ttft_s]
     return f"{100 * statistics.median(shares):.1f}%"
 
 
 def run_pair(pair: Pair, upstream, args) -> list[str]:
     rows = [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
-    runner = Runner(pair, upstream, args.new)
+    stops = [] if args.no_stop else pair.stops
+    runner = Runner(pair, upstream, args.new, stops)
     engines = [e for e in ENGINES if e == "native" or (e == "upstream" and upstream is not None)
                or (e == "transformers" and not pair.hybrid)]
     if pair.hybrid:
@@ -242,16 +265,18 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
                 runner.one(e, method, budget, pair.prompts[0], Cell())
     cells: dict[tuple, list[Cell]] = {}
     for p in range(args.passes):
-        order = engines[p % len(engines):] + engines[: p % len(engines)]
         for method, budget in rows:
-            for e in order:
-                if not runner.available(e, method):
-                    continue
-                cell = Cell()
-                for ids in pair.prompts:
-                    runner.one(e, method, budget, ids, cell)
+            here = [e for e in engines if runner.available(e, method)]
+            row = {e: Cell() for e in here}
+            for i, ids in enumerate(pair.prompts):
+                shift = (p + i) % len(here)
+                for e in here[shift:] + here[:shift]:
+                    runner.one(e, method, budget, ids, row[e])
+            for e, cell in row.items():
                 cells.setdefault((method, budget, e), []).append(cell)
         print(f"# {pair.name}: pass {p + 1}/{args.passes} done", file=sys.stderr)
+    workload = (f"up to {args.new} new tokens each, stopping at the answer's end" if stops
+                else f"{args.new} new tokens each (no stop)")
 
     head = ["method", "budget"] + [f"{e} tok/s" for e in engines]
     head += [f"native/{e}" for e in engines if e != "native"]
@@ -260,7 +285,7 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
     if upstream is not None:
         head += [f"{s} ms nat/up" for s in STAGES]
     head += ["overhead"]
-    lines = [f"\n### {pair.name}: {len(pair.prompts)} prompts, {args.new} new tokens each (no stop), "
+    lines = [f"\n### {pair.name}: {len(pair.prompts)} prompts, {workload}, "
              f"median of {args.passes} interleaved passes\n", "| " + " | ".join(head) + " |",
              "|" + " --- |" * len(head)]
     for method, budget in rows:
@@ -292,9 +317,11 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--upstream", default=os.environ.get("DDTREE_UPSTREAM"))
-    ap.add_argument("--pairs", default="toy,pure")
-    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--pairs", default="toy,toy_pure")
+    ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--pure-prompts", type=int, default=4)
+    ap.add_argument("--no-stop", action="store_true", help="exactly --new tokens per prompt (no stop token)")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--budgets", default="16,64,256")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -309,9 +336,10 @@ def main() -> None:
     lines = [f"## Engines side by side ({args.device}, {args.dtype})", "", f"Machine: {machine()}",
              f"Command: `{' '.join(['python', *sys.argv])}`"]
     for name in args.pairs.split(","):
-        pair = (toy_pair if name == "toy" else pure_pair)(args.prompts, args.device, dtype)
+        pair = (trained_pair(name, args.prompts, args.device, dtype) if name in TRAINED
+                else pure_pair(args.pure_prompts, args.device, dtype))
         if pair is None:
-            print(f"# {name}: skipped — assets/toy is missing (make toy)")
+            print(f"# {name}: skipped — assets/{name} is missing (make {name.replace('_', '-')})")
             continue
         lines += run_pair(pair, upstream, args)
         text = "\n".join(lines) + "\n"

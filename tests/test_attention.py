@@ -238,8 +238,17 @@ def test_flex_target_is_lossless():
 
 
 def test_one_host_read_per_round(monkeypatch):
-    """A DDTree round reads the device once (the walk); prefill and the first token add one more."""
+    """A DDTree round reads the device once (the walk); prefill and the first token add one more.
+
+    The tree is built and walked as on a GPU (torch ops on the device); a CPU's default NumPy build and
+    walk read the drafter's top-k and the target's choices on purpose (there it is no transfer)."""
+    import functools
+
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ddtree.engine import proposers, tree
+
+    monkeypatch.setattr(proposers, "best_first_tree", functools.partial(tree.best_first_tree, host=False))
 
     reads = []
 

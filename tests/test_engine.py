@@ -9,7 +9,7 @@ import torch
 
 import ddtree
 from ddtree.engine.target import TargetSession
-from ddtree.engine.tree import accepted_path, best_first_tree, chain_tree, tree_from_parents
+from ddtree.engine.tree import accepted_path, best_first_tree, chain_tree, tree_from_parents, walk
 from ddtree.testing.reference import (
     ScriptedProposer,
     heap_best_first,
@@ -127,6 +127,40 @@ def test_best_first_tree_matches_heap(budget):
         par = tree.parents.tolist()
         assert all(0 <= par[i] < i for i in range(1, len(par)))
         assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64, 300])
+def test_best_first_tree_host_build_equals_device_build(budget):
+    """The NumPy build (CPU default) and the torch build (other devices) give the same tree, ties included."""
+    g = torch.Generator().manual_seed(budget)
+    cases = [torch.randn(L, V, generator=g) * 3 for L, V in ((1, 50), (3, 7), (15, 200))]
+    cases += [torch.zeros(6, 5), torch.randn(15, 64, generator=g).bfloat16().float()]  # ties everywhere / bf16 ties
+    for logits in cases:
+        logp = torch.log_softmax(logits, dim=-1)
+        a = best_first_tree(torch.tensor(3), logp, budget, host=True)
+        b = best_first_tree(torch.tensor(3), logp, budget, host=False)
+        for name in ("tokens", "parents", "depths", "scores"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(a.ancestor_matrix(), b.ancestor_matrix())
+        width = a.ancestor_index().shape[1]  # the host knows the exact depth; the device a bound
+        assert torch.equal(a.ancestor_index(), b.ancestor_index()[:, :width])
+
+
+def test_host_walk_equals_device_walk():
+    """A host-built tree (CPU) walks in NumPy; the torch walk of the same tree gives the same path and tokens."""
+    g = torch.Generator().manual_seed(0)
+    for budget in (4, 64):
+        logp = torch.log_softmax(torch.randn(8, 6, generator=g) * 2, dim=-1)
+        tree = best_first_tree(torch.tensor(2), logp, budget)
+        assert tree._host is not None
+        device_built = best_first_tree(torch.tensor(2), logp, budget, host=False)
+        assert device_built._host is None
+        for _ in range(30):
+            choice = torch.randint(0, 6, (len(tree),), generator=g)
+            choice[0] = tree.tokens[1]  # the first node's token, so that some walks go deep
+            a, b = walk(tree, choice), walk(device_built, choice)
+            assert a.path_list == b.path_list and a.tokens == b.tokens
+            assert torch.equal(a.path, b.path) and int(a.next_root) == int(b.next_root)
 
 
 def test_best_first_tree_with_ties_is_a_tree():

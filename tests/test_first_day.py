@@ -60,6 +60,7 @@ def _cli_env(tmp_path: Path, **env: str):
     return run
 
 
+@pytest.mark.slow  # ~20 s of CLI processes
 def test_online_hub_answers_are_one_line(tmp_path, stand_in_hub):
     """A repo that does not exist, a gated one, and no network: each one line before any store or load."""
     online = _cli_env(tmp_path, HF_HUB_OFFLINE="0", TRANSFORMERS_OFFLINE="0", HF_ENDPOINT=stand_in_hub)
@@ -118,6 +119,7 @@ def test_long_prompt_is_truncated_only_when_asked(cli, tmp_path):
     assert 0 < rec["num_new_tokens"] <= 8
 
 
+@pytest.mark.slow  # four CLI processes at once, ~30 s
 def test_fresh_store_first_use_by_processes_started_together(tmp_path):
     """Four processes open one fresh SQLite store at once: one creates it, all can use it (no alembic race)."""
     uri = f"sqlite:///{tmp_path}/store/m.db"

@@ -6,6 +6,8 @@ or a GDN layer that ignores the tree shows up in the output.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -127,7 +129,13 @@ def test_unknown_linear_attention_family_is_refused():
 
 
 def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
-    """The walk's one read per round and nothing else: the GDN verify/commit take the DraftTree where it is."""
+    """The walk's one read per round and nothing else: the GDN verify/commit take the DraftTree where it is.
+
+    The tree is built the way it is on a GPU (torch ops on the device); on a CPU the default NumPy build
+    reads the drafter's top-k on purpose (there it is no device transfer)."""
+    from ddtree.engine import proposers, tree
+
+    monkeypatch.setattr(proposers, "best_first_tree", functools.partial(tree.best_first_tree, host=False))
     target = tiny_model("qwen3_5_text", seed=6, vocab_size=12)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
     ids = _prompts(12)[1]

@@ -123,7 +123,15 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_INPUTS))
+# one case per kind of refusal (config value, prompt file, drafter/target fit, backend, source folder,
+# prompt length) stays in the fast suite, each a CLI process of ~8 s; the others take the same path from
+# check to message and run under `make test-slow`
+FAST_BAD_INPUTS = ("unknown group option", "budget <= 0", "missing prompt file", "drafter incompatible with target",
+                   "tree method on a flash backend", "model folder missing", "prompt longer than the context")
+
+
+@pytest.mark.parametrize("case", [c if c in FAST_BAD_INPUTS else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in BAD_INPUTS])
 def test_bad_input_exits_with_one_line(cli, tmp_path, case):
     if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash_attn is installed here")

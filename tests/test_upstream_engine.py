@@ -6,6 +6,7 @@ function names, signatures, returned fields and 4.x call style); it is not their
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -158,6 +159,9 @@ def test_upstream_drafter_shares_our_tensors(checkout, models):
     assert all(p.data_ptr() == ours[name].data_ptr() for name, p in theirs.named_parameters())
     assert (theirs.block_size, theirs.mask_token_id, theirs.target_layer_ids) == (
         drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids)
+    assert upstream_drafter(up, drafter) is theirs  # built once per drafter: calls time generation only
+    moved = copy.deepcopy(drafter)  # other tensors: another twin
+    assert upstream_drafter(up, moved) is not theirs
 
 
 def test_to_result_maps_their_fields():

@@ -435,21 +435,22 @@ def _checked_path(tree: _Tree, accepted: torch.Tensor | Sequence[int]) -> torch.
 
 def _commit_layer(cache, layer_idx: int, rec: _Pending, path: torch.Tensor) -> None:
     index = path.to(rec.keys.device)
-    # S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j) k_j delta_j^T
-    cum_last = rec.cum.index_select(2, index[-1:]).squeeze(2)  # (B, H)
-    weights = (cum_last.unsqueeze(-1) - rec.cum[:, :, index]).exp()  # (B, H, L)
-    new_state = (rec.keys[:, :, index] * weights.unsqueeze(-1)).transpose(-1, -2) @ rec.deltas[:, :, index]
-    accepted_inputs = rec.conv_inputs[:, :, index.to(rec.conv_inputs.device)]
+    # S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j) k_j delta_j^T (index_select: cheaper than [..., index])
+    cum_path = rec.cum.index_select(2, index)  # (B, H, L)
+    cum_last = cum_path[..., -1:]  # (B, H, 1)
+    weighted = rec.keys.index_select(2, index).mul_((cum_last - cum_path).exp_().unsqueeze(-1))
+    new_state = weighted.transpose(-1, -2) @ rec.deltas.index_select(2, index)
+    accepted_inputs = rec.conv_inputs.index_select(2, index.to(rec.conv_inputs.device))
     if rec.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
         cache.update_conv_state(accepted_inputs, layer_idx, conv_kernel_size=rec.kernel)
         cache.update_recurrent_state(new_state, layer_idx)
         return
     layer = cache.layers[layer_idx]
     conv_old, rec_old = rec.conv_ref, rec.recurrent_ref
-    new_state = rec_old.to(new_state) * cum_last.exp()[..., None, None] + new_state
+    new_state = new_state.add_(rec_old.to(new_state) * cum_last.exp().unsqueeze(-1))
     history = torch.cat([conv_old, accepted_inputs.to(conv_old.dtype)], dim=-1)
     if getattr(layer, "record_past", False):  # keeps the full history, as its update_conv_state does
         layer.conv_states[0] = history
     else:
         conv_old.copy_(history[..., -conv_old.shape[-1]:])
-    rec_old.copy_(new_state.to(rec_old.dtype))
+    rec_old.copy_(new_state)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 
@@ -28,6 +29,9 @@ class DraftTree:
     depth_bound: int | None = None  # an upper bound on the depth, known without a host read
     _anc: torch.Tensor | None = field(default=None, repr=False)
     _aidx: torch.Tensor | None = field(default=None, repr=False)
+    # (tokens, parents, depths, ancestor index) as NumPy arrays when the tree was built on the host (a CPU
+    # device): the walk then runs there too
+    _host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -106,59 +110,83 @@ def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | tor
 
 
 @lru_cache(maxsize=64)
-def _rank_pairs(budget: int, prev: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_lists(budget: int, prev: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(parent rank p, child rank r) pairs that can reach a depth's top `budget`: (p+1)(r+1) <= budget.
 
     Pairs (p', r') with p' <= p and r' <= r all score at least as high, so any other pair
     has `budget` better ones at the same depth and can never be selected. Only p < prev (the
-    previous depth's list) and r < k (the top-k per position) exist. Cached on the device, so a
-    round copies nothing from the host.
+    previous depth's list) and r < k (the top-k per position) exist.
     """
     ps, rs = [], []
     for p in range(min(budget, prev)):
         width = min(budget // (p + 1), k)
-        ps.append(torch.full((width,), p, dtype=torch.long))
-        rs.append(torch.arange(width, dtype=torch.long))
-    return torch.cat(ps).to(device), torch.cat(rs).to(device)
+        ps += [p] * width
+        rs += range(width)
+    return tuple(ps), tuple(rs)
+
+
+@lru_cache(maxsize=64)
+def _rank_pairs(budget: int, prev: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """_pair_lists on the device, cached there: a round copies nothing from the host."""
+    ps, rs = _pair_lists(budget, prev, k)
+    return torch.tensor(ps, dtype=torch.long, device=device), torch.tensor(rs, dtype=torch.long, device=device)
+
+
+@lru_cache(maxsize=64)
+def _rank_pairs_host(budget: int, prev: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    ps, rs = _pair_lists(budget, prev, k)
+    return np.asarray(ps, dtype=np.int64), np.asarray(rs, dtype=np.int64)
+
+
+@lru_cache(maxsize=64)
+def _layout_host(budget: int, L: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate of the flat (depth-major) list: its depth (1-based), and for depth >= 2 the offset of
+    the previous depth's list. The sizes follow from (budget, L, k) alone, so this is built once."""
+    sizes = [k]
+    for _ in range(1, L):
+        sizes.append(min(budget, len(_pair_lists(budget, sizes[-1], k)[0])))
+    depth = np.repeat(np.arange(1, L + 1, dtype=np.int64), sizes)
+    starts = np.cumsum([0] + sizes[:-1])
+    return depth, np.repeat(starts[:-1].astype(np.int64), sizes[1:])
 
 
 @lru_cache(maxsize=64)
 def _depth_layout(budget: int, L: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per candidate of the flat (depth-major) list: its depth (1-based), and for depth >= 2 the offset of
-    the previous depth's list. The sizes follow from (budget, L, k) alone, so this is built once, on the device."""
-    sizes = [k]
-    for _ in range(1, L):
-        pairs = sum(min(budget // (p + 1), k) for p in range(min(budget, sizes[-1])))
-        sizes.append(min(budget, pairs))
-    depth = torch.repeat_interleave(torch.arange(1, L + 1), torch.tensor(sizes))
-    starts = [0]
-    for n in sizes[:-1]:
-        starts.append(starts[-1] + n)
-    parent_start = torch.repeat_interleave(torch.tensor(starts[:-1], dtype=torch.long),
-                                           torch.tensor(sizes[1:], dtype=torch.long))
-    return depth.to(device), parent_start.to(device)
+    """_layout_host on the device, built once there."""
+    return tuple(torch.from_numpy(a).to(device) for a in _layout_host(budget, L, k))
 
 
-def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
+def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, host: bool | None = None) -> DraftTree:
     """The `budget` highest-scoring prefixes under cumulative draft log-probability.
 
     logprobs: [L, V] per-position log-probabilities (position d drafts depth d + 1).
-    Vectorized per depth: top-k of each position, merged with the previous depth's best
-    `budget` partial paths, then one stable global selection. Equal scores prefer the
-    shallower node, then the earlier candidate, so the selection is a tree and deterministic.
-    """
-    dev = logprobs.device
-    L, V = logprobs.shape
-    k = min(budget, V)
-    top_vals, top_toks = logprobs.float().topk(k, dim=-1)  # [L, k], sorted descending
+    Per depth: top-k of each position, merged with the previous depth's best `budget` partial paths
+    (a stable descending sort: equal scores keep the earlier candidate), then one stable global
+    selection. Equal scores prefer the shallower node, then the earlier candidate, so the selection
+    is a tree and deterministic. Nodes are in flat depth-major order, by score within a depth.
 
+    host: build on the host with NumPy (default on a CPU device: a few hundred tiny torch ops cost more
+    than the arithmetic) or with torch ops on the logits' device (default elsewhere: no host read).
+    Both give the same tree.
+    """
+    if host is None:
+        host = logprobs.device.type == "cpu"
+    top_vals, top_toks = logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)  # [L, k], sorted descending
+    build = _best_first_host if host else _best_first_device
+    return build(root, top_vals, top_toks, budget)
+
+
+def _best_first_device(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
+    dev = top_vals.device
+    L, k = top_vals.shape
     depth_scores, depth_tokens, depth_parent = [top_vals[0]], [top_toks[0]], [None]
     for d in range(1, L):
         prev = depth_scores[-1]
         p, r = _rank_pairs(budget, prev.shape[0], k, dev)
         cand = prev[p] + top_vals[d, r]
+        s, order = torch.sort(cand, descending=True, stable=True)
         keep = min(budget, cand.shape[0])
-        s, order = cand.topk(keep)
+        s, order = s[:keep], order[:keep]
         depth_scores.append(s)
         depth_tokens.append(top_toks[d, r[order]])
         depth_parent.append(p[order])
@@ -187,6 +215,49 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> 
         is_chain=False,
         depth_bound=min(L, budget),
     )
+
+
+def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
+    """_best_first_device step for step in NumPy (same float32 sums, same stable orders), plus the
+    tree's ancestor index and matrix, which the walk, the tree mask and the GDN layers read."""
+    tv, tt = top_vals.cpu().numpy(), top_toks.cpu().numpy()
+    L, k = tv.shape
+    depth_scores, depth_tokens, depth_parent = [tv[0]], [tt[0]], []
+    for d in range(1, L):
+        p, r = _rank_pairs_host(budget, depth_scores[-1].shape[0], k)
+        cand = depth_scores[-1][p] + tv[d, r]
+        order = np.argsort(-cand, kind="stable")[:budget]
+        depth_scores.append(cand[order])
+        depth_tokens.append(tt[d, r[order]])
+        depth_parent.append(p[order])
+    all_scores = np.concatenate(depth_scores)
+    order = np.argsort(-all_scores, kind="stable")[:budget]
+    pick = np.sort(order)
+    selected = np.zeros(all_scores.shape[0], dtype=np.int64)
+    selected[order] = 1
+    flat = np.cumsum(selected)
+    depth_all, parent_start = _layout_host(budget, L, k)
+    parent_all = np.zeros_like(depth_all)
+    if L > 1:
+        parent_all[depth_scores[0].shape[0]:] = flat[parent_start + np.concatenate(depth_parent)]
+    n = pick.shape[0] + 1
+    parents = np.concatenate([[-1], parent_all[pick]])
+    depths = np.concatenate([[0], depth_all[pick]])
+    tokens = np.concatenate([[int(root)], np.concatenate(depth_tokens)[pick]])
+    bound = int(depths.max())
+    cols = [np.arange(n)]
+    up = np.maximum(parents, 0)
+    for _ in range(bound):
+        cols.append(up[cols[-1]])
+    aidx = np.stack(cols, axis=1)
+    anc = np.zeros((n, n), dtype=np.bool_)
+    anc[np.arange(n)[:, None], aidx] = True
+    dev = top_vals.device
+    t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731 - a no-op move on the CPU
+    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths),
+                     scores=t(np.concatenate([[0.0], all_scores[pick]]).astype(np.float32)), is_chain=False,
+                     depth_bound=bound, _anc=t(anc), _aidx=t(aidx),
+                     _host=(tokens, parents, depths, aidx) if dev.type == "cpu" else None)
 
 
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
@@ -225,6 +296,8 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
         host = torch.cat([hit.view(1), tree.tokens[1:], choice]).tolist()
         k = host[0]
         return Walk(torch.arange(k + 1, device=dev), list(range(k + 1)), host[1: k + 1] + [host[n + k]], choice[k])
+    if tree._host is not None and dev.type == "cpu":
+        return _walk_host(tree._host, choice)
     aidx = tree.ancestor_index()
     match = tree.tokens == choice[tree.parents.clamp(min=0)]
     match[0] = True
@@ -237,6 +310,17 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     path_list = host[2: 3 + d][::-1]
     tokens = host[2 + m: 3 + m + d][::-1][1:] + [host[-1]]
     return Walk(aidx[e, : d + 1].flip(0), path_list, tokens, choice[e])
+
+
+def _walk_host(host: tuple[np.ndarray, ...], choice: torch.Tensor) -> Walk:
+    """walk() on a host-built tree of a CPU target: the same steps in NumPy (no device, no read to pay for)."""
+    tokens, parents, depths, aidx = host
+    c = choice.numpy()
+    match = tokens == c[np.maximum(parents, 0)]
+    match[0] = True
+    end = int(np.argmax(np.where(match[aidx].all(axis=1), depths, -1)))
+    path = aidx[end, : depths[end] + 1][::-1].copy()
+    return Walk(torch.from_numpy(path), path.tolist(), tokens[path[1:]].tolist() + [int(c[end])], choice[end])
 
 
 def accepted_path(tree: DraftTree, choice: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ the native engine's.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,11 +70,27 @@ def load_upstream_engine(path: str | Path | None, *, only=None, skip=(), patch: 
     return load_upstream(path, only=only, skip=list(skip or ()), patch=patch)
 
 
+# drafter -> ((their class, its tensors), its twin): one twin per drafter, so repeated calls time generation, not construction
+_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def upstream_drafter(upstream, drafter: torch.nn.Module) -> torch.nn.Module:
-    """Their DFlashDraftModel holding `drafter`'s tensors (shared, not copied); theirs is returned as is."""
+    """Their DFlashDraftModel holding `drafter`'s tensors (shared, not copied); theirs is returned as is.
+
+    Built once per drafter and checkout (the twin shares the tensors, so later weight updates show through)."""
     cls = upstream.DFlashDraftModel
     if isinstance(drafter, cls):
         return drafter
+    key = (cls, tuple((t.data_ptr(), t.dtype, t.device) for t in drafter.state_dict().values()))
+    known = _TWINS.get(drafter)
+    if known is not None and known[0] == key:  # same checkout, same tensors (not moved, cast or reloaded)
+        return known[1]
+    twin = _build_twin(cls, drafter)
+    _TWINS[drafter] = (key, twin)
+    return twin
+
+
+def _build_twin(cls, drafter: torch.nn.Module) -> torch.nn.Module:
     config = cls.config_class(**drafter.config.to_dict())
     impl = getattr(drafter, "attn_implementation", None)
     if impl is not None:
