@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all run bench lint toy clean
+.PHONY: install test test-slow test-all run bench lint toy toy-pure clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ lint: $(STAMP)
 # rebuild assets/toy from scratch: corpus, tokenizer, target pretraining, drafter training (~26 min, 1 thread)
 toy: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) toy/build.py --clean
+
+# rebuild assets/toy_pure: the same corpus and recipe with a pure-attention Qwen3 target
+toy-pure: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) toy/build.py --clean --arch qwen3 --name toy_pure
 
 clean:
 	rm -rf $(VENV) runs/* .pytest_cache

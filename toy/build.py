@@ -2,7 +2,7 @@
 
     python toy/build.py                 # reuse finished steps under runs/toy
     python toy/build.py --clean         # everything from scratch (deterministic: fixed seeds)
-    python toy/build.py --arch qwen3    # a pure-attention target instead of the hybrid one
+    python toy/build.py --arch qwen3 --name toy_pure   # the pure-attention pair, in assets/toy_pure
 
 Steps: corpus -> tokenizer -> target pretraining -> `python -m ddtree.train train/experiment=toy`
 (the target answers the train prompts, features, drafter training, evaluation) -> assets/toy.
@@ -19,8 +19,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WORK = ROOT / "runs" / "toy"
-ASSETS = ROOT / "assets" / "toy"
 TARGET_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                 "tokenizer_config.json", "chat_template.jinja", "metrics.json")
 
@@ -39,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--clean", action="store_true", help="delete runs/toy first")
     p.add_argument("--arch", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3"])
+    p.add_argument("--name", default="toy", help="work in runs/NAME, ship to assets/NAME")
     # one thread: the committed assets are reproduced bit for bit (float reductions depend on the thread
     # count), and a busy 2-core machine oversubscribed by OpenMP slows down many times over
     p.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
@@ -46,10 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tracking", default="mlflow", choices=["mlflow", "none"])
     args, train_overrides = p.parse_known_args(argv)
     py = sys.executable
+    work, assets = ROOT / "runs" / args.name, ROOT / "assets" / args.name
     if args.clean:
-        shutil.rmtree(WORK, ignore_errors=True)
-    WORK.mkdir(parents=True, exist_ok=True)
-    data, tok, target, train = WORK / "data", WORK / "tokenizer", WORK / "target", WORK / "train"
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    data, tok, target, train = work / "data", work / "tokenizer", work / "target", work / "train"
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     threads = ["--threads", str(args.threads)] if args.threads else []
@@ -68,18 +68,18 @@ def main(argv: list[str] | None = None) -> None:
     timings["total"] = round(time.perf_counter() - t0, 1)
 
     if not args.no_ship:
-        shutil.rmtree(ASSETS, ignore_errors=True)
-        (ASSETS / "target").mkdir(parents=True)
+        shutil.rmtree(assets, ignore_errors=True)
+        (assets / "target").mkdir(parents=True)
         for name in TARGET_FILES:
             if (target / name).exists():
-                shutil.copy2(target / name, ASSETS / "target" / name)
-        shutil.copytree(train / "drafter", ASSETS / "drafter")
+                shutil.copy2(target / name, assets / "target" / name)
+        shutil.copytree(train / "drafter", assets / "drafter")
         for name in ("prompts.jsonl", "train_prompts.jsonl"):
-            shutil.copy2(data / name, ASSETS / name)
-        shutil.copy2(train / "eval.json", ASSETS / "eval.json")
-        (ASSETS / "build.json").write_text(json.dumps({"arch": args.arch, "seconds": timings}, indent=1) + "\n")
-        size = sum(f.stat().st_size for f in ASSETS.rglob("*") if f.is_file())
-        print(f"== shipped {ASSETS.relative_to(ROOT)} ({size / 2**20:.1f} MiB)")
+            shutil.copy2(data / name, assets / name)
+        shutil.copy2(train / "eval.json", assets / "eval.json")
+        (assets / "build.json").write_text(json.dumps({"arch": args.arch, "seconds": timings}, indent=1) + "\n")
+        size = sum(f.stat().st_size for f in assets.rglob("*") if f.is_file())
+        print(f"== shipped {assets.relative_to(ROOT)} ({size / 2**20:.1f} MiB)")
     print(f"== timings (s): {timings}")
 
 
