@@ -33,7 +33,10 @@ tok/s = new tokens / wall seconds of the generate calls. ratio = native / peer, 
 the per-pass ratio, with its min-max spread. Stage columns: native / upstream ms per round for the drafter
 forward (draft; theirs leaves out each generation's first drafter call, the one over the whole prompt, so
 theirs reads low), tree building (tree), the target forward (verify) and the walk + cache commit (commit);
-overhead = the share of the native decode time (wall minus the prefills) spent outside the drafter and target forwards.
+overhead = the share of the native decode time (wall minus the prefills) spent outside the drafter and target
+forwards; ceiling = the authors' wall time over our target-forward time (prefills + verifications): the
+native/upstream ratio we would reach if everything else of ours (drafter, tree, walk, commit, loop) took no
+time at all, since both engines run the same target code.
 """
 
 from __future__ import annotations
@@ -245,6 +248,14 @@ def stage_ratio(nat: list[Cell], up: list[Cell], stage: str) -> str:
     return f"{1e3 * a:.2f}/{1e3 * b:.2f}" if a or b else "–"
 
 
+def ceiling(nat: list[Cell], up: list[Cell]) -> str:
+    """The native/upstream ratio if everything of ours but the target's forwards took no time: the
+    authors' wall over our prefill + verification time (both engines run the same target code)."""
+    bounds = [u.wall_s / (n.ttft_s + n.stage_s["verify"]) for n, u in zip(nat, up, strict=True)
+              if n.ttft_s + n.stage_s["verify"] > 0]
+    return f"{statistics.median(bounds):.2f}x" if bounds else "–"
+
+
 def overhead_share(nat: list[Cell]) -> str:
     shares = [(c.wall_s - c.ttft_s - c.stage_s["draft"] - c.stage_s["verify"]) / (c.wall_s - c.ttft_s)
               for c in nat if c.wall_s > c.ttft_s]
@@ -285,6 +296,8 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
     if upstream is not None:
         head += [f"{s} ms nat/up" for s in STAGES]
     head += ["overhead"]
+    if upstream is not None:
+        head += ["ceiling"]
     lines = [f"\n### {pair.name}: {len(pair.prompts)} prompts, {workload}, "
              f"median of {args.passes} interleaved passes\n", "| " + " | ".join(head) + " |",
              "|" + " --- |" * len(head)]
@@ -310,6 +323,8 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
             up = cells[(method, budget, "upstream")]
             row += [stage_ratio(nat, up, s) for s in STAGES]
         row.append(overhead_share(nat) if method != "ar" else "–")
+        if upstream is not None:
+            row.append(ceiling(nat, cells[(method, budget, "upstream")]))
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

@@ -42,7 +42,7 @@ TESTS_RC=$?
 step forward "${STEP_S_FORWARD:-100}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
   --repeats 5 --warmup 2 --backends sdpa/dense,sdpa/split,flash_attention_2/split,flash_attention_3/split
 step engines "${STEP_S_ENGINES:-140}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
-  --prompts 4 --new 128 --passes 3 --out "$LOG_DIR/engines.md"
+  --pairs toy,toy_pure --prompts 16 --passes 3 --out "$LOG_DIR/engines.md"
 # flex compiles its kernel first (tens of seconds): last, alone, so a slow compile costs only its own figures
 step flex "${STEP_S_FLEX:-60}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
   --backends sdpa/split,flex_attention/split

@@ -75,10 +75,13 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[..., :new, :], self._v[..., :new, :]
         return self.keys, self.values
 
-    def keep(self, start: int, index: torch.Tensor) -> None:
-        """Keep [:start] plus the rows start + index (in that order); drop the rest. Moves len(index) rows."""
+    def keep(self, start: int, index: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Keep [:start] plus the rows start + index (in that order); drop the rest. Moves len(index) rows.
+
+        rows: start + index on this layer's device, when the caller has it already (one per commit)."""
         k = index.shape[0]
-        rows = start + index.to(self._k.device)  # under a device map the layer may sit elsewhere
+        if rows is None or rows.device != self._k.device:  # under a device map the layer may sit elsewhere
+            rows = start + index.to(self._k.device)
         self._k[..., start: start + k, :].copy_(self.keys.index_select(-2, rows))
         self._v[..., start: start + k, :].copy_(self.values.index_select(-2, rows))
         self.keys, self.values = self._k[..., : start + k, :], self._v[..., : start + k, :]
@@ -229,6 +232,7 @@ class TargetSession:
         """Keep the committed prefix plus the accepted path (flat indices, root first, on the device); drop the rest."""
         n, k = len(tree), accepted.shape[0]
         contiguous = tree.is_chain  # a chain's accepted path is always its first k nodes
+        rows = None if contiguous else self.length + accepted  # the kept rows, shared by the layers on its device
         for layer in self.cache.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 continue  # GDN states are committed below
@@ -239,7 +243,7 @@ class TargetSession:
             if contiguous:
                 layer.crop(k - n)
             elif isinstance(layer, PreallocatedLayer):
-                layer.keep(self.length, accepted)
+                layer.keep(self.length, accepted, rows)
             else:
                 dev = layer.keys.device  # under a device map each layer's cache sits on its own device
                 keep = torch.cat([torch.arange(self.length, device=dev), self.length + accepted.to(dev)])
