@@ -1,6 +1,6 @@
 """The native engine against every peer that runs here: same pair, prompts, settings and warm-up, one process.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_engines.py [--upstream PATH] [--pairs toy,pure]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_engines.py [--upstream PATH] [--pairs toy,toy_pure]
         [--prompts 48] [--new 128] [--no-stop] [--passes 3] [--budgets 16,64,256] [--device cpu]
         [--dtype float32] [--out runs/bench_engines.md]
 
@@ -20,12 +20,12 @@ Pairs (default toy,toy_pure):
             random prompts (default 4), always no-stop: acceptance is meaningless there (tau about 1), costs
             are not.
 Workload, greedy (T = 0) everywhere, outputs compared per prompt:
-  answers (default on toy) every prompt's answer up to its stop token (at most --new tokens): the regime the
+  answers (default on the trained pairs) every prompt's answer up to its stop token (at most --new tokens): the regime the
           drafter was trained for (tau 5-8). The toy's answers are short (~20 tokens), so the figures rest on
           many prompts instead: 48 prompts give ~1,000 new tokens and ~170 DDTree rounds per engine, row and pass;
   no-stop (--no-stop, and always on the random pure pair, which has no meaningful stop token) exactly --new
           tokens per prompt. Past its answer the toy target keeps going (it starts a new count or greeting),
-          which the drafter never saw: tau falls to 1.1-1.4, so this measures the engines on near-AR rounds.
+          which the drafter never saw: tau falls to 1.2-1.5, so this measures the engines on near-AR rounds.
 
 Interleaved per prompt: each pass runs every row; inside a row, each prompt runs on every engine back to
 back, the engine order rotating per prompt, so slow drift of a shared machine hits all engines alike.
@@ -149,6 +149,8 @@ class Runner:
 
     def __init__(self, pair: Pair, upstream, new: int, stops: list[int]):
         self.pair, self.upstream, self.new, self.stops = pair, upstream, new, stops
+        if not stops:  # no-stop: transformers' generate must not fall back to the checkpoint's eos either
+            pair.target.generation_config.eos_token_id = None
         self.assistant = None if pair.hybrid else hf_assistant(pair.drafter)
         self.cuda = pair.prompts[0].device.type == "cuda"
 
