@@ -23,6 +23,10 @@ AR_ONLY = (BASELINE,)
 DIRECT = "direct"  # target.model.embed_tokens and target.lm_head exist
 NESTED = "nested"  # a multimodal wrapper nests the text model; compat's embedding-access patch resolves it
 
+# Position layout of a family's base model, for ddtree.engine.forward.LeanForward (None: the plain model call).
+ROPE = "rope"  # the rotary table and the layers take the [B, T] position ids
+MROPE_TEXT = "mrope_text"  # the rotary table takes them 3 times ([3, B, T], text-only M-RoPE), the layers once
+
 # Tiny-config hints (ddtree.testing.tiny): a hybrid's linear-attention geometry, a MoE's experts.
 _HYBRID_TINY = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4)
@@ -40,6 +44,7 @@ class Family:
     wrapper_class: str | None = None  # "module:Class" of the nesting wrapper model, when NESTED
     tiny: Mapping[str, Any] = field(default_factory=dict)  # config overrides a tiny test model needs
     hybrid_every: int = 0  # tiny hybrids: every n-th layer is full attention, the others linear (0: no GDN)
+    lean: str | None = None  # ROPE / MROPE_TEXT: LeanForward reproduces its base model's forward bitwise
 
     @property
     def gdn(self) -> bool:
@@ -56,16 +61,17 @@ _AR_ONLY_TYPES = ("falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba
                   "olmo_hybrid")
 
 _ROWS: tuple[Family, ...] = (
-    Family("qwen3"),
-    Family("llama"),
+    Family("qwen3", lean=ROPE),
+    Family("llama", lean=ROPE),
     Family("gemma2"),
-    Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4),
+    Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4, lean=MROPE_TEXT),
     Family("qwen3_5", gdn_class=_QWEN3_5_GDN, embedding_access=NESTED, tiny=_HYBRID_TINY, hybrid_every=4,
            wrapper_class="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model"),
-    Family("qwen3_5_moe_text", gdn_class=_QWEN3_5_MOE_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4),
+    Family("qwen3_5_moe_text", gdn_class=_QWEN3_5_MOE_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4,
+           lean=MROPE_TEXT),
     Family("qwen3_5_moe", gdn_class=_QWEN3_5_MOE_GDN, embedding_access=NESTED, tiny={**_HYBRID_TINY, **_MOE_TINY},
            hybrid_every=4, wrapper_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel"),
-    Family("qwen3_next", gdn_class=_QWEN3_NEXT_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4),
+    Family("qwen3_next", gdn_class=_QWEN3_NEXT_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4, lean=ROPE),
     Family("qwen3_vl", embedding_access=NESTED,
            wrapper_class="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel"),
     Family("qwen3_vl_moe", embedding_access=NESTED,

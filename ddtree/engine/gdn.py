@@ -202,9 +202,26 @@ def tree_verification(tree: DraftTree | torch.Tensor | Sequence[int], method: st
 # --------------------------------------------------------------------------- patched forward
 
 
+@contextlib.contextmanager
+def single_step() -> Iterator[None]:
+    """While active, a patched GDN forward of one cached token on the CPU takes `_step_forward` (see there)."""
+    token = _STEP.set(True)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("ddtree_gdn_step", default=False)
+
+
 def _forward_wrapper(wrapped, instance, args, kwargs):
     tree = _ACTIVE.get()
     if tree is None:
+        if _STEP.get():
+            out = _step_forward(instance, *args, **kwargs)
+            if out is not None:
+                return out
         return wrapped(*args, **kwargs)
     kwargs = dict(kwargs)
     names = ("hidden_states", "cache", "attention_mask")
@@ -257,23 +274,25 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tr
         conv_state = cache.get_conv_state(layer, state_idx=0)
         recurrent_state = cache.get_recurrent_state(layer, state_idx=0)
 
-    mixed, z, b, a = _project(module, hidden_states)
-    mixed = mixed.transpose(1, 2)  # (B, C, T)
+    mixed, z, b, a = _project(module, hidden_states)  # mixed (B, T, C)
 
-    # Causal conv over each node's own ancestors, reaching into the prefix's conv state.
+    # Causal conv over each node's own ancestors, reaching into the prefix's conv state. Token-major
+    # (B, K + T, C): the gather copies whole rows, ~8x cheaper than gathering along the last dim.
     if conv_state is None:
-        past = mixed.new_zeros(bsz, mixed.shape[1], kernel)
+        past = mixed.new_zeros(bsz, kernel, mixed.shape[-1])
     else:
-        past = conv_state[..., -kernel:].to(mixed.dtype)
-        if past.shape[-1] < kernel:
-            past = F.pad(past, (kernel - past.shape[-1], 0))
-    extended = torch.cat([past, mixed], dim=-1)  # (B, C, K + T)
-    windows = extended[:, :, tree.conv_index(kernel, device)]  # (B, C, T, K)
+        past = conv_state[..., -kernel:].to(mixed.dtype).transpose(1, 2)
+        if past.shape[1] < kernel:
+            past = F.pad(past, (0, 0, kernel - past.shape[1], 0))
+    extended = torch.cat([past, mixed], dim=1)  # (B, K + T, C)
+    index = tree.conv_index(kernel, device)  # (T, K)
+    windows = extended.index_select(1, index.reshape(-1)).view(bsz, *index.shape, extended.shape[-1])  # (B, T, K, C)
     weight = module.conv1d.weight.squeeze(1)  # (C, K)
-    conv = (windows.float() * weight.float()[:, None, :]).sum(-1)
+    conv = (windows.float() * weight.float().t()).sum(-2)  # (B, T, C)
     if module.conv1d.bias is not None:
-        conv = conv + module.conv1d.bias.float()[:, None]
-    conv = ACT2FN[module.activation](conv).to(hidden_states.dtype).transpose(1, 2)  # (B, T, C)
+        conv = conv + module.conv1d.bias.float()
+    conv = ACT2FN[module.activation](conv).to(hidden_states.dtype)
+    mixed = mixed.transpose(1, 2)  # (B, C, T): what commit appends to the conv state
 
     query, key, value = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(bsz, seq_len, -1, module.head_k_dim)
@@ -293,6 +312,57 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tr
     core = core.transpose(1, 2).to(hidden_states.dtype)  # (B, T, Hv, dv)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, seq_len, -1))
+
+
+def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None, attention_mask=None,
+                  cache_params=None, **kwargs) -> torch.Tensor | None:
+    """One cached token through a GDN layer on the CPU, updating its conv and recurrent state in place.
+
+    The math of the upstream decode step, without its torch fallbacks' costs: the conv of one new column
+    is a K-tap dot product per channel (their depthwise conv1d over K + 1 columns costs ~0.4 ms a layer on
+    the CPU), the delta rule one fused update. None where the upstream forward must run instead (no cache
+    state yet, a cache recording its whole past, a padding mask, packed sequences, more than one token,
+    a CUDA device, whose fused kernels it may have, or an accelerate hook on the conv).
+    """
+    cache = cache if cache is not None else cache_params  # the pre-5.24 name
+    if (hidden_states is None or cache is None or attention_mask is not None or hidden_states.shape[1] != 1
+            or hidden_states.device.type != "cpu" or kwargs.get("cu_seq_lens_q") is not None
+            or hasattr(module.conv1d, "_hf_hook")):
+        return None
+    layer = module.layer_idx
+    conv_state = cache.get_conv_state(layer, state_idx=0)
+    state = cache.get_recurrent_state(layer, state_idx=0)
+    if conv_state is None or state is None or cache.is_recording_past(layer):
+        return None
+    bsz = hidden_states.shape[0]
+    mixed, z, b, a = _project(module, hidden_states)  # mixed (B, 1, C)
+    window = torch.cat([conv_state[..., 1:], mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, K)
+    conv_state.copy_(window)
+    weight = module.conv1d.weight.squeeze(1)  # (C, K)
+    conv = (window.float() * weight.float()).sum(-1)
+    if module.conv1d.bias is not None:
+        conv = conv + module.conv1d.bias.float()
+    conv = ACT2FN[module.activation](conv).to(hidden_states.dtype)  # (B, C)
+    query, key, value = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    value = value.reshape(bsz, -1, module.head_v_dim).float()  # (B, Hv, dv)
+    heads = value.shape[1]
+    query = query.reshape(bsz, -1, module.head_k_dim).float()
+    key = key.reshape(bsz, -1, module.head_k_dim).float()
+    if query.shape[1] != heads:  # each q/k head serves consecutive value heads
+        query = query.repeat_interleave(heads // query.shape[1], dim=1)
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+    query = _l2norm(query) * query.shape[-1] ** -0.5
+    key = _l2norm(key)
+    beta = b.reshape(bsz, heads).float().sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.reshape(bsz, heads).float() + module.dt_bias)
+    s = state.float() * g.exp()[..., None, None]  # (B, Hv, dk, dv)
+    delta = (value - (key.unsqueeze(-2) @ s).squeeze(-2)) * beta.unsqueeze(-1)
+    s = s.add_(key.unsqueeze(-1) * delta.unsqueeze(-2))
+    core = (query.unsqueeze(-2) @ s).squeeze(-2)  # (B, Hv, dv)
+    state.copy_(s)
+    core = core.to(hidden_states.dtype)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(bsz, 1, -1))
 
 
 def _tree_delta_rule(query, key, value, g, beta, initial_state, tree: _Tree):

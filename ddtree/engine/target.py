@@ -10,6 +10,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from ddtree.engine import attention, gdn
 from ddtree.engine.families import family, model_type, supports
+from ddtree.engine.forward import lean_forward_for
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, tree_attention_mask
 from ddtree.errors import ConfigError
@@ -132,10 +133,12 @@ class TargetSession:
     implementation wrapping its backend, which is the plain backend outside verification); "dense"
     passes a 4-D additive mask over past + tree (eager/sdpa only; the reference the split is tested against).
     capacity: expected total length (prompt + new tokens + one tree), to size the KV buffers once.
+    lean: verify through ddtree.engine.forward.LeanForward (bitwise the model call, without its wrappers) where
+    the family, backend and mask allow it; False: always the plain model call.
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
-                 tree_attention: str = "auto", capacity: int = 0):
+                 tree_attention: str = "auto", capacity: int = 0, lean: bool = True):
         if tree_attention not in TREE_ATTENTION:
             raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
         self.model = model
@@ -151,6 +154,8 @@ class TargetSession:
                            and not _has_sliding_layers(model))
         if self.split:
             attention.use_tree_attention(model)
+        # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
+        self.lean = lean_forward_for(model) if lean and dense_ok and not _has_sliding_layers(model) else None
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
@@ -173,7 +178,12 @@ class TargetSession:
                           "layers have no exact tree verification or rollback", "use method=ar for this model family")
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                 logits_to_keep: int = 0):
+                 logits_to_keep: int = 0, lean: bool = False):
+        """The target on ids; lean: `mask` is the whole story (none: every cached key visible to every query)."""
+        if lean and self.lean is not None:
+            logits, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep)
+            feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
+            return logits[0], feats
         kw = {}
         if self.hidden_ids:
             kw["output_hidden_states"] = self.hidden_ids
@@ -196,19 +206,20 @@ class TargetSession:
         """One forward over [root] + nodes; logits [n, V] (row i: the target after node i)."""
         ids = tree.tokens.unsqueeze(0)
         pos = (tree.depths + self.length).unsqueeze(0)
+        n = len(tree)
         with contextlib.ExitStack() as stack:
-            mask = None  # a chain's ancestor mask is the causal mask the model builds itself
-            if not tree.is_chain:
-                n = len(tree)
-                if not self.split:
-                    mask = tree_attention_mask(tree, self.length, self.model.dtype)
-                elif self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
-                    mask = self._dense_mask(tree)
-                else:
-                    stack.enter_context(attention.tree_verification(tree, self.length))
-            if self.gdn and len(tree) > 1:
-                stack.enter_context(gdn.tree_verification(tree))
-            return self._forward(ids, pos, mask)
+            mask, lean = None, n == 1  # one token sees every cached key: no mask at all
+            if n > 1 and not self.split:
+                mask, lean = tree_attention_mask(tree, self.length, self.model.dtype), True
+            elif n > 1 and self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
+                mask, lean = self._dense_mask(tree), True
+            elif not tree.is_chain:
+                stack.enter_context(attention.tree_verification(tree, self.length))
+                lean = True  # the tree attention builds its own masks
+            # else a long chain on split: the causal mask the model builds itself
+            if self.gdn:
+                stack.enter_context(gdn.tree_verification(tree) if n > 1 else gdn.single_step())
+            return self._forward(ids, pos, mask, lean=lean)
 
     def _dense_mask(self, tree: DraftTree) -> torch.Tensor:
         """tree_attention_mask(tree, length) as a view of a buffer kept across rounds: O(n * (accepted + n)) a round."""

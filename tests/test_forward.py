@@ -1,0 +1,62 @@
+"""LeanForward: bitwise the plain model call, on every family the table enables it for, every mask path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.engine.families import FAMILIES
+from ddtree.engine.forward import lean_forward_for
+from ddtree.engine.target import TargetSession
+from ddtree.engine.tree import chain_tree, walk
+from ddtree.testing.reference import hf_greedy, random_tree
+from ddtree.testing.tiny import tiny_model
+
+LEAN = sorted(name for name, row in FAMILIES.items() if row.lean)
+CASES = [(t, a, mode) for t in LEAN for a in ("eager", "sdpa") for mode in ("auto", "split", "dense")]
+
+
+def _model(model_type: str, attn: str):
+    return tiny_model(model_type, seed=2, attn_implementation=attn, vocab_size=80)
+
+
+def test_the_table_enables_the_families_it_was_checked_on():
+    assert LEAN == ["llama", "qwen3", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next"]
+    for name in LEAN:
+        assert lean_forward_for(_model(name, "sdpa")) is not None
+    assert lean_forward_for(_model("gemma2", "eager")) is None  # no row value: the plain call
+
+
+@pytest.mark.parametrize("model_type,attn,mode", CASES, ids=lambda v: str(v))
+def test_lean_verify_is_bitwise_the_model_call(model_type, attn, mode):
+    """Same trees, same commits: logits and context features equal bit for bit, round after round."""
+    model = _model(model_type, attn)
+    layers = [0, model.config.num_hidden_layers - 1]  # a middle feature and the last (after the final norm)
+    lean = TargetSession(model, layers, tree_attention=mode, capacity=256)
+    plain = TargetSession(model, layers, tree_attention=mode, capacity=256, lean=False)
+    assert lean.lean is not None and plain.lean is None
+    ids = torch.randint(0, 80, (1, 11), generator=torch.Generator().manual_seed(0))
+    for s in (lean, plain):
+        s.prefill(ids)
+    rng = random.Random(4)
+    root = torch.tensor(5)
+    for n in (1, 7, 1, 24, 5, 1, 40):
+        tree = random_tree(n, 80, rng, root=int(root)) if n % 2 == 0 else chain_tree(
+            root, torch.randint(0, 80, (n - 1,), generator=torch.Generator().manual_seed(n)))
+        (a, fa), (b, fb) = lean.verify(tree), plain.verify(tree)
+        assert torch.equal(a, b) and torch.equal(fa, fb), (n, (a - b).abs().max(), (fa - fb).abs().max())
+        w = walk(tree, a.argmax(-1))
+        for s in (lean, plain):
+            s.commit(tree, w.path)
+        root = w.next_root
+
+
+@pytest.mark.parametrize("model_type", LEAN)
+def test_generations_through_the_lean_forward_equal_hf_greedy(model_type):
+    model = _model(model_type, "sdpa")
+    ids = torch.randint(0, 80, (1, 6), generator=torch.Generator().manual_seed(1))
+    ref = hf_greedy(model, ids, 16)
+    assert ddtree.generate(model, None, ids, method="ar", max_new_tokens=16).output_ids == ref
