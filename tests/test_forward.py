@@ -31,8 +31,11 @@ def test_the_table_enables_the_families_it_was_checked_on():
 
 
 @pytest.mark.parametrize("model_type,attn,mode", CASES, ids=lambda v: str(v))
-def test_lean_verify_is_bitwise_the_model_call(model_type, attn, mode):
+def test_lean_verify_is_bitwise_the_model_call(model_type, attn, mode, monkeypatch):
     """Same trees, same commits: logits and context features equal bit for bit, round after round."""
+    from ddtree.engine import target as target_mod
+
+    monkeypatch.setattr(target_mod, "CHAIN_PREFILL_MAX", 0)  # the same (plain) prefill for both
     model = _model(model_type, attn)
     layers = [0, model.config.num_hidden_layers - 1]  # a middle feature and the last (after the final norm)
     lean = TargetSession(model, layers, tree_attention=mode, capacity=256)
@@ -60,3 +63,35 @@ def test_generations_through_the_lean_forward_equal_hf_greedy(model_type):
     ids = torch.randint(0, 80, (1, 6), generator=torch.Generator().manual_seed(1))
     ref = hf_greedy(model, ids, 16)
     assert ddtree.generate(model, None, ids, method="ar", max_new_tokens=16).output_ids == ref
+
+
+HYBRIDS = [name for name in LEAN if FAMILIES[name].gdn]
+
+
+@pytest.mark.parametrize("model_type", HYBRIDS)
+@pytest.mark.parametrize("n", [2, 9, 64, 65])
+def test_hybrid_chain_prefill_equals_the_plain_prefill(model_type, n, monkeypatch):
+    """A short prompt on a CPU hybrid prefills as one committed chain: same logits, features and states."""
+    from ddtree.engine import target as target_mod
+
+    model = _model(model_type, "sdpa")
+    ids = torch.randint(0, 80, (1, n), generator=torch.Generator().manual_seed(n))
+    chain = TargetSession(model, [1, 3], capacity=256)
+    seen = []
+    monkeypatch.setattr(target_mod, "chain_tree", lambda *a: seen.append(1) or chain_tree(*a))
+    a, fa = chain.prefill(ids)
+    assert seen == ([1] if n <= target_mod.CHAIN_PREFILL_MAX else [])
+    plain = TargetSession(model, [1, 3], capacity=256, lean=False)
+    b, fb = plain.prefill(ids)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(fa, fb, atol=1e-5, rtol=0)
+    assert chain.length == plain.length == n
+    for x, y in zip(chain.cache.layers, plain.cache.layers, strict=True):
+        if hasattr(x, "recurrent_states"):
+            torch.testing.assert_close(x.conv_states[0], y.conv_states[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(x.recurrent_states[0], y.recurrent_states[0], atol=1e-5, rtol=0)
+        else:
+            torch.testing.assert_close(x.keys, y.keys, atol=1e-5, rtol=0)
+    tok = torch.tensor([[7]])  # and the next token agrees
+    (c, _), (d, _) = (s.verify(chain_tree(tok[0, 0], tok[0, 1:])) for s in (chain, plain))
+    torch.testing.assert_close(c, d, atol=1e-5, rtol=0)

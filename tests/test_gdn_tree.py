@@ -357,6 +357,49 @@ def test_tree_argument_errors(patched):
             _forward(model, torch.tensor([[1, 2]]), cache)
 
 
+# --------------------------------------------------------------------------- single cached token
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_single_step_equals_the_upstream_decode_step(patched, model_type):
+    """Five decode steps under single_step(): logits and both GDN states as the upstream decode path's."""
+    model = _model(model_type, "sdpa")
+    prompt = torch.arange(PROMPT_LEN)[None]
+    ours, ref = _prefill(model, prompt), _prefill(model, prompt)
+    calls = []
+    original = tree_gdn._step_forward
+    tree_gdn._step_forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        for i, tok in enumerate((3, 50, 7, 7, 101)):
+            pos = torch.tensor([[PROMPT_LEN + i]])
+            with tree_gdn.single_step():
+                got = _forward(model, torch.tensor([[tok]]), ours, position_ids=pos)
+            want = _forward(model, torch.tensor([[tok]]), ref, position_ids=pos)
+            torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+            for (c1, r1), (c2, r2) in zip(_linear_states(ours), _linear_states(ref), strict=True):
+                torch.testing.assert_close(c1, c2, atol=TOL, rtol=0)
+                torch.testing.assert_close(r1, r2, atol=TOL, rtol=0)
+    finally:
+        tree_gdn._step_forward = original
+    assert len(calls) == 5 * len(_linear_states(ours))
+
+
+def test_single_step_leaves_what_it_cannot_do_to_the_upstream_forward(patched):
+    """No state yet (a prefill), several tokens, a padding mask: the upstream forward runs, unchanged."""
+    model = _model("qwen3_5_text", "sdpa")
+    prompt = torch.arange(PROMPT_LEN)[None]
+    with tree_gdn.single_step():
+        a = _prefill(model, prompt)
+        two = _forward(model, torch.tensor([[4, 5]]), a)
+    b = _prefill(model, prompt)
+    assert torch.equal(two, _forward(model, torch.tensor([[4, 5]]), b))
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    x = torch.randn(1, 1, model.config.hidden_size)
+    assert tree_gdn._step_forward(layer, x, a, attention_mask=torch.ones(1, 1)) is None
+    assert tree_gdn._step_forward(layer, x, None) is None
+    assert tree_gdn._step_forward(layer, torch.randn(1, 2, model.config.hidden_size), a) is None
+
+
 # --------------------------------------------------------------------------- patch mechanics
 
 

@@ -12,7 +12,7 @@ from ddtree.engine import attention, gdn
 from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.forward import lean_forward_for
 from ddtree.engine.methods import get_method
-from ddtree.engine.tree import DraftTree, tree_attention_mask
+from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
 __all__ = ["PreallocatedLayer", "TargetSession", "check_target_supported", "context_features", "model_type",
@@ -33,6 +33,9 @@ TREE_ATTENTION = ("auto", "split", "dense")
 # On CPU one sdpa call with a small mask beats split's two calls and merge; a masked sdpa copies K/V per GQA head,
 # so long contexts stay on split
 DENSE_AUTO_KEYS = 1024
+# Prompts up to this many tokens prefill a CPU hybrid through the tree-exact GDN as one chain (faster there
+# up to ~64 tokens; its T x T solve loses to the chunked fallback beyond: bench/bench_prefill.py)
+CHAIN_PREFILL_MAX = 64
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -194,9 +197,20 @@ class TargetSession:
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run the prompt; returns the last position's logits [V] and the prompt's features."""
+        """Run the prompt; returns the last position's logits [V] and the prompt's features.
+
+        A short prompt on a CPU hybrid goes through the tree-exact GDN as one chain (then committed whole):
+        one small triangular solve per layer instead of the upstream chunked fallback, which pads every
+        prompt to a 64-token chunk and runs a depthwise conv1d that is slow on the CPU.
+        """
         n = input_ids.shape[1]
         pos = torch.arange(n, device=input_ids.device).unsqueeze(0)
+        if self.gdn and self.lean is not None and self.dense_auto and 1 < n <= CHAIN_PREFILL_MAX and self.length == 0:
+            tree = chain_tree(input_ids[0, 0], input_ids[0, 1:])
+            with gdn.tree_verification(tree):
+                logits, feats = self._forward(input_ids, pos, self._dense_mask(tree), logits_to_keep=1, lean=True)
+            self.commit(tree, pos[0])
+            return logits[-1], feats
         logits, feats = self._forward(input_ids, pos, None, logits_to_keep=1)
         self.length = n
         return logits[-1], feats
