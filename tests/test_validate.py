@@ -75,7 +75,7 @@ def bf16_run(model_type: str, new: int, prompt_lengths, methods) -> Bf16Run:
     target = tiny_model(model_type, seed=1, vocab_size=300, dtype=torch.bfloat16)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=2).to(torch.bfloat16)
     prompts = _prompts(300, prompt_lengths)
-    base = [ddtree.generate(target, None, p, method="ar", max_new_tokens=new).output_ids for p in prompts]
+    base = [hf_greedy(target, p, new) for p in prompts]  # plain greedy decoding: transformers' generate
     outputs = [(method, i, ddtree.generate(target, drafter, p, method=method, budget=budget,
                                            max_new_tokens=new).output_ids)
                for method, budget in methods for i, p in enumerate(prompts)]
@@ -87,16 +87,17 @@ def bf16_hybrid() -> Bf16Run:
     return bf16_run("qwen3_5_text", BF16_NEW, (3, 5, 9), (("dflash", None), ("ddtree", 32)))
 
 
-def _assert_ties_not_suspect(run: Bf16Run, new: int) -> None:
+def _assert_ties_not_suspect(run: Bf16Run, new: int, expect_ties: bool = True) -> None:
     v = Validator(run.target, max_new_tokens=new, rule=ValidationRule(calibration_outputs=2))
     tol = v.calibrate(zip(run.prompts, run.baseline, strict=True))
     assert tol.dtype == "bfloat16" and tol.calibrated_positions == 2 * min(new, v.rule.calibration_tokens)
     verdicts = [v.verdict(run.prompts[i], out, run.baseline[i]) for _, i, out in run.outputs]
     equal = sum(out == run.baseline[i] for _, i, out in run.outputs)
-    assert equal < len(verdicts)  # exact match with the baseline fails for some prompts ...
+    if expect_ties:
+        assert equal < len(verdicts)  # exact match with the baseline fails for some prompts ...
     assert {x.verdict for x in verdicts} <= {"exact", "tie"}  # ... yet none is suspect
     ties = [x for x in verdicts if x.verdict == "tie"]
-    assert ties and all(x.divergence["margin_steps"] <= v.rule.steps for x in ties)
+    assert (ties or not expect_ties) and all(x.divergence["margin_steps"] <= v.rule.steps for x in ties)
     assert all(x.divergence["method_token"] != x.divergence["baseline_token"] for x in ties)
 
 
@@ -109,7 +110,8 @@ def test_bf16_outputs_differ_from_the_baseline_yet_none_is_suspect(bf16_hybrid):
 def test_bf16_grid_of_the_issue_none_is_suspect(model_type):
     """The measurement of issue 14: vocab 300, 6 prompts, 96 new tokens, DFlash and DDTree(32)."""
     run = bf16_run(model_type, 96, (5, 9, 13, 17, 21, 25), (("dflash", None), ("ddtree", 32)))
-    _assert_ties_not_suspect(run, 96)
+    # whether any output ties off the baseline depends on the kernels; that none is suspect does not
+    _assert_ties_not_suspect(run, 96, expect_ties=False)
 
 
 def test_a_bug_after_a_tie_is_still_caught(bf16_hybrid):
