@@ -42,8 +42,8 @@ def test_lean_verify_is_bitwise_the_model_call(model_type, attn, mode, monkeypat
     plain = TargetSession(model, layers, tree_attention=mode, capacity=256, lean=False)
     assert lean.lean is not None and plain.lean is None
     ids = torch.randint(0, 80, (1, 11), generator=torch.Generator().manual_seed(0))
-    for s in (lean, plain):
-        s.prefill(ids)
+    (a, fa), (b, fb) = lean.prefill(ids), plain.prefill(ids)  # sdpa: the lean prefill too
+    assert torch.equal(a, b) and torch.equal(fa, fb)
     rng = random.Random(4)
     root = torch.tensor(5)
     for n in (1, 7, 1, 24, 5, 1, 40):

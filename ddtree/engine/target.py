@@ -159,6 +159,7 @@ class TargetSession:
             attention.use_tree_attention(model)
         # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
         self.lean = lean_forward_for(model) if lean and dense_ok and not _has_sliding_layers(model) else None
+        self.lean_prefill = self.lean is not None and attention.base_backend(model.config._attn_implementation) == "sdpa"
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
@@ -211,7 +212,9 @@ class TargetSession:
                 logits, feats = self._forward(input_ids, pos, self._dense_mask(tree), logits_to_keep=1, lean=True)
             self.commit(tree, pos[0])
             return logits[-1], feats
-        logits, feats = self._forward(input_ids, pos, None, logits_to_keep=1)
+        # an empty cache under sdpa: no mask is the causal mask (sdpa's is_causal), as the model's own build decides
+        lean = self.lean_prefill and self.length == 0
+        logits, feats = self._forward(input_ids, pos, None, logits_to_keep=1, lean=lean)
         self.length = n
         return logits[-1], feats
 
