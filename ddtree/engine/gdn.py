@@ -332,8 +332,8 @@ def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None,
     layer = module.layer_idx
     conv_state = cache.get_conv_state(layer, state_idx=0)
     state = cache.get_recurrent_state(layer, state_idx=0)
-    if conv_state is None or state is None or cache.is_recording_past(layer):
-        return None
+    if conv_state is None or state is None or getattr(cache.layers[layer], "record_past", False):
+        return None  # a layer keeping its whole conv history: the upstream forward appends to it
     bsz = hidden_states.shape[0]
     mixed, z, b, a = _project(module, hidden_states)  # mixed (B, 1, C)
     window = torch.cat([conv_state[..., 1:], mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, K)
