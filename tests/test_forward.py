@@ -95,3 +95,24 @@ def test_hybrid_chain_prefill_equals_the_plain_prefill(model_type, n, monkeypatc
     tok = torch.tensor([[7]])  # and the next token agrees
     (c, _), (d, _) = (s.verify(chain_tree(tok[0, 0], tok[0, 1:])) for s in (chain, plain))
     torch.testing.assert_close(c, d, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_a_cpu_sdpa_generation_never_takes_the_plain_model_call(model_type, monkeypatch):
+    """Prefill, AR steps, DFlash chains and DDTree trees all go through the lean forward here."""
+    from ddtree.engine.drafter import DFlashDrafter
+
+    model = _model(model_type, "sdpa")
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=4, seed=0)
+    ids = torch.randint(0, 80, (1, 70), generator=torch.Generator().manual_seed(2))  # past the chain prefill
+    refs = {m: ddtree.generate(model, drafter, ids, method=m, budget=6, max_new_tokens=9).output_ids
+            for m in ("ar", "dflash", "ddtree")}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the plain model call ran")
+
+    monkeypatch.setattr(type(model), "forward", refuse)
+    for method, ref in refs.items():
+        for prompt in (ids, ids[:, :12]):
+            out = ddtree.generate(model, drafter, prompt, method=method, budget=6, max_new_tokens=9).output_ids
+            assert prompt is not ids or out == ref
