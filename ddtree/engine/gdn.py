@@ -332,12 +332,15 @@ def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None,
     layer = module.layer_idx
     conv_state = cache.get_conv_state(layer, state_idx=0)
     state = cache.get_recurrent_state(layer, state_idx=0)
-    if conv_state is None or state is None or getattr(cache.layers[layer], "record_past", False):
-        return None  # a layer keeping its whole conv history: the upstream forward appends to it
+    kernel = module.conv_kernel_size
+    if (conv_state is None or state is None or conv_state.shape[-1] < kernel
+            or getattr(cache.layers[layer], "record_past", False)):
+        return None  # (a layer keeping its whole conv history: the upstream forward appends to it)
     bsz = hidden_states.shape[0]
     mixed, z, b, a = _project(module, hidden_states)  # mixed (B, 1, C)
-    window = torch.cat([conv_state[..., 1:], mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)  # (B, C, K)
-    conv_state.copy_(window)
+    shifted = torch.cat([conv_state[..., 1:], mixed.transpose(1, 2).to(conv_state.dtype)], dim=-1)
+    conv_state.copy_(shifted)  # the state keeps its length, the new column last
+    window = shifted[..., -kernel:]  # (B, C, K)
     weight = module.conv1d.weight.squeeze(1)  # (C, K)
     conv = (window.float() * weight.float()).sum(-1)
     if module.conv1d.bias is not None:
