@@ -135,8 +135,12 @@ def test_best_first_tree_host_build_equals_device_build(budget):
     g = torch.Generator().manual_seed(budget)
     cases = [torch.randn(L, V, generator=g) * 3 for L, V in ((1, 50), (3, 7), (15, 200))]
     cases += [torch.zeros(6, 5), torch.randn(15, 64, generator=g).bfloat16().float()]  # ties everywhere / bf16 ties
-    for logits in cases:
-        logp = torch.log_softmax(logits, dim=-1)
+    peaky = torch.randn(15, 300, generator=g)  # a trained drafter's shape: the host build prunes most candidates
+    peaky[torch.arange(15), torch.randint(0, 300, (15,), generator=g)] += 14
+    peaky[9:, :] = 0  # flat deep rows: every candidate there falls below the threshold (the depths stop)
+    cases += [peaky]
+    cases = [torch.log_softmax(c, dim=-1) for c in cases]
+    for logp in cases:
         a = best_first_tree(torch.tensor(3), logp, budget, host=True)
         b = best_first_tree(torch.tensor(3), logp, budget, host=False)
         for name in ("tokens", "parents", "depths", "scores"):

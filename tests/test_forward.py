@@ -9,7 +9,7 @@ import torch
 
 import ddtree
 from ddtree.engine.families import FAMILIES
-from ddtree.engine.forward import lean_forward_for
+from ddtree.engine.forward import LeanLayer, lean_forward_for, lean_norm
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import chain_tree, walk
 from ddtree.testing.reference import hf_greedy, random_tree
@@ -28,6 +28,48 @@ def test_the_table_enables_the_families_it_was_checked_on():
     for name in LEAN:
         assert lean_forward_for(_model(name, "sdpa")) is not None
     assert lean_forward_for(_model("gemma2", "eager")) is None  # no row value: the plain call
+
+
+def test_every_layer_of_the_lean_families_runs_as_a_lean_layer():
+    """So the bitwise tests below exercise LeanLayer on every layer kind (attention, gated attention, GDN, MoE)."""
+    for name in LEAN:
+        lean = lean_forward_for(_model(name, "sdpa"))
+        assert all(layer is not None for layer in lean.lean_layers), name
+    # a layer class it was not checked against runs its own forward
+    model = _model("qwen3", "sdpa")
+    layer = model.model.layers[0]
+    layer.__class__ = type("MyDecoderLayer", (type(layer),), {})
+    assert not LeanLayer.supports(layer)
+    assert lean_forward_for(model).lean_layers[0] is None
+    # a layer with a hook somewhere inside runs its own forward (and so calls the hook)
+    calls = []
+    model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
+    lean = lean_forward_for(model)
+    assert lean.lean_layers[1] is None and lean.lean_layers[2] is not None
+    TargetSession(model, None, capacity=64).prefill(torch.randint(0, 80, (1, 5)))
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("cls", ["qwen3.Qwen3RMSNorm", "llama.LlamaRMSNorm", "qwen3_5.Qwen3_5RMSNorm",
+                                 "qwen3_next.Qwen3NextRMSNorm", "qwen3_5_moe.Qwen3_5MoeRMSNorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cpu_norm_is_bitwise_the_module(cls, dtype):
+    """One F.rms_norm call against the module's six-op formula: equal bit for bit on the CPU (fp32 and bf16)."""
+    import importlib
+
+    family_dir, name = cls.split(".")
+    norm_cls = getattr(importlib.import_module(f"transformers.models.{family_dir}.modeling_{family_dir}"), name)
+    g = torch.Generator().manual_seed(0)
+    for width in (32, 192, 1000):
+        norm = norm_cls(width, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(width, generator=g))
+        fused = lean_norm(norm, fused=True)
+        assert fused is not norm.forward
+        for shape in ((1, 1, width), (1, 17, width), (1, 5, 3, width)):
+            x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+            assert torch.equal(fused(x), norm(x)), (cls, dtype, width, shape)
+    assert lean_norm(norm, fused=False) == norm.forward  # off the CPU: the module's own forward
 
 
 @pytest.mark.parametrize("model_type,attn,mode", CASES, ids=lambda v: str(v))

@@ -11,16 +11,138 @@ It only runs where that equality is known to hold: a family whose table row name
 layout (`Family.lean`), the base model class that row was checked against, an eager or sdpa backend
 (theirs or our tree wrapper of it), no sliding-window layers, no accelerate device map, and, per call,
 a mask the engine knows (`TargetSession` decides). Everything else goes through `model(...)`.
+
+Each decoder layer of a known class runs as a `LeanLayer`: the same operations as its forward, in the same
+order, on the same tensors, without a module call per submodule (a decode-sized layer makes about twenty,
+each with its hook checks and decorators). On a CPU target its RMSNorms are one fused `F.rms_norm` call
+with the same float32 arithmetic (bitwise the six-op formula there, tested). A layer, norm, attention or
+MLP of any other class runs its own forward.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.activations import SiLUActivation
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 
-__all__ = ["LeanForward", "lean_forward_for"]
+__all__ = ["LeanForward", "LeanLayer", "lean_forward_for", "lean_norm"]
+
+# RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
+_NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
+_NORMS_CENTERED = {"Qwen3_5RMSNorm", "Qwen3NextRMSNorm", "Qwen3_5MoeRMSNorm"}
+# attentions: q/k/v projections (+ per-head q/k norms), RoPE, cache update, the configured attention function,
+# o projection; gated ones also split a sigmoid gate off the q projection
+_ATTENTIONS = {"Qwen3Attention": False, "LlamaAttention": False, "Qwen3_5Attention": True,
+               "Qwen3_5MoeAttention": True, "Qwen3NextAttention": True}
+_MLPS = {"Qwen3MLP", "LlamaMLP", "Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP"}  # down(act(gate(x)) * up(x))
+# pre-norm residual layers: x + mixer(norm1(x)), then + mlp(norm2(.)) (a tuple from an MoE block: its first item)
+_LAYERS = {"Qwen3DecoderLayer", "LlamaDecoderLayer", "Qwen3_5DecoderLayer", "Qwen3_5MoeDecoderLayer",
+           "Qwen3NextDecoderLayer"}
+
+
+def lean_norm(norm: torch.nn.Module, fused: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`norm.forward` as one call where its class is known (fused: F.rms_norm, for CPU tensors), else itself."""
+    name = type(norm).__name__
+    if not fused or name not in _NORMS_SCALED | _NORMS_CENTERED:
+        return norm.forward
+    weight = norm.weight
+    if name in _NORMS_SCALED:
+        eps = norm.variance_epsilon
+        return lambda x: weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    eps = norm.eps
+    return lambda x: (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + weight.float())).type_as(x)
+
+
+def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    if type(module) is not torch.nn.Linear:
+        return module.forward
+    weight, bias = module.weight, module.bias
+    return lambda x: F.linear(x, weight, bias)
+
+
+class LeanLayer:
+    """One decoder layer's forward, step for step, without the submodule calls (see the module docstring)."""
+
+    def __init__(self, layer: torch.nn.Module, fused_norms: bool):
+        self.layer = layer
+        self.norm1 = lean_norm(layer.input_layernorm, fused_norms)
+        self.norm2 = lean_norm(layer.post_attention_layernorm, fused_norms)
+        self.linear = getattr(layer, "block_type", None) == "linear_attention"
+        if not self.linear:
+            attn = layer.self_attn
+            self.attn, self.gated = attn, _ATTENTIONS[type(attn).__name__]
+            self.q, self.k, self.v, self.o = (_linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+            self.q_norm, self.k_norm = (None if m is None else lean_norm(m, fused_norms) for m in norms)
+            modeling = sys.modules[type(attn).__module__]
+            self.rotary, self.eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+            # what each class passes its attention function besides dropout and scaling
+            self.extra = {"sliding_window": attn.sliding_window} if type(attn).__name__ == "Qwen3Attention" else {}
+        mlp = layer.mlp
+        if type(mlp).__name__ in _MLPS:
+            gate, up, down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+            act = F.silu if type(mlp.act_fn) is SiLUActivation else mlp.act_fn.forward
+            self.mlp = lambda x: down(act(gate(x)) * up(x))
+        else:
+            self.mlp = lambda x: mlp.forward(x)  # looked up per call: a patch may be installed later
+
+    @staticmethod
+    def supports(layer: torch.nn.Module) -> bool:
+        """A checked layer class whose submodules carry no hooks (a forward hook, accelerate's offload) to honour."""
+        if type(layer).__name__ not in _LAYERS:
+            return False
+        if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in layer.modules()):
+            return False
+        if getattr(layer, "block_type", None) == "linear_attention":
+            return hasattr(layer, "linear_attn")
+        return type(getattr(layer, "self_attn", None)).__name__ in _ATTENTIONS
+
+    def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
+        attn = self.attn
+        shape = x.shape[:-1]
+        heads = (*shape, -1, attn.head_dim)
+        if self.gated:
+            query, gate = torch.chunk(self.q(x).view(*shape, -1, attn.head_dim * 2), 2, dim=-1)
+            gate = gate.reshape(*shape, -1)
+            query = query.view(heads)
+        else:
+            query = self.q(x).view(heads)
+        key = self.k(x).view(heads)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        value = self.v(x).view(heads).transpose(1, 2)
+        query, key = self.rotary(query, key, *rope)
+        kwargs = {"position_ids": position_ids}
+        if cache is not None:
+            key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
+        out, _ = attend(attn, query, key, value, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
+                        scaling=attn.scaling, **self.extra, **kwargs)
+        out = out.reshape(*shape, -1).contiguous()
+        if self.gated:
+            out = out * torch.sigmoid(gate)
+        return self.o(out)
+
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, rope, position_ids, cache) -> torch.Tensor:
+        h = self.norm1(x)
+        if self.linear:
+            # its forward looked up per call: the GDN patch (ddtree.engine.gdn) may be installed after this was built
+            h = self.layer.linear_attn.forward(hidden_states=h, cache=cache, attention_mask=None)
+        else:
+            h = self._attention(h, rope, mask, cache, position_ids)
+        x = x + h
+        h = self.mlp(self.norm2(x))
+        if isinstance(h, tuple):
+            h = h[0]
+        return x + h
 
 
 class LeanForward:
@@ -37,6 +159,9 @@ class LeanForward:
         types = getattr(base.config, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.linear = [t == "linear_attention" for t in types[: len(self.layers)]]
         self.positions = positions
+        fused = model.device.type == "cpu"
+        self.lean_layers = [LeanLayer(layer, fused) if LeanLayer.supports(layer) else None for layer in self.layers]
+        self.final_norm = lean_norm(base.norm, fused)
 
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
                  keep: list[int] | None = None, logits_to_keep: int = 0) -> tuple[torch.Tensor, dict]:
@@ -48,11 +173,15 @@ class LeanForward:
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
         for i, layer in enumerate(self.layers):
-            hidden = layer.forward(hidden, attention_mask=None if self.linear[i] else mask,
-                                   position_embeddings=rope, position_ids=position_ids, cache=cache)
+            lean = self.lean_layers[i]
+            if lean is not None:
+                hidden = lean(hidden, None if self.linear[i] else mask, rope, position_ids, cache)
+            else:
+                hidden = layer.forward(hidden, attention_mask=None if self.linear[i] else mask,
+                                       position_embeddings=rope, position_ids=position_ids, cache=cache)
             if i + 1 in wanted and i + 1 != last:
                 kept[i + 1] = hidden
-        hidden = base.norm.forward(hidden)
+        hidden = self.final_norm(hidden)
         if last in wanted:
             kept[last] = hidden
         rows = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]

@@ -109,7 +109,7 @@ def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | tor
                      depth_bound=max(depth))
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=4096)  # the host build prunes: many (prev) sizes per budget
 def _pair_lists(budget: int, prev: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(parent rank p, child rank r) pairs that can reach a depth's top `budget`: (p+1)(r+1) <= budget.
 
@@ -132,7 +132,7 @@ def _rank_pairs(budget: int, prev: int, k: int, device: torch.device) -> tuple[t
     return torch.tensor(ps, dtype=torch.long, device=device), torch.tensor(rs, dtype=torch.long, device=device)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=4096)
 def _rank_pairs_host(budget: int, prev: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     ps, rs = _pair_lists(budget, prev, k)
     return np.asarray(ps, dtype=np.int64), np.asarray(rs, dtype=np.int64)
@@ -219,27 +219,46 @@ def _best_first_device(root: torch.Tensor, top_vals: torch.Tensor, top_toks: tor
 
 def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
     """_best_first_device step for step in NumPy (same float32 sums, same stable orders), plus the
-    tree's ancestor index and matrix, which the walk, the tree mask and the GDN layers read."""
+    tree's ancestor index and matrix, which the walk, the tree mask and the GDN layers read.
+
+    With log-probabilities (every value <= 0) it also prunes: once `budget` candidates are known, one
+    scoring no more than the budget-th best of them has `budget` candidates ahead of it in the global
+    order (higher, or equal and earlier), and so does every descendant (adding a value <= 0 never
+    raises a float sum). Neither can be selected, so they are dropped before the sort, and the depths
+    stop where nothing is left: the same selection with fewer candidates.
+    """
     tv, tt = top_vals.cpu().numpy(), top_toks.cpu().numpy()
     L, k = tv.shape
+    prune = bool(tv[:, 0].max() <= 0)  # rows are sorted descending: column 0 holds each row's maximum
+    worst = -tv[0][:budget]  # minus the `budget` best scores so far, ascending (values only: the threshold)
     depth_scores, depth_tokens, depth_parent = [tv[0]], [tt[0]], []
     for d in range(1, L):
         p, r = _rank_pairs_host(budget, depth_scores[-1].shape[0], k)
         cand = depth_scores[-1][p] + tv[d, r]
-        order = np.argsort(-cand, kind="stable")[:budget]
+        if prune and worst.shape[0] >= budget:
+            live = np.flatnonzero(cand > -worst[budget - 1])
+            if live.shape[0] == 0:
+                break  # nothing here can be selected, and nothing deeper either
+            order = live[np.argsort(-cand[live], kind="stable")[:budget]]
+        else:
+            order = np.argsort(-cand, kind="stable")[:budget]
         depth_scores.append(cand[order])
         depth_tokens.append(tt[d, r[order]])
         depth_parent.append(p[order])
+        if prune:  # two sorted runs: the stable sort (timsort) merges them
+            worst = np.sort(np.concatenate([worst, -depth_scores[-1]]), kind="stable")[:budget]
     all_scores = np.concatenate(depth_scores)
     order = np.argsort(-all_scores, kind="stable")[:budget]
     pick = np.sort(order)
     selected = np.zeros(all_scores.shape[0], dtype=np.int64)
     selected[order] = 1
     flat = np.cumsum(selected)
-    depth_all, parent_start = _layout_host(budget, L, k)
-    parent_all = np.zeros_like(depth_all)
-    if L > 1:
-        parent_all[depth_scores[0].shape[0]:] = flat[parent_start + np.concatenate(depth_parent)]
+    sizes = [s.shape[0] for s in depth_scores]
+    depth_all = np.repeat(np.arange(1, len(sizes) + 1, dtype=np.int64), sizes)
+    parent_all = np.zeros_like(depth_all)  # depth 1: the root
+    if len(sizes) > 1:
+        parent_start = np.repeat(np.cumsum([0] + sizes[:-2]).astype(np.int64), sizes[1:])
+        parent_all[sizes[0]:] = flat[parent_start + np.concatenate(depth_parent)]
     n = pick.shape[0] + 1
     parents = np.concatenate([[-1], parent_all[pick]])
     depths = np.concatenate([[0], depth_all[pick]])
