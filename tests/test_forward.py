@@ -41,7 +41,11 @@ def test_every_layer_of_the_lean_families_runs_as_a_lean_layer():
     layer.__class__ = type("MyDecoderLayer", (type(layer),), {})
     assert not LeanLayer.supports(layer)
     assert lean_forward_for(model).lean_layers[0] is None
-    # a layer with a hook somewhere inside runs its own forward (and so calls the hook)
+    # transformers' own output-capturing hooks (left by any output_hidden_states call) do not count
+    model(torch.randint(0, 80, (1, 4)), output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.model.layers[1].modules())
+    assert lean_forward_for(model).lean_layers[1] is not None
+    # a layer with a hook of anyone else's somewhere inside runs its own forward (and so calls the hook)
     calls = []
     model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda *a: calls.append(1))
     lean = lean_forward_for(model)

@@ -47,6 +47,12 @@ _LAYERS = {"Qwen3DecoderLayer", "LlamaDecoderLayer", "Qwen3_5DecoderLayer", "Qwe
            "Qwen3NextDecoderLayer"}
 
 
+def _inert(hook: Callable) -> bool:
+    """transformers' output-capturing hooks: installed by the first `output_hidden_states` call and left in place,
+    they act only while that model call collects outputs, never inside a LeanForward."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
 def lean_norm(norm: torch.nn.Module, fused: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """`norm.forward` as one call where its class is known (fused: F.rms_norm, for CPU tensors), else itself."""
     name = type(norm).__name__
@@ -95,11 +101,12 @@ class LeanLayer:
 
     @staticmethod
     def supports(layer: torch.nn.Module) -> bool:
-        """A checked layer class whose submodules carry no hooks (a forward hook, accelerate's offload) to honour."""
+        """A checked layer class whose submodules carry no hooks to honour (a user's, accelerate's offload)."""
         if type(layer).__name__ not in _LAYERS:
             return False
-        if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in layer.modules()):
-            return False
+        for m in layer.modules():
+            if m._forward_pre_hooks or hasattr(m, "_hf_hook") or not all(map(_inert, m._forward_hooks.values())):
+                return False
         if getattr(layer, "block_type", None) == "linear_attention":
             return hasattr(layer, "linear_attn")
         return type(getattr(layer, "self_attn", None)).__name__ in _ATTENTIONS
