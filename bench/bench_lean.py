@@ -25,10 +25,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
+from bench_engines import machine, trained_pair  # noqa: E402
 
 import ddtree  # noqa: E402
 import ddtree.engine.forward as forward  # noqa: E402
-from bench_engines import machine, trained_pair  # noqa: E402
 
 _SUPPORTS, _NORM = forward.LeanLayer.supports, forward.lean_norm
 
@@ -79,7 +79,7 @@ def main() -> None:
                 same &= outs[True] == outs[False]
                 for on in (True, False):
                     rates[on].append(tokens[on] / wall[on])
-            ratios = [a / b for a, b in zip(rates[True], rates[False])]
+            ratios = [a / b for a, b in zip(rates[True], rates[False], strict=True)]
             print(f"| {name} | {method} | {budget or '–'} | {statistics.median(rates[True]):.1f} | "
                   f"{statistics.median(rates[False]):.1f} | {statistics.median(ratios):.2f}x "
                   f"({min(ratios):.2f}–{max(ratios):.2f}) | {'yes' if same else 'NO'} |", flush=True)
