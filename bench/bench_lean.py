@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=3)
     args = ap.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1]) if ":" in r else None) for r in args.rows.split(",")]
-    print(f"machine: {machine()}; torch threads {torch.get_num_threads()}")
+    print(f"machine: {machine()}")
     print("| pair | method | budget | lean layers tok/s | without tok/s | on / off | same output |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.pairs.split(","):

@@ -2,10 +2,16 @@
 best-first heap, same run.
 
     .venv/bin/python bench/bench_tree.py [--device cpu] [--repeats 7] [--vocab 151936]
+    .venv/bin/python bench/bench_tree.py --pair toy [--prompts 24] [--budgets 16,64,256]
 
 Logit block: 15 positions x --vocab (default a Qwen3 vocabulary; 1024 is the toy's), block size 16. All
 builders start from the same log-probabilities; times are the median of --repeats runs (log_softmax
 excluded), each with the tree's ancestor index and matrix (what the walk, the mask and GDN read).
+
+--pair NAME (a shipped trained pair: toy, toy_pure): the drafter's own blocks instead, recorded from DDTree
+generations on the first --prompts held-out prompts at each budget (a trained drafter is peaked, random
+logits are not), and the host build with and without its pruning (`_best_first_host(prune=)`), timed
+over all recorded blocks, median of --repeats sweeps; the trees are checked equal.
 """
 
 from __future__ import annotations
@@ -36,13 +42,60 @@ def timed(fn, repeats: int, sync) -> float:
     return statistics.median(ts)
 
 
+def trained_blocks(args) -> None:
+    """Host build with and without pruning on a trained drafter's recorded blocks (see the module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_engines import trained_pair
+
+    import ddtree
+    import ddtree.engine.proposers as proposers
+    from ddtree.engine.tree import _best_first_host
+
+    pair = trained_pair(args.pair, args.prompts, "cpu", torch.float32)
+    if pair is None:
+        sys.exit(f"assets/{args.pair} is not built (make toy / make toy-pure)")
+    print(f"# host tree build on {args.pair}'s drafter blocks ({args.prompts} prompts), torch {torch.__version__}, "
+          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"{'budget':>7} {'blocks':>7} {'pruned ms':>10} {'unpruned ms':>12} {'ratio':>6}")
+    build = proposers.best_first_tree
+    for b in map(int, args.budgets.split(",")):
+        blocks = []
+
+        def spy(root, logprobs, budget, blocks=blocks, **kw):
+            blocks.append((root.clone(), *logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)))
+            return build(root, logprobs, budget, **kw)
+
+        proposers.best_first_tree = spy
+        try:
+            for ids in pair.prompts:
+                ddtree.generate(pair.target, pair.drafter, ids, method="ddtree", budget=b, max_new_tokens=128,
+                                stop_token_ids=pair.stops)
+        finally:
+            proposers.best_first_tree = build
+        for root, vals, toks in blocks:
+            a, c = _best_first_host(root, vals, toks, b), _best_first_host(root, vals, toks, b, prune=False)
+            assert torch.equal(a.parents, c.parents) and torch.equal(a.tokens, c.tokens)
+
+        def sweep(prune: bool, blocks=blocks, b=b) -> None:
+            for root, vals, toks in blocks:
+                _best_first_host(root, vals, toks, b, prune=prune)
+
+        tp = timed(lambda: sweep(True), args.repeats, lambda: None) / len(blocks)
+        tu = timed(lambda: sweep(False), args.repeats, lambda: None) / len(blocks)
+        print(f"{b:>7} {len(blocks):>7} {tp * 1e3:>10.3f} {tu * 1e3:>12.3f} {tu / tp:>6.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--budgets", default="16,32,64,128,256,512,1024")
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--pair", default=None, help="a trained pair's recorded drafter blocks (toy, toy_pure)")
+    ap.add_argument("--prompts", type=int, default=24)
     args = ap.parse_args()
+    if args.pair:
+        return trained_blocks(args)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     torch.manual_seed(0)

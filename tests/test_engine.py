@@ -129,9 +129,15 @@ def test_best_first_tree_matches_heap(budget):
         assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
 
 
+@pytest.mark.parametrize("prune_from", [1, None])
 @pytest.mark.parametrize("budget", [1, 7, 64, 300])
-def test_best_first_tree_host_build_equals_device_build(budget):
-    """The NumPy build (CPU default) and the torch build (other devices) give the same tree, ties included."""
+def test_best_first_tree_host_build_equals_device_build(budget, prune_from, monkeypatch):
+    """The NumPy build (CPU default) and the torch build (other devices) give the same tree, ties included,
+    with the host build's pruning on at every budget (prune_from=1) and as shipped."""
+    from ddtree.engine import tree as tree_mod
+
+    if prune_from is not None:
+        monkeypatch.setattr(tree_mod, "PRUNE_MIN_BUDGET", prune_from)
     g = torch.Generator().manual_seed(budget)
     cases = [torch.randn(L, V, generator=g) * 3 for L, V in ((1, 50), (3, 7), (15, 200))]
     cases += [torch.zeros(6, 5), torch.randn(15, 64, generator=g).bfloat16().float()]  # ties everywhere / bf16 ties

@@ -109,6 +109,11 @@ def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | tor
                      depth_bound=max(depth))
 
 
+# the host build prunes candidates from this budget on (bench/bench_tree.py --pair toy: a loss at 16, even at
+# 64, 1.3-1.7x faster at 256 on the toy drafter's own blocks)
+PRUNE_MIN_BUDGET = 128
+
+
 @lru_cache(maxsize=4096)  # the host build prunes: many (prev) sizes per budget
 def _pair_lists(budget: int, prev: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(parent rank p, child rank r) pairs that can reach a depth's top `budget`: (p+1)(r+1) <= budget.
@@ -217,7 +222,8 @@ def _best_first_device(root: torch.Tensor, top_vals: torch.Tensor, top_toks: tor
     )
 
 
-def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
+def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int,
+                     prune: bool = True) -> DraftTree:
     """_best_first_device step for step in NumPy (same float32 sums, same stable orders), plus the
     tree's ancestor index and matrix, which the walk, the tree mask and the GDN layers read.
 
@@ -225,11 +231,14 @@ def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     scoring no more than the budget-th best of them has `budget` candidates ahead of it in the global
     order (higher, or equal and earlier), and so does every descendant (adding a value <= 0 never
     raises a float sum). Neither can be selected, so they are dropped before the sort, and the depths
-    stop where nothing is left: the same selection with fewer candidates.
+    stop where nothing is left: the same selection with fewer candidates. It pays from a budget of
+    PRUNE_MIN_BUDGET (a few hundred candidates a depth); below, its extra steps cost about what they save.
+    (prune=False: never, for bench/bench_tree.py.)
     """
     tv, tt = top_vals.cpu().numpy(), top_toks.cpu().numpy()
     L, k = tv.shape
-    prune = bool(tv[:, 0].max() <= 0)  # rows are sorted descending: column 0 holds each row's maximum
+    # rows are sorted descending: column 0 holds each row's maximum
+    prune = prune and budget >= PRUNE_MIN_BUDGET and bool(tv[:, 0].max() <= 0)
     worst = -tv[0][:budget]  # minus the `budget` best scores so far, ascending (values only: the threshold)
     depth_scores, depth_tokens, depth_parent = [tv[0]], [tt[0]], []
     for d in range(1, L):
