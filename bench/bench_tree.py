@@ -10,8 +10,9 @@ excluded), each with the tree's ancestor index and matrix (what the walk, the ma
 
 --pair NAME (a shipped trained pair: toy, toy_pure): the drafter's own blocks instead, recorded from DDTree
 generations on the first --prompts held-out prompts at each budget (a trained drafter is peaked, random
-logits are not), and the host build with and without its pruning (`_best_first_host(prune=)`), timed
-over all recorded blocks, median of --repeats sweeps; the trees are checked equal.
+logits are not): the host builds, best-first heap (`_best_first_heap`) and per-depth passes with and
+without pruning (`_best_first_host(prune=)`), timed over all recorded blocks, median of --repeats sweeps;
+the trees are checked equal.
 """
 
 from __future__ import annotations
@@ -49,14 +50,14 @@ def trained_blocks(args) -> None:
 
     import ddtree
     import ddtree.engine.proposers as proposers
-    from ddtree.engine.tree import _best_first_host
+    from ddtree.engine.tree import _best_first_heap, _best_first_host
 
     pair = trained_pair(args.pair, args.prompts, "cpu", torch.float32)
     if pair is None:
         sys.exit(f"assets/{args.pair} is not built (make toy / make toy-pure)")
     print(f"# host tree build on {args.pair}'s drafter blocks ({args.prompts} prompts), torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'budget':>7} {'blocks':>7} {'pruned ms':>10} {'unpruned ms':>12} {'ratio':>6}")
+    print(f"{'budget':>7} {'blocks':>7} {'heap ms':>8} {'pruned ms':>10} {'unpruned ms':>12}")
     build = proposers.best_first_tree
     for b in map(int, args.budgets.split(",")):
         blocks = []
@@ -72,17 +73,20 @@ def trained_blocks(args) -> None:
                                 stop_token_ids=pair.stops)
         finally:
             proposers.best_first_tree = build
+        builds = {"heap": _best_first_heap, "pruned": _best_first_host,
+                  "unpruned": lambda *a: _best_first_host(*a, prune=False)}
         for root, vals, toks in blocks:
-            a, c = _best_first_host(root, vals, toks, b), _best_first_host(root, vals, toks, b, prune=False)
-            assert torch.equal(a.parents, c.parents) and torch.equal(a.tokens, c.tokens)
+            trees = [fn(root, vals, toks, b) for fn in builds.values()]
+            assert all(torch.equal(t.parents, trees[0].parents) and torch.equal(t.tokens, trees[0].tokens)
+                       for t in trees)
 
-        def sweep(prune: bool, blocks=blocks, b=b) -> None:
+        def sweep(fn, blocks=blocks, b=b) -> None:
             for root, vals, toks in blocks:
-                _best_first_host(root, vals, toks, b, prune=prune)
+                fn(root, vals, toks, b)
 
-        tp = timed(lambda: sweep(True), args.repeats, lambda: None) / len(blocks)
-        tu = timed(lambda: sweep(False), args.repeats, lambda: None) / len(blocks)
-        print(f"{b:>7} {len(blocks):>7} {tp * 1e3:>10.3f} {tu * 1e3:>12.3f} {tu / tp:>6.2f}")
+        ms = {name: timed(lambda fn=fn: sweep(fn), args.repeats, lambda: None) / len(blocks) * 1e3
+              for name, fn in builds.items()}
+        print(f"{b:>7} {len(blocks):>7} {ms['heap']:>8.3f} {ms['pruned']:>10.3f} {ms['unpruned']:>12.3f}")
 
 
 def main() -> None:

@@ -156,6 +156,27 @@ def test_best_first_tree_host_build_equals_device_build(budget, prune_from, monk
         assert torch.equal(a.ancestor_index(), b.ancestor_index()[:, :width])
 
 
+def test_the_heap_build_equals_the_per_depth_build():
+    """_best_first_heap (small budgets) and _best_first_host (large ones) select the same tree, ties included."""
+    from ddtree.engine.tree import _best_first_heap, _best_first_host
+
+    g = torch.Generator().manual_seed(7)
+    peaky = torch.randn(15, 120, generator=g)
+    peaky[torch.arange(15), torch.randint(0, 120, (15,), generator=g)] += 10
+    cases = [torch.randn(15, 120, generator=g) * 3, torch.zeros(6, 5), peaky,
+             torch.randn(15, 64, generator=g).bfloat16().float(), torch.randn(1, 9, generator=g)]
+    for logits in cases:
+        logp = torch.log_softmax(logits, dim=-1)
+        for budget in (1, 2, 3, 5, 16, 33, 64, 100, 200):
+            vals, toks = logp.topk(min(budget, logp.shape[1]), dim=-1)
+            a = _best_first_heap(torch.tensor(4), vals, toks, budget)
+            b = _best_first_host(torch.tensor(4), vals, toks, budget)
+            for name in ("tokens", "parents", "depths", "scores"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), (name, budget, logits.shape)
+            assert torch.equal(a.ancestor_matrix(), b.ancestor_matrix())
+            assert torch.equal(a.ancestor_index(), b.ancestor_index())
+
+
 def test_host_walk_equals_device_walk():
     """A host-built tree (CPU) walks in NumPy; the torch walk of the same tree gives the same path and tokens."""
     g = torch.Generator().manual_seed(0)

@@ -6,6 +6,7 @@ selection of `budget` prefixes under the drafter's per-position log-probabilitie
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -112,6 +113,8 @@ def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | tor
 # the host build prunes candidates from this budget on (bench/bench_tree.py --pair toy: a loss at 16, even at
 # 64, 1.3-1.7x faster at 256 on the toy drafter's own blocks)
 PRUNE_MIN_BUDGET = 128
+# up to this budget the host build is a best-first heap (_best_first_heap), above it the per-depth passes
+HEAP_MAX_BUDGET = 64
 
 
 @lru_cache(maxsize=4096)  # the host build prunes: many (prev) sizes per budget
@@ -177,8 +180,11 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     if host is None:
         host = logprobs.device.type == "cpu"
     top_vals, top_toks = logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)  # [L, k], sorted descending
-    build = _best_first_host if host else _best_first_device
-    return build(root, top_vals, top_toks, budget)
+    if not host:
+        return _best_first_device(root, top_vals, top_toks, budget)
+    if budget <= HEAP_MAX_BUDGET:
+        return _best_first_heap(root, top_vals, top_toks, budget)
+    return _best_first_host(root, top_vals, top_toks, budget)
 
 
 def _best_first_device(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
@@ -268,10 +274,63 @@ def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     if len(sizes) > 1:
         parent_start = np.repeat(np.cumsum([0] + sizes[:-2]).astype(np.int64), sizes[1:])
         parent_all[sizes[0]:] = flat[parent_start + np.concatenate(depth_parent)]
-    n = pick.shape[0] + 1
     parents = np.concatenate([[-1], parent_all[pick]])
     depths = np.concatenate([[0], depth_all[pick]])
     tokens = np.concatenate([[int(root)], np.concatenate(depth_tokens)[pick]])
+    return _host_tree(tokens, parents, depths, np.concatenate([[0.0], all_scores[pick]]).astype(np.float32),
+                      top_vals.device)
+
+
+def _best_first_heap(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
+    """The same tree as _best_first_device, by best-first search: `budget` pops from a heap, not a pass per depth.
+
+    A candidate is (depth d, its parent's rank p among the selected nodes of depth d - 1, its own child rank
+    r), scored in float32 like the other builds. The global order of the other builds is (score descending,
+    shallower first, then the per-depth list order, which is (p, r) among equal scores): that is the heap key
+    (-score, d, p, r). A node's next sibling (r + 1) and its first child (rank 0) are pushed when it is popped;
+    both come after it in that order, so no candidate is missed. The selected nodes of a depth are a prefix
+    of its list, so a node's rank p is its pop order within its depth. Cheaper than the per-depth passes for a
+    small budget (PRUNE_MIN_BUDGET and HEAP_MAX_BUDGET: bench/bench_tree.py --pair toy).
+    """
+    tv, tt = top_vals.cpu().numpy(), top_toks.cpu().numpy()
+    L, k = tv.shape
+    f32 = np.float32
+    heap = [(-float(tv[0, 0]), 1, 0, 0)]
+    ranks: list[list[int]] = [[] for _ in range(L + 1)]  # per depth: the selected nodes, in pop order
+    depth_of, parent_of, token_of, score_of = [], [], [], []
+    while heap and len(depth_of) < budget:
+        neg, d, p, r = heapq.heappop(heap)
+        node = len(depth_of)
+        parent = ranks[d - 1][p] if d > 1 else -1
+        score = f32(-neg)
+        depth_of.append(d), parent_of.append(parent), token_of.append(int(tt[d - 1, r])), score_of.append(score)
+        if r + 1 < k:
+            base = score_of[parent] if parent >= 0 else f32(0.0)
+            heapq.heappush(heap, (-float(base + tv[d - 1, r + 1]), d, p, r + 1))
+        if d < L:
+            heapq.heappush(heap, (-float(score + tv[d, 0]), d + 1, len(ranks[d]), 0))
+        ranks[d].append(node)
+    # flat order: depth-major, pop order within a depth; the root takes index 0
+    flat = np.empty(len(depth_of), dtype=np.int64)
+    at = 1
+    for level in ranks[1:]:
+        flat[level] = np.arange(at, at + len(level))
+        at += len(level)
+    n = at
+    order = np.empty(n - 1, dtype=np.int64)
+    order[flat - 1] = np.arange(n - 1)
+    parents_pop = np.asarray(parent_of, dtype=np.int64)
+    parents = np.concatenate([[-1], np.where(parents_pop >= 0, flat[np.maximum(parents_pop, 0)], 0)[order]])
+    depths = np.concatenate([[0], np.asarray(depth_of, dtype=np.int64)[order]])
+    tokens = np.concatenate([[int(root)], np.asarray(token_of, dtype=np.int64)[order]])
+    scores = np.concatenate([[0.0], np.asarray(score_of, dtype=np.float32)[order]]).astype(np.float32)
+    return _host_tree(tokens, parents, depths, scores, top_vals.device)
+
+
+def _host_tree(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray,
+               dev: torch.device) -> DraftTree:
+    """A DraftTree from host arrays (flat order), with its ancestor index and matrix built on the host."""
+    n = tokens.shape[0]
     bound = int(depths.max())
     cols = [np.arange(n)]
     up = np.maximum(parents, 0)
@@ -280,10 +339,8 @@ def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     aidx = np.stack(cols, axis=1)
     anc = np.zeros((n, n), dtype=np.bool_)
     anc[np.arange(n)[:, None], aidx] = True
-    dev = top_vals.device
     t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731 - a no-op move on the CPU
-    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths),
-                     scores=t(np.concatenate([[0.0], all_scores[pick]]).astype(np.float32)), is_chain=False,
+    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths), scores=t(scores), is_chain=False,
                      depth_bound=bound, _anc=t(anc), _aidx=t(aidx),
                      _host=(tokens, parents, depths, aidx) if dev.type == "cpu" else None)
 
