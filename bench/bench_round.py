@@ -5,7 +5,7 @@
 
 Part 1, per round, median over --repeats generations of --new tokens on a tiny random Qwen3 (hidden 256,
 6 layers, vocab 2048) with a random DFlash drafter (block 16; acceptance is meaningless, costs are not):
-  target   wall time inside the target's forward calls (forward hooks),
+  target   wall time inside the target's forward calls (TargetSession._forward; forward hooks for --code),
   drafter  the engine's "draft" stage (drafter forward + lm_head),
   overhead the rest of the round: tree building, masks, walk, cache commit, Python bookkeeping.
 Modes: split (ddtree.engine.attention, no dense mask) and dense (a 4-D additive mask over past + tree).
@@ -50,12 +50,28 @@ HAS_MODES = "tree_attention" in inspect.signature(ddtree.generate).parameters
 
 
 class ForwardClock:
-    """Wall seconds spent inside a module's forward calls."""
+    """Wall seconds spent inside the target's forward calls.
+
+    The engine's lean forward drives the model's modules without calling the model, so a forward hook on
+    it sees nothing: where TargetSession has `_forward` (every target forward of a session goes through it),
+    that is what is timed; older code (--code) is timed by hooks on the model."""
 
     def __init__(self, module):
         self.calls, self._t = [], None
-        module.register_forward_pre_hook(self._pre)
-        module.register_forward_hook(self._post)
+        session = getattr(TargetSession, "_forward", None)
+        if session is None:
+            module.register_forward_pre_hook(self._pre)
+            module.register_forward_hook(self._post)
+            return
+
+        def timed(sess, *a, **kw):
+            self._pre()
+            try:
+                return session(sess, *a, **kw)
+            finally:
+                self._post()
+
+        TargetSession._forward = timed
 
     def _pre(self, *_):
         self._t = time.perf_counter()

@@ -292,39 +292,37 @@ def _best_first_heap(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     of its list, so a node's rank p is its pop order within its depth. Cheaper than the per-depth passes for a
     small budget (PRUNE_MIN_BUDGET and HEAP_MAX_BUDGET: bench/bench_tree.py --pair toy).
     """
-    tv, tt = top_vals.cpu().numpy(), top_toks.cpu().numpy()
-    L, k = tv.shape
+    tv, tt = top_vals.cpu().tolist(), top_toks.cpu().tolist()  # floats hold the float32 values exactly
+    L, k = len(tv), len(tv[0])
+    # a float32 sum: the double sum of two float32 values rounded once to float32 is the float32 sum (53 >= 2 * 24
+    # + 2 bits: double rounding is harmless for addition)
     f32 = np.float32
-    heap = [(-float(tv[0, 0]), 1, 0, 0)]
+    pop, push = heapq.heappop, heapq.heappush
+    heap = [(-tv[0][0], 1, 0, 0)]
     ranks: list[list[int]] = [[] for _ in range(L + 1)]  # per depth: the selected nodes, in pop order
-    depth_of, parent_of, token_of, score_of = [], [], [], []
-    while heap and len(depth_of) < budget:
-        neg, d, p, r = heapq.heappop(heap)
-        node = len(depth_of)
+    parent_of, token_of, score_of = [], [], []
+    while heap and len(score_of) < budget:
+        neg, d, p, r = pop(heap)
         parent = ranks[d - 1][p] if d > 1 else -1
-        score = f32(-neg)
-        depth_of.append(d), parent_of.append(parent), token_of.append(int(tt[d - 1, r])), score_of.append(score)
+        score = -neg
+        ranks[d].append(len(score_of))
+        parent_of.append(parent), token_of.append(tt[d - 1][r]), score_of.append(score)
         if r + 1 < k:
-            base = score_of[parent] if parent >= 0 else f32(0.0)
-            heapq.heappush(heap, (-float(base + tv[d - 1, r + 1]), d, p, r + 1))
+            base = score_of[parent] if parent >= 0 else 0.0
+            push(heap, (-float(f32(base + tv[d - 1][r + 1])), d, p, r + 1))
         if d < L:
-            heapq.heappush(heap, (-float(score + tv[d, 0]), d + 1, len(ranks[d]), 0))
-        ranks[d].append(node)
+            push(heap, (-float(f32(score + tv[d][0])), d + 1, len(ranks[d]) - 1, 0))
     # flat order: depth-major, pop order within a depth; the root takes index 0
-    flat = np.empty(len(depth_of), dtype=np.int64)
-    at = 1
-    for level in ranks[1:]:
-        flat[level] = np.arange(at, at + len(level))
-        at += len(level)
-    n = at
-    order = np.empty(n - 1, dtype=np.int64)
-    order[flat - 1] = np.arange(n - 1)
-    parents_pop = np.asarray(parent_of, dtype=np.int64)
-    parents = np.concatenate([[-1], np.where(parents_pop >= 0, flat[np.maximum(parents_pop, 0)], 0)[order]])
-    depths = np.concatenate([[0], np.asarray(depth_of, dtype=np.int64)[order]])
-    tokens = np.concatenate([[int(root)], np.asarray(token_of, dtype=np.int64)[order]])
-    scores = np.concatenate([[0.0], np.asarray(score_of, dtype=np.float32)[order]]).astype(np.float32)
-    return _host_tree(tokens, parents, depths, scores, top_vals.device)
+    order = [node for level in ranks[1:] for node in level]
+    flat = [0] * len(order)
+    for i, node in enumerate(order, 1):
+        flat[node] = i
+    parents = [-1] + [flat[parent_of[v]] if parent_of[v] >= 0 else 0 for v in order]
+    depths = [0] + [d for d, level in enumerate(ranks) for _ in level]
+    tokens = [int(root)] + [token_of[v] for v in order]
+    scores = [0.0] + [score_of[v] for v in order]
+    return _host_tree(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64),
+                      np.asarray(depths, dtype=np.int64), np.asarray(scores, dtype=np.float32), top_vals.device)
 
 
 def _host_tree(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray,
