@@ -177,6 +177,29 @@ def test_the_heap_build_equals_the_per_depth_build():
             assert torch.equal(a.ancestor_index(), b.ancestor_index())
 
 
+def test_the_greedy_walk_on_asked_rows_equals_the_walk():
+    """greedy_walk_rows asks only for the rows on its path (in batches) and walks as walk(tree, argmax) does."""
+    from ddtree.engine.tree import greedy_walk_rows
+
+    g = torch.Generator().manual_seed(3)
+    for budget in (4, 64, 200):
+        logp = torch.log_softmax(torch.randn(10, 7, generator=g) * 2, dim=-1)
+        tree = best_first_tree(torch.tensor(2), logp, budget)
+        for _ in range(40):
+            logits = torch.randn(len(tree), 7, generator=g)
+            logits[0, int(tree.tokens[1])] += 3  # some walks go deep
+            asked = []
+
+            def argmax(nodes, logits=logits, asked=asked):
+                asked.extend(nodes)
+                return logits[nodes].argmax(-1).tolist()
+
+            a, b = greedy_walk_rows(tree, argmax), walk(tree, logits.argmax(-1))
+            assert a.path_list == b.path_list and a.tokens == b.tokens
+            assert torch.equal(a.path, b.path) and int(a.next_root) == int(b.next_root)
+            assert set(a.path_list) <= set(asked) and len(asked) == len(set(asked))  # each row once
+
+
 def test_host_walk_equals_device_walk():
     """A host-built tree (CPU) walks in NumPy; the torch walk of the same tree gives the same path and tokens."""
     g = torch.Generator().manual_seed(0)

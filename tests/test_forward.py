@@ -111,6 +111,30 @@ def test_generations_through_the_lean_forward_equal_hf_greedy(model_type):
     assert ddtree.generate(model, None, ids, method="ar", max_new_tokens=16).output_ids == ref
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_greedy_trees_with_the_head_on_walked_rows_only_equal_hf_greedy(model_type, monkeypatch):
+    """TargetSession.lazy_head on every tree (its size floor lowered): outputs still HF greedy's, and the head
+    really read fewer rows than the trees had."""
+    from ddtree.engine import target as target_mod
+
+    monkeypatch.setattr(target_mod, "LAZY_HEAD_MIN", 2)
+    model = _model(model_type, "sdpa")
+    drafter = ddtree.DFlashDrafter.random_for_target(model.config, block_size=6)
+    rows, plain = [], model.lm_head.forward
+
+    def counted(x):
+        rows.append(x.shape[-2] if x.ndim > 1 else 1)
+        return plain(x)
+
+    monkeypatch.setattr(model.lm_head, "forward", counted)  # the lean forward calls the head's forward directly
+    ids = torch.randint(0, 80, (1, 9), generator=torch.Generator().manual_seed(2))
+    ref = hf_greedy(model, ids, 24)
+    rows.clear()
+    res = ddtree.generate(model, drafter, ids, method="ddtree", budget=30, max_new_tokens=24)
+    assert res.output_ids == ref
+    assert rows and sum(rows) < len(res.acceptance_lengths) * 31 / 2  # trees of 31 rows: the head read far fewer
+
+
 HYBRIDS = [name for name in LEAN if FAMILIES[name].gdn]
 
 

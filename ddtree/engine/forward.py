@@ -157,6 +157,7 @@ class LeanForward:
 
     Returns (logits [T', V], hidden states by index): hidden[0] is the embeddings, hidden[i] the output of
     decoder layer i - 1, the last one after the final norm, as `output_hidden_states` numbers them.
+    head=False: the rows the head would read (after the final norm) instead of their logits.
     """
 
     def __init__(self, model: PreTrainedModel, base: torch.nn.Module, positions: str):
@@ -171,7 +172,7 @@ class LeanForward:
         self.final_norm = lean_norm(base.norm, fused)
 
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
-                 keep: list[int] | None = None, logits_to_keep: int = 0) -> tuple[torch.Tensor, dict]:
+                 keep: list[int] | None = None, logits_to_keep: int = 0, head: bool = True) -> tuple[torch.Tensor, dict]:
         base = self.base
         hidden = base.embed_tokens.forward(ids)
         rope_ids = position_ids if self.positions == ROPE else position_ids[None].expand(3, *position_ids.shape)
@@ -192,7 +193,7 @@ class LeanForward:
         if last in wanted:
             kept[last] = hidden
         rows = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
-        return self.head.forward(rows), kept
+        return (self.head.forward(rows) if head else rows), kept
 
 
 # base model classes whose forward LeanForward reproduces (checked against transformers 5.24; tests/test_forward.py)

@@ -13,7 +13,7 @@ from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, check_target_supported, context_features, model_type
-from ddtree.engine.tree import walk
+from ddtree.engine.tree import greedy_walk_rows, walk
 
 __all__ = ["generate", "check_generate_args", "context_features"]
 
@@ -83,11 +83,14 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
         state = DecodeState(root=root, start=session.length, prompt_len=input_ids.shape[1], generated=out,
                             new_context=feats, temperature=temperature, generator=generator, timer=timer)
         tree = proposer.propose(state)
+        lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
         with timer.stage("verify"):
-            logits, feats = session.verify(tree)
+            verified, feats = session.verify(tree, head=not lazy)  # logits, or the rows before the head
         with timer.stage("commit"):
-            choice = _choose(logits, temperature, generator)
-            w = walk(tree, choice)  # the round's one host read
+            if lazy:
+                w = greedy_walk_rows(tree, session.head_argmax(verified))
+            else:
+                w = walk(tree, _choose(verified, temperature, generator))  # the round's one host read
             session.commit(tree, w.path)
             if feats is not None:
                 feats = feats[:, w.path]

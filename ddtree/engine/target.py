@@ -36,6 +36,10 @@ DENSE_AUTO_KEYS = 1024
 # Prompts up to this many tokens prefill a CPU hybrid through the tree-exact GDN as one chain (faster there
 # up to ~64 tokens; its T x T solve loses to the chunked fallback beyond: bench/bench_prefill.py)
 CHAIN_PREFILL_MAX = 64
+# A greedy verification of a branching tree this large on a CPU lean target runs the head only on the walked
+# rows (TargetSession.lazy_head); below it the batched head over every node cost about the same (toy pairs, on/off
+# interleaved: 0.99-1.00x at budget 16, 1.00-1.05x at 64, 1.02-1.06x at 256)
+LAZY_HEAD_MIN = 65
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -182,12 +186,14 @@ class TargetSession:
                           "layers have no exact tree verification or rollback", "use method=ar for this model family")
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
-                 logits_to_keep: int = 0, lean: bool = False):
-        """The target on ids; lean: `mask` is the whole story (none: every cached key visible to every query)."""
+                 logits_to_keep: int = 0, lean: bool = False, head: bool = True):
+        """The target on ids; lean: `mask` is the whole story (none: every cached key visible to every query).
+        head=False (lean only): the final-norm rows instead of the logits."""
         if lean and self.lean is not None:
-            logits, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep)
+            logits, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep, head=head)
             feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
             return logits[0], feats
+        assert head, "the rows before the head come from the lean forward only"
         kw = {}
         if self.hidden_ids:
             kw["output_hidden_states"] = self.hidden_ids
@@ -218,9 +224,29 @@ class TargetSession:
         self.length = n
         return logits[-1], feats
 
+    def lazy_head(self, tree: DraftTree) -> bool:
+        """Whether a greedy round should verify `tree` with head=False and walk with `greedy_walk_rows`: a
+        branching tree of at least LAZY_HEAD_MIN nodes, built on the host, on a CPU lean target.
+
+        The greedy walk reaches a node only through its parent's argmax, so it needs the logits of its own
+        path alone: the head then reads a handful of rows in a few small batches instead of all n."""
+        return (self.lean is not None and not tree.is_chain and tree._host is not None
+                and len(tree) >= LAZY_HEAD_MIN and self.model.device.type == "cpu")
+
+    def head_argmax(self, rows: torch.Tensor):
+        """For greedy_walk_rows: nodes -> the target's argmax after each, from verify(head=False)'s rows."""
+        head = self.lean.head
+
+        @torch.inference_mode()
+        def argmax(nodes: list[int]) -> list[int]:
+            return head.forward(rows[nodes]).argmax(-1).tolist()
+
+        return argmax
+
     @torch.inference_mode()
-    def verify(self, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over [root] + nodes; logits [n, V] (row i: the target after node i)."""
+    def verify(self, tree: DraftTree, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward over [root] + nodes; logits [n, V] (row i: the target after node i).
+        head=False (a branching tree on a lean target): the final-norm rows [n, H] instead."""
         ids = tree.tokens.unsqueeze(0)
         pos = (tree.depths + self.length).unsqueeze(0)
         n = len(tree)
@@ -236,7 +262,7 @@ class TargetSession:
             # else a long chain on split: the causal mask the model builds itself
             if self.gdn:
                 stack.enter_context(gdn.tree_verification(tree) if n > 1 else gdn.single_step())
-            return self._forward(ids, pos, mask, lean=lean)
+            return self._forward(ids, pos, mask, lean=lean, head=head)
 
     def _dense_mask(self, tree: DraftTree) -> torch.Tensor:
         """tree_attention_mask(tree, length) as a view of a buffer kept across rounds: O(n * (accepted + n)) a round."""

@@ -406,6 +406,38 @@ def _walk_host(host: tuple[np.ndarray, ...], choice: torch.Tensor) -> Walk:
     return Walk(torch.from_numpy(path), path.tolist(), tokens[path[1:]].tolist() + [int(c[end])], choice[end])
 
 
+def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
+    """walk(tree, argmax of every node's logits), asking `argmax(nodes)` only for the nodes the walk reaches.
+
+    The walk reaches a node only through its parent's argmax, so it needs the target's choice at its own path
+    alone. Each ask is a batch: the node the walk stands on and its chain of best children (each node's first
+    child in flat order: the drafter's likeliest continuation, which the walk usually follows); a walk that
+    leaves the chain asks again from where it left. Host-built trees only (`tree._host`).
+    """
+    tokens, parents, depths, _ = tree._host
+    n = tokens.shape[0]
+    first = np.full(n, -1, dtype=np.int64)
+    first[parents[:0:-1]] = np.arange(n - 1, 0, -1)  # later writes win: each parent keeps its smallest child
+    child = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist(), strict=True))
+             if i}
+    first_l = first.tolist()
+    choice: dict[int, int] = {}
+    path, node = [0], 0
+    while True:
+        if node not in choice:
+            batch = [node]
+            while first_l[batch[-1]] >= 0:
+                batch.append(first_l[batch[-1]])
+            choice.update(zip(batch, argmax(batch), strict=True))
+        nxt = child.get((node, choice[node]))
+        if nxt is None:
+            break
+        path.append(nxt)
+        node = nxt
+    toks = tokens[path[1:]].tolist() + [choice[node]]
+    return Walk(torch.tensor(path, dtype=torch.long), path, toks, torch.tensor(choice[node], dtype=torch.long))
+
+
 def accepted_path(tree: DraftTree, choice: torch.Tensor) -> torch.Tensor:
     """Flat indices root→deepest consistent node (see `walk`), on the device."""
     return walk(tree, choice).path
