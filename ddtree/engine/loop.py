@@ -26,6 +26,21 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(probs.shape[:-1])
 
 
+def _walk_asking_head(tree, ask) -> tuple:
+    """greedy_walk_rows(tree, ask), and the seconds spent in `ask` (the head: target forward work)."""
+    spent = 0.0
+
+    def timed(nodes: list[int]) -> list[int]:
+        nonlocal spent
+        t = time.perf_counter()
+        try:
+            return ask(nodes)
+        finally:
+            spent += time.perf_counter() - t
+
+    return greedy_walk_rows(tree, timed), spent
+
+
 def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None) -> Proposer:
     """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares."""
     m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
@@ -86,15 +101,17 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
         lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
         with timer.stage("verify"):
             verified, feats = session.verify(tree, head=not lazy)  # logits, or the rows before the head
+        head_s = 0.0
         with timer.stage("commit"):
             if lazy:
-                w = greedy_walk_rows(tree, session.head_argmax(verified))
+                w, head_s = _walk_asking_head(tree, session.head_argmax(verified))
             else:
                 w = walk(tree, _choose(verified, temperature, generator))  # the round's one host read
             session.commit(tree, w.path)
             if feats is not None:
                 feats = feats[:, w.path]
             new, root = w.tokens, w.next_root
+        timer.move("commit", "verify", head_s)  # the head on the walked rows is target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)
         for i, t in enumerate(new[:room]):

@@ -36,6 +36,11 @@ class StageTimer:
                 torch.cuda.synchronize()
             self.seconds[name] += time.perf_counter() - t
 
+    def move(self, source: str, dest: str, seconds: float) -> None:
+        """Book `seconds` timed inside stage `source` under `dest` instead (work of that kind done there)."""
+        self.seconds[source] -= seconds
+        self.seconds[dest] += seconds
+
 
 @dataclass
 class DecodeState:
