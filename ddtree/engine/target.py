@@ -193,7 +193,8 @@ class TargetSession:
             logits, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep, head=head)
             feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
             return logits[0], feats
-        assert head, "the rows before the head come from the lean forward only"
+        if not head:
+            raise ValueError("verify(head=False) needs the lean forward (see TargetSession.lazy_head)")
         kw = {}
         if self.hidden_ids:
             kw["output_hidden_states"] = self.hidden_ids
