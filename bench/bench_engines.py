@@ -58,6 +58,7 @@ import torch  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
+from ddtree.engine.host import tune_host_allocator  # noqa: E402
 from ddtree.testing.tiny import tiny_model  # noqa: E402
 
 ENGINES = ("native", "upstream", "transformers")
@@ -350,7 +351,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     upstream = load_upstream(args.upstream)
+    # process-wide: set before any engine runs, so every engine and row runs under the same allocator
+    alloc = tune_host_allocator() if args.device == "cpu" else "untouched (not a CPU run)"
     lines = [f"## Engines side by side ({args.device}, {args.dtype})", "", f"Machine: {machine()}",
+             f"Host allocator (every engine): {alloc}",
              f"Command: `{' '.join(['python', *sys.argv])}`"]
     for name in args.pairs.split(","):
         pair = (trained_pair(name, args.prompts, args.device, dtype) if name in TRAINED

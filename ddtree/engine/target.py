@@ -11,6 +11,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from ddtree.engine import attention, gdn
 from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.forward import lean_forward_for
+from ddtree.engine.host import tune_host_allocator
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
@@ -149,6 +150,8 @@ class TargetSession:
         if tree_attention not in TREE_ATTENTION:
             raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
         self.model = model
+        if model.device.type == "cpu":
+            tune_host_allocator()  # once per process (ddtree.engine.host)
         self.feature_layers = feature_layers
         self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
         dense_ok = attention.base_backend(model.config._attn_implementation) in ("eager", "sdpa")

@@ -1,0 +1,74 @@
+"""Host allocator settings for CPU targets: keep freed tensor memory in the heap instead of returning it per op.
+
+glibc's malloc serves a large block (above a threshold that adapts between 128 KiB and 32 MiB) from fresh
+`mmap`ed pages, and gives the top of the heap back to the kernel once more than the trim threshold is free
+there. A CPU verification forward makes hundreds of temporaries of 0.1-10 MiB (a 257-node tree on the toy
+hybrid: every [heads, n, n] GDN matrix is 1.6 MiB), so under the defaults many of them land on pages the
+kernel must fault in and zero again, op after op. `tune_host_allocator` fixes both thresholds once per
+process (mmap only from 32 MiB, glibc's maximum; trim only past 1 GiB of free heap top), so the freed blocks
+are reused: one 257-node verification of the toy hybrid took 98-99 ms before and 61-66 ms after (same
+outputs: nothing but where the memory comes from changes).
+
+Process-wide, like any malloc setting: every model in the process (the authors' loops and transformers' in
+`bench/bench_engines.py` too) runs under it once it is set. The cost is that up to 1 GiB of freed memory stays
+mapped to the process. Not applied where the C library is not glibc, where the environment sets either threshold
+(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES: theirs wins), or with DDTREE_HOST_MALLOC=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD = -1  # <malloc.h>
+M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD = 32 << 20  # glibc's upper bound for this setting on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+TRIM_THRESHOLD = 1 << 30
+
+_STATE: dict[str, str] = {}
+
+
+def _user_settings() -> list[str]:
+    """The environment's own settings of these two thresholds."""
+    found = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables:
+        found.append("GLIBC_TUNABLES")
+    return found
+
+
+def tune_host_allocator() -> str:
+    """Set the thresholds once per process; returns what holds, in words (also when nothing was changed)."""
+    if "state" in _STATE:
+        return _STATE["state"]
+    state = _tune()
+    _STATE["state"] = state
+    log.debug("host allocator: %s", state)
+    return state
+
+
+def _tune() -> str:
+    if os.environ.get("DDTREE_HOST_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
+        return "untouched (DDTREE_HOST_MALLOC=0)"
+    if not sys.platform.startswith("linux"):
+        return f"untouched ({sys.platform}: not glibc)"
+    user = _user_settings()
+    if user:
+        return f"untouched (the environment sets {', '.join(user)})"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        version = libc.gnu_get_libc_version
+    except (OSError, AttributeError):
+        return "untouched (the C library is not glibc)"
+    version.restype = ctypes.c_char_p
+    mallopt = libc.mallopt
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    if mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
+        return f"untouched (glibc {version().decode()} refused mallopt)"
+    return (f"glibc {version().decode()}: mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
+            f"trim threshold {TRIM_THRESHOLD >> 20} MiB")

@@ -1,0 +1,54 @@
+"""ddtree.engine.host: the CPU allocator settings, set once per process, and where they are left alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ddtree.engine import host
+
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+
+
+def _state_in_child(env: dict[str, str], code: str = "print(h.tune_host_allocator())") -> str:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("DDTREE_HOST_MALLOC", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")}
+    out = subprocess.run([sys.executable, "-c", f"import ddtree.engine.host as h\n{code}"],
+                         env={**base, **env}, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+@glibc
+def test_a_fresh_process_gets_both_thresholds():
+    assert _state_in_child({}).startswith("glibc ")
+    assert "mmap threshold 32 MiB, trim threshold 1024 MiB" in _state_in_child({})
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"DDTREE_HOST_MALLOC": "0"}, "DDTREE_HOST_MALLOC=0"),
+    ({"MALLOC_TRIM_THRESHOLD_": "4096"}, "MALLOC_TRIM_THRESHOLD_"),
+    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, "GLIBC_TUNABLES"),
+])
+def test_the_environment_wins_and_is_named(env, named):
+    state = _state_in_child(env)
+    assert state.startswith("untouched") and named in state
+
+
+@glibc
+def test_other_glibc_tunables_do_not_stop_it():
+    assert _state_in_child({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}).startswith("glibc ")
+
+
+@glibc
+def test_it_is_set_once_and_a_cpu_session_sets_it():
+    code = ("import torch\nfrom ddtree.engine.target import TargetSession\nfrom ddtree.testing.tiny import tiny_model\n"
+            "assert not h._STATE\nTargetSession(tiny_model('qwen3', seed=0))\nfirst = h._STATE['state']\n"
+            "assert h.tune_host_allocator() is first\nprint(first)")
+    assert _state_in_child({}, code).startswith("glibc ")
+
+
+def test_the_state_is_words_in_this_process():
+    assert isinstance(host.tune_host_allocator(), str)
