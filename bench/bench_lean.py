@@ -1,12 +1,14 @@
-"""Lean decoder layers on and off, in one process, interleaved per prompt (ddtree.engine.forward.LeanLayer).
+"""A lean-forward feature on and off, in one process, interleaved per prompt (ddtree.engine.forward).
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_lean.py [--pairs toy,toy_pure] [--rows ar,dflash,ddtree:64]
-        [--prompts 48] [--new 128] [--passes 3]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_lean.py [--switch layers|tail] [--pairs toy,toy_pure]
+        [--rows ar,dflash,ddtree:64] [--prompts 48] [--new 128] [--passes 3]
 
-"off" is the lean forward as it was before `LeanLayer`: every decoder layer runs its own `forward` and the
-final norm its module (the bench switches `LeanLayer.supports` and the fused norms off for those calls).
-"on" is the engine's default. Both are bitwise the plain model call (tests/test_forward.py), so the outputs
-must be identical; the bench checks it. Each prompt runs on/off back to back, the order alternating per
+--switch layers (default): "off" is the lean forward as it was before `LeanLayer`: every decoder layer runs its
+own `forward` and the final norm its module (the bench switches `LeanLayer.supports` and the fused norms off
+for those calls). Both are bitwise the plain model call (tests/test_forward.py).
+--switch tail: "off" runs a lazy-head round's last decoder layer over every node (`LeanForward.lazy_tail`
+off: only the head is lazy), "on" only over the rows the walk asks for (`LazyTail`).
+"on" is the engine's default; the outputs must be identical, and the bench checks it. Each prompt runs on/off back to back, the order alternating per
 prompt; tok/s per pass, ratio = on / off (median over passes, min-max in brackets). The answers workload of
 bench_engines.py: each held-out prompt's answer up to its stop token, at most --new tokens.
 """
@@ -45,8 +47,29 @@ def lean_layers(on: bool):
         forward.LeanLayer.supports, forward.lean_norm = staticmethod(_SUPPORTS), _NORM
 
 
+@contextmanager
+def lazy_tail(on: bool):
+    """Sessions made inside build their LeanForward with (on) or without (off) the lazy last layer."""
+    if on:
+        yield
+        return
+    def build(self, *a, **kw):
+        _INIT(self, *a, **kw)
+        self.lazy_tail = False
+    forward.LeanForward.__init__ = build
+    try:
+        yield
+    finally:
+        forward.LeanForward.__init__ = _INIT
+
+
+_INIT = forward.LeanForward.__init__
+SWITCHES = {"layers": lean_layers, "tail": lazy_tail}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--switch", choices=sorted(SWITCHES), default="layers")
     ap.add_argument("--pairs", default="toy,toy_pure")
     ap.add_argument("--rows", default="ar,dflash,ddtree:16,ddtree:64,ddtree:256")
     ap.add_argument("--prompts", type=int, default=48)
@@ -55,7 +78,9 @@ def main() -> None:
     args = ap.parse_args()
     rows = [(r.split(":")[0], int(r.split(":")[1]) if ":" in r else None) for r in args.rows.split(",")]
     print(f"machine: {machine()}")
-    print("| pair | method | budget | lean layers tok/s | without tok/s | on / off | same output |")
+    switch = SWITCHES[args.switch]
+    label = {"layers": "lean layers", "tail": "lazy last layer"}[args.switch]
+    print(f"| pair | method | budget | {label} tok/s | without tok/s | on / off | same output |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.pairs.split(","):
         pair = trained_pair(name, args.prompts, "cpu", torch.float32)
@@ -69,7 +94,7 @@ def main() -> None:
                 wall, tokens, outs = {True: 0.0, False: 0.0}, {True: 0, False: 0}, {True: [], False: []}
                 for i, ids in enumerate(pair.prompts):
                     for on in ((True, False) if i % 2 else (False, True)):
-                        with lean_layers(on):
+                        with switch(on):
                             t0 = time.perf_counter()
                             r = ddtree.generate(pair.target, pair.drafter, ids, method=method, budget=budget,
                                                 max_new_tokens=args.new, stop_token_ids=pair.stops)

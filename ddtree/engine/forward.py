@@ -32,7 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 
-__all__ = ["LeanForward", "LeanLayer", "lean_forward_for", "lean_norm"]
+__all__ = ["LazyTail", "LeanForward", "LeanLayer", "lean_forward_for", "lean_norm"]
 
 # RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
 _NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
@@ -111,32 +111,54 @@ class LeanLayer:
             return hasattr(layer, "linear_attn")
         return type(getattr(layer, "self_attn", None)).__name__ in _ATTENTIONS
 
-    def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(query [B, heads, T, d] before RoPE, the gate of a gated attention or None)."""
         attn = self.attn
         shape = x.shape[:-1]
         heads = (*shape, -1, attn.head_dim)
+        gate = None
         if self.gated:
             query, gate = torch.chunk(self.q(x).view(*shape, -1, attn.head_dim * 2), 2, dim=-1)
             gate = gate.reshape(*shape, -1)
             query = query.view(heads)
         else:
             query = self.q(x).view(heads)
-        key = self.k(x).view(heads)
         if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
-        query, key = query.transpose(1, 2), key.transpose(1, 2)
-        value = self.v(x).view(heads).transpose(1, 2)
-        query, key = self.rotary(query, key, *rope)
-        kwargs = {"position_ids": position_ids}
-        if cache is not None:
-            key, value = cache.update(key, value, attn.layer_idx, kwargs=kwargs)
+            query = self.q_norm(query)
+        return query.transpose(1, 2), gate
+
+    def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key before RoPE, value), [B, kv heads, T, d]."""
+        heads = (*x.shape[:-1], -1, self.attn.head_dim)
+        key = self.k(x).view(heads)
+        if self.k_norm is not None:
+            key = self.k_norm(key)
+        return key.transpose(1, 2), self.v(x).view(heads).transpose(1, 2)
+
+    def _attend(self, query, gate, key, value, mask, position_ids) -> torch.Tensor:
+        """The configured attention function over (key, value), the gate, the o projection: [B, T, hidden]."""
+        attn = self.attn
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         out, _ = attend(attn, query, key, value, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
-                        scaling=attn.scaling, **self.extra, **kwargs)
-        out = out.reshape(*shape, -1).contiguous()
-        if self.gated:
+                        scaling=attn.scaling, **self.extra, position_ids=position_ids)
+        out = out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
+        if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o(out)
+
+    def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
+        query, gate = self._queries(x)
+        key, value = self._keys_values(x)
+        query, key = self.rotary(query, key, *rope)
+        if cache is not None:
+            key, value = cache.update(key, value, self.attn.layer_idx, kwargs={"position_ids": position_ids})
+        return self._attend(query, gate, key, value, mask, position_ids)
+
+    def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp(self.norm2(x))
+        if isinstance(h, tuple):
+            h = h[0]
+        return x + h
 
     def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, rope, position_ids, cache) -> torch.Tensor:
         h = self.norm1(x)
@@ -145,11 +167,46 @@ class LeanLayer:
             h = self.layer.linear_attn.forward(hidden_states=h, cache=cache, attention_mask=None)
         else:
             h = self._attention(h, rope, mask, cache, position_ids)
-        x = x + h
-        h = self.mlp(self.norm2(x))
-        if isinstance(h, tuple):
-            h = h[0]
-        return x + h
+        return self._feed_forward(x + h)
+
+
+class LazyTail:
+    """The last decoder layer and the final norm of a verification, for the rows a greedy walk reads only.
+
+    Every node's keys and values go to the cache at once (the committed path needs them, and the asked rows
+    attend over them), but the queries, the attention itself, the o projection, the MLP and the final norm run
+    only for the rows asked, one batch per ask, each row once. A greedy walk reads its own path (and a few rows
+    beside it), so on a 257-node tree the last layer's query-side work shrinks to a tenth or less.
+
+    `final(nodes)`: the final-norm rows of `nodes` [k, hidden]; the same arithmetic as the full layer, row by
+    row (the batch is smaller, so a row can differ from the full forward's in the last bits, as a decode step's
+    does).
+    """
+
+    def __init__(self, lean: LeanLayer, x: torch.Tensor, rope, mask: torch.Tensor, position_ids, cache,
+                 final_norm: Callable[[torch.Tensor], torch.Tensor]):
+        self.lean, self.x, self.mask, self.position_ids, self.final_norm = lean, x, mask, position_ids, final_norm
+        self.h = lean.norm1(x)
+        key, value = lean._keys_values(self.h)
+        _, key = lean.rotary(key, key, *rope)
+        if cache is not None:
+            key, value = cache.update(key, value, lean.attn.layer_idx, kwargs={"position_ids": position_ids})
+        self.key, self.value, self.rope = key, value, rope
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def final(self, nodes: list[int]) -> torch.Tensor:
+        todo = list(dict.fromkeys(i for i in nodes if i not in self._rows))
+        if todo:
+            idx = torch.tensor(todo, device=self.x.device)
+            lean = self.lean
+            query, gate = lean._queries(self.h[:, idx])
+            cos, sin, *more = self.rope
+            query, _ = lean.rotary(query, query, cos[:, idx], sin[:, idx], *more)
+            out = lean._attend(query, gate, self.key, self.value, self.mask[:, :, idx],
+                               self.position_ids[:, idx])
+            rows = self.final_norm(lean._feed_forward(self.x[:, idx] + out))[0]
+            self._rows.update(zip(todo, rows.unbind(0), strict=True))
+        return torch.stack([self._rows[i] for i in nodes])
 
 
 class LeanForward:
@@ -157,7 +214,10 @@ class LeanForward:
 
     Returns (logits [T', V], hidden states by index): hidden[0] is the embeddings, hidden[i] the output of
     decoder layer i - 1, the last one after the final norm, as `output_hidden_states` numbers them.
-    head=False: the rows the head would read (after the final norm) instead of their logits.
+    head=False: the rows the head would read (after the final norm) instead of their logits. head="lazy": where
+    the last layer allows it (`lazy_tail`) and `mask` is a tensor, a `LazyTail` that computes the last layer
+    and the final norm for asked rows only (hidden states up to the last layer's input are kept as usual); else
+    as head=False.
     """
 
     def __init__(self, model: PreTrainedModel, base: torch.nn.Module, positions: str):
@@ -170,9 +230,12 @@ class LeanForward:
         fused = model.device.type == "cpu"
         self.lean_layers = [LeanLayer(layer, fused) if LeanLayer.supports(layer) else None for layer in self.layers]
         self.final_norm = lean_norm(base.norm, fused)
+        # head="lazy" can stop before the last layer: an attention layer run as a LeanLayer (see LazyTail)
+        self.lazy_tail = bool(self.layers) and self.lean_layers[-1] is not None and not self.linear[-1]
 
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
-                 keep: list[int] | None = None, logits_to_keep: int = 0, head: bool = True) -> tuple[torch.Tensor, dict]:
+                 keep: list[int] | None = None, logits_to_keep: int = 0,
+                 head: bool | str = True) -> tuple[torch.Tensor | LazyTail, dict]:
         base = self.base
         hidden = base.embed_tokens.forward(ids)
         rope_ids = position_ids if self.positions == ROPE else position_ids[None].expand(3, *position_ids.shape)
@@ -180,8 +243,11 @@ class LeanForward:
         wanted = set(keep or ())
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
+        tail = head == "lazy" and self.lazy_tail and mask is not None and logits_to_keep == 0
         for i, layer in enumerate(self.layers):
             lean = self.lean_layers[i]
+            if tail and i + 1 == last:
+                return LazyTail(lean, hidden, rope, mask, position_ids, cache, self.final_norm), kept
             if lean is not None:
                 hidden = lean(hidden, None if self.linear[i] else mask, rope, position_ids, cache)
             else:
@@ -193,7 +259,7 @@ class LeanForward:
         if last in wanted:
             kept[last] = hidden
         rows = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
-        return (self.head.forward(rows) if head else rows), kept
+        return (self.head.forward(rows) if head is True else rows), kept
 
 
 # base model classes whose forward LeanForward reproduces (checked against transformers 5.24; tests/test_forward.py)

@@ -100,18 +100,21 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
         tree = proposer.propose(state)
         lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
         with timer.stage("verify"):
-            verified, feats = session.verify(tree, head=not lazy)  # logits, or the rows before the head
+            verified, feats = session.verify(tree, head=not lazy)  # (logits, features), or (WalkRows, None)
         head_s = 0.0
         with timer.stage("commit"):
             if lazy:
-                w, head_s = _walk_asking_head(tree, session.head_argmax(verified))
+                w, head_s = _walk_asking_head(tree, verified.argmax)
+                t_feats = time.perf_counter()
+                feats = verified.features(w.path_list)  # before the commit moves the cache rows it reads
+                head_s += time.perf_counter() - t_feats
             else:
                 w = walk(tree, _choose(verified, temperature, generator))  # the round's one host read
             session.commit(tree, w.path)
-            if feats is not None:
+            if feats is not None and not lazy:
                 feats = feats[:, w.path]
             new, root = w.tokens, w.next_root
-        timer.move("commit", "verify", head_s)  # the head on the walked rows is target forward work (CPU only)
+        timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)
         for i, t in enumerate(new[:room]):

@@ -10,13 +10,13 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from ddtree.engine import attention, gdn
 from ddtree.engine.families import family, model_type, supports
-from ddtree.engine.forward import lean_forward_for
+from ddtree.engine.forward import LazyTail, lean_forward_for
 from ddtree.engine.host import tune_host_allocator
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
-__all__ = ["PreallocatedLayer", "TargetSession", "check_target_supported", "context_features", "model_type",
+__all__ = ["PreallocatedLayer", "TargetSession", "WalkRows", "check_target_supported", "context_features", "model_type",
            "new_cache"]
 
 
@@ -41,6 +41,35 @@ CHAIN_PREFILL_MAX = 64
 # rows (TargetSession.lazy_head); below it the batched head over every node cost about the same (toy pairs, on/off
 # interleaved: 0.99-1.00x at budget 16, 1.00-1.05x at 64, 1.02-1.06x at 256)
 LAZY_HEAD_MIN = 65
+# From this many nodes a lazy-head round also runs the last decoder layer only for the walked rows (LazyTail):
+# on/off interleaved (bench_lean.py --switch tail) 1.03x (hybrid) and 1.07x (pure) at budget 256, 0.98-1.00x at 64
+LAZY_TAIL_MIN = 129
+
+
+class WalkRows:
+    """verify(head=False): the target's argmax after the nodes a greedy walk asks about, and the features of the
+    path it accepts, computed as asked.
+
+    Over a `LazyTail` (the last layer an attention layer, a dense tree mask) the last layer itself runs only for
+    the asked rows; otherwise every row's final-norm hidden state is there and only the head is lazy.
+    """
+
+    def __init__(self, lean, out, kept: dict, hidden_ids: list[int] | None):
+        self.head, self.kept, self.hidden_ids = lean.head, kept, hidden_ids
+        self.final = out.final if isinstance(out, LazyTail) else (lambda nodes: out[0][nodes])
+
+    @torch.inference_mode()
+    def argmax(self, nodes: list[int]) -> list[int]:
+        """For greedy_walk_rows: the target's token after each of `nodes`."""
+        return self.head.forward(self.final(nodes)).argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def features(self, path: list[int]) -> torch.Tensor | None:
+        """[1, len(path), F]: what verify(head=True)'s features hold at `path`."""
+        if not self.hidden_ids:
+            return None
+        parts = [self.kept[i][:, path] if i in self.kept else self.final(path)[None] for i in self.hidden_ids]
+        return torch.cat(parts, dim=-1)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -191,11 +220,15 @@ class TargetSession:
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  logits_to_keep: int = 0, lean: bool = False, head: bool = True):
         """The target on ids; lean: `mask` is the whole story (none: every cached key visible to every query).
-        head=False (lean only): the final-norm rows instead of the logits."""
+        head=False (lean only): a `WalkRows` instead of (logits, features)."""
         if lean and self.lean is not None:
-            logits, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep, head=head)
+            lazy = "lazy" if ids.shape[1] >= LAZY_TAIL_MIN else False
+            out, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep,
+                                  head=True if head else lazy)
+            if not head:
+                return WalkRows(self.lean, out, kept, self.hidden_ids), None
             feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
-            return logits[0], feats
+            return out[0], feats
         if not head:
             raise ValueError("verify(head=False) needs the lean forward (see TargetSession.lazy_head)")
         kw = {}
@@ -237,20 +270,10 @@ class TargetSession:
         return (self.lean is not None and not tree.is_chain and tree._host is not None
                 and len(tree) >= LAZY_HEAD_MIN and self.model.device.type == "cpu")
 
-    def head_argmax(self, rows: torch.Tensor):
-        """For greedy_walk_rows: nodes -> the target's argmax after each, from verify(head=False)'s rows."""
-        head = self.lean.head
-
-        @torch.inference_mode()
-        def argmax(nodes: list[int]) -> list[int]:
-            return head.forward(rows[nodes]).argmax(-1).tolist()
-
-        return argmax
-
     @torch.inference_mode()
     def verify(self, tree: DraftTree, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One forward over [root] + nodes; logits [n, V] (row i: the target after node i).
-        head=False (a branching tree on a lean target): the final-norm rows [n, H] instead."""
+        """One forward over [root] + nodes; logits [n, V] (row i: the target after node i), features [1, n, F].
+        head=False (a branching tree on a lean target, `lazy_head`): (WalkRows, None), the rows a walk asks for."""
         ids = tree.tokens.unsqueeze(0)
         pos = (tree.depths + self.length).unsqueeze(0)
         n = len(tree)
