@@ -51,7 +51,8 @@ class WalkRows:
     path it accepts, computed as asked.
 
     Over a `LazyTail` (the last layer an attention layer, a dense tree mask) the last layer itself runs only for
-    the asked rows; otherwise every row's final-norm hidden state is there and only the head is lazy.
+    the asked rows; otherwise every row's final-norm hidden state is there and only the head is lazy. Ask before
+    the commit: a LazyTail reads the verified keys and values where the cache holds them until then.
     """
 
     def __init__(self, lean, out, kept: dict, hidden_ids: list[int] | None):
