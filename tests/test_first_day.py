@@ -90,6 +90,7 @@ def local_pair(tmp_path_factory) -> tuple[Path, Path]:
     return root / "my-hybrid", root / "my-drafter"
 
 
+@pytest.mark.slow  # two CLI processes, ~15 s (CI time: make test stays near 11 minutes)
 def test_any_checkpoint_by_path_records_its_name_and_family(cli, tmp_path, local_pair):
     target, drafter = local_pair
     job = tmp_path / "job"
@@ -106,6 +107,7 @@ def test_any_checkpoint_by_path_records_its_name_and_family(cli, tmp_path, local
               "drafter=pretrained drafter.name_or_path=")
 
 
+@pytest.mark.slow  # two CLI processes, ~20 s (CI time: make test stays near 11 minutes)
 def test_long_prompt_is_truncated_only_when_asked(cli, tmp_path):
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": "long", "turns": ["count " * 400]}) + "\n")
@@ -209,6 +211,7 @@ def test_a_killed_job_resumes_at_its_first_unfinished_prompt(tmp_path):
     assert new.info.status == "FINISHED" and new.data.tags["ddtree.resumed_from"] == old.info.run_id
 
 
+@pytest.mark.slow  # a six-job CLI sweep, ~16 s (CI time: make test stays near 11 minutes)
 def test_sweep_runs_dflash_once_and_its_table_shows_what_varies(cli, tmp_path):
     sweep = tmp_path / "sweep"
     proc = cli("model=tiny_qwen3", *TINY, "max_new_tokens=4", "tracking=none", "force=true", "method=dflash,ddtree",
