@@ -52,6 +52,9 @@ def test_every_layer_of_the_lean_families_runs_as_a_lean_layer():
     assert lean.lean_layers[1] is None and lean.lean_layers[2] is not None
     TargetSession(model, None, capacity=64).prefill(torch.randint(0, 80, (1, 5)))
     assert calls == [1]
+    # an accelerate hook (offload) on a submodule, however deep, sends the layer to its own forward too
+    model.model.layers[2].mlp.down_proj._hf_hook = object()
+    assert not LeanLayer.supports(model.model.layers[2]) and LeanLayer.supports(model.model.layers[3])
 
 
 @pytest.mark.parametrize("cls", ["qwen3.Qwen3RMSNorm", "llama.LlamaRMSNorm", "qwen3_5.Qwen3_5RMSNorm",
