@@ -16,6 +16,7 @@ import torch
 
 _F32 = struct.Struct("f")  # the host heap's float32 rounding
 
+
 @dataclass
 class DraftTree:
     """Flat tree. Index 0 is the root; parents[i] < i for every node i >= 1; parents[0] = -1.
