@@ -303,6 +303,32 @@ def test_commit_equals_sequential_prefix_plus_path(patched, model_type, attn, me
     assert err <= TOL
 
 
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type, monkeypatch):
+    """_commit_stacked (the like layers at once) against _commit_layer run on each layer alone, every path of a tree."""
+    model = _model(model_type, "sdpa")
+    gen = torch.Generator().manual_seed(7)
+    cache = _prefill(model, torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen))
+    parents = _trees(seed=7)["deep"]
+    tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
+    _verify(model, cache, tokens, parents, PROMPT_LEN)
+    groups = tree_gdn._commit_groups(cache, cache.__dict__[tree_gdn._PENDING_ATTR])
+    assert len(groups) == 1 and len(groups[0]) == len(_linear_states(cache)) >= 2  # every GDN layer at once
+    def alone(cache, pending):
+        return [[item] for item in sorted(pending.items())]
+
+    for node in range(len(parents)):
+        path = torch.tensor(_path(parents, node))
+        stacked, single = copy.deepcopy(cache), copy.deepcopy(cache)
+        tree_gdn.commit_linear_states(stacked, path)
+        with monkeypatch.context() as m:
+            m.setattr(tree_gdn, "_commit_groups", alone)
+            tree_gdn.commit_linear_states(single, path)
+        for (c, r), (c1, r1) in zip(_linear_states(stacked), _linear_states(single), strict=True):
+            assert torch.equal(c, c1), f"node {node}: conv state"
+            assert torch.equal(r, r1), f"node {node}: recurrent state"
+
+
 def test_commit_rejects_a_non_path_and_a_changed_state(patched):
     model = _model("qwen3_5_text", "eager")
     cache = _prefill(model, torch.arange(PROMPT_LEN)[None])

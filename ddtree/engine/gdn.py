@@ -302,7 +302,6 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tr
     if module.conv1d.bias is not None:
         conv = conv + module.conv1d.bias.float()
     conv = ACT2FN[module.activation](conv).to(hidden_states.dtype)
-    mixed = mixed.transpose(1, 2)  # (B, C, T): what commit appends to the conv state
 
     query, key, value = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(bsz, seq_len, -1, module.head_k_dim)
@@ -315,7 +314,9 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tr
 
     if cache is not None:
         pending = cache.__dict__.setdefault(_PENDING_ATTR, {})
-        pending[layer] = _Pending(tree=tree, kernel=kernel, conv_inputs=mixed, keys=keys, deltas=deltas, cum=cum,
+        # one tensor, so that a commit gathers a path's keys, deltas and decays in one op per layer
+        packed = torch.cat([keys, deltas, cum.unsqueeze(-1)], dim=-1)
+        pending[layer] = _Pending(tree=tree, kernel=kernel, extended=extended, packed=packed, dk=keys.shape[-1],
                                   conv_ref=conv_state, recurrent_ref=recurrent_state,
                                   versions=_versions(conv_state, recurrent_state))
 
@@ -458,13 +459,29 @@ class _Pending:
 
     tree: _Tree
     kernel: int  # conv kernel size
-    conv_inputs: torch.Tensor  # (B, C, T) pre-conv inputs of the tree tokens
-    keys: torch.Tensor  # (B, Hv, T, dk) fp32, normalised
-    deltas: torch.Tensor  # (B, Hv, T, dv) fp32
-    cum: torch.Tensor  # (B, Hv, T) fp32
+    extended: torch.Tensor  # (B, K + T, C): the conv state's last K columns (zeros: none), then the tree tokens'
+    # pre-conv inputs, token-major (the forward's conv input)
+    packed: torch.Tensor  # (B, Hv, T, dk + dv + 1) fp32: normalised keys, deltas, path-cumulative log decay
+    dk: int
     conv_ref: torch.Tensor | None  # the cache's state tensors at verification (None: no prefix yet)
     recurrent_ref: torch.Tensor | None
     versions: tuple[int, ...] | None  # their in-place versions, where tracked
+
+    @property
+    def conv_inputs(self) -> torch.Tensor:  # (B, C, T)
+        return self.extended[:, self.kernel:].transpose(1, 2)
+
+    @property
+    def keys(self) -> torch.Tensor:  # (B, Hv, T, dk)
+        return self.packed[..., :self.dk]
+
+    @property
+    def deltas(self) -> torch.Tensor:  # (B, Hv, T, dv)
+        return self.packed[..., self.dk:-1]
+
+    @property
+    def cum(self) -> torch.Tensor:  # (B, Hv, T)
+        return self.packed[..., -1]
 
     def __deepcopy__(self, memo):
         copied = _Pending(**{name: copy.deepcopy(value, memo) for name, value in vars(self).items()})
@@ -507,11 +524,52 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int]) -> None:
         rec.check_unchanged(cache.layers[layer_idx], layer_idx)
     del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
 
-    for layer_idx, rec in sorted(pending.items()):
+    for group in _commit_groups(cache, pending):
+        rec = group[0][1]
         # in-place writes into inference tensors are only allowed in inference mode
         inference = (rec.conv_ref if rec.conv_ref is not None else rec.keys).is_inference()
         with torch.no_grad(), torch.inference_mode(inference):
-            _commit_layer(cache, layer_idx, rec, index)
+            if len(group) == 1:
+                _commit_layer(cache, group[0][0], rec, index)
+            else:
+                _commit_stacked([r for _, r in group], index)
+
+
+def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, _Pending]]]:
+    """The layers to commit together (_commit_stacked): those with a prefix state of exactly K conv columns (the
+    forward's `extended` then starts with all of it) in the forward's dtype, alike in shapes, dtypes and device;
+    every other layer alone (_commit_layer). In layer order."""
+    groups: dict[tuple, list[tuple[int, _Pending]]] = {}
+    for layer_idx, rec in sorted(pending.items()):
+        conv = rec.conv_ref
+        if (conv is None or getattr(cache.layers[layer_idx], "record_past", False) or conv.shape[-1] != rec.kernel
+                or conv.dtype != rec.extended.dtype):
+            key: tuple = (layer_idx,)
+        else:
+            key = tuple((t.shape, t.dtype, t.device) for t in (rec.packed, rec.extended, conv, rec.recurrent_ref))
+        groups.setdefault(key, []).append((layer_idx, rec))
+    return list(groups.values())
+
+
+def _commit_stacked(recs: list[_Pending], path: torch.Tensor) -> None:
+    """_commit_layer's arithmetic for several like layers at once (about a third of the small ops: each layer's path
+    is one gather of its packed keys/deltas/decays; the recurrent update runs stacked; the new conv state is one
+    gather of the forward's `extended` rows). tests/test_gdn_tree.py compares it with the layer-by-layer commit."""
+    first = recs[0]
+    index = path.to(first.packed.device)
+    gathered = torch.stack([r.packed.index_select(2, index) for r in recs])  # (G, B, H, L, dk + dv + 1)
+    keys, deltas, cum = gathered[..., :first.dk], gathered[..., first.dk:-1], gathered[..., -1]
+    cum_last = cum[..., -1:]  # (G, B, H, 1)
+    weighted = keys * (cum_last - cum).exp_().unsqueeze(-1)
+    new_state = weighted.transpose(-1, -2) @ deltas
+    old = torch.stack([r.recurrent_ref for r in recs])
+    new_state = new_state.add_(old.to(new_state) * cum_last.exp().unsqueeze(-1))
+    # the last K of [the K old columns, the path's inputs]: rows of `extended`
+    k = first.kernel
+    rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
+    for i, rec in enumerate(recs):
+        rec.conv_ref.copy_(rec.extended.index_select(1, rows).transpose(1, 2))
+        rec.recurrent_ref.copy_(new_state[i])
 
 
 def _checked_path(tree: _Tree, accepted: torch.Tensor | Sequence[int]) -> torch.Tensor:
