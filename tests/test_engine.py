@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -196,6 +197,10 @@ def test_the_greedy_walk_on_asked_rows_equals_the_walk():
 
             a, b = greedy_walk_rows(tree, argmax), walk(tree, logits.argmax(-1))
             assert a.path_list == b.path_list and a.tokens == b.tokens
+            plain = dataclasses.replace(tree, _walk_index=None)  # the heap's child index (budget <= 64) or none
+            c = greedy_walk_rows(plain, lambda nodes, logits=logits: logits[nodes].argmax(-1).tolist())
+            assert (tree._walk_index is not None) == (budget <= 64)
+            assert c.path_list == a.path_list and c.tokens == a.tokens
             assert torch.equal(a.path, b.path) and int(a.next_root) == int(b.next_root)
             assert set(a.path_list) <= set(asked) and len(asked) == len(set(asked))  # each row once
 

@@ -36,6 +36,9 @@ class DraftTree:
     # (tokens, parents, depths, ancestor index) as NumPy arrays when the tree was built on the host (a CPU
     # device): the walk then runs there too
     _host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+    # (tokens, first child (-1: none), {(parent, token): child}) as lists, where the host build had them: the
+    # greedy walk's index
+    _walk_index: tuple[list[int], list[int], dict[tuple[int, int], int]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -324,8 +327,23 @@ def _best_first_heap(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     depths = [0] + [d for d, level in enumerate(ranks) for _ in level]
     tokens = [int(root)] + [token_of[v] for v in order]
     scores = [0.0] + [score_of[v] for v in order]
-    return _host_tree(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64),
-                      np.asarray(depths, dtype=np.int64), np.asarray(scores, dtype=np.float32), top_vals.device)
+    return _host_tree_from_lists(tokens, parents, depths, scores, top_vals.device)
+
+
+def _host_tree_from_lists(tokens: list[int], parents: list[int], depths: list[int], scores: list[float],
+                          dev: torch.device) -> DraftTree:
+    """_host_tree from the heap's lists, plus the greedy walk's child index from the same lists (`_walk_index`:
+    a fifth of the walk's own cost, which otherwise rebuilds it from the arrays)."""
+    tree = _host_tree(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64),
+                      np.asarray(depths, dtype=np.int64), np.asarray(scores, dtype=np.float32), dev)
+    if tree._host is not None:
+        first = [-1] * len(tokens)
+        child = {}
+        for i in range(len(tokens) - 1, 0, -1):  # backwards: each parent keeps its smallest child
+            first[parents[i]] = i
+            child[(parents[i], tokens[i])] = i
+        tree._walk_index = (tokens, first, child)
+    return tree
 
 
 def _host_tree(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray,
@@ -417,13 +435,16 @@ def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
     child in flat order: the drafter's likeliest continuation, which the walk usually follows); a walk that
     leaves the chain asks again from where it left. Host-built trees only (`tree._host`).
     """
-    tokens, parents, depths, _ = tree._host
-    n = tokens.shape[0]
-    first = np.full(n, -1, dtype=np.int64)
-    first[parents[:0:-1]] = np.arange(n - 1, 0, -1)  # later writes win: each parent keeps its smallest child
-    child = {(int(p), int(t)): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens.tolist(), strict=True))
-             if i}
-    first_l = first.tolist()
+    if tree._walk_index is not None:
+        tokens, first_l, child = tree._walk_index
+    else:
+        tokens, parents, _, _ = tree._host
+        n = tokens.shape[0]
+        first = np.full(n, -1, dtype=np.int64)
+        first[parents[:0:-1]] = np.arange(n - 1, 0, -1)  # later writes win: each parent keeps its smallest child
+        tokens = tokens.tolist()
+        child = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens, strict=True)) if i}
+        first_l = first.tolist()
     choice: dict[int, int] = {}
     path, node = [0], 0
     while True:
@@ -437,7 +458,7 @@ def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
             break
         path.append(nxt)
         node = nxt
-    toks = tokens[path[1:]].tolist() + [choice[node]]
+    toks = [tokens[i] for i in path[1:]] + [choice[node]]
     return Walk(torch.tensor(path, dtype=torch.long), path, toks, torch.tensor(choice[node], dtype=torch.long))
 
 
