@@ -34,7 +34,8 @@ the per-pass ratio, with its min-max spread. Stage columns: native / upstream ms
 forward (draft; theirs leaves out each generation's first drafter call, the one over the whole prompt, so
 theirs reads low), tree building (tree), the target forward (verify) and the walk + cache commit (commit);
 overhead = the share of the native decode time (wall minus the prefills) spent outside the drafter and target
-forwards; ceiling = the authors' wall time over our target-forward time (prefills + verifications): the
+forwards, and in brackets the same share of the rounds alone (without each generation's setup: the target session,
+the drafter cache, the checks); ceiling = the authors' wall time over our target-forward time (prefills + verifications): the
 native/upstream ratio we would reach if everything else of ours (drafter, tree, walk, commit, loop) took no
 time at all, since both engines run the same target code.
 """
@@ -81,6 +82,7 @@ class Cell:
 
     wall_s: float = 0.0
     ttft_s: float = 0.0  # the prefills (and first tokens) inside wall_s
+    decode_s: float = 0.0  # the rounds inside wall_s (after the prefills; without each generation's setup)
     tokens: int = 0
     rounds: int = 0
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
@@ -192,6 +194,7 @@ class Runner:
         cell.wall_s += time.perf_counter() - t0
         cell.tokens += r.num_new_tokens
         cell.ttft_s += r.ttft_s
+        cell.decode_s += r.decode_s
         cell.rounds += sum(1 for n in r.acceptance_lengths if n)  # upstream's last round may keep 0 tokens
         for k in STAGES:
             cell.stage_s[k] += r.stage_seconds.get(k, 0.0)
@@ -260,9 +263,15 @@ def ceiling(nat: list[Cell], up: list[Cell]) -> str:
 
 
 def overhead_share(nat: list[Cell]) -> str:
-    shares = [(c.wall_s - c.ttft_s - c.stage_s["draft"] - c.stage_s["verify"]) / (c.wall_s - c.ttft_s)
-              for c in nat if c.wall_s > c.ttft_s]
-    return f"{100 * statistics.median(shares):.1f}%"
+    """The share outside the forwards of the decode time with each generation's setup, and (in brackets) of the
+    rounds alone."""
+    cells = [c for c in nat if c.wall_s > c.ttft_s and c.decode_s > 0]
+    if not cells:
+        return "–"
+    forwards = [c.stage_s["draft"] + c.stage_s["verify"] for c in cells]
+    whole = statistics.median((c.wall_s - c.ttft_s - f) / (c.wall_s - c.ttft_s) for c, f in zip(cells, forwards, strict=True))
+    rounds = statistics.median((c.decode_s - f) / c.decode_s for c, f in zip(cells, forwards, strict=True))
+    return f"{100 * whole:.1f}% ({100 * rounds:.1f}%)"
 
 
 def run_pair(pair: Pair, upstream, args) -> list[str]:

@@ -303,30 +303,37 @@ def test_commit_equals_sequential_prefix_plus_path(patched, model_type, attn, me
     assert err <= TOL
 
 
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "fresh"])
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type, monkeypatch):
-    """_commit_stacked (the like layers at once) against _commit_layer run on each layer alone, every path of a tree."""
+def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type, prefix, monkeypatch):
+    """_commit_stacked (the like layers at once) against _commit_layer run on each layer alone: every path of a
+    branching tree and of a chain (the whole chain taken without a gather), after a prefix or on an empty cache."""
     model = _model(model_type, "sdpa")
     gen = torch.Generator().manual_seed(7)
-    cache = _prefill(model, torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen))
-    parents = _trees(seed=7)["deep"]
-    tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
-    _verify(model, cache, tokens, parents, PROMPT_LEN)
-    groups = tree_gdn._commit_groups(cache, cache.__dict__[tree_gdn._PENDING_ATTR])
-    assert len(groups) == 1 and len(groups[0]) == len(_linear_states(cache)) >= 2  # every GDN layer at once
+    past = PROMPT_LEN if prefix else 0
+    cache = (_prefill(model, torch.randint(0, VOCAB, (1, PROMPT_LEN), generator=gen)) if prefix
+             else DynamicCache(config=model.config))
+
     def alone(cache, pending):
         return [[item] for item in sorted(pending.items())]
 
-    for node in range(len(parents)):
-        path = torch.tensor(_path(parents, node))
-        stacked, single = copy.deepcopy(cache), copy.deepcopy(cache)
-        tree_gdn.commit_linear_states(stacked, path)
-        with monkeypatch.context() as m:
-            m.setattr(tree_gdn, "_commit_groups", alone)
-            tree_gdn.commit_linear_states(single, path)
-        for (c, r), (c1, r1) in zip(_linear_states(stacked), _linear_states(single), strict=True):
-            assert torch.equal(c, c1), f"node {node}: conv state"
-            assert torch.equal(r, r1), f"node {node}: recurrent state"
+    for name in ("deep", "chain"):
+        parents = _trees(seed=7)[name]
+        work = copy.deepcopy(cache)
+        _verify(model, work, torch.randint(0, VOCAB, (1, len(parents)), generator=gen), parents, past)
+        groups = tree_gdn._commit_groups(work, work.__dict__[tree_gdn._PENDING_ATTR])
+        linear = sum(isinstance(layer, LinearAttentionLayer) for layer in work.layers)
+        assert len(groups) == 1 and len(groups[0]) == linear >= 2  # every GDN layer at once
+        for node in range(len(parents)):
+            path = torch.tensor(_path(parents, node))
+            stacked, single = copy.deepcopy(work), copy.deepcopy(work)
+            tree_gdn.commit_linear_states(stacked, path)
+            with monkeypatch.context() as m:
+                m.setattr(tree_gdn, "_commit_groups", alone)
+                tree_gdn.commit_linear_states(single, path)
+            for (c, r), (c1, r1) in zip(_linear_states(stacked), _linear_states(single), strict=True):
+                assert torch.equal(c, c1), f"{name} node {node}: conv state"
+                assert torch.equal(r, r1), f"{name} node {node}: recurrent state"
 
 
 def test_commit_rejects_a_non_path_and_a_changed_state(patched):

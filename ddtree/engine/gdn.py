@@ -540,36 +540,51 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int]) -> None:
             if len(group) == 1:
                 _commit_layer(cache, group[0][0], rec, index)
             else:
-                _commit_stacked([r for _, r in group], index)
+                _commit_stacked(cache, group, index)
 
 
 def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, _Pending]]]:
-    """The layers to commit together (_commit_stacked): those with a prefix state of exactly K conv columns (the
-    forward's `extended` then starts with all of it) in the forward's dtype, alike in shapes, dtypes and device;
-    every other layer alone (_commit_layer). In layer order."""
+    """The layers to commit together (_commit_stacked), alike in shapes, dtypes and device: those with no state yet
+    (a first verification, e.g. a chain prefill), and those whose state has exactly K conv columns (the forward's
+    `extended` then starts with all of it) in the forward's dtype; every other layer alone (_commit_layer).
+    In layer order."""
     groups: dict[tuple, list[tuple[int, _Pending]]] = {}
     for layer_idx, rec in sorted(pending.items()):
         conv = rec.conv_ref
-        if (conv is None or getattr(cache.layers[layer_idx], "record_past", False) or conv.shape[-1] != rec.kernel
-                or conv.dtype != rec.extended.dtype):
-            key: tuple = (layer_idx,)
+        if conv is None:
+            key: tuple = ("fresh", *((t.shape, t.dtype, t.device) for t in (rec.packed, rec.extended)))
+        elif (getattr(cache.layers[layer_idx], "record_past", False) or conv.shape[-1] != rec.kernel
+              or conv.dtype != rec.extended.dtype):
+            key = (layer_idx,)
         else:
-            key = tuple((t.shape, t.dtype, t.device) for t in (rec.packed, rec.extended, conv, rec.recurrent_ref))
+            key = ("prefix", *((t.shape, t.dtype, t.device) for t in (rec.packed, rec.extended, conv, rec.recurrent_ref)))
         groups.setdefault(key, []).append((layer_idx, rec))
     return list(groups.values())
 
 
-def _commit_stacked(recs: list[_Pending], path: torch.Tensor) -> None:
+def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor) -> None:
     """_commit_layer's arithmetic for several like layers at once (about a third of the small ops: each layer's path
-    is one gather of its packed keys/deltas/decays; the recurrent update runs stacked; the new conv state is one
-    gather of the forward's `extended` rows). tests/test_gdn_tree.py compares it with the layer-by-layer commit."""
+    is one gather of its packed keys/deltas/decays, none for a whole chain; the recurrent update runs stacked; the
+    new conv state is one gather of the forward's `extended` rows). tests/test_gdn_tree.py compares it with the
+    layer-by-layer commit."""
+    recs = [rec for _, rec in items]
     first = recs[0]
     index = path.to(first.packed.device)
-    gathered = torch.stack([r.packed.index_select(2, index) for r in recs])  # (G, B, H, L, dk + dv + 1)
+    # a chain accepted whole (a prefill, a DFlash block): the path is every row in order, no gather needed
+    whole = first.tree.draft.is_chain and index.shape[0] == first.tree.size
+    gathered = torch.stack([r.packed if whole else r.packed.index_select(2, index) for r in recs])  # (G, B, H, L, W)
     keys, deltas, cum = gathered[..., :first.dk], gathered[..., first.dk:-1], gathered[..., -1]
     cum_last = cum[..., -1:]  # (G, B, H, 1)
     weighted = keys * (cum_last - cum).exp_().unsqueeze(-1)
     new_state = weighted.transpose(-1, -2) @ deltas
+    if first.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
+        for (layer_idx, rec), state in zip(items, new_state, strict=True):
+            inputs = rec.conv_inputs
+            if not whole:
+                inputs = inputs.index_select(2, index.to(inputs.device))
+            cache.update_conv_state(inputs, layer_idx, conv_kernel_size=rec.kernel)
+            cache.update_recurrent_state(state, layer_idx)
+        return
     old = torch.stack([r.recurrent_ref for r in recs])
     new_state = new_state.add_(old.to(new_state) * cum_last.exp().unsqueeze(-1))
     # the last K of [the K old columns, the path's inputs]: rows of `extended`
