@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_tree.py
 	$(PY) bench/bench_stages.py
 	OMP_NUM_THREADS=1 $(PY) bench/bench_round.py
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_overhead.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_engines.py --out runs/bench_engines.md
 
 lint: $(STAMP)
