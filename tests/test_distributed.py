@@ -151,6 +151,33 @@ def test_dispatched_target_is_lossless(model_type):
     assert deepest >= 2  # trees were accepted past the root, so commits went through the hooked layers
 
 
+def test_a_gdn_module_hooked_before_the_patch_runs_the_patched_forward():
+    """accelerate keeps the forward a module had when its hook was attached (`_old_forward`); a session points a
+    hooked GDN module at its class's current, patched forward, or tree verification bypasses the tree-exact GDN."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from ddtree.engine import gdn
+
+    was_installed = gdn.is_installed()
+    gdn.uninstall()
+    try:
+        vocab = 12  # random drafts get accepted several tokens deep
+        plain = tiny_model("qwen3_5_text", seed=2, attn_implementation="sdpa", vocab_size=vocab)
+        target = tiny_model("qwen3_5_text", seed=2, attn_implementation="sdpa", vocab_size=vocab)
+        classes = tuple(gdn.target_classes())
+        hooked = [m for m in target.modules() if isinstance(m, classes)]
+        for module in hooked:
+            add_hook_to_module(module, ModelHook())
+        before = [module._old_forward for module in hooked]
+        drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1, num_layers=1)
+        ids = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(3))
+        res = ddtree.generate(target, drafter, ids, method="ddtree", budget=8, max_new_tokens=12)
+        assert hooked and all(m._old_forward is not old for m, old in zip(hooked, before, strict=True))
+        assert res.output_ids == hf_greedy(plain, ids, 12) and max(res.acceptance_lengths) >= 2
+    finally:
+        (gdn.install if was_installed else gdn.uninstall)()
+
+
 def test_run_loads_a_device_mapped_target(tmp_path, monkeypatch):
     """model.device_map through the run CLI's loader: placed by accelerate, inputs on the embeddings' device."""
     from ddtree.pipeline import job as R

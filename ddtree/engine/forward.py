@@ -227,7 +227,7 @@ class LeanForward:
     def __init__(self, model: PreTrainedModel, base: torch.nn.Module, positions: str):
         self.base = base
         self.head = model.lm_head
-        self.layers = list(base.layers[: base.config.num_hidden_layers])
+        self.layers = list(base.layers)[: base.config.num_hidden_layers]  # (slicing the ModuleList builds a new one)
         types = getattr(base.config, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.linear = [t == "linear_attention" for t in types[: len(self.layers)]]
         self.positions = positions
@@ -278,6 +278,6 @@ def lean_forward_for(model: PreTrainedModel) -> LeanForward | None:
         return None
     if len({str(d) for d in (getattr(model, "hf_device_map", None) or {}).values()}) > 1:
         return None  # accelerate's hooks move activations between devices at the model level too
-    if any(hasattr(m, "_hf_hook") for m in (model, base, base.embed_tokens, model.lm_head)):
+    if any("_hf_hook" in m.__dict__ for m in (model, base, base.embed_tokens, model.lm_head)):  # (hasattr: slow)
         return None
     return LeanForward(model, base, positions)
