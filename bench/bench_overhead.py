@@ -1,13 +1,14 @@
 """Where a round's time outside the forwards goes: each engine function timed in place, inside real generations.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overhead.py [--budget 64] [--prompts 24] [--new 128]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128]
 
 On the shipped toy pair (assets/toy; a tiny random Qwen3 and drafter without it), greedy DDTree, one warm-up pass,
 then one timed pass. Each function below is wrapped with a perf_counter pair (~1 us each) and reported in ms per
 round with its calls per round. Nested ones overlap: verify holds the lazy head's and tail's asks only where the
 loop books them there, best_first_tree holds the heap and the host arrays, commit holds the GDN commit, the walk
 holds its asks (argmax). Calls outside the rounds (the chain prefill's commit, one per generation) are included,
-hence commit calls per round above 1. setup = each generate call's wall time outside its prefill and rounds.
+hence commit calls per round above 1. setup = each generate call's wall time outside its prefill and rounds (one
+`ddtree.Engine` for all the prompts, as `ddtree.run` keeps one per job: a generation sets up only its caches).
 These are the costs right after the forwards that evict the host code's caches, which is what a round pays: warm,
 in a loop of its own, the same tree build and host arrays take about half (bench/bench_tree.py).
 """
@@ -41,7 +42,7 @@ import ddtree.engine.tree as tree_mod  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=int, default=64)
-    ap.add_argument("--prompts", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--new", type=int, default=128)
     args = ap.parse_args()
     name, target, drafter, prompts, stops = load_pair(args.prompts)
@@ -68,12 +69,13 @@ def main() -> None:
                         (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states")):
         wrap(owner, attr)
 
+    engine = loop.Engine(target, drafter, method="ddtree", budget=args.budget)  # as ddtree.run: one per job
+
     def run() -> tuple[int, float, list[float]]:
         rounds, decode, setup = 0, 0.0, []
         for ids in prompts:
             t = time.perf_counter()
-            r = loop.generate(target, drafter, ids, method="ddtree", budget=args.budget, max_new_tokens=args.new,
-                              stop_token_ids=stops)
+            r = engine.generate(ids, max_new_tokens=args.new, stop_token_ids=stops)
             setup.append(time.perf_counter() - t - r.ttft_s - r.decode_s)
             rounds += len(r.acceptance_lengths)
             decode += r.decode_s
@@ -89,6 +91,12 @@ def main() -> None:
     print(f"# {name}, budget {args.budget}, {len(prompts)} prompts, {torch.get_num_threads()} thread(s): {rounds} rounds, "
           f"{1e3 * decode / rounds:.2f} ms a round, setup {1e3 * statistics.median(setup):.2f} ms a generation "
           f"({rounds / len(prompts):.2f} rounds a generation)")
+    # the forwards: the drafter's, and the target's (its verification, then the walked rows' head and features)
+    forwards = sum(spent[a] for a in ("verify", "draft_logits", "argmax", "features"))
+    whole = decode + sum(setup)
+    print(f"# overhead (outside the forwards): {1e3 * (decode - forwards) / rounds:.2f} ms a round, "
+          f"{100 * (whole - forwards) / whole:.1f}% of the decode time with each generation's setup "
+          f"({100 * (decode - forwards) / decode:.1f}% of the rounds alone)")
     print("| function | ms / round | calls / round |\n| --- | --- | --- |")
     for attr, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"| `{attr}` | {1e3 * s / rounds:.3f} | {calls[attr] / rounds:.2f} |")

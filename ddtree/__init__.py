@@ -3,6 +3,9 @@
     import ddtree
     result = ddtree.generate(target, drafter, input_ids, method="ddtree", budget=64)
 
+    engine = ddtree.Engine(target, drafter, method="ddtree", budget=64)  # many prompts: set up once
+    results = [engine.generate(ids) for ids in prompts]
+
 Heavy modules load on first use, so `ddtree.errors` / config validation stay cheap.
 """
 
@@ -10,7 +13,7 @@ from importlib import import_module
 
 from ddtree.errors import ConfigError
 
-_ENGINE = ("generate", "GenerationResult", "DFlashDrafter", "DraftTree")  # ddtree.engine's lazy names
+_ENGINE = ("generate", "Engine", "GenerationResult", "DFlashDrafter", "DraftTree")  # ddtree.engine's lazy names
 
 __all__ = [*_ENGINE, "ConfigError"]
 

@@ -326,14 +326,42 @@ def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type
         assert len(groups) == 1 and len(groups[0]) == linear >= 2  # every GDN layer at once
         for node in range(len(parents)):
             path = torch.tensor(_path(parents, node))
-            stacked, single = copy.deepcopy(work), copy.deepcopy(work)
+            stacked, hosted, single = copy.deepcopy(work), copy.deepcopy(work), copy.deepcopy(work)
             tree_gdn.commit_linear_states(stacked, path)
+            tree_gdn.commit_linear_states(hosted, path, path.tolist())  # the conv rows built on the host
             with monkeypatch.context() as m:
                 m.setattr(tree_gdn, "_commit_groups", alone)
                 tree_gdn.commit_linear_states(single, path)
-            for (c, r), (c1, r1) in zip(_linear_states(stacked), _linear_states(single), strict=True):
-                assert torch.equal(c, c1), f"{name} node {node}: conv state"
-                assert torch.equal(r, r1), f"{name} node {node}: recurrent state"
+            for got in (stacked, hosted):
+                for (c, r), (c1, r1) in zip(_linear_states(got), _linear_states(single), strict=True):
+                    assert torch.equal(c, c1), f"{name} node {node}: conv state"
+                    assert torch.equal(r, r1), f"{name} node {node}: recurrent state"
+
+
+def test_the_commit_groups_are_worked_out_again_when_a_state_or_the_tree_size_changes(patched):
+    """_cached_groups reuses a grouping only for the same state tensors and tree size: a state replaced by one of
+    another dtype (it then commits alone) or a tree of another size gets its grouping worked out again."""
+    model = _model("qwen3_5_text", "sdpa")
+    cache = _prefill(model, torch.arange(PROMPT_LEN)[None])
+
+    def groups(parents):
+        _verify(model, cache, torch.arange(len(parents))[None] % VOCAB, parents, PROMPT_LEN)
+        pending = cache.__dict__[tree_gdn._PENDING_ATTR]
+        got = [[i for i, _ in g] for g in tree_gdn._cached_groups(cache, pending)]
+        assert got == [[i for i, _ in g] for g in tree_gdn._commit_groups(cache, pending)]
+        del cache.__dict__[tree_gdn._PENDING_ATTR]
+        for layer in cache.layers:  # the attention layers drop the tree again (the GDN states were left untouched)
+            if not isinstance(layer, LinearAttentionLayer):
+                layer.crop(PROMPT_LEN - layer.get_seq_length())
+        return got
+
+    linear = [i for i, layer in enumerate(cache.layers) if isinstance(layer, LinearAttentionLayer)]
+    assert groups([-1, 0, 0, 1]) == [linear]
+    assert groups([-1, 0, 0, 1]) == [linear]  # reused
+    assert groups([-1, 0, 1]) == [linear]  # another size
+    layer = cache.layers[linear[0]]
+    layer.conv_states[0] = layer.conv_states[0].double()
+    assert groups([-1, 0, 1]) == [[linear[0]], linear[1:]]
 
 
 def test_commit_rejects_a_non_path_and_a_changed_state(patched):

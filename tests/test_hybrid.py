@@ -153,3 +153,35 @@ def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
     monkeypatch.undo()
     assert res.rounds >= 3
     assert len(reads) == 1 + res.rounds, reads  # the prefill's first token, then one walk per round
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_one_engine_over_many_prompts_equals_a_fresh_generate_each(model_type):
+    """ddtree.Engine sets up once and starts only a fresh cache per generation: nothing of one prompt's state
+    (KV rows, GDN states, the drafter's context, the dense mask buffer) reaches the next. Prompts of several
+    lengths, long then short, so a longer earlier state would show; greedy against HF and T = 1 against generate()."""
+    vocab = 12
+    target = tiny_model(model_type, seed=6, vocab_size=vocab)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=2)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, vocab, (1, n), generator=g) for n in (23, 3, 14, 3)]
+    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 2), ("ddtree", 48)):
+        engine = ddtree.Engine(target, drafter, method=method, budget=budget)
+        for ids in prompts:
+            assert engine.generate(ids, max_new_tokens=16).output_ids == hf_greedy(target, ids, 16), (method, budget)
+        for i, ids in enumerate(prompts):
+            got = engine.generate(ids, temperature=1.0, max_new_tokens=12, generator=torch.Generator().manual_seed(i))
+            fresh = ddtree.generate(target, drafter, ids, method=method, budget=budget, temperature=1.0,
+                                    max_new_tokens=12, generator=torch.Generator().manual_seed(i))
+            assert got.output_ids == fresh.output_ids and got.acceptance_lengths == fresh.acceptance_lengths
+
+
+def test_an_engine_checks_its_settings_when_built():
+    target = tiny_model("qwen3", seed=6, vocab_size=12)
+    with pytest.raises(ConfigError, match="budget"):
+        ddtree.Engine(target, DFlashDrafter.random_for_target(target.config, block_size=8), method="ddtree", budget=0)
+    with pytest.raises(ConfigError, match="tree_attention"):
+        ddtree.Engine(target, None, method="ar", tree_attention="sparse")
+    engine = ddtree.Engine(target, None, method="ar")
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        engine.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=0)

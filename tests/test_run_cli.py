@@ -169,15 +169,15 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
         R.run_job(cfg("drafter.target_layer_ids=[1,9]"))
     assert "target_layer_ids" in e.value.setting and not _runs(uri)
 
-    real, calls = ddtree.engine.loop.generate, []
+    real, calls = ddtree.engine.loop.Engine.generate, []
 
-    def crash_on_second_prompt(*args, **kwargs):
+    def crash_on_second_prompt(self, *args, **kwargs):
         calls.append(1)
         if len(calls) > 1:
             raise RuntimeError("simulated crash")
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(ddtree.engine.loop, "generate", crash_on_second_prompt)
+    monkeypatch.setattr(ddtree.engine.loop.Engine, "generate", crash_on_second_prompt)
     with pytest.raises(RuntimeError, match="simulated crash"):
         R.run_job(cfg())
     (run,) = _runs(uri)
@@ -186,7 +186,7 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
     kept = (tmp_path / "samples.jsonl").read_text().splitlines()
     assert len(kept) == 1 and json.loads(kept[0])["id"] == "tiny-0"
     target = M.MODELS.target
-    monkeypatch.setattr(ddtree.engine.loop, "generate", real)
+    monkeypatch.setattr(ddtree.engine.loop.Engine, "generate", real)
     assert R.run_job(cfg("budget=8"))["match_rate"] is None  # no baseline in this job
     assert M.MODELS.target is target  # the cached models were reused, not reloaded
     assert R.run_job(cfg("budget=8")) is None  # finished before: skipped

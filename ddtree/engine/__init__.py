@@ -8,6 +8,7 @@ from importlib import import_module
 
 _LAZY = {
     "generate": ("ddtree.engine.loop", "generate"),
+    "Engine": ("ddtree.engine.loop", "Engine"),
     "GenerationResult": ("ddtree.engine.result", "GenerationResult"),
     "DFlashDrafter": ("ddtree.engine.drafter", "DFlashDrafter"),
     "DFlashConfig": ("ddtree.engine.drafter", "DFlashConfig"),

@@ -506,12 +506,14 @@ class _Pending:
                                "between verification and commit (a forward ran on this cache in between?)")
 
 
-def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int]) -> None:
+def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_path: list[int] | None = None) -> None:
     """Set every GDN layer verified under the last tree_verification to prefix + accepted path.
 
     accepted: flat indices of the accepted path, root first (e.g. [0], or [0, 3, 7]). A tree given as
     parents checks that it is a root-to-node path; the engine's DraftTree trusts its walk and keeps a
     device tensor where it is (no host read). Attention layers are not touched (their K/V is the caller's).
+    host_path: the same path as a list, where the caller has it on the host already (a CPU walk): the new conv
+    state's rows are then one small host-built tensor instead of a few device ops.
     """
     pending: dict[int, _Pending] | None = cache.__dict__.get(_PENDING_ATTR)
     linear = [i for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")]
@@ -533,7 +535,7 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int]) -> None:
         rec.check_unchanged(cache.layers[layer_idx], layer_idx)
     del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
 
-    for group in _commit_groups(cache, pending):
+    for group in _cached_groups(cache, pending):
         rec = group[0][1]
         # in-place writes into inference tensors are only allowed in inference mode
         inference = (rec.conv_ref if rec.conv_ref is not None else rec.keys).is_inference()
@@ -541,7 +543,25 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int]) -> None:
             if len(group) == 1:
                 _commit_layer(cache, group[0][0], rec, index)
             else:
-                _commit_stacked(cache, group, index)
+                _commit_stacked(cache, group, index, host_path)
+
+
+_GROUPS_ATTR = "_ddtree_gdn_commit_groups"
+
+
+def _cached_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, _Pending]]]:
+    """_commit_groups, worked out once per cache and kind of commit: a generation's rounds verify trees of one size
+    on the same state tensors (updated in place), so the grouping only changes when a state tensor, the layers or the
+    tree size do (the shapes it reads depend on nothing else)."""
+    states = [(i, rec.conv_ref, rec.recurrent_ref) for i, rec in sorted(pending.items())]
+    size = next(iter(pending.values())).tree.size
+    found = cache.__dict__.get(_GROUPS_ATTR)
+    if (found is not None and found[0] == size and len(found[1]) == len(states)
+            and all(a[0] == b[0] and a[1] is b[1] and a[2] is b[2] for a, b in zip(found[1], states, strict=True))):
+        return [[(i, pending[i]) for i in group] for group in found[2]]
+    groups = _commit_groups(cache, pending)
+    cache.__dict__[_GROUPS_ATTR] = (size, states, [[i for i, _ in group] for group in groups])
+    return groups
 
 
 def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, _Pending]]]:
@@ -563,7 +583,8 @@ def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, 
     return list(groups.values())
 
 
-def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor) -> None:
+def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor,
+                    host_path: list[int] | None = None) -> None:
     """_commit_layer's arithmetic for several like layers at once (about a third of the small ops: each layer's path
     is one gather of its packed keys/deltas/decays, none for a whole chain; the recurrent update runs stacked; the
     new conv state is one gather of the forward's `extended` rows). tests/test_gdn_tree.py compares it with the
@@ -590,7 +611,10 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
     new_state = new_state.add_(old.to(new_state) * cum_last.exp().unsqueeze(-1))
     # the last K of [the K old columns, the path's inputs]: rows of `extended`
     k = first.kernel
-    rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
+    if host_path is not None and first.extended.device.type == "cpu":
+        rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
+    else:
+        rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
     for i, rec in enumerate(recs):
         rec.conv_ref.copy_(rec.extended.index_select(1, rows).transpose(1, 2))
         rec.recurrent_ref.copy_(new_state[i])

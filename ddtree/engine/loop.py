@@ -12,10 +12,16 @@ from ddtree.engine.checks import check_generate_args
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
-from ddtree.engine.target import TargetSession, check_target_supported, context_features, model_type
+from ddtree.engine.target import (
+    TargetBinding,
+    TargetSession,
+    check_target_supported,
+    context_features,
+    model_type,
+)
 from ddtree.engine.tree import greedy_walk_rows, walk
 
-__all__ = ["generate", "check_generate_args", "context_features"]
+__all__ = ["Engine", "generate", "check_generate_args", "context_features"]
 
 
 def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -47,6 +53,40 @@ def make_proposer(method: str, target, drafter, budget: int | None, block_size: 
     return m.make_proposer(target, drafter, budget, block_size)
 
 
+class Engine:
+    """`target` (and `drafter`) prepared once for many generations of one method: the checks, the proposer and the
+    target's binding (tree attention, lean forward, GDN patch: ddtree.engine.target.TargetBinding) are built here,
+    and each `generate` call starts only a fresh cache. `generate()` below is one Engine, one call.
+
+    It drives the models as they are when it is built: after hooking, patching or moving one, build a new Engine.
+    Arguments as `generate()`'s.
+    """
+
+    def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
+                 block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = True,
+                 tree_attention: str = "auto"):
+        check_target_supported(model_type(target), method)
+        self.spec = get_method(method)
+        if proposer is None:
+            if drafter is not None and self.spec.needs_drafter:
+                drafter.check_compatible(target)
+            proposer = make_proposer(method, target, drafter, budget, block_size)
+        self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
+        self.sync_timing = sync_timing
+        layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
+        self.binding = TargetBinding(target, layers, tree_attention=tree_attention)
+        self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1) + 1
+        if not isinstance(proposer, ARProposer):
+            TargetSession(target, binding=self.binding).check_method(method)
+
+    def generate(self, input_ids: torch.Tensor, *, temperature: float = 0.0, max_new_tokens: int = 256,
+                 stop_token_ids: Iterable[int] | None = None,
+                 generator: torch.Generator | None = None) -> GenerationResult:
+        """Generate up to `max_new_tokens` after `input_ids` [1, P], losslessly (see `generate()`)."""
+        check_generate_args(temperature, max_new_tokens, input_ids)
+        return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+
+
 def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, method: str = "ddtree",
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
@@ -60,25 +100,23 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     tree_attention: "split" (ddtree.engine.attention, any backend; the target is switched to the tree
     implementation wrapping its backend), "dense" (a 4-D mask over past + tree; eager/sdpa) or "auto"
     (split, but dense for a small mask on a CPU eager/sdpa target without sliding layers: cheaper there).
+    Many prompts on the same models: build one `Engine` and call its `generate` (the set-up runs once).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
-    check_target_supported(model_type(target), method)
-    spec = get_method(method)
-    if proposer is None:
-        if drafter is not None and spec.needs_drafter:
-            drafter.check_compatible(target)
-        proposer = make_proposer(method, target, drafter, budget, block_size)
+    engine = Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
+                    sync_timing=sync_timing, tree_attention=tree_attention)
+    return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+
+
+def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_new_tokens: int,
+              stop_token_ids: Iterable[int] | None, generator: torch.Generator | None) -> GenerationResult:
+    proposer, method, budget, spec = engine.proposer, engine.method, engine.budget, engine.spec
     stops = set(stop_token_ids or ())
-    dev = input_ids.device
-    timer = StageTimer(dev, sync_timing)
-    layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
-    tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1) + 1
-    session = TargetSession(target, layers, tree_attention=tree_attention,
-                            capacity=input_ids.shape[1] + max_new_tokens + tree_max)
-    if not isinstance(proposer, ARProposer):
-        session.check_method(method)
+    timer = StageTimer(input_ids.device, engine.sync_timing)
+    capacity = input_ids.shape[1] + max_new_tokens + engine.tree_max
+    session = TargetSession(engine.target, capacity=capacity, binding=engine.binding)
     if isinstance(proposer, DrafterBlock):
-        proposer.reset(input_ids.shape[1] + max_new_tokens + tree_max)
+        proposer.reset(capacity)
     else:
         proposer.reset()
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
@@ -110,7 +148,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
                 head_s += time.perf_counter() - t_feats
             else:
                 w = walk(tree, _choose(verified, temperature, generator))  # the round's one host read
-            session.commit(tree, w.path)
+            session.commit(tree, w.path, w.path_list)
             if feats is not None and not lazy:
                 feats = feats[:, w.path]
             new, root = w.tokens, w.next_root

@@ -16,7 +16,7 @@ from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
-__all__ = ["PreallocatedLayer", "TargetSession", "WalkRows", "check_target_supported", "context_features", "model_type",
+__all__ = ["PreallocatedLayer", "TargetBinding", "TargetSession", "WalkRows", "check_target_supported", "context_features", "model_type",
            "new_cache"]
 
 
@@ -168,6 +168,44 @@ def _rebind_hooked_forwards(model: PreTrainedModel, classes: tuple[type, ...]) -
         stack.extend(child for child in state["_modules"].values() if child is not None)
 
 
+class TargetBinding:
+    """What a target session knows of its model before any generation: the tree-attention path, the lean forward, the
+    GDN patch. Built once (`ddtree.engine.loop.Engine` keeps one for all its generations) and shared by sessions.
+
+    It describes the model as it is when built: a hook, a compat patch or a device move made later needs a new one.
+    """
+
+    def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
+                 tree_attention: str = "auto", lean: bool = True):
+        if tree_attention not in TREE_ATTENTION:
+            raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
+        self.model = model
+        self.device, self.dtype = model.device, model.dtype  # (properties that walk the parameters: read once)
+        self.cpu = self.device.type == "cpu"
+        if self.cpu:
+            tune_host_allocator()  # once per process (ddtree.engine.host)
+        self.feature_layers = feature_layers
+        self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
+        dense_ok = attention.base_backend(model.config._attn_implementation) in ("eager", "sdpa")
+        if tree_attention == "dense" and not dense_ok:
+            raise ConfigError("tree_attention", f"a dense tree mask needs eager or sdpa, not "
+                              f"{model.config._attn_implementation}", "use tree_attention='split'")
+        self.split = tree_attention != "dense"  # auto may take either path: the split layout serves both
+        sliding = _has_sliding_layers(model)
+        # auto takes the dense path only where one masked call is exact and cheaper
+        self.dense_auto = tree_attention == "auto" and dense_ok and self.cpu and not sliding
+        if self.split:
+            attention.use_tree_attention(model)
+        # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
+        self.lean = lean_forward_for(model) if lean and dense_ok and not sliding else None
+        self.lean_prefill = self.lean is not None and attention.base_backend(model.config._attn_implementation) == "sdpa"
+        self.mtype = model_type(model)
+        self.gdn = family(self.mtype).gdn
+        if self.gdn:
+            gdn.install()  # idempotent; inert outside a tree_verification context
+            _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
+
+
 class TargetSession:
     """One generation's target state: the cache, its committed length, feature extraction.
 
@@ -177,39 +215,23 @@ class TargetSession:
     capacity: expected total length (prompt + new tokens + one tree), to size the KV buffers once.
     lean: verify through ddtree.engine.forward.LeanForward (bitwise the model call, without its wrappers) where
     the family, backend and mask allow it; False: always the plain model call.
+    binding: a `TargetBinding` of this model built before (then feature_layers, tree_attention and lean are its own).
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
-                 tree_attention: str = "auto", capacity: int = 0, lean: bool = True):
-        if tree_attention not in TREE_ATTENTION:
-            raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
-        self.model = model
-        if model.device.type == "cpu":
-            tune_host_allocator()  # once per process (ddtree.engine.host)
-        self.feature_layers = feature_layers
-        self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
-        dense_ok = attention.base_backend(model.config._attn_implementation) in ("eager", "sdpa")
-        if tree_attention == "dense" and not dense_ok:
-            raise ConfigError("tree_attention", f"a dense tree mask needs eager or sdpa, not "
-                              f"{model.config._attn_implementation}", "use tree_attention='split'")
-        self.split = tree_attention != "dense"  # auto may take either path: the split layout serves both
-        # auto takes the dense path only where one masked call is exact and cheaper
-        self.dense_auto = (tree_attention == "auto" and dense_ok and model.device.type == "cpu"
-                           and not _has_sliding_layers(model))
-        if self.split:
-            attention.use_tree_attention(model)
-        # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
-        self.lean = lean_forward_for(model) if lean and dense_ok and not _has_sliding_layers(model) else None
-        self.lean_prefill = self.lean is not None and attention.base_backend(model.config._attn_implementation) == "sdpa"
+                 tree_attention: str = "auto", capacity: int = 0, lean: bool = True,
+                 binding: TargetBinding | None = None):
+        b = binding if binding is not None else TargetBinding(model, feature_layers, tree_attention, lean)
+        if b.model is not model:
+            raise ValueError("TargetSession: the binding was built for another model")
+        self.binding, self.model = b, model
+        self.feature_layers, self.hidden_ids, self.cpu = b.feature_layers, b.hidden_ids, b.cpu
+        self.split, self.dense_auto, self.lean, self.lean_prefill = b.split, b.dense_auto, b.lean, b.lean_prefill
+        self.mtype, self.gdn, self.dtype = b.mtype, b.gdn, b.dtype
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self.length = 0
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
         self._mask_zero = self._mask_dirty = 0  # columns [:zero) are 0 in every row; [zero:dirty) may be stale
-        self.mtype = model_type(model)
-        self.gdn = family(self.mtype).gdn
-        if self.gdn:
-            gdn.install()  # idempotent; inert outside a tree_verification context
-            _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
 
     def check_method(self, method: str) -> None:
         """Refuse a multi-token method when the cache holds linear-attention state no patch verifies exactly."""
@@ -273,7 +295,7 @@ class TargetSession:
         The greedy walk reaches a node only through its parent's argmax, so it needs the logits of its own
         path alone: the head then reads a handful of rows in a few small batches instead of all n."""
         return (self.lean is not None and not tree.is_chain and tree._host is not None
-                and len(tree) >= LAZY_HEAD_MIN and self.model.device.type == "cpu")
+                and len(tree) >= LAZY_HEAD_MIN and self.cpu)
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -285,7 +307,7 @@ class TargetSession:
         with contextlib.ExitStack() as stack:
             mask, lean = None, n == 1  # one token sees every cached key: no mask at all
             if n > 1 and not self.split:
-                mask, lean = tree_attention_mask(tree, self.length, self.model.dtype), True
+                mask, lean = tree_attention_mask(tree, self.length, self.dtype), True
             elif n > 1 and self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
                 mask, lean = self._dense_mask(tree), True
             elif not tree.is_chain:
@@ -299,11 +321,11 @@ class TargetSession:
     def _dense_mask(self, tree: DraftTree) -> torch.Tensor:
         """tree_attention_mask(tree, length) as a view of a buffer kept across rounds: O(n * (accepted + n)) a round."""
         n, past = len(tree), self.length
-        buf, fill = self._mask, torch.finfo(self.model.dtype).min
+        buf, fill = self._mask, torch.finfo(self.dtype).min
         if buf is None or buf.shape[2] < n or buf.shape[3] < past + n:
             rows = max(n, 0 if buf is None else buf.shape[2])
             cols = max(2 * (past + n), 0 if buf is None else 2 * buf.shape[3])
-            buf = self._mask = torch.full((1, 1, rows, cols), fill, dtype=self.model.dtype, device=self.model.device)
+            buf = self._mask = torch.full((1, 1, rows, cols), fill, dtype=self.dtype, device=self.binding.device)
             self._mask_zero = self._mask_dirty = 0
         buf[..., self._mask_zero: past] = 0  # newly committed columns: visible to every node
         if self._mask_dirty > past:
@@ -314,8 +336,9 @@ class TargetSession:
         return buf[:, :, :n, : past + n]
 
     @torch.inference_mode()
-    def commit(self, tree: DraftTree, accepted: torch.Tensor) -> None:
-        """Keep the committed prefix plus the accepted path (flat indices, root first, on the device); drop the rest."""
+    def commit(self, tree: DraftTree, accepted: torch.Tensor, host_path: list[int] | None = None) -> None:
+        """Keep the committed prefix plus the accepted path (flat indices, root first, on the device); drop the rest.
+        host_path: the same path as a list, where the walk has it on the host (saves the GDN commit a few ops)."""
         n, k = len(tree), accepted.shape[0]
         contiguous = tree.is_chain  # a chain's accepted path is always its first k nodes
         rows = None if contiguous else self.length + accepted  # the kept rows, shared by the layers on its device
@@ -336,5 +359,5 @@ class TargetSession:
                 layer.keys = layer.keys.index_select(-2, keep)
                 layer.values = layer.values.index_select(-2, keep)
         if self.gdn and len(tree) > 1:
-            gdn.commit_linear_states(self.cache, accepted)  # the device path: no host read
+            gdn.commit_linear_states(self.cache, accepted, host_path)  # the device path: no host read
         self.length += k

@@ -90,16 +90,27 @@ def stop_token_ids(tokenizer, target) -> list[int]:
 
 
 def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc: RunConfig, device: str,
-                     stops: list[int], max_new_tokens: int | None = None):
-    """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers."""
+                     stops: list[int], max_new_tokens: int | None = None, engines: dict | None = None):
+    """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers.
+
+    engines: the native ddtree.Engine of each method, built on first use and kept there (a job passes one dict for
+    all its prompts, so the set-up runs once per method, not once per generation)."""
     import torch
 
-    from ddtree import generate
+    from ddtree import Engine
 
+    drafts = METHODS[method].needs_drafter
+    kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
     if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
         from ddtree.upstream.engine import generate_upstream
 
-        generate = functools.partial(generate_upstream, load_upstream(rc))
+        generate = functools.partial(generate_upstream, load_upstream(rc), target, drafter if drafts else None,
+                                     method=method, budget=rc.budget, **kw)
+    else:
+        engines = {} if engines is None else engines
+        if method not in engines:
+            engines[method] = Engine(target, drafter if drafts else None, method=method, budget=rc.budget, **kw)
+        generate = engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
@@ -114,11 +125,8 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
         gen = None
         if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
             gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
-        drafts = METHODS[method].needs_drafter
-        kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
-        res = generate(target, drafter if drafts else None, input_ids, method=method, budget=rc.budget,
-                       temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
-                       stop_token_ids=stops, generator=gen, **kw)
+        res = generate(input_ids, temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
+                       stop_token_ids=stops, generator=gen)
         text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         yield turn, res, text
@@ -512,10 +520,11 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
     same prompts with the same settings (returned: that job's `origin`); else it runs here and is kept
     for later jobs under this job's `origin`."""
     wkey = cache_key(MODELS.target_key, MODELS.drafter_key, rc.method)
+    engines: dict = {}  # one ddtree.Engine per method for this job (built after its compat patches)
     if rc.warmup and wkey not in MODELS.warmed:  # first-call costs stay out of the timings
         for meth in methods:
             for _ in run_conversation(target, drafter, tokenizer, Prompt("warmup", prompts[0].turns[:1]), meth,
-                                      rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens)):
+                                      rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens), engines=engines):
                 pass
         MODELS.warmed.add(wkey)
     from tqdm import tqdm
@@ -543,7 +552,7 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
                 else:
                     got = [{"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
                            for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc,
-                                                                   device, stops)]
+                                                                   device, stops, engines=engines)]
                     if role == "baseline":
                         fresh.extend(got)
                 records.extend(got)
