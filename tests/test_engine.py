@@ -70,6 +70,38 @@ def test_tree_logits_equal_per_path_sequential(target):
             torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+def test_the_kv_arena_commits_as_each_layer_alone(target, monkeypatch):
+    """All attention layers in one KVArena buffer: a commit's one gather and copy leave every layer's keys and values
+    as each layer's own keep does, through buffer growth (a short capacity hint) and chains; and every layer joined."""
+    from ddtree.engine.target import KVArena, PreallocatedLayer
+
+    V = target.config.vocab_size
+    ids = prompts(V, (9,))[0]
+    trees = [random_tree(n, V, random.Random(n)) for n in (24, 1, 9, 40, 5, 60)]  # past 64 rows: growth
+    trees.insert(2, chain_tree(torch.tensor(1), torch.tensor([2, 3, 4])))
+    sessions = {}
+    for mode in ("arena", "alone"):
+        rng = random.Random(9)  # the same paths in both
+        with monkeypatch.context() as m:
+            if mode == "alone":
+                m.setattr(KVArena, "join", lambda *a: False)
+            sess = sessions[mode] = TargetSession(target, capacity=8)  # short: the buffers must grow
+            sess.prefill(ids)
+            for tree in trees:
+                sess.verify(tree)
+                leaf = max(range(len(tree)), key=lambda i: (int(tree.depths[i]), rng.random()))
+                path = torch.nonzero(tree.ancestor_matrix()[leaf]).flatten()
+                sess.commit(tree, path, path.tolist())
+    layers = {mode: [layer for layer in s.cache.layers if isinstance(layer, PreallocatedLayer)]
+              for mode, s in sessions.items()}
+    assert all(layer.arena is not None for layer in layers["arena"]) and len(layers["arena"]) > 1
+    assert all(layer.arena is None for layer in layers["alone"])
+    assert layers["arena"][0]._k.shape[-2] > 64  # grown past its first allocation
+    assert sessions["arena"].length == sessions["alone"].length
+    for a, b in zip(layers["arena"], layers["alone"], strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def test_commit_keeps_exactly_the_accepted_path(target):
     """After a non-contiguous commit, the next forward equals a cache built from prefix + path."""
     V = target.config.vocab_size

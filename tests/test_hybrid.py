@@ -64,7 +64,7 @@ def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
     """Proves the lossless tests see the bug: a GDN layer run as a flat chain gives other tokens."""
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
     monkeypatch.setattr(tree_gdn, "tree_verification", _chain_context)
-    monkeypatch.setattr(tree_gdn, "commit_linear_states", lambda cache, accepted: None)
+    monkeypatch.setattr(tree_gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
     tree_gdn.uninstall()
     try:
         wrong = 0
@@ -185,3 +185,44 @@ def test_an_engine_checks_its_settings_when_built():
     engine = ddtree.Engine(target, None, method="ar")
     with pytest.raises(ConfigError, match="max_new_tokens"):
         engine.generate(torch.zeros(1, 3, dtype=torch.long), max_new_tokens=0)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 70])  # a chain prefill (committed by the GDN commit), an upstream one
+def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
+    """After a group's first commit its layers' conv and recurrent states become views of one stacked tensor each
+    (gdn._adopt_states) and later commits update them in one op each: bitwise the same states, round after round,
+    as without the stacking."""
+    import random
+
+    from ddtree.engine.target import TargetSession
+    from ddtree.testing.reference import random_tree
+
+    target = tiny_model("qwen3_5_text", seed=6, vocab_size=12)
+    ids = torch.randint(0, 12, (1, prompt_len), generator=torch.Generator().manual_seed(3))
+    states = {}
+    for mode in ("stacked", "alone"):
+        rng = random.Random(4)
+        with monkeypatch.context() as m:
+            if mode == "alone":
+                m.setattr(tree_gdn, "_adopt_states", lambda cache, layer_ids: None)
+            sess = TargetSession(target, capacity=256)
+            sess.prefill(ids)
+            states[mode] = []
+            for n in (9, 24, 2, 40, 13):
+                tree = random_tree(n, 12, rng)
+                sess.verify(tree)
+                leaf = max(range(n), key=lambda i: (int(tree.depths[i]), rng.random()))
+                path = torch.nonzero(tree.ancestor_matrix()[leaf]).flatten()
+                sess.commit(tree, path, path.tolist())
+                states[mode].append([(layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
+                                     for layer in sess.cache.layers if hasattr(layer, "recurrent_states")])
+            if mode == "stacked":
+                found = sess.cache.__dict__[tree_gdn._STATES_ATTR]
+                linear = [layer for layer in sess.cache.layers if hasattr(layer, "recurrent_states")]
+                assert len(found[0]) == len(linear) >= 2
+                assert all(layer.conv_states[0] is conv and layer.recurrent_states[0] is rec  # still the views
+                           for layer, (conv, rec) in zip(linear, found[3], strict=True))
+                assert linear[1].recurrent_states[0].data_ptr() == found[2][1].data_ptr()
+    for r, (a, b) in enumerate(zip(states["stacked"], states["alone"], strict=True)):
+        for (c, s), (c1, s1) in zip(a, b, strict=True):
+            assert torch.equal(c, c1) and torch.equal(s, s1), f"round {r}"

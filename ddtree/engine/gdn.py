@@ -538,12 +538,19 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
     for group in _cached_groups(cache, pending):
         rec = group[0][1]
         # in-place writes into inference tensors are only allowed in inference mode
-        inference = (rec.conv_ref if rec.conv_ref is not None else rec.keys).is_inference()
+        inference = (rec.conv_ref if rec.conv_ref is not None else rec.packed).is_inference()
+        if inference and torch.is_inference_mode_enabled():  # the engine's commit: already in inference mode
+            _commit_group(cache, group, index, host_path)
+            continue
         with torch.no_grad(), torch.inference_mode(inference):
-            if len(group) == 1:
-                _commit_layer(cache, group[0][0], rec, index)
-            else:
-                _commit_stacked(cache, group, index, host_path)
+            _commit_group(cache, group, index, host_path)
+
+
+def _commit_group(cache, group: list[tuple[int, _Pending]], index: torch.Tensor, host_path: list[int] | None) -> None:
+    if len(group) == 1:
+        _commit_layer(cache, group[0][0], group[0][1], index)
+    else:
+        _commit_stacked(cache, group, index, host_path)
 
 
 _GROUPS_ATTR = "_ddtree_gdn_commit_groups"
@@ -606,18 +613,57 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
                 inputs = inputs.index_select(2, index.to(inputs.device))
             cache.update_conv_state(inputs, layer_idx, conv_kernel_size=rec.kernel)
             cache.update_recurrent_state(state, layer_idx)
+        _adopt_states(cache, [i for i, _ in items])
         return
-    old = torch.stack([r.recurrent_ref for r in recs])
-    new_state = new_state.add_(old.to(new_state) * cum_last.exp().unsqueeze(-1))
     # the last K of [the K old columns, the path's inputs]: rows of `extended`
     k = first.kernel
     if host_path is not None and first.extended.device.type == "cpu":
         rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
     else:
         rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
+    decay = cum_last.exp().unsqueeze(-1)
+    stacked = _stacked_states(cache, items)
+    if stacked is not None and stacked[1].dtype == new_state.dtype:  # one update of all the layers' states in place
+        conv_all, rec_all = stacked  # (old * decay) + new: the same float ops as below (addition commutes exactly)
+        rec_all.mul_(decay).add_(new_state)
+        conv_all.copy_(torch.stack([rec.extended.index_select(1, rows) for rec in recs]).transpose(-1, -2))
+        return
+    old = torch.stack([r.recurrent_ref for r in recs])
+    new_state = new_state.add_(old.to(new_state) * decay)
     for i, rec in enumerate(recs):
         rec.conv_ref.copy_(rec.extended.index_select(1, rows).transpose(1, 2))
         rec.recurrent_ref.copy_(new_state[i])
+    _adopt_states(cache, [i for i, _ in items])
+
+
+_STATES_ATTR = "_ddtree_gdn_stacked_states"
+
+
+def _adopt_states(cache, layer_ids: list[int]) -> None:
+    """Move the conv and recurrent states of like layers (a commit group) into one stacked tensor each, the layers'
+    states becoming views of them: the next commits of the group update every layer's states with one op each
+    (`_stacked_states`). Only for float32 recurrent states (the commit's dtype: else nothing is saved)."""
+    layers = [cache.layers[i] for i in layer_ids]
+    if any(layer.recurrent_states[0].dtype != torch.float32 for layer in layers):
+        return
+    conv_all = torch.stack([layer.conv_states[0] for layer in layers])
+    rec_all = torch.stack([layer.recurrent_states[0] for layer in layers])
+    for g, layer in enumerate(layers):
+        layer.conv_states[0], layer.recurrent_states[0] = conv_all[g], rec_all[g]
+    cache.__dict__[_STATES_ATTR] = (tuple(layer_ids), conv_all, rec_all,
+                                    [(layer.conv_states[0], layer.recurrent_states[0]) for layer in layers])
+
+
+def _stacked_states(cache, items: list[tuple[int, _Pending]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(conv (G, B, C, K), recurrent (G, B, H, dk, dv)) when the group's verified states are still the views
+    `_adopt_states` made (nothing replaced a layer's state since), else None."""
+    found = cache.__dict__.get(_STATES_ATTR)
+    if found is None or found[0] != tuple(i for i, _ in items):
+        return None
+    if not all(rec.conv_ref is conv and rec.recurrent_ref is rec_ for (_, rec), (conv, rec_) in
+               zip(items, found[3], strict=True)):
+        return None
+    return found[1], found[2]
 
 
 def _checked_path(tree: _Tree, accepted: torch.Tensor | Sequence[int]) -> torch.Tensor:

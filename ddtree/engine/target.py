@@ -73,22 +73,75 @@ class WalkRows:
         return torch.cat(parts, dim=-1)
 
 
+class KVArena:
+    """One buffer [layers, 2, ..., capacity, head_dim] for the keys and values of a cache's full-attention layers:
+    a commit then moves the accepted rows of every layer in one gather and one copy (`keep`), not four ops a layer.
+
+    A layer joins at its first update when its tensors match the buffer (shape, dtype, device: the first layer
+    to arrive sets them); one that does not keeps a buffer of its own. Growing (a short capacity hint) grows
+    the buffer for every member at once.
+    """
+
+    def __init__(self, capacity: int, slots: int):
+        self.capacity_hint, self.slots = capacity, slots
+        self.buf: torch.Tensor | None = None
+        self.members: dict[int, PreallocatedLayer] = {}
+
+    def join(self, layer: PreallocatedLayer, slot: int, ks: torch.Tensor, vs: torch.Tensor) -> bool:
+        if self.buf is None:
+            capacity = max(self.capacity_hint, 2 * ks.shape[-2], 64)
+            self.buf = ks.new_empty(self.slots, 2, *ks.shape[:-2], capacity, ks.shape[-1])
+        buf = self.buf
+        if (ks.shape[:-2] != buf.shape[2:-2] or ks.shape[-1] != buf.shape[-1] or vs.shape != ks.shape
+                or ks.dtype != buf.dtype or vs.dtype != buf.dtype or ks.device != buf.device or slot in self.members):
+            return False
+        self.members[slot] = layer
+        layer._k, layer._v = buf[slot, 0], buf[slot, 1]
+        return True
+
+    def replace(self, buf: torch.Tensor) -> None:
+        """Move every member to `buf` (a larger or cloned copy of the old buffer's contents)."""
+        self.buf = buf
+        for slot, layer in self.members.items():
+            n = layer.keys.shape[-2]
+            layer._k, layer._v = buf[slot, 0], buf[slot, 1]
+            layer.keys, layer.values = layer._k[..., :n, :], layer._v[..., :n, :]
+
+    def grow(self, capacity: int) -> None:
+        old = self.buf
+        new = old.new_empty(*old.shape[:-2], capacity, old.shape[-1])
+        new[..., : old.shape[-2], :].copy_(old)
+        self.replace(new)
+
+    def keep(self, start: int, rows: torch.Tensor) -> None:
+        """Every member: keep [:start] plus the rows `rows` (absolute, in order), as PreallocatedLayer.keep."""
+        k = rows.shape[0]
+        buf = self.buf
+        buf[..., start: start + k, :].copy_(buf.index_select(-2, rows))
+        for layer in self.members.values():
+            layer.keys, layer.values = layer._k[..., : start + k, :], layer._v[..., : start + k, :]
+
+
 class PreallocatedLayer(DynamicLayer):
     """A full-attention KV layer in a preallocated buffer: a forward writes its tokens in place.
 
     DynamicLayer concatenates (copies) the whole cache at every forward and the tree commit used to
     re-gather it; here a forward writes only its new tokens, a commit moves only the accepted ones,
     and the buffer grows by doubling when a hint was short. `keys`/`values` are views [..., :length, :].
+    arena, slot: a KVArena shared with the cache's other attention layers, and this layer's place in it.
     """
 
-    def __init__(self, capacity: int = 0):
+    def __init__(self, capacity: int = 0, arena: KVArena | None = None, slot: int = 0):
         super().__init__()
         self.capacity_hint = capacity
         self._k = self._v = None
+        self.arena, self.slot = arena, slot
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self._alloc(key_states, value_states, max(self.capacity_hint, 2 * key_states.shape[-2], 64))
+        if self.arena is None or not self.arena.join(self, self.slot, key_states, value_states):
+            self.arena = None
+            self._alloc(key_states, value_states, max(self.capacity_hint, 2 * key_states.shape[-2], 64))
         self.keys, self.values = self._k[..., :0, :], self._v[..., :0, :]
         self.is_initialized = True
 
@@ -103,12 +156,18 @@ class PreallocatedLayer(DynamicLayer):
         new = cur + key_states.shape[-2]
         if self._k.is_inference() and not torch.is_inference_mode_enabled():
             # a plain forward after inference-mode rounds (tests, notebooks): leave inference tensors behind
-            self._k, self._v = self._k.clone(), self._v.clone()
+            if self.arena is not None:
+                self.arena.replace(self.arena.buf.clone())
+            else:
+                self._k, self._v = self._k.clone(), self._v.clone()
         if new > self._k.shape[-2]:
-            old_k, old_v = self.keys, self.values
-            self._alloc(key_states, value_states, max(2 * self._k.shape[-2], new))
-            self._k[..., :cur, :].copy_(old_k)
-            self._v[..., :cur, :].copy_(old_v)
+            if self.arena is not None:
+                self.arena.grow(max(2 * self._k.shape[-2], new))
+            else:
+                old_k, old_v = self.keys, self.values
+                self._alloc(key_states, value_states, max(2 * self._k.shape[-2], new))
+                self._k[..., :cur, :].copy_(old_k)
+                self._v[..., :cur, :].copy_(old_v)
         self._k[..., cur:new, :].copy_(key_states)
         self._v[..., cur:new, :].copy_(value_states)
         self.keys, self.values = self._k[..., :new, :], self._v[..., :new, :]
@@ -126,6 +185,9 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self._k[..., : start + k, :], self._v[..., : start + k, :]
 
     def reset(self) -> None:
+        if self.arena is not None:
+            self.arena.members.pop(self.slot, None)
+            self.arena = None
         self._k = self._v = None
         super().reset()
 
@@ -137,9 +199,11 @@ def new_cache(model: PreTrainedModel, capacity: int = 0, full_sliding: bool = Fa
     window), so a rejected branch can be rolled back; a DynamicSlidingWindowLayer forgets too early.
     """
     cache = DynamicCache(config=model.config)
-    for i, layer in enumerate(cache.layers):
-        if type(layer) is DynamicLayer or (full_sliding and type(layer) is DynamicSlidingWindowLayer):
-            cache.layers[i] = PreallocatedLayer(capacity)
+    kv = [i for i, layer in enumerate(cache.layers)
+          if type(layer) is DynamicLayer or (full_sliding and type(layer) is DynamicSlidingWindowLayer)]
+    arena = KVArena(capacity, len(kv)) if len(kv) > 1 else None
+    for slot, i in enumerate(kv):
+        cache.layers[i] = PreallocatedLayer(capacity, arena, slot)
     return cache
 
 
@@ -229,6 +293,7 @@ class TargetSession:
         self.split, self.dense_auto, self.lean, self.lean_prefill = b.split, b.dense_auto, b.lean, b.lean_prefill
         self.mtype, self.gdn, self.dtype = b.mtype, b.gdn, b.dtype
         self.cache = new_cache(model, capacity, full_sliding=self.split)
+        self._arena = next((layer.arena for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)), None)
         self.length = 0
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
         self._mask_zero = self._mask_dirty = 0  # columns [:zero) are 0 in every row; [zero:dirty) may be stale
@@ -342,6 +407,12 @@ class TargetSession:
         n, k = len(tree), accepted.shape[0]
         contiguous = tree.is_chain  # a chain's accepted path is always its first k nodes
         rows = None if contiguous else self.length + accepted  # the kept rows, shared by the layers on its device
+        arena = self._arena
+        moved = (not contiguous and arena is not None and len(arena.members) == arena.slots
+                 and rows.device == arena.buf.device
+                 and all(m.keys.shape[-2] == self.length + n for m in arena.members.values()))
+        if moved:  # every attention layer in one buffer: one gather and one copy for all of them
+            arena.keep(self.length, rows)
         for layer in self.cache.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 continue  # GDN states are committed below
@@ -352,7 +423,8 @@ class TargetSession:
             if contiguous:
                 layer.crop(k - n)
             elif isinstance(layer, PreallocatedLayer):
-                layer.keep(self.length, accepted, rows)
+                if not (moved and layer.arena is arena):
+                    layer.keep(self.length, accepted, rows)
             else:
                 dev = layer.keys.device  # under a device map each layer's cache sits on its own device
                 keep = torch.cat([torch.arange(self.length, device=dev), self.length + accepted.to(dev)])
