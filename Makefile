@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install test test-slow test-all run bench lint toy toy-pure clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py ddtree/engine/_hosttree.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"

@@ -1,10 +1,12 @@
-"""The build step pyproject.toml cannot say: copy conf/, assets/toy and the paper reference into the
-package (ddtree/_data/), so a wheel or a plain `pip install .` can compose configs and run the toy pair."""
+"""The build steps pyproject.toml cannot say: copy conf/, assets/toy and the paper reference into the
+package (ddtree/_data/), so a wheel or a plain `pip install .` can compose configs and run the toy pair; and
+compile the host tree build (ddtree/engine/_hosttree.c, plain C against Python's own API). It is optional: where
+no compiler is found the install goes on and the engine takes its pure-Python build of the same trees."""
 
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 SHIPPED = ("conf", "assets/toy", "docs/paper_reference.yaml")  # mirrors ddtree.paths.SHIPPED
@@ -26,4 +28,6 @@ class BuildWithData(build_py):
                 shutil.copy2(src, dst)
 
 
-setup(cmdclass={"build_py": BuildWithData})
+HOST_TREE = Extension("ddtree.engine._hosttree", ["ddtree/engine/_hosttree.c"], optional=True)
+
+setup(cmdclass={"build_py": BuildWithData}, ext_modules=[HOST_TREE])

@@ -50,14 +50,14 @@ def trained_blocks(args) -> None:
 
     import ddtree
     import ddtree.engine.proposers as proposers
-    from ddtree.engine.tree import _best_first_heap, _best_first_host
+    from ddtree.engine.tree import _best_first_heap, _best_first_host, _best_first_native, _hosttree
 
     pair = trained_pair(args.pair, args.prompts, "cpu", torch.float32)
     if pair is None:
         sys.exit(f"assets/{args.pair} is not built (make toy / make toy-pure)")
     print(f"# host tree build on {args.pair}'s drafter blocks ({args.prompts} prompts), torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'budget':>7} {'blocks':>7} {'heap ms':>8} {'pruned ms':>10} {'unpruned ms':>12}")
+    print(f"{'budget':>7} {'blocks':>7} {'C ms':>7} {'heap ms':>8} {'pruned ms':>10} {'unpruned ms':>12}")
     build = proposers.best_first_tree
     for b in map(int, args.budgets.split(",")):
         blocks = []
@@ -73,8 +73,10 @@ def trained_blocks(args) -> None:
                                 stop_token_ids=pair.stops)
         finally:
             proposers.best_first_tree = build
-        builds = {"heap": _best_first_heap, "pruned": _best_first_host,
+        builds = {"C": _best_first_native, "heap": _best_first_heap, "pruned": _best_first_host,
                   "unpruned": lambda *a: _best_first_host(*a, prune=False)}
+        if _hosttree is None:
+            del builds["C"]
         for root, vals, toks in blocks:
             trees = [fn(root, vals, toks, b) for fn in builds.values()]
             assert all(torch.equal(t.parents, trees[0].parents) and torch.equal(t.tokens, trees[0].tokens)
@@ -86,7 +88,8 @@ def trained_blocks(args) -> None:
 
         ms = {name: timed(lambda fn=fn: sweep(fn), args.repeats, lambda: None) / len(blocks) * 1e3
               for name, fn in builds.items()}
-        print(f"{b:>7} {len(blocks):>7} {ms['heap']:>8.3f} {ms['pruned']:>10.3f} {ms['unpruned']:>12.3f}")
+        print(f"{b:>7} {len(blocks):>7} {ms.get('C', float('nan')):>7.3f} {ms['heap']:>8.3f} {ms['pruned']:>10.3f} "
+              f"{ms['unpruned']:>12.3f}")
 
 
 def main() -> None:

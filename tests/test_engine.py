@@ -162,15 +162,19 @@ def test_best_first_tree_matches_heap(budget):
         assert (tree.depths[1:] == tree.depths[tree.parents[1:]] + 1).all()
 
 
-@pytest.mark.parametrize("prune_from", [1, None])
+@pytest.mark.parametrize("build", ["c", "python", "python-pruned"])
 @pytest.mark.parametrize("budget", [1, 7, 64, 300])
-def test_best_first_tree_host_build_equals_device_build(budget, prune_from, monkeypatch):
-    """The NumPy build (CPU default) and the torch build (other devices) give the same tree, ties included,
-    with the host build's pruning on at every budget (prune_from=1) and as shipped."""
+def test_best_first_tree_host_build_equals_device_build(budget, build, monkeypatch):
+    """The host build (CPU default: the C build, or without it the Python heap / NumPy passes, pruning as shipped
+    and at every budget) and the torch build (other devices) give the same tree, ties included."""
     from ddtree.engine import tree as tree_mod
 
-    if prune_from is not None:
-        monkeypatch.setattr(tree_mod, "PRUNE_MIN_BUDGET", prune_from)
+    if build == "c" and tree_mod._hosttree is None:
+        pytest.skip("the C tree build is not compiled here")
+    if build != "c":
+        monkeypatch.setattr(tree_mod, "_hosttree", None)
+    if build == "python-pruned":
+        monkeypatch.setattr(tree_mod, "PRUNE_MIN_BUDGET", 1)
     g = torch.Generator().manual_seed(budget)
     cases = [torch.randn(L, V, generator=g) * 3 for L, V in ((1, 50), (3, 7), (15, 200))]
     cases += [torch.zeros(6, 5), torch.randn(15, 64, generator=g).bfloat16().float()]  # ties everywhere / bf16 ties
@@ -189,29 +193,51 @@ def test_best_first_tree_host_build_equals_device_build(budget, prune_from, monk
         assert torch.equal(a.ancestor_index(), b.ancestor_index()[:, :width])
 
 
-def test_the_heap_build_equals_the_per_depth_build():
-    """_best_first_heap (small budgets) and _best_first_host (large ones) select the same tree, ties included."""
-    from ddtree.engine.tree import _best_first_heap, _best_first_host
+def test_the_host_builds_select_the_same_tree():
+    """The C build (_best_first_native), the Python heap (_best_first_heap) and the per-depth passes
+    (_best_first_host) select the same tree, ties and -inf included, with the same ancestry and child lists."""
+    from ddtree.engine.tree import _best_first_heap, _best_first_host, _best_first_native, _hosttree
 
+    if _hosttree is None:
+        pytest.skip("the C tree build is not compiled here (see test_the_c_tree_build_is_compiled)")
     g = torch.Generator().manual_seed(7)
     peaky = torch.randn(15, 120, generator=g)
     peaky[torch.arange(15), torch.randint(0, 120, (15,), generator=g)] += 10
-    cases = [torch.randn(15, 120, generator=g) * 3, torch.zeros(6, 5), peaky,
-             torch.randn(15, 64, generator=g).bfloat16().float(), torch.randn(1, 9, generator=g)]
+    hole = torch.randn(15, 100, generator=g)
+    hole[3, :] = float("-inf")  # a row with one finite value: -inf scores below it
+    hole[3, 5] = 0
+    cases = [torch.randn(15, 120, generator=g) * 3, torch.zeros(6, 5), peaky, hole, torch.zeros(15, 30),
+             torch.randn(15, 64, generator=g).bfloat16().float(), torch.randn(1, 9, generator=g), torch.randn(2, 1)]
     for logits in cases:
         logp = torch.log_softmax(logits, dim=-1)
-        for budget in (1, 2, 3, 5, 16, 33, 64, 100, 200):
+        for budget in (1, 2, 3, 5, 16, 33, 64, 100, 200, 1024):
             vals, toks = logp.topk(min(budget, logp.shape[1]), dim=-1)
-            a = _best_first_heap(torch.tensor(4), vals, toks, budget)
-            b = _best_first_host(torch.tensor(4), vals, toks, budget)
-            for name in ("tokens", "parents", "depths", "scores"):
-                assert torch.equal(getattr(a, name), getattr(b, name)), (name, budget, logits.shape)
-            assert torch.equal(a.ancestor_matrix(), b.ancestor_matrix())
-            assert torch.equal(a.ancestor_index(), b.ancestor_index())
+            native = _best_first_native(torch.tensor(4), vals, toks, budget)
+            heap = _best_first_heap(torch.tensor(4), vals, toks, budget)
+            for b in (heap, _best_first_host(torch.tensor(4), vals, toks, budget)):
+                for name in ("tokens", "parents", "depths", "scores"):
+                    assert torch.equal(getattr(native, name), getattr(b, name)), (name, budget, logits.shape)
+                assert torch.equal(native.ancestor_matrix(), b.ancestor_matrix())
+                assert torch.equal(native.ancestor_index(), b.ancestor_index())
+                assert native.depth_bound == b.depth_bound
+            assert native._walk_index == heap._walk_index
+
+
+def test_the_c_tree_build_is_compiled():
+    """`make install` compiles ddtree/engine/_hosttree.c (setup.py); where a C compiler exists it must be there, or
+    every CPU round pays the Python build (several times slower) without saying so."""
+    import shutil
+
+    from ddtree.engine import tree as tree_mod
+
+    if tree_mod._hosttree is None and shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine: the Python builds serve")
+    assert tree_mod._hosttree is not None, "ddtree/engine/_hosttree.c is not compiled: rerun `make install`"
 
 
 def test_the_greedy_walk_on_asked_rows_equals_the_walk():
     """greedy_walk_rows asks only for the rows on its path (in batches) and walks as walk(tree, argmax) does."""
+    from ddtree.engine import tree as tree_mod
     from ddtree.engine.tree import greedy_walk_rows
 
     g = torch.Generator().manual_seed(3)
@@ -231,7 +257,7 @@ def test_the_greedy_walk_on_asked_rows_equals_the_walk():
             assert a.path_list == b.path_list and a.tokens == b.tokens
             plain = dataclasses.replace(tree, _walk_index=None)  # the heap's child index (budget <= 64) or none
             c = greedy_walk_rows(plain, lambda nodes, logits=logits: logits[nodes].argmax(-1).tolist())
-            assert (tree._walk_index is not None) == (budget <= 64)
+            assert (tree._walk_index is not None) == (budget <= 64 or tree_mod._hosttree is not None)
             assert c.path_list == a.path_list and c.tokens == a.tokens
             assert torch.equal(a.path, b.path) and int(a.next_root) == int(b.next_root)
             assert set(a.path_list) <= set(asked) and len(asked) == len(set(asked))  # each row once

@@ -14,6 +14,11 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+try:  # the host tree build in C (setup.py compiles it where a compiler is found)
+    from ddtree.engine import _hosttree
+except ImportError:  # not compiled: the pure-Python builds give the same trees
+    _hosttree = None
+
 _F32 = struct.Struct("f")  # the host heap's float32 rounding
 
 
@@ -36,9 +41,9 @@ class DraftTree:
     # (tokens, parents, depths, ancestor index) as NumPy arrays when the tree was built on the host (a CPU
     # device): the walk then runs there too
     _host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
-    # (tokens, first child (-1: none), {(parent, token): child}) as lists, where the host build had them: the
-    # greedy walk's index
-    _walk_index: tuple[list[int], list[int], dict[tuple[int, int], int]] | None = field(default=None, repr=False)
+    # (tokens, first child, next sibling) as lists (-1: none; children in flat order), where the host build had
+    # them: the greedy walk's index
+    _walk_index: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -179,15 +184,18 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     selection. Equal scores prefer the shallower node, then the earlier candidate, so the selection
     is a tree and deterministic. Nodes are in flat depth-major order, by score within a depth.
 
-    host: build on the host with NumPy (default on a CPU device: a few hundred tiny torch ops cost more
-    than the arithmetic) or with torch ops on the logits' device (default elsewhere: no host read).
-    Both give the same tree.
+    host: build on the host (default on a CPU device: a few hundred tiny torch ops cost more than the
+    arithmetic) or with torch ops on the logits' device (default elsewhere: no host read). On the host the
+    build is one C call (`_best_first_native`) where the extension was compiled, else a heap or per-depth
+    passes in Python and NumPy. All give the same tree.
     """
     if host is None:
         host = logprobs.device.type == "cpu"
     top_vals, top_toks = logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)  # [L, k], sorted descending
     if not host:
         return _best_first_device(root, top_vals, top_toks, budget)
+    if _hosttree is not None:
+        return _best_first_native(root, top_vals, top_toks, budget)
     if budget <= HEAP_MAX_BUDGET:
         return _best_first_heap(root, top_vals, top_toks, budget)
     return _best_first_host(root, top_vals, top_toks, budget)
@@ -330,19 +338,46 @@ def _best_first_heap(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     return _host_tree_from_lists(tokens, parents, depths, scores, top_vals.device)
 
 
+def _best_first_native(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
+    """_best_first_heap's tree in one C call (ddtree/engine/_hosttree.c), with the ancestor index and matrix and the
+    greedy walk's child lists, written into arrays allocated here. Any budget: the heap is O(budget log budget)."""
+    vals = np.ascontiguousarray(top_vals.cpu().numpy(), dtype=np.float32)
+    toks = np.ascontiguousarray(top_toks.cpu().numpy(), dtype=np.int64)
+    L, k = vals.shape
+    cap = budget + 1
+    ints = np.empty((5, cap), dtype=np.int64)  # tokens, parents, depths, first child, next sibling
+    scores = np.empty(cap, dtype=np.float32)
+    aidx = np.empty(cap * (L + 1), dtype=np.int64)
+    anc = np.empty(cap * cap, dtype=np.bool_)
+    n, bound = _hosttree.best_first(vals, toks, L, k, budget, int(root), ints, scores, aidx, anc)
+    tokens, parents, depths, first, sibling = ints[:, :n]
+    aidx = aidx[: n * (bound + 1)].reshape(n, bound + 1)
+    dev = top_vals.device
+    cpu = dev.type == "cpu"
+    t = torch.from_numpy if cpu else (lambda a: torch.from_numpy(a).to(dev))  # (a no-op .to costs ~1.4 us)
+    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths), scores=t(scores[:n]), is_chain=False,
+                     depth_bound=bound, _anc=t(anc[: n * n].reshape(n, n)), _aidx=t(aidx),
+                     _host=(tokens, parents, depths, aidx) if cpu else None,
+                     _walk_index=(tokens.tolist(), first.tolist(), sibling.tolist()) if cpu else None)
+
+
+def _child_lists(parents: list[int]) -> tuple[list[int], list[int]]:
+    """(first child, next sibling) of every node (-1: none), children in flat order."""
+    first, sibling = [-1] * len(parents), [-1] * len(parents)
+    for i in range(len(parents) - 1, 0, -1):  # backwards: each parent ends with its smallest child first
+        sibling[i] = first[parents[i]]
+        first[parents[i]] = i
+    return first, sibling
+
+
 def _host_tree_from_lists(tokens: list[int], parents: list[int], depths: list[int], scores: list[float],
                           dev: torch.device) -> DraftTree:
-    """_host_tree from the heap's lists, plus the greedy walk's child index from the same lists (`_walk_index`:
-    a fifth of the walk's own cost, which otherwise rebuilds it from the arrays)."""
+    """_host_tree from the heap's lists, plus the greedy walk's child lists from the same lists (`_walk_index`:
+    a fifth of the walk's own cost, which otherwise rebuilds them from the arrays)."""
     tree = _host_tree(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64),
                       np.asarray(depths, dtype=np.int64), np.asarray(scores, dtype=np.float32), dev)
     if tree._host is not None:
-        first = [-1] * len(tokens)
-        child = {}
-        for i in range(len(tokens) - 1, 0, -1):  # backwards: each parent keeps its smallest child
-            first[parents[i]] = i
-            child[(parents[i], tokens[i])] = i
-        tree._walk_index = (tokens, first, child)
+        tree._walk_index = (tokens, *_child_lists(parents))
     return tree
 
 
@@ -436,25 +471,22 @@ def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
     leaves the chain asks again from where it left. Host-built trees only (`tree._host`).
     """
     if tree._walk_index is not None:
-        tokens, first_l, child = tree._walk_index
+        tokens, first, sibling = tree._walk_index
     else:
-        tokens, parents, _, _ = tree._host
-        n = tokens.shape[0]
-        first = np.full(n, -1, dtype=np.int64)
-        first[parents[:0:-1]] = np.arange(n - 1, 0, -1)  # later writes win: each parent keeps its smallest child
-        tokens = tokens.tolist()
-        child = {(p, t): i for i, (p, t) in enumerate(zip(parents.tolist(), tokens, strict=True)) if i}
-        first_l = first.tolist()
+        tokens = tree._host[0].tolist()
+        first, sibling = _child_lists(tree._host[1].tolist())
     choice: dict[int, int] = {}
     path, node = [0], 0
     while True:
         if node not in choice:
             batch = [node]
-            while first_l[batch[-1]] >= 0:
-                batch.append(first_l[batch[-1]])
+            while first[batch[-1]] >= 0:
+                batch.append(first[batch[-1]])
             choice.update(zip(batch, argmax(batch), strict=True))
-        nxt = child.get((node, choice[node]))
-        if nxt is None:
+        want, nxt = choice[node], first[node]
+        while nxt >= 0 and tokens[nxt] != want:  # siblings carry distinct tokens: at most one matches
+            nxt = sibling[nxt]
+        if nxt < 0:
             break
         path.append(nxt)
         node = nxt
