@@ -307,7 +307,9 @@ def test_commit_equals_sequential_prefix_plus_path(patched, model_type, attn, me
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type, prefix, monkeypatch):
     """_commit_stacked (the like layers at once) against _commit_layer run on each layer alone: every path of a
-    branching tree and of a chain (the whole chain taken without a gather), after a prefix or on an empty cache."""
+    branching tree and of a chain (the whole chain taken without a gather), after a prefix or on an empty cache; the
+    stacked commit both from each layer's own tensors and, as the engine verifies under inference mode, from the
+    cache's shared buffers (`_shared_slot`: one gather for all layers)."""
     model = _model(model_type, "sdpa")
     gen = torch.Generator().manual_seed(7)
     past = PROMPT_LEN if prefix else 0
@@ -319,9 +321,12 @@ def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type
 
     for name in ("deep", "chain"):
         parents = _trees(seed=7)[name]
+        tokens = torch.randint(0, VOCAB, (1, len(parents)), generator=gen)
         work = copy.deepcopy(cache)
-        _verify(model, work, torch.randint(0, VOCAB, (1, len(parents)), generator=gen), parents, past)
-        groups = tree_gdn._commit_groups(work, work.__dict__[tree_gdn._PENDING_ATTR])
+        _verify(model, work, tokens, parents, past)
+        pending = work.__dict__[tree_gdn._PENDING_ATTR]
+        assert all(rec.slot is None for rec in pending.values())  # outside inference mode: no shared buffers
+        groups = tree_gdn._commit_groups(work, pending)
         linear = sum(isinstance(layer, LinearAttentionLayer) for layer in work.layers)
         assert len(groups) == 1 and len(groups[0]) == linear >= 2  # every GDN layer at once
         for node in range(len(parents)):
@@ -332,7 +337,13 @@ def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type
             with monkeypatch.context() as m:
                 m.setattr(tree_gdn, "_commit_groups", alone)
                 tree_gdn.commit_linear_states(single, path)
-            for got in (stacked, hosted):
+            shared = copy.deepcopy(cache)
+            with torch.inference_mode():
+                _verify(model, shared, tokens, parents, past)
+                recs = [rec for _, rec in sorted(shared.__dict__[tree_gdn._PENDING_ATTR].items())]
+                assert tree_gdn._shared_buffers(recs) is not None
+                tree_gdn.commit_linear_states(shared, path, path.tolist())
+            for got in (stacked, hosted, shared):
                 for (c, r), (c1, r1) in zip(_linear_states(got), _linear_states(single), strict=True):
                     assert torch.equal(c, c1), f"{name} node {node}: conv state"
                     assert torch.equal(r, r1), f"{name} node {node}: recurrent state"

@@ -190,8 +190,9 @@ def test_an_engine_checks_its_settings_when_built():
 @pytest.mark.parametrize("prompt_len", [5, 70])  # a chain prefill (committed by the GDN commit), an upstream one
 def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
     """After a group's first commit its layers' conv and recurrent states become views of one stacked tensor each
-    (gdn._adopt_states) and later commits update them in one op each: bitwise the same states, round after round,
-    as without the stacking."""
+    (gdn._adopt_states) and later commits update them in one op each; the verification writes every layer's keys,
+    deltas, decays and conv inputs into slots of shared buffers (gdn._shared_slot) the commit gathers in one op each:
+    bitwise the same states, round after round, as each layer alone from its own tensors."""
     import random
 
     from ddtree.engine.target import TargetSession
@@ -200,11 +201,13 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
     target = tiny_model("qwen3_5_text", seed=6, vocab_size=12)
     ids = torch.randint(0, 12, (1, prompt_len), generator=torch.Generator().manual_seed(3))
     states = {}
-    for mode in ("stacked", "alone"):
+    for mode in ("stacked", "stacked, own tensors", "alone, shared", "alone"):
         rng = random.Random(4)
         with monkeypatch.context() as m:
-            if mode == "alone":
+            if mode.startswith("alone"):
                 m.setattr(tree_gdn, "_adopt_states", lambda cache, layer_ids: None)
+            if mode in ("stacked, own tensors", "alone"):
+                m.setattr(tree_gdn, "_shared_slot", lambda *a: None)
             sess = TargetSession(target, capacity=256)
             sess.prefill(ids)
             states[mode] = []
@@ -223,6 +226,7 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
                 assert all(layer.conv_states[0] is conv and layer.recurrent_states[0] is rec  # still the views
                            for layer, (conv, rec) in zip(linear, found[3], strict=True))
                 assert linear[1].recurrent_states[0].data_ptr() == found[2][1].data_ptr()
-    for r, (a, b) in enumerate(zip(states["stacked"], states["alone"], strict=True)):
-        for (c, s), (c1, s1) in zip(a, b, strict=True):
-            assert torch.equal(c, c1) and torch.equal(s, s1), f"round {r}"
+    for mode in ("stacked", "stacked, own tensors", "alone, shared"):
+        for r, (a, b) in enumerate(zip(states[mode], states["alone"], strict=True)):
+            for (c, s), (c1, s1) in zip(a, b, strict=True):
+                assert torch.equal(c, c1) and torch.equal(s, s1), f"{mode}, round {r}"

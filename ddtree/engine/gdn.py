@@ -302,7 +302,8 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tr
         past = conv_state[..., -kernel:].to(mixed.dtype).transpose(1, 2)
         if past.shape[1] < kernel:
             past = F.pad(past, (0, 0, kernel - past.shape[1], 0))
-    extended = torch.cat([past, mixed], dim=1)  # (B, K + T, C)
+    shared_ext = _shared_slot(cache, layer, "extended", (bsz, kernel + seq_len, mixed.shape[-1]), mixed)
+    extended = torch.cat([past, mixed], dim=1, out=shared_ext[1]) if shared_ext else torch.cat([past, mixed], dim=1)
     index = tree.conv_index(kernel, device)  # (T, K)
     windows = extended.index_select(1, index.reshape(-1)).view(bsz, *index.shape, extended.shape[-1])  # (B, T, K, C)
     # the taps as a contiguous (K, C): broadcasting the transposed (C, K) view took a strided path ~5x slower
@@ -323,15 +324,43 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tr
 
     if cache is not None:
         pending = cache.__dict__.setdefault(_PENDING_ATTR, {})
-        # one tensor, so that a commit gathers a path's keys, deltas and decays in one op per layer
-        packed = torch.cat([keys, deltas, cum.unsqueeze(-1)], dim=-1)
+        # one tensor, so that a commit gathers a path's keys, deltas and decays in one op per layer (and in one op for
+        # all layers, when they are slots of the cache's shared buffer)
+        parts = [keys, deltas, cum.unsqueeze(-1)]
+        shared = _shared_slot(cache, layer, "packed", (*keys.shape[:-1], keys.shape[-1] + deltas.shape[-1] + 1), keys)
+        packed = torch.cat(parts, dim=-1, out=shared[1]) if shared else torch.cat(parts, dim=-1)
+        slot = (shared[0], shared_ext[0], shared[2]) if shared and shared_ext else None
         pending[layer] = _Pending(tree=tree, kernel=kernel, extended=extended, packed=packed, dk=keys.shape[-1],
                                   conv_ref=conv_state, recurrent_ref=recurrent_state,
-                                  versions=_versions(conv_state, recurrent_state))
+                                  versions=_versions(conv_state, recurrent_state), slot=slot)
 
     core = core.transpose(1, 2).to(hidden_states.dtype)  # (B, T, Hv, dv)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, seq_len, -1))
+
+
+_SHARED_ATTR = "_ddtree_gdn_shared"
+
+
+def _shared_slot(cache, layer: int, name: str, shape: tuple[int, ...],
+                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """(buffer, buffer[slot], slot): the cache's buffer `name` [G, *shape] (G: its linear-attention layers, each with
+    a slot) where this layer's verification writes its `name` tensor, so that a commit reads every layer's rows with
+    one op. Kept across rounds: a commit consumes it before the next verification writes it again. None outside
+    inference mode (writing into a buffer with out= does not differentiate) or without a cache."""
+    if cache is None or not torch.is_inference_mode_enabled():
+        return None
+    shared = cache.__dict__.get(_SHARED_ATTR)
+    if shared is None:
+        linear = [i for i, entry in enumerate(getattr(cache, "layers", ())) if hasattr(entry, "recurrent_states")]
+        shared = cache.__dict__[_SHARED_ATTR] = {"slots": {i: g for g, i in enumerate(linear)}}
+    slot = shared["slots"].get(layer)
+    if slot is None:
+        return None
+    buf = shared.get(name)
+    if buf is None or buf.shape[1:] != shape or buf.dtype != like.dtype or buf.device != like.device:
+        buf = shared[name] = like.new_empty(len(shared["slots"]), *shape)  # (a tree of another size: a new buffer)
+    return buf, buf[slot], slot
 
 
 def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None, attention_mask=None,
@@ -475,6 +504,8 @@ class _Pending:
     conv_ref: torch.Tensor | None  # the cache's state tensors at verification (None: no prefix yet)
     recurrent_ref: torch.Tensor | None
     versions: tuple[int, ...] | None  # their in-place versions, where tracked
+    # (packed buffer, extended buffer, slot) where packed and extended are slot `slot` of the cache's shared buffers
+    slot: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     @property
     def conv_inputs(self) -> torch.Tensor:  # (B, C, T)
@@ -495,6 +526,7 @@ class _Pending:
     def __deepcopy__(self, memo):
         copied = _Pending(**{name: copy.deepcopy(value, memo) for name, value in vars(self).items()})
         copied.versions = None  # a copied tensor starts a new version count
+        copied.slot = None  # copied tensors are no longer slots of the shared buffers
         return copied
 
     def check_unchanged(self, layer, layer_idx: int) -> None:
@@ -601,7 +633,11 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
     index = path.to(first.packed.device)
     # a chain accepted whole (a prefill, a DFlash block): the path is every row in order, no gather needed
     whole = first.tree.draft.is_chain and index.shape[0] == first.tree.size
-    gathered = torch.stack([r.packed if whole else r.packed.index_select(2, index) for r in recs])  # (G, B, H, L, W)
+    shared = _shared_buffers(recs)  # (packed (G, B, H, T, W), extended (G, B, K + T, C)), or None
+    if shared is not None:
+        gathered = shared[0] if whole else shared[0].index_select(3, index)
+    else:
+        gathered = torch.stack([r.packed if whole else r.packed.index_select(2, index) for r in recs])  # (G, B, H, L, W)
     keys, deltas, cum = gathered[..., :first.dk], gathered[..., first.dk:-1], gathered[..., -1]
     cum_last = cum[..., -1:]  # (G, B, H, 1)
     weighted = keys * (cum_last - cum).exp_().unsqueeze(-1)
@@ -622,18 +658,35 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
     else:
         rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
     decay = cum_last.exp().unsqueeze(-1)
+    kept = (shared[1].index_select(2, rows) if shared is not None  # (G, B, K, C)
+            else torch.stack([rec.extended.index_select(1, rows) for rec in recs])).transpose(-1, -2)
     stacked = _stacked_states(cache, items)
     if stacked is not None and stacked[1].dtype == new_state.dtype:  # one update of all the layers' states in place
         conv_all, rec_all = stacked  # (old * decay) + new: the same float ops as below (addition commutes exactly)
         rec_all.mul_(decay).add_(new_state)
-        conv_all.copy_(torch.stack([rec.extended.index_select(1, rows) for rec in recs]).transpose(-1, -2))
+        conv_all.copy_(kept)
         return
     old = torch.stack([r.recurrent_ref for r in recs])
     new_state = new_state.add_(old.to(new_state) * decay)
     for i, rec in enumerate(recs):
-        rec.conv_ref.copy_(rec.extended.index_select(1, rows).transpose(1, 2))
+        rec.conv_ref.copy_(kept[i])
         rec.recurrent_ref.copy_(new_state[i])
     _adopt_states(cache, [i for i, _ in items])
+
+
+def _shared_buffers(recs: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The group's packed and extended tensors as one (G, ...) view each, where they are consecutive slots of the
+    same shared buffers (`_shared_slot`), else None."""
+    slot = recs[0].slot
+    if slot is None:
+        return None
+    packed, extended, start = slot
+    for j, rec in enumerate(recs):
+        if rec.slot is None or rec.slot[0] is not packed or rec.slot[1] is not extended or rec.slot[2] != start + j:
+            return None
+    if start == 0 and len(recs) == packed.shape[0]:
+        return packed, extended
+    return packed[start: start + len(recs)], extended[start: start + len(recs)]
 
 
 _STATES_ATTR = "_ddtree_gdn_stacked_states"
