@@ -10,9 +10,11 @@ excluded), each with the tree's ancestor index and matrix (what the walk, the ma
 
 --pair NAME (a shipped trained pair: toy, toy_pure): the drafter's own blocks instead, recorded from DDTree
 generations on the first --prompts held-out prompts at each budget (a trained drafter is peaked, random
-logits are not): the host builds, best-first heap (`_best_first_heap`) and per-depth passes with and
-without pruning (`_best_first_host(prune=)`), timed over all recorded blocks, median of --repeats sweeps;
-the trees are checked equal.
+logits are not): torch.topk alone, the C build from the log-probabilities (`_best_first_rows`, its own ranks: no
+topk), and from topk's lists the C build (`_best_first_native`), the best-first heap (`_best_first_heap`) and the
+per-depth passes with and without pruning (`_best_first_host(prune=)`), timed over all recorded blocks (distinct
+data each call: a selection repeated on one block trains the branch predictor and reads 3x fast), median of
+--repeats sweeps; the trees are checked equal.
 """
 
 from __future__ import annotations
@@ -50,20 +52,31 @@ def trained_blocks(args) -> None:
 
     import ddtree
     import ddtree.engine.proposers as proposers
-    from ddtree.engine.tree import _best_first_heap, _best_first_host, _best_first_native, _hosttree
+    from ddtree.engine.tree import (
+        _best_first_heap,
+        _best_first_host,
+        _best_first_native,
+        _best_first_rows,
+        _hosttree,
+    )
 
     pair = trained_pair(args.pair, args.prompts, "cpu", torch.float32)
     if pair is None:
         sys.exit(f"assets/{args.pair} is not built (make toy / make toy-pure)")
     print(f"# host tree build on {args.pair}'s drafter blocks ({args.prompts} prompts), torch {torch.__version__}, "
           f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print(f"{'budget':>7} {'blocks':>7} {'C ms':>7} {'heap ms':>8} {'pruned ms':>10} {'unpruned ms':>12}")
+    print("# columns after topk: from its lists; C rows: from the log-probabilities, its own ranks (topk not needed)")
+    print(f"{'budget':>7} {'blocks':>7} {'topk ms':>8} {'C rows ms':>10} {'C ms':>7} {'heap ms':>8} {'pruned ms':>10} "
+          f"{'unpruned ms':>12}")
     build = proposers.best_first_tree
     for b in map(int, args.budgets.split(",")):
         blocks = []
 
-        def spy(root, logprobs, budget, blocks=blocks, **kw):
+        rows = []
+
+        def spy(root, logprobs, budget, blocks=blocks, rows=rows, **kw):
             blocks.append((root.clone(), *logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)))
+            rows.append(logprobs.float().clone())
             return build(root, logprobs, budget, **kw)
 
         proposers.best_first_tree = spy
@@ -77,8 +90,10 @@ def trained_blocks(args) -> None:
                   "unpruned": lambda *a: _best_first_host(*a, prune=False)}
         if _hosttree is None:
             del builds["C"]
-        for root, vals, toks in blocks:
+        for (root, vals, toks), logp in zip(blocks, rows, strict=True):
             trees = [fn(root, vals, toks, b) for fn in builds.values()]
+            if _hosttree is not None:
+                trees.append(_best_first_rows(root, logp, b) or trees[0])  # (None: a tie read; topk's order then)
             assert all(torch.equal(t.parents, trees[0].parents) and torch.equal(t.tokens, trees[0].tokens)
                        for t in trees)
 
@@ -88,8 +103,15 @@ def trained_blocks(args) -> None:
 
         ms = {name: timed(lambda fn=fn: sweep(fn), args.repeats, lambda: None) / len(blocks) * 1e3
               for name, fn in builds.items()}
-        print(f"{b:>7} {len(blocks):>7} {ms.get('C', float('nan')):>7.3f} {ms['heap']:>8.3f} {ms['pruned']:>10.3f} "
-              f"{ms['unpruned']:>12.3f}")
+        ms["topk"] = timed(lambda rows=rows, b=b: [lp.topk(min(b, lp.shape[1]), dim=-1) for lp in rows],
+                           args.repeats, lambda: None) / len(blocks) * 1e3
+        if _hosttree is not None:
+            ms["C rows"] = timed(lambda rows=rows, blocks=blocks, b=b: [
+                _best_first_rows(x[0], lp, b) for x, lp in zip(blocks, rows, strict=True)],
+                args.repeats, lambda: None) / len(blocks) * 1e3
+        nan = float("nan")
+        print(f"{b:>7} {len(blocks):>7} {ms['topk']:>8.3f} {ms.get('C rows', nan):>10.3f} {ms.get('C', nan):>7.3f} "
+              f"{ms['heap']:>8.3f} {ms['pruned']:>10.3f} {ms['unpruned']:>12.3f}")
 
 
 def main() -> None:

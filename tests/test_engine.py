@@ -223,6 +223,56 @@ def test_the_host_builds_select_the_same_tree():
             assert native._walk_index == heap._walk_index
 
 
+def test_the_c_build_from_the_rows_reads_exactly_torch_topk():
+    """_best_first_rows takes each row's ranks itself, as the search reads them: the same tree as torch.topk and the
+    C build from its lists wherever the ranks read are unique; None (the caller then takes torch.topk) where a rank
+    read ties, a row read holds a NaN or a read reaches -inf; ties among ranks never read change nothing."""
+    from ddtree.engine.tree import _best_first_native, _best_first_rows, _hosttree
+
+    if _hosttree is None:
+        pytest.skip("the C tree build is not compiled here")
+
+    def same(a, b):  # scores bitwise (NaN included)
+        return all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("tokens", "parents", "depths")) and (
+            torch.equal(a.scores.view(torch.int32), b.scores.view(torch.int32))
+            and torch.equal(a.ancestor_matrix(), b.ancestor_matrix()) and a._walk_index == b._walk_index)
+
+    g = torch.Generator().manual_seed(11)
+    read = 0
+    for trial in range(120):
+        L, V = int(torch.randint(1, 17, (1,), generator=g)), int(torch.randint(1, 2100, (1,), generator=g))
+        logits = torch.randn(L, V, generator=g) * (0.5 + trial % 4)
+        if trial % 3 == 0:  # a trained drafter's peaked rows
+            logits[torch.arange(L), torch.randint(0, V, (L,), generator=g)] += 12
+        logp = torch.log_softmax(logits, dim=-1)
+        for budget in (1, 2, 9, 64, 65, 300):
+            got = _best_first_rows(torch.tensor(5), logp, budget)
+            want = _best_first_native(torch.tensor(5), *logp.topk(min(budget, V), dim=-1), budget)
+            if got is None:  # random float32 values: only where a tie is read
+                top = logp.sort(dim=-1, descending=True).values[:, : min(budget, V) + 1]
+                assert (top[:, 1:] == top[:, :-1]).any(), (L, V, budget)
+                continue
+            read += 1
+            assert same(got, want), (L, V, budget)
+    assert read > 600
+    ties = torch.log_softmax(torch.randn(6, 50, generator=g) * 3, dim=-1)
+    ties[:, 40:] = -30.0  # ties far below anything a budget of 8 reads
+    assert same(_best_first_rows(torch.tensor(1), ties, 8), _best_first_native(torch.tensor(1), *ties.topk(8), 8))
+    for bad in ("tie", "nan", "-inf"):
+        logp = torch.log_softmax(torch.randn(6, 50, generator=g) * 3, dim=-1)
+        second = logp[2].topk(2).indices[1]
+        if bad == "tie":  # rank 1 of row 2 ties rank 2: read at once by a budget of 8
+            logp[2, logp[2].topk(3).indices[2]] = logp[2, second]
+        elif bad == "nan":  # torch.topk ranks a NaN first
+            logp[2, 0] = float("nan")
+        else:  # row 0 holds one finite value: its rank 1 is -inf, tied with all the others
+            logp[0] = float("-inf")
+            logp[0, 7] = 0.0
+        assert _best_first_rows(torch.tensor(1), logp, 8) is None, bad
+        # best_first_tree then takes torch.topk's lists
+        assert same(best_first_tree(torch.tensor(1), logp, 8), _best_first_native(torch.tensor(1), *logp.topk(8), 8))
+
+
 def test_the_c_tree_build_is_compiled():
     """`make install` compiles ddtree/engine/_hosttree.c (setup.py); where a C compiler exists it must be there, or
     every CPU round pays the Python build (several times slower) without saying so."""

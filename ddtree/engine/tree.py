@@ -191,6 +191,10 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     """
     if host is None:
         host = logprobs.device.type == "cpu"
+    if host and _hosttree is not None and logprobs.device.type == "cpu":
+        tree = _best_first_rows(root, logprobs, budget)
+        if tree is not None:
+            return tree  # else a row's top k is not unique (ties, NaN): torch.topk's own order, below
     top_vals, top_toks = logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)  # [L, k], sorted descending
     if not host:
         return _best_first_device(root, top_vals, top_toks, budget)
@@ -338,21 +342,40 @@ def _best_first_heap(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch
     return _host_tree_from_lists(tokens, parents, depths, scores, top_vals.device)
 
 
+def _native_outputs(budget: int, L: int) -> tuple[np.ndarray, ...]:
+    """The arrays the C build writes: tokens, parents, depths, first child, next sibling; scores; ancestor index;
+    ancestor matrix (flat, at their largest)."""
+    cap = budget + 1
+    return (np.empty((5, cap), dtype=np.int64), np.empty(cap, dtype=np.float32),
+            np.empty(cap * (L + 1), dtype=np.int64), np.empty(cap * cap, dtype=np.bool_))
+
+
 def _best_first_native(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
     """_best_first_heap's tree in one C call (ddtree/engine/_hosttree.c), with the ancestor index and matrix and the
-    greedy walk's child lists, written into arrays allocated here. Any budget: the heap is O(budget log budget)."""
+    greedy walk's child lists. Any budget: the heap is O(budget log budget)."""
     vals = np.ascontiguousarray(top_vals.cpu().numpy(), dtype=np.float32)
     toks = np.ascontiguousarray(top_toks.cpu().numpy(), dtype=np.int64)
     L, k = vals.shape
-    cap = budget + 1
-    ints = np.empty((5, cap), dtype=np.int64)  # tokens, parents, depths, first child, next sibling
-    scores = np.empty(cap, dtype=np.float32)
-    aidx = np.empty(cap * (L + 1), dtype=np.int64)
-    anc = np.empty(cap * cap, dtype=np.bool_)
-    n, bound = _hosttree.best_first(vals, toks, L, k, budget, int(root), ints, scores, aidx, anc)
+    out = _native_outputs(budget, L)
+    n, bound = _hosttree.best_first(vals, toks, L, k, budget, int(root), *out)
+    return _native_tree(out, n, bound, top_vals.device)
+
+
+def _best_first_rows(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree | None:
+    """best_first_tree on a CPU in one C call from the log-probabilities themselves: each row's top k is taken there,
+    exactly torch.topk's where it is unique (distinct values, no NaN); None where a row's is not."""
+    lp = np.ascontiguousarray(logprobs.detach().numpy(), dtype=np.float32)
+    L, V = lp.shape
+    out = _native_outputs(budget, L)
+    found = _hosttree.best_first_rows(lp, L, V, budget, int(root), *out)
+    return None if found is None else _native_tree(out, *found, logprobs.device)
+
+
+def _native_tree(out: tuple[np.ndarray, ...], n: int, bound: int, dev: torch.device) -> DraftTree:
+    """The DraftTree of the C build's arrays (`_native_outputs`) holding n nodes of depth up to bound."""
+    ints, scores, aidx, anc = out
     tokens, parents, depths, first, sibling = ints[:, :n]
     aidx = aidx[: n * (bound + 1)].reshape(n, bound + 1)
-    dev = top_vals.device
     cpu = dev.type == "cpu"
     t = torch.from_numpy if cpu else (lambda a: torch.from_numpy(a).to(dev))  # (a no-op .to costs ~1.4 us)
     return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths), scores=t(scores[:n]), is_chain=False,
