@@ -64,7 +64,7 @@ def main() -> None:
         setattr(owner, attr, timed)
 
     for owner, attr in ((proposers.DrafterBlock, "draft_logits"), (proposers, "best_first_tree"),
-                        (tree_mod, "_best_first_native"),
+                        (tree_mod, "_best_first_rows"), (tree_mod, "_best_first_native"),
                         (tree_mod, "_best_first_heap"), (tree_mod, "_host_tree"),
                         (target_mod.TargetSession, "verify"), (target_mod.WalkRows, "argmax"),
                         (target_mod.WalkRows, "features"), (loop, "greedy_walk_rows"),

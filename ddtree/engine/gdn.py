@@ -625,41 +625,43 @@ def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, 
 def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor,
                     host_path: list[int] | None = None) -> None:
     """_commit_layer's arithmetic for several like layers at once (about a third of the small ops: each layer's path
-    is one gather of its packed keys/deltas/decays, none for a whole chain; the recurrent update runs stacked; the
-    new conv state is one gather of the forward's `extended` rows). tests/test_gdn_tree.py compares it with the
-    layer-by-layer commit."""
+    is one gather of its packed keys/deltas/decays, none for a chain, whose paths are prefixes; the recurrent update
+    runs stacked; the new conv state is one gather of the forward's `extended` rows, or a slice). tests/test_gdn_tree.py
+    compares it with the layer-by-layer commit."""
     recs = [rec for _, rec in items]
     first = recs[0]
     index = path.to(first.packed.device)
-    # a chain accepted whole (a prefill, a DFlash block): the path is every row in order, no gather needed
-    whole = first.tree.draft.is_chain and index.shape[0] == first.tree.size
+    # a chain's paths are its prefixes (a prefill, a DFlash block): the first n rows, a view, no gather
+    n = index.shape[0] if first.tree.draft.is_chain else None
     shared = _shared_buffers(recs)  # (packed (G, B, H, T, W), extended (G, B, K + T, C)), or None
     if shared is not None:
-        gathered = shared[0] if whole else shared[0].index_select(3, index)
-    else:
-        gathered = torch.stack([r.packed if whole else r.packed.index_select(2, index) for r in recs])  # (G, B, H, L, W)
+        gathered = shared[0][..., :n, :] if n else shared[0].index_select(3, index)
+    else:  # (G, B, H, L, W)
+        gathered = torch.stack([r.packed[..., :n, :] if n else r.packed.index_select(2, index) for r in recs])
     keys, deltas, cum = gathered[..., :first.dk], gathered[..., first.dk:-1], gathered[..., -1]
     cum_last = cum[..., -1:]  # (G, B, H, 1)
     weighted = keys * (cum_last - cum).exp_().unsqueeze(-1)
     new_state = weighted.transpose(-1, -2) @ deltas
     if first.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
         for (layer_idx, rec), state in zip(items, new_state, strict=True):
-            inputs = rec.conv_inputs
-            if not whole:
-                inputs = inputs.index_select(2, index.to(inputs.device))
+            inputs = rec.conv_inputs[..., :n] if n else rec.conv_inputs.index_select(2, index.to(rec.extended.device))
             cache.update_conv_state(inputs, layer_idx, conv_kernel_size=rec.kernel)
             cache.update_recurrent_state(state, layer_idx)
         _adopt_states(cache, [i for i, _ in items])
         return
     # the last K of [the K old columns, the path's inputs]: rows of `extended`
     k = first.kernel
-    if host_path is not None and first.extended.device.type == "cpu":
-        rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
+    if n:  # a prefix of n: rows n .. n + K - 1
+        kept = shared[1][:, :, n: n + k] if shared is not None else torch.stack([r.extended[:, n: n + k] for r in recs])
     else:
-        rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
+        if host_path is not None and first.extended.device.type == "cpu":
+            rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
+        else:
+            rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
+        kept = (shared[1].index_select(2, rows) if shared is not None  # (G, B, K, C)
+                else torch.stack([rec.extended.index_select(1, rows) for rec in recs]))
+    kept = kept.transpose(-1, -2)
     decay = cum_last.exp().unsqueeze(-1)
-    kept = (shared[1].index_select(2, rows) if shared is not None  # (G, B, K, C)
-            else torch.stack([rec.extended.index_select(1, rows) for rec in recs])).transpose(-1, -2)
     stacked = _stacked_states(cache, items)
     if stacked is not None and stacked[1].dtype == new_state.dtype:  # one update of all the layers' states in place
         conv_all, rec_all = stacked  # (old * decay) + new: the same float ops as below (addition commutes exactly)

@@ -185,16 +185,17 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     is a tree and deterministic. Nodes are in flat depth-major order, by score within a depth.
 
     host: build on the host (default on a CPU device: a few hundred tiny torch ops cost more than the
-    arithmetic) or with torch ops on the logits' device (default elsewhere: no host read). On the host the
-    build is one C call (`_best_first_native`) where the extension was compiled, else a heap or per-depth
-    passes in Python and NumPy. All give the same tree.
+    arithmetic) or with torch ops on the logits' device (default elsewhere: no host read). On a CPU where the
+    extension was compiled the build is one C call that takes each row's ranks itself (`_best_first_rows`), or
+    where that cannot match torch.topk exactly (ties, NaN) one from topk's lists (`_best_first_native`); without
+    it a heap or per-depth passes in Python and NumPy. All give the same tree.
     """
     if host is None:
         host = logprobs.device.type == "cpu"
     if host and _hosttree is not None and logprobs.device.type == "cpu":
         tree = _best_first_rows(root, logprobs, budget)
         if tree is not None:
-            return tree  # else a row's top k is not unique (ties, NaN): torch.topk's own order, below
+            return tree  # else a rank it read is not unique (a tie, a NaN): torch.topk's own order, below
     top_vals, top_toks = logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)  # [L, k], sorted descending
     if not host:
         return _best_first_device(root, top_vals, top_toks, budget)
@@ -362,8 +363,9 @@ def _best_first_native(root: torch.Tensor, top_vals: torch.Tensor, top_toks: tor
 
 
 def _best_first_rows(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree | None:
-    """best_first_tree on a CPU in one C call from the log-probabilities themselves: each row's top k is taken there,
-    exactly torch.topk's where it is unique (distinct values, no NaN); None where a row's is not."""
+    """best_first_tree on a CPU in one C call from the log-probabilities themselves: each row's ranks are taken there
+    as the search reads them, exactly torch.topk's where what it reads is unique (distinct values, no NaN, no -inf);
+    None where not (the caller then takes torch.topk)."""
     lp = np.ascontiguousarray(logprobs.detach().numpy(), dtype=np.float32)
     L, V = lp.shape
     out = _native_outputs(budget, L)
@@ -454,10 +456,18 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     if n == 1:
         return Walk(torch.zeros(1, dtype=torch.long, device=dev), [0], [int(choice[0])], choice[0])
     if tree.is_chain:
+        if dev.type == "cpu":  # two lists and a loop cost less than the device path's six small ops there
+            toks, want = tree.tokens.tolist(), choice.tolist()
+            k = 0
+            while k + 1 < n and toks[k + 1] == want[k]:
+                k += 1
+            return Walk(torch.arange(k + 1), list(range(k + 1)), toks[1: k + 1] + [want[k]], choice[k])
         hit = (tree.tokens[1:] == choice[:-1]).long().cumprod(0).sum()
         host = torch.cat([hit.view(1), tree.tokens[1:], choice]).tolist()
         k = host[0]
         return Walk(torch.arange(k + 1, device=dev), list(range(k + 1)), host[1: k + 1] + [host[n + k]], choice[k])
+    if tree._walk_index is not None and dev.type == "cpu":
+        return _walk_lists(tree._walk_index, choice)
     if tree._host is not None and dev.type == "cpu":
         return _walk_host(tree._host, choice)
     aidx = tree.ancestor_index()
@@ -472,6 +482,26 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     path_list = host[2: 3 + d][::-1]
     tokens = host[2 + m: 3 + m + d][::-1][1:] + [host[-1]]
     return Walk(aidx[e, : d + 1].flip(0), path_list, tokens, choice[e])
+
+
+def _child(tokens: list[int], first: list[int], sibling: list[int], node: int, token: int) -> int:
+    """node's child carrying `token` (siblings carry distinct tokens: at most one does), or -1."""
+    child = first[node]
+    while child >= 0 and tokens[child] != token:
+        child = sibling[child]
+    return child
+
+
+def _walk_lists(index: tuple[list[int], list[int], list[int]], choice: torch.Tensor) -> Walk:
+    """walk() on a host-built tree with its child lists (`DraftTree._walk_index`): follow the matching child from the
+    root, in Python lists (a handful of steps: cheaper than the NumPy passes over every node)."""
+    tokens, first, sibling = index
+    want = choice.tolist()
+    path, node = [0], 0
+    while (child := _child(tokens, first, sibling, node, want[node])) >= 0:
+        path.append(child)
+        node = child
+    return Walk(torch.tensor(path), path, [tokens[i] for i in path[1:]] + [want[node]], choice[node])
 
 
 def _walk_host(host: tuple[np.ndarray, ...], choice: torch.Tensor) -> Walk:
@@ -506,9 +536,7 @@ def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
             while first[batch[-1]] >= 0:
                 batch.append(first[batch[-1]])
             choice.update(zip(batch, argmax(batch), strict=True))
-        want, nxt = choice[node], first[node]
-        while nxt >= 0 and tokens[nxt] != want:  # siblings carry distinct tokens: at most one matches
-            nxt = sibling[nxt]
+        nxt = _child(tokens, first, sibling, node, choice[node])
         if nxt < 0:
             break
         path.append(nxt)
