@@ -19,7 +19,7 @@ from ddtree.engine.target import (
     context_features,
     model_type,
 )
-from ddtree.engine.tree import greedy_walk_rows, walk
+from ddtree.engine.tree import host_walk, walk
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
 
@@ -33,7 +33,7 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
 
 
 def _walk_asking_head(tree, ask) -> tuple:
-    """greedy_walk_rows(tree, ask), and the seconds spent in `ask` (the head: target forward work)."""
+    """host_walk(tree, ask), and the seconds spent in `ask` (the head: target forward work)."""
     spent = 0.0
 
     def timed(nodes: list[int]) -> list[int]:
@@ -44,7 +44,7 @@ def _walk_asking_head(tree, ask) -> tuple:
         finally:
             spent += time.perf_counter() - t
 
-    return greedy_walk_rows(tree, timed), spent
+    return host_walk(tree, timed), spent
 
 
 def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None) -> Proposer:

@@ -61,7 +61,7 @@ class WalkRows:
 
     @torch.inference_mode()
     def argmax(self, nodes: list[int]) -> list[int]:
-        """For greedy_walk_rows: the target's token after each of `nodes`."""
+        """For host_walk: the target's token after each of `nodes`."""
         return self.head.forward(self.final(nodes)).argmax(-1).tolist()
 
     @torch.inference_mode()
@@ -354,7 +354,7 @@ class TargetSession:
         return logits[-1], feats
 
     def lazy_head(self, tree: DraftTree) -> bool:
-        """Whether a greedy round should verify `tree` with head=False and walk with `greedy_walk_rows`: a
+        """Whether a greedy round should verify `tree` with head=False and walk with `host_walk`: a
         branching tree of at least LAZY_HEAD_MIN nodes, built on the host, on a CPU lean target.
 
         The greedy walk reaches a node only through its parent's argmax, so it needs the logits of its own

@@ -6,8 +6,8 @@ selection of `budget` prefixes under the drafter's per-position log-probabilitie
 
 from __future__ import annotations
 
-import heapq
-import struct
+import functools
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -16,10 +16,8 @@ import torch
 
 try:  # the host tree build in C (setup.py compiles it where a compiler is found)
     from ddtree.engine import _hosttree
-except ImportError:  # not compiled: the pure-Python builds give the same trees
+except ImportError:  # not compiled: the torch build gives the same trees
     _hosttree = None
-
-_F32 = struct.Struct("f")  # the host heap's float32 rounding
 
 
 @dataclass
@@ -38,12 +36,9 @@ class DraftTree:
     depth_bound: int | None = None  # an upper bound on the depth, known without a host read
     _anc: torch.Tensor | None = field(default=None, repr=False)
     _aidx: torch.Tensor | None = field(default=None, repr=False)
-    # (tokens, parents, depths, ancestor index) as NumPy arrays when the tree was built on the host (a CPU
-    # device): the walk then runs there too
-    _host: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
-    # (tokens, first child, next sibling) as lists (-1: none; children in flat order), where the host build had
-    # them: the greedy walk's index
-    _walk_index: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
+    # where the tree was built on the host (a CPU's C build): (tokens, first child, next sibling) as lists (-1: none;
+    # children in flat order), the host walk's index
+    _host: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -62,11 +57,7 @@ class DraftTree:
             hops = torch.arange(bound + 1, device=dev)
             self._aidx = (torch.arange(n, device=dev)[:, None] - hops[None, :]).clamp_(min=0)
             return self._aidx
-        parent = self.parents.clamp(min=0)
-        cols = [torch.arange(n, device=dev)]
-        for _ in range(bound):
-            cols.append(parent[cols[-1]])
-        self._aidx = torch.stack(cols, dim=1)
+        self._aidx = _ancestor_index(self.parents, bound)
         return self._aidx
 
     def ancestor_matrix(self) -> torch.Tensor:
@@ -78,8 +69,7 @@ class DraftTree:
         if self.is_chain:
             self._anc = torch.ones(n, n, dtype=torch.bool, device=dev).tril_()
             return self._anc
-        anc = torch.zeros(n, n, dtype=torch.bool, device=dev)
-        self._anc = anc.scatter_(1, self.ancestor_index(), True)
+        self._anc = _ancestor_matrix(self.ancestor_index())
         return self._anc
 
 
@@ -121,307 +111,129 @@ def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | tor
                      depth_bound=max(depth))
 
 
-# the host build prunes candidates from this budget on (bench/bench_tree.py --pair toy: a loss at 16, even at
-# 64, 1.3-1.7x faster at 256 on the toy drafter's own blocks)
-PRUNE_MIN_BUDGET = 128
-# up to this budget the host build is a best-first heap (_best_first_heap), above it the per-depth passes
-HEAP_MAX_BUDGET = 64
-
-
-@lru_cache(maxsize=4096)  # the host build prunes: many (prev) sizes per budget
-def _pair_lists(budget: int, prev: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(parent rank p, child rank r) pairs that can reach a depth's top `budget`: (p+1)(r+1) <= budget.
-
-    Pairs (p', r') with p' <= p and r' <= r all score at least as high, so any other pair
-    has `budget` better ones at the same depth and can never be selected. Only p < prev (the
-    previous depth's list) and r < k (the top-k per position) exist.
-    """
-    ps, rs = [], []
-    for p in range(min(budget, prev)):
-        width = min(budget // (p + 1), k)
-        ps += [p] * width
-        rs += range(width)
-    return tuple(ps), tuple(rs)
-
-
-@lru_cache(maxsize=64)
-def _rank_pairs(budget: int, prev: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_pair_lists on the device, cached there: a round copies nothing from the host."""
-    ps, rs = _pair_lists(budget, prev, k)
-    return torch.tensor(ps, dtype=torch.long, device=device), torch.tensor(rs, dtype=torch.long, device=device)
-
-
-@lru_cache(maxsize=4096)
-def _rank_pairs_host(budget: int, prev: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    ps, rs = _pair_lists(budget, prev, k)
-    return np.asarray(ps, dtype=np.int64), np.asarray(rs, dtype=np.int64)
-
-
-@lru_cache(maxsize=64)
-def _layout_host(budget: int, L: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per candidate of the flat (depth-major) list: its depth (1-based), and for depth >= 2 the offset of
-    the previous depth's list. The sizes follow from (budget, L, k) alone, so this is built once."""
-    sizes = [k]
-    for _ in range(1, L):
-        sizes.append(min(budget, len(_pair_lists(budget, sizes[-1], k)[0])))
-    depth = np.repeat(np.arange(1, L + 1, dtype=np.int64), sizes)
-    starts = np.cumsum([0] + sizes[:-1])
-    return depth, np.repeat(starts[:-1].astype(np.int64), sizes[1:])
-
-
-@lru_cache(maxsize=64)
-def _depth_layout(budget: int, L: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """_layout_host on the device, built once there."""
-    return tuple(torch.from_numpy(a).to(device) for a in _layout_host(budget, L, k))
-
-
 def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, host: bool | None = None) -> DraftTree:
-    """The `budget` highest-scoring prefixes under cumulative draft log-probability.
+    """The `budget` best prefixes under cumulative draft log-probability, as a tree (DDTree's proposal).
 
-    logprobs: [L, V] per-position log-probabilities (position d drafts depth d + 1).
-    Per depth: top-k of each position, merged with the previous depth's best `budget` partial paths
-    (a stable descending sort: equal scores keep the earlier candidate), then one stable global
-    selection. Equal scores prefer the shallower node, then the earlier candidate, so the selection
-    is a tree and deterministic. Nodes are in flat depth-major order, by score within a depth.
+    logprobs: [L, V] per-position log-probabilities (position d drafts depth d + 1). The tree is the one
+    ddtree.testing.reference.best_first_reference defines (ties, NaN and -inf included: NaN counts as -inf, a positive
+    value as 0, equal values rank by token id, equal scores prefer the shallower node, then the earlier parent, then the
+    lower rank); nodes are in flat depth-major order, best first within a depth.
 
-    host: build on the host (default on a CPU device: a few hundred tiny torch ops cost more than the
-    arithmetic) or with torch ops on the logits' device (default elsewhere: no host read). On a CPU where the
-    extension was compiled the build is one C call that takes each row's ranks itself (`_best_first_rows`), or
-    where that cannot match torch.topk exactly (ties, NaN) one from topk's lists (`_best_first_native`); without
-    it a heap or per-depth passes in Python and NumPy. All give the same tree.
+    host: build with the C extension on the host (the default on a CPU where it is compiled: one call, and the tree
+    carries the host walk's child lists), or with torch ops on the logits' device (`best_first_tensors`: every other
+    device, and a CPU without the extension). Both give the same tree.
     """
     if host is None:
-        host = logprobs.device.type == "cpu"
-    if host and _hosttree is not None and logprobs.device.type == "cpu":
-        tree = _best_first_rows(root, logprobs, budget)
-        if tree is not None:
-            return tree  # else a rank it read is not unique (a tie, a NaN): torch.topk's own order, below
-    top_vals, top_toks = logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)  # [L, k], sorted descending
-    if not host:
-        return _best_first_device(root, top_vals, top_toks, budget)
-    if _hosttree is not None:
-        return _best_first_native(root, top_vals, top_toks, budget)
-    if budget <= HEAP_MAX_BUDGET:
-        return _best_first_heap(root, top_vals, top_toks, budget)
-    return _best_first_host(root, top_vals, top_toks, budget)
+        host = _hosttree is not None and logprobs.device.type == "cpu"
+    if host:
+        if _hosttree is None:
+            raise RuntimeError("the C tree build (ddtree/engine/_hosttree.c) is not compiled: rerun `make install`")
+        return _best_first_host(root, logprobs, budget)
+    tokens, parents, depths, scores, aidx, anc = best_first_tensors(root, logprobs, budget)
+    return DraftTree(tokens, parents, depths, scores, depth_bound=aidx.shape[1] - 1, _aidx=aidx, _anc=anc)
 
 
-def _best_first_device(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
-    dev = top_vals.device
-    L, k = top_vals.shape
-    depth_scores, depth_tokens, depth_parent = [top_vals[0]], [top_toks[0]], [None]
-    for d in range(1, L):
-        prev = depth_scores[-1]
-        p, r = _rank_pairs(budget, prev.shape[0], k, dev)
-        cand = prev[p] + top_vals[d, r]
-        s, order = torch.sort(cand, descending=True, stable=True)
-        keep = min(budget, cand.shape[0])
-        s, order = s[:keep], order[:keep]
-        depth_scores.append(s)
-        depth_tokens.append(top_toks[d, r[order]])
-        depth_parent.append(p[order])
-
-    all_scores = torch.cat(depth_scores)
-    n_sel = min(budget, all_scores.shape[0])
-    order = torch.sort(all_scores, descending=True, stable=True).indices[:n_sel]
-    pick = order.sort().values  # the selected candidates in flat (depth-major) order: no masked gather, no sync
-    selected = torch.zeros_like(all_scores, dtype=torch.bool).index_fill_(0, order, True)
-    # flat order: depth-major, candidate order within a depth; root takes index 0
-    flat = torch.cumsum(selected.long(), 0)
-    depth_all, parent_start = _depth_layout(budget, L, k, dev)
-    parent_all = torch.zeros_like(depth_all)  # depth 1: the root
-    if L > 1:
-        parent_all[depth_scores[0].shape[0]:] = flat[parent_start + torch.cat(depth_parent[1:])]
-    par = parent_all[pick]
-    dep = depth_all[pick]
-    tok = torch.cat(depth_tokens)[pick]
-    sc = all_scores[pick]
-    z = torch.zeros(1, dtype=torch.long, device=dev)
-    return DraftTree(
-        tokens=torch.cat([root.reshape(1).long().to(dev), tok]),
-        parents=torch.cat([z - 1, par]),
-        depths=torch.cat([z, dep]),
-        scores=torch.cat([z.float(), sc]),
-        is_chain=False,
-        depth_bound=min(L, budget),
-    )
+def tree_size(budget: int, L: int, V: int) -> int:
+    """Nodes of a best-first tree besides the root: `budget`, or every prefix where fewer exist."""
+    total, width = 0, 1
+    for _ in range(L):
+        width = min(width * min(budget, V), budget)
+        total += width
+        if total >= budget:
+            return budget
+    return total
 
 
-def _best_first_host(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int,
-                     prune: bool = True) -> DraftTree:
-    """_best_first_device step for step in NumPy (same float32 sums, same stable orders), plus the
-    tree's ancestor index and matrix, which the walk, the tree mask and the GDN layers read.
+@lru_cache(maxsize=64)
+def _pairs(budget: int, L: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """best_first_tensors' constants, built once per device: (parent rank p, child rank r) of the candidates a depth
+    keeps, the root's list, each candidate's parent cell, and -1.
 
-    With log-probabilities (every value <= 0) it also prunes: once `budget` candidates are known, one
-    scoring no more than the budget-th best of them has `budget` candidates ahead of it in the global
-    order (higher, or equal and earlier), and so does every descendant (adding a value <= 0 never
-    raises a float sum). Neither can be selected, so they are dropped before the sort, and the depths
-    stop where nothing is left: the same selection with fewer candidates. It pays from a budget of
-    PRUNE_MIN_BUDGET (a few hundred candidates a depth); below, its extra steps cost about what they save.
-    (prune=False: never, for bench/bench_tree.py.)
+    A depth's candidates are pairs (p, r): the p-th best node of the depth above and its child of rank r. Only pairs
+    with (p + 1)(r + 1) <= budget can be among a depth's best `budget`: every (p', r') <= (p, r) is at least as good
+    (both lists are sorted) and comes earlier (p-major), and there are (p + 1)(r + 1) of them. Listed p-major: the
+    definition's order among equal scores (the parent earlier, then the lower rank)."""
+    ps, rs = [], []
+    for p in range(budget):
+        ps += [p] * (budget // (p + 1))
+        rs += range(budget // (p + 1))
+    root_list = torch.full((len(ps),), math.nan, device=device)  # the depth-0 list: the root (cost 0), then nothing
+    root_list[0] = 0.0
+    tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    parent_cell = [[d * budget + p for p in ps] for d in range(L)]  # [L, pairs]: the parent's cell, pairs of depth d + 1
+    return tensor(ps), tensor(rs), root_list, tensor(parent_cell), tensor([-1])
+
+
+def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """best_first_tree in torch ops on the logits' device: (tokens, parents, depths, scores, ancestor index, ancestor
+    matrix). No host read, and shapes fixed by (budget, L, V): capturable (torch.compile(fullgraph=True), CUDA graphs).
+
+    Costs are minus log-probabilities (NaN: nothing, sorted last). Each position's ranks come from one stable sort;
+    then depth by depth, three ops each: the pairs' costs (parent's + child's, float32 as the definition), a stable
+    sort (equal costs keep the pair order, which is the definition's), and the best `budget` are the next depth's
+    list. A depth's best `budget` contain every node of it the tree selects (any other has `budget` better ones at that
+    depth), and the children of nodes outside it are outside too. The tree is then the first nodes of one stable sort
+    of all depths' lists (root first, depth-major: equal costs prefer the shallower), laid out depth-major.
     """
-    tv, tt = top_vals.cpu().numpy(), top_toks.cpu().numpy()
-    L, k = tv.shape
-    # rows are sorted descending: column 0 holds each row's maximum
-    prune = prune and budget >= PRUNE_MIN_BUDGET and bool(tv[:, 0].max() <= 0)
-    worst = -tv[0][:budget]  # minus the `budget` best scores so far, ascending (values only: the threshold)
-    depth_scores, depth_tokens, depth_parent = [tv[0]], [tt[0]], []
-    for d in range(1, L):
-        p, r = _rank_pairs_host(budget, depth_scores[-1].shape[0], k)
-        cand = depth_scores[-1][p] + tv[d, r]
-        if prune and worst.shape[0] >= budget:
-            live = np.flatnonzero(cand > -worst[budget - 1])
-            if live.shape[0] == 0:
-                break  # nothing here can be selected, and nothing deeper either
-            order = live[np.argsort(-cand[live], kind="stable")[:budget]]
-        else:
-            order = np.argsort(-cand, kind="stable")[:budget]
-        depth_scores.append(cand[order])
-        depth_tokens.append(tt[d, r[order]])
-        depth_parent.append(p[order])
-        if prune:  # two sorted runs: the stable sort (timsort) merges them
-            worst = np.sort(np.concatenate([worst, -depth_scores[-1]]), kind="stable")[:budget]
-    all_scores = np.concatenate(depth_scores)
-    order = np.argsort(-all_scores, kind="stable")[:budget]
-    pick = np.sort(order)
-    selected = np.zeros(all_scores.shape[0], dtype=np.int64)
-    selected[order] = 1
-    flat = np.cumsum(selected)
-    sizes = [s.shape[0] for s in depth_scores]
-    depth_all = np.repeat(np.arange(1, len(sizes) + 1, dtype=np.int64), sizes)
-    parent_all = np.zeros_like(depth_all)  # depth 1: the root
-    if len(sizes) > 1:
-        parent_start = np.repeat(np.cumsum([0] + sizes[:-2]).astype(np.int64), sizes[1:])
-        parent_all[sizes[0]:] = flat[parent_start + np.concatenate(depth_parent)]
-    parents = np.concatenate([[-1], parent_all[pick]])
-    depths = np.concatenate([[0], depth_all[pick]])
-    tokens = np.concatenate([[int(root)], np.concatenate(depth_tokens)[pick]])
-    return _host_tree(tokens, parents, depths, np.concatenate([[0.0], all_scores[pick]]).astype(np.float32),
-                      top_vals.device)
+    L, V = logprobs.shape
+    dev = logprobs.device
+    parent_rank, child_rank, root_list, parent_cell, minus_one = _pairs(budget, L, dev)
+    n = 1 + tree_size(budget, L, V)
+    cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).neg_()
+    cost, ranked = torch.sort(cost, dim=-1, stable=True)  # each position's ranks: equal values by token id
+    if V < budget:  # ranks past the vocabulary: nothing
+        cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
+        ranked = torch.nn.functional.pad(ranked, (0, budget - V))
+    child_cost = cost.index_select(1, child_rank).unbind(0)
+    lists, pairs = [root_list], []
+    for d in range(L):
+        best, pair = torch.sort(lists[-1].index_select(0, parent_rank) + child_cost[d], stable=True)
+        lists.append(best)
+        pairs.append(pair)
+    grid = torch.stack(lists)[:, :budget].reshape(-1)  # cell d * budget + j: the j-th best of depth d (root: cell 0)
+    cells = torch.sort(grid, stable=True).indices[:n].sort().values  # the tree's cells, depth-major: the flat layout
+    pair = torch.stack(pairs)[:, :budget]  # [L, budget]: the pair behind each cell of depths 1..L
+    below = cells[1:] - budget  # the nodes' cells in `pair`
+    tokens = torch.cat([root.reshape(1).to(dev, torch.long), ranked.gather(1, child_rank[pair]).view(-1)[below]])
+    parent_of = parent_cell.gather(1, pair).view(-1)[below]
+    parents = torch.cat([minus_one, torch.searchsorted(cells, parent_of)])  # a parent's flat index: its place in cells
+    depths = torch.div(cells, budget, rounding_mode="floor")
+    scores = 0.0 - grid[cells]
+    aidx = _ancestor_index(parents, min(L, n - 1))
+    return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)
 
 
-def _best_first_heap(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
-    """The same tree as _best_first_device, by best-first search: `budget` pops from a heap, not a pass per depth.
-
-    A candidate is (depth d, its parent's rank p among the selected nodes of depth d - 1, its own child rank
-    r), scored in float32 like the other builds. The global order of the other builds is (score descending,
-    shallower first, then the per-depth list order, which is (p, r) among equal scores): that is the heap key
-    (-score, d, p, r). A node's next sibling (r + 1) and its first child (rank 0) are pushed when it is popped;
-    both come after it in that order, so no candidate is missed. The selected nodes of a depth are a prefix
-    of its list, so a node's rank p is its pop order within its depth. Cheaper than the per-depth passes for a
-    small budget (PRUNE_MIN_BUDGET and HEAP_MAX_BUDGET: bench/bench_tree.py --pair toy).
-    """
-    tv, tt = top_vals.cpu().tolist(), top_toks.cpu().tolist()  # floats hold the float32 values exactly
-    L, k = len(tv), len(tv[0])
-    # a float32 sum: the double sum of two float32 values rounded once to float32 is the float32 sum (53 >= 2 * 24
-    # + 2 bits: double rounding is harmless for addition)
-    pack, unpack = _F32.pack, _F32.unpack  # float -> float32 -> float, as np.float32 but a third of the cost
-    pop, push = heapq.heappop, heapq.heappush
-    heap = [(-tv[0][0], 1, 0, 0)]
-    ranks: list[list[int]] = [[] for _ in range(L + 1)]  # per depth: the selected nodes, in pop order
-    parent_of, token_of, score_of = [], [], []
-    while heap and len(score_of) < budget:
-        neg, d, p, r = pop(heap)
-        parent = ranks[d - 1][p] if d > 1 else -1
-        score = -neg
-        ranks[d].append(len(score_of))
-        parent_of.append(parent), token_of.append(tt[d - 1][r]), score_of.append(score)
-        if r + 1 < k:
-            base = score_of[parent] if parent >= 0 else 0.0
-            push(heap, (-unpack(pack(base + tv[d - 1][r + 1]))[0], d, p, r + 1))
-        if d < L:
-            push(heap, (-unpack(pack(score + tv[d][0]))[0], d + 1, len(ranks[d]) - 1, 0))
-    # flat order: depth-major, pop order within a depth; the root takes index 0
-    order = [node for level in ranks[1:] for node in level]
-    flat = [0] * len(order)
-    for i, node in enumerate(order, 1):
-        flat[node] = i
-    parents = [-1] + [flat[parent_of[v]] if parent_of[v] >= 0 else 0 for v in order]
-    depths = [0] + [d for d, level in enumerate(ranks) for _ in level]
-    tokens = [int(root)] + [token_of[v] for v in order]
-    scores = [0.0] + [score_of[v] for v in order]
-    return _host_tree_from_lists(tokens, parents, depths, scores, top_vals.device)
+def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
+    """aidx[i, h] = the h-th ancestor of i (the root repeats past it), h <= bound: by doubling, three ops a doubling."""
+    up = parents.clamp(min=0)
+    hops = torch.stack([torch.arange(parents.shape[0], device=parents.device), up], dim=1)  # hops 0 and 1
+    far = up  # the hops.shape[1] / 2-th ancestor
+    while hops.shape[1] <= bound:  # hops w.. 2w - 1 of i: hops 0.. w - 1 of its w-th ancestor
+        far = far[far]
+        hops = torch.cat([hops, hops[far]], dim=1)
+    return hops if hops.shape[1] == bound + 1 else hops[:, : bound + 1]
 
 
-def _native_outputs(budget: int, L: int) -> tuple[np.ndarray, ...]:
-    """The arrays the C build writes: tokens, parents, depths, first child, next sibling; scores; ancestor index;
-    ancestor matrix (flat, at their largest)."""
-    cap = budget + 1
-    return (np.empty((5, cap), dtype=np.int64), np.empty(cap, dtype=np.float32),
-            np.empty(cap * (L + 1), dtype=np.int64), np.empty(cap * cap, dtype=np.bool_))
+def _ancestor_matrix(aidx: torch.Tensor) -> torch.Tensor:
+    n = aidx.shape[0]
+    return torch.zeros(n, n, dtype=torch.bool, device=aidx.device).scatter_(1, aidx, True)
 
 
-def _best_first_native(root: torch.Tensor, top_vals: torch.Tensor, top_toks: torch.Tensor, budget: int) -> DraftTree:
-    """_best_first_heap's tree in one C call (ddtree/engine/_hosttree.c), with the ancestor index and matrix and the
-    greedy walk's child lists. Any budget: the heap is O(budget log budget)."""
-    vals = np.ascontiguousarray(top_vals.cpu().numpy(), dtype=np.float32)
-    toks = np.ascontiguousarray(top_toks.cpu().numpy(), dtype=np.int64)
-    L, k = vals.shape
-    out = _native_outputs(budget, L)
-    n, bound = _hosttree.best_first(vals, toks, L, k, budget, int(root), *out)
-    return _native_tree(out, n, bound, top_vals.device)
-
-
-def _best_first_rows(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree | None:
-    """best_first_tree on a CPU in one C call from the log-probabilities themselves: each row's ranks are taken there
-    as the search reads them, exactly torch.topk's where what it reads is unique (distinct values, no NaN, no -inf);
-    None where not (the caller then takes torch.topk)."""
-    lp = np.ascontiguousarray(logprobs.detach().numpy(), dtype=np.float32)
-    L, V = lp.shape
-    out = _native_outputs(budget, L)
-    found = _hosttree.best_first_rows(lp, L, V, budget, int(root), *out)
-    return None if found is None else _native_tree(out, *found, logprobs.device)
-
-
-def _native_tree(out: tuple[np.ndarray, ...], n: int, bound: int, dev: torch.device) -> DraftTree:
-    """The DraftTree of the C build's arrays (`_native_outputs`) holding n nodes of depth up to bound."""
-    ints, scores, aidx, anc = out
+def _best_first_host(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """best_first_tree in one C call (ddtree/engine/_hosttree.c), with the ancestor index and matrix and the host walk's
+    child lists."""
+    lp = logprobs.detach().cpu().float().contiguous().numpy()
+    L, cap = lp.shape[0], budget + 1
+    ints, scores = np.empty((5, cap), dtype=np.int64), np.empty(cap, dtype=np.float32)
+    aidx, anc = np.empty(cap * (L + 1), dtype=np.int64), np.empty(cap * cap, dtype=np.bool_)
+    n, bound = _hosttree.best_first(lp, budget, int(root), ints, scores, aidx, anc)
     tokens, parents, depths, first, sibling = ints[:, :n]
-    aidx = aidx[: n * (bound + 1)].reshape(n, bound + 1)
+    dev = logprobs.device
     cpu = dev.type == "cpu"
     t = torch.from_numpy if cpu else (lambda a: torch.from_numpy(a).to(dev))  # (a no-op .to costs ~1.4 us)
-    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths), scores=t(scores[:n]), is_chain=False,
-                     depth_bound=bound, _anc=t(anc[: n * n].reshape(n, n)), _aidx=t(aidx),
-                     _host=(tokens, parents, depths, aidx) if cpu else None,
-                     _walk_index=(tokens.tolist(), first.tolist(), sibling.tolist()) if cpu else None)
-
-
-def _child_lists(parents: list[int]) -> tuple[list[int], list[int]]:
-    """(first child, next sibling) of every node (-1: none), children in flat order."""
-    first, sibling = [-1] * len(parents), [-1] * len(parents)
-    for i in range(len(parents) - 1, 0, -1):  # backwards: each parent ends with its smallest child first
-        sibling[i] = first[parents[i]]
-        first[parents[i]] = i
-    return first, sibling
-
-
-def _host_tree_from_lists(tokens: list[int], parents: list[int], depths: list[int], scores: list[float],
-                          dev: torch.device) -> DraftTree:
-    """_host_tree from the heap's lists, plus the greedy walk's child lists from the same lists (`_walk_index`:
-    a fifth of the walk's own cost, which otherwise rebuilds them from the arrays)."""
-    tree = _host_tree(np.asarray(tokens, dtype=np.int64), np.asarray(parents, dtype=np.int64),
-                      np.asarray(depths, dtype=np.int64), np.asarray(scores, dtype=np.float32), dev)
-    if tree._host is not None:
-        tree._walk_index = (tokens, *_child_lists(parents))
-    return tree
-
-
-def _host_tree(tokens: np.ndarray, parents: np.ndarray, depths: np.ndarray, scores: np.ndarray,
-               dev: torch.device) -> DraftTree:
-    """A DraftTree from host arrays (flat order), with its ancestor index and matrix built on the host."""
-    n = tokens.shape[0]
-    bound = int(depths.max())
-    cols = [np.arange(n)]
-    up = np.maximum(parents, 0)
-    for _ in range(bound):
-        cols.append(up[cols[-1]])
-    aidx = np.stack(cols, axis=1)
-    anc = np.zeros((n, n), dtype=np.bool_)
-    anc[np.arange(n)[:, None], aidx] = True
-    t = lambda a: torch.from_numpy(a).to(dev)  # noqa: E731 - a no-op move on the CPU
-    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths), scores=t(scores), is_chain=False,
-                     depth_bound=bound, _anc=t(anc), _aidx=t(aidx),
-                     _host=(tokens, parents, depths, aidx) if dev.type == "cpu" else None)
+    return DraftTree(tokens=t(tokens), parents=t(parents), depths=t(depths), scores=t(scores[:n]), depth_bound=bound,
+                     _anc=t(anc[: n * n].reshape(n, n)), _aidx=t(aidx[: n * (bound + 1)].reshape(n, bound + 1)),
+                     _host=(tokens.tolist(), first.tolist(), sibling.tolist()) if cpu else None)
 
 
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype) -> torch.Tensor:
@@ -447,29 +259,22 @@ class Walk:
 def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     """Follow the target's choices: root→deepest node whose every token equals the target's choice at its parent.
 
-    choice[i] is the target's token after node i (argmax, or a sample at T > 0). Siblings are
-    distinct, so the consistent nodes form one path. Exactly one host read: it decides the path and
-    brings its tokens and the bonus token along.
+    choice[i] is the target's token after node i (argmax, or a sample at T > 0). Siblings are distinct, so the
+    consistent nodes form one path. A tree built on the host walks there (`host_walk`); any other in torch ops on the
+    device with exactly one host read, which decides the path and brings its tokens and the bonus token along.
     """
+    if tree._host is not None:
+        want = choice.tolist()
+        return host_walk(tree, lambda nodes: [want[i] for i in nodes])
     dev = choice.device
     n = len(tree)
     if n == 1:
         return Walk(torch.zeros(1, dtype=torch.long, device=dev), [0], [int(choice[0])], choice[0])
-    if tree.is_chain:
-        if dev.type == "cpu":  # two lists and a loop cost less than the device path's six small ops there
-            toks, want = tree.tokens.tolist(), choice.tolist()
-            k = 0
-            while k + 1 < n and toks[k + 1] == want[k]:
-                k += 1
-            return Walk(torch.arange(k + 1), list(range(k + 1)), toks[1: k + 1] + [want[k]], choice[k])
+    if tree.is_chain:  # a chain's path is its prefix of matches: fewer ops than the general case
         hit = (tree.tokens[1:] == choice[:-1]).long().cumprod(0).sum()
         host = torch.cat([hit.view(1), tree.tokens[1:], choice]).tolist()
         k = host[0]
         return Walk(torch.arange(k + 1, device=dev), list(range(k + 1)), host[1: k + 1] + [host[n + k]], choice[k])
-    if tree._walk_index is not None and dev.type == "cpu":
-        return _walk_lists(tree._walk_index, choice)
-    if tree._host is not None and dev.type == "cpu":
-        return _walk_host(tree._host, choice)
     aidx = tree.ancestor_index()
     match = tree.tokens == choice[tree.parents.clamp(min=0)]
     match[0] = True
@@ -484,50 +289,14 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     return Walk(aidx[e, : d + 1].flip(0), path_list, tokens, choice[e])
 
 
-def _child(tokens: list[int], first: list[int], sibling: list[int], node: int, token: int) -> int:
-    """node's child carrying `token` (siblings carry distinct tokens: at most one does), or -1."""
-    child = first[node]
-    while child >= 0 and tokens[child] != token:
-        child = sibling[child]
-    return child
+def host_walk(tree: DraftTree, ask) -> Walk:
+    """walk() of a tree built on the host (`tree._host`), asking `ask(nodes)` for the target's choice after each of
+    `nodes` only where the walk needs it: its own path (a greedy verification then runs the head on those rows alone).
 
-
-def _walk_lists(index: tuple[list[int], list[int], list[int]], choice: torch.Tensor) -> Walk:
-    """walk() on a host-built tree with its child lists (`DraftTree._walk_index`): follow the matching child from the
-    root, in Python lists (a handful of steps: cheaper than the NumPy passes over every node)."""
-    tokens, first, sibling = index
-    want = choice.tolist()
-    path, node = [0], 0
-    while (child := _child(tokens, first, sibling, node, want[node])) >= 0:
-        path.append(child)
-        node = child
-    return Walk(torch.tensor(path), path, [tokens[i] for i in path[1:]] + [want[node]], choice[node])
-
-
-def _walk_host(host: tuple[np.ndarray, ...], choice: torch.Tensor) -> Walk:
-    """walk() on a host-built tree of a CPU target: the same steps in NumPy (no device, no read to pay for)."""
-    tokens, parents, depths, aidx = host
-    c = choice.numpy()
-    match = tokens == c[np.maximum(parents, 0)]
-    match[0] = True
-    end = int(np.argmax(np.where(match[aidx].all(axis=1), depths, -1)))
-    path = aidx[end, : depths[end] + 1][::-1].copy()
-    return Walk(torch.from_numpy(path), path.tolist(), tokens[path[1:]].tolist() + [int(c[end])], choice[end])
-
-
-def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
-    """walk(tree, argmax of every node's logits), asking `argmax(nodes)` only for the nodes the walk reaches.
-
-    The walk reaches a node only through its parent's argmax, so it needs the target's choice at its own path
-    alone. Each ask is a batch: the node the walk stands on and its chain of best children (each node's first
-    child in flat order: the drafter's likeliest continuation, which the walk usually follows); a walk that
-    leaves the chain asks again from where it left. Host-built trees only (`tree._host`).
+    Each ask is a batch: the node the walk stands on and its chain of first children (the drafter's likeliest
+    continuation, which the walk usually follows); a walk that leaves the chain asks again from where it left.
     """
-    if tree._walk_index is not None:
-        tokens, first, sibling = tree._walk_index
-    else:
-        tokens = tree._host[0].tolist()
-        first, sibling = _child_lists(tree._host[1].tolist())
+    tokens, first, sibling = tree._host
     choice: dict[int, int] = {}
     path, node = [0], 0
     while True:
@@ -535,12 +304,14 @@ def greedy_walk_rows(tree: DraftTree, argmax) -> Walk:
             batch = [node]
             while first[batch[-1]] >= 0:
                 batch.append(first[batch[-1]])
-            choice.update(zip(batch, argmax(batch), strict=True))
-        nxt = _child(tokens, first, sibling, node, choice[node])
-        if nxt < 0:
+            choice.update(zip(batch, ask(batch), strict=True))
+        child, want = first[node], choice[node]
+        while child >= 0 and tokens[child] != want:  # siblings carry distinct tokens: at most one matches
+            child = sibling[child]
+        if child < 0:
             break
-        path.append(nxt)
-        node = nxt
+        path.append(child)
+        node = child
     toks = [tokens[i] for i in path[1:]] + [choice[node]]
     return Walk(torch.tensor(path, dtype=torch.long), path, toks, torch.tensor(choice[node], dtype=torch.long))
 

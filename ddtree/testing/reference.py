@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import heapq
+import math
 import random
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -39,24 +41,60 @@ def sequential_path_logits(model, prefix_ids: torch.Tensor, tree: DraftTree) -> 
     return torch.stack(rows)
 
 
-def heap_best_first(logprobs: torch.Tensor, budget: int) -> list[tuple[float, tuple[int, ...]]]:
-    """The paper's best-first heap over rank tuples; returns (score, token path) of each selected node."""
-    lp = logprobs.double()
-    L = lp.shape[0]
-    vals, toks = lp.topk(min(budget, lp.shape[1]), dim=-1)  # ranks past `budget` are never reached
-    V = vals.shape[1]
-    heap = [(-float(vals[0, 0]), (0,))]
-    out = []
-    while heap and len(out) < budget:
-        neg, ranks = heapq.heappop(heap)
-        out.append((-neg, tuple(int(toks[d, r]) for d, r in enumerate(ranks))))
-        d = len(ranks) - 1
-        if ranks[-1] + 1 < V:  # next sibling
-            sib = ranks[:-1] + (ranks[-1] + 1,)
-            heapq.heappush(heap, (neg + float(vals[d, ranks[-1]]) - float(vals[d, ranks[-1] + 1]), sib))
-        if d + 1 < L:  # first child
-            heapq.heappush(heap, (neg - float(vals[d + 1, 0]), ranks + (0,)))
-    return out
+def best_first_reference(root: int, logprobs: torch.Tensor, budget: int) -> DraftTree:
+    """The best-first draft tree, slowly and obviously: a Python heap. The definition every build reproduces exactly.
+
+    - A value is read as a log-probability: NaN counts as -inf, a positive value as 0.
+    - Position d's ranks (it drafts depth d + 1): its values from the largest, equal values by token id.
+    - A node's score: the float32 sum of its path's values, root to node, left to right.
+    - The nodes in order: score descending, then the shallower, then the parent earlier in this order, then the
+      lower rank. A child never precedes its parent nor a sibling its elder, so the first `budget` nodes (fewer where
+      fewer prefixes exist) form a tree: a heap popping the best candidate and pushing its next sibling and first
+      child yields them in this order.
+    - Flat layout: the root (score 0), then depth by depth, each depth in that order.
+    """
+    rows = [[float("-inf") if math.isnan(x) else min(x, 0.0) for x in row]
+            for row in logprobs.detach().float().cpu().tolist()]  # Python floats hold float32 values exactly
+    ranked = [sorted(range(len(row)), key=lambda t, row=row: (-row[t], t)) for row in rows]
+    L, V = len(rows), len(rows[0])
+
+    def value(d: int, r: int) -> np.float32:
+        return np.float32(rows[d][ranked[d][r]])
+
+    heap = [(-value(0, 0), 1, -1, 0)]  # (minus the score, depth, the parent's pop index (-1: the root), rank)
+    popped = []  # (depth, parent pop index, rank, score)
+    while heap and len(popped) < budget:
+        neg, d, parent, r = heapq.heappop(heap)
+        score = -neg
+        popped.append((d, parent, r, score))
+        base = popped[parent][3] if parent >= 0 else np.float32(0)
+        if r + 1 < V:  # the next sibling
+            heapq.heappush(heap, (-(base + value(d - 1, r + 1)), d, parent, r + 1))
+        if d < L:  # the first child
+            heapq.heappush(heap, (-(score + value(d, 0)), d + 1, len(popped) - 1, 0))
+    layout = sorted(range(len(popped)), key=lambda v: (popped[v][0], v))
+    flat = {v: i + 1 for i, v in enumerate(layout)}
+    tokens, parents, depths, scores = [int(root)], [-1], [0], [0.0]
+    for v in layout:
+        d, parent, r, score = popped[v]
+        tokens.append(ranked[d - 1][r])
+        parents.append(flat[parent] if parent >= 0 else 0)
+        depths.append(d)
+        scores.append(float(score))
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths),
+                     torch.tensor(scores, dtype=torch.float32), depth_bound=max(depths))
+
+
+def walk_reference(tree: DraftTree, choice: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(path, tokens) of the walk, obviously: from the root, the child carrying the target's choice, while there is one.
+
+    tokens: the accepted draft tokens, then the target's choice after the path's end."""
+    tokens, parents, want = tree.tokens.tolist(), tree.parents.tolist(), choice.tolist()
+    path = [0]
+    while kids := [i for i in range(len(tokens)) if parents[i] == path[-1] and tokens[i] == want[path[-1]]]:
+        assert len(kids) == 1, "siblings carry distinct tokens"
+        path.append(kids[0])
+    return path, [tokens[i] for i in path[1:]] + [want[path[-1]]]
 
 
 def tree_paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
