@@ -1,20 +1,19 @@
-"""Tree-build time per round: best_first_tree (host NumPy build and torch device build) vs the plain
-best-first heap, same run.
+"""Tree-build time per round: the C build (a CPU's default) and the torch build (every other device, and a CPU without
+the extension), same run, with the torch build's dispatched op count.
 
-    .venv/bin/python bench/bench_tree.py [--device cpu] [--repeats 7] [--vocab 151936]
+    .venv/bin/python bench/bench_tree.py [--device cpu] [--repeats 7] [--vocab 151936] [--budgets 16,64,256,1024]
     .venv/bin/python bench/bench_tree.py --pair toy [--prompts 24] [--budgets 16,64,256]
 
-Logit block: 15 positions x --vocab (default a Qwen3 vocabulary; 1024 is the toy's), block size 16. All
-builders start from the same log-probabilities; times are the median of --repeats runs (log_softmax
-excluded), each with the tree's ancestor index and matrix (what the walk, the mask and GDN read).
+Logit block: 15 positions x --vocab (default a Qwen3 vocabulary; 1024 is the toy's), block size 16. Both builds start
+from the same log-probabilities (log_softmax excluded) and return the tree with its ancestor index and matrix (what the
+walk, the mask and GDN read); times are medians of --repeats runs. `ops`: aten ops the torch build dispatches (each a
+kernel launch on a GPU without graphs, views aside); `ref ms` (--reference): the slow reference
+(ddtree.testing.reference.best_first_reference), which both builds equal (checked).
 
---pair NAME (a shipped trained pair: toy, toy_pure): the drafter's own blocks instead, recorded from DDTree
-generations on the first --prompts held-out prompts at each budget (a trained drafter is peaked, random
-logits are not): torch.topk alone, the C build from the log-probabilities (`_best_first_rows`, its own ranks: no
-topk), and from topk's lists the C build (`_best_first_native`), the best-first heap (`_best_first_heap`) and the
-per-depth passes with and without pruning (`_best_first_host(prune=)`), timed over all recorded blocks (distinct
-data each call: a selection repeated on one block trains the branch predictor and reads 3x fast), median of
---repeats sweeps; the trees are checked equal.
+--pair NAME (a shipped trained pair: toy, toy_pure): the drafter's own blocks instead, recorded from DDTree generations
+on the first --prompts held-out prompts at each budget (a trained drafter is peaked, random logits are not), timed over
+all recorded blocks (distinct data each call: a search repeated on one block trains the branch predictor), median of
+--repeats sweeps; the two builds' trees are checked equal.
 """
 
 from __future__ import annotations
@@ -27,10 +26,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ddtree.engine import tree as tree_mod  # noqa: E402
 from ddtree.engine.tree import best_first_tree  # noqa: E402
-from ddtree.testing.reference import heap_best_first  # noqa: E402
+from ddtree.testing.reference import best_first_reference  # noqa: E402
 
 
 def timed(fn, repeats: int, sync) -> float:
@@ -45,38 +46,50 @@ def timed(fn, repeats: int, sync) -> float:
     return statistics.median(ts)
 
 
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def torch_ops(root, logp, budget: int) -> int:
+    with CountOps() as ops:
+        best_first_tree(root, logp, budget, host=False)
+    return ops.n
+
+
+def same(a, b) -> bool:
+    return all(torch.equal(getattr(a, k).cpu(), getattr(b, k).cpu()) for k in ("tokens", "parents", "depths", "scores"))
+
+
+def header(what: str, repeats: int) -> None:
+    print(f"# {what}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} thread(s), median of {repeats}; C build {'compiled' if tree_mod._hosttree else 'absent'}")
+
+
 def trained_blocks(args) -> None:
-    """Host build with and without pruning on a trained drafter's recorded blocks (see the module docstring)."""
+    """Both builds on a trained drafter's recorded blocks (see the module docstring)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_engines import trained_pair
 
     import ddtree
     import ddtree.engine.proposers as proposers
-    from ddtree.engine.tree import (
-        _best_first_heap,
-        _best_first_host,
-        _best_first_native,
-        _best_first_rows,
-        _hosttree,
-    )
 
     pair = trained_pair(args.pair, args.prompts, "cpu", torch.float32)
     if pair is None:
         sys.exit(f"assets/{args.pair} is not built (make toy / make toy-pure)")
-    print(f"# host tree build on {args.pair}'s drafter blocks ({args.prompts} prompts), torch {torch.__version__}, "
-          f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print("# columns after topk: from its lists; C rows: from the log-probabilities, its own ranks (topk not needed)")
-    print(f"{'budget':>7} {'blocks':>7} {'topk ms':>8} {'C rows ms':>10} {'C ms':>7} {'heap ms':>8} {'pruned ms':>10} "
-          f"{'unpruned ms':>12}")
+    header(f"tree build on {args.pair}'s drafter blocks ({args.prompts} prompts)", args.repeats)
+    print(f"{'budget':>7} {'blocks':>7} {'C ms':>7} {'torch ms':>9} {'torch/C':>8}")
     build = proposers.best_first_tree
     for b in map(int, args.budgets.split(",")):
         blocks = []
 
-        rows = []
-
-        def spy(root, logprobs, budget, blocks=blocks, rows=rows, **kw):
-            blocks.append((root.clone(), *logprobs.float().topk(min(budget, logprobs.shape[1]), dim=-1)))
-            rows.append(logprobs.float().clone())
+        def spy(root, logprobs, budget, blocks=blocks, **kw):
+            blocks.append((root.clone(), logprobs.float().clone()))
             return build(root, logprobs, budget, **kw)
 
         proposers.best_first_tree = spy
@@ -86,40 +99,25 @@ def trained_blocks(args) -> None:
                                 stop_token_ids=pair.stops)
         finally:
             proposers.best_first_tree = build
-        builds = {"C": _best_first_native, "heap": _best_first_heap, "pruned": _best_first_host,
-                  "unpruned": lambda *a: _best_first_host(*a, prune=False)}
-        if _hosttree is None:
-            del builds["C"]
-        for (root, vals, toks), logp in zip(blocks, rows, strict=True):
-            trees = [fn(root, vals, toks, b) for fn in builds.values()]
-            if _hosttree is not None:
-                trees.append(_best_first_rows(root, logp, b) or trees[0])  # (None: a tie read; topk's order then)
-            assert all(torch.equal(t.parents, trees[0].parents) and torch.equal(t.tokens, trees[0].tokens)
-                       for t in trees)
+        for root, logp in blocks:
+            assert same(best_first_tree(root, logp, b, host=False), best_first_tree(root, logp, b, host=True))
 
-        def sweep(fn, blocks=blocks, b=b) -> None:
-            for root, vals, toks in blocks:
-                fn(root, vals, toks, b)
+        def sweep(host: bool, blocks=blocks, b=b) -> None:
+            for root, logp in blocks:
+                best_first_tree(root, logp, b, host=host)
 
-        ms = {name: timed(lambda fn=fn: sweep(fn), args.repeats, lambda: None) / len(blocks) * 1e3
-              for name, fn in builds.items()}
-        ms["topk"] = timed(lambda rows=rows, b=b: [lp.topk(min(b, lp.shape[1]), dim=-1) for lp in rows],
-                           args.repeats, lambda: None) / len(blocks) * 1e3
-        if _hosttree is not None:
-            ms["C rows"] = timed(lambda rows=rows, blocks=blocks, b=b: [
-                _best_first_rows(x[0], lp, b) for x, lp in zip(blocks, rows, strict=True)],
-                args.repeats, lambda: None) / len(blocks) * 1e3
-        nan = float("nan")
-        print(f"{b:>7} {len(blocks):>7} {ms['topk']:>8.3f} {ms.get('C rows', nan):>10.3f} {ms.get('C', nan):>7.3f} "
-              f"{ms['heap']:>8.3f} {ms['pruned']:>10.3f} {ms['unpruned']:>12.3f}")
+        tc = timed(lambda: sweep(True), args.repeats, lambda: None) / len(blocks) * 1e3
+        tt = timed(lambda: sweep(False), args.repeats, lambda: None) / len(blocks) * 1e3
+        print(f"{b:>7} {len(blocks):>7} {tc:>7.3f} {tt:>9.3f} {tt / tc:>8.1f}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--budgets", default="16,32,64,128,256,512,1024")
+    ap.add_argument("--budgets", default="16,64,256,1024")
     ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--reference", action="store_true", help="time the slow reference too")
     ap.add_argument("--pair", default=None, help="a trained pair's recorded drafter blocks (toy, toy_pure)")
     ap.add_argument("--prompts", type=int, default=24)
     args = ap.parse_args()
@@ -130,18 +128,20 @@ def main() -> None:
     torch.manual_seed(0)
     logp = torch.log_softmax(torch.randn(15, args.vocab, device=dev) * 4, dim=-1)
     root = torch.tensor(0, device=dev)
-    print(f"# tree build, 15 x {args.vocab} logits, {dev}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    def build(b: int, host: bool):
-        tree = best_first_tree(root, logp, b, host=host)
-        tree.ancestor_index(), tree.ancestor_matrix()
-
-    print(f"{'budget':>7} {'host ms':>8} {'device ms':>10} {'heap ms':>9} {'heap/host':>10}")
+    header(f"tree build, 15 x {args.vocab} logits, {dev}", args.repeats)
+    print(f"{'budget':>7} {'C ms':>7} {'torch ms':>9} {'torch ops':>10} {'ref ms':>8}")
     for b in map(int, args.budgets.split(",")):
-        th = timed(lambda b=b: build(b, True), args.repeats, sync)
-        td = timed(lambda b=b: build(b, False), args.repeats, sync)
-        tp = timed(lambda b=b: heap_best_first(logp, b), args.repeats, sync)
-        print(f"{b:>7} {th * 1e3:>8.2f} {td * 1e3:>10.2f} {tp * 1e3:>9.2f} {tp / th:>10.1f}")
+        torch_tree = best_first_tree(root, logp, b, host=False)
+        tt = timed(lambda b=b: best_first_tree(root, logp, b, host=False), args.repeats, sync)
+        tc = float("nan")
+        if tree_mod._hosttree is not None:
+            assert same(torch_tree, best_first_tree(root, logp, b, host=True))
+            tc = timed(lambda b=b: best_first_tree(root, logp, b, host=True), args.repeats, sync)
+        tr = float("nan")
+        if args.reference:
+            assert same(torch_tree, best_first_reference(0, logp, b))
+            tr = timed(lambda b=b: best_first_reference(0, logp, b), max(1, args.repeats // 3), sync)
+        print(f"{b:>7} {tc * 1e3:>7.3f} {tt * 1e3:>9.3f} {torch_ops(root, logp, b):>10} {tr * 1e3:>8.1f}")
 
 
 if __name__ == "__main__":

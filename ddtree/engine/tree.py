@@ -145,7 +145,7 @@ def tree_size(budget: int, L: int, V: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _pairs(budget: int, L: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _selection_constants(budget: int, L: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """best_first_tensors' constants, built once per device: (parent rank p, child rank r) of the candidates a depth
     keeps, the root's list, each candidate's parent cell, and -1.
 
@@ -160,15 +160,16 @@ def _pairs(budget: int, L: int, device: torch.device) -> tuple[torch.Tensor, ...
     root_list = torch.full((len(ps),), math.nan, device=device)  # the depth-0 list: the root (cost 0), then nothing
     root_list[0] = 0.0
     tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-    parent_cell = [[d * budget + p for p in ps] for d in range(L)]  # [L, pairs]: the parent's cell, pairs of depth d + 1
-    return tensor(ps), tensor(rs), root_list, tensor(parent_cell), tensor([-1])
+    parent_rank = tensor(ps)
+    parent_cell = torch.arange(0, L * budget, budget, device=device)[:, None] + parent_rank  # [L, pairs]: at depth d + 1
+    return parent_rank, tensor(rs), root_list, parent_cell, tensor([-1])
 
 
 def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
     """best_first_tree in torch ops on the logits' device: (tokens, parents, depths, scores, ancestor index, ancestor
     matrix). No host read, and shapes fixed by (budget, L, V): capturable (torch.compile(fullgraph=True), CUDA graphs).
 
-    Costs are minus log-probabilities (NaN: nothing, sorted last). Each position's ranks come from one stable sort;
+    Costs are minus log-probabilities (NaN marks no candidate: it sorts last). Each position's ranks come from one stable sort;
     then depth by depth, three ops each: the pairs' costs (parent's + child's, float32 as the definition), a stable
     sort (equal costs keep the pair order, which is the definition's), and the best `budget` are the next depth's
     list. A depth's best `budget` contain every node of it the tree selects (any other has `budget` better ones at that
@@ -177,7 +178,7 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
     """
     L, V = logprobs.shape
     dev = logprobs.device
-    parent_rank, child_rank, root_list, parent_cell, minus_one = _pairs(budget, L, dev)
+    parent_rank, child_rank, root_list, parent_cell, minus_one = _selection_constants(budget, L, dev)
     n = 1 + tree_size(budget, L, V)
     cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).neg_()
     cost, ranked = torch.sort(cost, dim=-1, stable=True)  # each position's ranks: equal values by token id
