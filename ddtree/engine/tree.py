@@ -145,49 +145,56 @@ def tree_size(budget: int, L: int, V: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _selection_constants(budget: int, L: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _selection_constants(budget: int, L: int, V: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """best_first_tensors' constants, built once per device: (parent rank p, child rank r) of the candidates a depth
-    keeps, the root's list, each candidate's parent cell, and -1.
+    keeps, the root's list, depth 1's list tail, each candidate's parent cell, the token ids, -1.
 
     A depth's candidates are pairs (p, r): the p-th best node of the depth above and its child of rank r. Only pairs
     with (p + 1)(r + 1) <= budget can be among a depth's best `budget`: every (p', r') <= (p, r) is at least as good
     (both lists are sorted) and comes earlier (p-major), and there are (p + 1)(r + 1) of them. Listed p-major: the
-    definition's order among equal scores (the parent earlier, then the lower rank)."""
+    definition's order among equal scores (the parent earlier, then the lower rank); the first `budget` are (0, r)."""
     ps, rs = [], []
     for p in range(budget):
         ps += [p] * (budget // (p + 1))
         rs += range(budget // (p + 1))
-    root_list = torch.full((len(ps),), math.nan, device=device)  # the depth-0 list: the root (cost 0), then nothing
+    nothing = torch.full((len(ps),), math.nan, device=device)  # NaN: no candidate (sorts last)
+    root_list = nothing.clone()  # the depth-0 list: the root (cost 0), then nothing
     root_list[0] = 0.0
     tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
     parent_rank = tensor(ps)
     parent_cell = torch.arange(0, L * budget, budget, device=device)[:, None] + parent_rank  # [L, pairs]: at depth d + 1
-    return parent_rank, tensor(rs), root_list, parent_cell, tensor([-1])
+    return (parent_rank, tensor(rs), root_list, nothing[budget:], parent_cell, torch.arange(V, device=device),
+            tensor([-1]))
 
 
 def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
     """best_first_tree in torch ops on the logits' device: (tokens, parents, depths, scores, ancestor index, ancestor
     matrix). No host read, and shapes fixed by (budget, L, V): capturable (torch.compile(fullgraph=True), CUDA graphs).
 
-    Costs are minus log-probabilities (NaN marks no candidate: it sorts last). Each position's ranks come from one stable sort;
-    then depth by depth, three ops each: the pairs' costs (parent's + child's, float32 as the definition), a stable
-    sort (equal costs keep the pair order, which is the definition's), and the best `budget` are the next depth's
-    list. A depth's best `budget` contain every node of it the tree selects (any other has `budget` better ones at that
-    depth), and the children of nodes outside it are outside too. The tree is then the first nodes of one stable sort
-    of all depths' lists (root first, depth-major: equal costs prefer the shallower), laid out depth-major.
+    Each position's ranks: one top-k over keys (the value's magnitude bits, token id), unique and ordered as the
+    definition orders ranks. Costs are minus log-probabilities (never -0.0: a radix sort would put it first; NaN marks
+    no candidate and sorts last). Then depth by depth, three ops: the pairs' costs (parent's + child's, float32 as the
+    definition), a stable sort (equal costs keep the pair order, which is the definition's), and the best `budget` are
+    the next depth's list. A depth's best `budget` contain every node of it the tree selects (any other has `budget`
+    better ones at that depth), and the children of nodes outside it are outside too. The tree is then the first nodes
+    of one stable sort of all depths' lists (root first, depth-major: equal costs prefer the shallower), laid out
+    depth-major.
     """
     L, V = logprobs.shape
     dev = logprobs.device
-    parent_rank, child_rank, root_list, parent_cell, minus_one = _selection_constants(budget, L, dev)
+    parent_rank, child_rank, root_list, tail, parent_cell, token_id, minus_one = _selection_constants(budget, L, V, dev)
     n = 1 + tree_size(budget, L, V)
-    cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).neg_()
-    cost, ranked = torch.sort(cost, dim=-1, stable=True)  # each position's ranks: equal values by token id
+    value = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0)
+    key = ((value.view(torch.int32) & 0x7FFFFFFF).long() << 32) | token_id  # a value <= 0: its magnitude's bits
+    ranked = key.topk(min(budget, V), dim=-1, largest=False).values & 0xFFFFFFFF  # [L, k]: the tokens, ranks 0..k-1
+    cost = value.gather(1, ranked).abs_()
     if V < budget:  # ranks past the vocabulary: nothing
         cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
         ranked = torch.nn.functional.pad(ranked, (0, budget - V))
     child_cost = cost.index_select(1, child_rank).unbind(0)
-    lists, pairs = [root_list], []
-    for d in range(L):
+    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
+    lists, pairs = [root_list, torch.cat([cost[0], tail])], [child_rank]
+    for d in range(1, L):
         best, pair = torch.sort(lists[-1].index_select(0, parent_rank) + child_cost[d], stable=True)
         lists.append(best)
         pairs.append(pair)
