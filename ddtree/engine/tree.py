@@ -184,10 +184,10 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
     dev = logprobs.device
     parent_rank, child_rank, root_list, tail, parent_cell, token_id, minus_one = _selection_constants(budget, L, V, dev)
     n = 1 + tree_size(budget, L, V)
-    value = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0)
-    key = ((value.view(torch.int32) & 0x7FFFFFFF).long() << 32) | token_id  # a value <= 0: its magnitude's bits
+    cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
+    key = (cost.view(torch.int32).long() << 32) | token_id  # a cost >= +0.0: its bits order as it does
     ranked = key.topk(min(budget, V), dim=-1, largest=False).values & 0xFFFFFFFF  # [L, k]: the tokens, ranks 0..k-1
-    cost = value.gather(1, ranked).abs_()
+    cost = cost.gather(1, ranked)
     if V < budget:  # ranks past the vocabulary: nothing
         cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
         ranked = torch.nn.functional.pad(ranked, (0, budget - V))
