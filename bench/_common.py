@@ -157,12 +157,16 @@ def machine() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    import transformers
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        tf = version("transformers")
+    except PackageNotFoundError:
+        tf = "absent"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"{cpu}, {os.cpu_count()} cores (load average {load}){gpu}; torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, {torch.get_num_threads()} torch thread(s)")
+            f"transformers {tf}, {torch.get_num_threads()} torch thread(s)")
 
 
 def git_commit() -> str:

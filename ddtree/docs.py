@@ -150,7 +150,7 @@ def benchmarks_markdown(records: Iterable[dict]) -> str:
         facts = [("command", f"`{rec['command']}`"), ("commit", f"`{rec['commit']}`"), ("machine", rec["machine"]),
                  ("date", rec["date"])]
         if rec.get("source"):
-            facts.append(("transcribed", rec["source"]))
+            facts.append(("source", rec["source"]))
         out += [f"- {k}: {v}" for k, v in facts] + [""]
         for table in rec["tables"]:
             out += [f"**{table['title']}**", "", render_table(table), ""]
