@@ -136,8 +136,8 @@ medians, with the range over the runs in brackets. Records marked *transcribed* 
 version of the documentation, not written by the script: their figures are what was measured then, at the commit
 named. What each benchmark measures and how to run it: [bench/README.md](../bench/README.md).
 
-Tokens per second and milliseconds compare only within one record (the machines were shared and changed speed
-between sessions); ratios, shares and tau compare across records.
+Tokens per second and milliseconds compare only within one record (the machines were shared and their speed
+changed between measurements); ratios, shares and tau compare across records.
 """
 
 

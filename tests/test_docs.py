@@ -142,3 +142,12 @@ def test_the_engine_imports_no_pipeline_hydra_mlflow_or_compat():
            or name in FORBIDDEN_IN_ENGINE}
     assert not bad, bad
     assert _imports(ROOT / "ddtree" / "docs.py") >= {"ddtree.engine.families", "ddtree.engine.methods"}
+
+
+def test_every_test_a_page_names_exists():
+    defined = set()
+    for f in (ROOT / "tests").glob("test_*.py"):
+        defined.update(re.findall(r"^\s*def (test_\w+)", f.read_text(), flags=re.M))
+    named = {(p.relative_to(ROOT), n) for p in PAGES for n in re.findall(r"(?<![\w/])(test_\w+)(?!\w*\.py)", p.read_text())}
+    missing = sorted(f"{p}: {n}" for p, n in named if n not in defined and not n.startswith("test_x"))
+    assert not missing, missing
