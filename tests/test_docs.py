@@ -76,15 +76,23 @@ def test_every_path_a_page_names_exists(page):
     assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {missing}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens."""
+    heads = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_resolves(page):
     bad = []
     for target in LINK.findall(page.read_text()):
-        if target.startswith(("http://", "https://", "mailto:", "#")):
+        if target.startswith(("http://", "https://", "mailto:")):
             continue
-        if not (page.parent / target.split("#")[0]).exists():
+        path, _, anchor = target.partition("#")
+        dest = page.parent / path if path else page
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
             bad.append(target)
-    assert not bad, f"{page.relative_to(ROOT)} links to missing files: {bad}"
+    assert not bad, f"{page.relative_to(ROOT)} links to missing files or headings: {bad}"
 
 
 def test_the_path_check_catches_a_wrong_path():
