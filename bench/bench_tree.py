@@ -91,7 +91,7 @@ def trained_blocks(args) -> None:
         tt = timed(lambda: sweep(False), args.repeats).scaled(per_block)
         print(f"{b:>7} {len(blocks):>7} {tc.median if tc else float('nan'):>7.3f} {tt.median:>9.3f}")
         rows.append([b, len(blocks), tc.cell() if tc else None, tt.cell()])
-    rec = Record(f"bench_tree_{args.pair}", f"Tree build on the {args.pair} drafter's own blocks",
+    rec = Record("bench_tree", f"Tree build on the {args.pair} drafter's own blocks",
                  "ms per block (with the tree's ancestor index and matrix), distinct blocks each call (recorded from "
                  "DDTree generations), median of the sweeps: C = the CPU default (one C call), torch = the build of "
                  "every other device (and of a CPU without the extension). Both give the same trees (checked).",
@@ -140,7 +140,7 @@ def main() -> None:
         nan = float("nan")
         print(f"{b:>7} {tc.median if tc else nan:>7.3f} {tt.median:>9.3f} {ops:>10} {tr.median if tr else nan:>8.1f}")
         rows.append([b, tc.cell() if tc else None, tt.cell(), ops, tr.cell() if tr else None])
-    rec = Record(f"bench_tree_v{args.vocab}", f"Tree build per round, 15 x {args.vocab} logit block",
+    rec = Record("bench_tree", f"Tree build per round, 15 x {args.vocab} logit block",
                  "ms per build (with the tree's ancestor index and matrix), one block timed again and again: C = the "
                  "CPU default (one C call reading each row's ranks as the search reaches them), torch = the build of "
                  "every other device (a fixed op sequence: a top-k over each row's keys, three ops a depth), with the "

@@ -185,7 +185,8 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
     parent_rank, child_rank, root_list, tail, parent_cell, token_id, minus_one = _selection_constants(budget, L, V, dev)
     n = 1 + tree_size(budget, L, V)
     cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
-    key = (cost.view(torch.int32).long() << 32) | token_id  # a cost >= +0.0: its bits order as it does
+    key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
+    key.bitwise_left_shift_(32).bitwise_or_(token_id)  # (in place: a full row of int64 is the build's largest write)
     ranked = key.topk(min(budget, V), dim=-1, largest=False).values & 0xFFFFFFFF  # [L, k]: the tokens, ranks 0..k-1
     cost = cost.gather(1, ranked)
     if V < budget:  # ranks past the vocabulary: nothing
