@@ -63,7 +63,7 @@ def test_scripted_deep_trees_on_hybrid():
 def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
     """Proves the lossless tests see the bug: a GDN layer run as a flat chain gives other tokens."""
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
-    monkeypatch.setattr(tree_gdn, "tree_verification", _chain_context)
+    monkeypatch.setattr(tree_gdn, "_active_tree", lambda: None)  # the GDN sees a flat chain
     monkeypatch.setattr(tree_gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
     tree_gdn.uninstall()
     try:
@@ -77,17 +77,6 @@ def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
     finally:
         monkeypatch.undo()
         tree_gdn.install()
-
-
-class _chain_context:
-    def __init__(self, parents):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_other_stateful_families_are_refused_for_tree_methods():
