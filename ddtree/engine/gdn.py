@@ -363,9 +363,8 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
 
     mixed, z, ab = _projections(module, hidden_states, consts)
     # a + dt and -b land in the decay map's input, softplus of both at once
-    ab_view = bufs.gates.as_strided((bsz, n, 2, hv), (bufs.gates.stride(0), 1, n + 1, bufs.gates.stride(1)),
-                                    bufs.gates.storage_offset())
-    if ab.dtype == f32:
+    ab_view = bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1)  # [sp | A], [nb | 1]: (B, T, 2, Hv)
+    if ab.dtype == f32 and not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
         torch._C._nn.softplus(ab, 1.0, 20.0, out=ab_view)
     else:
         ab_view.copy_(F.softplus(ab))
