@@ -180,7 +180,7 @@ def test_an_engine_checks_its_settings_when_built():
 def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
     """After a group's first commit its layers' conv and recurrent states become views of one stacked tensor each
     (gdn._adopt_states) and later commits update them in one op each; the verification writes every layer's keys,
-    deltas, decays and conv inputs into slots of shared buffers (gdn._shared_slot) the commit gathers in one op each:
+    d, decay exponents and conv inputs into slots of shared buffers (gdn._shared_layer) the commit gathers in one op each:
     bitwise the same states, round after round, as each layer alone from its own tensors."""
     import random
 
@@ -196,7 +196,7 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
             if mode.startswith("alone"):
                 m.setattr(tree_gdn, "_adopt_states", lambda cache, layer_ids: None)
             if mode in ("stacked, own tensors", "alone"):
-                m.setattr(tree_gdn, "_shared_slot", lambda *a: None)
+                m.setattr(tree_gdn, "_shared_layer", lambda *a: None)
             sess = TargetSession(target, capacity=256)
             sess.prefill(ids)
             states[mode] = []
