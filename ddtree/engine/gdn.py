@@ -625,11 +625,12 @@ class _Pending:
 
 
 def _path_states(keys: torch.Tensor, deltas: torch.Tensor, xy: torch.Tensor, index: torch.Tensor,
-                 prefix: int | None, old: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 prefix: int | None, host_path: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(the state the path adds, the old state's weight exp(c_last) (..., 1, 1)) for one layer or a stack of them.
 
     keys (..., H, 2T, dk) as tree_layer lays them out, deltas (..., H, T, dv), xy (..., H, 6T + 3); index: the path
-    (root first); prefix: its length where it is the first `prefix` nodes (a chain: slices, no gathers).
+    (root first); prefix: its length where it is the first `prefix` nodes (a chain: slices, no gathers); host_path:
+    the same path as a list, where the caller has it (a CPU walk): the Y rows' index is then built on the host.
     S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j + log beta_j) k_j d_j^T, the exponents X_a . Y_j.
     """
     n = deltas.shape[-2]
@@ -638,7 +639,10 @@ def _path_states(keys: torch.Tensor, deltas: torch.Tensor, xy: torch.Tensor, ind
         k_path, d_path, x_last, y_path = k_rows[..., :prefix, :], deltas[..., :prefix, :], \
             x[..., prefix - 1:prefix, :], y[..., :prefix + 1, :]
     else:
-        y_index = torch.cat([index.new_zeros(1), index + 1])
+        if host_path is not None and index.device.type == "cpu":
+            y_index = torch.tensor([0] + [i + 1 for i in host_path])
+        else:
+            y_index = torch.cat([index.new_zeros(1), index + 1])
         k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
         x_last, y_path = x.index_select(-2, index[-1:]), y.index_select(-2, y_index)
     weights = (y_path @ x_last.transpose(-1, -2)).exp_()  # (..., L + 1, 1): exp(c_a), then the path's weights
@@ -747,7 +751,7 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
     else:
         stacked = {name: torch.stack([getattr(r.bufs, name) for r in recs]) for name in ("keys", "deltas", "xy")}
     keys = stacked["keys"].flatten(2, 3).flatten(3, 4)  # (G, B, Hv, 2T, dk)
-    new_state, decay = _path_states(keys, stacked["deltas"], stacked["xy"], index, n)
+    new_state, decay = _path_states(keys, stacked["deltas"], stacked["xy"], index, n, host_path)
     if first.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
         for (layer_idx, rec), state in zip(items, new_state, strict=True):
             inputs = rec.conv_inputs[..., :n] if n else rec.conv_inputs.index_select(2, index.to(rec.extended.device))
