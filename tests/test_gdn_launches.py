@@ -107,3 +107,35 @@ def test_tree_layer_compiles_without_graph_breaks():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(bufs.deltas, eager_bufs.deltas, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_one_verification_context_serves_the_attention_and_the_gdn(monkeypatch):
+    """TargetSession.verify sets one TreeVerification; the split tree attention and the GDN layers read that same
+    object (one ContextVar), and nothing is left set afterwards."""
+    import random
+
+    from ddtree.engine import attention, verification
+    from ddtree.engine.target import TargetSession
+    from ddtree.testing.reference import random_tree
+
+    assert attention.tree_verification is verification.tree_verification is gdn.tree_verification
+    model = _model("qwen3_5_text", torch.float32)
+    session = TargetSession(model, tree_attention="split")
+    seen: dict[str, list] = {"attention": [], "gdn": []}
+    for name, module in (("attention", attention), ("gdn", gdn)):
+        real = module._active_tree
+
+        def spy(_real=real, _name=name):
+            ctx = _real()
+            if ctx is not None:
+                seen[_name].append(ctx)
+            return ctx
+
+        monkeypatch.setattr(module, "_active_tree", spy)
+    session.prefill(torch.arange(PROMPT)[None])
+    tree = random_tree(9, 64, random.Random(1))
+    assert not tree.is_chain
+    session.verify(tree)
+    contexts = {id(c) for c in seen["attention"] + seen["gdn"]}
+    assert len(contexts) == 1 and seen["attention"] and seen["gdn"]
+    assert verification.active() is None
