@@ -129,7 +129,7 @@ def test_flex_block_lists_cover_the_mask(window):
     for kp, n, pos0 in ((3, 9, 0), (127, 2, 0), (130, 33, 0), (600, 140, 0), (400, 20, 7)):
         tree = random_tree(n, 50, random.Random(kp))
         past = pos0 + kp
-        ctx = A.TreeVerification(past, tree.depths, tree.ancestor_matrix(), tree.depth_bound, False)
+        ctx = A.TreeVerification(tree, past, flex_compile=False)
         bm = A.flex_block_mask(ctx, kp, kp + n, window, pos0, torch.device("cpu"))
         qpad = -(-n // B) * B
         vis = _dense_mask_mod(bm, qpad, kp + n)

@@ -309,7 +309,7 @@ def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type
     """_commit_stacked (the like layers at once) against _commit_layer run on each layer alone: every path of a
     branching tree and of a chain (the whole chain taken without a gather), after a prefix or on an empty cache; the
     stacked commit both from each layer's own tensors and, as the engine verifies under inference mode, from the
-    cache's shared buffers (`_shared_slot`: one gather for all layers)."""
+    cache's shared buffers (`_shared_layer`: one gather for all layers)."""
     model = _model(model_type, "sdpa")
     gen = torch.Generator().manual_seed(7)
     past = PROMPT_LEN if prefix else 0

@@ -63,7 +63,7 @@ def test_scripted_deep_trees_on_hybrid():
 def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
     """Proves the lossless tests see the bug: a GDN layer run as a flat chain gives other tokens."""
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
-    monkeypatch.setattr(tree_gdn, "tree_verification", _chain_context)
+    monkeypatch.setattr(tree_gdn, "_active_tree", lambda: None)  # the GDN sees a flat chain
     monkeypatch.setattr(tree_gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
     tree_gdn.uninstall()
     try:
@@ -77,17 +77,6 @@ def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
     finally:
         monkeypatch.undo()
         tree_gdn.install()
-
-
-class _chain_context:
-    def __init__(self, parents):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_other_stateful_families_are_refused_for_tree_methods():
@@ -191,7 +180,7 @@ def test_an_engine_checks_its_settings_when_built():
 def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
     """After a group's first commit its layers' conv and recurrent states become views of one stacked tensor each
     (gdn._adopt_states) and later commits update them in one op each; the verification writes every layer's keys,
-    deltas, decays and conv inputs into slots of shared buffers (gdn._shared_slot) the commit gathers in one op each:
+    d, decay exponents and conv inputs into slots of shared buffers (gdn._shared_layer) the commit gathers in one op each:
     bitwise the same states, round after round, as each layer alone from its own tensors."""
     import random
 
@@ -207,7 +196,7 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
             if mode.startswith("alone"):
                 m.setattr(tree_gdn, "_adopt_states", lambda cache, layer_ids: None)
             if mode in ("stacked, own tensors", "alone"):
-                m.setattr(tree_gdn, "_shared_slot", lambda *a: None)
+                m.setattr(tree_gdn, "_shared_layer", lambda *a: None)
             sess = TargetSession(target, capacity=256)
             sess.prefill(ids)
             states[mode] = []

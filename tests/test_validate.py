@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 import torch
-from test_hybrid import _chain_context as chain_context
 
 import ddtree
 from ddtree.engine import gdn as gdn_tree
@@ -206,7 +205,7 @@ def test_a_tree_mask_wrong_for_one_node_is_suspect(fp32_qwen3, monkeypatch):
 
 def test_the_gdn_tree_patch_switched_off_on_a_hybrid_is_suspect(monkeypatch):
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
-    monkeypatch.setattr(gdn_tree, "tree_verification", chain_context)  # the GDN sees a flat chain
+    monkeypatch.setattr(gdn_tree, "_active_tree", lambda: None)  # the GDN sees a flat chain
     monkeypatch.setattr(gdn_tree, "commit_linear_states", lambda cache, accepted, host_path=None: None)
     gdn_tree.uninstall()
     try:

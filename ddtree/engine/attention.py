@@ -20,24 +20,22 @@ to a multiple of the block size and every per-round value the mask_mod reads is 
 compiled kernel is reused round after round (a few compiles per 128-query bucket while the key
 length turns symbolic, then none; measured on CPU inductor).
 
-Outside verification (prefill, AR steps, DFlash chains) every implementation is exactly its plain
+The split runs inside `tree_verification(tree, past)` (ddtree.engine.verification: one context, shared with
+the tree-exact GDN). Outside verification (prefill, AR steps, DFlash chains) every implementation is exactly its plain
 backend, masks included. `use_tree_attention(model)` switches a model to the implementation wrapping
 its current backend; it is idempotent and harmless for plain forwards.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-import os
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ddtree.engine.verification import TreeVerification, active, tree_verification
 from ddtree.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -55,66 +53,13 @@ FLEX_BLOCK = 128  # flex's default sparse block size; tree queries are padded to
 
 
 # --------------------------------------------------------------------------- verification context
+# One context for the tree attention and the tree-exact GDN (ddtree.engine.verification): the attention part is
+# active when the verification was given the committed length `past`.
 
 
-@dataclass
-class TreeVerification:
-    """The tree being verified: what every attention call of one target forward needs.
-
-    past: committed length (absolute position of the root); node i sits at past + depths[i].
-    ancestors[i, j]: j is i or an ancestor of i. depth_bound: a host-known bound on depths.max().
-    """
-
-    past: int
-    depths: torch.Tensor  # [n] long
-    ancestors: torch.Tensor  # [n, n] bool
-    depth_bound: int
-    flex_compile: bool = True
-    _memo: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def n(self) -> int:
-        return self.depths.shape[0]
-
-    def memo(self, key, build: Callable):
-        """Built once per forward, shared by every layer (masks, block lists)."""
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = build()
-        return found
-
-
-_ACTIVE: contextvars.ContextVar[TreeVerification | None] = contextvars.ContextVar("ddtree_tree_attention",
-                                                                                  default=None)
-
-
-def _default_flex_compile(device: torch.device) -> bool:
-    """Compiled flex on CUDA; on CPU the eager reference (a compile costs minutes there) unless asked."""
-    env = os.environ.get("DDTREE_FLEX_COMPILE")
-    if env is not None:
-        return env not in ("0", "false", "False", "")
-    return device.type == "cuda"
-
-
-@contextlib.contextmanager
-def tree_verification(tree, past: int, flex_compile: bool | None = None) -> Iterator[TreeVerification]:
-    """While active, tree implementations treat a forward of len(tree) tokens as the flat tree [root] + nodes.
-
-    `tree` is a ddtree.engine.tree.DraftTree (parents before children); `past` the committed length.
-    """
-    bound = tree.depth_bound if tree.depth_bound is not None else int(tree.depths.max())
-    dev = tree.tokens.device
-    ctx = TreeVerification(past=past, depths=tree.depths, ancestors=tree.ancestor_matrix(), depth_bound=bound,
-                           flex_compile=_default_flex_compile(dev) if flex_compile is None else flex_compile)
-    token = _ACTIVE.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _ACTIVE.reset(token)
-
-
-def active() -> TreeVerification | None:
-    return _ACTIVE.get()
+def _active_tree() -> TreeVerification | None:
+    ctx = active()
+    return ctx if ctx is not None and ctx.attention else None
 
 
 # --------------------------------------------------------------------------- window geometry
@@ -378,7 +323,7 @@ def split_attention(base: str) -> Callable:
     verify = _flex_verify if base == "flex_attention" else _split_verify
 
     def attention(module, query, key, value, attention_mask, **kwargs):
-        ctx = _ACTIVE.get()
+        ctx = _active_tree()
         if ctx is None or query.shape[2] != ctx.n or key.shape[2] < ctx.n:
             return plain(module, query, key, value, attention_mask, **kwargs)
         return verify(ctx, base, module, query, key, value, kwargs), None
@@ -391,7 +336,7 @@ def _split_mask(base: str) -> Callable:
     """Mask builder: none during verification (the attention builds its own), the base's otherwise."""
 
     def mask(*args, **kwargs):
-        if _ACTIVE.get() is not None:
+        if _active_tree() is not None:
             return None
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 

@@ -2,69 +2,73 @@
 
 Upstream GDN layers (qwen3_5, qwen3_5_moe, qwen3_next) ignore the 4-D tree mask and run the flat
 token order as one chain, so every node whose flat predecessors are not all its ancestors gets a
-wrong conv window and a wrong recurrent state. Inside ``tree_verification(tree)`` the patched
-forward computes, for every node, what its root-to-node path would compute as a plain sequence after
-the cached prefix, and leaves the cache's conv/recurrent state untouched;
-``commit_linear_states(cache, accepted)`` then moves each GDN layer to the state after prefix +
-accepted path. `TargetSession` installs the forward wrapper itself (engine correctness, not a compat
-row); it is inert outside a ``tree_verification`` context.
+wrong conv window and a wrong recurrent state. Inside ``tree_verification(tree)`` (the one
+verification context, ddtree.engine.verification) the patched forward computes, for every node, what
+its root-to-node path would compute as a plain sequence after the cached prefix, and leaves the cache's
+conv/recurrent state untouched; ``commit_linear_states(cache, accepted)`` then moves each GDN layer to
+the state after prefix + accepted path. `TargetSession` installs the forward wrapper itself (engine
+correctness, not a compat row); it is inert outside a verification.
 
-The tree is the engine's `DraftTree`, whose parents, depths and ancestry already sit on the logits'
-device: nothing of it is read back to the host. A parents list (tests, the authors' loops through
-the upstream-gdn-tree compat patch) is validated on the host and turned into one.
+The per-layer work is `tree_layer`: pure tensor code over the layer's inputs, the round's `TreeMeta`
+(conv-window index, decay map and mask: tensors built once per round on the device, shared by every
+layer) and the layer's `LayerConsts` (its weights in the layouts the math wants, built once per cache).
+It compiles with torch.compile(fullgraph=True); eager, it dispatches ~19 ops after the input projections
+and 6 for the gated output norm (docs/gdn-tree.md counts them).
 
 The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
 
-    S_i   = exp(g_i) * S_parent(i) + k_i delta_i^T
-    delta_i = beta_i * (v_i - k_i^T exp(g_i) S_parent(i))
+    S_i   = exp(g_i) * S_parent(i) + beta_i k_i d_i^T
+    d_i   = v_i - k_i^T exp(g_i) S_parent(i)            (delta_i = beta_i d_i)
     o_i   = q_i^T S_i
 
 Unrolled along a path with path-cumulative log decay c_i = sum of g over root..i:
 
-    S_a = exp(c_a) S_0 + sum_{j on path(a)} exp(c_a - c_j) k_j delta_j^T
+    S_a = exp(c_a) S_0 + sum_{j on path(a)} exp(c_a - c_j + log beta_j) k_j d_j^T
 
-so a node's output and the committed state need only (k_j, delta_j, c_j) of its
-ancestors plus S_0 (the cache's state, never overwritten during verification).
-Two interchangeable ways to get delta for every node:
+so a node's output and the committed state need only (k_j, d_j) of its ancestors, the log weights
+c_a - c_j + log beta_j and c_a, plus S_0 (the cache's state, never overwritten during verification).
+Both come out of one small matmul: with s = the path sums of softplus(a + dt) and A = exp(A_log) (g = -A *
+softplus), X_i = (s_i, A, 1) and Y_j = (-A, s_j, log beta_j) give X_i . Y_j = c_i - c_j + log beta_j, and the
+virtual node j = 0 (Y_0 = (-A, 0, 0)) gives c_i. One baddbmm adds the ancestor mask (0 / -inf) and one exp
+gives E = [exp(c_i) | exp(c_i - c_j) beta_j masked]. Two ways to get d for every node:
 
 * ``"chunk"``: one chunk holding the whole tree, whose causal masks are ancestor masks:
-  (I + A) delta = beta*v - W S_0 with A_ij = beta_i k_i.k_j exp(c_i - c_j) for j a
-  strict ancestor of i. Flat order puts parents first, so A is strictly lower
-  triangular and a node's rows touch only its ancestors: each row solves its own path.
+  (I + (K K^T * E)) d = v - exp(c) (K S_0), strictly lower triangular in flat order (parents first), so a
+  node's row touches only its ancestors: each row solves its own path.
 * ``"recurrent"``: the recurrence above, one batched step per depth level (every node computed,
   the level's nodes kept: no host-side level lists).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import functools
 import importlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import wrapt
+from torch import nn
 from transformers.activations import ACT2FN
 
+from ddtree.engine import verification
 from ddtree.engine.families import gdn_classes
-from ddtree.engine.tree import DraftTree
+from ddtree.engine.verification import GDN_METHODS as METHODS  # noqa: F401 (re-exported: callers name gdn.METHODS)
+from ddtree.engine.verification import TreeVerification, tree_verification
 
 # Verified (tests/test_gdn_tree.py passes) on 5.21.0, 5.21.1, 5.22.0, 5.23.0 and 5.24.0. 5.20 has no
 # Cache.get_conv_state; 5.21-5.23 call the cache argument `cache_params`, 5.24 renames it `cache` and
 # keeps the old name as an alias until 5.40, where the signature changes again.
 VERSIONS = ">=5.21,<5.40"
 
-METHODS = ("chunk", "recurrent")
 DEFAULT_METHOD = "chunk"
+L2NORM_EPS = 1e-6  # upstream's l2norm of q and k
 
 # (module, qualname) of every GDN forward wrapped; all share one structure. From the family table.
 TARGETS: tuple[tuple[str, str], ...] = tuple((path.split(":")[0], path.split(":")[1] + ".forward")
                                              for path in gdn_classes())
-
 
 @functools.cache
 def _activation(name: str):
@@ -115,128 +119,165 @@ def is_installed() -> bool:
     return bool(_ORIGINAL_FORWARDS)
 
 
-# --------------------------------------------------------------------------- tree context
+
+
+# --------------------------------------------------------------------------- the verification context
+
+
+def single_step():
+    """While active, a patched GDN forward of one cached token on the CPU takes `_step_forward` (see there)."""
+    return tree_verification(None, step=True)
+
+
+def _active_tree() -> TreeVerification | None:
+    """The verification the GDN forward serves, if any (a seam: fault-injection tests switch it off)."""
+    return verification.active()
 
 
 @dataclass
-class _Tree:
-    """One tree under verification: the DraftTree's device tensors, copied once per other device (device map)."""
+class TreeMeta:
+    """What every GDN layer of one verification reads about the tree: tensors on one device, built once a round.
 
-    draft: DraftTree
-    method: str
-    host_parents: list[int] | None = None  # known when built from a parents list: commit checks paths against it
-    _on: dict[tuple[str, torch.device], torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def size(self) -> int:
-        return len(self.draft)
-
-    @property
-    def depth_bound(self) -> int:
-        bound = self.draft.depth_bound
-        return bound if bound is not None else int(self.draft.depths.max())
-
-    def _cached(self, name: str, device: torch.device, build) -> torch.Tensor:
-        found = self._on.get((name, device))
-        if found is None:
-            found = self._on[(name, device)] = build().to(device)
-        return found
-
-    def ancestry(self, device: torch.device) -> torch.Tensor:
-        """(T, T) float32, [i, j] = 1 where j is i or an ancestor of i, else 0."""
-        return self._cached("ancestry", device, lambda: self.draft.ancestor_matrix().float())
-
-    def hops(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ancestor index (T, D + 1), float32 1 where hop h <= depth(i) else 0): the ancestor pairs."""
-        aidx = self._cached("aidx", device, self.draft.ancestor_index)
-
-        def valid() -> torch.Tensor:
-            hop = torch.arange(aidx.shape[1], device=aidx.device)
-            return (hop[None, :] <= self.depths(aidx.device)[:, None]).float()
-
-        return aidx, self._cached("valid", device, valid)
-
-    def depths(self, device: torch.device) -> torch.Tensor:
-        return self._cached("depths", device, lambda: self.draft.depths)
-
-    def parents(self, device: torch.device) -> torch.Tensor:
-        return self._cached("parents", device, lambda: self.draft.parents.clamp(min=0))
-
-    def conv_index(self, kernel: int, device: torch.device) -> torch.Tensor:
-        """(T, K) index into [conv state (K columns) ++ tree inputs]: node i's causal window, oldest first.
-
-        Hop h of node i is its h-th ancestor while h <= depth(i), then the prefix tail held in the conv state.
-        """
-        def build() -> torch.Tensor:
-            aidx, depth = self.draft.ancestor_index(), self.draft.depths  # aidx[:, h]: h-th ancestor (root repeats)
-            hops = torch.arange(kernel, device=depth.device)
-            ancestor = aidx[:, hops.clamp(max=aidx.shape[1] - 1)]  # (T, K)
-            past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
-            window = torch.where(past <= 0, kernel + ancestor, kernel - past)
-            return window.flip(1)
-
-        return self._cached(f"conv{kernel}", device, build)
-
-
-def _tree_of(tree: DraftTree | torch.Tensor | Sequence[int], method: str) -> _Tree:
-    if method not in METHODS:
-        raise ValueError(f"tree_verification(method={method!r}): expected one of {METHODS}")
-    if isinstance(tree, DraftTree):
-        return _Tree(tree, method)
-    if isinstance(tree, torch.Tensor) and tree.ndim != 1:
-        raise ValueError("tree_verification(parents): a non-empty 1-D LongTensor of parent indices is required")
-    plist = [int(p) for p in (tree.tolist() if isinstance(tree, torch.Tensor) else tree)]
-    if not plist or plist[0] != -1 or any(not 0 <= p < i for i, p in enumerate(plist) if i > 0):
-        raise ValueError("tree_verification(parents): parents[0] must be -1 (the root) and "
-                         "0 <= parents[i] < i for every other node (parents precede children)")
-    depth = [0] * len(plist)
-    for i in range(1, len(plist)):
-        depth[i] = depth[plist[i]] + 1
-    n = len(plist)
-    draft = DraftTree(tokens=torch.zeros(n, dtype=torch.long), parents=torch.tensor(plist, dtype=torch.long),
-                      depths=torch.tensor(depth, dtype=torch.long), is_chain=plist == list(range(-1, n - 1)),
-                      depth_bound=max(depth))
-    return _Tree(draft, method, host_parents=plist)
-
-
-_ACTIVE: contextvars.ContextVar[_Tree | None] = contextvars.ContextVar("ddtree_gdn_tree", default=None)
-
-
-@contextlib.contextmanager
-def tree_verification(tree: DraftTree | torch.Tensor | Sequence[int], method: str = DEFAULT_METHOD) -> Iterator[None]:
-    """While active, patched GDN forwards treat their input as the flat tree [root] + nodes.
-
-    tree: the engine's DraftTree (its tensors are used where they are, no host read), or the parents
-    (parents[i] the flat index of node i's parent, -1 for the root at index 0), validated on the host.
-    method: "chunk" (ancestor-masked single chunk) or "recurrent" (one step per depth).
+    conv_index (T * K,): rows of [K conv-state columns ++ T tree inputs] holding node i's causal window, oldest first.
+    decay_map (2T + 2, 6T + 3): the matmul from a layer's [softplus(a + dt) (T), A, softplus(-b) (T), 1] to its
+    [X (T x 3), Y ((T + 1) x 3)] (module docstring). decay_mask (T, T + 1): 0 at the virtual node and at node i's
+    ancestors and itself, -inf elsewhere. depths, parents: for the recurrent method.
     """
-    token = _ACTIVE.set(_tree_of(tree, method))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+
+    conv_index: torch.Tensor
+    decay_map: torch.Tensor
+    decay_mask: torch.Tensor
+    depths: torch.Tensor
+    parents: torch.Tensor
+    depth_bound: int
+
+
+def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+    """The verification's TreeMeta for a conv kernel size on a device (built on first use, then shared)."""
+    return ctx.memo(("gdn", kernel, device), lambda: _build_meta(ctx, kernel, device))
+
+
+def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+    draft = ctx.draft
+    n = ctx.n
+    aidx, depth = draft.ancestor_index(), draft.depths  # aidx[:, h]: h-th ancestor (root repeats)
+    hops = torch.arange(kernel, device=depth.device)
+    ancestor = aidx[:, hops.clamp(max=aidx.shape[1] - 1)]  # (T, K)
+    past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
+    window = torch.where(past <= 0, kernel + ancestor, kernel - past).flip(1)
+
+    anc = ctx.ancestors.to(device)
+    ancf = anc.float()
+    decay_map = torch.zeros(2 * n + 2, 6 * n + 3, device=device)
+    decay_map[:n, 0:3 * n:3] = ancf.t()  # X_i = (s_i, A, 1)
+    decay_map[n, 1:3 * n:3] = 1
+    decay_map[2 * n + 1, 2:3 * n:3] = 1
+    decay_map[n, 3 * n::3] = -1  # Y_j = (-A, s_j, log beta_j), Y_0 = (-A, 0, 0)
+    decay_map[:n, 3 * n + 4::3] = ancf.t()
+    decay_map[n + 1:2 * n + 1, 3 * n + 5::3] = -torch.eye(n, device=device)
+    decay_mask = torch.zeros(n, n + 1, device=device)
+    decay_mask[:, 1:].masked_fill_(~anc, float("-inf"))
+    return TreeMeta(window.reshape(-1).to(device), decay_map, decay_mask, depth.to(device),
+                    draft.parents.clamp(min=0).to(device), ctx.depth_bound)
+
+
+@dataclass
+class LayerConsts:
+    """One GDN layer's weights as `tree_layer` uses them (float32 unless said), built once per cache.
+
+    conv_taps (K, C), conv_bias (C) or None; ab_weight (2 Hv, hidden) = [W_a; -W_b] and ab_bias = [dt_bias; 0] in the
+    model's dtype, where a and b are plain bias-free Linear layers (None: the module's own projections);
+    dt_bias (Hv); decay_rate (Hv) = exp(A_log); norm_weight (dv) = the gated norm's weight * sqrt(dv); qk_eps and
+    norm_eps: 0-d tensors (the l2norm's and the gated norm's epsilons as hypot terms, see `_gated_norm`).
+    """
+
+    conv_taps: torch.Tensor
+    conv_bias: torch.Tensor | None
+    ab_weight: torch.Tensor | None
+    ab_bias: torch.Tensor | None
+    dt_bias: torch.Tensor
+    decay_rate: torch.Tensor
+    norm_weight: torch.Tensor
+    qk_eps: torch.Tensor
+    norm_eps: torch.Tensor
+
+
+def _plain_linear(layer) -> bool:
+    return type(layer) is nn.Linear and layer.bias is None and not hasattr(layer, "_hf_hook")
+
+
+def layer_consts(module) -> LayerConsts:
+    """The LayerConsts of a GDN module (a handful of small ops: once per cache in the engine)."""
+    weight = module.conv1d.weight
+    bias = module.conv1d.bias
+    ab_weight = ab_bias = None
+    if not hasattr(module, "in_proj_qkvz") and _plain_linear(module.in_proj_a) and _plain_linear(module.in_proj_b):
+        wa, wb = module.in_proj_a.weight, module.in_proj_b.weight
+        ab_weight = torch.cat([wa, -wb])
+        ab_bias = torch.cat([module.dt_bias.to(wa.dtype), torch.zeros_like(module.dt_bias, dtype=wa.dtype)])
+    dk, dv = module.head_k_dim, module.head_v_dim
+    eps = module.norm.variance_epsilon
+    return LayerConsts(
+        conv_taps=weight.squeeze(1).float().t().contiguous(),
+        conv_bias=None if bias is None else bias.float(),
+        ab_weight=ab_weight, ab_bias=ab_bias,
+        dt_bias=module.dt_bias.float(),
+        decay_rate=module.A_log.float().exp(),
+        norm_weight=module.norm.weight.float() * dv ** 0.5,
+        qk_eps=torch.tensor(L2NORM_EPS ** 0.5, device=weight.device),
+        # the gated norm sees o / sqrt(dk) (q's scale, applied here instead): eps * dk * dv, see _gated_norm
+        norm_eps=torch.tensor((eps * dk * dv) ** 0.5, device=weight.device))
+
+
+@dataclass
+class LayerBuffers:
+    """Where `tree_layer` writes what the commit reads (slots of the cache's shared buffers, or fresh tensors).
+
+    extended (B, K + T, C): the conv state's last K columns then the tree's conv inputs, token-major;
+    keys (B, Hk, Hv/Hk, 2, T, dk): normalised q then k rows per value head; gates (B, Hv, 2T + 2): the decay
+    map's input, its A and 1 entries filled once; xy (B, Hv, 6T + 3): X and Y; deltas (B, Hv, T, dv): d;
+    out (B, T, Hv, dv) in the model's dtype: the gated norm's output.
+    """
+
+    extended: torch.Tensor
+    keys: torch.Tensor
+    gates: torch.Tensor
+    xy: torch.Tensor
+    deltas: torch.Tensor
+    out: torch.Tensor
+
+
+def _buffer_shapes(module, bsz: int, n: int, channels: int) -> dict[str, tuple[int, ...]]:
+    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    return {"extended": (bsz, module.conv_kernel_size + n, channels), "keys": (bsz, hk, hv // hk, 2, n, dk),
+            "gates": (bsz, hv, 2 * n + 2), "xy": (bsz, hv, 6 * n + 3), "deltas": (bsz, hv, n, dv),
+            "out": (bsz, n, hv, dv)}
+
+
+def _fill_gates(gates: torch.Tensor, consts: LayerConsts) -> None:
+    n = (gates.shape[-1] - 2) // 2
+    gates[..., n].copy_(consts.decay_rate)
+    gates[..., 2 * n + 1].fill_(1)
+
+
+def new_buffers(module, hidden_states: torch.Tensor, consts: LayerConsts, channels: int) -> LayerBuffers:
+    """Fresh LayerBuffers for one forward (outside the engine's inference mode: nothing shared)."""
+    bsz, n, _ = hidden_states.shape
+    shapes = _buffer_shapes(module, bsz, n, channels)
+    dev = hidden_states.device
+    bufs = LayerBuffers(**{name: torch.empty(shape, device=dev, dtype=hidden_states.dtype if name in (
+        "extended", "out") else torch.float32) for name, shape in shapes.items()})
+    _fill_gates(bufs.gates, consts)
+    return bufs
 
 
 # --------------------------------------------------------------------------- patched forward
 
 
-@contextlib.contextmanager
-def single_step() -> Iterator[None]:
-    """While active, a patched GDN forward of one cached token on the CPU takes `_step_forward` (see there)."""
-    token = _STEP.set(True)
-    try:
-        yield
-    finally:
-        _STEP.reset(token)
-
-
-_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("ddtree_gdn_step", default=False)
-
-
 def _forward_wrapper(wrapped, instance, args, kwargs):
-    tree = _ACTIVE.get()
-    if tree is None:
-        if _STEP.get():
+    ctx = _active_tree()
+    if ctx is None or not ctx.gdn:
+        if ctx is not None and ctx.step:
             out = _step_forward(instance, *args, **kwargs)
             if out is not None:
                 return out
@@ -255,7 +296,7 @@ def _forward_wrapper(wrapped, instance, args, kwargs):
     if hook is not None:
         hook.pre_forward(instance.conv1d)
     try:
-        return _tree_forward(instance, hidden_states, cache, attention_mask, tree)
+        return _tree_forward(instance, hidden_states, cache, attention_mask, ctx)
     finally:
         if hook is not None:
             hook.post_forward(instance.conv1d, ())
@@ -278,89 +319,208 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * (x * x).sum(-1, keepdim=True).add(eps).rsqrt()
 
 
-def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, tree: _Tree) -> torch.Tensor:
+def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, ctx: TreeVerification) -> torch.Tensor:
+    """The wrapper's side of a tree forward: shapes checked, the cache's states and shared buffers looked up,
+    `tree_layer` run, what the commit needs recorded on the cache."""
     bsz, seq_len, _ = hidden_states.shape
-    if seq_len != tree.size:
+    if seq_len != ctx.n:
         raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) got {seq_len} tokens under "
-                         f"tree_verification of a {tree.size}-token tree ([root] + nodes)")
+                         f"tree_verification of a {ctx.n}-token tree ([root] + nodes)")
     if attention_mask is not None and attention_mask.ndim == 2:  # padding mask, as upstream
         hidden_states = (hidden_states * attention_mask[:, -seq_len:, None]).to(hidden_states.dtype)
-    device, kernel, layer = hidden_states.device, module.conv_kernel_size, module.layer_idx
-
+    kernel, layer = module.conv_kernel_size, module.layer_idx
     conv_state = recurrent_state = None
     if cache is not None:
         conv_state = cache.get_conv_state(layer, state_idx=0)
         recurrent_state = cache.get_recurrent_state(layer, state_idx=0)
+    meta = tree_meta(ctx, kernel, hidden_states.device)
+    channels = module.conv1d.weight.shape[0]
+    shared = _shared_layer(cache, module, hidden_states, channels)
+    consts, bufs = shared if shared is not None else (layer_consts(module), None)
+    if bufs is None:
+        bufs = new_buffers(module, hidden_states, consts, channels)
+    out = tree_layer(module, hidden_states, conv_state, recurrent_state, meta, consts, bufs, ctx.gdn_method)
+    if cache is not None:
+        pending = cache.__dict__.setdefault(_PENDING_ATTR, {})
+        pending[layer] = _Pending(tree=ctx, kernel=kernel, bufs=bufs, conv_ref=conv_state,
+                                  recurrent_ref=recurrent_state, versions=_versions(conv_state, recurrent_state),
+                                  slot=None if shared is None else _slot_of(cache, layer))
+    return out
 
-    mixed, z, b, a = _project(module, hidden_states)  # mixed (B, T, C)
 
-    # Causal conv over each node's own ancestors, reaching into the prefix's conv state. Token-major
-    # (B, K + T, C): the gather copies whole rows, ~8x cheaper than gathering along the last dim.
+def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | None,
+               recurrent_state: torch.Tensor | None, meta: TreeMeta, consts: LayerConsts, bufs: LayerBuffers,
+               method: str = DEFAULT_METHOD) -> torch.Tensor:
+    """One GDN layer over the flat tree [root] + nodes: the layer's output (B, T, hidden); fills `bufs`.
+
+    Pure tensor code (no host reads, no Python state): compiles with fullgraph=True. conv_state (B, C, >= K) and
+    recurrent_state (B, Hv, dk, dv) are the cache's (None: an empty cache); neither is written.
+    """
+    bsz, n, _ = hidden_states.shape
+    kernel = module.conv_kernel_size
+    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
+    f32 = torch.float32
+
+    mixed, z, ab = _projections(module, hidden_states, consts)
+    # a + dt and -b land in the decay map's input, softplus of both at once
+    ab_view = bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1)  # [sp | A], [nb | 1]: (B, T, 2, Hv)
+    if ab.dtype == f32 and not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
+        torch._C._nn.softplus(ab, 1.0, 20.0, out=ab_view)
+    else:
+        ab_view.copy_(F.softplus(ab))
+
+    # causal conv over each node's own ancestors, reaching into the prefix's conv state (token-major: the gather
+    # copies whole rows, ~8x cheaper than gathering along the last dim on a CPU; a strided depthwise conv1d is
+    # slower still there)
     if conv_state is None:
         past = mixed.new_zeros(bsz, kernel, mixed.shape[-1])
     else:
-        past = conv_state[..., -kernel:].to(mixed.dtype).transpose(1, 2)
+        past = conv_state[..., -kernel:].transpose(1, 2)
+        if past.dtype != mixed.dtype:
+            past = past.to(mixed.dtype)
         if past.shape[1] < kernel:
             past = F.pad(past, (0, 0, kernel - past.shape[1], 0))
-    shared_ext = _shared_slot(cache, layer, "extended", (bsz, kernel + seq_len, mixed.shape[-1]), mixed)
-    extended = torch.cat([past, mixed], dim=1, out=shared_ext[1]) if shared_ext else torch.cat([past, mixed], dim=1)
-    index = tree.conv_index(kernel, device)  # (T, K)
-    windows = extended.index_select(1, index.reshape(-1)).view(bsz, *index.shape, extended.shape[-1])  # (B, T, K, C)
-    # the taps as a contiguous (K, C): broadcasting the transposed (C, K) view took a strided path ~5x slower
-    weight = module.conv1d.weight.squeeze(1).float().t().contiguous()
-    conv = (windows.float() * weight).sum(-2)  # (B, T, C)
-    if module.conv1d.bias is not None:
-        conv = conv + module.conv1d.bias.float()
-    conv = _activation(module.activation)(conv).to(hidden_states.dtype)
+    extended = torch.cat([past, mixed], dim=1, out=bufs.extended)
+    windows = extended.index_select(1, meta.conv_index).view(bsz, n, kernel, -1)
+    conv = (windows * consts.conv_taps).sum(2)  # (B, T, C) float32
+    if consts.conv_bias is not None:
+        conv = conv + consts.conv_bias
+    conv = _activation(module.activation)(conv)
 
-    query, key, value = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    query = query.reshape(bsz, seq_len, -1, module.head_k_dim)
-    key = key.reshape(bsz, seq_len, -1, module.head_k_dim)
-    value = value.reshape(bsz, seq_len, -1, module.head_v_dim)
-    beta = b.sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    # q and k l2-normalised (hypot(|x|, sqrt(eps)) = sqrt(|x|^2 + eps)), laid out per value head as
+    # [q rows; k rows]; q's dk^-1/2 is applied by the gated norm (see _gated_norm)
+    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, dk)
+    norm = torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), consts.qk_eps)
+    rows = (bsz, hk, hv // hk, 2, n)
+    qk = torch.div(qk.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, dk),
+                   norm.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, 1), out=bufs.keys).view(bsz, hv, 2 * n, dk)
+    value = conv[..., 2 * hk * dk:].view(bsz, n, hv, dv).transpose(1, 2)  # (B, Hv, T, dv)
 
-    core, keys, deltas, cum = _tree_delta_rule(query, key, value, g, beta, recurrent_state, tree)
+    # decays: X, Y from one matmul; E = exp(X . Y + mask) = [exp(c_i) | exp(c_i - c_j) beta_j on ancestors]
+    xy = torch.mm(bufs.gates.view(bsz * hv, -1), meta.decay_map, out=bufs.xy.view(bsz * hv, -1))
+    decays = torch.baddbmm(meta.decay_mask, xy[:, :3 * n].view(-1, n, 3), xy[:, 3 * n:].view(-1, n + 1, 3).transpose(1, 2))
+    decays = decays.exp_().view(bsz, hv, n, n + 1)
+    start = decays[..., :1]  # exp(c_i): the prefix state's weight
 
-    if cache is not None:
-        pending = cache.__dict__.setdefault(_PENDING_ATTR, {})
-        # one tensor, so that a commit gathers a path's keys, deltas and decays in one op per layer (and in one op for
-        # all layers, when they are slots of the cache's shared buffer)
-        parts = [keys, deltas, cum.unsqueeze(-1)]
-        shared = _shared_slot(cache, layer, "packed", (*keys.shape[:-1], keys.shape[-1] + deltas.shape[-1] + 1), keys)
-        packed = torch.cat(parts, dim=-1, out=shared[1]) if shared else torch.cat(parts, dim=-1)
-        slot = (shared[0], shared_ext[0], shared[2]) if shared and shared_ext else None
-        pending[layer] = _Pending(tree=tree, kernel=kernel, extended=extended, packed=packed, dk=keys.shape[-1],
-                                  conv_ref=conv_state, recurrent_ref=recurrent_state,
-                                  versions=_versions(conv_state, recurrent_state), slot=slot)
+    state0 = None if recurrent_state is None else recurrent_state.to(f32)
+    if method == "recurrent":
+        core = _recurrent_rule(qk, value, state0, meta, bufs)
+    else:
+        gram = (qk @ qk[:, :, n:].transpose(-1, -2)).view(bsz, hv, 2, n, n) * decays[..., 1:].unsqueeze(2)
+        if state0 is None:
+            rhs = value
+        else:
+            from_state = qk @ state0  # (B, Hv, 2T, dv)
+            rhs = torch.addcmul(value, start, from_state[:, :, n:], value=-1)
+        deltas = torch.linalg.solve_triangular(gram[:, :, 1], rhs, upper=False, unitriangular=True, out=bufs.deltas)
+        core = gram[:, :, 0] @ deltas
+        if state0 is not None:
+            core = torch.addcmul(core, start, from_state[:, :, :n])
+    return module.out_proj(_gated_norm(core, z, consts, bufs.out).view(bsz, n, -1))
 
-    core = core.transpose(1, 2).to(hidden_states.dtype)  # (B, T, Hv, dv)
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(bsz, seq_len, -1))
+
+def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
+    """The input projections: conv input (B, T, C), gate z (B, T, Hv, dv) and [a + dt_bias, -b] (B, T, 2, Hv), the
+    last one matmul where a and b are plain Linear layers."""
+    bsz, n, _ = hidden_states.shape
+    hv, dv = module.num_v_heads, module.head_v_dim
+    if consts.ab_weight is not None:
+        mixed = module.in_proj_qkv(hidden_states)
+        z = module.in_proj_z(hidden_states).reshape(bsz, n, hv, dv)
+        ab = torch.addmm(consts.ab_bias, hidden_states.reshape(bsz * n, -1), consts.ab_weight.t()).view(bsz, n, 2, hv)
+        return mixed, z, ab
+    mixed, z, b, a = _project(module, hidden_states)
+    ab = torch.stack([a.reshape(bsz, n, hv) + consts.dt_bias, -b.reshape(bsz, n, hv).float()], dim=2)
+    return mixed, z.reshape(bsz, n, hv, dv), ab
+
+
+def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, out: torch.Tensor) -> torch.Tensor:
+    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into `out` (B, T, Hv, dv): 6 ops.
+
+    x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is core / sqrt(mean(core^2) + eps dk)
+    = sqrt(dv) core / hypot(|core|, sqrt(eps dk dv)): sqrt(dv) sits in norm_weight, the rest in norm_eps.
+    """
+    norm = torch.hypot(torch.linalg.vector_norm(core, dim=-1, keepdim=True), consts.norm_eps)
+    gate = F.silu(z) * consts.norm_weight
+    return torch.mul((core / norm).transpose(1, 2), gate, out=out)
+
+
+def _recurrent_rule(qk: torch.Tensor, value: torch.Tensor, state0: torch.Tensor | None, meta: TreeMeta,
+                    bufs: LayerBuffers) -> torch.Tensor:
+    """The "recurrent" method: every node's d and output, one batched step per depth level (a cross-check of the
+    chunk's solve; not the launch-lean path). Writes d into bufs.deltas; returns the output (B, Hv, T, dv)."""
+    bsz, hv, two_n, dk = qk.shape
+    n = two_n // 2
+    gates = bufs.gates
+    g = -(gates[..., :n] * gates[..., n:n + 1])  # (B, Hv, T)
+    beta = torch.exp(-gates[..., n + 1:2 * n + 1])
+    query, key = qk[:, :, :n], qk[:, :, n:]
+    dv = value.shape[-1]
+    if state0 is None:
+        state0 = qk.new_zeros(bsz, hv, dk, dv)
+    core = torch.zeros_like(value, dtype=torch.float32)
+    deltas = bufs.deltas.zero_()
+    states = state0.unsqueeze(2).expand(bsz, hv, n, dk, dv).contiguous()  # S after each node, so far
+    depths, parents = meta.depths, meta.parents
+    for depth in range(meta.depth_bound + 1):
+        here = depths == depth
+        parent_states = state0.unsqueeze(2) if depth == 0 else states[:, :, parents]
+        decayed = parent_states * g.exp()[..., None, None]
+        delta = value - (decayed * key.unsqueeze(-1)).sum(-2)
+        new = decayed + key.unsqueeze(-1) * (beta[..., None] * delta).unsqueeze(-2)
+        states = torch.where(here[:, None, None], new, states)
+        core = torch.where(here[:, None], (new * query.unsqueeze(-1)).sum(-2), core)
+        deltas.copy_(torch.where(here[:, None], delta, deltas))
+    return core
 
 
 _SHARED_ATTR = "_ddtree_gdn_shared"
 
 
-def _shared_slot(cache, layer: int, name: str, shape: tuple[int, ...],
-                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-    """(buffer, buffer[slot], slot): the cache's buffer `name` [G, *shape] (G: its linear-attention layers, each with
-    a slot) where this layer's verification writes its `name` tensor, so that a commit reads every layer's rows with
-    one op. Kept across rounds: a commit consumes it before the next verification writes it again. None outside
-    inference mode (writing into a buffer with out= does not differentiate) or without a cache."""
+def _slot_of(cache, layer: int) -> tuple[dict[str, torch.Tensor], int]:
+    """(the shared buffers as they are now, this layer's slot): what a commit checks to read a group at once."""
+    shared = cache.__dict__[_SHARED_ATTR]
+    return dict(shared["bufs"]), shared["slots"][layer]
+
+
+def _shared_layer(cache, module, hidden_states: torch.Tensor, channels: int):
+    """(LayerConsts, LayerBuffers) of this layer kept on the cache, the buffers slots of (G, ...) buffers shared by
+    the cache's linear-attention layers so that a commit reads every layer's rows with one op; None outside
+    inference mode (writing into a buffer with out= does not differentiate) or without a cache.
+
+    The constants are built at the layer's first verification on this cache (a cache lives one generation: its
+    weights do not change under it); the buffers are kept across rounds (a commit consumes them before the next
+    verification writes them again) and replaced when the tree's size changes."""
     if cache is None or not torch.is_inference_mode_enabled():
         return None
     shared = cache.__dict__.get(_SHARED_ATTR)
     if shared is None:
         linear = [i for i, entry in enumerate(getattr(cache, "layers", ())) if hasattr(entry, "recurrent_states")]
-        shared = cache.__dict__[_SHARED_ATTR] = {"slots": {i: g for g, i in enumerate(linear)}}
+        shared = cache.__dict__[_SHARED_ATTR] = {"slots": {i: g for g, i in enumerate(linear)}, "consts": {},
+                                                 "bufs": {}, "filled": set()}
+    layer = module.layer_idx
     slot = shared["slots"].get(layer)
     if slot is None:
         return None
-    buf = shared.get(name)
-    if buf is None or buf.shape[1:] != shape or buf.dtype != like.dtype or buf.device != like.device:
-        buf = shared[name] = like.new_empty(len(shared["slots"]), *shape)  # (a tree of another size: a new buffer)
-    return buf, buf[slot], slot
+    consts = shared["consts"].get(layer)
+    if consts is None:
+        consts = shared["consts"][layer] = layer_consts(module)
+    bsz, n, _ = hidden_states.shape
+    views = {}
+    for name, shape in _buffer_shapes(module, bsz, n, channels).items():
+        dtype = hidden_states.dtype if name in ("extended", "out") else torch.float32
+        buf = shared["bufs"].get(name)
+        if buf is None or buf.shape[1:] != shape or buf.dtype != dtype or buf.device != hidden_states.device:
+            count = 1 if name == "out" else len(shared["slots"])  # the norm's output is used at once: one for all
+            buf = shared["bufs"][name] = torch.empty(count, *shape, dtype=dtype, device=hidden_states.device)
+            if name == "gates":
+                shared["filled"] = set()
+        views[name] = buf[0 if name == "out" else slot]
+    bufs = LayerBuffers(**views)
+    if slot not in shared["filled"]:
+        _fill_gates(bufs.gates, consts)
+        shared["filled"].add(slot)
+    return consts, bufs
 
 
 def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None, attention_mask=None,
@@ -417,69 +577,6 @@ def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None,
     return module.out_proj(core.reshape(bsz, 1, -1))
 
 
-def _path_decay(cum: torch.Tensor, tree: _Tree) -> torch.Tensor:
-    """(B, H, T, T): exp(cum_i - cum_j) where j is i or an ancestor of i, else 0.
-
-    Computed at the T * (depth + 1) ancestor pairs only and scattered into zeros: the dense form (a difference,
-    a mask and an exp over all T^2 pairs) cost ~5x more at T = 257, and the values at the pairs are the same.
-    """
-    aidx, valid = tree.hops(cum.device)  # (T, D + 1): the h-th ancestor (the root repeats past it), h <= depth
-    bsz, heads, n = cum.shape
-    index = aidx.expand(bsz, heads, *aidx.shape)
-    decay = (cum.unsqueeze(-1) - cum[..., aidx]).exp_().mul_(valid)  # (B, H, T, D + 1); 0 at repeated hops
-    return cum.new_zeros(bsz, heads, n, n).scatter_add_(-1, index, decay)
-
-
-def _tree_delta_rule(query, key, value, g, beta, initial_state, tree: _Tree):
-    """Gated delta rule over a tree. Inputs (B, T, H*, d), g and beta (B, T, Hv).
-
-    Returns output (B, Hv, T, dv) fp32 and, for commit, keys (B, Hv, T, dk), deltas (B, Hv, T, dv)
-    and path-cumulative log decay (B, Hv, T), all fp32.
-    """
-    num_v_heads, num_k_heads = value.shape[2], key.shape[2]
-    if num_v_heads != num_k_heads:  # each q/k head serves consecutive value heads
-        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    query, key, value, beta, g = (x.transpose(1, 2).float().contiguous() for x in (query, key, value, beta, g))
-    query = _l2norm(query) * query.shape[-1] ** -0.5
-    key = _l2norm(key)
-    bsz, heads, seq_len, dk = key.shape
-    dv = value.shape[-1]
-    if initial_state is None:
-        state0 = key.new_zeros(bsz, heads, dk, dv)
-    else:
-        state0 = initial_state.to(key)
-    ancestry = tree.ancestry(key.device)
-    cum = g @ ancestry.transpose(0, 1)  # (B, H, T): sum of g over root..i
-
-    if tree.method == "chunk":
-        gap = _path_decay(cum, tree)
-        k_beta = key * beta.unsqueeze(-1)
-        decay0 = cum.exp().unsqueeze(-1)
-        # lower-triangular with a unit diagonal: solve_triangular reads neither the diagonal nor the upper part;
-        # S_0's term moved into the right-hand side first (linear), so the solve has dv columns, not dv + dk
-        system = (k_beta @ key.transpose(-1, -2)) * gap
-        rhs = value * beta.unsqueeze(-1) - (k_beta * decay0) @ state0
-        deltas = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        core = (query * decay0) @ state0 + ((query @ key.transpose(-1, -2)) * gap) @ deltas
-        return core, key, deltas, cum
-
-    depths, parents = tree.depths(key.device), tree.parents(key.device)
-    core = torch.zeros_like(value)
-    deltas = torch.zeros_like(value)
-    states = state0.unsqueeze(2).expand(bsz, heads, seq_len, dk, dv).contiguous()  # S after each node, so far
-    for depth in range(tree.depth_bound + 1):
-        here = depths == depth
-        parent_states = state0.unsqueeze(2) if depth == 0 else states[:, :, parents]
-        decayed = parent_states * g.exp()[..., None, None]
-        predicted = (decayed * key.unsqueeze(-1)).sum(-2)
-        delta = (value - predicted) * beta.unsqueeze(-1)
-        new = decayed + key.unsqueeze(-1) * delta.unsqueeze(-2)
-        states = torch.where(here[:, None, None], new, states)
-        core = torch.where(here[:, None], (new * query.unsqueeze(-1)).sum(-2), core)
-        deltas = torch.where(here[:, None], delta, deltas)
-    return core, key, deltas, cum
-
 
 # --------------------------------------------------------------------------- commit
 
@@ -495,33 +592,22 @@ def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...] | None:
 class _Pending:
     """What one GDN layer needs to commit any root-to-node path of the tree it verified."""
 
-    tree: _Tree
+    tree: TreeVerification
     kernel: int  # conv kernel size
-    extended: torch.Tensor  # (B, K + T, C): the conv state's last K columns (zeros: none), then the tree tokens'
-    # pre-conv inputs, token-major (the forward's conv input)
-    packed: torch.Tensor  # (B, Hv, T, dk + dv + 1) fp32: normalised keys, deltas, path-cumulative log decay
-    dk: int
+    bufs: LayerBuffers  # what tree_layer wrote: conv inputs, keys, d, X and Y
     conv_ref: torch.Tensor | None  # the cache's state tensors at verification (None: no prefix yet)
     recurrent_ref: torch.Tensor | None
     versions: tuple[int, ...] | None  # their in-place versions, where tracked
-    # (packed buffer, extended buffer, slot) where packed and extended are slot `slot` of the cache's shared buffers
-    slot: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    # (the cache's shared buffers at verification, this layer's slot in them), where bufs are slots of them
+    slot: tuple[dict[str, torch.Tensor], int] | None = None
+
+    @property
+    def extended(self) -> torch.Tensor:  # (B, K + T, C)
+        return self.bufs.extended
 
     @property
     def conv_inputs(self) -> torch.Tensor:  # (B, C, T)
         return self.extended[:, self.kernel:].transpose(1, 2)
-
-    @property
-    def keys(self) -> torch.Tensor:  # (B, Hv, T, dk)
-        return self.packed[..., :self.dk]
-
-    @property
-    def deltas(self) -> torch.Tensor:  # (B, Hv, T, dv)
-        return self.packed[..., self.dk:-1]
-
-    @property
-    def cum(self) -> torch.Tensor:  # (B, Hv, T)
-        return self.packed[..., -1]
 
     def __deepcopy__(self, memo):
         copied = _Pending(**{name: copy.deepcopy(value, memo) for name, value in vars(self).items()})
@@ -536,6 +622,32 @@ class _Pending:
                 or (self.versions is not None and _versions(conv, rec) != self.versions)):
             raise RuntimeError(f"commit_linear_states: layer {layer_idx}'s linear-attention state changed "
                                "between verification and commit (a forward ran on this cache in between?)")
+
+
+def _path_states(keys: torch.Tensor, deltas: torch.Tensor, xy: torch.Tensor, index: torch.Tensor,
+                 prefix: int | None, host_path: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the state the path adds, the old state's weight exp(c_last) (..., 1, 1)) for one layer or a stack of them.
+
+    keys (..., H, 2T, dk) as tree_layer lays them out, deltas (..., H, T, dv), xy (..., H, 6T + 3); index: the path
+    (root first); prefix: its length where it is the first `prefix` nodes (a chain: slices, no gathers); host_path:
+    the same path as a list, where the caller has it (a CPU walk): the Y rows' index is then built on the host.
+    S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j + log beta_j) k_j d_j^T, the exponents X_a . Y_j.
+    """
+    n = deltas.shape[-2]
+    k_rows, x, y = keys[..., n:, :], xy[..., :3 * n].unflatten(-1, (n, 3)), xy[..., 3 * n:].unflatten(-1, (n + 1, 3))
+    if prefix:
+        k_path, d_path, x_last, y_path = k_rows[..., :prefix, :], deltas[..., :prefix, :], \
+            x[..., prefix - 1:prefix, :], y[..., :prefix + 1, :]
+    else:
+        if host_path is not None and index.device.type == "cpu":
+            y_index = torch.tensor([0] + [i + 1 for i in host_path])
+        else:
+            y_index = torch.cat([index.new_zeros(1), index + 1])
+        k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
+        x_last, y_path = x.index_select(-2, index[-1:]), y.index_select(-2, y_index)
+    weights = (y_path @ x_last.transpose(-1, -2)).exp_()  # (..., L + 1, 1): exp(c_a), then the path's weights
+    added = (k_path * weights[..., 1:, :]).transpose(-1, -2) @ d_path
+    return added, weights[..., :1, :]
 
 
 def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_path: list[int] | None = None) -> None:
@@ -570,7 +682,7 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
     for group in _cached_groups(cache, pending):
         rec = group[0][1]
         # in-place writes into inference tensors are only allowed in inference mode
-        inference = (rec.conv_ref if rec.conv_ref is not None else rec.packed).is_inference()
+        inference = (rec.conv_ref if rec.conv_ref is not None else rec.bufs.deltas).is_inference()
         if inference and torch.is_inference_mode_enabled():  # the engine's commit: already in inference mode
             _commit_group(cache, group, index, host_path)
             continue
@@ -612,36 +724,34 @@ def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, 
     for layer_idx, rec in sorted(pending.items()):
         conv = rec.conv_ref
         if conv is None:
-            key: tuple = ("fresh", *((t.shape, t.dtype, t.device) for t in (rec.packed, rec.extended)))
+            key: tuple = ("fresh", *((t.shape, t.dtype, t.device) for t in (rec.bufs.keys, rec.extended)))
         elif (getattr(cache.layers[layer_idx], "record_past", False) or conv.shape[-1] != rec.kernel
               or conv.dtype != rec.extended.dtype):
             key = (layer_idx,)
         else:
-            key = ("prefix", *((t.shape, t.dtype, t.device) for t in (rec.packed, rec.extended, conv, rec.recurrent_ref)))
+            key = ("prefix", *((t.shape, t.dtype, t.device) for t in (rec.bufs.keys, rec.extended, conv, rec.recurrent_ref)))
         groups.setdefault(key, []).append((layer_idx, rec))
     return list(groups.values())
 
 
 def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor,
                     host_path: list[int] | None = None) -> None:
-    """_commit_layer's arithmetic for several like layers at once (about a third of the small ops: each layer's path
-    is one gather of its packed keys/deltas/decays, none for a chain, whose paths are prefixes; the recurrent update
-    runs stacked; the new conv state is one gather of the forward's `extended` rows, or a slice). tests/test_gdn_tree.py
-    compares it with the layer-by-layer commit."""
+    """_commit_layer's arithmetic for several like layers at once: the path's rows of every layer's keys, d, X and Y
+    in one gather each where they are slots of the cache's shared buffers (a chain, whose paths are prefixes, takes
+    slices), the state update stacked, the new conv state one gather of the forward's `extended` rows (or a slice).
+    tests/test_gdn_tree.py compares it with the layer-by-layer commit."""
     recs = [rec for _, rec in items]
     first = recs[0]
-    index = path.to(first.packed.device)
+    index = path.to(first.bufs.deltas.device)
     # a chain's paths are its prefixes (a prefill, a DFlash block): the first n rows, a view, no gather
     n = index.shape[0] if first.tree.draft.is_chain else None
-    shared = _shared_buffers(recs)  # (packed (G, B, H, T, W), extended (G, B, K + T, C)), or None
+    shared = _shared_buffers(recs)  # name -> (G, ...) view, or None
     if shared is not None:
-        gathered = shared[0][..., :n, :] if n else shared[0].index_select(3, index)
-    else:  # (G, B, H, L, W)
-        gathered = torch.stack([r.packed[..., :n, :] if n else r.packed.index_select(2, index) for r in recs])
-    keys, deltas, cum = gathered[..., :first.dk], gathered[..., first.dk:-1], gathered[..., -1]
-    cum_last = cum[..., -1:]  # (G, B, H, 1)
-    weighted = keys * (cum_last - cum).exp_().unsqueeze(-1)
-    new_state = weighted.transpose(-1, -2) @ deltas
+        stacked = {name: shared[name] for name in ("keys", "deltas", "xy", "extended")}
+    else:
+        stacked = {name: torch.stack([getattr(r.bufs, name) for r in recs]) for name in ("keys", "deltas", "xy")}
+    keys = stacked["keys"].flatten(2, 3).flatten(3, 4)  # (G, B, Hv, 2T, dk)
+    new_state, decay = _path_states(keys, stacked["deltas"], stacked["xy"], index, n, host_path)
     if first.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
         for (layer_idx, rec), state in zip(items, new_state, strict=True):
             inputs = rec.conv_inputs[..., :n] if n else rec.conv_inputs.index_select(2, index.to(rec.extended.device))
@@ -652,19 +762,19 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
     # the last K of [the K old columns, the path's inputs]: rows of `extended`
     k = first.kernel
     if n:  # a prefix of n: rows n .. n + K - 1
-        kept = shared[1][:, :, n: n + k] if shared is not None else torch.stack([r.extended[:, n: n + k] for r in recs])
+        kept = (shared["extended"][:, :, n: n + k] if shared is not None
+                else torch.stack([r.extended[:, n: n + k] for r in recs]))
     else:
         if host_path is not None and first.extended.device.type == "cpu":
             rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
         else:
             rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)
-        kept = (shared[1].index_select(2, rows) if shared is not None  # (G, B, K, C)
+        kept = (shared["extended"].index_select(2, rows) if shared is not None  # (G, B, K, C)
                 else torch.stack([rec.extended.index_select(1, rows) for rec in recs]))
     kept = kept.transpose(-1, -2)
-    decay = cum_last.exp().unsqueeze(-1)
-    stacked = _stacked_states(cache, items)
-    if stacked is not None and stacked[1].dtype == new_state.dtype:  # one update of all the layers' states in place
-        conv_all, rec_all = stacked  # (old * decay) + new: the same float ops as below (addition commutes exactly)
+    states = _stacked_states(cache, items)
+    if states is not None and states[1].dtype == new_state.dtype:  # one update of all the layers' states in place
+        conv_all, rec_all = states  # (old * decay) + new: the same float ops as below (addition commutes exactly)
         rec_all.mul_(decay).add_(new_state)
         conv_all.copy_(kept)
         return
@@ -676,19 +786,17 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
     _adopt_states(cache, [i for i, _ in items])
 
 
-def _shared_buffers(recs: list[_Pending]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The group's packed and extended tensors as one (G, ...) view each, where they are consecutive slots of the
-    same shared buffers (`_shared_slot`), else None."""
-    slot = recs[0].slot
-    if slot is None:
+def _shared_buffers(recs: list[_Pending]) -> dict[str, torch.Tensor] | None:
+    """The group's buffers as one (G, ...) view each, where they are consecutive slots of the same shared buffers
+    (`_shared_layer`), else None."""
+    if recs[0].slot is None:
         return None
-    packed, extended, start = slot
+    buffers, start = recs[0].slot
     for j, rec in enumerate(recs):
-        if rec.slot is None or rec.slot[0] is not packed or rec.slot[1] is not extended or rec.slot[2] != start + j:
+        if rec.slot is None or rec.slot[1] != start + j or any(
+                rec.slot[0].get(name) is not buf for name, buf in buffers.items()):
             return None
-    if start == 0 and len(recs) == packed.shape[0]:
-        return packed, extended
-    return packed[start: start + len(recs)], extended[start: start + len(recs)]
+    return {name: buf[start: start + len(recs)] for name, buf in buffers.items() if name != "out"}
 
 
 _STATES_ATTR = "_ddtree_gdn_stacked_states"
@@ -721,7 +829,7 @@ def _stacked_states(cache, items: list[tuple[int, _Pending]]) -> tuple[torch.Ten
     return found[1], found[2]
 
 
-def _checked_path(tree: _Tree, accepted: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def _checked_path(tree: TreeVerification, accepted: torch.Tensor | Sequence[int]) -> torch.Tensor:
     """The accepted path as a long tensor; a path of a parents-built tree is checked on the host."""
     if isinstance(accepted, torch.Tensor) and tree.host_parents is None:
         if accepted.ndim != 1 or not 1 <= accepted.shape[0] <= tree.depth_bound + 1:
@@ -737,12 +845,9 @@ def _checked_path(tree: _Tree, accepted: torch.Tensor | Sequence[int]) -> torch.
 
 
 def _commit_layer(cache, layer_idx: int, rec: _Pending, path: torch.Tensor) -> None:
-    index = path.to(rec.keys.device)
-    # S_a = exp(c_a) S_0 + sum over the path of exp(c_a - c_j) k_j delta_j^T (index_select: cheaper than [..., index])
-    cum_path = rec.cum.index_select(2, index)  # (B, H, L)
-    cum_last = cum_path[..., -1:]  # (B, H, 1)
-    weighted = rec.keys.index_select(2, index).mul_((cum_last - cum_path).exp_().unsqueeze(-1))
-    new_state = weighted.transpose(-1, -2) @ rec.deltas.index_select(2, index)
+    index = path.to(rec.bufs.deltas.device)
+    keys = rec.bufs.keys.flatten(1, 2).flatten(2, 3)  # (B, Hv, 2T, dk)
+    new_state, decay = _path_states(keys, rec.bufs.deltas, rec.bufs.xy, index, None)
     accepted_inputs = rec.conv_inputs.index_select(2, index.to(rec.conv_inputs.device))
     if rec.conv_ref is None:  # no prefix: as a plain prefill of the path would (padded to the kernel)
         cache.update_conv_state(accepted_inputs, layer_idx, conv_kernel_size=rec.kernel)
@@ -750,7 +855,7 @@ def _commit_layer(cache, layer_idx: int, rec: _Pending, path: torch.Tensor) -> N
         return
     layer = cache.layers[layer_idx]
     conv_old, rec_old = rec.conv_ref, rec.recurrent_ref
-    new_state = new_state.add_(rec_old.to(new_state) * cum_last.exp().unsqueeze(-1))
+    new_state = new_state.add_(rec_old.to(new_state) * decay)
     history = torch.cat([conv_old, accepted_inputs.to(conv_old.dtype)], dim=-1)
     if getattr(layer, "record_past", False):  # keeps the full history, as its update_conv_state does
         layer.conv_states[0] = history

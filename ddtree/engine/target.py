@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
-from ddtree.engine import attention, gdn
+from ddtree.engine import attention, gdn, verification
 from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.forward import LazyTail, lean_forward_for
 from ddtree.engine.host import tune_host_allocator
@@ -343,7 +341,7 @@ class TargetSession:
         pos = torch.arange(n, device=input_ids.device).unsqueeze(0)
         if self.gdn and self.lean is not None and self.dense_auto and 1 < n <= CHAIN_PREFILL_MAX and self.length == 0:
             tree = chain_tree(input_ids[0, 0], input_ids[0, 1:])
-            with gdn.tree_verification(tree):
+            with verification.tree_verification(tree):
                 logits, feats = self._forward(input_ids, pos, self._dense_mask(tree), logits_to_keep=1, lean=True)
             self.commit(tree, pos[0])
             return logits[-1], feats
@@ -369,18 +367,17 @@ class TargetSession:
         ids = tree.tokens.unsqueeze(0)
         pos = (tree.depths + self.length).unsqueeze(0)
         n = len(tree)
-        with contextlib.ExitStack() as stack:
-            mask, lean = None, n == 1  # one token sees every cached key: no mask at all
-            if n > 1 and not self.split:
-                mask, lean = tree_attention_mask(tree, self.length, self.dtype), True
-            elif n > 1 and self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
-                mask, lean = self._dense_mask(tree), True
-            elif not tree.is_chain:
-                stack.enter_context(attention.tree_verification(tree, self.length))
-                lean = True  # the tree attention builds its own masks
-            # else a long chain on split: the causal mask the model builds itself
-            if self.gdn:
-                stack.enter_context(gdn.tree_verification(tree) if n > 1 else gdn.single_step())
+        mask, lean, past = None, n == 1, None  # one token sees every cached key: no mask at all
+        if n > 1 and not self.split:
+            mask, lean = tree_attention_mask(tree, self.length, self.dtype), True
+        elif n > 1 and self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
+            mask, lean = self._dense_mask(tree), True
+        elif not tree.is_chain:
+            past, lean = self.length, True  # the tree attention is active and builds its own masks
+        # else a long chain on split: the causal mask the model builds itself
+        # one context for the round: the tree attention (where `past` is given) and the tree-exact GDN read it
+        context = verification.tree_verification(tree, past) if n > 1 else verification.tree_verification(None, step=True)
+        with context:
             return self._forward(ids, pos, mask, lean=lean, head=head)
 
     def _dense_mask(self, tree: DraftTree) -> torch.Tensor:

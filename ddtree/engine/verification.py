@@ -1,0 +1,152 @@
+"""The one tree-verification context: what a target forward over a draft tree needs, set once per verification.
+
+`TargetSession.verify` enters `tree_verification(...)` around the target call; the tree attention
+(`ddtree.engine.attention`) and the tree-exact Gated DeltaNet (`ddtree.engine.gdn`) read the same
+`TreeVerification` through `active()`. It holds the round's tree and, built once per device on first
+use and shared by every layer, the metadata each needs: the attention's masks and block lists (`memo`),
+the GDN's conv-window index and decay maps (`ddtree.engine.gdn.TreeMeta`). Nothing here is process-global:
+the context lives in a ContextVar for the duration of the `with` block only.
+
+Which parts are active:
+* attention: when `past` (the committed length) is given; the split/flex tree attention then builds its own
+  masks. Without it the attention backends run as plain backends (a dense 4-D mask or a causal chain).
+* GDN: always, for a forward of `len(tree)` tokens through the installed GDN wrapper; `step=True` instead
+  marks one cached token (AR) for the GDN's single-step path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.engine.tree import DraftTree
+
+GDN_METHODS = ("chunk", "recurrent")
+
+
+@dataclass
+class TreeVerification:
+    """One tree under verification.
+
+    draft: the engine's DraftTree (its tensors stay where they are: no host read).
+    past: committed length (absolute position of the root) when the tree attention is active, else None.
+    gdn_method: "chunk" (ancestor-masked single chunk) or "recurrent" (one step per depth).
+    host_parents: the parents as a host list when the tree was given as one (the GDN commit checks paths with it).
+    step: a single cached token (no tree): the GDN's one-step path.
+    """
+
+    draft: DraftTree | None
+    past: int | None = None
+    gdn_method: str = "chunk"
+    flex_compile: bool = True
+    host_parents: list[int] | None = None
+    step: bool = False
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    # ---- the tree
+    @property
+    def n(self) -> int:
+        return len(self.draft)
+
+    size = n
+
+    @property
+    def depths(self) -> torch.Tensor:
+        return self.draft.depths
+
+    @property
+    def depth_bound(self) -> int:
+        bound = self.draft.depth_bound
+        return bound if bound is not None else int(self.draft.depths.max())
+
+    @property
+    def ancestors(self) -> torch.Tensor:
+        """[n, n] bool: j is i or an ancestor of i."""
+        return self.memo("ancestors", lambda: self.draft.ancestor_matrix())
+
+    # ---- which consumers are active
+    @property
+    def attention(self) -> bool:
+        return self.past is not None and self.draft is not None and not self.step
+
+    @property
+    def gdn(self) -> bool:
+        return self.draft is not None and not self.step
+
+    def memo(self, key, build: Callable):
+        """Built once per verification, shared by every layer (masks, block lists, GDN metadata)."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = build()
+        return found
+
+
+_ACTIVE: contextvars.ContextVar[TreeVerification | None] = contextvars.ContextVar("ddtree_tree_verification",
+                                                                                  default=None)
+
+
+def _default_flex_compile(device: torch.device) -> bool:
+    """Compiled flex on CUDA; on CPU the eager reference (a compile costs minutes there) unless asked."""
+    import os
+
+    env = os.environ.get("DDTREE_FLEX_COMPILE")
+    if env is not None:
+        return env not in ("0", "false", "False", "")
+    return device.type == "cuda"
+
+
+def _draft_of(tree: DraftTree | torch.Tensor | Sequence[int]) -> tuple[DraftTree, list[int] | None]:
+    """The DraftTree of `tree`; a parents list (tests, the authors' loops) is validated on the host first."""
+    if isinstance(tree, DraftTree):
+        return tree, None
+    if isinstance(tree, torch.Tensor) and tree.ndim != 1:
+        raise ValueError("tree_verification(parents): a non-empty 1-D LongTensor of parent indices is required")
+    plist = [int(p) for p in (tree.tolist() if isinstance(tree, torch.Tensor) else tree)]
+    if not plist or plist[0] != -1 or any(not 0 <= p < i for i, p in enumerate(plist) if i > 0):
+        raise ValueError("tree_verification(parents): parents[0] must be -1 (the root) and "
+                         "0 <= parents[i] < i for every other node (parents precede children)")
+    depth = [0] * len(plist)
+    for i in range(1, len(plist)):
+        depth[i] = depth[plist[i]] + 1
+    n = len(plist)
+    draft = DraftTree(tokens=torch.zeros(n, dtype=torch.long), parents=torch.tensor(plist, dtype=torch.long),
+                      depths=torch.tensor(depth, dtype=torch.long), is_chain=plist == list(range(-1, n - 1)),
+                      depth_bound=max(depth))
+    return draft, plist
+
+
+@contextlib.contextmanager
+def tree_verification(tree: DraftTree | torch.Tensor | Sequence[int] | None, past: int | None = None, *,
+                      method: str = "chunk", flex_compile: bool | None = None,
+                      step: bool = False) -> Iterator[TreeVerification]:
+    """While active, a target forward of len(tree) tokens is the flat tree [root] + nodes.
+
+    tree: the engine's DraftTree, or the parents (parents[i] the flat index of node i's parent, -1 for the root
+    at index 0; validated on the host). past: the committed length; given, the tree attention is active too.
+    method: the GDN's "chunk" or "recurrent". step: one cached token (tree None): the GDN's single-step path.
+    """
+    if method not in GDN_METHODS:
+        raise ValueError(f"tree_verification(method={method!r}): expected one of {GDN_METHODS}")
+    if step:
+        ctx = TreeVerification(None, step=True)
+    else:
+        draft, host_parents = _draft_of(tree)
+        compile_flex = _default_flex_compile(draft.tokens.device) if flex_compile is None else flex_compile
+        ctx = TreeVerification(draft, past, method, compile_flex, host_parents)
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> TreeVerification | None:
+    """The verification in progress (None outside one)."""
+    return _ACTIVE.get()
+
+
+__all__ = ["GDN_METHODS", "TreeVerification", "active", "tree_verification"]
