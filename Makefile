@@ -36,6 +36,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_round.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_overhead.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_engines.py --out runs/bench_engines.md
+	OMP_NUM_THREADS=1 $(PY) bench/bench_launches.py --out runs/bench_launches.json
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddtree compat tests bench toy

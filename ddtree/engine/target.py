@@ -11,7 +11,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from ddtree.engine import attention, gdn
 from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.forward import LazyTail, lean_forward_for
-from ddtree.engine.host import tune_host_allocator
+from ddtree.engine.host import host_branch, tune_host_allocator
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
@@ -257,7 +257,8 @@ class TargetBinding:
         self.split = tree_attention != "dense"  # auto may take either path: the split layout serves both
         sliding = _has_sliding_layers(model)
         # auto takes the dense path only where one masked call is exact and cheaper
-        self.dense_auto = tree_attention == "auto" and dense_ok and self.cpu and not sliding
+        self.dense_auto = (tree_attention == "auto" and dense_ok and not sliding
+                           and host_branch("dense_attention", self.device))
         if self.split:
             attention.use_tree_attention(model)
         # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
@@ -360,7 +361,7 @@ class TargetSession:
         The greedy walk reaches a node only through its parent's argmax, so it needs the logits of its own
         path alone: the head then reads a handful of rows in a few small batches instead of all n."""
         return (self.lean is not None and not tree.is_chain and tree._host is not None
-                and len(tree) >= LAZY_HEAD_MIN and self.cpu)
+                and len(tree) >= LAZY_HEAD_MIN and host_branch("lazy_head", self.binding.device))
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:

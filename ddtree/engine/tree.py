@@ -14,6 +14,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ddtree.engine.host import host_branch
+
 try:  # the host tree build in C (setup.py compiles it where a compiler is found)
     from ddtree.engine import _hosttree
 except ImportError:  # not compiled: the pure-Python builds give the same trees
@@ -191,7 +193,7 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     it a heap or per-depth passes in Python and NumPy. All give the same tree.
     """
     if host is None:
-        host = logprobs.device.type == "cpu"
+        host = host_branch("host_tree", logprobs.device)
     if host and _hosttree is not None and logprobs.device.type == "cpu":
         tree = _best_first_rows(root, logprobs, budget)
         if tree is not None:
@@ -456,12 +458,6 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     if n == 1:
         return Walk(torch.zeros(1, dtype=torch.long, device=dev), [0], [int(choice[0])], choice[0])
     if tree.is_chain:
-        if dev.type == "cpu":  # two lists and a loop cost less than the device path's six small ops there
-            toks, want = tree.tokens.tolist(), choice.tolist()
-            k = 0
-            while k + 1 < n and toks[k + 1] == want[k]:
-                k += 1
-            return Walk(torch.arange(k + 1), list(range(k + 1)), toks[1: k + 1] + [want[k]], choice[k])
         hit = (tree.tokens[1:] == choice[:-1]).long().cumprod(0).sum()
         host = torch.cat([hit.view(1), tree.tokens[1:], choice]).tolist()
         k = host[0]
