@@ -77,6 +77,9 @@ def test_the_fused_norm_is_bitwise_the_module(cls, dtype):
         for shape in ((1, 1, width), (1, 17, width), (1, 5, 3, width)):
             x = (torch.randn(*shape, generator=g) * 3).to(dtype)
             assert torch.equal(fused(x), norm(x)), (cls, dtype, width, shape)
+        with torch.no_grad():  # a weight changed in place after the first call: the fused call follows it
+            norm.weight.mul_(-0.5)
+        assert torch.equal(fused(x), norm(x)), (cls, dtype, width, "changed weight")
 
 
 @pytest.mark.parametrize("model_type,attn,mode", CASES, ids=lambda v: str(v))

@@ -65,7 +65,17 @@ def lean_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         eps = norm.variance_epsilon
         return lambda x: weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
     eps = norm.eps
-    return lambda x: (F.rms_norm(x.float(), (x.shape[-1],), None, eps) * (1.0 + weight.float())).type_as(x)
+    scale: list = [None, None]  # (the weight's identity and version, 1 + weight in float32): rebuilt when it changes
+
+    def centered(x: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)  # host attributes: no op, no sync
+        if scale[0] != key:
+            with torch.no_grad():
+                scale[:] = key, 1.0 + weight.detach().float()
+        # the scale inside the fused call: x * rstd * (1 + w), the module's product in the same order
+        return F.rms_norm(x.float(), (x.shape[-1],), scale[1], eps).type_as(x)
+
+    return centered
 
 
 def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
