@@ -381,7 +381,7 @@ class TargetSession:
                 mask, lean = tree_attention_mask(tree, self.length, self.dtype), True
             elif n > 1 and self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
                 mask, lean = self._dense_mask(tree), True
-            elif not tree.is_chain or self.chain_as_tree:  # a chain as a tree where the lean forward can take it:
+            elif not tree.is_chain or (n > 1 and self.chain_as_tree):  # a chain as a tree on a lean family:
                 stack.enter_context(attention.tree_verification(tree, self.length))  # fused norms, no mask build
                 lean = True  # the tree attention builds its own masks
             # else a chain on another target: the causal mask the model builds itself
