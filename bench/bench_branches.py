@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import time
@@ -23,11 +22,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from bench_stages import load_pair  # noqa: E402
 
 import ddtree  # noqa: E402
-from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
 from ddtree.engine.host import HOST_BRANCHES, device_path  # noqa: E402
 
 # the methods each branch can change
@@ -35,17 +34,6 @@ TOUCHES = {"control": ["ddtree:64"],  # nothing switched: the noise floor of the
            "host_tree": ["ddtree:16", "ddtree:64", "ddtree:256"],
            "dense_attention": ["dflash", "ddtree:16", "ddtree:64"], "lazy_head": ["ddtree:64", "ddtree:256"],
            "gdn_step": ["ar"]}
-
-
-def load(name: str, n: int):
-    d = ROOT / "assets" / name
-    target = AutoModelForCausalLM.from_pretrained(d / "target", dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(d / "target")
-    lines = (d / "prompts.jsonl").read_text().splitlines()[:n]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": json.loads(x)["turns"][0]}],
-                                       add_generation_prompt=True, return_tensors="pt",
-                                       return_dict=True)["input_ids"] for x in lines]
-    return target, DFlashDrafter.from_pretrained(d / "drafter"), prompts, [tok.eos_token_id]
 
 
 def main() -> None:
@@ -59,7 +47,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print("| pair | branch | method | on ms | off ms | gain (off / on) |\n| --- | --- | --- | --- | --- | --- |")
     for pair in a.pairs.split(","):
-        target, drafter, prompts, stops = load(pair, a.prompts)
+        _, target, drafter, prompts, stops = load_pair(a.prompts, pair)
         for branch in a.branches.split(","):
             for spec in TOUCHES[branch]:
                 method, _, b = spec.partition(":")

@@ -21,9 +21,9 @@ from ddtree.testing.tiny import tiny_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_pair(n_prompts: int = 4):
-    """(name, target, drafter, prompts [1, P] each, stop ids)."""
-    toy = ROOT / "assets" / "toy"
+def load_pair(n_prompts: int = 4, pair: str = "toy"):
+    """(name, target, drafter, prompts [1, P] each, stop ids) of assets/<pair> (else a tiny random pair)."""
+    toy = ROOT / "assets" / pair
     if (toy / "target" / "config.json").exists() and (toy / "drafter" / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
