@@ -37,6 +37,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) bench/bench_round.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_overhead.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_engines.py --out runs/bench_engines.md
+	OMP_NUM_THREADS=1 $(PY) bench/bench_launches.py --out runs/bench_launches.json
 
 # regenerate the generated pages: README's model/method table, docs/benchmarks.md (from docs/bench/*.json), paper tables
 docs: $(STAMP)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Every CUDA path in one call, under 8 minutes on one GPU, written to one Markdown file:
-#   1. the lossless and verdict tests on CUDA (pytest -m gpu: fp32/bf16, sdpa/flash, split/dense, the CUDA kernels),
+#   1. the lossless and verdict tests on CUDA (pytest -m gpu over tests/: fp32/bf16, sdpa/flash, split/dense, the CUDA
+#      kernels, the fused norm, one host read a round with CUDA-event stage timing),
 #   2. bench/device_forward.py (target forward per backend and tree size, a Qwen3-8B-shaped random model),
-#   3. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved),
-#   4. device_forward's flex_attention row (compiled first, so last and alone).
+#   3. bench/bench_launches.py (ops, syncs and real kernel launches per round on Qwen3.6-27B's and Qwen3-8B's layer
+#      structure at tiny width, the predicted H200 round; JSON next to OUT.md as OUT.launches.json),
+#   4. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved),
+#   5. device_forward's flex_attention row (compiled first, so last and alone).
 #
 #   bench/device_all.sh [OUT.md]                     # default runs/device_all.md
 #   DDTREE_UPSTREAM=runs/ddtree-upstream bench/device_all.sh   # with the authors' checkout (never committed)
 #
-# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_ENGINES, STEP_S_FLEX seconds) so a slow step
+# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_LAUNCHES, STEP_S_ENGINES, STEP_S_FLEX seconds)
+# so a slow step
 # cannot eat the others; a failed or timed-out step is recorded in the file and the next one still runs.
 # The exit status is the tests' (0 = every CUDA test passed). Without a CUDA device it says so and exits 0.
 set -uo pipefail
@@ -36,15 +40,17 @@ step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.lo
   return $rc
 }
 
-# limits add up to 450 s, plus start-up: under 8 minutes
-step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider
+# limits add up to 520 s, plus start-up: under 9.5 minutes
+step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider
 TESTS_RC=$?
-step forward "${STEP_S_FORWARD:-100}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
+step forward "${STEP_S_FORWARD:-80}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
   --repeats 5 --warmup 2 --backends sdpa/dense,sdpa/split,flash_attention_2/split,flash_attention_3/split
-step engines "${STEP_S_ENGINES:-140}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
+step launches "${STEP_S_LAUNCHES:-120}" "$PY" bench/bench_launches.py --device cuda --rounds 4 \
+  --out "${OUT_MD%.md}.launches.json"
+step engines "${STEP_S_ENGINES:-120}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
   --pairs toy,toy_pure --prompts 16 --passes 3 --out "$LOG_DIR/engines.md"
 # flex compiles its kernel first (tens of seconds): last, alone, so a slow compile costs only its own figures
-step flex "${STEP_S_FLEX:-60}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
+step flex "${STEP_S_FLEX:-50}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
   --backends sdpa/split,flex_attention/split
 
 {
@@ -66,6 +72,12 @@ step flex "${STEP_S_FLEX:-60}" "$PY" bench/device_forward.py --prefix 4096 --tok
   echo
   echo '```'
   cat "$LOG_DIR/forward.log"
+  echo '```'
+  echo
+  echo "## 2a. Launches, syncs and the predicted H200 round (bench/bench_launches.py)"
+  echo
+  echo '```'
+  grep -v "falling back" "$LOG_DIR/launches.log"
   echo '```'
   echo
   echo "## 2b. flex_attention (compiled) against sdpa/split"

@@ -122,3 +122,46 @@ def test_drafter_cache_on_cuda():
         held += c
         whole = drafter(noise, feats[:, :held], torch.arange(held, device="cuda")[None], blk)
         torch.testing.assert_close(out, whole, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_norm_on_cuda_matches_the_module(dtype):
+    """The lean forward's one F.rms_norm call on CUDA (the same code as on the CPU) against the module's formula:
+    equal within the last bit of the dtype (the fused kernel may reduce in another order)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    from ddtree.engine.forward import lean_norm
+
+    g = torch.Generator().manual_seed(0)
+    for cls in (Qwen3RMSNorm, Qwen3_5RMSNorm):
+        for width in (64, 5120):
+            norm = cls(width, eps=1e-6).to("cuda", dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.randn(width, generator=g))
+            fused = lean_norm(norm)
+            assert fused is not norm.forward
+            x = (torch.randn(3, 17, width, generator=g) * 3).to("cuda", dtype)
+            torch.testing.assert_close(fused(x), norm(x), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+
+
+def test_a_cuda_round_reads_the_device_once_and_times_stages_with_events(monkeypatch):
+    """Default timing (sync_timing=False) on CUDA: no torch.cuda.synchronize inside the generation, the stages
+    timed by CUDA events (every stage > 0), and one device->host read a round (the walk's) plus the prefill's."""
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter = _pair("qwen3_5_text", "sdpa", torch.float32)
+    ids = _prompts()[1]
+    engine = ddtree.Engine(target, drafter, method="ddtree", budget=16)
+    engine.generate(ids, max_new_tokens=4)
+    syncs = []
+    real = torch.cuda.synchronize
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: syncs.append(1) or real(*a, **k))
+    with DispatchCount() as c:
+        res = engine.generate(ids, max_new_tokens=NEW)
+    assert not syncs
+    assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
+    assert all(res.stage_seconds[s] > 0 for s in ("draft", "tree", "verify", "commit")), res.stage_seconds
+    sync_res = ddtree.Engine(target, drafter, method="ddtree", budget=16, sync_timing=True).generate(
+        ids, max_new_tokens=NEW)
+    assert len(syncs) == 8 * sync_res.rounds and sync_res.output_ids == res.output_ids

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -33,12 +35,22 @@ def exact_joint(target, ids: torch.Tensor) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-@pytest.mark.parametrize("model_type,method,budget", [
-    ("qwen3", "dflash", None), ("qwen3", "ddtree", 7), ("qwen3", "ddtree", 40),
-    pytest.param("qwen3_5_text", "dflash", None, marks=pytest.mark.slow),  # hybrid GDN + attention
-    ("qwen3_5_text", "ddtree", 7),
+@pytest.mark.parametrize("model_type,method,budget,path", [
+    ("qwen3", "dflash", None, "cpu"), ("qwen3", "ddtree", 7, "cpu"), ("qwen3", "ddtree", 40, "cpu"),
+    pytest.param("qwen3_5_text", "dflash", None, "cpu", marks=pytest.mark.slow),  # hybrid GDN + attention
+    ("qwen3_5_text", "ddtree", 7, "cpu"),
+    # the code a CUDA run takes (ddtree.engine.host.device_path: every CPU-only branch off; minutes on 2 cores)
+    pytest.param("qwen3", "ddtree", 40, "device", marks=pytest.mark.slow),
+    pytest.param("qwen3_5_text", "ddtree", 7, "device", marks=pytest.mark.slow),
 ])
-def test_first_two_tokens_follow_target(model_type, method, budget):
+def test_first_two_tokens_follow_target(model_type, method, budget, path):
+    from ddtree.engine.host import device_path
+
+    with device_path() if path == "device" else contextlib.nullcontext():
+        _first_two_tokens_follow_target(model_type, method, budget)
+
+
+def _first_two_tokens_follow_target(model_type, method, budget):
     target, drafter = pair(model_type)
     ids = torch.tensor([[1, 5, 2, 7]])
     probs = exact_joint(target, ids).flatten().double()

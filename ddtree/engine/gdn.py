@@ -55,6 +55,7 @@ from transformers.activations import ACT2FN
 
 from ddtree.engine import verification
 from ddtree.engine.families import gdn_classes
+from ddtree.engine.host import host_branch
 from ddtree.engine.verification import GDN_METHODS as METHODS  # noqa: F401 (re-exported: callers name gdn.METHODS)
 from ddtree.engine.verification import TreeVerification, tree_verification
 
@@ -535,7 +536,7 @@ def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None,
     """
     cache = cache if cache is not None else cache_params  # the pre-5.24 name
     if (hidden_states is None or cache is None or attention_mask is not None or hidden_states.shape[1] != 1
-            or hidden_states.device.type != "cpu" or kwargs.get("cu_seq_lens_q") is not None
+            or not host_branch("gdn_step", hidden_states.device) or kwargs.get("cu_seq_lens_q") is not None
             or hasattr(module.conv1d, "_hf_hook")):
         return None
     layer = module.layer_idx
@@ -765,7 +766,7 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
         kept = (shared["extended"][:, :, n: n + k] if shared is not None
                 else torch.stack([r.extended[:, n: n + k] for r in recs]))
     else:
-        if host_path is not None and first.extended.device.type == "cpu":
+        if host_path is not None and host_branch("host_tree", first.extended.device):
             rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
         else:
             rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)

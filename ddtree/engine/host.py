@@ -17,11 +17,15 @@ mapped to the process. Not applied where the C library is not glibc, where the e
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
 import os
 import sys
+from collections.abc import Iterator
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +76,50 @@ def _tune() -> str:
         return f"untouched (glibc {version().decode()} refused mallopt)"
     return (f"glibc {version().decode()}: mmap threshold {MMAP_THRESHOLD >> 20} MiB, "
             f"trim threshold {TRIM_THRESHOLD >> 20} MiB")
+
+
+# ---- CPU-only branches of the engine, and the switch that turns them off ---------------------------------------
+# The engine takes one code path on every device, except where a branch below measured a gain on the CPU toy pair
+# (docs/gpu.md lists each with its gain). `host_branch(name, device)` is the one place that decides; the test suite
+# and bench/bench_launches.py run the path a CUDA device takes on the CPU with `device_path()` (or the whole process
+# with DDTREE_DEVICE_PATH=1, or a comma list of branch names to turn off only those).
+HOST_BRANCHES = {
+    "host_tree": "the best-first tree built on the host (C extension, heap) and walked on its host arrays",
+    "dense_attention": "a dense tree mask for small trees, and the chain prefill of short prompts on a hybrid",
+    "lazy_head": "a greedy round's head (and last layer) only for the rows the walk reads",
+    "gdn_step": "one cached token through a GDN layer as a K-tap dot product and one fused update",
+}
+
+
+def _parse_off(value: str) -> frozenset[str]:
+    value = value.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return frozenset()
+    if value in ("1", "true", "yes", "on", "all"):
+        return frozenset(HOST_BRANCHES)
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    unknown = names - set(HOST_BRANCHES)
+    if unknown:
+        raise ValueError(f"DDTREE_DEVICE_PATH: unknown branch {sorted(unknown)}; known: {sorted(HOST_BRANCHES)}")
+    return names
+
+
+_OFF: frozenset[str] = _parse_off(os.environ.get("DDTREE_DEVICE_PATH", ""))
+
+
+def host_branch(name: str, device: torch.device) -> bool:
+    """Whether the CPU-only branch `name` (HOST_BRANCHES) runs for tensors on `device`."""
+    return device.type == "cpu" and name not in _OFF
+
+
+@contextlib.contextmanager
+def device_path(*names: str) -> Iterator[None]:
+    """Inside: the named CPU-only branches (all without names) are off, so a CPU run takes a CUDA run's code.
+    Engines and sessions read some of them when built: build them inside too."""
+    global _OFF
+    off = _parse_off(",".join(names) if names else "all")
+    before, _OFF = _OFF, _OFF | off
+    try:
+        yield
+    finally:
+        _OFF = before

@@ -16,12 +16,27 @@ from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree
 
 
 class StageTimer:
-    """Wall seconds per stage. On CUDA with sync=True each stage boundary synchronises, for honest
-    attribution; with sync=False nothing waits on the device (stage times are then launch times)."""
+    """Seconds per stage. On the CPU: wall seconds (perf_counter). On CUDA: by default a pair of CUDA events per
+    stage, recorded at its boundaries and read once by `finish()` after the generation, so timing adds no host
+    sync to a round (a stage's time is then the device timeline between its boundaries: its kernels, or the gaps
+    while the host launches them). sync=True instead synchronises at every boundary and takes wall seconds (8 host
+    syncs a round: the old, intrusive attribution)."""
 
-    def __init__(self, device: torch.device, sync: bool = True):
+    def __init__(self, device: torch.device, sync: bool = False):
         self.seconds = dict.fromkeys(STAGES, 0.0)
-        self._sync = sync and device.type == "cuda"
+        cuda = device.type == "cuda"
+        self._sync = sync and cuda
+        self._stream = torch.cuda.current_stream(device) if cuda and not sync else None
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def finish(self) -> dict[str, float]:
+        """The seconds per stage, the recorded events resolved (one wait for the last of them)."""
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                self.seconds[name] += start.elapsed_time(end) / 1000.0
+            self._events.clear()
+        return self.seconds
 
     def stage(self, name: str) -> _Stage:
         """`with timer.stage(name):` adds the block's wall seconds to `name`."""
@@ -42,14 +57,25 @@ class _Stage:
         self.timer, self.name = timer, name
 
     def __enter__(self) -> None:
-        if self.timer._sync:
+        timer = self.timer
+        if timer._stream is not None:
+            self.t = torch.cuda.Event(enable_timing=True)
+            self.t.record(timer._stream)
+            return
+        if timer._sync:
             torch.cuda.synchronize()
         self.t = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        if self.timer._sync:
+        timer = self.timer
+        if timer._stream is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(timer._stream)
+            timer._events.append((self.name, self.t, end))
+            return
+        if timer._sync:
             torch.cuda.synchronize()
-        self.timer.seconds[self.name] += time.perf_counter() - self.t
+        timer.seconds[self.name] += time.perf_counter() - self.t
 
 
 @dataclass

@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from ddtree.engine import attention, gdn, verification
 from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.forward import LazyTail, lean_forward_for
-from ddtree.engine.host import tune_host_allocator
+from ddtree.engine.host import host_branch, tune_host_allocator
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
@@ -255,13 +255,18 @@ class TargetBinding:
         self.split = tree_attention != "dense"  # auto may take either path: the split layout serves both
         sliding = _has_sliding_layers(model)
         # auto takes the dense path only where one masked call is exact and cheaper
-        self.dense_auto = tree_attention == "auto" and dense_ok and self.cpu and not sliding
+        self.dense_auto = (tree_attention == "auto" and dense_ok and not sliding
+                           and host_branch("dense_attention", self.device))
         if self.split:
             attention.use_tree_attention(model)
         # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
         self.lean = lean_forward_for(model) if lean and dense_ok and not sliding else None
         self.lean_prefill = self.lean is not None and attention.base_backend(model.config._attn_implementation) == "sdpa"
         self.mtype = model_type(model)
+        # a chain verified as a tree (split attention) on a family the lean forward knows: ~800 fewer ops a round on a
+        # 64-layer target than the model call's causal path (bench/bench_launches.py); with lean=False too, so the
+        # lean forward's bitwise test compares the same attention
+        self.chain_as_tree = self.split and dense_ok and not sliding and family(self.mtype).lean is not None
         self.gdn = family(self.mtype).gdn
         if self.gdn:
             gdn.install()  # idempotent; inert outside a tree_verification context
@@ -289,6 +294,7 @@ class TargetSession:
         self.binding, self.model = b, model
         self.feature_layers, self.hidden_ids, self.cpu = b.feature_layers, b.hidden_ids, b.cpu
         self.split, self.dense_auto, self.lean, self.lean_prefill = b.split, b.dense_auto, b.lean, b.lean_prefill
+        self.chain_as_tree = b.chain_as_tree
         self.mtype, self.gdn, self.dtype = b.mtype, b.gdn, b.dtype
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self._arena = next((layer.arena for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)), None)
@@ -358,7 +364,7 @@ class TargetSession:
         The greedy walk reaches a node only through its parent's argmax, so it needs the logits of its own
         path alone: the head then reads a handful of rows in a few small batches instead of all n."""
         return (self.lean is not None and not tree.is_chain and tree._host is not None
-                and len(tree) >= LAZY_HEAD_MIN and self.cpu)
+                and len(tree) >= LAZY_HEAD_MIN and host_branch("lazy_head", self.binding.device))
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -372,7 +378,7 @@ class TargetSession:
             mask, lean = tree_attention_mask(tree, self.length, self.dtype), True
         elif n > 1 and self.dense_auto and self.length + n <= DENSE_AUTO_KEYS:
             mask, lean = self._dense_mask(tree), True
-        elif not tree.is_chain:
+        elif not tree.is_chain or (n > 1 and self.chain_as_tree):  # a chain as a tree on a lean family: fused norms
             past, lean = self.length, True  # the tree attention is active and builds its own masks
         # else a long chain on split: the causal mask the model builds itself
         # one context for the round: the tree attention (where `past` is given) and the tree-exact GDN read it

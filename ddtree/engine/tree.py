@@ -14,6 +14,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from ddtree.engine.host import host_branch
+
 try:  # the host tree build in C (setup.py compiles it where a compiler is found)
     from ddtree.engine import _hosttree
 except ImportError:  # not compiled: the torch build gives the same trees
@@ -124,7 +126,7 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     device, and a CPU without the extension). Both give the same tree.
     """
     if host is None:
-        host = _hosttree is not None and logprobs.device.type == "cpu"
+        host = _hosttree is not None and host_branch("host_tree", logprobs.device)
     if host:
         if _hosttree is None:
             raise RuntimeError("the C tree build (ddtree/engine/_hosttree.c) is not compiled: rerun `make install`")

@@ -269,6 +269,8 @@ class DrafterCache:
     its new context and then its block right behind it, so attention reads one view, with no
     concatenation. The block rows are overwritten by the next call (only context is kept). Buffers
     grow by doubling when `capacity` was short (a copy of the context, amortised O(1) per token).
+    The context is the committed sequence in order: row r holds position r, and each block's positions follow the
+    context's (as `DrafterBlock` writes them); a sliding layer reads only the rows its window can reach.
     """
 
     def __init__(self, num_layers: int, capacity: int = 0):
@@ -353,8 +355,10 @@ class DFlashAttention(nn.Module):
         self.k_norm = _RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
-        """rope: cos/sin of [new context ‖ block] positions; the block's queries use its last q rows."""
+                cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable,
+                first: int = 0) -> torch.Tensor:
+        """rope: cos/sin of [new context ‖ block] positions; the block's queries use its last q rows.
+        first: attend over the key rows from this one on (a sliding layer's window; `mask` covers those only)."""
         b, q, _ = x.shape
         queries = self.q_norm(self.q_proj(x).view(b, q, -1, self.head_dim)).transpose(1, 2)
         queries = _apply_rope(queries, tuple(t[:, -q:] for t in rope))
@@ -365,6 +369,8 @@ class DFlashAttention(nn.Module):
         values = self.v_proj(fresh).view(b, n, -1, self.head_dim).transpose(1, 2)
         if cache is not None:
             keys, values = cache.write(self.layer_idx, keys, values)
+        if first:
+            keys, values = keys[..., first:, :], values[..., first:, :]
         # is_causal=False: with fewer queries than keys, sdpa's causal path would keep only the first q keys.
         out, _ = attend(self, queries, keys, values, mask, dropout=0.0, scaling=self.scaling, is_causal=False)
         return self.o_proj(out.reshape(b, q, -1))
@@ -379,8 +385,8 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend)
+                cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable, first: int = 0) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend, first)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -512,15 +518,20 @@ class DFlashDrafter(nn.Module):
         rope = self.rotary_emb(x, positions)  # one RoPE call for the new context and the block
         key_positions = positions if cache is None else cache.write_positions(positions)
 
-        masks: dict[int | None, torch.Tensor | None] = {}
+        # With a cache, context row r holds position r and the block follows the context (DrafterCache): a key row
+        # below `context rows - window + 1` is outside every query's window, so a sliding layer never reads it
+        rows = None if cache is None else cache.length + (0 if context is None else context.shape[1])
+        masks: dict[int | None, tuple[torch.Tensor | None, int]] = {}
         declared = self.config.is_causal
         for layer in self.layers:
             window = layer.self_attn.sliding_window
             causal = declared if declared is not None else window is not None
             if window not in masks:
-                masks[window] = (_visibility_mask(block_position_ids, key_positions, window, causal, x.dtype)
-                                 if window is not None or causal else None)
-            x = layer(x, context, rope, cache, masks[window], self._attend)
+                first = max(0, rows - window + 1) if window is not None and rows is not None else 0
+                masks[window] = (_visibility_mask(block_position_ids, key_positions[:, first:], window, causal, x.dtype)
+                                 if window is not None or causal else None), first
+            mask, first = masks[window]
+            x = layer(x, context, rope, cache, mask, self._attend, first)
         if cache is not None:
             cache.advance(0 if context is None else context.shape[1])
         return self.norm(x)

@@ -1,0 +1,412 @@
+"""What a decoding round asks of a GPU: aten ops per stage, host syncs, compiled-graph calls, and a predicted
+H200 round time from a stated cost model, for a target structure given by a hub-style config.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_launches.py [--structures qwen3_6_27b,qwen3_8b]
+        [--methods ar,dflash,ddtree:16,ddtree:64,ddtree:256] [--rounds 6] [--path device|host]
+        [--contexts 1024,4096,16384] [--drafter-contexts 1024,4096,16384] [--out docs/bench/bench_launches.json]
+
+Each structure (bench/configs/<name>.json: the real layer count and layer types) is built at tiny width (hidden 64)
+with a random 5-layer DFlash drafter reading target layers 1/16/31/46/61 (evenly spaced on a shallower target),
+block 16, bf16, sdpa. Per method, a warm-up generation, then two greedy generations of the same prompt, one
+--rounds rounds longer than the other, under `ddtree.testing.dispatch.DispatchCount`: their difference divided by
+the extra rounds is one steady-state round (the prefill and the first rounds cancel out). --path device (default)
+runs a CPU on the branches a CUDA run takes (`ddtree.engine.host.device_path`); --path host keeps the CPU-only ones.
+
+Columns: ops dispatched per round by stage (draft, tree, verify, commit, other = the loop between stages), of which
+`kernel` launch a kernel (views and allocations do not), host syncs (device->host reads: see dispatch.py), compiled
+graph calls (torch.profiler "Torch-Compiled Region" events; 0 while the engine has no compiled path), and on CUDA
+the real kernel launches (torch.profiler: cudaLaunchKernel and friends, memcpy/memset included).
+
+Cost model (H200, bf16, batch 1; every constant a flag):
+  device  = max(bytes / 4.8 TB/s, FLOPs / (989 TFLOP/s x 0.7))
+            bytes: the REAL model's weights read once a round (target without its embedding table, the drafter's
+            layers and fc, the lm_head a second time for the drafter's block), the target's KV rows (attention
+            layers) and GDN states (fp32, read and written), the drafter's KV (a sliding layer: its window only);
+            FLOPs: 2 x parameters x tokens (the verified tree's nodes, the drafter's block)
+  host    = kernel ops x 6 us + other ops x 1 us (launch and dispatch from Python, no graphs)
+  round   = max(device, host) + syncs x 20 us (the queue drains at each host read; host and device overlap else)
+  tok/s   = tau / round, with tau the toy pair's (README: AR 1, DFlash 5.70, DDTree 6.29 / 7.51 at 16 / 64;
+            7.6 assumed at 256); `ceiling` is the bandwidth bound, bytes / 4.8 TB/s.
+Context growth: the round at 1k / 4k / 16k context (KV bytes grow; ops and syncs are measured once, at --prompt,
+and checked to be independent of the context with --check-context), and the drafter's forward timed on this CPU
+at those contexts, with sliding-window layers (4 sliding at window 2048 + 1 full) against all-full layers.
+
+Results go to --out as JSON (command, commit, machine, date, results) and to stdout as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# --code DIR: import ddtree from DIR (an export of an older commit, e.g. `git archive main ddtree | tar -x -C DIR`)
+CODE = next((sys.argv[i + 1] for i, v in enumerate(sys.argv[:-1]) if v == "--code"), None)
+sys.path.insert(0, str(Path(CODE).resolve() if CODE else ROOT))
+
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+import ddtree  # noqa: E402
+from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
+from ddtree.engine.drafter.model import evenly_spaced_layer_ids  # noqa: E402
+
+try:
+    from ddtree.engine.host import device_path  # noqa: E402
+except ImportError:  # code from before the switch (--code): its CPU-only branches patched to a CUDA run's choices
+    device_path = None
+from ddtree.testing.dispatch import DispatchCount  # noqa: E402
+from ddtree.testing.tiny import slow_decay_  # noqa: E402
+
+STAGES = ("draft", "tree", "verify", "commit", "other")
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            vocab_size=512)
+DRAFTER_IDS = {64: [1, 16, 31, 46, 61]}  # Qwen3.6-27B's public DFlash drafter
+TAU = {"ar": 1.0, "dflash": 5.70, "ddtree:16": 6.29, "ddtree:64": 7.51, "ddtree:256": 7.6}
+LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
+
+
+def real_config(name: str):
+    raw = json.loads((ROOT / "bench" / "configs" / f"{name}.json").read_text())
+    text = raw.get("text_config", raw)
+    kw = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "torch_dtype")}
+    return AutoConfig.for_model(text["model_type"], **kw)
+
+
+def tiny_of(real) -> object:
+    kw = real.to_dict()
+    for k in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        kw.pop(k, None)
+    kw.update({k: v for k, v in TINY.items() if k in kw or not k.startswith("linear_")})
+    return AutoConfig.for_model(real.model_type, **kw)
+
+
+# ----- the cost model -------------------------------------------------------------------------------------------
+
+def _meta_params(config) -> tuple[int, int, int]:
+    """(parameters read a round: all but the input embeddings, lm_head's, the input embeddings') of the real model."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    emb = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    return total - emb, head, emb
+
+
+def drafter_params(config, layers: int = 5) -> int:
+    """A DFlash drafter at the real dims (Qwen3 layers of the target's width and MLP, fc over `layers` features)."""
+    h, i = config.hidden_size, config.intermediate_size
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    attn = h * heads * hd * 2 + h * kv * hd * 2 + 2 * hd
+    return layers * (attn + 3 * h * i + 2 * h) + layers * h * h + 2 * h
+
+
+def real_dims(name: str) -> dict:
+    cfg = real_config(name)
+    body, head, emb = _meta_params(cfg)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    attn = sum(t == "full_attention" for t in types)
+    gdn = sum(t == "linear_attention" for t in types)
+    state = 0
+    if gdn:
+        state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                 + (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+                    + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * cfg.linear_conv_kernel_dim * 2)
+    return dict(params=body, head=head, embed=emb, drafter=drafter_params(cfg), attn_layers=attn, gdn_layers=gdn,
+                kv_row=2 * cfg.num_key_value_heads * cfg.head_dim * 2,  # K and V, bf16, per attention layer
+                drafter_kv_row=2 * cfg.num_key_value_heads * cfg.head_dim * 2, gdn_state=state)
+
+
+def predict(dims: dict, ops: float, kernel_ops: float, syncs: float, nodes: int, block: int, drafted: bool,
+            context: int, a) -> dict:
+    weights = 2 * (dims["params"] + (dims["drafter"] + dims["head"] if drafted else 0))
+    kv = dims["attn_layers"] * context * dims["kv_row"] + dims["gdn_layers"] * dims["gdn_state"] * 2
+    if drafted:
+        rows = [min(context, a.drafter_window) if i < a.drafter_sliding else context for i in range(5)]
+        kv += sum(rows) * dims["drafter_kv_row"]
+    flops = 2 * dims["params"] * nodes + (2 * (dims["drafter"] + dims["head"]) * block if drafted else 0)
+    ceiling = (weights + kv) / a.bandwidth
+    device = max(ceiling, flops / (a.peak_flops * a.mfu))
+    host = (kernel_ops * a.launch_us + (ops - kernel_ops) * a.dispatch_us) * 1e-6
+    return dict(bytes=weights + kv, ceiling_ms=1e3 * ceiling, device_ms=1e3 * device, host_ms=1e3 * host,
+                round_ms=1e3 * (max(device, host) + syncs * a.sync_us * 1e-6))
+
+
+@contextlib.contextmanager
+def legacy_device_path():
+    """For --code older than ddtree.engine.host.device_path: the decision points it had, set as a CUDA run sets
+    them (the device tree build and walk, split attention, no lazy head, the upstream GDN step, unfused norms).
+    A chain's walk on host lists stays (no switch there): a few ops of the commit stage."""
+    import functools
+
+    from ddtree.engine import forward, gdn, proposers, target, tree
+
+    saved = []
+
+    def patch(owner, name, value):
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    init = target.TargetBinding.__init__
+
+    def binding_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.dense_auto = False
+
+    norm = forward.lean_norm
+    patch(proposers, "best_first_tree", functools.partial(tree.best_first_tree, host=False))
+    patch(target.TargetBinding, "__init__", binding_init)
+    patch(target.TargetSession, "lazy_head", lambda self, t: False)
+    patch(gdn, "_step_forward", lambda *args, **kwargs: None)
+    patch(forward, "lean_norm", lambda module, fused=False: norm(module, False))
+    try:
+        yield
+    finally:
+        for owner, name, value in reversed(saved):
+            setattr(owner, name, value)
+
+
+# ----- counting -------------------------------------------------------------------------------------------------
+
+def _method(spec: str) -> tuple[str, int | None]:
+    name, _, budget = spec.partition(":")
+    return name, int(budget) if budget else None
+
+
+def _compiled_and_launches(engine, ids, short: int, long: int, rounds: int) -> tuple[float | None, float | None]:
+    """(compiled-graph calls, CUDA kernel launches) per round from torch.profiler, the same two generations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ids.device.type == "cuda" else [])
+    counts = []
+    for new in (short, long):
+        with profile(activities=acts) as prof:
+            engine.generate(ids, max_new_tokens=new)
+        names = [e.name for e in prof.events()]
+        counts.append((sum(n.startswith("Torch-Compiled Region") for n in names),
+                       sum(n in LAUNCH_NAMES for n in names)))
+    graphs = (counts[1][0] - counts[0][0]) / rounds
+    launches = (counts[1][1] - counts[0][1]) / rounds if ids.device.type == "cuda" else None
+    return graphs, launches
+
+
+def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
+    method, budget = _method(spec)
+    path = contextlib.nullcontext()
+    if a.path == "device":
+        path = device_path() if device_path is not None else legacy_device_path()
+    with path:
+        engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
+        engine.generate(ids, max_new_tokens=4)  # warm-up: lazy buffers, the allocator, kernel choices
+        short = engine.generate(ids, max_new_tokens=a.warm_tokens)
+        runs, outs = [], []
+        for new in (a.warm_tokens, None):
+            if new is None:  # as many tokens as it takes for --rounds more rounds (acceptance is deterministic)
+                new = a.warm_tokens + a.rounds * max(1, round(short.tau))
+            with DispatchCount() as c:
+                res = engine.generate(ids, max_new_tokens=new)
+            runs.append(c)
+            outs.append(res)
+        rounds = outs[1].rounds - outs[0].rounds
+        if rounds <= 0:
+            raise RuntimeError(f"{spec}: no extra rounds ({outs[0].rounds} vs {outs[1].rounds})")
+        per = {}
+        for key in ("ops", "kernel_ops", "syncs"):
+            long_c, short_c = getattr(runs[1], key), getattr(runs[0], key)
+            per[key] = {s: (long_c[s] - short_c[s]) / rounds for s in STAGES}
+        graphs, launches = (0.0, None)
+        if a.profile or ids.device.type == "cuda":
+            graphs, launches = _compiled_and_launches(engine, ids, a.warm_tokens, new, rounds)
+        t = time.perf_counter()
+        timed = engine.generate(ids, max_new_tokens=new)
+        wall = (time.perf_counter() - t) / max(1, timed.rounds)
+    nodes = 1 if method == "ar" else (budget + 1 if method == "ddtree" else drafter.block_size)
+    return dict(method=spec, rounds=rounds, ops=per["ops"], kernel_ops=per["kernel_ops"], syncs=per["syncs"],
+                total_ops=sum(per["ops"].values()), total_kernel_ops=sum(per["kernel_ops"].values()),
+                total_syncs=sum(per["syncs"].values()), graph_calls=graphs, cuda_launches=launches, nodes=nodes,
+                host_ms_per_round_here=1e3 * wall,
+                sync_names=dict(runs[1].sync_names - runs[0].sync_names))
+
+
+def build(name: str, a):
+    real = real_config(name)
+    cfg = tiny_of(real)
+    torch.manual_seed(0)
+    target = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=a.torch_dtype).eval()
+    slow_decay_(target)
+    target.to(a.device)
+    n = cfg.num_hidden_layers
+    ids = DRAFTER_IDS.get(n, evenly_spaced_layer_ids(n, 5))
+    drafter = DFlashDrafter.random_for_target(cfg, num_layers=5, block_size=16, target_layer_ids=ids, seed=1)
+    drafter.to(a.device, a.torch_dtype)
+    return real, target, drafter
+
+
+# ----- the drafter at long context ------------------------------------------------------------------------------
+
+def drafter_context(a) -> list[dict]:
+    """The drafter's forward (block 16, a cache holding `context` rows) timed here: 4 sliding layers (window
+    --drafter-window) + 1 full, against 5 full layers with the same weights."""
+    cfg = tiny_of(real_config("qwen3_6_27b"))
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = (
+        256, 512, 4, 2, 64)
+    out = []
+    kinds = {"sliding": ["sliding_attention"] * a.drafter_sliding + ["full_attention"] * (5 - a.drafter_sliding),
+             "full": ["full_attention"] * 5}
+    models = {}
+    for kind, types in kinds.items():
+        d = DFlashDrafter.random_for_target(cfg, num_layers=5, block_size=16, seed=2, layer_types=types,
+                                            sliding_window=a.drafter_window if kind == "sliding" else None)
+        models[kind] = d.eval()
+    models["full"].load_state_dict(models["sliding"].state_dict())
+    for d in models.values():
+        d.to(a.device)
+    cuda = a.device.startswith("cuda")
+    g = torch.Generator().manual_seed(0)
+    for ctx in a.drafter_contexts:
+        feats = torch.randn(1, ctx, 5 * cfg.hidden_size, generator=g).to(a.device)
+        noise = torch.randn(1, 16, cfg.hidden_size, generator=g).to(a.device)
+        blk = torch.arange(ctx, ctx + 16, device=a.device)[None]
+        row = {"context": ctx}
+        caches = {}
+        with torch.inference_mode():
+            for kind, d in models.items():
+                caches[kind] = d.new_cache(ctx + 16)
+                d(noise, feats, torch.arange(ctx, device=a.device)[None], blk, caches[kind])
+            times = {kind: [] for kind in models}
+            for _ in range(a.drafter_repeats):  # interleaved: the machine's load hits both alike
+                for kind, d in models.items():
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    d(noise, None, None, blk, caches[kind])
+                    if cuda:
+                        torch.cuda.synchronize()
+                    times[kind].append(time.perf_counter() - t)
+        for kind in models:
+            row[f"{kind}_ms"] = 1e3 * statistics.median(times[kind])
+        out.append(row)
+        print(f"  drafter at context {ctx:>6}: sliding x{a.drafter_sliding} (window {a.drafter_window}) "
+              f"{row['sliding_ms']:.2f} ms, all full {row['full_ms']:.2f} ms")
+    return out
+
+
+# ----- output ---------------------------------------------------------------------------------------------------
+
+def table(structure: str, rows: list[dict]) -> str:
+    head = ("| method | draft | tree | verify | commit | other | ops | kernel ops | syncs | graphs | CUDA launches "
+            "| ceiling ms | predicted ms | predicted tok/s | ceiling tok/s |")
+    lines = [f"### {structure}", "", head, "|" + " --- |" * 15]
+    for r in rows:
+        p = r["predicted"][str(r["context_for_table"])]
+        cl = "–" if r["cuda_launches"] is None else f"{r['cuda_launches']:.0f}"
+        lines.append(
+            f"| {r['method']} | " + " | ".join(f"{r['ops'][s]:.0f}" for s in STAGES)
+            + f" | {r['total_ops']:.0f} | {r['total_kernel_ops']:.0f} | {r['total_syncs']:.1f} | "
+            f"{r['graph_calls']:.0f} | {cl} | {p['ceiling_ms']:.1f} | {p['round_ms']:.1f} | "
+            f"{p['tok_s']:.0f} | {p['ceiling_tok_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--structures", default="qwen3_6_27b,qwen3_8b")
+    ap.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:64,ddtree:256")
+    ap.add_argument("--rounds", type=int, default=6, help="extra rounds counted per method")
+    ap.add_argument("--warm-tokens", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--path", choices=("device", "host"), default="device")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", action="store_true", help="count compiled-graph calls with torch.profiler on CPU too")
+    ap.add_argument("--contexts", default="1024,4096,16384")
+    ap.add_argument("--table-context", type=int, default=1024)
+    ap.add_argument("--drafter-contexts", default="1024,4096,16384", help="'' to skip the drafter timing")
+    ap.add_argument("--drafter-repeats", type=int, default=7)
+    ap.add_argument("--drafter-window", type=int, default=2048)
+    ap.add_argument("--drafter-sliding", type=int, default=4, help="sliding layers of the 5 (Qwen3.6-27B-DFlash: 4)")
+    ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200 HBM3e)")
+    ap.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s (H200)")
+    ap.add_argument("--mfu", type=float, default=0.7, help="fraction of peak FLOP/s a GEMM reaches")
+    ap.add_argument("--launch-us", type=float, default=6.0, help="host cost of one kernel-launching op (eager)")
+    ap.add_argument("--dispatch-us", type=float, default=1.0, help="host cost of a view or allocation op")
+    ap.add_argument("--sync-us", type=float, default=20.0, help="cost of one host sync (the queue drains)")
+    ap.add_argument("--code", default=None, help="import ddtree from this directory (read before the imports)")
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_launches.json"))
+    a = ap.parse_args()
+    a.torch_dtype = getattr(torch, a.dtype)
+    a.contexts = [int(x) for x in a.contexts.split(",") if x]
+    a.drafter_contexts = [int(x) for x in a.drafter_contexts.split(",") if x]
+    if a.table_context not in a.contexts:
+        a.contexts.append(a.table_context)
+
+    results = {}
+    for name in a.structures.split(","):
+        real, target, drafter = build(name, a)
+        dims = real_dims(name)
+        ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
+        print(f"{name}: {real.num_hidden_layers} layers ({dims['gdn_layers']} GDN), real weights "
+              f"{2 * dims['params'] / 1e9:.1f} GB bf16 (+ drafter {2 * dims['drafter'] / 1e9:.1f} GB), counted at "
+              f"hidden {target.config.hidden_size} on {a.device} ({a.dtype}, {a.path} path)", flush=True)
+        rows = []
+        for spec in a.methods.split(","):
+            method, _ = _method(spec)
+            t0 = time.perf_counter()
+            r = count_method(target, drafter, spec, ids, a)
+            r["predicted"] = {}
+            for ctx in a.contexts:
+                p = predict(dims, r["total_ops"], r["total_kernel_ops"], r["total_syncs"], r["nodes"],
+                            drafter.block_size, method != "ar", ctx, a)
+                tau = TAU.get(spec, 1.0)
+                p.update(tau=tau, tok_s=tau / p["round_ms"] * 1e3, ceiling_tok_s=tau / p["ceiling_ms"] * 1e3)
+                r["predicted"][str(ctx)] = p
+            r["context_for_table"] = a.table_context
+            rows.append(r)
+            print(f"  {spec}: {r['total_ops']:.0f} ops/round ({r['total_kernel_ops']:.0f} kernel), "
+                  f"{r['total_syncs']:.1f} syncs, {time.perf_counter() - t0:.0f} s", flush=True)
+        results[name] = rows
+        print()
+        print(table(name, rows))
+        print()
+        print("predicted round ms (ceiling ms) by context: " + "; ".join(
+            f"{r['method']}: " + ", ".join(f"{c // 1024}k {r['predicted'][str(c)]['round_ms']:.1f} "
+                                           f"({r['predicted'][str(c)]['ceiling_ms']:.1f})" for c in a.contexts)
+            for r in rows))
+        print()
+        del target, drafter
+    drafter_rows = drafter_context(a) if a.drafter_contexts else []
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=CODE or ROOT, capture_output=True,
+                            text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.strip()
+    doc = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
+               commit=commit.stdout.strip() + ("+dirty" if dirty else ""),
+               machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
+                            torch=torch.__version__, threads=torch.get_num_threads(),
+                            device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu"),
+               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+               cost_model=dict(bandwidth=a.bandwidth, peak_flops=a.peak_flops, mfu=a.mfu, launch_us=a.launch_us,
+                               dispatch_us=a.dispatch_us, sync_us=a.sync_us, tau=TAU,
+                               drafter_window=a.drafter_window, drafter_sliding=a.drafter_sliding),
+               results=dict(structures=results, drafter_context=drafter_rows, path=a.path, dtype=a.dtype))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Counting what a generation asks of the device: aten ops dispatched per stage, and host syncs.
+
+`DispatchCount` is a TorchDispatchMode: every aten op that reaches the dispatcher below autograd is one call of
+`__torch_dispatch__` (at least one CUDA kernel launch each without graphs, except the view and allocation ops,
+counted apart). Ops are booked under the engine stage running at the time (`StageTimer` stages: draft, tree,
+verify, commit; `prefill` for the prompt; `other` for the loop's own work between stages).
+
+Host syncs are the reads that make the host wait for the device on a GPU:
+* `aten.item` / `aten._local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, a tensor used as a Python index);
+* ops whose output size depends on the data (`nonzero`, `masked_select`, `unique`, `repeat_interleave` without
+  `output_size`, indexing with a boolean mask) or that answer on the host (`equal`, `is_nonzero`);
+* a copy to the CPU from another device (`_to_copy` / `copy_`), which is how `.tolist()`, `.cpu()` and `.numpy()`
+  read a CUDA tensor;
+* on CPU tensors (where that copy is no op): `Tensor.tolist` and `Tensor.numpy` themselves, counted by wrapping them
+  while the mode is active, so a CPU run counts the reads a CUDA run would make.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DispatchCount", "NO_KERNEL", "SYNC_OPS"]
+
+SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero",
+                      "_unique", "_unique2", "unique_dim", "unique_consecutive", "argwhere"})
+# dispatched, but no kernel runs: views and metadata (host work only) and allocations (the caching allocator)
+NO_KERNEL = frozenset({"detach", "detach_", "resolve_conj", "resolve_neg", "lift_fresh", "_unsafe_view", "alias", "empty", "empty_like", "empty_strided",
+                       "new_empty", "new_empty_strided", "resize_", "set_", "_reshape_alias", "sym_size", "sym_stride",
+                       "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"})
+
+
+def _is_sync(name: str, func, args, kwargs) -> bool:
+    if name in SYNC_OPS:
+        return True
+    if name == "repeat_interleave":
+        return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
+    if name == "index" and len(args) > 1:
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ()) if i is not None)
+    if name in ("_to_copy", "copy_"):
+        src = args[1] if name == "copy_" else args[0]
+        dst_dev = args[0].device if name == "copy_" else kwargs.get("device")
+        return (isinstance(src, torch.Tensor) and src.device.type not in ("cpu", "meta")
+                and dst_dev is not None and torch.device(dst_dev).type == "cpu")
+    return False
+
+
+class DispatchCount(TorchDispatchMode):
+    """`with DispatchCount() as c:` ... then `c.ops[stage]`, `c.kernel_ops[stage]`, `c.syncs[stage]`, `c.names`.
+
+    stages=True (default) books each op under the engine stage running (ddtree.engine.proposers._Stage and
+    TargetSession.prefill are wrapped while the mode is active)."""
+
+    def __init__(self, stages: bool = True):
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.kernel_ops: collections.Counter[str] = collections.Counter()
+        self.syncs: collections.Counter[str] = collections.Counter()
+        self.sync_names: collections.Counter[str] = collections.Counter()
+        self.names: collections.Counter[str] = collections.Counter()
+        self.stage = "other"
+        self._stages = stages
+        self._stack = contextlib.ExitStack()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        stage = self.stage
+        self.ops[stage] += 1
+        self.names[name] += 1
+        if not (func.is_view or name in NO_KERNEL):
+            self.kernel_ops[stage] += 1
+        if _is_sync(name, func, args, kwargs):
+            self.syncs[stage] += 1
+            self.sync_names[name] += 1
+        return func(*args, **kwargs)
+
+    def _host_read(self, name: str, real):
+        def read(t: torch.Tensor, *a, **k):
+            if t.device.type == "cpu":  # a CUDA tensor's read shows up as its copy to the CPU
+                self.syncs[self.stage] += 1
+                self.sync_names[name] += 1
+            return real(t, *a, **k)
+        return read
+
+    @contextlib.contextmanager
+    def _booking(self) -> Iterator[None]:
+        from ddtree.engine import proposers, target
+
+        counter = self
+        stack = self._stack
+        for attr in ("tolist", "numpy"):
+            real = getattr(torch.Tensor, attr)
+            stack.callback(setattr, torch.Tensor, attr, real)
+            setattr(torch.Tensor, attr, self._host_read(attr, real))
+        if self._stages:
+            enter, exit_ = proposers._Stage.__enter__, proposers._Stage.__exit__
+            prefill = target.TargetSession.prefill
+
+            def staged_enter(stage_self):
+                counter.stage = stage_self.name
+                return enter(stage_self)
+
+            def staged_exit(stage_self, *exc):
+                out = exit_(stage_self, *exc)
+                counter.stage = "other"
+                return out
+
+            def staged_prefill(session, *a, **k):
+                counter.stage = "prefill"
+                try:
+                    return prefill(session, *a, **k)
+                finally:
+                    counter.stage = "other"
+
+            for owner, attr, new in ((proposers._Stage, "__enter__", staged_enter),
+                                     (proposers._Stage, "__exit__", staged_exit),
+                                     (target.TargetSession, "prefill", staged_prefill)):
+                stack.callback(setattr, owner, attr, getattr(owner, attr))
+                setattr(owner, attr, new)
+        try:
+            yield
+        finally:
+            stack.close()
+
+    def __enter__(self):
+        self._booking_cm = self._booking()
+        self._booking_cm.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._booking_cm.__exit__(None, None, None)
+
+    def total(self, counter: collections.Counter, exclude: tuple[str, ...] = ("prefill",)) -> int:
+        return sum(v for k, v in counter.items() if k not in exclude)

@@ -1,0 +1,113 @@
+"""What a round asks of a GPU, counted on the CPU: one host read a round, ops booked per stage, the CPU-only
+branches switchable (ddtree.engine.host), and the lossless grid on the path a CUDA run takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.engine import host
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.testing.dispatch import DispatchCount
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_model
+
+
+def test_the_counter_sees_each_kind_of_host_read():
+    """The reference for the counts below: each device->host read a GPU would wait on, and nothing else."""
+    x = torch.randn(6)
+    with torch.inference_mode(), DispatchCount() as c:
+        y = x * 2 + 1  # no read
+        y.view(2, 3)
+    assert c.total(c.syncs) == 0 and c.total(c.ops) >= 3 and c.total(c.kernel_ops) == 2
+    reads = [lambda y: y[0].item(), lambda y: int(y[1]), lambda y: y.tolist(), lambda y: y[y > 0],
+             lambda y: y.nonzero(), lambda y: bool(y[0] > 0), lambda y: y.numpy()]
+    for read in reads:
+        with torch.inference_mode(), DispatchCount() as c:
+            read(x * 2)
+        assert c.total(c.syncs) == 1, dict(c.sync_names)
+    assert torch.Tensor.tolist is not None and "read" not in torch.Tensor.tolist.__qualname__  # unwrapped after
+
+
+CASES = [("qwen3", "ar", None), ("qwen3", "dflash", None), ("qwen3", "ddtree", 16), ("qwen3_5_text", "ar", None),
+         ("qwen3_5_text", "dflash", None), ("qwen3_5_text", "ddtree", 64)]
+
+
+@pytest.mark.parametrize("model_type,method,budget", CASES)
+def test_a_round_reads_the_device_once(model_type, method, budget):
+    """On the path a CUDA run takes: the prefill's first token, then one read a round (the walk's), whatever the
+    stage timer does (CUDA events there, never a synchronize: tests/test_gpu.py)."""
+    target = tiny_model(model_type, seed=6, attn_implementation="sdpa", vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
+    ids = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(1))
+    with host.device_path():
+        engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
+        engine.generate(ids, max_new_tokens=4)  # first-call work
+        with DispatchCount() as c:
+            res = engine.generate(ids, max_new_tokens=20)
+    assert res.rounds >= 3
+    assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
+    assert c.syncs["commit"] == res.rounds  # the walk's read, booked where it happens
+    if method != "ar":
+        assert c.ops["draft"] > 0 and c.ops["tree"] > 0
+    assert c.ops["verify"] > 0 and c.ops["prefill"] > 0
+
+
+def test_the_switch_turns_each_branch_off_and_back():
+    cpu = torch.device("cpu")
+    assert all(host.host_branch(name, cpu) for name in host.HOST_BRANCHES)
+    assert not host.host_branch("host_tree", torch.device("meta"))
+    with host.device_path("host_tree"):
+        assert not host.host_branch("host_tree", cpu) and host.host_branch("gdn_step", cpu)
+        with host.device_path():
+            assert not any(host.host_branch(name, cpu) for name in host.HOST_BRANCHES)
+        assert host.host_branch("gdn_step", cpu)
+    assert all(host.host_branch(name, cpu) for name in host.HOST_BRANCHES)
+    with pytest.raises(ValueError, match="unknown branch"):
+        host._parse_off("host_tree,nonsense")
+
+
+def test_the_device_path_takes_no_cpu_branch(monkeypatch):
+    """Under device_path() the engine builds the tree with torch ops, verifies through split attention with the
+    head on every row, and runs the GDN layers' own single-token forward: none of the CPU-only code runs."""
+    from ddtree.engine import gdn, target, tree
+
+    called = []
+    for owner, name in ((tree, "_best_first_rows"), (tree, "_walk_lists"), (tree, "_walk_host"),
+                        (gdn, "_step_forward"), (target.TargetSession, "_dense_mask")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
+    model = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=8, seed=3)
+    ids = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(1))
+    with host.device_path():
+        for method, budget in (("ar", None), ("dflash", None), ("ddtree", 100)):
+            ddtree.generate(model, drafter, ids, method=method, budget=budget, max_new_tokens=12)
+    assert set(called) <= {"_step_forward"}  # called, but declines: it returns None off its branch
+    called.clear()
+    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 100)):
+        ddtree.generate(model, drafter, ids, method=method, budget=budget, max_new_tokens=12)
+    assert {"_best_first_rows", "_dense_mask", "_step_forward"} <= set(called)  # the CPU default takes them
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_the_device_path_is_lossless(model_type):
+    """The lossless grid on the code a CUDA run takes (every CPU-only branch off), against HF greedy."""
+    vocab = 12
+    target = tiny_model(model_type, seed=6, attn_implementation="sdpa", vocab_size=vocab)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, vocab, (1, n), generator=g) for n in (3, 14)]
+    deepest = 0
+    with host.device_path():
+        for bs in (4, 16):
+            drafter = DFlashDrafter.random_for_target(target.config, block_size=bs, seed=bs)
+            for ids in prompts:
+                ref = hf_greedy(target, ids, 16)
+                assert ddtree.generate(target, drafter, ids, method="ar", max_new_tokens=16).output_ids == ref
+                assert ddtree.generate(target, drafter, ids, method="dflash", max_new_tokens=16).output_ids == ref
+                for budget in (7, 100):
+                    res = ddtree.generate(target, drafter, ids, method="ddtree", budget=budget, max_new_tokens=16)
+                    assert res.output_ids == ref, f"ddtree block {bs} budget {budget}"
+                    deepest = max(deepest, max(res.acceptance_lengths))
+    assert deepest >= 3
