@@ -386,7 +386,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     conv = (windows * consts.conv_taps).sum(2)  # (B, T, C) float32
     if consts.conv_bias is not None:
         conv = conv + consts.conv_bias
-    conv = _activation(module.activation)(conv)
+    conv = F.silu(conv) if module.activation == "silu" else _activation(module.activation)(conv)
 
     # q and k l2-normalised (hypot(|x|, sqrt(eps)) = sqrt(|x|^2 + eps)), laid out per value head as
     # [q rows; k rows]; q's dk^-1/2 is applied by the gated norm (see _gated_norm)
