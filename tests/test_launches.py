@@ -74,7 +74,7 @@ def test_the_device_path_takes_no_cpu_branch(monkeypatch):
     from ddtree.engine import gdn, target, tree
 
     called = []
-    for owner, name in ((tree, "_best_first_rows"), (tree, "_walk_lists"), (tree, "_walk_host"),
+    for owner, name in ((tree, "_best_first_host"), (tree, "host_walk"),
                         (gdn, "_step_forward"), (target.TargetSession, "_dense_mask")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
@@ -88,7 +88,7 @@ def test_the_device_path_takes_no_cpu_branch(monkeypatch):
     called.clear()
     for method, budget in (("ar", None), ("dflash", None), ("ddtree", 100)):
         ddtree.generate(model, drafter, ids, method=method, budget=budget, max_new_tokens=12)
-    assert {"_best_first_rows", "_dense_mask", "_step_forward"} <= set(called)  # the CPU default takes them
+    assert {"_best_first_host", "_dense_mask", "_step_forward"} <= set(called)  # the CPU default takes them
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
