@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.engine.checks import check_generate_args
+from ddtree.engine.checks import check_generate_args, check_tree_memory
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
@@ -67,6 +67,9 @@ class Engine:
                  tree_attention: str = "auto"):
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
+        if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
+            check_tree_memory(target.config.get_text_config().to_dict(), budget, target.dtype.itemsize,
+                              str(target.device))
         if proposer is None:
             if drafter is not None and self.spec.needs_drafter:
                 drafter.check_compatible(target)

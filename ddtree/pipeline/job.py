@@ -36,7 +36,7 @@ from ddtree.pipeline.models import (
     resolve_device,
     target_context,
 )
-from ddtree.pipeline.preflight import check_prompt_lengths, keep_last, preflight
+from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import Resume, find_resume, write_job_file
 from ddtree.pipeline.schema import (
@@ -273,9 +273,12 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
     rc = validate(rc)
     prompts = load_dataset_prompts(rc.dataset)
     facts = preflight(rc)  # every source there, before the store opens or a weight loads
-    if facts is not None and facts.context is not None and not rc.dataset.truncate:
-        check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, load_tokenizer(rc)), rc.max_new_tokens,
-                             facts.context, False, "dataset.path" if rc.dataset.path else "dataset")
+    if facts is not None:  # the tokenizer is on disk: the prompts as the job will encode them
+        tokenizer, setting = load_tokenizer(rc), "dataset.path" if rc.dataset.path else "dataset"
+        check_prompt_tokens(prompts, tokenizer, setting)
+        if facts.context is not None and not rc.dataset.truncate:
+            check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, tokenizer), rc.max_new_tokens,
+                                 facts.context, False, setting)
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
     return rc, prompts, identity
