@@ -66,9 +66,10 @@ def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
     if not rc.compat.enabled:
         return []
     import compat
+    from ddtree.engine import gdn
 
     # an unknown patch id raises ConfigError itself; engine= keeps the authors'-code rows out of native runs
-    return compat.apply(only=rc.compat.only, skip=list(rc.compat.skip), engine=rc.engine)
+    return compat.apply(only=rc.compat.only, skip=list(rc.compat.skip), engine=rc.engine, provided=gdn.provided())
 
 
 # ---------------------------------------------------------------- one job
