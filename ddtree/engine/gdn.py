@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-import wrapt
 from transformers.activations import ACT2FN
 
 from ddtree.engine.families import gdn_classes

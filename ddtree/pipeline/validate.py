@@ -43,7 +43,7 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 def split_attention() -> dict[str, str]:
     """The tree-verifying implementations -> the backend each wraps: ddtree.engine.attention's own table
-    (imports torch; importing it also registers them with transformers, as a load needs)."""
+    (imports torch; registers nothing: a load by name registers them, ddtree.pipeline.models.load_target)."""
     from ddtree.engine.attention import SPLIT_IMPLEMENTATIONS
 
     return SPLIT_IMPLEMENTATIONS
