@@ -12,8 +12,8 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
 from ddtree.pipeline.prompts import TINY_PROMPTS, encode, load_prompts, read_jsonl
 from ddtree.testing.tokenizer import MIN_VOCAB, tiny_tokenizer
 

@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
 from ddtree.pipeline.datasets import load_dataset_prompts, load_hub, prompts_from_records, sample_indices
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."

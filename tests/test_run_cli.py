@@ -13,9 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
 
 SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 

@@ -114,7 +114,7 @@ def _hydra_main(cfg: DictConfig) -> None:
                 print(f"warning: could not mark the sweep's MLflow run failed: {err}", file=sys.stderr)
         if isinstance(e, ConfigError) and not tracebacks_wanted():
             user_error(str(e))  # leaves Hydra as SystemExit: no "Error executing job" banner either
-        from ddtree.pipeline.verdicts import STRICT_EXIT, SuspectOutputs
+        from ddtree.pipeline.output_verdicts import STRICT_EXIT, SuspectOutputs
 
         if isinstance(e, SuspectOutputs):
             sys.stderr.write(f"error: {e}\n")

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.engine.result import STAGES
 from ddtree.errors import ConfigError
+from ddtree.pipeline.config_checks import validate
 from ddtree.pipeline.datasets import dataset_label, load_dataset_prompts
 from ddtree.pipeline.models import (
     MODELS,
@@ -38,6 +39,7 @@ from ddtree.pipeline.models import (
     resolve_device,
     target_context,
 )
+from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
 from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import Resume, find_resume, write_job_file
@@ -51,8 +53,6 @@ from ddtree.pipeline.schema import (
     tracking_uri,
 )
 from ddtree.pipeline.sweep_table import SKIPPED, claim_config, format_table
-from ddtree.pipeline.validate import validate
-from ddtree.pipeline.verdicts import check_outputs, report_suspects
 
 SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"

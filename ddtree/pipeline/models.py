@@ -29,7 +29,7 @@ class ModelCache:
     warmed: set[str] = field(default_factory=set)
     # AR baseline records of finished shards, by baselinecache_key(): reused by later jobs (baseline_reuse=true)
     baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
-    # validation tolerances calibrated on this target, by baseline outputs and rule (ddtree.pipeline.verdicts)
+    # validation tolerances calibrated on this target, by baseline outputs and rule (ddtree.pipeline.output_verdicts)
     calibrations: dict[str, Any] = field(default_factory=dict)
 
     def clear(self) -> None:

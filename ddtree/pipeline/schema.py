@@ -1,6 +1,6 @@
 """The typed run configuration (Hydra ConfigStore schema) and its conversion to plain data.
 
-Its validation is ddtree.pipeline.validate. Importing this module stays cheap (no torch).
+Its validation is ddtree.pipeline.config_checks. Importing this module stays cheap (no torch).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ VALIDATION_MODES = ("auto", "on", "off")
 
 @dataclass
 class ValidationConfig:
-    """Verdicts for every output (ddtree.engine.validate), after the timed generation; README "Is my run right?"."""
+    """Verdicts for every output (ddtree.engine.output_check), after the timed generation; README "Is my run right?"."""
 
     mode: str = "auto"  # auto: on when a baseline runs | on | off
     strict: bool = False  # the job exits non-zero (3) when any output is suspect

@@ -1,6 +1,6 @@
 """Verdicts in the pipeline: summary.json, samples.jsonl, MLflow metrics, the table, strict, the re-check CLI.
 
-The engine's validator itself is tested in test_validate.py against HF greedy decoding.
+The engine's validator itself is tested in test_output_check.py against HF greedy decoding.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from hydra.core.global_hydra import GlobalHydra
 from ddtree.engine import loop
 from ddtree.errors import ConfigError
 from ddtree.pipeline import schema as C
+from ddtree.pipeline.config_checks import validate
+from ddtree.pipeline.output_verdicts import SuspectOutputs
 from ddtree.pipeline.recheck import main, recheck
 from ddtree.pipeline.sweep_table import verdict_cell
 from ddtree.pipeline.tracking import numeric_metrics
-from ddtree.pipeline.validate import validate
-from ddtree.pipeline.verdicts import SuspectOutputs
 
 SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=3", "max_new_tokens=12", "device=cpu")
 

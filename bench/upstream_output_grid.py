@@ -1,11 +1,11 @@
 """The validator over engine=upstream: the DDTree authors' code on a grid of tiny targets.
 
-    .venv/bin/python bench/validate_upstream.py <checkout> [--dtypes float32 bfloat16] [--new 24] [--out grid.json]
+    .venv/bin/python bench/upstream_output_grid.py <checkout> [--dtypes float32 bfloat16] [--new 24] [--out grid.json]
 
 <checkout> is a copy of github.com/liranringel/ddtree (never committed here) or the stand-in
 tests/compat_fixtures/upstream_checkout. Grid: Qwen3 and the Qwen3.5 hybrid (sdpa), vocabularies 12, 64
 and 300, drafter block sizes 2, 4, 8, 16, AR, DFlash and DDTree at budgets 1, 4, 16, 48, three prompts.
-Each output gets a verdict against our AR baseline (ddtree.engine.validate); suspect or failing
+Each output gets a verdict against our AR baseline (ddtree.engine.output_check); suspect or failing
 configurations are printed as they come, the totals at the end.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 import ddtree
 from ddtree.engine.drafter import DFlashDrafter
-from ddtree.engine.validate import ValidationRule, Validator
+from ddtree.engine.output_check import ValidationRule, Validator
 from ddtree.testing.tiny import tiny_model
 from ddtree.upstream.engine import generate_upstream, load_upstream_engine
 

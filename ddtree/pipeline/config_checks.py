@@ -1,4 +1,4 @@
-"""Validation of a run config: small checks that each raise `ConfigError(setting, problem, fix)`.
+"""The checks of a run config before any model work: small checks that each raise `ConfigError(setting, problem, fix)`.
 
 Every check here runs before any model is loaded. Heavy imports (torch, transformers) happen only
 for the checks that need them.
