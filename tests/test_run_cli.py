@@ -10,14 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import models as M
-from ddtree.pipeline import schema as C
-
-SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 
 
 def _client(uri: str):
@@ -42,9 +37,9 @@ def _ok(proc) -> str:
     return proc.stdout
 
 
-def test_single_run_sweep_and_resume(cli, tmp_path):
+def test_single_run_sweep_and_resume(cli, tmp_path, small):
     runs_dir, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/store/mlflow.db"
-    common = (*SMALL, f"runs_dir={runs_dir}", f"tracking.uri={uri}")
+    common = (*small, f"runs_dir={runs_dir}", f"tracking.uri={uri}")
 
     # 1. a single run: a plain MLflow run with params, metrics, tags and artifacts
     job = tmp_path / "single"
@@ -149,7 +144,7 @@ def test_bad_input_exits_with_one_line(cli, tmp_path, case):
     assert not (tmp_path / "runs" / "mlflow.db").exists() and not (tmp_path / "job" / "samples.jsonl").exists()
 
 
-def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
+def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch, small, compose):
     """In-process: a drafter that does not fit its target is refused right after loading (before any
     generation), and a job that crashes mid-way ends its MLflow run FAILED with the samples it finished."""
     import ddtree.engine.loop
@@ -160,10 +155,8 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
 
     def cfg(*extra):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*SMALL, "device=cpu", f"tracking.uri={uri}", "warmup=false",
-                                                "baseline=false", "compat.enabled=false", *extra])
+        return compose(*small, "device=cpu", f"tracking.uri={uri}", "warmup=false", "baseline=false",
+                       "compat.enabled=false", *extra, hydra_node=False)
 
     with pytest.raises(ConfigError) as e:  # layer 9 does not exist in a 4-layer target
         R.run_job(cfg("drafter.target_layer_ids=[1,9]"))
@@ -202,7 +195,7 @@ def test_cli_works_from_any_cwd_and_prints_help(cli, tmp_path: Path):
     assert proc.returncode == 0 and "tiny_llama" in proc.stdout and "budget: 64" in proc.stdout
 
 
-def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
+def test_baseline_reused_within_a_process(tmp_path, monkeypatch, small, compose):
     """A later job of the same process on the same prompts and settings takes the AR baseline from the
     earlier one (the paper runs AR once per prompt); any setting the baseline depends on breaks the reuse."""
     from ddtree.pipeline import job as R
@@ -211,10 +204,8 @@ def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
     M.MODELS.clear()
 
     def cfg(*extra):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*SMALL, "device=cpu", "tracking=none", "warmup=false",
-                                                "compat.enabled=false", *extra])
+        return compose(*small, "device=cpu", "tracking=none", "warmup=false", "compat.enabled=false", *extra,
+                       hydra_node=False)
 
     def baseline(summary_path=tmp_path / "samples.jsonl"):
         rows = [json.loads(x) for x in summary_path.read_text().splitlines()]
