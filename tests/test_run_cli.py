@@ -115,25 +115,81 @@ BAD_INPUTS = {
     "prompt file not UTF-8": (["dataset=jsonl", "dataset.path=latin1.jsonl"], "latin1.jsonl is not UTF-8"),
     "prompt longer than the context": (["dataset=jsonl", "dataset.path=long.jsonl"],
                                        "exceeds the target's context of 2048 tokens"),
+    # a whitespace prompt under a word-level tokenizer: no tokens at all
+    "prompt of no tokens": (["model.tokenizer=./wordlevel", "dataset=jsonl", "dataset.path=blank.jsonl",
+                             "dataset.chat_template=false"], "dataset.path: prompt 'blank' ('   ') is no tokens"),
+    "tree too large for memory": (["method=ddtree", "budget=100000"], "budget: a tree of 100000 nodes needs about"),
+    "backend the target's class does not take": (["attention=flex_attention"],
+                                                 "Qwen3_5ForCausalLM (model_type 'qwen3_5_text') does not take"),
+    "experiment misspelled": (["experiment=toyy"], "experiment: unknown option 'toyy'"),
+    "CUDA asked for without one": (["device=cuda"], "device: cuda requested but CUDA is not available"),
 }
 
 
-# one case per kind of refusal (config value, prompt file, drafter/target fit, backend, source folder,
-# prompt length) stays in the fast suite, each a CLI process of ~8 s; the others take the same path from
-# check to message and run under `make test-slow`
-FAST_BAD_INPUTS = ("unknown group option", "budget <= 0", "missing prompt file", "drafter incompatible with target",
-                   "tree method on a flash backend", "model folder missing", "prompt longer than the context")
+# Every case runs in-process (composition and the job's `configure`, the code path of the CLI up to its one line,
+# ~1 s each); a few also through a CLI process (~8 s each: a composition error, a ConfigError of the config
+# checks and one of the pre-load checks), the others through the CLI under `make test-slow`
+FAST_BAD_INPUTS = ("unknown group option", "budget <= 0", "tree too large for memory")
+
+
+def _bad_input_files(tmp_path: Path) -> None:
+    """The files the battery's cases name, in the directory the job runs from."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
+    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "turns": ["café"]}\n'.encode("latin-1"))
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"id": "blank", "turns": ["   "]}) + "\n")
+    (tmp_path / "empty").mkdir()
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "</s>": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # whitespace is no token at all
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>").save_pretrained(
+        tmp_path / "wordlevel")
+
+
+def _skip_if_not_a_mistake_here(case: str) -> None:
+    import torch
+
+    if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    if case == "CUDA asked for without one" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_before_model_work_in_process(case, compose, tmp_path, monkeypatch):
+    """The message the CLI prints (`error: ` + this line), from composition and the job's checks before any load."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ddtree.errors import ConfigError
+    from ddtree.pipeline import job as R
+    from ddtree.pipeline.cli import one_line
+
+    _skip_if_not_a_mistake_here(case)
+    _bad_input_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args, expected = BAD_INPUTS[case]
+    load = M.load_target
+    monkeypatch.setattr(M, "load_target", lambda *a: pytest.fail(f"a model was loaded for {case}") or load(*a))
+    try:
+        R.configure(compose(*args, f"runs_dir={tmp_path / 'runs'}", hydra_node=False))
+    except ConfigError as e:
+        line = str(e)
+    except (HydraException, OmegaConfBaseException) as e:
+        line = one_line(e)
+    else:
+        pytest.fail(f"{case}: accepted")
+    assert expected in line and "\n" not in line, line
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_BAD_INPUTS else pytest.param(c, marks=pytest.mark.slow)
                                   for c in BAD_INPUTS])
 def test_bad_input_exits_with_one_line(cli, tmp_path, case):
-    if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
-        pytest.skip("flash_attn is installed here")
-    (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
-    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "turns": ["café"]}\n'.encode("latin-1"))
-    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
-    (tmp_path / "empty").mkdir()
+    _skip_if_not_a_mistake_here(case)
+    _bad_input_files(tmp_path)
     args, expected = BAD_INPUTS[case]
     proc = cli(*args, f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}")
     assert proc.returncode == 2, proc.stderr
