@@ -33,7 +33,7 @@ def _snapshot(model, ids):
             forwards)
 
 
-@pytest.mark.parametrize(("model_type", "attn"), [("qwen3", "sdpa"), ("qwen3_5", "eager")])
+@pytest.mark.parametrize(("model_type", "attn"), [("qwen3", "sdpa"), ("qwen3_5_text", "eager")])
 def test_close_restores_the_model(model_type, attn):
     from accelerate.hooks import ModelHook, add_hook_to_module
 
@@ -59,7 +59,7 @@ def test_close_restores_the_model(model_type, attn):
 
 
 def test_another_engine_keeps_working_after_one_closes():
-    target = tiny_model("qwen3_5", seed=4, attn_implementation="sdpa", vocab_size=96)
+    target = tiny_model("qwen3_5_text", seed=4, attn_implementation="sdpa", vocab_size=96)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=2)
     ids = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
