@@ -82,6 +82,17 @@ def cfg_run(cfg_run_global, tmp_path: Path):
     return cfg
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy 2-core machine oversubscribed by OpenMP crawls."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 FIXTURES = Path(__file__).resolve().parent / "compat_fixtures"
 
 
