@@ -227,3 +227,17 @@ def test_tiny_tokenizer_fits_the_tiny_vocab():
     assert len(tiny_tokenizer(MIN_VOCAB)) == MIN_VOCAB
     with pytest.raises(ConfigError):
         tiny_tokenizer(MIN_VOCAB - 1)
+
+
+def test_one_experiment_spelling_for_runs_and_training(compose):
+    """experiment=NAME selects an experiment in both CLIs; the older spellings still reach the same config."""
+    from ddtree.pipeline.cli import RUN_ALIASES, TRAIN_ALIASES, spell_overrides
+
+    new = compose("device=cpu", *spell_overrides(["experiment=toy"], RUN_ALIASES))
+    old = compose("device=cpu", *spell_overrides(["+experiment=toy"], RUN_ALIASES))
+    assert new.tags.experiment == old.tags.experiment == "toy" and new.max_new_tokens == old.max_new_tokens == 128
+    assert spell_overrides(["experiment=toy", "budget=8"], TRAIN_ALIASES) == ["train/experiment=toy", "budget=8"]
+    assert spell_overrides(["train/experiment=toy"], TRAIN_ALIASES) == ["train/experiment=toy"]
+    trained = compose(*spell_overrides(["experiment=toy"], TRAIN_ALIASES), config_name="train", hydra_node=False)
+    assert trained.target.name_or_path == compose("train/experiment=toy", config_name="train",
+                                                  hydra_node=False).target.name_or_path
