@@ -286,3 +286,21 @@ def test_baseline_reused_within_a_process(tmp_path, monkeypatch, small, compose)
     M.MODELS.clear()
     assert R.run_job(cfg("method=ddtree", "budget=8"))["baseline_reused_from"] is None  # new target: AR again
     M.MODELS.clear()
+
+
+def test_only_the_entry_point_reads_the_process_model_cache():
+    """A job's phases get what they need in a JobContext; the per-process cache (models.MODELS) is read by run_job
+    alone, which hands it over."""
+    import ast
+    import inspect
+
+    from ddtree.pipeline import job as R
+    from ddtree.pipeline import output_verdicts
+
+    for module in (R, output_verdicts):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.FunctionDef) and node.name != "run_job":
+                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                assert "MODELS" not in names, f"{module.__name__}.{node.name} reads the module-level cache"
+    params = inspect.signature(R._generate_shard).parameters
+    assert list(params)[0] == "ctx" and len(params) <= 5
