@@ -304,3 +304,20 @@ def test_only_the_entry_point_reads_the_process_model_cache():
                 assert "MODELS" not in names, f"{module.__name__}.{node.name} reads the module-level cache"
     params = inspect.signature(R._generate_shard).parameters
     assert list(params)[0] == "ctx" and len(params) <= 5
+
+
+def test_a_drafter_that_failed_to_load_is_not_taken_for_the_cached_one(small, compose):
+    """A misfit drafter refused at load leaves the cache without a drafter key: the next job with the drafter
+    loaded before loads it again (it used to find the old key and no drafter)."""
+    from ddtree.errors import ConfigError
+
+    def rc(*extra):
+        from ddtree.pipeline.schema import to_run_config
+
+        return to_run_config(compose(*small, "device=cpu", "tracking=none", *extra, hydra_node=False))
+
+    cache = M.ModelCache()
+    assert M.get_models(rc(), "cpu", cache)[2] is not None
+    with pytest.raises(ConfigError):
+        M.get_models(rc("drafter.target_layer_ids=[1,9]"), "cpu", cache)
+    assert M.get_models(rc(), "cpu", cache)[2] is not None

@@ -181,7 +181,7 @@ def get_models(rc: RunConfig, device: str, cache: ModelCache):
             d.pop("block_size")  # applied at generate time, not at load time
         dkey = cache_key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path)
         if cache.drafter_key != dkey:
-            cache.drafter = None
+            cache.drafter = cache.drafter_key = None  # a load that fails leaves no key naming a drafter not there
             cache.drafter = load_drafter(rc, cache.target, model_device(cache.target, rc, device))
             if rc.engine == "upstream":  # the authors' drafter class, holding the same tensors
                 from ddtree.upstream.engine import upstream_drafter
