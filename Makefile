@@ -27,8 +27,8 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
 
 run: $(STAMP)
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run +experiment=toy method=dflash force=true
-	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run +experiment=toy force=true -m
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy method=dflash force=true
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy force=true -m
 
 # each script prints its table and writes its record under docs/bench/ (bench/README.md)
 bench: $(STAMP)

@@ -44,6 +44,7 @@ from .patches import (
     cache_kwarg,
     embedding_access,
     flash_s_aux,
+    gdn_tree_forward,
     hybrid_cache,
     qwen3_import_shims,
     sliding_window,
@@ -63,6 +64,7 @@ PATCHES: tuple[Patch, ...] = (
     flash_s_aux.PATCH,
     sliding_window.PATCH,
     qwen3_import_shims.PATCH,
+    gdn_tree_forward.PATCH,  # the engine's own row: ddtree.engine.gdn.install() provides its wrapper
     upstream_mask_filter.PATCH,  # recompiles their generate functions: before any wrapper of them
     upstream_timer.PATCH,
     upstream_gdn_tree.PATCH,
@@ -141,7 +143,7 @@ def _evaluate(patch: Patch, only: set[str] | None, skip: set[str], engine: str |
     missing = [name for name in patch.needs if name not in provided]
     if missing:
         return _State(SKIPPED_ABSENT, f"needs {', '.join(missing)} from the caller of apply() (ddtree.upstream "
-                      "provides them)")
+                      "and ddtree.engine.gdn.install() provide them)")
     if patch.condition is not None:
         try:
             holds = bool(patch.condition())
@@ -155,11 +157,14 @@ def _evaluate(patch: Patch, only: set[str] | None, skip: set[str], engine: str |
     return _install(patch, None, _State(APPLIED, "", provided=needed))
 
 
-def revert() -> list[str]:
-    """Undo every installed patch, newest first, restoring the original objects. Returns the ids undone."""
+def revert(ids: Iterable[str] | None = None) -> list[str]:
+    """Undo every installed patch (or those of `ids`), newest first, restoring the original objects.
+    Returns the ids undone."""
     with _LOCK:
         undone = []
         for patch_id in reversed(list(_STATE)):
+            if ids is not None and patch_id not in ids:
+                continue
             if _STATE[patch_id].status in (APPLIED, PENDING):
                 undone.append(patch_id)
             _drop(patch_id)

@@ -28,6 +28,71 @@ def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     return run
 
 
+# ---------------------------------------------------------------- composed configs (lightning-hydra-template's
+# cfg_train_global / cfg_train: one session-scoped composition, a function-scoped copy with this test's paths)
+
+# the small job every run test starts from: a tiny random target, two built-in prompts, eight new tokens
+SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8")
+
+
+def compose_config(*overrides: str, config_name: str = "config", hydra_node: bool = True):
+    """conf/<config_name>.yaml composed with `overrides`, as the CLI would (with the hydra node by default)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from ddtree.paths import CONF_DIR
+
+    if config_name == "train":
+        from ddtree.train.config import register
+
+        register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides), return_hydra_config=hydra_node)
+
+
+@pytest.fixture(scope="session")
+def compose() -> Callable[..., object]:
+    """`compose(*overrides, config_name="config", hydra_node=True)`: a composed config."""
+    return compose_config
+
+
+@pytest.fixture(scope="session")
+def small() -> tuple[str, ...]:
+    """The overrides of the small job (SMALL), for CLI calls and compositions."""
+    return SMALL
+
+
+@pytest.fixture(scope="session")
+def cfg_run_global():
+    """The small job composed once per session (on the CPU, no warm-up, no tracking)."""
+    return compose_config(*SMALL, "device=cpu", "warmup=false", "tracking=none")
+
+
+@pytest.fixture
+def cfg_run(cfg_run_global, tmp_path: Path):
+    """A copy of the small job writing under this test's tmp_path (runs_dir, MLflow store, Hydra job dir)."""
+    from omegaconf import open_dict
+
+    cfg = cfg_run_global.copy()
+    with open_dict(cfg):
+        cfg.runs_dir = str(tmp_path / "runs")
+        cfg.tracking.uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+        cfg.hydra.run.dir = str(tmp_path / "job")
+    return cfg
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread, and a busy 2-core machine oversubscribed by OpenMP crawls."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 FIXTURES = Path(__file__).resolve().parent / "compat_fixtures"
 
 

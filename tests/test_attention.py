@@ -17,7 +17,7 @@ import ddtree
 from ddtree.engine import attention as A
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.tree import chain_tree, walk
-from ddtree.pipeline import validate as V
+from ddtree.pipeline import config_checks as V
 from ddtree.testing.reference import ScriptedProposer, hf_greedy, random_tree
 from ddtree.testing.tiny import tiny_model
 

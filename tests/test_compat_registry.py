@@ -251,13 +251,28 @@ def test_import_compat_loads_no_engine_and_no_torch():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_the_table_is_declared_at_import_and_has_no_gdn_row():
-    """The GDN tree verification is engine code (ddtree.engine.gdn), installed by the target session."""
+def test_the_table_is_declared_at_import_and_its_gdn_tree_forward_row_matches_the_engine():
+    """The GDN class patch is a row (listed by python -m compat) whose wrapper the engine provides; its targets and
+    version range are the engine's, and apply/revert through the registry restore the original forwards."""
     assert registry.PATCHES is compat.PATCHES and len({p.id for p in compat.PATCHES}) == len(compat.PATCHES)
-    assert "gdn-tree-verify" not in {p.id for p in compat.PATCHES}
+    from compat.patches import gdn_tree_forward, upstream_gdn_tree
+    from ddtree.engine import gdn
+
+    assert gdn_tree_forward.TARGETS == tuple(f"{m}:{q}" for m, q in gdn.TARGETS)
+    assert gdn_tree_forward.VERSIONS == gdn.VERSIONS == upstream_gdn_tree.VERSIONS
+    classes = gdn.target_classes()
+    originals = {cls: vars(cls)["forward"] for cls in classes}
+    compat.revert()
+    assert {e["id"]: e["status"] for e in compat.apply()}["gdn-tree-forward"] == "skipped-absent"  # no provider
+    assert gdn.install() == [c.__name__ for c in classes] and gdn.is_installed()
+    assert all(vars(c)["forward"] is not originals[c] for c in classes)
+    gdn.install()  # idempotent: wrapped once
+    assert all(vars(c)["forward"].__wrapped__ is originals[c] for c in classes)
+    assert "gdn-tree-forward" in compat.revert()
+    assert not gdn.is_installed() and all(vars(c)["forward"] is originals[c] for c in classes)
 
 
-NATIVE_ROWS = {"flash-s-aux", "sliding-window"}  # fixes of transformers itself, for any code
+NATIVE_ROWS = {"flash-s-aux", "sliding-window", "gdn-tree-forward"}  # fixes of transformers itself, for any code
 
 
 def test_each_row_names_its_engines_and_native_applies_only_its_own():

@@ -8,24 +8,16 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
 from ddtree.pipeline.prompts import TINY_PROMPTS, encode, load_prompts, read_jsonl
 from ddtree.testing.tokenizer import MIN_VOCAB, tiny_tokenizer
 
 GROUPS = ("model", "drafter", "method", "attention", "dataset", "tracking")
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((C.CONF_DIR / g).glob("*.yaml"))]
 HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
-
-
-def _compose(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["device=cpu", *overrides], return_hydra_config=True)
 
 
 @pytest.fixture
@@ -60,9 +52,9 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_option_composes_and_validates(group, option, tmp_path, prompt_file):
+def test_every_option_composes_and_validates(group, option, tmp_path, prompt_file, compose):
     extra, refused = _context(group, option, tmp_path, prompt_file)
-    cfg = _compose(f"{group}={option}", *extra)
+    cfg = compose("device=cpu", f"{group}={option}", *extra)
     assert cfg.hydra.runtime.choices[group] == option
     if refused is None:
         rc = V.validate(cfg)  # schema (typed dataclasses) + every pre-load check
@@ -73,7 +65,7 @@ def test_every_option_composes_and_validates(group, option, tmp_path, prompt_fil
         assert e.value.setting == refused and e.value.fix
 
 
-def test_option_tables_are_complete():
+def test_option_tables_are_complete(compose):
     options = {g: {o for gg, o in OPTIONS if gg == g} for g in GROUPS}
     assert options["method"] == {"ar", "dflash", "ddtree"}
     assert {"eager", "sdpa", "flex_attention", "flash_attention_2"} <= options["attention"]
@@ -82,42 +74,42 @@ def test_option_tables_are_complete():
             "llama3_1_8b_instruct", "qwen3_5_27b", "qwen3_6_27b", "qwen3_6_35b_a3b"} <= options["model"]
     # `drafter: ${model}` in the defaults list: every model names its default drafter by having one
     assert options["model"] <= options["drafter"] and {"none", "tiny", "pretrained"} <= options["drafter"]
-    hub = {o: V.validate(_compose(f"model={o}")) for o in options["model"] if not o.startswith("tiny") and o != "hf"}
+    hub = {o: V.validate(compose("device=cpu", f"model={o}")) for o in options["model"] if not o.startswith("tiny") and o != "hf"}
     assert hub["qwen3_8b"].model.name_or_path == "Qwen/Qwen3-8B"
     assert hub["qwen3_8b"].drafter.name_or_path == "z-lab/Qwen3-8B-DFlash-b16"
     assert hub["llama3_1_8b_instruct"].drafter.name_or_path == "z-lab/LLaMA3.1-8B-Instruct-DFlash-UltraChat"
     assert all(rc.drafter.kind == "pretrained" and rc.drafter.target == rc.model.name_or_path for rc in hub.values())
 
 
-def test_model_hf_names_itself_after_its_checkpoint(tmp_path):
-    rc = V.validate(_compose("model=hf", "model.name_or_path=Qwen/Qwen3-8B", "method=ar"))
+def test_model_hf_names_itself_after_its_checkpoint(tmp_path, compose):
+    rc = V.validate(compose("device=cpu", "model=hf", "model.name_or_path=Qwen/Qwen3-8B", "method=ar"))
     assert (rc.model.name, rc.drafter.kind) == ("Qwen/Qwen3-8B", "none")
     folder = tmp_path / "my-model"
     folder.mkdir()
-    assert V.validate(_compose("model=hf", f"model.name_or_path={folder}", "method=ar")).model.name == "my-model"
+    assert V.validate(compose("device=cpu", "model=hf", f"model.name_or_path={folder}", "method=ar")).model.name == "my-model"
     with pytest.raises(ConfigError, match="drafter=pretrained drafter.name_or_path="):
-        V.validate(_compose("model=hf", "model.name_or_path=Qwen/Qwen3-8B"))
+        V.validate(compose("device=cpu", "model=hf", "model.name_or_path=Qwen/Qwen3-8B"))
 
 
-def test_defaults_are_the_shipped_toy_pair_offline():
-    cfg = _compose()
+def test_defaults_are_the_shipped_toy_pair_offline(compose):
+    cfg = compose("device=cpu")
     rc = V.validate(cfg)
     toy = C.REPO_ROOT / "assets" / "toy"
     assert (rc.model.name, rc.model.name_or_path, rc.drafter.kind, rc.drafter.name_or_path) == (
         "toy", str(toy / "target"), "pretrained", str(toy / "drafter"))
     assert (rc.method, rc.dataset.name, rc.dataset.path) == ("ddtree", "toy", str(toy / "prompts.jsonl"))
     assert rc.baseline and not rc.force and rc.temperature == 0.0 and rc.budget == 64
-    smoke = V.validate(_compose("model=tiny_qwen3", "dataset=tiny"))  # the random tiny models, by name
+    smoke = V.validate(compose("device=cpu", "model=tiny_qwen3", "dataset=tiny"))  # the random tiny models, by name
     assert (smoke.model.tiny.model_type, smoke.drafter.kind, smoke.dataset.name) == ("qwen3", "random", "tiny")
     runs = str(C.REPO_ROOT / "runs")
     assert C.tracking_uri(rc) == f"sqlite:///{runs}/mlflow.db"
     assert cfg.hydra.run.dir.startswith(runs) and cfg.hydra.sweep.dir.startswith(runs)
-    tiny_hybrid = V.validate(_compose("model=tiny_qwen3_5"))
+    tiny_hybrid = V.validate(compose("device=cpu", "model=tiny_qwen3_5"))
     assert tiny_hybrid.model.tiny.model_type == "qwen3_5_text" and tiny_hybrid.drafter.kind == "random"
 
 
-def test_overrides_reach_the_schema():
-    rc = V.validate(_compose("model=tiny_llama", "drafter.block_size=8", "attention.target=eager",
+def test_overrides_reach_the_schema(compose):
+    rc = V.validate(compose("device=cpu", "model=tiny_llama", "drafter.block_size=8", "attention.target=eager",
                              "attention.drafter=sdpa", "tracking.uri=sqlite:////tmp/x.db", "budget=7",
                              "compat.skip=[cache-kwarg]", "dataset.enable_thinking=true"))
     assert (rc.drafter.block_size, rc.attention.target, rc.attention.drafter, rc.budget) == (8, "eager", "sdpa", 7)
@@ -148,35 +140,35 @@ def test_overrides_reach_the_schema():
     (["dataset=jsonl", "dataset.path=/nonexistent/prompts.jsonl"], "dataset.path"),
     (["drafter=pretrained"], "drafter.name_or_path"),
 ])
-def test_bad_settings_raise_config_error(overrides, setting):
+def test_bad_settings_raise_config_error(overrides, setting, compose):
     with pytest.raises(ConfigError) as e:
-        V.validate(_compose(*overrides))
+        V.validate(compose("device=cpu", *overrides))
     assert e.value.setting == setting
     assert "\n" not in str(e.value)
 
 
-def test_attention_refusals_name_the_fix(monkeypatch):
+def test_attention_refusals_name_the_fix(monkeypatch, compose):
     with pytest.raises(ConfigError, match="use attention=sdpa") as e:
-        V.validate(_compose("attention=flash_attention_2"))  # a tree method needs a tree mask
+        V.validate(compose("device=cpu", "attention=flash_attention_2"))  # a tree method needs a tree mask
     assert e.value.setting == "attention.target"
-    V.validate(_compose("attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.engine.attention)
-    V.validate(_compose("attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
-    V.validate(_compose("attention.target=ddtree_split_eager"))  # a tree implementation by name
+    V.validate(compose("device=cpu", "attention=flex_attention"))  # ddtree: a BlockMask tree (ddtree.engine.attention)
+    V.validate(compose("device=cpu", "attention=flex_attention", "method=ar"))  # AR: no tree, no drafter
+    V.validate(compose("device=cpu", "attention.target=ddtree_split_eager"))  # a tree implementation by name
     with pytest.raises(ConfigError, match="pip install flash-attn"):  # a wrapper needs its backend's package
-        V.validate(_compose("attention.target=ddtree_split_fa2"))
+        V.validate(compose("device=cpu", "attention.target=ddtree_split_fa2"))
     with pytest.raises(ConfigError, match="drafter does not implement"):
-        V.validate(_compose("method=dflash", "attention.drafter=flex_attention"))
+        V.validate(compose("device=cpu", "method=dflash", "attention.drafter=flex_attention"))
     real = importlib.util.find_spec
     monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
     with pytest.raises(ConfigError, match="pip install flash-attn"):
-        V.validate(_compose("attention=flash_attention_2", "method=dflash"))
+        V.validate(compose("device=cpu", "attention=flash_attention_2", "method=dflash"))
     monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: object() if n == "flash_attn" else real(n, *a))
     with pytest.raises(ConfigError, match="installed but cannot be imported"):  # e.g. built for another CUDA
-        V.validate(_compose("attention=flash_attention_2", "method=dflash"))
+        V.validate(compose("device=cpu", "attention=flash_attention_2", "method=dflash"))
     real_import = importlib.import_module
     monkeypatch.setattr(V.importlib, "import_module", lambda n, *a: object() if n == "flash_attn" else real_import(n, *a))
     with pytest.raises(ConfigError, match="CUDA only"):
-        V.validate(_compose("attention=flash_attention_2", "method=dflash"))
+        V.validate(compose("device=cpu", "attention=flash_attention_2", "method=dflash"))
 
 
 def _drafter_dir(tmp_path: Path, **fields) -> Path:
@@ -188,21 +180,21 @@ def _drafter_dir(tmp_path: Path, **fields) -> Path:
     return d
 
 
-def test_local_drafter_checked_against_target_before_loading(tmp_path):
+def test_local_drafter_checked_against_target_before_loading(tmp_path, compose):
     fits = _drafter_dir(tmp_path)
-    V.validate(_compose("model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
+    V.validate(compose("device=cpu", "model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
     (fits / "config.json").write_text(json.dumps({"hidden_size": 4096, "vocab_size": 151936, "num_target_layers": 36,
                                                   "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33]}}))
     with pytest.raises(ConfigError, match="does not fit model=tiny_qwen3") as e:
-        V.validate(_compose("model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
+        V.validate(compose("device=cpu", "model=tiny_qwen3", "drafter=pretrained", f"drafter.name_or_path={fits}"))
     assert "36 target layers" in str(e.value) and "hidden_size 4096" in str(e.value)
 
 
-def test_identity_ignores_outputs_force_and_tracking():
-    a = C.identity_dict(V.validate(_compose("budget=8")))
-    b = C.identity_dict(V.validate(_compose("budget=8", "force=true", "runs_dir=/tmp/elsewhere",
+def test_identity_ignores_outputs_force_and_tracking(compose):
+    a = C.identity_dict(V.validate(compose("device=cpu", "budget=8")))
+    b = C.identity_dict(V.validate(compose("device=cpu", "budget=8", "force=true", "runs_dir=/tmp/elsewhere",
                                             "tracking.uri=sqlite:////tmp/other.db", "tracking=none")))
-    c = C.identity_dict(V.validate(_compose("budget=16")))
+    c = C.identity_dict(V.validate(compose("device=cpu", "budget=16")))
     assert a == b and a != c and "hydra" not in a
 
 
@@ -235,3 +227,17 @@ def test_tiny_tokenizer_fits_the_tiny_vocab():
     assert len(tiny_tokenizer(MIN_VOCAB)) == MIN_VOCAB
     with pytest.raises(ConfigError):
         tiny_tokenizer(MIN_VOCAB - 1)
+
+
+def test_one_experiment_spelling_for_runs_and_training(compose):
+    """experiment=NAME selects an experiment in both CLIs; the older spellings still reach the same config."""
+    from ddtree.pipeline.cli import RUN_ALIASES, TRAIN_ALIASES, spell_overrides
+
+    new = compose("device=cpu", *spell_overrides(["experiment=toy"], RUN_ALIASES))
+    old = compose("device=cpu", *spell_overrides(["+experiment=toy"], RUN_ALIASES))
+    assert new.tags.experiment == old.tags.experiment == "toy" and new.max_new_tokens == old.max_new_tokens == 128
+    assert spell_overrides(["experiment=toy", "budget=8"], TRAIN_ALIASES) == ["train/experiment=toy", "budget=8"]
+    assert spell_overrides(["train/experiment=toy"], TRAIN_ALIASES) == ["train/experiment=toy"]
+    trained = compose(*spell_overrides(["experiment=toy"], TRAIN_ALIASES), config_name="train", hydra_node=False)
+    assert trained.target.name_or_path == compose("train/experiment=toy", config_name="train",
+                                                  hydra_node=False).target.name_or_path

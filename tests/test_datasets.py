@@ -9,13 +9,11 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import models as M
 from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
 from ddtree.pipeline.datasets import load_dataset_prompts, load_hub, prompts_from_records, sample_indices
 
 BOXED = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -73,21 +71,15 @@ EXPERIMENTS = {"paper": ["qwen3_4b", "qwen3_8b", "qwen3_coder_30b_a3b"], "paper_
                "hybrid": ["qwen3_5_27b", "qwen3_6_27b"]}
 
 
-def _compose(*overrides: str, hydra_node: bool = False):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=["device=cpu", *overrides], return_hydra_config=hydra_node)
-
-
 def _jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
 @pytest.mark.parametrize("name", list(BENCHMARKS))
-def test_benchmark_config_composes_and_formats_records(name, tmp_path):
+def test_benchmark_config_composes_and_formats_records(name, tmp_path, compose):
     hub, subset, split, max_samples, cases = BENCHMARKS[name]
-    ds = V.validate(_compose(f"dataset={name}")).dataset  # validation reads no data
+    ds = V.validate(compose("device=cpu", f"dataset={name}")).dataset  # validation reads no data
     assert (ds.name, ds.hub, ds.subset, ds.split, ds.max_samples, ds.shuffle_seed) == (
         name, hub, subset, split, max_samples, 0)
     assert ds.title and ds.chat_template and not ds.enable_thinking
@@ -96,16 +88,16 @@ def test_benchmark_config_composes_and_formats_records(name, tmp_path):
     assert [(p.id, p.turns) for p in load_dataset_prompts(ds, records)] == expected
     # a local copy with the same fields stands in for the hub (dataset.path=), through the composed config
     local = _jsonl(tmp_path / f"{name}.jsonl", records)
-    ds = V.validate(_compose(f"dataset={name}", f"dataset.path={local}")).dataset
+    ds = V.validate(compose("device=cpu", f"dataset={name}", f"dataset.path={local}")).dataset
     assert [(p.id, p.turns) for p in load_dataset_prompts(ds)] == expected
 
 
-def test_rows_are_drawn_like_the_authors_shuffle():
+def test_rows_are_drawn_like_the_authors_shuffle(compose):
     """More rows than max_samples: the rows of datasets' own Dataset.shuffle(seed=0).select(range(k));
     otherwise every row in order."""
     from datasets import Dataset
 
-    ds = V.validate(_compose("dataset=gsm8k")).dataset
+    ds = V.validate(compose("device=cpu", "dataset=gsm8k")).dataset
     records = [{"question": f"q{i}", "answer": str(i)} for i in range(300)]
     reference = Dataset.from_list(records).shuffle(seed=0).select(range(128))
     prompts = prompts_from_records(ds, records)
@@ -115,7 +107,7 @@ def test_rows_are_drawn_like_the_authors_shuffle():
     assert sample_indices(10, 3, None) == [0, 1, 2]
 
 
-def test_load_through_datasets_from_a_folder_offline(tmp_path):
+def test_load_through_datasets_from_a_folder_offline(tmp_path, compose):
     """The real `datasets.load_dataset` path (data_files in order, one split, cache in tmp) on local files."""
     folder = tmp_path / "lcb"
     folder.mkdir()
@@ -123,7 +115,7 @@ def test_load_through_datasets_from_a_folder_offline(tmp_path):
             for i in range(6)]
     _jsonl(folder / "test.jsonl", rows[:4])
     _jsonl(folder / "test2.jsonl", rows[4:])
-    ds = V.validate(_compose("dataset=livecodebench", f"dataset.hub={folder}",
+    ds = V.validate(compose("device=cpu", "dataset=livecodebench", f"dataset.hub={folder}",
                              "dataset.data_files=[test.jsonl,test2.jsonl]", "dataset.max_samples=4")).dataset
     cache = str(tmp_path / "cache")
     assert len(load_hub(ds, cache_dir=cache)) == 6
@@ -132,9 +124,9 @@ def test_load_through_datasets_from_a_folder_offline(tmp_path):
     assert len(prompts) == 4 and all(p.turns[0].startswith(LCB_HEAD) for p in prompts)
 
 
-def test_offline_without_cache_says_how_to_provide_the_data(tmp_path, monkeypatch):
+def test_offline_without_cache_says_how_to_provide_the_data(tmp_path, monkeypatch, compose):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    ds = V.validate(_compose("dataset=gsm8k", "dataset.hub=ddtree-tests/not-cached")).dataset
+    ds = V.validate(compose("device=cpu", "dataset=gsm8k", "dataset.hub=ddtree-tests/not-cached")).dataset
     with pytest.raises(ConfigError) as e:
         load_dataset_prompts(ds, cache_dir=str(tmp_path / "empty"))
     msg = str(e.value)
@@ -151,26 +143,26 @@ def test_offline_without_cache_says_how_to_provide_the_data(tmp_path, monkeypatc
     (["dataset=tiny", "dataset.name=gsm8k"], "dataset.name"),
     (["dataset=gsm8k", "dataset.max_samples=0"], "dataset.max_samples"),
 ])
-def test_bad_dataset_settings_fail_before_loading(overrides, setting):
+def test_bad_dataset_settings_fail_before_loading(overrides, setting, compose):
     with pytest.raises(ConfigError) as e:
-        V.validate(_compose(*overrides))
+        V.validate(compose("device=cpu", *overrides))
     assert e.value.setting == setting and e.value.fix
 
 
-def test_a_record_without_the_template_fields_is_named(tmp_path):
-    ds = V.validate(_compose("dataset=gsm8k")).dataset
+def test_a_record_without_the_template_fields_is_named(tmp_path, compose):
+    ds = V.validate(compose("device=cpu", "dataset=gsm8k")).dataset
     with pytest.raises(ConfigError, match=r"reads the field 'question'.*\(it has: problem\)"):
         load_dataset_prompts(ds, [{"problem": "x"}])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "a"}\n[1, 2]\n')
-    ds = V.validate(_compose("dataset=gsm8k", f"dataset.path={bad}")).dataset
+    ds = V.validate(compose("device=cpu", "dataset=gsm8k", f"dataset.path={bad}")).dataset
     with pytest.raises(ConfigError, match="line 2 is not a JSON object"):
         load_dataset_prompts(ds)
 
 
 @pytest.mark.parametrize("name", list(EXPERIMENTS))
-def test_experiment_configs_set_up_the_paper_grid(name):
-    cfg = _compose(f"+experiment={name}", hydra_node=True)
+def test_experiment_configs_set_up_the_paper_grid(name, compose):
+    cfg = compose("device=cpu", f"experiment={name}", hydra_node=True)
     rc = V.validate(cfg)
     assert rc.tags["experiment"] == name and rc.tracking.experiment == "ddtree-paper"
     assert (rc.max_new_tokens, rc.drafter.block_size, rc.attention.target, rc.model.dtype) == (2048, 16, "sdpa",
@@ -185,23 +177,23 @@ def test_experiment_configs_set_up_the_paper_grid(name):
     assert rc.model.name in EXPERIMENTS[name] and rc.drafter.target == rc.model.name_or_path
     assert rc.dataset.enable_thinking == (name == "hybrid")
     # one job of the grid, as the sweeper composes it
-    job = V.validate(_compose(f"+experiment={name}", f"model={EXPERIMENTS[name][-1]}", "dataset=mt_bench",
+    job = V.validate(compose("device=cpu", f"experiment={name}", f"model={EXPERIMENTS[name][-1]}", "dataset=mt_bench",
                               "temperature=1.0", "method=dflash", "budget=1024"))
     assert (job.dataset.hub, job.temperature, job.method, job.model.name) == (
         "HuggingFaceH4/mt_bench_prompts", 1.0, "dflash", EXPERIMENTS[name][-1])
 
 
-def test_a_budget_sweep_runs_dflash_once():
+def test_a_budget_sweep_runs_dflash_once(compose):
     """DFlash ignores the budget, so its jobs at other budgets share one identity (and are skipped as finished)."""
-    ident = {(m, b): C.identity_dict(V.validate(_compose("+experiment=paper_qwen3_8b", f"method={m}", f"budget={b}")))
+    ident = {(m, b): C.identity_dict(V.validate(compose("device=cpu", "experiment=paper_qwen3_8b", f"method={m}", f"budget={b}")))
              for m in ("dflash", "ddtree") for b in (16, 1024)}
     assert ident[("dflash", 16)] == ident[("dflash", 1024)] and ident[("ddtree", 16)] != ident[("ddtree", 1024)]
-    tagged = V.validate(_compose("+experiment=paper_qwen3_8b", "tags.experiment=mine"))
+    tagged = V.validate(compose("device=cpu", "experiment=paper_qwen3_8b", "tags.experiment=mine"))
     assert tagged.tags == {"experiment": "mine"} and C.identity_dict(tagged) == C.identity_dict(
-        V.validate(_compose("+experiment=paper_qwen3_8b")))
+        V.validate(compose("device=cpu", "experiment=paper_qwen3_8b")))
 
 
-def test_hub_format_prompts_run_through_a_job(tmp_path, monkeypatch):
+def test_hub_format_prompts_run_through_a_job(tmp_path, monkeypatch, compose):
     """In-process job on the tiny model: a GSM8K local copy and MT-Bench's two turns in the paper's format."""
     from ddtree.pipeline import job as R
 
@@ -210,10 +202,11 @@ def test_hub_format_prompts_run_through_a_job(tmp_path, monkeypatch):
     mt = _jsonl(tmp_path / "mt.jsonl", [BENCHMARKS["mt_bench"][4][0][0]])
     common = ("model=tiny_qwen3", "method=dflash", "max_new_tokens=4", "baseline=false", "warmup=false",
               "tracking=none", "compat.enabled=false")
-    s = R.run_job(_compose(*common, "dataset=gsm8k", f"dataset.path={gsm}", "dataset.max_samples=2"))
+    s = R.run_job(compose("device=cpu", *common, "dataset=gsm8k", f"dataset.path={gsm}", "dataset.max_samples=2",
+                          hydra_node=False))
     recs = [json.loads(ln) for ln in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert s["num_prompts"] == 2 and len(recs) == 2 and {r["id"] for r in recs} <= {str(i) for i in range(5)}
-    R.run_job(_compose(*common, "dataset=mt_bench", f"dataset.path={mt}"))
+    R.run_job(compose("device=cpu", *common, "dataset=mt_bench", f"dataset.path={mt}", hydra_node=False))
     recs = [json.loads(ln) for ln in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [(r["id"], r["turn"]) for r in recs] == [("81", 0), ("81", 1)]
     M.MODELS.clear()

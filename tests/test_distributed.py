@@ -14,20 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 import ddtree
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
 from ddtree.pipeline import distributed as D
 from ddtree.pipeline import models as M
-from ddtree.pipeline import schema as C
 from ddtree.testing.reference import hf_greedy
 from ddtree.testing.tiny import tiny_model
-
-SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=3", "max_new_tokens=8")
-
 
 # ---------------------------------------------------------------- ranks, shards, merge (no processes)
 
@@ -178,16 +172,14 @@ def test_a_gdn_module_hooked_before_the_patch_runs_the_patched_forward():
         (gdn.install if was_installed else gdn.uninstall)()
 
 
-def test_run_loads_a_device_mapped_target(tmp_path, monkeypatch):
+def test_run_loads_a_device_mapped_target(tmp_path, monkeypatch, small, compose):
     """model.device_map through the run CLI's loader: placed by accelerate, inputs on the embeddings' device."""
     from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-        dmap = per_layer_map(tiny_model("qwen3", vocab_size=128))
-        cfg = compose("config", overrides=[*SMALL, "device=cpu", "tracking=none", "warmup=false",
-                                           "compat.enabled=false", f"model.device_map={_hydra_dict(dmap)}"])
+    dmap = per_layer_map(tiny_model("qwen3", vocab_size=128))
+    cfg = compose(*small, "dataset.max_samples=3", "device=cpu", "tracking=none", "warmup=false",
+                  "compat.enabled=false", f"model.device_map={_hydra_dict(dmap)}", hydra_node=False)
     M.MODELS.clear()
     try:
         summary = R.run_job(cfg)
@@ -213,16 +205,14 @@ def _key(r: dict) -> tuple:
     return r["id"], r["turn"], r["role"], r["method"]
 
 
-def test_ranks_shard_and_rank0_gathers_in_process(tmp_path, monkeypatch):
+def test_ranks_shard_and_rank0_gathers_in_process(tmp_path, monkeypatch, small, compose):
     """run_job's rank logic with the collectives replaced by a recording: rank 1 runs first and hands its
     records over; rank 0 gets them from `gather`, merges, summarizes, and alone writes samples.jsonl."""
     from ddtree.pipeline import job as R
 
     monkeypatch.chdir(tmp_path)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=[*SMALL, "dataset.max_samples=4", "device=cpu", "tracking=none",
-                                           "warmup=false", "compat.enabled=false"])
+    cfg = compose(*small, "dataset.max_samples=4", "device=cpu", "tracking=none", "warmup=false",
+                  "compat.enabled=false", hydra_node=False)
     single = R.run_job(cfg)
     reference = _records(tmp_path / "samples.jsonl")
     (tmp_path / "samples.jsonl").unlink()
@@ -270,11 +260,11 @@ def _torchrun(args: list[str], cwd: Path, nproc: int, launcher: str = "torchrun"
 
 
 @pytest.mark.slow
-def test_two_gloo_ranks_equal_one_process(cli, tmp_path):
+def test_two_gloo_ranks_equal_one_process(cli, tmp_path, small):
     """torchrun, 2 processes, gloo: the gathered samples equal a single-process run's, prompt for prompt;
     one MLflow run (rank 0's), with the world size recorded."""
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
-    common = (*SMALL, "method=ddtree", "budget=8", f"runs_dir={tmp_path / 'runs'}")
+    common = (*small, "dataset.max_samples=3", "method=ddtree", "budget=8", f"runs_dir={tmp_path / 'runs'}")
     one = cli(*common, "tracking=none", f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     two = _torchrun([*common, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, 2)
@@ -304,9 +294,9 @@ def test_two_gloo_ranks_equal_one_process(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_accelerate_launch_runs_the_same_ranks(cli, tmp_path):
+def test_accelerate_launch_runs_the_same_ranks(cli, tmp_path, small):
     """`accelerate launch --multi_gpu --num_processes 2 -m ddtree.run`: the same rank environment as torchrun."""
-    common = (*SMALL, "method=dflash", "tracking=none", f"runs_dir={tmp_path / 'runs'}")
+    common = (*small, "dataset.max_samples=3", "method=dflash", "tracking=none", f"runs_dir={tmp_path / 'runs'}")
     one = cli(*common, f"hydra.run.dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-3000:]
     two = _torchrun([*common, f"hydra.run.dir={tmp_path / 'two'}"], tmp_path, 2, launcher="accelerate")

@@ -43,11 +43,23 @@ def test_other_glibc_tunables_do_not_stop_it():
 
 
 @glibc
-def test_it_is_set_once_and_a_cpu_session_sets_it():
-    code = ("import torch\nfrom ddtree.engine.target import TargetSession\nfrom ddtree.testing.tiny import tiny_model\n"
-            "assert not h._STATE\nTargetSession(tiny_model('qwen3', seed=0))\nfirst = h._STATE['state']\n"
-            "assert h.tune_host_allocator() is first\nprint(first)")
+def test_only_an_engine_that_asks_sets_it_once():
+    """A library Engine leaves malloc alone unless asked (the setting, or DDTREE_HOST_MALLOC=1); the CLI asks."""
+    code = ("import ddtree\nfrom ddtree.testing.tiny import tiny_model\nt = tiny_model('qwen3', seed=0)\n"
+            "e = ddtree.Engine(t, method='ar')\nassert not h._STATE and e.binding.host_allocator == 'untouched'\n"
+            "e = ddtree.Engine(t, method='ar', tune_host_allocator=True)\nfirst = h._STATE['state']\n"
+            "assert h.tune_host_allocator() is first and e.binding.host_allocator is first\nprint(first)")
     assert _state_in_child({}, code).startswith("glibc ")
+    by_env = ("import ddtree\nfrom ddtree.testing.tiny import tiny_model\n"
+              "ddtree.Engine(tiny_model('qwen3', seed=0), method='ar')\nprint(h._STATE.get('state', 'unset'))")
+    assert _state_in_child({"DDTREE_HOST_MALLOC": "1"}, by_env).startswith("glibc ")
+    assert _state_in_child({}, by_env) == "unset"
+
+
+def test_the_cli_asks_for_it_and_keeps_it_out_of_the_identity():
+    from ddtree.pipeline import schema
+
+    assert schema.RunConfig().host_allocator is True and "host_allocator" in schema.NON_IDENTITY_KEYS
 
 
 def test_the_state_is_words_in_this_process():

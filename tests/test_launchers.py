@@ -12,17 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from ddtree.pipeline import schema as C
 from ddtree.pipeline import tracking as T
 
 # our conf/hydra/launcher files shadow the plugins' configs of the same name (ddtree.run silences this too)
 pytestmark = pytest.mark.filterwarnings(r"ignore:\s*'hydra/launcher/\w+' is validated against ConfigStore schema")
 
-SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8")
 LAUNCHERS = {  # conf/hydra/launcher/<name>.yaml -> (plugin module, schema class, launcher class)
     "submitit_slurm": ("hydra_plugins.hydra_submitit_launcher", "SlurmQueueConf", "SlurmLauncher"),
     "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "LocalQueueConf", "LocalLauncher"),
@@ -37,16 +33,10 @@ def _installed(module: str) -> bool:
         return False
 
 
-def _compose(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=True)
-
-
 @pytest.mark.parametrize("name", list(LAUNCHERS))
-def test_launcher_config_composes_and_matches_the_plugin(name):
+def test_launcher_config_composes_and_matches_the_plugin(name, compose):
     module, schema, launcher = LAUNCHERS[name]
-    cfg = _compose(f"hydra/launcher={name}", "hydra.launcher.timeout_min=30" if "submitit" in name else
+    cfg = compose(f"hydra/launcher={name}", "hydra.launcher.timeout_min=30" if "submitit" in name else
                    "hydra.launcher.ray.init.address=auto")
     node = OmegaConf.to_container(cfg.hydra.launcher, resolve=False)
     assert node["_target_"].startswith(module + ".") and node["_target_"].endswith("." + launcher)
@@ -61,10 +51,10 @@ def test_launcher_config_composes_and_matches_the_plugin(name):
         assert node["submitit_folder"] == "${hydra.sweep.dir}/.submitit/%j" and node["timeout_min"] == 30
 
 
-def test_missing_launcher_plugin_is_one_line(cli, tmp_path):
+def test_missing_launcher_plugin_is_one_line(cli, tmp_path, small):
     if _installed("hydra_plugins.hydra_ray_launcher"):
         pytest.skip("hydra-ray-launcher is installed here")
-    proc = cli(*SMALL, "hydra/launcher=ray", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={tmp_path / 's'}",
+    proc = cli(*small, "hydra/launcher=ray", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={tmp_path / 's'}",
                "-m", timeout=120)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "pip install hydra-ray-launcher" in lines[0], proc.stderr
@@ -79,17 +69,17 @@ def _runs(uri: str):
     return [] if exp is None else client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
 
 
-def _sweep_cfg(*overrides: str, sweep: str):
+def _sweep_cfg(*overrides: str, sweep: str, compose):
     """The launching process's config of `-m ... <sweep>` (compose takes no sweep, so it is added as Hydra does)."""
     from omegaconf import read_write
 
-    cfg = _compose(*SMALL, *overrides)
+    cfg = compose(*overrides)
     with read_write(cfg.hydra.overrides):
         cfg.hydra.overrides.task.append(sweep)
     return cfg
 
 
-def test_sweep_parent_is_made_at_start_and_handed_to_jobs(tmp_path, monkeypatch):
+def test_sweep_parent_is_made_at_start_and_handed_to_jobs(tmp_path, monkeypatch, compose, small):
     """on_multirun_start creates the parent in the launching process and adds it to hydra.job.env_set
     (what every launcher recomposes a job from); a parent whose jobs were all skipped is removed."""
     from mlflow import MlflowClient
@@ -97,7 +87,7 @@ def test_sweep_parent_is_made_at_start_and_handed_to_jobs(tmp_path, monkeypatch)
     monkeypatch.delenv(T.PARENT_ENV, raising=False)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     sweep = tmp_path / "sweep"
-    cfg = _sweep_cfg(f"tracking.uri={uri}", f"hydra.sweep.dir={sweep}", sweep="budget=4,8")
+    cfg = _sweep_cfg(*small, f"tracking.uri={uri}", f"hydra.sweep.dir={sweep}", sweep="budget=4,8", compose=compose)
     T.SweepCallback().on_multirun_start(cfg)
     record = json.loads((sweep / T.PARENT_FILE).read_text())
     assert f"++hydra.job.env_set.{T.PARENT_ENV}={record['run_id']}" in list(cfg.hydra.overrides.hydra)
@@ -114,12 +104,12 @@ def test_sweep_parent_is_made_at_start_and_handed_to_jobs(tmp_path, monkeypatch)
 
     # with a child, the parent is closed FINISHED; a sweep over the store itself leaves it to the jobs
     sweep2 = tmp_path / "sweep2"
-    cfg = _sweep_cfg(f"tracking.uri={uri}", f"hydra.sweep.dir={sweep2}", sweep="budget=4,8")
+    cfg = _sweep_cfg(*small, f"tracking.uri={uri}", f"hydra.sweep.dir={sweep2}", sweep="budget=4,8", compose=compose)
     T.SweepCallback().on_multirun_start(cfg)
     pid = json.loads((sweep2 / T.PARENT_FILE).read_text())["run_id"]
     tracker.start(run_name="child", params={}, tags={}, config_hash="h", sweep_dir=sweep2).end()
     assert T.finish_sweep(sweep2) == pid and MlflowClient(uri).get_run(pid).info.status == "FINISHED"
-    cfg = _sweep_cfg(f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path / 's3'}", sweep="tracking.experiment=a,b")
+    cfg = _sweep_cfg(*small, f"tracking.uri={uri}", f"hydra.sweep.dir={tmp_path / 's3'}", sweep="tracking.experiment=a,b", compose=compose)
     T.SweepCallback().on_multirun_start(cfg)
     assert not (tmp_path / "s3" / T.PARENT_FILE).exists()
 
@@ -139,10 +129,10 @@ def _multirun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_submitit_local_sweep_parent_children_and_resume(tmp_path):
+def test_submitit_local_sweep_parent_children_and_resume(tmp_path, small):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
-    common = (*SMALL, "method=ddtree", f"runs_dir={tmp_path / 'runs'}", f"tracking.uri={uri}",
+    common = (*small, "method=ddtree", f"runs_dir={tmp_path / 'runs'}", f"tracking.uri={uri}",
               "hydra/launcher=submitit_local")
     sweep = tmp_path / "sweep"
     proc = _multirun(tmp_path, *common, "budget=4,8", f"hydra.sweep.dir={sweep}")
@@ -172,12 +162,12 @@ def test_submitit_local_sweep_parent_children_and_resume(tmp_path):
 
 
 @pytest.mark.slow
-def test_submitit_tasks_are_data_parallel_ranks(tmp_path):
+def test_submitit_tasks_are_data_parallel_ranks(tmp_path, small):
     """hydra.launcher.tasks_per_node=2: the job runs as 2 gloo ranks (SLURM's multi-task jobs, locally)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
     sweep = tmp_path / "sweep"
-    proc = _multirun(tmp_path, *SMALL, "dataset.max_samples=3", "method=dflash", f"runs_dir={tmp_path / 'runs'}",
+    proc = _multirun(tmp_path, *small, "dataset.max_samples=3", "method=dflash", f"runs_dir={tmp_path / 'runs'}",
                      f"tracking.uri={uri}", "hydra/launcher=submitit_local", "hydra.launcher.tasks_per_node=2",
                      f"hydra.sweep.dir={sweep}")
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -194,12 +184,12 @@ def test_submitit_tasks_are_data_parallel_ranks(tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_local_sweep_parent_children_and_resume(tmp_path):
+def test_ray_local_sweep_parent_children_and_resume(tmp_path, small):
     """hydra/launcher=ray on a Ray started for the sweep (no GPU asked): the parent reaches the jobs through
     hydra.job.env_set; a rerun skips both jobs. Runs only where hydra-ray-launcher is installed."""
     pytest.importorskip("hydra_plugins.hydra_ray_launcher")
     uri = f"sqlite:///{tmp_path}/store/mlflow.db"
-    common = (*SMALL, f"runs_dir={tmp_path / 'runs'}", f"tracking.uri={uri}", "hydra/launcher=ray",
+    common = (*small, f"runs_dir={tmp_path / 'runs'}", f"tracking.uri={uri}", "hydra/launcher=ray",
               "hydra.launcher.ray.remote.num_gpus=0", "hydra.launcher.ray.remote.num_cpus=1",
               "+hydra.launcher.ray.init.num_cpus=2", "+hydra.launcher.ray.init.include_dashboard=false", "budget=4,8")
     proc = _multirun(tmp_path, *common, f"hydra.sweep.dir={tmp_path / 'sweep'}")

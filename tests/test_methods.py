@@ -7,7 +7,7 @@ import torch
 
 import ddtree
 from ddtree.engine.drafter import DFlashDrafter
-from ddtree.engine.validate import Validator
+from ddtree.engine.output_check import Validator
 from ddtree.testing.reference import hf_greedy
 from ddtree.testing.tiny import tiny_model
 

@@ -10,14 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import models as M
-from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
-
-SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "compat.enabled=true")
 
 
 def _client(uri: str):
@@ -42,9 +37,9 @@ def _ok(proc) -> str:
     return proc.stdout
 
 
-def test_single_run_sweep_and_resume(cli, tmp_path):
+def test_single_run_sweep_and_resume(cli, tmp_path, small):
     runs_dir, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/store/mlflow.db"
-    common = (*SMALL, f"runs_dir={runs_dir}", f"tracking.uri={uri}")
+    common = (*small, f"runs_dir={runs_dir}", f"tracking.uri={uri}")
 
     # 1. a single run: a plain MLflow run with params, metrics, tags and artifacts
     job = tmp_path / "single"
@@ -120,25 +115,81 @@ BAD_INPUTS = {
     "prompt file not UTF-8": (["dataset=jsonl", "dataset.path=latin1.jsonl"], "latin1.jsonl is not UTF-8"),
     "prompt longer than the context": (["dataset=jsonl", "dataset.path=long.jsonl"],
                                        "exceeds the target's context of 2048 tokens"),
+    # a whitespace prompt under a word-level tokenizer: no tokens at all
+    "prompt of no tokens": (["model.tokenizer=./wordlevel", "dataset=jsonl", "dataset.path=blank.jsonl",
+                             "dataset.chat_template=false"], "dataset.path: prompt 'blank' ('   ') is no tokens"),
+    "tree too large for memory": (["method=ddtree", "budget=100000"], "budget: a tree of 100000 nodes needs about"),
+    "backend the target's class does not take": (["attention=flex_attention"],
+                                                 "Qwen3_5ForCausalLM (model_type 'qwen3_5_text') does not take"),
+    "experiment misspelled": (["experiment=toyy"], "experiment: unknown option 'toyy'"),
+    "CUDA asked for without one": (["device=cuda"], "device: cuda requested but CUDA is not available"),
 }
 
 
-# one case per kind of refusal (config value, prompt file, drafter/target fit, backend, source folder,
-# prompt length) stays in the fast suite, each a CLI process of ~8 s; the others take the same path from
-# check to message and run under `make test-slow`
-FAST_BAD_INPUTS = ("unknown group option", "budget <= 0", "missing prompt file", "drafter incompatible with target",
-                   "tree method on a flash backend", "model folder missing", "prompt longer than the context")
+# Every case runs in-process (composition and the job's `configure`, the code path of the CLI up to its one line,
+# ~1 s each); a few also through a CLI process (~8 s each: a composition error, a ConfigError of the config
+# checks and one of the pre-load checks), the others through the CLI under `make test-slow`
+FAST_BAD_INPUTS = ("unknown group option", "budget <= 0", "tree too large for memory")
+
+
+def _bad_input_files(tmp_path: Path) -> None:
+    """The files the battery's cases name, in the directory the job runs from."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
+    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "turns": ["café"]}\n'.encode("latin-1"))
+    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"id": "blank", "turns": ["   "]}) + "\n")
+    (tmp_path / "empty").mkdir()
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "</s>": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()  # whitespace is no token at all
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>").save_pretrained(
+        tmp_path / "wordlevel")
+
+
+def _skip_if_not_a_mistake_here(case: str) -> None:
+    import torch
+
+    if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash_attn is installed here")
+    if case == "CUDA asked for without one" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_before_model_work_in_process(case, compose, tmp_path, monkeypatch):
+    """The message the CLI prints (`error: ` + this line), from composition and the job's checks before any load."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from ddtree.errors import ConfigError
+    from ddtree.pipeline import job as R
+    from ddtree.pipeline.cli import one_line
+
+    _skip_if_not_a_mistake_here(case)
+    _bad_input_files(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    args, expected = BAD_INPUTS[case]
+    load = M.load_target
+    monkeypatch.setattr(M, "load_target", lambda *a: pytest.fail(f"a model was loaded for {case}") or load(*a))
+    try:
+        R.configure(compose(*args, f"runs_dir={tmp_path / 'runs'}", hydra_node=False))
+    except ConfigError as e:
+        line = str(e)
+    except (HydraException, OmegaConfBaseException) as e:
+        line = one_line(e)
+    else:
+        pytest.fail(f"{case}: accepted")
+    assert expected in line and "\n" not in line, line
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("case", [c if c in FAST_BAD_INPUTS else pytest.param(c, marks=pytest.mark.slow)
                                   for c in BAD_INPUTS])
 def test_bad_input_exits_with_one_line(cli, tmp_path, case):
-    if case == "attention backend not installed" and V.importlib.util.find_spec("flash_attn") is not None:
-        pytest.skip("flash_attn is installed here")
-    (tmp_path / "bad.jsonl").write_text('{"id": 1, "turns": ["fine"]}\n{"id": 2, "turns": ["broken"\n')
-    (tmp_path / "latin1.jsonl").write_bytes('{"id": 1, "turns": ["café"]}\n'.encode("latin-1"))
-    (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
-    (tmp_path / "empty").mkdir()
+    _skip_if_not_a_mistake_here(case)
+    _bad_input_files(tmp_path)
     args, expected = BAD_INPUTS[case]
     proc = cli(*args, f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}")
     assert proc.returncode == 2, proc.stderr
@@ -149,7 +200,7 @@ def test_bad_input_exits_with_one_line(cli, tmp_path, case):
     assert not (tmp_path / "runs" / "mlflow.db").exists() and not (tmp_path / "job" / "samples.jsonl").exists()
 
 
-def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
+def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch, small, compose):
     """In-process: a drafter that does not fit its target is refused right after loading (before any
     generation), and a job that crashes mid-way ends its MLflow run FAILED with the samples it finished."""
     import ddtree.engine.loop
@@ -160,10 +211,8 @@ def test_load_time_drafter_check_and_crash_keeps_samples(tmp_path, monkeypatch):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
 
     def cfg(*extra):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*SMALL, "device=cpu", f"tracking.uri={uri}", "warmup=false",
-                                                "baseline=false", "compat.enabled=false", *extra])
+        return compose(*small, "device=cpu", f"tracking.uri={uri}", "warmup=false", "baseline=false",
+                       "compat.enabled=false", *extra, hydra_node=False)
 
     with pytest.raises(ConfigError) as e:  # layer 9 does not exist in a 4-layer target
         R.run_job(cfg("drafter.target_layer_ids=[1,9]"))
@@ -202,7 +251,7 @@ def test_cli_works_from_any_cwd_and_prints_help(cli, tmp_path: Path):
     assert proc.returncode == 0 and "tiny_llama" in proc.stdout and "budget: 64" in proc.stdout
 
 
-def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
+def test_baseline_reused_within_a_process(tmp_path, monkeypatch, small, compose):
     """A later job of the same process on the same prompts and settings takes the AR baseline from the
     earlier one (the paper runs AR once per prompt); any setting the baseline depends on breaks the reuse."""
     from ddtree.pipeline import job as R
@@ -211,10 +260,8 @@ def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
     M.MODELS.clear()
 
     def cfg(*extra):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=[*SMALL, "device=cpu", "tracking=none", "warmup=false",
-                                                "compat.enabled=false", *extra])
+        return compose(*small, "device=cpu", "tracking=none", "warmup=false", "compat.enabled=false", *extra,
+                       hydra_node=False)
 
     def baseline(summary_path=tmp_path / "samples.jsonl"):
         rows = [json.loads(x) for x in summary_path.read_text().splitlines()]
@@ -239,3 +286,38 @@ def test_baseline_reused_within_a_process(tmp_path, monkeypatch):
     M.MODELS.clear()
     assert R.run_job(cfg("method=ddtree", "budget=8"))["baseline_reused_from"] is None  # new target: AR again
     M.MODELS.clear()
+
+
+def test_only_the_entry_point_reads_the_process_model_cache():
+    """A job's phases get what they need in a JobContext; the per-process cache (models.MODELS) is read by run_job
+    alone, which hands it over."""
+    import ast
+    import inspect
+
+    from ddtree.pipeline import job as R
+    from ddtree.pipeline import output_verdicts
+
+    for module in (R, output_verdicts):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.FunctionDef) and node.name != "run_job":
+                names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+                assert "MODELS" not in names, f"{module.__name__}.{node.name} reads the module-level cache"
+    params = inspect.signature(R._generate_shard).parameters
+    assert list(params)[0] == "ctx" and len(params) <= 5
+
+
+def test_a_drafter_that_failed_to_load_is_not_taken_for_the_cached_one(small, compose):
+    """A misfit drafter refused at load leaves the cache without a drafter key: the next job with the drafter
+    loaded before loads it again (it used to find the old key and no drafter)."""
+    from ddtree.errors import ConfigError
+
+    def rc(*extra):
+        from ddtree.pipeline.schema import to_run_config
+
+        return to_run_config(compose(*small, "device=cpu", "tracking=none", *extra, hydra_node=False))
+
+    cache = M.ModelCache()
+    assert M.get_models(rc(), "cpu", cache)[2] is not None
+    with pytest.raises(ConfigError):
+        M.get_models(rc("drafter.target_layer_ids=[1,9]"), "cpu", cache)
+    assert M.get_models(rc(), "cpu", cache)[2] is not None

@@ -17,8 +17,8 @@ from conftest import copy_checkout
 
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
+from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import schema as C
-from ddtree.pipeline import validate as V
 from ddtree.testing.tiny import tiny_model
 from ddtree.upstream.engine import (
     UpstreamResult,

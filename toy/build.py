@@ -4,7 +4,7 @@
     python toy/build.py --clean         # everything from scratch (deterministic: fixed seeds)
     python toy/build.py --arch qwen3 --name toy_pure   # the pure-attention pair, in assets/toy_pure
 
-Steps: corpus -> tokenizer -> target pretraining -> `python -m ddtree.train train/experiment=toy`
+Steps: corpus -> tokenizer -> target pretraining -> `python -m ddtree.train experiment=toy`
 (the target answers the train prompts, features, drafter training, evaluation) -> assets/toy.
 """
 
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
          [py, "toy/pretrain.py", "--data", str(data), "--tokenizer", str(tok), "--out", str(target),
           "--arch", args.arch, *threads], timings)
     step("drafter", train / "eval.json",
-         [py, "-m", "ddtree.train", "train/experiment=toy", f"out_dir={train}", f"target.name_or_path={target}",
+         [py, "-m", "ddtree.train", "experiment=toy", f"out_dir={train}", f"target.name_or_path={target}",
           f"data.prompts={data / 'train_prompts.jsonl'}", f"eval.prompts={data / 'prompts.jsonl'}",
           f"tracking={args.tracking}", *([f"threads={args.threads}"] if args.threads else []), *train_overrides],
          timings)

@@ -4,7 +4,7 @@ Their `dflash_generate` and `ddtree_generate` fill the output buffer with `mask_
 tokens they commit, and end with `output_ids = output_ids[:, output_ids[0] != mask_token_id]` to cut
 the unwritten tail. That also removes every prompt or *generated* token equal to the mask id: an
 output of a target that emits it comes back shorter, with tokens missing (found by
-ddtree.engine.validate: a tiny Qwen3 whose greedy output holds the mask id 4 times in 24 tokens gave
+ddtree.engine.output_check: a tiny Qwen3 whose greedy output holds the mask id 4 times in 24 tokens gave
 20-token outputs, suspect at the first missing token). Written positions are always `[:start + 1]`
 (the committed tokens and the bonus token at `start`), so the filter line is rewritten, in the
 function's own source from the user's checkout, to `output_ids = output_ids[:, : start + 1]`; the

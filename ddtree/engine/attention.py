@@ -442,7 +442,8 @@ def _flex_verify(ctx: TreeVerification, base: str, module, query, key, value, kw
 
 
 def register() -> None:
-    """Register every tree implementation with transformers (idempotent)."""
+    """Register every tree implementation with transformers (idempotent). Not done at import: `use_tree_attention`
+    and a load by name (ddtree.pipeline.models.load_target) call it when a model needs one."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -469,8 +470,6 @@ def use_tree_attention(model) -> str:
     model.set_attn_implementation(name)
     return name
 
-
-register()
 
 __all__ = ["SPLIT_IMPLEMENTATIONS", "TreeVerification", "tree_verification", "active", "attention_lse", "merge_lse",
            "window_bounds", "flex_block_mask", "split_attention", "register", "use_tree_attention", "base_backend",

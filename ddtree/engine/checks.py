@@ -3,7 +3,9 @@ authors'-code engine); cheap to import: torch is only needed by the tensor check
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import math
+import os
+from typing import TYPE_CHECKING, Any
 
 from ddtree.errors import ConfigError
 
@@ -30,3 +32,74 @@ def check_generate_args(temperature: float, max_new_tokens: int, input_ids: torc
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ConfigError("input_ids", f"must have shape [1, prompt_len], got {list(input_ids.shape)}",
                           "pass one prompt: input_ids[None] or tokenizer(..., return_tensors='pt').input_ids")
+    if input_ids.shape[1] < 1:
+        raise ConfigError("input_ids", "is empty: the prompt tokenized to no tokens",
+                          "pass a prompt of at least one token")
+
+
+# ---------------------------------------------------------------- the tree's memory
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+GDN_LIVE_MATRICES = 3  # [value heads, n, n] float32 matrices a tree-exact GDN layer holds at once
+TREE_SHARE = 2  # a tree may take at most 1/TREE_SHARE of the device's memory (weights, cache and the rest: the other)
+
+
+def tree_bytes_per_node(text_config: dict[str, Any], dtype_bytes: int) -> tuple[int, int]:
+    """(a, b): one verification round of n tree nodes needs about a * n**2 + b * n bytes on the target's device.
+
+    a: the ancestor matrix (bool, and its float copy), the additive mask (model dtype), one layer's attention scores
+    under that mask (heads x n x n, float32) and, on a hybrid, a GDN layer's [value heads, n, n] float32 matrices;
+    b: the logits row (float32) and every attention layer's key and value row."""
+    c = text_config
+    heads = int(c.get("num_attention_heads") or 1)
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or (int(c.get("hidden_size") or 0) // heads) or 1)
+    layers = int(c.get("num_hidden_layers") or 1)
+    types = c.get("layer_types") or []
+    gdn_layers = sum("linear" in str(t) for t in types)
+    v_heads = int(c.get("linear_num_value_heads") or 0) if gdn_layers else 0
+    a = 1 + 4 + dtype_bytes + 4 * heads + 4 * GDN_LIVE_MATRICES * v_heads
+    b = 4 * int(c.get("vocab_size") or 0) + 2 * kv_heads * head_dim * dtype_bytes * (layers - gdn_layers)
+    return a, b
+
+
+def largest_fitting_budget(a: int, b: int, allowance: int) -> int:
+    """The largest budget (nodes - 1) whose a * n**2 + b * n fits in `allowance` bytes."""
+    n = int((-b + math.sqrt(b * b + 4 * a * allowance)) / (2 * a))
+    while n > 0 and a * n * n + b * n > allowance:
+        n -= 1
+    return max(n - 1, 0)
+
+
+def device_memory_bytes(device: str) -> int | None:
+    """The device's total memory: a CUDA device's, else the host's physical memory (None where unknown)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host
+        return None
+
+
+def check_tree_memory(text_config: dict[str, Any], budget: int, dtype_bytes: int, device: str,
+                      setting: str = "budget") -> None:
+    """Refuse a budget whose verification round would not fit in 1/TREE_SHARE of the device's memory."""
+    total = device_memory_bytes(device)
+    if total is None:
+        return
+    a, b = tree_bytes_per_node(text_config, dtype_bytes)
+    n = budget + 1
+    need, allowance = a * n * n + b * n, total // TREE_SHARE
+    if need > allowance:
+        fits = largest_fitting_budget(a, b, allowance)
+        raise ConfigError(setting, f"a tree of {budget} nodes needs about {_gib(need)} to verify on {device} "
+                          f"(ancestor matrix, masks, attention scores, key/value rows), more than half of its "
+                          f"{_gib(total)}", f"use {setting}<={fits}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

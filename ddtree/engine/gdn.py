@@ -49,7 +49,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import wrapt
 from torch import nn
 from transformers.activations import ACT2FN
 
@@ -79,9 +78,6 @@ def _activation(name: str):
 
 _PENDING_ATTR = "_ddtree_gdn_tree_pending"
 
-# class -> the original forward it replaced: what uninstall() puts back.
-_ORIGINAL_FORWARDS: dict[type, object] = {}
-
 
 def target_classes() -> list[type]:
     """The GDN classes of TARGETS that this transformers install provides."""
@@ -99,25 +95,40 @@ def target_classes() -> list[type]:
 
 
 def install() -> list[str]:
-    """Wrap each GDN class's forward (idempotent). Returns the names of the classes patched."""
-    patched = []
-    for cls in target_classes():
-        if cls not in _ORIGINAL_FORWARDS:
-            _ORIGINAL_FORWARDS[cls] = cls.__dict__["forward"]
-            wrapt.wrap_function_wrapper(cls, "forward", _forward_wrapper)
-        patched.append(cls.__name__)
-    return patched
+    """Wrap each GDN class's forward through the compat row `gdn-tree-forward` (idempotent; listed by
+    `python -m compat`, undone by `uninstall()` or `compat.revert()`). Returns the names of the classes patched."""
+    from compat import registry
+    from compat.patches import gdn_tree_forward
+
+    entry = registry.apply(patches=(gdn_tree_forward.PATCH,), provided=provided())[0]
+    if entry["status"] == "skipped-version":
+        from ddtree.errors import ConfigError
+
+        raise ConfigError("method", f"the tree-exact GDN is verified on transformers {VERSIONS} ({entry['detail']})",
+                          f"install transformers{VERSIONS}, or use method=ar on this hybrid")
+    if entry["status"] not in ("applied", "skipped-absent"):
+        raise RuntimeError(f"compat row {gdn_tree_forward.ID}: {entry['status']}: {entry['detail']}")
+    return [cls.__name__ for cls in target_classes()] if entry["status"] == "applied" else []
+
+
+def provided() -> dict[str, object]:
+    """What the compat row gdn-tree-forward needs from the engine (for compat.apply(provided=...))."""
+    return {"gdn_forward": _forward_wrapper}
 
 
 def uninstall() -> None:
     """Put back every original forward (idempotent)."""
-    for cls, original in list(_ORIGINAL_FORWARDS.items()):
-        cls.forward = original
-        del _ORIGINAL_FORWARDS[cls]
+    from compat import registry
+    from compat.patches import gdn_tree_forward
+
+    registry.revert([gdn_tree_forward.ID])
 
 
 def is_installed() -> bool:
-    return bool(_ORIGINAL_FORWARDS)
+    from compat import registry
+    from compat.patches import gdn_tree_forward
+
+    return any(e["id"] == gdn_tree_forward.ID and e["status"] == "applied" for e in registry.report())
 
 
 

@@ -10,9 +10,12 @@ are reused: one 257-node verification of the toy hybrid took 94-111 ms before an
 (docs/engine-internals.md; same outputs: nothing but where the memory comes from changes).
 
 Process-wide, like any malloc setting: every model in the process (the authors' loops and transformers' in
-`bench/bench_engines.py` too) runs under it once it is set. The cost is that up to 1 GiB of freed memory stays
-mapped to the process. Not applied where the C library is not glibc, where the environment sets either threshold
-(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES: theirs wins), or with DDTREE_HOST_MALLOC=0.
+`bench/bench_engines.py` too) runs under it once it is set, and it stays set. The cost is that up to 1 GiB of
+freed memory stays mapped to the process. So it is applied only when asked: `Engine(..., tune_host_allocator=True)`
+(the library default is off), `host_allocator=true` of `python -m ddtree.run` (its default: on), or
+DDTREE_HOST_MALLOC=1 for an Engine that leaves the setting at None. Never where the C library is not glibc, where
+the environment sets either threshold (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_ or GLIBC_TUNABLES: theirs
+wins), or with DDTREE_HOST_MALLOC=0 (which overrides a setting that asks).
 """
 
 from __future__ import annotations
@@ -44,6 +47,13 @@ def _user_settings() -> list[str]:
     if "malloc.mmap_threshold" in tunables or "malloc.trim_threshold" in tunables:
         found.append("GLIBC_TUNABLES")
     return found
+
+
+def allocator_wanted(setting: bool | None) -> bool:
+    """Whether an engine tunes the allocator: its setting, else DDTREE_HOST_MALLOC=1 (unset: no)."""
+    if setting is not None:
+        return setting
+    return os.environ.get("DDTREE_HOST_MALLOC", "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def tune_host_allocator() -> str:

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.engine.checks import check_generate_args
+from ddtree.engine.checks import check_generate_args, check_tree_memory
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
@@ -59,14 +59,19 @@ class Engine:
     and each `generate` call starts only a fresh cache. `generate()` below is one Engine, one call.
 
     It drives the models as they are when it is built: after hooking, patching or moving one, build a new Engine.
-    Arguments as `generate()`'s.
+    Arguments as `generate()`'s; tune_host_allocator: set glibc's malloc thresholds for the whole process on a CPU
+    target (faster verification; ddtree.engine.host), None: only with DDTREE_HOST_MALLOC=1.
+    `close()` (or leaving a `with Engine(...) as engine:` block) restores what it changed on the target.
     """
 
     def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
-                 tree_attention: str = "auto"):
+                 tree_attention: str = "auto", tune_host_allocator: bool | None = None):
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
+        if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
+            check_tree_memory(target.config.get_text_config().to_dict(), budget, target.dtype.itemsize,
+                              str(target.device))
         if proposer is None:
             if drafter is not None and self.spec.needs_drafter:
                 drafter.check_compatible(target)
@@ -74,7 +79,8 @@ class Engine:
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
-        self.binding = TargetBinding(target, layers, tree_attention=tree_attention)
+        self.binding = TargetBinding(target, layers, tree_attention=tree_attention,
+                                     tune_allocator=tune_host_allocator)
         self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1) + 1
         if not isinstance(proposer, ARProposer):
             TargetSession(target, binding=self.binding).check_method(method)
@@ -83,8 +89,23 @@ class Engine:
                  stop_token_ids: Iterable[int] | None = None,
                  generator: torch.Generator | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` after `input_ids` [1, P], losslessly (see `generate()`)."""
+        if self.binding is None:
+            raise RuntimeError("Engine.generate after close(): build a new Engine")
         check_generate_args(temperature, max_new_tokens, input_ids)
+        self.binding.ensure()
         return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+
+    def close(self) -> None:
+        """Restore the target as it was before this engine (attention implementation, hooked forwards). Idempotent."""
+        if self.binding is not None:
+            self.binding.restore()
+            self.binding = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, method: str = "ddtree",

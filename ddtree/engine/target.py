@@ -9,7 +9,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from ddtree.engine import attention, gdn, verification
 from ddtree.engine.families import family, model_type, supports
 from ddtree.engine.forward import LazyTail, lean_forward_for
-from ddtree.engine.host import host_branch, tune_host_allocator
+from ddtree.engine.host import allocator_wanted, host_branch, tune_host_allocator
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
@@ -218,16 +218,20 @@ def context_features(hidden_states: tuple, layer_ids: list[int]) -> torch.Tensor
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def _rebind_hooked_forwards(model: PreTrainedModel, classes: tuple[type, ...]) -> None:
+def _rebind_hooked_forwards(model: PreTrainedModel, classes: tuple[type, ...]) -> list[tuple[object, object]]:
     """A module placed by accelerate (device_map) calls the forward its hook saw when it was attached;
-    point it at the class's current (patched) forward, or a patch installed after loading is bypassed."""
+    point it at the class's current (patched) forward, or a patch installed after loading is bypassed.
+    Returns (module, the forward it had) for each module rebound, so that they can be put back."""
+    rebound = []
     stack = [model]  # every submodule, walked by hand (model.modules() costs ~1.5x more here)
     while stack:
         module = stack.pop()
         state = module.__dict__
         if "_old_forward" in state and isinstance(module, classes):
+            rebound.append((module, state["_old_forward"]))
             module._old_forward = type(module).forward.__get__(module, type(module))
         stack.extend(child for child in state["_modules"].values() if child is not None)
+    return rebound
 
 
 class TargetBinding:
@@ -235,17 +239,19 @@ class TargetBinding:
     GDN patch. Built once (`ddtree.engine.loop.Engine` keeps one for all its generations) and shared by sessions.
 
     It describes the model as it is when built: a hook, a compat patch or a device move made later needs a new one.
+    What it changes on the model (its attention implementation, the forwards accelerate's hooks call) `restore()`
+    puts back; the GDN class patch is process-wide (the compat row gdn-tree-forward: compat.revert() undoes it).
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
-                 tree_attention: str = "auto", lean: bool = True):
+                 tree_attention: str = "auto", lean: bool = True, tune_allocator: bool | None = None):
         if tree_attention not in TREE_ATTENTION:
             raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
         self.model = model
         self.device, self.dtype = model.device, model.dtype  # (properties that walk the parameters: read once)
         self.cpu = self.device.type == "cpu"
-        if self.cpu:
-            tune_host_allocator()  # once per process (ddtree.engine.host)
+        # process-wide malloc thresholds, only when asked (ddtree.engine.host); what holds, in words
+        self.host_allocator = tune_host_allocator() if self.cpu and allocator_wanted(tune_allocator) else "untouched"
         self.feature_layers = feature_layers
         self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
         dense_ok = attention.base_backend(model.config._attn_implementation) in ("eager", "sdpa")
@@ -257,6 +263,7 @@ class TargetBinding:
         # auto takes the dense path only where one masked call is exact and cheaper
         self.dense_auto = (tree_attention == "auto" and dense_ok and not sliding
                            and host_branch("dense_attention", self.device))
+        self.attn_before = model.config._attn_implementation  # what restore() puts back
         if self.split:
             attention.use_tree_attention(model)
         # the lean forward passes the engine's own mask: only where the backend reads a mask as eager/sdpa do
@@ -268,9 +275,29 @@ class TargetBinding:
         # lean forward's bitwise test compares the same attention
         self.chain_as_tree = self.split and dense_ok and not sliding and family(self.mtype).lean is not None
         self.gdn = family(self.mtype).gdn
+        self.rebound: list[tuple[object, object]] = []
         if self.gdn:
             gdn.install()  # idempotent; inert outside a tree_verification context
-            _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
+            self.rebound = _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
+
+    def ensure(self) -> None:
+        """Before a generation: the model is still on the tree implementation and the GDN row applied (another
+        engine's restore() or a compat.revert() may have taken them away). Cheap: two checks when nothing changed."""
+        if self.split and self.model.config._attn_implementation not in attention.SPLIT_IMPLEMENTATIONS:
+            attention.use_tree_attention(self.model)
+        if self.gdn and not gdn.is_installed():
+            gdn.install()
+
+    def restore(self) -> None:
+        """Put back what binding changed on the model: its attention implementation (unless another engine had
+        switched it already: it stays on the tree implementation, which is the plain backend outside verification),
+        and the forwards of hooked modules. Idempotent."""
+        before, now = self.attn_before, self.model.config._attn_implementation
+        if before not in attention.SPLIT_IMPLEMENTATIONS and now in attention.SPLIT_IMPLEMENTATIONS:
+            self.model.set_attn_implementation(before)
+        for module, forward in reversed(self.rebound):
+            module._old_forward = forward
+        self.rebound = []
 
 
 class TargetSession:

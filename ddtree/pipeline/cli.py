@@ -114,7 +114,7 @@ def _hydra_main(cfg: DictConfig) -> None:
                 print(f"warning: could not mark the sweep's MLflow run failed: {err}", file=sys.stderr)
         if isinstance(e, ConfigError) and not tracebacks_wanted():
             user_error(str(e))  # leaves Hydra as SystemExit: no "Error executing job" banner either
-        from ddtree.pipeline.verdicts import STRICT_EXIT, SuspectOutputs
+        from ddtree.pipeline.output_verdicts import STRICT_EXIT, SuspectOutputs
 
         if isinstance(e, SuspectOutputs):
             sys.stderr.write(f"error: {e}\n")
@@ -122,11 +122,27 @@ def _hydra_main(cfg: DictConfig) -> None:
         raise
 
 
+# Both CLIs select an experiment as `experiment=NAME` (a defaults-list group, lightning-hydra-template style).
+# Older spellings keep working: `+experiment=NAME` for runs, `train/experiment=NAME` (its group) for training.
+RUN_ALIASES = {"+experiment=": "experiment="}
+TRAIN_ALIASES = {"experiment=": "train/experiment=", "+experiment=": "train/experiment="}
+
+
+def spell_overrides(argv: list[str], aliases: dict[str, str]) -> list[str]:
+    """argv with each override that starts with an alias's key respelled as its value."""
+    out = []
+    for arg in argv:
+        key = next((k for k in aliases if arg.startswith(k)), None)
+        out.append(aliases[key] + arg[len(key):] if key else arg)
+    return out
+
+
 def main() -> None:
     from ddtree.pipeline.distributed import hydra_argv_for_rank, world_from_env
 
     def start() -> None:
-        sys.argv[1:] = hydra_argv_for_rank(sys.argv[1:], world_from_env())  # torchrun ranks > 0: scratch dirs
+        argv = spell_overrides(sys.argv[1:], RUN_ALIASES)
+        sys.argv[1:] = hydra_argv_for_rank(argv, world_from_env())  # torchrun ranks > 0: scratch dirs
         _hydra_main()
 
     run_cli(start, "ddtree.run")

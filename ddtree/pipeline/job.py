@@ -15,7 +15,7 @@ import platform
 import sys
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.engine.result import STAGES
+from ddtree.errors import ConfigError
+from ddtree.pipeline.config_checks import validate
 from ddtree.pipeline.datasets import dataset_label, load_dataset_prompts
 from ddtree.pipeline.models import (
     MODELS,
+    ModelCache,
     cache_key,
     get_models,
     load_tokenizer,
@@ -36,7 +39,8 @@ from ddtree.pipeline.models import (
     resolve_device,
     target_context,
 )
-from ddtree.pipeline.preflight import check_prompt_lengths, keep_last, preflight
+from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
+from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import Resume, find_resume, write_job_file
 from ddtree.pipeline.schema import (
@@ -49,8 +53,6 @@ from ddtree.pipeline.schema import (
     tracking_uri,
 )
 from ddtree.pipeline.sweep_table import SKIPPED, claim_config, format_table
-from ddtree.pipeline.validate import validate
-from ddtree.pipeline.verdicts import check_outputs, report_suspects
 
 SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"
@@ -66,17 +68,18 @@ def apply_compat(rc: RunConfig) -> list[dict[str, Any]]:
     if not rc.compat.enabled:
         return []
     import compat
+    from ddtree.engine import gdn
 
     # an unknown patch id raises ConfigError itself; engine= keeps the authors'-code rows out of native runs
-    return compat.apply(only=rc.compat.only, skip=list(rc.compat.skip), engine=rc.engine)
+    return compat.apply(only=rc.compat.only, skip=list(rc.compat.skip), engine=rc.engine, provided=gdn.provided())
 
 
 # ---------------------------------------------------------------- one job
 
 
-def baseline_key(rc: RunConfig, mine: list[Prompt]) -> str:
-    """Everything the AR baseline's tokens and timings depend on, besides the loaded target (its cache key)."""
-    return cache_key(MODELS.target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
+def baseline_key(rc: RunConfig, mine: list[Prompt], target_key: str | None) -> str:
+    """Everything the AR baseline's tokens and timings depend on: the loaded target (its cache key) and settings."""
+    return cache_key(target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
                 rc.dataset.chat_template, rc.dataset.enable_thinking, rc.engine, rc.upstream.path,
                 OmegaConf.to_container(OmegaConf.structured(rc.compat)), rc.warmup)
 
@@ -89,33 +92,37 @@ def stop_token_ids(tokenizer, target) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
 
 
-def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc: RunConfig, device: str,
-                     stops: list[int], max_new_tokens: int | None = None, engines: dict | None = None):
+def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_tokens: int | None = None):
     """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers.
 
-    engines: the native ddtree.Engine of each method, built on first use and kept there (a job passes one dict for
-    all its prompts, so the set-up runs once per method, not once per generation)."""
+    The native ddtree.Engine of each method is built on first use and kept in ctx.engines (one per job: the
+    set-up runs once per method, not once per generation)."""
     import torch
 
     from ddtree import Engine
 
+    rc, m = ctx.rc, ctx.models
+    target, tokenizer, device = m.target, m.tokenizer, m.device
     drafts = METHODS[method].needs_drafter
     kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
     if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
         from ddtree.upstream.engine import generate_upstream
 
-        generate = functools.partial(generate_upstream, load_upstream(rc), target, drafter if drafts else None,
+        generate = functools.partial(generate_upstream, load_upstream(rc), target, m.drafter if drafts else None,
                                      method=method, budget=rc.budget, **kw)
     else:
-        engines = {} if engines is None else engines
-        if method not in engines:
-            engines[method] = Engine(target, drafter if drafts else None, method=method, budget=rc.budget, **kw)
-        generate = engines[method].generate
+        if method not in ctx.engines:
+            ctx.engines[method] = Engine(target, m.drafter if drafts else None, method=method, budget=rc.budget,
+                                         tune_host_allocator=rc.host_allocator, **kw)
+        generate = ctx.engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
         ids = encode(tokenizer, messages, chat_template=rc.dataset.chat_template,
                      enable_thinking=rc.dataset.enable_thinking)
+        if not ids:  # (prompts are checked before loading; a later turn holds the model's own answers)
+            raise ConfigError("dataset", f"turn {turn + 1} of prompt '{prompt.id}' is no tokens under this tokenizer",
+                              "remove it or give it words the tokenizer knows")
         new = max_new_tokens or rc.max_new_tokens
         if rc.dataset.truncate:
             ids = keep_last(ids, new, target_context(target))
@@ -126,7 +133,7 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
         if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
             gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
         res = generate(input_ids, temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
-                       stop_token_ids=stops, generator=gen)
+                       stop_token_ids=m.stops, generator=gen)
         text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         yield turn, res, text
@@ -247,6 +254,25 @@ class LoadedModels:
     load_s: float
 
 
+@dataclass
+class JobContext:
+    """What one rank's share of a job runs with, built by run_job: nothing below it reads a module global."""
+
+    rc: RunConfig
+    models: LoadedModels
+    files: JobFiles
+    cache: ModelCache  # the process's cache: warm-up marks and reusable AR baselines across a sweep's jobs
+    show_progress: bool = True
+    resume: Resume | None = None
+    engines: dict[str, Any] = field(default_factory=dict)  # one ddtree.Engine per method, built on first use
+
+    def close(self) -> None:
+        """Close the job's engines: the cached target is handed to the next job as it was loaded."""
+        for engine in self.engines.values():
+            engine.close()
+        self.engines.clear()
+
+
 def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
     """(job dir, sweep dir when this job is part of a multirun, this job's overrides, its log file)."""
     try:
@@ -273,9 +299,12 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
     rc = validate(rc)
     prompts = load_dataset_prompts(rc.dataset)
     facts = preflight(rc)  # every source there, before the store opens or a weight loads
-    if facts is not None and facts.context is not None and not rc.dataset.truncate:
-        check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, load_tokenizer(rc)), rc.max_new_tokens,
-                             facts.context, False, "dataset.path" if rc.dataset.path else "dataset")
+    if facts is not None:  # the tokenizer is on disk: the prompts as the job will encode them
+        tokenizer, setting = load_tokenizer(rc), "dataset.path" if rc.dataset.path else "dataset"
+        check_prompt_tokens(prompts, tokenizer, setting)
+        if facts.context is not None and not rc.dataset.truncate:
+            check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, tokenizer), rc.max_new_tokens,
+                                 facts.context, False, setting)
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
     return rc, prompts, identity
@@ -341,9 +370,9 @@ def install_compat(rc: RunConfig, world) -> list[dict[str, Any]]:
     return compat_report
 
 
-def load_models(rc: RunConfig, device: str) -> LoadedModels:
+def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
     t_load = time.perf_counter()
-    target, tokenizer, drafter = get_models(rc, device)
+    target, tokenizer, drafter = get_models(rc, device, cache)
     load_s = time.perf_counter() - t_load
     device = model_device(target, rc, device)
     return LoadedModels(target, tokenizer, drafter, device, stop_token_ids(tokenizer, target), load_s)
@@ -390,25 +419,24 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
                          sweep_dir=sweep_dir, sweep_name=sweep_name)
 
 
-def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, files: JobFiles,
-                 world, resume: Resume | None = None) -> tuple[list[dict[str, Any]], str | None] | None:
+def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[dict[str, Any]], str | None] | None:
     """Every rank runs its share of the prompts; rank 0 gets (all records in prompt order, the job whose
     baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
     from ddtree.pipeline import distributed as D
 
+    rc = ctx.rc
     methods = [rc.method] + ([BASELINE] if rc.baseline and rc.method != BASELINE else [])
     records: list[dict[str, Any]] = []
     failure: BaseException | None = None
     reused_from = None
     try:
-        reused_from = _generate_shard(models.target, models.drafter, models.tokenizer, prompts,
-                                      D.shard(prompts, world), methods, rc, models.device, models.stops,
-                                      files.rank_samples, records, run_name(rc), show_progress=world.is_main,
-                                      origin=str(files.job_dir), resume=resume)
+        reused_from = _generate_shard(ctx, prompts, D.shard(prompts, world), methods, records)
     except Exception as e:
         if not world.is_distributed:
             raise
         failure = e  # still join the gather below, so rank 0 learns of it instead of waiting
+    finally:
+        ctx.close()
     gathered = D.gather({"rank": world.rank, "records": records, "baseline_reused_from": reused_from,
                          "error": None if failure is None else f"{type(failure).__name__}: {failure}"}, world)
     if failure is not None:
@@ -420,7 +448,7 @@ def generate_all(models: LoadedModels, prompts: list[Prompt], rc: RunConfig, fil
         raise RuntimeError("a data-parallel rank failed: " + "; ".join(errors))
     if world.is_distributed:
         records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
-        with files.samples.open("w", encoding="utf-8") as out:
+        with ctx.files.samples.open("w", encoding="utf-8") as out:
             out.writelines(json.dumps(rec) + "\n" for rec in records)
     reused = {g.get("baseline_reused_from") for g in gathered} - {None}
     return records, min(reused) if reused else None
@@ -483,7 +511,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     if world.is_main:
         write_job_file(files.job_dir, chash)
     compat_report = install_compat(rc, world)
-    models = load_models(rc, device)
+    models = load_models(rc, device, MODELS)
     env = job_environment(models, compat_report, world)
     start_samples(files, world)
     run = start_tracking(rc, tracker, files, env, chash, world) if world.is_main else None
@@ -495,11 +523,12 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
             run.set_tags({TAG_RESUMED_FROM: resume.run_id, "ddtree.resumed_prompts": len(resume.done)})
     torch.manual_seed(rc.seed)
     try:
-        generated = generate_all(models, prompts, rc, files, world, resume)
+        ctx = JobContext(rc, models, files, MODELS, show_progress=world.is_main, resume=resume)
+        generated = generate_all(ctx, prompts, world)
         if generated is None:  # ranks > 0: rank 0 writes and records the job
             return None
         records, reused_from = generated
-        checked = check_outputs(models, prompts, records, rc, files.samples)  # untimed: after the generation
+        checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
         summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
                                                             "validation": checked}, run)
         report_suspects(rc, summary)
@@ -509,35 +538,34 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
         raise
 
 
-def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
-                    rc: RunConfig, device: str, stops: list[int], path: Path, records: list[dict[str, Any]],
-                    base_name: str, show_progress: bool = True, origin: str = "",
-                    resume: Resume | None = None) -> str | None:
-    """Warm up (once per process and setting), then run every method on this rank's prompts, appending
-    one record per prompt, turn and role to `records` and to `path` as each prompt finishes.
+def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
+                    records: list[dict[str, Any]]) -> str | None:
+    """Warm up (once per process and setting), then run every method on this rank's prompts (`mine`), appending
+    one record per prompt, turn and role to `records` and to this rank's samples file as each prompt finishes.
 
     With rc.baseline_reuse, the AR baseline comes from an earlier job of this process that ran it on the
-    same prompts with the same settings (returned: that job's `origin`); else it runs here and is kept
-    for later jobs under this job's `origin`."""
-    wkey = cache_key(MODELS.target_key, MODELS.drafter_key, rc.method)
-    engines: dict = {}  # one ddtree.Engine per method for this job (built after its compat patches)
-    if rc.warmup and wkey not in MODELS.warmed:  # first-call costs stay out of the timings
+    same prompts with the same settings (returned: that job's dir); else it runs here and is kept in
+    ctx.cache for later jobs under this job's dir."""
+    rc, cache, resume = ctx.rc, ctx.cache, ctx.resume
+    wkey = cache_key(cache.target_key, cache.drafter_key, rc.method)
+    if rc.warmup and wkey not in cache.warmed:  # first-call costs stay out of the timings
         for meth in methods:
-            for _ in run_conversation(target, drafter, tokenizer, Prompt("warmup", prompts[0].turns[:1]), meth,
-                                      rc, device, stops, max_new_tokens=min(8, rc.max_new_tokens), engines=engines):
+            for _ in run_conversation(ctx, Prompt("warmup", prompts[0].turns[:1]), meth,
+                                      max_new_tokens=min(8, rc.max_new_tokens)):
                 pass
-        MODELS.warmed.add(wkey)
+        cache.warmed.add(wkey)
     from tqdm import tqdm
 
-    bkey = baseline_key(rc, mine) if BASELINE in methods and rc.method != BASELINE and rc.baseline_reuse else None
-    reused_from, kept = MODELS.baselines.get(bkey, (None, None)) if bkey else (None, None)
+    reuse = BASELINE in methods and rc.method != BASELINE and rc.baseline_reuse
+    bkey = baseline_key(rc, mine, cache.target_key) if reuse else None
+    reused_from, kept = cache.baselines.get(bkey, (None, None)) if bkey else (None, None)
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for rec in kept or []:
         by_prompt.setdefault(rec["id"], []).append(rec)
     fresh: list[dict[str, Any]] = []
-    with path.open("a", encoding="utf-8") as out:
-        bar = tqdm(mine, desc=base_name, unit="prompt", file=sys.stderr, dynamic_ncols=True,
-                   disable=not show_progress)
+    with ctx.files.rank_samples.open("a", encoding="utf-8") as out:
+        bar = tqdm(mine, desc=run_name(rc), unit="prompt", file=sys.stderr, dynamic_ncols=True,
+                   disable=not ctx.show_progress)
         for prompt in bar:
             if resume is not None and prompt.id in resume.done:  # finished by the job this one continues
                 got = [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)}
@@ -551,8 +579,7 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
                     got = [{**rec, "reused_from": reused_from} for rec in by_prompt[prompt.id]]
                 else:
                     got = [{"id": prompt.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
-                           for turn, res, text in run_conversation(target, drafter, tokenizer, prompt, meth, rc,
-                                                                   device, stops, engines=engines)]
+                           for turn, res, text in run_conversation(ctx, prompt, meth)]
                     if role == "baseline":
                         fresh.extend(got)
                 records.extend(got)
@@ -561,5 +588,5 @@ def _generate_shard(target, drafter, tokenizer, prompts: list[Prompt], mine: lis
             m = [r for r in records if r["role"] == "method"]
             bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
     if bkey and reused_from is None and not (resume and resume.done):  # complete: later jobs may reuse it
-        MODELS.baselines[bkey] = (origin, fresh)
+        cache.baselines[bkey] = (str(ctx.files.job_dir), fresh)
     return reused_from

@@ -10,6 +10,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from ddtree.engine.methods import METHODS
+from ddtree.errors import ConfigError
 from ddtree.pipeline.schema import RunConfig
 
 
@@ -28,7 +29,7 @@ class ModelCache:
     warmed: set[str] = field(default_factory=set)
     # AR baseline records of finished shards, by baselinecache_key(): reused by later jobs (baseline_reuse=true)
     baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
-    # validation tolerances calibrated on this target, by baseline outputs and rule (ddtree.pipeline.verdicts)
+    # validation tolerances calibrated on this target, by baseline outputs and rule (ddtree.pipeline.output_verdicts)
     calibrations: dict[str, Any] = field(default_factory=dict)
 
     def clear(self) -> None:
@@ -42,10 +43,14 @@ MODELS = ModelCache()  # the per-process model cache (Hydra's basic launcher run
 
 
 def resolve_device(device: str) -> str:
+    """auto: cuda where there is one, else cpu; a CUDA device asked for where there is none is a ConfigError.
+    The one resolver of runs (ddtree.run), re-checks and training (ddtree.train)."""
     import torch
 
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} requested but CUDA is not available", "use device=cpu or auto")
     return device
 
 
@@ -67,6 +72,10 @@ def load_target(rc: RunConfig, device: str):
 
     m = rc.model
     max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
+    from ddtree.engine import attention
+
+    if rc.attention.target in attention.SPLIT_IMPLEMENTATIONS:  # a tree implementation by name: registered first
+        attention.register()
     if m.tiny is not None:
         from ddtree.testing.tiny import tiny_model
 
@@ -76,14 +85,30 @@ def load_target(rc: RunConfig, device: str):
                            num_hidden_layers=t.num_hidden_layers)
         model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
         return model.eval(), load_tokenizer(rc)
-    from transformers import AutoModelForCausalLM
+    return load_checkpoint(m.name_or_path, device=device, dtype=torch_dtype(m.dtype, tiny=False),
+                           attn_implementation=rc.attention.target, tokenizer=m.tokenizer, revision=m.revision,
+                           trust_remote_code=m.trust_remote_code, device_map=m.device_map, max_memory=max_memory)
+
+
+def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implementation: str,
+                    tokenizer: str | None = None, revision: str | None = None, trust_remote_code: bool = False,
+                    device_map: Any = None, max_memory: dict | None = None,
+                    setting: str = "model.name_or_path") -> tuple[Any, Any]:
+    """(model in eval mode, tokenizer) of a transformers checkpoint: the one loader of runs and training.
+    device_map (accelerate's) places the layers; without one the whole model goes to `device`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"max_memory": max_memory} if max_memory else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        m.name_or_path, dtype=torch_dtype(m.dtype, tiny=False), attn_implementation=rc.attention.target,
-        revision=m.revision, trust_remote_code=m.trust_remote_code,
-        device_map=m.device_map if m.device_map is not None else device, **kw)
-    return model.eval(), load_tokenizer(rc)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+            trust_remote_code=trust_remote_code, device_map=device_map if device_map is not None else device, **kw)
+        tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, revision=revision,
+                                            trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise ConfigError(setting, f"cannot load {name_or_path}: {str(e).splitlines()[0]}",
+                          "point to a Hugging Face checkpoint directory or hub id") from None
+    return model.eval(), tok
 
 
 def load_tokenizer(rc: RunConfig):
@@ -141,30 +166,30 @@ def cache_key(*parts: Any) -> str:
     return json.dumps(parts, sort_keys=True, default=str)
 
 
-def get_models(rc: RunConfig, device: str):
-    """(target, tokenizer, drafter), loading only what this job's settings change."""
+def get_models(rc: RunConfig, device: str, cache: ModelCache):
+    """(target, tokenizer, drafter), loading only what this job's settings change (`cache`: what is loaded)."""
     m = OmegaConf.to_container(OmegaConf.structured(rc.model))
     tkey = cache_key(m, device, rc.attention.target)
-    if MODELS.target_key != tkey:
-        MODELS.clear()
-        MODELS.target, MODELS.tokenizer = load_target(rc, device)
-        MODELS.target_key = tkey
+    if cache.target_key != tkey:
+        cache.clear()
+        cache.target, cache.tokenizer = load_target(rc, device)
+        cache.target_key = tkey
     drafter = None
     if METHODS[rc.method].needs_drafter:
         d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
         if rc.drafter.kind == "pretrained":
             d.pop("block_size")  # applied at generate time, not at load time
         dkey = cache_key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path)
-        if MODELS.drafter_key != dkey:
-            MODELS.drafter = None
-            MODELS.drafter = load_drafter(rc, MODELS.target, model_device(MODELS.target, rc, device))
+        if cache.drafter_key != dkey:
+            cache.drafter = cache.drafter_key = None  # a load that fails leaves no key naming a drafter not there
+            cache.drafter = load_drafter(rc, cache.target, model_device(cache.target, rc, device))
             if rc.engine == "upstream":  # the authors' drafter class, holding the same tensors
                 from ddtree.upstream.engine import upstream_drafter
 
-                MODELS.drafter = upstream_drafter(load_upstream(rc), MODELS.drafter)
-            MODELS.drafter_key = dkey
-        drafter = MODELS.drafter
-    return MODELS.target, MODELS.tokenizer, drafter
+                cache.drafter = upstream_drafter(load_upstream(rc), cache.drafter)
+            cache.drafter_key = dkey
+        drafter = cache.drafter
+    return cache.target, cache.tokenizer, drafter
 
 
 def load_upstream(rc: RunConfig):

@@ -129,9 +129,7 @@ def read_config(src: Source) -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         raise ConfigError(src.setting, f"{f} is not readable JSON ({e})", "restore the checkpoint's config.json"
                           ) from None
-    text = d.get("text_config")
-    return {**d, **text, "model_type": d.get("model_type"), "text_model_type": text.get("model_type")} \
-        if isinstance(text, dict) else d
+    return flat_config(d)
 
 
 @dataclass(frozen=True)
@@ -173,6 +171,59 @@ def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_co
     return TargetFacts(mtype, hybrid, int(ctx) if isinstance(ctx, int) and ctx > 0 else None)
 
 
+# an attention backend -> the flag a transformers model class sets when it takes it (eager: every class)
+ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn",
+                   "flash_attention_2": "_supports_flash_attn", "flash_attention_3": "_supports_flash_attn"}
+
+
+def model_class(cfg: dict[str, Any]) -> type | None:
+    """The transformers class AutoModelForCausalLM builds for a config.json (None: remote code or unknown)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+
+    names = [CAUSAL.get(cfg.get("model_type")), CAUSAL.get(cfg.get("text_model_type")), *(cfg.get("architectures") or [])]
+    for name in names:
+        cls = getattr(transformers, name, None) if isinstance(name, str) else None
+        if isinstance(cls, type):
+            return cls
+    return None
+
+
+def check_attention_supported(cfg: dict[str, Any], backend: str, setting: str = "attention.target") -> None:
+    """Refuse a backend the target's model class does not take (transformers would raise after loading)."""
+    from ddtree.engine.attention import base_backend
+
+    base = base_backend(backend)
+    flag = ATTENTION_FLAGS.get(base)
+    cls = model_class(cfg) if flag else None
+    if cls is None or getattr(cls, flag, True):
+        return
+    takes = ["eager"] + [b for b, f in ATTENTION_FLAGS.items() if getattr(cls, f, False) and b != "flash_attention_3"]
+    raise ConfigError(setting, f"{cls.__name__} (model_type '{cfg.get('model_type')}') does not take the '{base}' "
+                      "attention backend", f"use attention={'sdpa' if 'sdpa' in takes else 'eager'} (it takes: "
+                      f"{', '.join(takes)})")
+
+
+def check_tree_fits(cfg: dict[str, Any], rc) -> None:
+    """A DDTree budget whose verification round would not fit in the device's memory, with the largest that fits."""
+    from ddtree.engine.checks import DTYPE_BYTES, check_tree_memory
+    from ddtree.engine.methods import get_method
+    from ddtree.pipeline.models import resolve_device
+
+    if not get_method(rc.method).reads_budget:
+        return
+    dtype = rc.model.dtype if rc.model.dtype != "auto" else str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
+    dtype_bytes = DTYPE_BYTES.get(dtype, 4 if rc.model.tiny is not None else 2)
+    check_tree_memory(cfg, rc.budget, dtype_bytes, resolve_device(rc.device))
+
+
+def flat_config(d: dict[str, Any]) -> dict[str, Any]:
+    """A config.json as one dict: a multimodal config's text_config merged in (model types kept apart)."""
+    text = d.get("text_config")
+    return {**d, **text, "model_type": d.get("model_type"), "text_model_type": text.get("model_type")} \
+        if isinstance(text, dict) else d
+
+
 def preflight(rc) -> TargetFacts | None:
     """Every source a job will load (target, tokenizer, drafter) is there; the target's facts from its config.
 
@@ -182,7 +233,8 @@ def preflight(rc) -> TargetFacts | None:
         from ddtree.testing.tiny import tiny_config
 
         c = tiny_config(m.tiny.model_type, vocab_size=m.tiny.vocab_size, num_hidden_layers=m.tiny.num_hidden_layers)
-        facts = target_facts(c.to_dict(), "model.tiny.model_type", rc.method, True)
+        cfg = flat_config(c.to_dict())
+        facts = target_facts(cfg, "model.tiny.model_type", rc.method, True)
     else:
         src = check_source("model.name_or_path", m.name_or_path, m.revision, ("config.json",))
         tok_setting = "model.tokenizer" if m.tokenizer else "model.name_or_path"
@@ -191,6 +243,9 @@ def preflight(rc) -> TargetFacts | None:
         facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
+    if cfg:  # what the target's class and the device's memory take, from its config (no weights)
+        check_attention_supported(cfg, rc.attention.target)
+        check_tree_fits(cfg, rc)
     d = rc.drafter
     if rc.method != "ar" and d.kind == "pretrained":
         check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
@@ -211,6 +266,16 @@ def check_prompt_lengths(prompts: list[Prompt], lengths: list[int], max_new_toke
             raise ConfigError(setting, f"prompt '{p.id}' is {n} tokens; with max_new_tokens={max_new_tokens} it "
                               f"exceeds the target's context of {context} tokens",
                               f"shorten it, {lower}or set dataset.truncate=true (keeps each prompt's last tokens)")
+
+
+def check_prompt_tokens(prompts: list[Prompt], tokenizer, setting: str = "dataset") -> None:
+    """Refuse a turn whose text the tokenizer turns into no tokens (e.g. whitespace under a word-level one)."""
+    for p in prompts:
+        for k, turn in enumerate(p.turns):
+            if not tokenizer(turn, add_special_tokens=False)["input_ids"]:
+                where = f"turn {k + 1} of prompt '{p.id}'" if len(p.turns) > 1 else f"prompt '{p.id}'"
+                raise ConfigError(setting, f"{where} ({turn[:40]!r}) is no tokens under this tokenizer: the model "
+                                  "would be asked nothing", "remove it or give it words the tokenizer knows")
 
 
 def keep_last(ids: list[int], max_new_tokens: int, context: int | None) -> list[int]:

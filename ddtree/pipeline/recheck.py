@@ -10,15 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.errors import ConfigError
-from ddtree.pipeline.schema import RunConfig, ValidationConfig
-from ddtree.pipeline.sweep_table import verdict_cell
-from ddtree.pipeline.verdicts import (
+from ddtree.pipeline.output_verdicts import (
     STRICT_EXIT,
     VALIDATION_FILE,
     first_suspect_line,
     tolerance_line,
     validate_records,
 )
+from ddtree.pipeline.schema import RunConfig, ValidationConfig
+from ddtree.pipeline.sweep_table import verdict_cell
 
 
 def load_job_config(job_dir: Path) -> RunConfig:

@@ -1,6 +1,6 @@
 """The typed run configuration (Hydra ConfigStore schema) and its conversion to plain data.
 
-Its validation is ddtree.pipeline.validate. Importing this module stays cheap (no torch).
+Its validation is ddtree.pipeline.config_checks. Importing this module stays cheap (no torch).
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ VALIDATION_MODES = ("auto", "on", "off")
 
 @dataclass
 class ValidationConfig:
-    """Verdicts for every output (ddtree.engine.validate), after the timed generation; docs/validation.md."""
+    """Verdicts for every output (ddtree.engine.output_check), after the timed generation; docs/validation.md."""
 
     mode: str = "auto"  # auto: on when a baseline runs | on | off
     strict: bool = False  # the job exits non-zero (3) when any output is suspect
@@ -164,6 +164,8 @@ class RunConfig:
     force: bool = False  # rerun even if this config already finished in the tracking store
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     warmup: bool = True  # one untimed short generation per method after loading
+    # CPU targets: glibc's malloc thresholds tuned for this process (ddtree.engine.host; the library's default: off)
+    host_allocator: bool = True
     engine: str = "native"
     runs_dir: str = "runs"
     tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (experiment configs set tags.experiment)
@@ -193,7 +195,7 @@ def model_label(name_or_path: str | None) -> str:
 _register()
 
 # keys that do not change what a job computes: left out of its identity (resume)
-NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation")
+NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation", "host_allocator")
 
 
 # ---------------------------------------------------------------- conversion

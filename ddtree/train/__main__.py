@@ -1,6 +1,7 @@
-"""python -m ddtree.train [train/experiment=toy] [key=value ...]  — train a DFlash drafter for a target.
+"""python -m ddtree.train [experiment=toy] [key=value ...]  — train a DFlash drafter for a target.
 
 Configuration: conf/train.yaml (typed by ddtree.train.config.TrainConfig), with conf/train/experiment/
+(`experiment=NAME`, as for python -m ddtree.run; its group's own name train/experiment=NAME works too)
 and the tracking group shared with python -m ddtree.run (conf/tracking/). Rerunning with
 the same out_dir resumes: finished stages are skipped, training continues from its last checkpoint.
 """
@@ -30,7 +31,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from ddtree.pipeline.cli import TRAIN_ALIASES, spell_overrides
     from ddtree.pipeline.distributed import hydra_argv_for_rank, world_from_env
 
-    sys.argv[1:] = hydra_argv_for_rank(sys.argv[1:], world_from_env())  # torchrun ranks > 0: Hydra output to scratch
+    sys.argv[1:] = hydra_argv_for_rank(spell_overrides(sys.argv[1:], TRAIN_ALIASES), world_from_env())  # torchrun ranks > 0: Hydra output to scratch
     main()

@@ -29,6 +29,7 @@ from ddtree.errors import ConfigError
 from ddtree.paths import runs_root
 from ddtree.pipeline import distributed
 from ddtree.pipeline.distributed import World
+from ddtree.pipeline.models import load_checkpoint, resolve_device
 from ddtree.pipeline.schema import flatten
 from ddtree.pipeline.tracking import (
     TAG_ROLE,
@@ -47,29 +48,14 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("device", f"{name} requested but CUDA is not available", "use device=cpu or auto")
-    return torch.device(name)
-
-
-def load_target(cfg: TrainConfig, device: torch.device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = cfg.target.name_or_path
-    placement = {"device_map": cfg.target.device_map} if cfg.target.device_map else {}
-    try:
-        tok = AutoTokenizer.from_pretrained(cfg.target.tokenizer or path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, cfg.target.dtype),
-                                                     attn_implementation=cfg.target.attn_implementation,
-                                                     **placement)
-    except OSError as e:
-        raise ConfigError("target.name_or_path", f"cannot load {path}: {str(e).splitlines()[0]}",
-                          "point to a Hugging Face checkpoint directory or hub id") from None
+def load_frozen_target(cfg: TrainConfig, device: torch.device):
+    """The frozen target and its tokenizer, through the runs' loader (ddtree.pipeline.models.load_checkpoint)."""
+    t = cfg.target
+    model, tok = load_checkpoint(t.name_or_path, device=str(device), dtype=getattr(torch, t.dtype),
+                                 attn_implementation=t.attn_implementation, tokenizer=t.tokenizer,
+                                 device_map=t.device_map, setting="target.name_or_path")
     model.requires_grad_(False)  # frozen: only the drafter trains
-    return (model if placement else model.to(device)).eval(), tok
+    return model, tok
 
 
 def mask_token_id(cfg: TrainConfig, tokenizer, vocab_size: int) -> int:
@@ -325,7 +311,7 @@ RANK0_STAGES = ("eval",)  # under torchrun the other ranks wait for these
 
 
 def load_models(s: Session) -> None:
-    s.target, s.tokenizer = load_target(s.cfg, s.device)
+    s.target, s.tokenizer = load_frozen_target(s.cfg, s.device)
     vocab = s.target.get_input_embeddings().weight.shape[0]
     s.drafter = build_drafter(s.cfg, s.target.config, s.tokenizer, vocab)
     s.drafter.check_compatible(s.target)
@@ -341,7 +327,7 @@ def run(cfg: TrainConfig) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
+    device = torch.device(resolve_device(cfg.device))
     device = torch.device(distributed.rank_device(str(device), world))
     distributed.init(world, str(device))
     s = Session(cfg, out, device, world, open_tracking(cfg, out, world), summary={"out_dir": str(out), "stages": {}})

@@ -133,7 +133,7 @@ def apply_patches(only: Iterable[str] | None, skip: Iterable[str] | None) -> lis
     """The compat rows for the authors' code, with the engine's tree-exact GDN their GDN row needs."""
     from ddtree.engine import gdn  # torch + transformers: only once their code is really loaded
 
-    return registry.apply(only, skip, engine=UPSTREAM, provided={"gdn": gdn})
+    return registry.apply(only, skip, engine=UPSTREAM, provided={"gdn": gdn, **gdn.provided()})
 
 
 def _installed(name: str) -> bool:

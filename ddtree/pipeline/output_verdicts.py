@@ -1,4 +1,4 @@
-"""A verdict for every output of a job (ddtree.engine.validate over samples.jsonl), and the re-check CLI.
+"""A verdict for every output of a job (ddtree.engine.output_check over samples.jsonl), and the re-check CLI.
 
     python -m ddtree.validate runs/2026-12-01/09-00-00-ddtree      # re-check a finished job
     python -m ddtree.validate <job dir> --strict --rescore-dtype float32
@@ -32,7 +32,7 @@ def enabled(rc: RunConfig) -> bool:
 
 
 def rule_of(v: ValidationConfig):
-    from ddtree.engine.validate import ValidationRule
+    from ddtree.engine.output_check import ValidationRule
 
     return ValidationRule(steps=v.steps, calibrate=v.calibrate, calibration_factor=v.calibration_factor,
                           calibration_outputs=v.calibration_outputs, calibration_tokens=v.calibration_tokens,
@@ -70,7 +70,7 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
     calibrations: tolerances already calibrated on this target (the process's model cache), reused by key."""
     import torch
 
-    from ddtree.engine.validate import JobValidation, Validator, logprob_test
+    from ddtree.engine.output_check import JobValidation, Validator, logprob_test
 
     t0 = time.perf_counter()
     validator = Validator(target, rule=rule_of(rc.validation), temperature=rc.temperature, stop_token_ids=stops,
@@ -135,14 +135,12 @@ def first_suspect_line(v: dict[str, Any] | None) -> str | None:
 
 
 def check_outputs(models, prompts: list[Prompt], records: list[dict[str, Any]], rc: RunConfig,
-                  samples: Path) -> dict[str, Any] | None:
-    """The job's hook (rank 0, after the timed generation): verdicts into the records and samples.jsonl."""
+                  samples: Path, calibrations: dict[str, Any]) -> dict[str, Any] | None:
+    """The job's hook (rank 0, after the timed generation): verdicts into the records and samples.jsonl.
+    calibrations: tolerances calibrated on this target before (the process's model cache keeps them)."""
     if not enabled(rc):
         return None
-    from ddtree.pipeline.models import MODELS
-
-    result = validate_records(models.target, models.tokenizer, prompts, records, rc, models.stops,
-                              MODELS.calibrations)
+    result = validate_records(models.target, models.tokenizer, prompts, records, rc, models.stops, calibrations)
     generation_s = sum(r["total_s"] for r in records if not r.get("reused_from"))
     result["share_of_job"] = result["seconds"] / (result["seconds"] + generation_s) if generation_s else None
     with samples.open("w", encoding="utf-8") as out:

@@ -1,6 +1,6 @@
 """Verdicts in the pipeline: summary.json, samples.jsonl, MLflow metrics, the table, strict, the re-check CLI.
 
-The engine's validator itself is tested in test_validate.py against HF greedy decoding.
+The engine's validator itself is tested in test_output_check.py against HF greedy decoding.
 """
 
 from __future__ import annotations
@@ -9,19 +9,17 @@ import dataclasses
 import json
 
 import pytest
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
 from ddtree.engine import loop
 from ddtree.errors import ConfigError
-from ddtree.pipeline import schema as C
+from ddtree.pipeline.config_checks import validate
+from ddtree.pipeline.output_verdicts import SuspectOutputs
 from ddtree.pipeline.recheck import main, recheck
 from ddtree.pipeline.sweep_table import verdict_cell
 from ddtree.pipeline.tracking import numeric_metrics
-from ddtree.pipeline.validate import validate
-from ddtree.pipeline.verdicts import SuspectOutputs
 
-SMALL = ("model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=3", "max_new_tokens=12", "device=cpu")
+# the shared small job with three prompts of twelve tokens
+MORE = ("dataset.max_samples=3", "max_new_tokens=12", "device=cpu")
 
 
 def _recheck(capsys, *args: str) -> tuple[int, str, str]:
@@ -44,9 +42,9 @@ def test_verdict_cell():
     assert verdict_cell(None) == "-"
 
 
-def test_bf16_job_records_verdicts_and_the_recheck_finds_a_planted_fault(cli, tmp_path, capsys):
+def test_bf16_job_records_verdicts_and_the_recheck_finds_a_planted_fault(cli, tmp_path, capsys, small):
     job = tmp_path / "job"
-    proc = cli(*SMALL, "model.dtype=bfloat16", "method=ddtree", "budget=16", f"hydra.run.dir={job}", "tracking=none")
+    proc = cli(*small, *MORE, "model.dtype=bfloat16", "method=ddtree", "budget=16", f"hydra.run.dir={job}", "tracking=none")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "verdicts" in proc.stdout and " ok (" in proc.stdout  # the table's column
     summary = json.loads((job / "summary.json").read_text())
@@ -79,24 +77,19 @@ def test_recheck_of_a_dir_without_a_job_is_one_line(tmp_path, capsys, monkeypatc
     assert code == 2 and err.startswith("error: job_dir:") and len(err.splitlines()) == 1
 
 
-def _compose(*overrides: str):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(C.CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
-
-
-def test_validation_off_and_bad_settings(tmp_path, monkeypatch):
+def test_validation_off_and_bad_settings(tmp_path, monkeypatch, small, compose):
     from ddtree.pipeline.job import run_job
 
     monkeypatch.chdir(tmp_path)  # without a Hydra runtime the job writes to the cwd
-    assert run_job(_compose(*SMALL, "validation=off", "tracking=none", "max_new_tokens=4"))["validation"] is None
+    assert run_job(compose(*small, *MORE, "validation=off", "tracking=none", "max_new_tokens=4",
+                           hydra_node=False))["validation"] is None
     assert "validation" not in json.loads((tmp_path / "samples.jsonl").read_text().splitlines()[0])
     for bad in ("validation.mode=always", "validation.rescore_dtype=int8", "validation.false_alarm=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
-            validate(_compose(*SMALL, bad))
+            validate(compose(*small, *MORE, bad))
 
 
-def test_strict_job_with_a_wrong_token_fails_after_recording_it(tmp_path, monkeypatch):
+def test_strict_job_with_a_wrong_token_fails_after_recording_it(tmp_path, monkeypatch, small, compose):
     from ddtree.pipeline.job import run_job
 
     real, planted = loop.walk, []
@@ -112,7 +105,8 @@ def test_strict_job_with_a_wrong_token_fails_after_recording_it(tmp_path, monkey
     # the fault sits in walk(), which a lazy-head round (a greedy tree of 65+ nodes) does not call
     monkeypatch.setattr("ddtree.engine.target.LAZY_HEAD_MIN", 10**9)
     monkeypatch.chdir(tmp_path)  # without a Hydra runtime the job writes to the cwd
-    cfg = _compose(*SMALL, "validation=strict", "tracking=none", "warmup=false", "baseline_reuse=false")
+    cfg = compose(*small, *MORE, "validation=strict", "tracking=none", "warmup=false", "baseline_reuse=false",
+                  hydra_node=False)
     with pytest.raises(SuspectOutputs, match="validation.strict: 1 of 4 outputs are suspect"):
         run_job(cfg)
     assert planted

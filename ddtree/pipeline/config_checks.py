@@ -1,4 +1,4 @@
-"""Validation of a run config: small checks that each raise `ConfigError(setting, problem, fix)`.
+"""The checks of a run config before any model work: small checks that each raise `ConfigError(setting, problem, fix)`.
 
 Every check here runs before any model is loaded. Heavy imports (torch, transformers) happen only
 for the checks that need them.
@@ -43,7 +43,7 @@ DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 def split_attention() -> dict[str, str]:
     """The tree-verifying implementations -> the backend each wraps: ddtree.engine.attention's own table
-    (imports torch; importing it also registers them with transformers, as a load needs)."""
+    (imports torch; registers nothing: a load by name registers them, ddtree.pipeline.models.load_target)."""
     from ddtree.engine.attention import SPLIT_IMPLEMENTATIONS
 
     return SPLIT_IMPLEMENTATIONS

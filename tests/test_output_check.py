@@ -16,7 +16,7 @@ from ddtree.engine import gdn as gdn_tree
 from ddtree.engine import loop
 from ddtree.engine import target as target_module
 from ddtree.engine.drafter import DFlashDrafter
-from ddtree.engine.validate import (
+from ddtree.engine.output_check import (
     ValidationRule,
     Validator,
     dtype_step,
