@@ -1,0 +1,190 @@
+"""The diagnosis (`python -m ddtree.diagnose`): the per-round records, the tau model against exact enumeration and a
+scripted drafter with known rank distributions run through the real engine, and the CLI on the toy and tiny pairs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.engine.loop import Engine
+from ddtree.pipeline import diagnose as D
+from ddtree.testing.ranks import RankScriptedProposer, exact_tau
+from ddtree.testing.tiny import tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _enumerated(main, off, budget):
+    """1 + the `budget` largest path probabilities over every rank path (the slow obvious reference)."""
+    L, K = len(main), len(main[0])
+    probs = []
+    for depth in range(1, L + 1):
+        for ranks in itertools.product(range(K), repeat=depth):
+            p, on = 1.0, True
+            for d, r in enumerate(ranks):
+                p *= (main if on else off)[d][r]
+                on = on and r == 0
+            probs.append(p)
+    return 1.0 + sum(sorted(probs, reverse=True)[:budget])
+
+
+def _table(rng, L, K):
+    rows = []
+    for _ in range(L):
+        w = [rng.random() ** 2 for _ in range(K)]
+        s = sum(w) / rng.uniform(0.5, 1.0)  # some mass past the K ranks
+        rows.append([x / s for x in w])
+    return rows
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_predicted_tau_is_the_sum_of_the_best_paths(seed):
+    rng = random.Random(seed)
+    L, K = 3, 4
+    main, off = _table(rng, L, K), _table(rng, L, K)
+    pad = lambda t: [row + [0.0] * (D.RANK_CAP - K) for row in t]  # noqa: E731
+    taus = D.predict_taus(pad(main), pad(off), 84)
+    for b in range(1, 85):
+        assert taus[b] == pytest.approx(_enumerated(main, off, b), rel=1e-12), b
+    assert D.chain_tau(pad(main)) == pytest.approx(1 + main[0][0] + main[0][0] * main[1][0]
+                                                   + main[0][0] * main[1][0] * main[2][0])
+
+
+def test_a_chain_prediction_is_its_own_accepted_tau():
+    """From a chain's own rounds, 1 + sum_d prod p_d(0) telescopes to the mean accepted depth + 1."""
+    rng = random.Random(0)
+    L, depths, ranks = 6, [], []
+    for _ in range(300):
+        a = 0
+        while a < L and rng.random() < 0.7:
+            a += 1
+        depths.append(a)
+        ranks.append([0] * a + ([rng.randrange(1, 40) if rng.random() < 0.5 else 1] if a < L else []))
+    rec = {"depth": depths, "ranks": [[min(r, D.RANK_CAP) for r in rs] for rs in ranks],
+           "probs": [[500] * len(rs) for rs in ranks], "prob_scale": 1000}
+    st = D.collect([rec], L)
+    main, _ = D.rank_probabilities(st)
+    assert D.chain_tau(main) == pytest.approx(1 + sum(depths) / len(depths), rel=1e-12)
+
+
+def test_wilson_interval():
+    p, lo, hi = D.wilson(22, 100)
+    assert p == 0.22 and lo == pytest.approx(0.1500, abs=2e-4) and hi == pytest.approx(0.3107, abs=2e-4)
+    assert D.wilson(0, 0) == (None, None, None)
+
+
+# ---------------------------------------------------------------- the engine with a scripted drafter
+
+PROBS = [[0.75, 0.15, 0.05], [0.6, 0.2, 0.1], [0.7, 0.15, 0.05], [0.5, 0.3, 0.1]]  # L = 4, three scripted ranks
+
+
+@pytest.fixture(scope="module")
+def scripted_runs():
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    prompts = [torch.tensor([[3 + i, 5, 7 + i, 11]]) for i in range(3)]
+    new = 120
+    ar = Engine(target, None, method="ar")  # the continuation the scripted drafter knows (AR = greedy: test_engine)
+    refs = [ar.generate(p, max_new_tokens=new + len(PROBS) + 2).output_ids for p in prompts]
+    out = {}
+    for budget in (None, 4, 12):
+        diag = []
+        for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+            prop = RankScriptedProposer(ref, 64, PROBS, budget, seed=100 * i + (budget or 0))
+            eng = Engine(target, None, method="dflash" if budget is None else "ddtree", budget=budget, proposer=prop)
+            res = eng.generate(p, max_new_tokens=new)
+            assert res.output_ids == ref[:new]  # lossless
+            diag.append(res.diagnosis)
+        out[budget] = diag
+    return out
+
+
+@pytest.mark.parametrize("budget", [None, 4, 12])
+def test_scripted_drafter_measured_and_predicted_tau_match_the_exact_value(scripted_runs, budget):
+    diag = scripted_runs[budget]
+    depths = [a for d in diag for a in d["depth"]]
+    n = len(depths)
+    mean = 1 + sum(depths) / n
+    sd = (sum((1 + a - mean) ** 2 for a in depths) / (n - 1)) ** 0.5
+    exact = exact_tau(PROBS, budget)
+    assert abs(mean - exact) < 4 * sd / n ** 0.5 + 1e-9, (mean, exact)  # the engine does what the model says
+    # the recorded ranks are the scripted ones: never past the third rank on the accepted path
+    assert all(r < 3 for d in diag for rs in d["ranks"] for r in rs[:-1])
+    assert all(len(rs) == min(a + 1, len(PROBS)) for d in diag for a, rs in zip(d["depth"], d["ranks"], strict=True))
+    # the model from every run's records predicts this budget within a few standard errors
+    st = D.collect([d for b in scripted_runs.values() for d in b], len(PROBS))
+    pred, _ = D.predicted_curves(st, (1, 4, 12))
+    assert abs(pred[1 if budget is None else budget] - exact) < 4 * sd / n ** 0.5 + 0.05, (pred, exact)
+
+
+def test_scripted_drafter_off_path_accuracy_equals_main(scripted_runs):
+    """Independence holds by construction: the off-path and depth-matched main-path accuracy agree."""
+    st = D.collect([d for b in scripted_runs.values() for d in b], len(PROBS))
+    acc = D.main_vs_off(st)
+    off, main = acc["off"], acc["depth_matched_main"]["rate"]
+    assert off["n"] > 30 and off["lo"] - 0.05 < main < off["hi"] + 0.05
+    nodes = sum(row[c] for d in scripted_runs[12] for row in d["nodes"] for c in range(8))
+    assert nodes > 0  # trees record their verified nodes
+
+
+def test_recording_off_records_nothing():
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    p = torch.tensor([[3, 5, 7]])
+    ref = Engine(target, None, method="ar").generate(p, max_new_tokens=20).output_ids
+    eng = Engine(target, None, method="ddtree", budget=4, proposer=RankScriptedProposer(ref, 64, PROBS, 4),
+                 record=False)
+    assert eng.generate(p, max_new_tokens=12).diagnosis is None
+
+
+# ---------------------------------------------------------------- the CLI
+
+
+def _run(args, cwd, module="ddtree.run", timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DDTREE_TRACEBACK": ""}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_diagnoses_a_toy_sweep(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _run(["+experiment=toy", "method=dflash,ddtree", "budget=8,32", "dataset.max_samples=6",
+                 "max_new_tokens=48", "tracking=none", f"runs_dir={tmp_path}/runs", f"hydra.sweep.dir={sweep}", "-m"],
+                tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run([str(sweep)], tmp_path, module="ddtree.diagnose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((sweep / "diagnosis.json").read_text())
+    assert {m["budget"] for m in doc["measured"]} == {1, 8, 32}
+    for m in doc["measured"]:
+        assert m["predicted"] == pytest.approx(m["accepted"], rel=0.25), m  # few prompts: a loose check here
+    assert doc["verdict"].split(":")[0] in {"drafter-limited", "tree-limited", "verification-limited"}
+    assert doc["verdict"] in proc.stdout
+    md = (sweep / "diagnosis.md").read_text()
+    assert doc["verdict"] in md and "| budget |" in md
+    for name in doc["plots"]:
+        assert (sweep / name).stat().st_size > 1000
+    assert {"diagnosis_depth.png", "diagnosis_tau.png", "diagnosis_speedup.png"} <= set(doc["plots"])
+    # a single job dir works too, and a user's cost table replaces the measured one
+    job = next(p.parent for p in sweep.rglob("summary.json") if json.loads(p.read_text())["method"] == "ddtree")
+    table = tmp_path / "cost.csv"
+    table.write_text("budget,ms\nar,10\n1,12\n8,13\n32,20\n")
+    proc = _run([str(job), "--cost", str(table), "--out", str(tmp_path / "one")], tmp_path, module="ddtree.diagnose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = json.loads((tmp_path / "one" / "diagnosis.json").read_text())
+    assert one["cost"]["source"] == "table" and one["best_budget"] in (1, 2, 4, 8, 16, 32)
+
+
+def test_cli_refuses_a_dir_without_jobs(tmp_path):
+    proc = _run([str(tmp_path)], tmp_path, module="ddtree.diagnose")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no finished job" in proc.stderr
+    bad = tmp_path / "cost.csv"
+    bad.write_text("budget,ms\nx,y\n")
+    proc = _run([str(tmp_path), "--cost", str(bad)], tmp_path, module="ddtree.diagnose")
+    assert proc.returncode == 2 and proc.stderr.startswith("error:")
