@@ -1,6 +1,6 @@
 """Where a round's time outside the forwards goes: each engine function timed in place, inside real generations.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128] [--record-ab 5]
 
 On the shipped toy pair (assets/toy; a tiny random Qwen3 and drafter without it), greedy DDTree, one warm-up pass,
 then one timed pass. Each function below is wrapped with a perf_counter pair (~1 us each) and reported in ms per
@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_stages import load_pair  # noqa: E402
 
+import ddtree.engine.diagnostics as diagnostics  # noqa: E402
 import ddtree.engine.gdn as gdn  # noqa: E402
 import ddtree.engine.loop as loop  # noqa: E402
 import ddtree.engine.proposers as proposers  # noqa: E402
@@ -45,7 +46,11 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--record-ab", type=int, default=0, metavar="N",
+                    help="instead: N interleaved passes with the per-round diagnosis records on and off (medians)")
     args = ap.parse_args()
+    if args.record_ab:
+        return record_ab(args)
     name, target, drafter, prompts, stops = load_pair(args.prompts)
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
@@ -68,7 +73,8 @@ def main() -> None:
                         (tree_mod, "_best_first_heap"), (tree_mod, "_host_tree"),
                         (target_mod.TargetSession, "verify"), (target_mod.WalkRows, "argmax"),
                         (target_mod.WalkRows, "features"), (loop, "greedy_walk_rows"),
-                        (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states")):
+                        (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states"),
+                        (diagnostics.RoundRecorder, "round"), (diagnostics.RoundRecorder, "finish")):
         wrap(owner, attr)
 
     engine = loop.Engine(target, drafter, method="ddtree", budget=args.budget)  # as ddtree.run: one per job
@@ -102,6 +108,29 @@ def main() -> None:
     print("| function | ms / round | calls / round |\n| --- | --- | --- |")
     for attr, s in sorted(spent.items(), key=lambda kv: -kv[1]):
         print(f"| `{attr}` | {1e3 * s / rounds:.3f} | {calls[attr] / rounds:.2f} |")
+
+
+def record_ab(args) -> None:
+    """The diagnosis records' cost: passes over the prompts alternating record=True / record=False (one Engine each, as a
+    job keeps), median decode ms a round of each; the machine's noise shows as the spread of the passes."""
+    name, target, drafter, prompts, stops = load_pair(args.prompts)
+    engines = {rec: loop.Engine(target, drafter, method="ddtree", budget=args.budget, record=rec) for rec in (True, False)}
+    per: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.record_ab + 1):
+        for rec in ((True, False) if i % 2 else (False, True)):
+            rounds = decode = 0.0
+            for ids in prompts:
+                r = engines[rec].generate(ids, max_new_tokens=args.new, stop_token_ids=stops)
+                rounds += r.rounds
+                decode += r.decode_s
+            if i:  # pass 0 warms up
+                per[rec].append(1e3 * decode / rounds)
+    on, off = statistics.median(per[True]), statistics.median(per[False])
+    print(f"# {name}, ddtree budget {args.budget}, {len(prompts)} prompts, {args.record_ab} passes each, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"record on : median {on:.3f} ms a round (passes {', '.join(f'{x:.2f}' for x in per[True])})")
+    print(f"record off: median {off:.3f} ms a round (passes {', '.join(f'{x:.2f}' for x in per[False])})")
+    print(f"overhead: {100 * (on - off) / off:+.2f} % of a round")
 
 
 if __name__ == "__main__":

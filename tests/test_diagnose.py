@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddtree.engine.diagnostics import RANK_CAP, RoundRecorder
 from ddtree.engine.loop import Engine
+from ddtree.engine.tree import best_first_tree, chain_tree, walk
 from ddtree.pipeline import diagnose as D
 from ddtree.testing.ranks import RankScriptedProposer, exact_tau
 from ddtree.testing.tiny import tiny_model
@@ -79,6 +81,90 @@ def test_wilson_interval():
     p, lo, hi = D.wilson(22, 100)
     assert p == 0.22 and lo == pytest.approx(0.1500, abs=2e-4) and hi == pytest.approx(0.3107, abs=2e-4)
     assert D.wilson(0, 0) == (None, None, None)
+
+
+# ---------------------------------------------------------------- the recorder against a slow reference
+
+
+def _slow_round(logits, tree, choice):
+    """The recorder's round by plain Python loops: path ranks/probs and the node table."""
+    toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    want = choice.tolist()
+    path = [0]
+    while True:
+        kids = [i for i in range(len(toks)) if pars[i] == path[-1] and toks[i] == want[path[-1]]]
+        if not kids:
+            break
+        path.append(kids[0])
+    target = [toks[i] for i in path[1:]] + [want[path[-1]]]
+    L = logits.shape[0]
+    ranks, probs = [], []
+    for d, t in enumerate(target[:L]):
+        row = logits[d].tolist()
+        ranks.append(min(sum(x > row[t] for x in row), RANK_CAP))
+        probs.append(round(1000 * torch.softmax(logits[d].double(), -1)[t].item()))
+    top1 = logits.argmax(-1).tolist()
+    table = [[0] * 8 for _ in range(L + 1)]
+    for i in range(1, len(toks)):
+        on, j = True, pars[i]
+        while j > 0:
+            on = on and toks[j] == top1[deps[j] - 1]
+            j = pars[j]
+        col = (0 if on else 4) + 2 * (toks[i] == top1[deps[i] - 1]) + (toks[i] == want[pars[i]])
+        table[deps[i]][col] += 1
+    return len(path) - 1, ranks, probs, table
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_recorder_matches_a_slow_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    L, V = 6, 40
+    logits = torch.randn(L, V, generator=g) * 2
+    root = torch.tensor(5)
+    lp = torch.log_softmax(logits, -1)
+    for tree in (chain_tree(root, logits.argmax(-1)), best_first_tree(root, lp, 24, host=False),
+                 best_first_tree(root, lp, 24, host=True)):
+        # the target follows the tree a few levels, through some non-top-1 children
+        choice = torch.randint(0, V, (len(tree),), generator=g)
+        kids = {}
+        for i, p in enumerate(tree.parents.tolist()[1:], 1):
+            kids.setdefault(p, []).append(i)
+        node = 0
+        for _ in range(4):
+            if node not in kids:
+                break
+            nxt = kids[node][-1 if seed % 2 else 0]
+            choice[node] = tree.tokens[nxt]
+            node = nxt
+        w = walk(tree, choice)
+        rec = RoundRecorder()
+        rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice)
+        out = rec.finish()
+        depth, ranks, probs, table = _slow_round(logits, tree, choice)
+        assert out["depth"] == [depth] and out["ranks"] == [ranks] and out["probs"] == [probs]
+        if not tree.is_chain:
+            assert out["nodes"] == table
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_recording_reads_nothing_from_the_device_in_a_round():
+    dev = torch.device("cuda")
+    logits = torch.randn(15, 500, device=dev)
+    root = torch.tensor(3, device=dev)
+    for tree in (chain_tree(root, logits.argmax(-1)),
+                 best_first_tree(root, torch.log_softmax(logits, -1), 64, host=False)):
+        choice = torch.randint(0, 500, (len(tree),), device=dev)
+        w = walk(tree, choice)  # the round's own host read
+        tree.ancestor_index()
+        rec = RoundRecorder()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert len(rec.finish()["ranks"]) == 1
 
 
 # ---------------------------------------------------------------- the engine with a scripted drafter
@@ -147,11 +233,14 @@ def test_recording_off_records_nothing():
 
 
 def _run(args, cwd, module="ddtree.run", timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DDTREE_TRACEBACK": ""}
+    # this checkout's ddtree, whatever the venv's editable install points at
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "DDTREE_TRACEBACK": "", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_diagnoses_a_toy_sweep(tmp_path):
     sweep = tmp_path / "sweep"
     proc = _run(["+experiment=toy", "method=dflash,ddtree", "budget=8,32", "dataset.max_samples=6",
@@ -188,3 +277,29 @@ def test_cli_refuses_a_dir_without_jobs(tmp_path):
     bad.write_text("budget,ms\nx,y\n")
     proc = _run([str(tmp_path), "--cost", str(bad)], tmp_path, module="ddtree.diagnose")
     assert proc.returncode == 2 and proc.stderr.startswith("error:")
+
+
+def test_cli_diagnoses_a_tiny_sweep_and_picks_a_budget(tmp_path):
+    """The random-drafter tiny pair: a sweep, its diagnosis, and budget=auto (calibration, costs, choice, outcome)."""
+    small = ["model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=10", "tracking=none",
+             "validation=off", f"runs_dir={tmp_path}/runs"]
+    sweep = tmp_path / "sweep"
+    proc = _run([*small, "method=dflash,ddtree", "budget=4", f"hydra.sweep.dir={sweep}", "-m"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run([str(sweep), "--no-plots"], tmp_path, module="ddtree.diagnose")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((sweep / "diagnosis.json").read_text())
+    assert {(m["method"], m["budget"]) for m in doc["measured"]} == {("dflash", 1), ("ddtree", 4)}
+    assert doc["rounds"] > 0 and doc["verdict"] in (sweep / "diagnosis.md").read_text()
+
+    job = tmp_path / "auto"
+    proc = _run([*small, "budget=auto", "auto.prompts=1", "auto.candidates=[2,4]", "auto.cost_tokens=4",
+                 f"hydra.run.dir={job}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((job / "summary.json").read_text())
+    auto = summary["auto_budget"]
+    assert summary["budget"] == auto["chosen"] in (2, 4) and set(auto["predicted_tau"]) == {"2", "4"}
+    assert auto["outcome"]["measured_tau"] == summary["tau"] and "budget=auto outcome" in proc.stdout
+    # budget=auto is for DDTree at T = 0: one line, exit 2, before model work
+    proc = _run([*small, "budget=auto", "method=dflash"], tmp_path)
+    assert proc.returncode == 2 and "budget=auto" in proc.stderr and proc.stderr.count("\n") == 1

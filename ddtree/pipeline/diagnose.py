@@ -549,9 +549,12 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     bs = list(doc["predicted"])
-    ax.plot(bs, [doc["predicted"][b] for b in bs], marker=".", color="C0", label="predicted (measured off-path)")
-    ax.plot(bs, [doc["predicted_independent"][b] for b in bs], linestyle=":", color="C0",
-            label="predicted (independence: off-path = main)")
+    trees = [b for b in bs if b > 1]
+    ax.plot(trees, [doc["predicted"][b] for b in trees], marker=".", color="C0", label="predicted tree (measured off-path)")
+    ax.plot(trees, [doc["predicted_independent"][b] for b in trees], linestyle=":", color="C0",
+            label="predicted tree (independence: off-path = main)")
+    if 1 in doc["predicted"]:
+        ax.scatter([1], [doc["predicted"][1]], marker="*", s=120, color="C0", label="predicted chain (all positions)")
     meas = doc["measured"]
     ax.scatter([m["budget"] for m in meas], [m["measured"] for m in meas], color="C3", zorder=3,
                label="measured (1 = DFlash)")
@@ -567,7 +570,10 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     if doc.get("speedup"):
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
         sb = list(doc["speedup"])
-        ax.plot(sb, [doc["speedup"][b]["speedup"] for b in sb], marker=".", color="C0", label="predicted")
+        st = [b for b in sb if b > 1]
+        ax.plot(st, [doc["speedup"][b]["speedup"] for b in st], marker=".", color="C0", label="predicted tree")
+        if 1 in doc["speedup"]:
+            ax.scatter([1], [doc["speedup"][1]["speedup"]], marker="*", s=120, color="C0", label="predicted chain")
         pts = [(m["budget"], j["speedup"]) for m in meas for j in doc["jobs"]
                if j["name"] == m["name"] and j.get("speedup")]
         if pts:
