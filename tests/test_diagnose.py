@@ -17,6 +17,7 @@ import torch
 from ddtree.engine.diagnostics import RANK_CAP, RoundRecorder
 from ddtree.engine.loop import Engine
 from ddtree.engine.tree import best_first_tree, chain_tree, walk
+from ddtree.errors import ConfigError
 from ddtree.pipeline import diagnose as D
 from ddtree.testing.ranks import RankScriptedProposer, exact_tau
 from ddtree.testing.tiny import tiny_model
@@ -58,6 +59,20 @@ def test_predicted_tau_is_the_sum_of_the_best_paths(seed):
         assert taus[b] == pytest.approx(_enumerated(main, off, b), rel=1e-12), b
     assert D.chain_tau(pad(main)) == pytest.approx(1 + main[0][0] + main[0][0] * main[1][0]
                                                    + main[0][0] * main[1][0] * main[2][0])
+
+
+def test_the_mass_past_the_rank_cap_spreads_over_the_vocabulary():
+    """A flat drafter: big trees hold ranks past RANK_CAP; the model spreads the measured mass beyond evenly."""
+    rng = random.Random(7)
+    V, L = D.RANK_CAP + 5, 2
+    main, off = _table(rng, L, 4), _table(rng, L, 4)
+    flat = lambda t: [row + [0.0] * (D.RANK_CAP - 4) + [(1 - sum(row)) / (V - D.RANK_CAP)] * (V - D.RANK_CAP)  # noqa: E731
+                      for row in t]
+    capped = lambda t: [row + [0.0] * (D.RANK_CAP - 4) + [1 - sum(row)] for row in t]  # noqa: E731
+    taus = D.predict_taus(capped(main), capped(off), 300, vocab=V)
+    for b in (1, 5, 9, 10, 40, 41, 100, 300):
+        assert taus[b] == pytest.approx(_enumerated(flat(main), flat(off), b), rel=1e-12), b
+    assert D.predict_taus(capped(main), capped(off), 50)[50] < taus[50]  # without the vocabulary: left out
 
 
 def test_a_chain_prediction_is_its_own_accepted_tau():
@@ -270,13 +285,18 @@ def test_cli_diagnoses_a_toy_sweep(tmp_path):
     assert one["cost"]["source"] == "table" and one["best_budget"] in (1, 2, 4, 8, 16, 32)
 
 
-def test_cli_refuses_a_dir_without_jobs(tmp_path):
-    proc = _run([str(tmp_path)], tmp_path, module="ddtree.diagnose")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "no finished job" in proc.stderr
+def test_diagnose_refuses_a_dir_without_jobs_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        D.main([str(tmp_path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "no finished job" in err
     bad = tmp_path / "cost.csv"
     bad.write_text("budget,ms\nx,y\n")
-    proc = _run([str(tmp_path), "--cost", str(bad)], tmp_path, module="ddtree.diagnose")
-    assert proc.returncode == 2 and proc.stderr.startswith("error:")
+    with pytest.raises(SystemExit) as e:
+        D.main([str(REPO / "assets"), "--cost", str(bad)])  # no jobs there either: the first problem is named
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error:")
+    with pytest.raises(ConfigError, match="cost"):
+        D.read_cost_table(bad)
 
 
 def test_cli_diagnoses_a_tiny_sweep_and_picks_a_budget(tmp_path):
@@ -286,8 +306,7 @@ def test_cli_diagnoses_a_tiny_sweep_and_picks_a_budget(tmp_path):
     sweep = tmp_path / "sweep"
     proc = _run([*small, "method=dflash,ddtree", "budget=4", f"hydra.sweep.dir={sweep}", "-m"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = _run([str(sweep), "--no-plots"], tmp_path, module="ddtree.diagnose")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    D.main([str(sweep), "--no-plots"])  # python -m ddtree.diagnose, in this process
     doc = json.loads((sweep / "diagnosis.json").read_text())
     assert {(m["method"], m["budget"]) for m in doc["measured"]} == {("dflash", 1), ("ddtree", 4)}
     assert doc["rounds"] > 0 and doc["verdict"] in (sweep / "diagnosis.md").read_text()

@@ -4,6 +4,7 @@ distributions, and how often the drafter's top-1 agreed with the target on and o
 What a round adds (DFlash, DDTree and any proposer exposing `last_logits`, the drafter's [L, V] logits of the round;
 row d drafts depth d + 1):
 
+* `vocab`: the drafter's vocabulary size (the ranks past RANK_CAP spread over it in the model);
 * `depth`: the accepted depth a (draft tokens the target accepted, before any stop or max_new_tokens cut);
 * `ranks`, `probs`: at each depth 1 … min(a + 1, L) along the accepted path and one position past it, the rank of
   the target's token in the drafter's row (0 = the drafter's top-1; RANK_CAP = beyond the top RANK_CAP) and the
@@ -39,6 +40,7 @@ class RoundRecorder:
         self._ranks: list[torch.Tensor] = []  # per round: [m, 2] float (rank, log-prob)
         self._nodes: torch.Tensor | None = None  # [L + 1, NODE_COLUMNS] float counts
         self._asked: dict[int, int] = {}
+        self._vocab = 0
 
     def asking(self, ask):
         """`ask` (the lazy head's argmax over some nodes), remembering each node's answer for `round`."""
@@ -58,6 +60,7 @@ class RoundRecorder:
         device), its accepted depth, the target's token after it, and the target's choice after every node
         (None: the lazy head's answers gathered by `asking`)."""
         L = logits.shape[0]
+        self._vocab = logits.shape[1]
         m = min(accepted + 1, L)
         self._depths.append(accepted)
         self._lengths.append(m)
@@ -109,7 +112,8 @@ class RoundRecorder:
             i += m
             ranks.append([min(int(r), RANK_CAP) for r, _ in seg])
             probs.append([round(PROB_SCALE * math.exp(lp)) for _, lp in seg])
-        out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "depth": self._depths,
+        out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "vocab": self._vocab,
+               "depth": self._depths,
                "ranks": ranks, "probs": probs}
         if self._nodes is not None:
             table = self._nodes.view(-1, NODE_COLUMNS).round().long().tolist()

@@ -125,6 +125,7 @@ class RankStats:
     nodes: list[list[int]]
     rounds: int = 0
     prob_sum: list[list[float]] = field(default_factory=list)  # [d][r] sum of the drafter's prob of the token
+    vocab: int | None = None  # the drafter's vocabulary (ranks past RANK_CAP spread over it)
 
     @classmethod
     def empty(cls, L: int) -> RankStats:
@@ -151,6 +152,8 @@ def collect(diagnoses: list[dict[str, Any]], L: int | None = None) -> RankStats:
         L = max([L] + [len(dg.get("nodes", [])) - 1 for dg in diagnoses])
     st = RankStats.empty(L)
     for dg in diagnoses:
+        if dg.get("vocab"):
+            st.vocab = max(st.vocab or 0, int(dg["vocab"]))
         scale = dg.get("prob_scale", 1000)
         for ranks, probs in zip(dg["ranks"], dg["probs"], strict=True):
             st.rounds += 1
@@ -166,26 +169,27 @@ def collect(diagnoses: list[dict[str, Any]], L: int | None = None) -> RankStats:
 
 
 def rank_probabilities(st: RankStats) -> tuple[list[list[float]], list[list[float]]]:
-    """(main, off): p_d(r) per depth for ranks 0 … RANK_CAP - 1, on the top-1 chain and off it.
+    """(main, off): p_d(r) per depth for ranks 0 … RANK_CAP - 1 and, last, the mass beyond them, on the top-1 chain
+    and off it.
 
-    Off the chain, a depth with fewer than MIN_OFF observations takes the main-chain distribution scaled by the
-    pooled off/main ratio of top-1 accuracy (1 where nothing off the chain was observed: independence assumed)."""
-    main = [[st.count(d, r, 0) / n if (n := st.reached(d, 0)) else 0.0 for r in range(RANK_CAP)]
-            for d in range(st.depth)]
+    Off the chain, a depth with fewer than MIN_OFF observations takes the main-chain distribution with its top-1 share
+    scaled by the pooled off/main ratio of top-1 accuracy, the rest rescaled to match (1 where nothing off the chain
+    was observed: independence assumed)."""
+    ranks = range(RANK_CAP + 1)
+    main = [[st.count(d, r, 0) / n if (n := st.reached(d, 0)) else 0.0 for r in ranks] for d in range(st.depth)]
     ratio = off_main_ratio(st)
     off = []
     for d in range(st.depth):
         n = st.reached(d, 1)
         if n >= MIN_OFF:
-            off.append([st.count(d, r, 1) / n for r in range(RANK_CAP)])
-        else:  # too few: the main distribution with its top-1 share moved by the pooled ratio
-            row = list(main[d])
-            if row[0] > 0 and ratio is not None:
-                top = min(1.0, row[0] * ratio)
-                rest = sum(row[1:])
-                scale = (1 - top) / rest if rest > 0 else 0.0
-                row = [top] + [min(1.0, x * scale) for x in row[1:]] if rest > 0 else [top] + row[1:]
-            off.append(row)
+            off.append([st.count(d, r, 1) / n for r in ranks])
+            continue
+        row = list(main[d])
+        rest = sum(row[1:])
+        if row[0] > 0 and ratio is not None and rest > 0:
+            top = min(1.0, row[0] * ratio)
+            row = [top] + [x * (1 - top) / rest for x in row[1:]]
+        off.append(row)
     return main, off
 
 
@@ -244,15 +248,42 @@ def depth_table(st: RankStats) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- the model
 
 
-def predict_taus(main: list[list[float]], off: list[list[float]], max_budget: int) -> list[float]:
+class _Row:
+    """One depth's rank probabilities in descending order, without listing a vocabulary: the measured ranks, and the
+    mass beyond RANK_CAP spread evenly over the `tail` ranks past them (a run of equal values, merged in order)."""
+
+    def __init__(self, probs: list[float], vocab: int | None):
+        explicit = probs[:RANK_CAP]
+        beyond = probs[RANK_CAP] if len(probs) > RANK_CAP else 0.0
+        self.tail = max(0, (vocab or 0) - RANK_CAP) if beyond > 0 else 0
+        self.t = beyond / self.tail if self.tail else 0.0
+        ranked = sorted(((p, r) for r, p in enumerate(explicit) if p > 0), reverse=True)
+        self.hi = [x for x in ranked if x[0] > self.t]
+        self.lo = [x for x in ranked if x[0] <= self.t]
+
+    def __len__(self) -> int:
+        return len(self.hi) + self.tail + len(self.lo)
+
+    def __getitem__(self, k: int) -> tuple[float, int]:
+        """(probability, rank) of the k-th likeliest rank (a tail rank is reported as RANK_CAP)."""
+        if k < len(self.hi):
+            return self.hi[k]
+        if k < len(self.hi) + self.tail:
+            return self.t, RANK_CAP
+        return self.lo[k - len(self.hi) - self.tail]
+
+
+def predict_taus(main: list[list[float]], off: list[list[float]], max_budget: int,
+                 vocab: int | None = None) -> list[float]:
     """Expected tau of the best tree of each budget 0 … max_budget under the rank model (module docstring).
 
     A best-first search over rank paths: a node's probability is its parent's times p_d(r | state); popping in
     descending probability selects, after B pops, the B most likely paths (a prefix's probability is at least its
-    extensions', so the set is a tree). taus[B] = 1 + the sum of the B popped probabilities."""
+    extensions', so the set is a tree). taus[B] = 1 + the sum of the B popped probabilities. Rows may end with the mass
+    beyond RANK_CAP: with `vocab`, it is spread evenly over the vocab - RANK_CAP ranks past the cap (a flat drafter's
+    big trees reach them), else left out."""
     L = len(main)
-    order = [[sorted(((p, r) for r, p in enumerate(tab[d]) if p > 0), reverse=True) for d in range(L)]
-             for tab in (main, off)]
+    order = [[_Row(tab[d], vocab) for d in range(L)] for tab in (main, off)]
     taus = [1.0]
     # heap item: (-prob, tie, depth index, parent prob, parent state, index in the sorted row)
     heap: list[tuple[float, int, int, float, int, int]] = []
@@ -260,10 +291,9 @@ def predict_taus(main: list[list[float]], off: list[list[float]], max_budget: in
 
     def push(d: int, parent_p: float, state: int, k: int) -> None:
         nonlocal tie
-        row = order[state][d] if d < L else []
-        if k < len(row):
+        if d < L and k < len(order[state][d]):
             tie += 1
-            heapq.heappush(heap, (-parent_p * row[k][0], tie, d, parent_p, state, k))
+            heapq.heappush(heap, (-parent_p * order[state][d][k][0], tie, d, parent_p, state, k))
 
     push(0, 1.0, 0, 0)
     total = 0.0
@@ -416,7 +446,7 @@ def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS) -> tuple
     top = max(budgets)
     curves = []
     for o in (off, main):
-        taus = predict_taus(main, o, top)
+        taus = predict_taus(main, o, top, st.vocab)
         curves.append({b: (chain_tau(main) if b == 1 else taus[b]) for b in budgets})
     return curves[0], curves[1]
 

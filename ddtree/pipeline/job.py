@@ -109,7 +109,8 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
     else:
         engines = {} if engines is None else engines
         if method not in engines:
-            engines[method] = Engine(target, drafter if drafts else None, method=method, budget=rc.budget, **kw)
+            engines[method] = Engine(target, drafter if drafts else None, method=method, budget=rc.budget,
+                                     record=rc.record_rounds, **kw)
         generate = engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):

@@ -176,6 +176,7 @@ class RunConfig:
     force: bool = False  # rerun even if this config already finished in the tracking store
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     warmup: bool = True  # one untimed short generation per method after loading
+    record_rounds: bool = True  # per-round diagnosis records in samples.jsonl (python -m ddtree.diagnose reads them)
     engine: str = "native"
     runs_dir: str = "runs"
     tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (experiment configs set tags.experiment)
@@ -205,7 +206,7 @@ def model_label(name_or_path: str | None) -> str:
 _register()
 
 # keys that do not change what a job computes: left out of its identity (resume)
-NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation", "auto")
+NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation", "auto", "record_rounds")
 
 
 # ---------------------------------------------------------------- conversion
