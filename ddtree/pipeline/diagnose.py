@@ -533,19 +533,26 @@ def _f(x: float | None, nd: int = 2) -> str:
 # ---------------------------------------------------------------- plots and files
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _label(ax, xlabel: str, ylabel: str, title: str, *, ylim: bool = False, budgets: list[int] | None = None) -> None:
+    """Axis labels, grid, legend and title; a 0-1 scale (ylim) or a log2 budget axis (budgets)."""
+    if budgets:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+    if ylim:
+        ax.set_ylim(0, 1.02)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7 if ylim else 8)
+    ax.set_title(title, fontsize=10)
 
 
 def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> list[Path]:
     """diagnosis_depth.png, diagnosis_tau.png and (with a cost curve) diagnosis_speedup.png."""
     if "depths" not in doc:
         return []
+    from ddtree.pipeline.report import _plt, _save  # the report's matplotlib set-up (Agg) and saving
+
     plt = _plt()
     paths = []
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
@@ -553,12 +560,7 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     ax.plot(ds, [r["accept_main"] for r in doc["depths"]], marker="o", color="k", label="top-1 accepted | d-1 (chain)")
     for i, k in enumerate(COVERAGE_K[1:]):
         ax.plot(ds, [r["coverage"][k] for r in doc["depths"]], marker=".", color=f"C{i}", label=f"target in top {k}")
-    ax.set_xlabel("depth")
-    ax.set_ylabel("share of rounds reaching the depth")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    ax.set_title("the drafter by depth", fontsize=10)
+    _label(ax, "depth", "share of rounds reaching the depth", "the drafter by depth", ylim=True)
     pd_ = [p for p in doc["accuracy"]["per_depth"] if p["main"]["n"] or p["off"]["n"]]
     for name, color, dx in (("main", "C0", -0.1), ("off", "C3", 0.1)):
         pts = [(p["depth"] + dx, p[name]) for p in pd_ if p[name]["n"]]
@@ -569,12 +571,7 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
                    [max(0.0, r["hi"] - y) for (_, r), y in zip(pts, ys, strict=True)]]
             bx.errorbar(xs, ys, yerr=err, fmt="o", color=color, capsize=2,
                         label=f"{'on' if name == 'main' else 'off'} its top-1 chain above")
-    bx.set_xlabel("depth")
-    bx.set_ylabel("drafter's top-1 = target's token")
-    bx.set_ylim(0, 1.02)
-    bx.grid(alpha=0.3)
-    bx.legend(fontsize=7)
-    bx.set_title("main path vs off-path (95 % intervals)", fontsize=10)
+    _label(bx, "depth", "drafter's top-1 = target's token", "main path vs off-path (95 % intervals)", ylim=True)
     paths.append(_save(plt, fig, out / f"{prefix}_depth.png"))
 
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
@@ -588,13 +585,7 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     meas = doc["measured"]
     ax.scatter([m["budget"] for m in meas], [m["measured"] for m in meas], color="C3", zorder=3,
                label="measured (1 = DFlash)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(bs, [str(b) for b in bs])
-    ax.set_xlabel("node budget (1 = a chain)")
-    ax.set_ylabel("tau (tokens per round)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("tau against budget", fontsize=10)
+    _label(ax, "node budget (1 = a chain)", "tau (tokens per round)", "tau against budget", budgets=bs)
     paths.append(_save(plt, fig, out / f"{prefix}_tau.png"))
 
     if doc.get("speedup"):
@@ -610,22 +601,10 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
             ax.scatter(*zip(*pts, strict=True), color="C3", zorder=3, label="measured")
         if doc["best_budget"]:
             ax.axvline(doc["best_budget"], color="k", linestyle=":", linewidth=1, label=f"best {doc['best_budget']}")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sb, [str(b) for b in sb])
-        ax.set_xlabel(f"node budget (cost: {doc['cost']['source']})")
-        ax.set_ylabel("speedup over AR (x)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        ax.set_title("speedup against budget", fontsize=10)
+        _label(ax, f"node budget (cost: {doc['cost']['source']})", "speedup over AR (x)", "speedup against budget",
+               budgets=sb)
         paths.append(_save(plt, fig, out / f"{prefix}_speedup.png"))
     return paths
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
 
 
 MODEL_NOTE = ("Model: at depth d the target's token has rank r in the drafter's distribution with the measured "
