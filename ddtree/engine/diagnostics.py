@@ -104,18 +104,21 @@ class RoundRecorder:
         self._nodes.index_add_(0, key, valid.float())
 
     def finish(self) -> dict:
-        """The generation's record (one host read): see the module docstring for the fields."""
-        rows = torch.cat(self._ranks).tolist() if self._ranks else []
+        """The generation's record, read from the device in one transfer: see the module docstring for the fields."""
+        parts = [t.reshape(-1) for t in self._ranks]
+        if self._nodes is not None:
+            parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
+        flat = torch.cat(parts).tolist() if parts else []
+        n_ranks = 2 * sum(self._lengths)
+        rows, nodes = flat[:n_ranks], flat[n_ranks:]
         ranks, probs, i = [], [], 0
         for m in self._lengths:
-            seg = rows[i: i + m]
-            i += m
-            ranks.append([min(int(r), RANK_CAP) for r, _ in seg])
-            probs.append([round(PROB_SCALE * math.exp(lp)) for _, lp in seg])
+            seg = rows[i: i + 2 * m]
+            i += 2 * m
+            ranks.append([min(int(r), RANK_CAP) for r in seg[0::2]])
+            probs.append([round(PROB_SCALE * math.exp(lp)) for lp in seg[1::2]])
         out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "vocab": self._vocab,
-               "depth": self._depths,
-               "ranks": ranks, "probs": probs}
+               "depth": self._depths, "ranks": ranks, "probs": probs}
         if self._nodes is not None:
-            table = self._nodes.view(-1, NODE_COLUMNS).round().long().tolist()
-            out["nodes"] = table
+            out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out
