@@ -231,8 +231,6 @@ def test_scripted_drafter_off_path_accuracy_equals_main(scripted_runs):
     acc = D.main_vs_off(st)
     off, main = acc["off"], acc["depth_matched_main"]["rate"]
     assert off["n"] > 30 and off["lo"] - 0.05 < main < off["hi"] + 0.05
-    nodes = sum(row[c] for d in scripted_runs[12] for row in d["nodes"] for c in range(8))
-    assert nodes > 0  # trees record their verified nodes
 
 
 def test_recording_off_records_nothing():

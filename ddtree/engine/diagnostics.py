@@ -9,13 +9,13 @@ row d drafts depth d + 1):
 * `ranks`, `probs`: at each depth 1 … min(a + 1, L) along the accepted path and one position past it, the rank of
   the target's token in the drafter's row (0 = the drafter's top-1; RANK_CAP = beyond the top RANK_CAP) and the
   drafter's probability of it (in PROB_SCALE-ths);
-* branching trees only, summed over the generation in `nodes`: per depth, for every verified node whose parent's
-  target choice was computed, whether its path left the drafter's top-1 chain above it (off-path), whether it is
-  the drafter's top-1 at its own depth, and whether the target agreed (its token is the target's choice after
-  its parent).
+* branching trees whose every node's target choice was computed (not a CPU's lazy head, which computes the walked
+  rows only), summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
+  drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
+  target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds about 8 small tensor ops (chains) or about 25 (trees) and no host read;
-`finish()` reads everything once per generation (one device sync). Nothing here changes what is decoded.
+Cost, on every device: a round adds 8 small kernels (the path's ranks) and about 22 more for the node table, and no
+host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
 """
 
 from __future__ import annotations
@@ -39,26 +39,14 @@ class RoundRecorder:
         self._lengths: list[int] = []
         self._ranks: list[torch.Tensor] = []  # per round: [m, 2] float (rank, log-prob)
         self._nodes: torch.Tensor | None = None  # [L + 1, NODE_COLUMNS] float counts
-        self._asked: dict[int, int] = {}
         self._vocab = 0
-
-    def asking(self, ask):
-        """`ask` (the lazy head's argmax over some nodes), remembering each node's answer for `round`."""
-        self._asked = {}
-
-        def remembered(nodes: list[int]) -> list[int]:
-            got = ask(nodes)
-            self._asked.update(zip(nodes, got, strict=True))
-            return got
-
-        return remembered
 
     @torch.inference_mode()
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
               choice: torch.Tensor | None) -> None:
         """One round: the drafter's `logits` [L, V], the verified `tree`, the accepted `path` (flat indices, on the
-        device), its accepted depth, the target's token after it, and the target's choice after every node
-        (None: the lazy head's answers gathered by `asking`)."""
+        device), its accepted depth, the target's token after it, and the target's choice after every node (None
+        where the round did not compute it: a CPU's lazy head; the node table then skips the round)."""
         L = logits.shape[0]
         self._vocab = logits.shape[1]
         m = min(accepted + 1, L)
@@ -71,23 +59,13 @@ class RoundRecorder:
             rank = (rows > own).sum(1)
             logp = own[:, 0] - rows.logsumexp(1)
             self._ranks.append(torch.stack([rank.float(), logp], 1))
-        if not tree.is_chain:
+        if not tree.is_chain and choice is not None:
             self._count_nodes(logits, tree, choice)
 
-    def _count_nodes(self, logits: torch.Tensor, tree, choice: torch.Tensor | None) -> None:
+    def _count_nodes(self, logits: torch.Tensor, tree, choice: torch.Tensor) -> None:
         L = logits.shape[0]
         dev = tree.tokens.device
-        n = len(tree)
-        if choice is None:  # lazy head: only the nodes it was asked about are known
-            known = torch.zeros(n, dtype=torch.bool)
-            chosen = torch.full((n,), -1, dtype=torch.long)
-            if self._asked:
-                idx = torch.tensor(list(self._asked), dtype=torch.long)
-                known[idx] = True
-                chosen[idx] = torch.tensor(list(self._asked.values()), dtype=torch.long)
-            known, chosen = known.to(dev), chosen.to(dev)
-        else:
-            known, chosen = None, choice.to(dev)
+        chosen = choice.to(dev)
         depth = tree.depths
         top1 = logits.argmax(-1).to(dev)  # [L]
         is_top1 = (tree.tokens == top1[(depth - 1).clamp(min=0)]) | (depth == 0)
@@ -96,8 +74,6 @@ class RoundRecorder:
         parent = tree.parents.clamp(min=0)
         agreed = tree.tokens == chosen[parent]
         valid = depth > 0
-        if known is not None:
-            valid = valid & known[parent]
         key = depth.clamp(max=L) * NODE_COLUMNS + (~on_chain_above).long() * 4 + is_top1.long() * 2 + agreed.long()
         if self._nodes is None or self._nodes.device != dev:
             self._nodes = torch.zeros((L + 1) * NODE_COLUMNS, device=dev)

@@ -148,7 +148,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
         with timer.stage("commit"):
             choice = None
             if lazy:
-                w, head_s = _walk_asking_head(tree, verified.argmax if rec is None else rec.asking(verified.argmax))
+                w, head_s = _walk_asking_head(tree, verified.argmax)
                 t_feats = time.perf_counter()
                 feats = verified.features(w.path_list)  # before the commit moves the cache rows it reads
                 head_s += time.perf_counter() - t_feats
