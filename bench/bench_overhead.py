@@ -1,6 +1,6 @@
 """Where a round's time outside the forwards goes: each engine function timed in place, inside real generations.
 
-    OMP_NUM_THREADS=1 python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128]
+    OMP_NUM_THREADS=1 python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128] [--record-ab 5]
 
 On the shipped toy pair (assets/toy; a tiny random Qwen3 and drafter without it), greedy DDTree, one warm-up pass,
 then one timed pass. Each function below is wrapped with a perf_counter pair (~1 us each) and reported in ms per
@@ -22,8 +22,10 @@ import collections
 import statistics
 import time
 
+import torch
 from _common import Record, add_json_arg, load_pair, params, random_pair
 
+import ddtree.engine.diagnostics as diagnostics
 import ddtree.engine.gdn as gdn
 import ddtree.engine.loop as loop
 import ddtree.engine.proposers as proposers
@@ -36,8 +38,12 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--record-ab", type=int, default=0, metavar="N",
+                    help="instead: N interleaved passes with the per-round diagnosis records on and off (medians)")
     add_json_arg(ap, "bench_overhead")
     args = ap.parse_args()
+    if args.record_ab:
+        return record_ab(args)
     pair = load_pair("toy", args.prompts) or random_pair(args.prompts)
     name, target, drafter, prompts, stops = pair.name, pair.target, pair.drafter, pair.prompts, pair.stops
     spent: dict[str, float] = collections.defaultdict(float)
@@ -60,7 +66,8 @@ def main() -> None:
                         (tree_mod, "_best_first_host"), (tree_mod, "best_first_tensors"),
                         (target_mod.TargetSession, "verify"), (target_mod.WalkRows, "argmax"),
                         (target_mod.WalkRows, "features"), (loop, "host_walk"),
-                        (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states")):
+                        (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states"),
+                        (diagnostics.RoundRecorder, "round"), (diagnostics.RoundRecorder, "finish")):
         if hasattr(owner, attr):  # a build this checkout lacks is simply not timed
             wrap(owner, attr)
 
@@ -109,6 +116,30 @@ def main() -> None:
     rec.table("Per function", ["function", "ms / round", "calls / round"], rows,
               formats={"ms / round": "{:.3f}", "calls / round": "{:.2f}"})
     rec.write(args.json)
+
+
+def record_ab(args) -> None:
+    """The diagnosis records' cost: passes over the prompts alternating record=True / record=False (one Engine each, as a
+    job keeps), median decode ms a round of each; the machine's noise shows as the spread of the passes."""
+    pair = load_pair("toy", args.prompts) or random_pair(args.prompts)
+    name, target, drafter, prompts, stops = pair.name, pair.target, pair.drafter, pair.prompts, pair.stops
+    engines = {rec: loop.Engine(target, drafter, method="ddtree", budget=args.budget, record=rec) for rec in (True, False)}
+    per: dict[bool, list[float]] = {True: [], False: []}
+    for i in range(args.record_ab + 1):
+        for rec in ((True, False) if i % 2 else (False, True)):
+            rounds = decode = 0.0
+            for ids in prompts:
+                r = engines[rec].generate(ids, max_new_tokens=args.new, stop_token_ids=stops)
+                rounds += r.rounds
+                decode += r.decode_s
+            if i:  # pass 0 warms up
+                per[rec].append(1e3 * decode / rounds)
+    on, off = statistics.median(per[True]), statistics.median(per[False])
+    print(f"# {name}, ddtree budget {args.budget}, {len(prompts)} prompts, {args.record_ab} passes each, "
+          f"{torch.get_num_threads()} thread(s)")
+    print(f"record on : median {on:.3f} ms a round (passes {', '.join(f'{x:.2f}' for x in per[True])})")
+    print(f"record off: median {off:.3f} ms a round (passes {', '.join(f'{x:.2f}' for x in per[False])})")
+    print(f"overhead: {100 * (on - off) / off:+.2f} % of a round")
 
 
 if __name__ == "__main__":

@@ -266,10 +266,11 @@ def test_one_host_read_per_round(monkeypatch):
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1)
     ids = _prompts(vocab, (6,))[0]
     ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4)  # warm caches
-    reads.clear()
-    with Count():
-        res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24)
-    assert len(reads) == res.rounds + 1, reads
+    for record in (False, True):  # the per-round diagnosis records: one read at the end of the generation
+        reads.clear()
+        with Count():
+            res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=record)
+        assert len(reads) == res.rounds + 1 + record, reads
 
 
 def test_walk_reads_once_and_matches_the_path():

@@ -138,10 +138,14 @@ def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24)
+    res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=False)
+    n_plain = len(reads)
+    recorded = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24)
     monkeypatch.undo()
     assert res.rounds >= 3
-    assert len(reads) == 1 + res.rounds, reads  # the prefill's first token, then one walk per round
+    assert n_plain == 1 + res.rounds, reads  # the prefill's first token, then one walk per round
+    # the per-round diagnosis records: one more read, at the end of the generation
+    assert len(reads) - n_plain == 1 + recorded.rounds + 1, reads
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])

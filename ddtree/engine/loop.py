@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_generate_args, check_tree_memory
+from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
@@ -66,7 +67,8 @@ class Engine:
 
     def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
-                 tree_attention: str = "auto", tune_host_allocator: bool | None = None):
+                 tree_attention: str = "auto", tune_host_allocator: bool | None = None,
+                 record: bool = True):
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
@@ -78,6 +80,7 @@ class Engine:
             proposer = make_proposer(method, target, drafter, budget, block_size)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
+        self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
         layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
         self.binding = TargetBinding(target, layers, tree_attention=tree_attention,
                                      tune_allocator=tune_host_allocator)
@@ -112,7 +115,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = False, tree_attention: str = "auto") -> GenerationResult:
+             sync_timing: bool = False, tree_attention: str = "auto", record: bool = True) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -122,11 +125,13 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     tree_attention: "split" (ddtree.engine.attention, any backend; the target is switched to the tree
     implementation wrapping its backend), "dense" (a 4-D mask over past + tree; eager/sdpa) or "auto"
     (split, but dense for a small mask on a CPU eager/sdpa target without sliding layers: cheaper there).
+    record: keep the per-round diagnosis (`GenerationResult.diagnosis`; ddtree.engine.diagnostics) where the proposer
+    drafts: a few small ops a round and one host read per generation.
     Many prompts on the same models: build one `Engine` and call its `generate` (the set-up runs once).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     engine = Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                    sync_timing=sync_timing, tree_attention=tree_attention)
+                    sync_timing=sync_timing, tree_attention=tree_attention, record=record)
     return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
 
@@ -144,6 +149,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
                               budget=budget if spec.reads_budget else None,
                               block_size=getattr(proposer, "block_size", None))
+    rec = RoundRecorder() if engine.record and hasattr(proposer, "last_logits") else None
 
     t0 = time.perf_counter()
     logits, feats = session.prefill(input_ids)
@@ -163,17 +169,21 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
             verified, feats = session.verify(tree, head=not lazy)  # (logits, features), or (WalkRows, None)
         head_s = 0.0
         with timer.stage("commit"):
+            choice = None
             if lazy:
                 w, head_s = _walk_asking_head(tree, verified.argmax)
                 t_feats = time.perf_counter()
                 feats = verified.features(w.path_list)  # before the commit moves the cache rows it reads
                 head_s += time.perf_counter() - t_feats
             else:
-                w = walk(tree, _choose(verified, temperature, generator))  # the round's one host read
+                choice = _choose(verified, temperature, generator)
+                w = walk(tree, choice)  # the round's one host read
             session.commit(tree, w.path, w.path_list)
             if feats is not None and not lazy:
                 feats = feats[:, w.path]
             new, root = w.tokens, w.next_root
+            if rec is not None:  # no host read: ddtree.engine.diagnostics
+                rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)
         timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)
@@ -188,4 +198,6 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     result.decode_s = time.perf_counter() - t1
     result.output_ids = out
     result.stage_seconds = timer.finish()
+    if rec is not None:
+        result.diagnosis = rec.finish()
     return result

@@ -125,6 +125,7 @@ class DrafterBlock:
         self.lm_head = target.get_output_embeddings()
         self.cache = None
         self.ctx_len = 0
+        self.last_logits: torch.Tensor | None = None  # the latest round's [L, V] (ddtree.engine.diagnostics reads it)
 
     def reset(self, capacity: int = 0) -> None:
         """A new generation; capacity: prompt + new tokens + one block (sizes the drafter cache once)."""
@@ -151,7 +152,8 @@ class DrafterBlock:
         hidden = self.drafter(self.embed(block), ctx, ctx_pos, offsets + state.start, cache=self.cache)
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
-        return self.lm_head(hidden[0, 1:]).float().to(dev)
+        self.last_logits = self.lm_head(hidden[0, 1:]).float().to(dev)
+        return self.last_logits
 
 
 class DFlashProposer(DrafterBlock):

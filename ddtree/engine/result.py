@@ -28,6 +28,8 @@ class GenerationResult:
     budget: int | None = None
     block_size: int | None = None
     temperature: float = 0.0
+    # per-round drafter ranks and node agreement (ddtree.engine.diagnostics), where recorded; else None
+    diagnosis: dict | None = None
 
     @property
     def rounds(self) -> int:

@@ -78,7 +78,15 @@ def check_run_settings(rc: RunConfig) -> None:
     _choice("engine", rc.engine, ENGINES)
     if rc.engine == "upstream":
         check_upstream_path(rc.upstream.path)
-    check_budget(rc.budget)  # whatever the method: a budget the config carries is >= 1
+    from ddtree.pipeline.autobudget import check_auto, is_auto
+
+    if is_auto(rc.budget):
+        rc.budget = "auto"
+        check_auto(rc)
+    elif isinstance(rc.budget, bool) or not isinstance(rc.budget, int):
+        raise ConfigError("budget", f"must be a whole number or auto, got {rc.budget!r}", "use e.g. budget=32")
+    else:
+        check_budget(rc.budget)  # whatever the method: a budget the config carries is >= 1
     if not math.isfinite(rc.temperature) or rc.temperature < 0:
         raise ConfigError("temperature", f"must be >= 0, got {rc.temperature}", "use temperature=0 for greedy")
     if rc.max_new_tokens < 1:
@@ -128,7 +136,8 @@ def check_drafter(rc: RunConfig) -> None:
                           "use drafter=pretrained drafter.name_or_path=<hub id or local dir>")
     if d.kind == "random" and d.num_layers < 1:
         raise ConfigError("drafter.num_layers", f"must be >= 1, got {d.num_layers}")
-    method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=rc.budget, block_size=d.block_size,
+    budget = rc.auto.calibration_budget if rc.budget == "auto" else rc.budget
+    method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=budget, block_size=d.block_size,
                                drafter_fix=_drafter_fix(m.name, m.tiny is not None))
     if method.needs_drafter:
         if d.kind == "random" and m.tiny is None:

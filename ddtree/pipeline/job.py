@@ -113,7 +113,7 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
     else:
         if method not in ctx.engines:
             ctx.engines[method] = Engine(target, m.drafter if drafts else None, method=method, budget=rc.budget,
-                                         tune_host_allocator=rc.host_allocator, **kw)
+                                         tune_host_allocator=rc.host_allocator, record=rc.record_rounds, **kw)
         generate = ctx.engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
@@ -460,6 +460,10 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     from ddtree.pipeline.tracking import numeric_metrics, write_histogram
 
     summary = summarize(records, rc, {**extra, "baseline_reused_from": reused_from})
+    if summary.get("auto_budget"):  # budget=auto: the outcome beside the prediction
+        from ddtree.pipeline.autobudget import outcome
+
+        summary["auto_budget"]["outcome"] = outcome(summary["auto_budget"], summary)
     files.summary.write_text(json.dumps(summary, indent=2) + "\n")
     lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
     write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
@@ -513,6 +517,15 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     compat_report = install_compat(rc, world)
     models = load_models(rc, device, MODELS)
     env = job_environment(models, compat_report, world)
+    auto = None
+    if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
+        from ddtree.pipeline.autobudget import choose_budget
+
+        auto = choose_budget(models, prompts, rc, files, MODELS)
+        if world.is_main:
+            print(f"budget=auto: budget {auto['chosen']} (predicted tau {auto['predicted_tau'][auto['chosen']]:.2f}, "
+                  f"speedup {auto['predicted_speedup'][auto['chosen']]:.2f}x; calibrated on "
+                  f"{auto['calibration_rounds']} rounds in {auto['seconds']:.1f} s)", flush=True)
     start_samples(files, world)
     run = start_tracking(rc, tracker, files, env, chash, world) if world.is_main else None
     if resume is not None:
@@ -530,7 +543,12 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
         records, reused_from = generated
         checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
         summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
-                                                            "validation": checked}, run)
+                                                            "validation": checked,
+                                                            **({"auto_budget": auto} if auto else {})}, run)
+        if auto and world.is_main:
+            o = summary["auto_budget"]["outcome"]
+            print(f"budget=auto outcome: tau {o['measured_tau'] or 0:.2f} (predicted {o['predicted_tau']:.2f}), speedup "
+                  f"{o['measured_speedup'] or 0:.2f}x (predicted {o['predicted_speedup']:.2f}x)", flush=True)
         report_suspects(rc, summary)
         return summary
     except BaseException as e:

@@ -71,6 +71,7 @@ class ReportConfig:
     protocol: list[str] = field(default_factory=lambda: list(DEFAULT_PROTOCOL))  # must agree within a cell
     plots: bool = True
     histograms: bool = True
+    diagnosis: bool = True  # "Why is tau what it is?" per cell (ddtree.pipeline.diagnose; downloads samples.jsonl)
     # published figures to compare with (docs/paper_reference.yaml; conf/report.yaml sets it); null: none
     reference: str | None = None
 
@@ -563,7 +564,7 @@ def reference_section(ref: dict[str, Any] | None, cells: list[dict[str, Any]]) -
 
 
 def render_markdown(cells, sel: Selection, filters: dict[str, Any], plots: list[Path],
-                    ref: dict[str, Any] | None = None) -> str:
+                    ref: dict[str, Any] | None = None, diagnosis: list[str] | None = None) -> str:
     f = {k: v for k, v in filters.items() if v not in (None, {}, []) and k != "protocol"}
     lines = ["# DDTree report", "",
              "Filters: " + ", ".join(f"{k}={v}" for k, v in f.items()) + ".",
@@ -575,6 +576,7 @@ def render_markdown(cells, sel: Selection, filters: dict[str, Any], plots: list[
              "aggregation (means over generations).", "",
              "## Speedup and tau", "", markdown_table(cells)]
     lines += reference_section(ref, cells)
+    lines += diagnosis or []
     if plots:
         lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     lines += ["## Runs used", "", "| run | name | dataset | model | T | method | budget | speedup | tau |",
@@ -605,6 +607,11 @@ def make_report(rc: ReportConfig) -> dict[str, Any]:
         plots = budget_plots(cells, out) if rc.plots and cells else []
         if rc.histograms and cells:
             plots += acceptance_histograms(cells, out)
+        diag_lines, diag_docs = [], []
+        if rc.diagnosis and cells:
+            from ddtree.pipeline.diagnose import report_diagnoses
+
+            diag_lines, diag_docs = report_diagnoses(cells, store.load_samples, out, plots=rc.plots)
     filters = _filters(rc, uri)
     doc = {"filters": filters,
            "cells": [{k: v for k, v in c.items() if not k.startswith("_")} for c in cells],
@@ -612,12 +619,14 @@ def make_report(rc: ReportConfig) -> dict[str, Any]:
            "runs_used": [j.brief() for j in sel.used],
            "runs_skipped": [{**j.brief(), "status": j.status, "reason": why} for j, why in sel.skipped],
            "runs_filtered_out": sel.filtered_out}
+    if diag_docs:
+        doc["diagnosis"] = diag_docs
     if ref is not None:
         doc["reference"] = {"path": ref["path"], "source": ref["source"],
                             "rows": comparison_rows(ref, cells, sorted({reference_model(ref, c["model"])
                                                                           for c in cells}))}
     (out / REPORT_JSON).write_text(json.dumps(doc, indent=2) + "\n")
-    (out / REPORT_MD).write_text(render_markdown(cells, sel, filters, plots, ref))
+    (out / REPORT_MD).write_text(render_markdown(cells, sel, filters, plots, ref, diag_lines))
     (out / REPORT_TEX).write_text(latex_table(cells))
     return doc
 

@@ -143,6 +143,17 @@ class ValidationConfig:
 
 
 @dataclass
+class AutoBudgetConfig:
+    """budget=auto (ddtree.pipeline.autobudget): a short calibration, the diagnosis model, the best budget."""
+
+    prompts: int = 4  # calibration prompts (the dataset's first ones)
+    calibration_budget: int = 32  # the DDTree budget they run at (16-64 calibrate well: docs/diagnosis.md)
+    candidates: list[int] = field(default_factory=lambda: [4, 8, 16, 32, 64, 128, 256])
+    cost_tokens: int = 32  # new tokens of the one timed generation per candidate (and AR)
+    cost: str | None = None  # a cost table instead (python -m ddtree.diagnose --cost format)
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
@@ -153,7 +164,8 @@ class RunConfig:
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     method: str = "ddtree"  # set by the `method` group
-    budget: int = 64  # DDTree node budget (excluding the root)
+    budget: Any = 64  # DDTree node budget (excluding the root), or "auto" (ddtree.pipeline.autobudget)
+    auto: AutoBudgetConfig = field(default_factory=AutoBudgetConfig)
     temperature: float = 0.0
     max_new_tokens: int = 256
     seed: int = 0
@@ -166,6 +178,7 @@ class RunConfig:
     warmup: bool = True  # one untimed short generation per method after loading
     # CPU targets: glibc's malloc thresholds tuned for this process (ddtree.engine.host; the library's default: off)
     host_allocator: bool = True
+    record_rounds: bool = True  # per-round diagnosis records in samples.jsonl (python -m ddtree.diagnose reads them)
     engine: str = "native"
     runs_dir: str = "runs"
     tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (experiment configs set tags.experiment)
@@ -195,7 +208,8 @@ def model_label(name_or_path: str | None) -> str:
 _register()
 
 # keys that do not change what a job computes: left out of its identity (resume)
-NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation", "host_allocator")
+NON_IDENTITY_KEYS = ("force", "runs_dir", "tracking", "tags", "baseline_reuse", "validation", "host_allocator", "auto",
+                     "record_rounds")
 
 
 # ---------------------------------------------------------------- conversion
@@ -246,8 +260,11 @@ def resolved_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
 def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     """What decides a job's results: the resolved config minus output paths, force and tracking."""
     d = resolved_dict(cfg)
+    auto = d.get("auto")
     for k in NON_IDENTITY_KEYS:
         d.pop(k, None)
+    if str(d.get("budget")).lower() == "auto":  # its settings decide which budget runs
+        d["auto"] = auto
     method = METHODS.get(d.get("method"))
     if method is None or not method.reads_budget:  # a budget sweep runs DFlash once
         d.pop("budget", None)

@@ -1,0 +1,748 @@
+"""`python -m ddtree.diagnose <job dir | sweep dir>`: why tau is what it is, from the per-round records every
+DFlash and DDTree job keeps (ddtree.engine.diagnostics).
+
+Writes diagnosis.md, diagnosis.json and PNG plots into the directory (or --out):
+
+* the drafter by depth: conditional acceptance of its top-1 (on its own top-1 chain) and the target's token's
+  coverage by its top k;
+* its top-1 accuracy on its main chain against off it (after the path took a non-top-1 token above), with counts and
+  95 % Wilson intervals, per depth and depth-matched;
+* predicted tau against the node budget (1 = a chain … 1024), the measured tau of every job drawn beside it;
+* with a verification-cost curve (the jobs' own stage timings, or --cost TABLE), predicted speedup against budget and
+  the best budget;
+* one verdict line naming the limiting factor.
+
+The model (`predict_taus`): at depth d the target's token has rank r in the drafter's row with probability
+p_d(r | state), state = whether the path above stayed on the drafter's top-1 chain; the ranks at different depths are
+independent given depth and state. A tree of budget B accepts, in expectation, the sum over its nodes of the
+probability that the target's path passes through them; the predicted tree is the B rank-paths of highest such
+probability (a best-first tree ranked by the measured acceptance, not by the drafter's scores of one round). A chain's
+prediction, 1 + sum_d prod_{i<=d} p_i(0), is the measured tau of its own rounds by construction; what the model adds is
+the branches, and the off-path statistics test the assumption it rests on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import json
+import math
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine.diagnostics import NODE_COLUMNS, RANK_CAP
+from ddtree.errors import ConfigError
+
+DIAGNOSIS_MD, DIAGNOSIS_JSON = "diagnosis.md", "diagnosis.json"
+BUDGETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+COVERAGE_K = (1, 2, 4, 8, 32)
+MIN_OFF = 20  # off-path observations a depth needs before its own statistics replace the pooled ratio
+Z95 = 1.959964
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass
+class JobData:
+    """One job's method records and summary, wherever they came from (a job dir, an MLflow run)."""
+
+    name: str
+    method: str
+    budget: int | None  # None: a chain (DFlash) or AR
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]  # role == "method"
+    baseline: list[dict[str, Any]] = field(default_factory=list)  # role == "baseline"
+
+    @property
+    def tau(self) -> float | None:
+        return self.summary.get("tau")
+
+    @property
+    def tree_budget(self) -> int | None:
+        """The budget on the predicted curve: 1 for a chain, the node budget for a tree, None for AR."""
+        if self.method == "dflash":
+            return 1
+        return self.budget if self.method == "ddtree" else None
+
+    @property
+    def diagnosed(self) -> list[dict[str, Any]]:
+        return [r["diagnosis"] for r in self.records if r.get("diagnosis")]
+
+
+def job_from_dir(d: Path) -> JobData | None:
+    """A job dir's summary.json and samples.jsonl; None when it has neither (a skipped or unfinished job)."""
+    samples, summary = d / "samples.jsonl", d / "summary.json"
+    if not samples.is_file() or not summary.is_file():
+        return None
+    summ = json.loads(summary.read_text())
+    recs = [json.loads(ln) for ln in samples.read_text().splitlines() if ln.strip()]
+    return JobData(d.name, summ.get("method"), summ.get("budget"), summ,
+                   [r for r in recs if r.get("role") == "method"], [r for r in recs if r.get("role") == "baseline"])
+
+
+def load_jobs(path: Path) -> list[JobData]:
+    """The job at `path`, or every job below it (a sweep dir, a runs dir)."""
+    if not path.is_dir():
+        raise ConfigError("path", f"{path} is not a directory", "pass a job dir (holding samples.jsonl and "
+                          "summary.json) or a sweep dir")
+    job = job_from_dir(path)
+    if job is not None:
+        return [job]
+    jobs = [j for p in sorted(path.rglob("summary.json"), key=lambda p: str(p)) if (j := job_from_dir(p.parent))]
+    if not jobs:
+        raise ConfigError("path", f"no finished job (samples.jsonl + summary.json) under {path}",
+                          "pass the directory `python -m ddtree.run` printed after 'results:'")
+    return jobs
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def wilson(k: int, n: int) -> tuple[float | None, float | None, float | None]:
+    """k of n: the rate and its 95 % Wilson interval (None where n = 0)."""
+    if n <= 0:
+        return None, None, None
+    p = k / n
+    den = 1 + Z95 ** 2 / n
+    mid = (p + Z95 ** 2 / (2 * n)) / den
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95 ** 2 / (4 * n * n)) / den
+    return p, max(0.0, mid - half), min(1.0, mid + half)
+
+
+@dataclass
+class RankStats:
+    """Counts over rounds. hist[state][d][r]: observations at depth d + 1 whose target token had rank r (RANK_CAP:
+    beyond), state 0 = the path above on the drafter's top-1 chain, 1 = off it. nodes[d][col]: verified nodes
+    (ddtree.engine.diagnostics.NODE_COLUMNS layout), depth d."""
+
+    depth: int  # L, the drafter's positions
+    hist: list[list[list[int]]]
+    nodes: list[list[int]]
+    rounds: int = 0
+    prob_sum: list[list[float]] = field(default_factory=list)  # [d][r] sum of the drafter's prob of the token
+    vocab: int | None = None  # the drafter's vocabulary (ranks past RANK_CAP spread over it)
+
+    @classmethod
+    def empty(cls, L: int) -> RankStats:
+        return cls(L, [[[0] * (RANK_CAP + 1) for _ in range(L)] for _ in range(2)],
+                   [[0] * NODE_COLUMNS for _ in range(L + 1)], 0, [[0.0] * (RANK_CAP + 1) for _ in range(L)])
+
+    def reached(self, d: int, state: int | None = None) -> int:
+        states = (0, 1) if state is None else (state,)
+        return sum(sum(self.hist[s][d]) for s in states)
+
+    def count(self, d: int, r: int, state: int | None = None) -> int:
+        states = (0, 1) if state is None else (state,)
+        return sum(self.hist[s][d][r] for s in states)
+
+    def covered(self, d: int, k: int, state: int | None = None) -> int:
+        states = (0, 1) if state is None else (state,)
+        return sum(sum(self.hist[s][d][:k]) for s in states)
+
+
+def collect(diagnoses: list[dict[str, Any]], L: int | None = None) -> RankStats:
+    """RankStats of per-generation records (GenerationResult.diagnosis)."""
+    if L is None:
+        L = max((len(r) for dg in diagnoses for r in dg["ranks"]), default=1)
+        L = max([L] + [len(dg.get("nodes", [])) - 1 for dg in diagnoses])
+    st = RankStats.empty(L)
+    for dg in diagnoses:
+        if dg.get("vocab"):
+            st.vocab = max(st.vocab or 0, int(dg["vocab"]))
+        scale = dg.get("prob_scale", 1000)
+        for ranks, probs in zip(dg["ranks"], dg["probs"], strict=True):
+            st.rounds += 1
+            off = 0
+            for d, (r, p) in enumerate(zip(ranks[:L], probs[:L], strict=True)):
+                st.hist[off][d][r] += 1
+                st.prob_sum[d][r] += p / scale
+                off = off or int(r != 0)
+        for d, row in enumerate(dg.get("nodes", [])[: L + 1]):
+            for c, v in enumerate(row):
+                st.nodes[d][c] += v
+    return st
+
+
+def rank_probabilities(st: RankStats) -> tuple[list[list[float]], list[list[float]]]:
+    """(main, off): p_d(r) per depth for ranks 0 … RANK_CAP - 1 and, last, the mass beyond them, on the top-1 chain
+    and off it.
+
+    Off the chain, a depth with fewer than MIN_OFF observations takes the main-chain distribution with its top-1 share
+    scaled by the pooled off/main ratio of top-1 accuracy, the rest rescaled to match (1 where nothing off the chain
+    was observed: independence assumed)."""
+    ranks = range(RANK_CAP + 1)
+    main = [[st.count(d, r, 0) / n if (n := st.reached(d, 0)) else 0.0 for r in ranks] for d in range(st.depth)]
+    ratio = off_main_ratio(st)
+    off = []
+    for d in range(st.depth):
+        n = st.reached(d, 1)
+        if n >= MIN_OFF:
+            off.append([st.count(d, r, 1) / n for r in ranks])
+            continue
+        row = list(main[d])
+        rest = sum(row[1:])
+        if row[0] > 0 and ratio is not None and rest > 0:
+            top = min(1.0, row[0] * ratio)
+            row = [top] + [x * (1 - top) / rest for x in row[1:]]
+        off.append(row)
+    return main, off
+
+
+def off_main_ratio(st: RankStats) -> float | None:
+    """Off-path top-1 accuracy over the depth-matched main-chain accuracy (None: nothing observed off the chain)."""
+    acc = main_vs_off(st)
+    m, o = acc["depth_matched_main"]["rate"], acc["off"]["rate"]
+    return None if m in (None, 0) or o is None else o / m
+
+
+def main_vs_off(st: RankStats) -> dict[str, Any]:
+    """The drafter's top-1 accuracy at depths >= 2 along the accepted paths, on its top-1 chain and off it, with the
+    main-chain rate reweighted to the off-path observations' depths (depth matters more than anything: deeper is
+    harder, and off-path observations are deeper)."""
+    per_depth = []
+    km = nm = ko = no = 0
+    matched = 0.0
+    for d in range(1, st.depth):
+        k0, n0 = st.count(d, 0, 0), st.reached(d, 0)
+        k1, n1 = st.count(d, 0, 1), st.reached(d, 1)
+        km, nm, ko, no = km + k0, nm + n0, ko + k1, no + n1
+        if n1 and n0:
+            matched += n1 * k0 / n0
+        per_depth.append({"depth": d + 1, "main": _rate(k0, n0), "off": _rate(k1, n1)})
+    n_matched = sum(st.reached(d, 1) for d in range(1, st.depth) if st.reached(d, 0))
+    out = {"main": _rate(km, nm), "off": _rate(ko, no),
+           "depth_matched_main": {"rate": matched / n_matched if n_matched else None, "n": n_matched},
+           "per_depth": per_depth}
+    # the verified nodes (DDTree): top-1 nodes whose parent's target choice is known, on and off the chain
+    nodes = {"main": [0, 0], "off": [0, 0]}
+    for d in range(1, len(st.nodes)):
+        row = st.nodes[d]
+        for name, base in (("main", 0), ("off", 4)):
+            nodes[name][0] += row[base + 3]  # top-1, agreed
+            nodes[name][1] += row[base + 2] + row[base + 3]  # top-1
+    out["nodes"] = {k: _rate(*v) for k, v in nodes.items()}
+    return out
+
+
+def _rate(k: int, n: int) -> dict[str, Any]:
+    p, lo, hi = wilson(k, n)
+    return {"k": k, "n": n, "rate": p, "lo": lo, "hi": hi}
+
+
+def depth_table(st: RankStats) -> list[dict[str, Any]]:
+    """Per depth: observations, conditional acceptance of the top-1 on the main chain, top-k coverage (all paths)."""
+    rows = []
+    for d in range(st.depth):
+        n = st.reached(d)
+        rows.append({"depth": d + 1, "n_main": st.reached(d, 0), "n_off": st.reached(d, 1),
+                     "accept_main": _rate(st.count(d, 0, 0), st.reached(d, 0))["rate"],
+                     "coverage": {k: (st.covered(d, k) / n if n else None) for k in COVERAGE_K}})
+    return rows
+
+
+# ---------------------------------------------------------------- the model
+
+
+class _Row:
+    """One depth's rank probabilities in descending order, without listing a vocabulary: the measured ranks, and the
+    mass beyond RANK_CAP spread evenly over the `tail` ranks past them (a run of equal values, merged in order)."""
+
+    def __init__(self, probs: list[float], vocab: int | None):
+        explicit = probs[:RANK_CAP]
+        beyond = probs[RANK_CAP] if len(probs) > RANK_CAP else 0.0
+        self.tail = max(0, (vocab or 0) - RANK_CAP) if beyond > 0 else 0
+        self.t = beyond / self.tail if self.tail else 0.0
+        ranked = sorted(((p, r) for r, p in enumerate(explicit) if p > 0), reverse=True)
+        self.hi = [x for x in ranked if x[0] > self.t]
+        self.lo = [x for x in ranked if x[0] <= self.t]
+
+    def __len__(self) -> int:
+        return len(self.hi) + self.tail + len(self.lo)
+
+    def __getitem__(self, k: int) -> tuple[float, int]:
+        """(probability, rank) of the k-th likeliest rank (a tail rank is reported as RANK_CAP)."""
+        if k < len(self.hi):
+            return self.hi[k]
+        if k < len(self.hi) + self.tail:
+            return self.t, RANK_CAP
+        return self.lo[k - len(self.hi) - self.tail]
+
+
+def predict_taus(main: list[list[float]], off: list[list[float]], max_budget: int,
+                 vocab: int | None = None) -> list[float]:
+    """Expected tau of the best tree of each budget 0 … max_budget under the rank model (module docstring).
+
+    A best-first search over rank paths: a node's probability is its parent's times p_d(r | state); popping in
+    descending probability selects, after B pops, the B most likely paths (a prefix's probability is at least its
+    extensions', so the set is a tree). taus[B] = 1 + the sum of the B popped probabilities. Rows may end with the mass
+    beyond RANK_CAP: with `vocab`, it is spread evenly over the vocab - RANK_CAP ranks past the cap (a flat drafter's
+    big trees reach them), else left out."""
+    L = len(main)
+    order = [[_Row(tab[d], vocab) for d in range(L)] for tab in (main, off)]
+    taus = [1.0]
+    # heap item: (-prob, tie, depth index, parent prob, parent state, index in the sorted row)
+    heap: list[tuple[float, int, int, float, int, int]] = []
+    tie = 0
+
+    def push(d: int, parent_p: float, state: int, k: int) -> None:
+        nonlocal tie
+        if d < L and k < len(order[state][d]):
+            tie += 1
+            heapq.heappush(heap, (-parent_p * order[state][d][k][0], tie, d, parent_p, state, k))
+
+    push(0, 1.0, 0, 0)
+    total = 0.0
+    while heap and len(taus) <= max_budget:
+        neg, _, d, parent_p, state, k = heapq.heappop(heap)
+        total += -neg
+        taus.append(1.0 + total)
+        push(d, parent_p, state, k + 1)  # next sibling
+        rank = order[state][d][k][1]
+        push(d + 1, -neg, int(state == 1 or rank != 0), 0)  # first child: off the chain once a rank above is not 0
+    while len(taus) <= max_budget:  # nothing left with a nonzero probability
+        taus.append(taus[-1])
+    return taus
+
+
+def chain_tau(main: list[list[float]]) -> float:
+    """1 + sum_d prod_{i<=d} p_i(0): a chain's expected tau (the check of predict_taus at budget 1 … L)."""
+    tau, run = 1.0, 1.0
+    for row in main:
+        run *= row[0]
+        tau += run
+    return tau
+
+
+# ---------------------------------------------------------------- verification cost
+
+
+def round_ms(job: JobData) -> float | None:
+    """A round's wall milliseconds (draft + tree + verify + commit), from the job's stage timings."""
+    per = job.summary.get("stage_ms_per_round") or {}
+    vals = [v for v in per.values() if v is not None]
+    return sum(vals) if vals else None
+
+
+def ar_ms_per_token(jobs: list[JobData]) -> float | None:
+    """The AR baseline's decode milliseconds per token over every job's baseline records."""
+    s = sum(r["decode_s"] for j in jobs for r in j.baseline)
+    n = sum(len(r["acceptance_lengths"]) for j in jobs for r in j.baseline)
+    return 1000 * s / n if n else None
+
+
+def read_cost_table(path: Path) -> dict[str, Any]:
+    """A user's verification-cost table: JSON {"ar": ms, "1": ms, "64": ms, ...} or {"round_ms": {...}, "ar_ms": x},
+    or CSV rows `budget,ms` (budget "ar" for the baseline's ms per token; 1 = a chain). Milliseconds per round."""
+    if not path.is_file():
+        raise ConfigError("--cost", f"{path} does not exist", "pass a JSON or CSV table of budget -> ms per round")
+    try:
+        if path.suffix.lower() == ".csv":
+            rows = [r for r in csv.reader(path.read_text().splitlines()) if r and not r[0].startswith("#")]
+            raw = {r[0].strip(): float(r[1]) for r in rows if r[0].strip().lower() != "budget"}
+        else:
+            data = json.loads(path.read_text())
+            raw = dict(data.get("round_ms", data))
+            if "ar_ms" in data:
+                raw["ar"] = data["ar_ms"]
+        ar = raw.pop("ar", None)
+        return {"ar_ms": None if ar is None else float(ar), "round_ms": {int(k): float(v) for k, v in raw.items()}}
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+        raise ConfigError("--cost", f"cannot read {path}: {e}", "write budget,ms rows (CSV) or {\"64\": 12.5, "
+                          "\"ar\": 9.8} (JSON)") from None
+
+
+def cost_curve(jobs: list[JobData], table: dict[str, Any] | None) -> dict[str, Any]:
+    """Round ms by budget (1 = the chain) and AR ms per token: the table's where given, else the jobs' own."""
+    if table is not None:
+        return {"source": "table", "round_ms": dict(sorted(table["round_ms"].items())), "ar_ms": table["ar_ms"]}
+    by_budget: dict[int, list[float]] = defaultdict(list)
+    for j in jobs:
+        b, ms = j.tree_budget, round_ms(j)
+        if b is not None and ms is not None:
+            by_budget[b].append(ms)
+    return {"source": "measured", "round_ms": {b: sum(v) / len(v) for b, v in sorted(by_budget.items())},
+            "ar_ms": ar_ms_per_token(jobs)}
+
+
+def interpolate_cost(curve: dict[int, float], b: int) -> float | None:
+    """Round ms at budget b: measured, or linear in log2(budget) between two measured budgets (never outside)."""
+    if b in curve:
+        return curve[b]
+    lo = max((k for k in curve if k < b), default=None)
+    hi = min((k for k in curve if k > b), default=None)
+    if lo is None or hi is None:
+        return None
+    t = (math.log2(b) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+    return curve[lo] + t * (curve[hi] - curve[lo])
+
+
+# ---------------------------------------------------------------- the diagnosis
+
+
+def suspect_jobs(jobs: list[JobData]) -> list[str]:
+    out = []
+    for j in jobs:
+        v = j.summary.get("validation") or {}
+        if v.get("suspect"):
+            out.append(f"{j.name} ({v['suspect']} of {v.get('checked', '?')} outputs)")
+    return out
+
+
+def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Everything diagnosis.md and diagnosis.json say, from the jobs of one drafter-target pair."""
+    drafting = [j for j in jobs if j.diagnosed]
+    temps = {j.summary.get("temperature") for j in drafting}
+    doc: dict[str, Any] = {"jobs": [{"name": j.name, "method": j.method, "budget": j.budget, "tau": j.tau,
+                                     "round_ms": round_ms(j), "speedup": j.summary.get("speedup"),
+                                     "rounds": sum(len(d["depth"]) for d in j.diagnosed)} for j in jobs],
+                           "suspect": suspect_jobs(jobs)}
+    if not drafting:
+        doc["verdict"] = ("no diagnosis: no DFlash or DDTree job here recorded its rounds (method=ar, engine=upstream, "
+                          "or runs older than the recording)")
+        return doc
+    st = collect([d for j in drafting for d in j.diagnosed])
+    L = st.depth
+    pred, indep, sources = model_curves(drafting, L)
+    doc.update(temperature=sorted(t for t in temps if t is not None), rounds=st.rounds, drafter_positions=L,
+               depths=depth_table(st), accuracy=main_vs_off(st), predicted=pred, predicted_independent=indep,
+               calibration=sources)
+    measured = []
+    for j in drafting:
+        b = j.tree_budget
+        if b is not None and j.tau is not None:
+            p = pred[b] if b in pred else model_curves(drafting, L, (b,))[0][b]
+            depths = [a for d in j.diagnosed for a in d["depth"]]
+            accepted = 1 + sum(depths) / len(depths) if depths else None
+            measured.append({"name": j.name, "method": j.method, "budget": b, "measured": j.tau, "accepted": accepted,
+                             "predicted": p, "error": (p - j.tau) / j.tau})
+    doc["measured"] = sorted(measured, key=lambda m: m["budget"])
+    doc["cross"] = cross_predictions(drafting, L) if len(drafting) > 1 else []
+    curve = cost_curve(jobs, cost)
+    doc["cost"] = curve
+    speed = {}
+    if curve["ar_ms"]:
+        for b in BUDGETS:
+            ms = interpolate_cost(curve["round_ms"], b)
+            if ms:
+                speed[b] = {"round_ms": ms, "speedup": pred[b] * curve["ar_ms"] / ms}
+    doc["speedup"] = speed
+    doc["best_budget"] = max(speed, key=lambda b: speed[b]["speedup"]) if speed else None
+    if any(t and t > 0 for t in temps):
+        doc["note"] = ("temperature > 0: the ranks are of the target's sampled tokens; the model predicts greedy "
+                       "acceptance and is not checked at T > 0")
+    doc["verdict"] = verdict(doc, pred)
+    return doc
+
+
+def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS) -> tuple[dict[int, float], dict[int, float]]:
+    """Predicted tau at each budget (1: the drafter's chain of all its positions, as DFlash verifies; B >= 2: the best
+    tree of B nodes), with the measured off-path statistics and under plain independence (off-path = main)."""
+    main, off = rank_probabilities(st)
+    top = max(budgets)
+    curves = []
+    for o in (off, main):
+        taus = predict_taus(main, o, top, st.vocab)
+        curves.append({b: (chain_tau(main) if b == 1 else taus[b]) for b in budgets})
+    return curves[0], curves[1]
+
+
+def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS):
+    """(predicted, independent, sources): the chain point (budget 1) from the chain rounds (DFlash) where there are any,
+    the trees' points from the tree rounds where there are any; else each from what there is.
+
+    Why apart: a round starts where the previous one missed, and a tree misses at harder tokens than a chain (it
+    catches the drafter's near misses), so the rounds of each start in different places; on the toy pair a chain
+    predicted from tree rounds is ~16 % optimistic (docs/diagnosis.md), while trees predicted from chain rounds
+    and trees from trees stay within ~7 %."""
+    chains = [d for j in jobs if j.method == "dflash" for d in j.diagnosed]
+    trees = [d for j in jobs if j.method != "dflash" for d in j.diagnosed]
+    chain_src, tree_src = (chains or trees), (trees or chains)
+    c_pred, c_ind = predicted_curves(collect(chain_src, L), budgets)
+    t_pred, t_ind = (c_pred, c_ind) if tree_src is chain_src else predicted_curves(collect(tree_src, L), budgets)
+    pick = lambda c, t: {b: (c[b] if b == 1 else t[b]) for b in budgets}  # noqa: E731
+    name = lambda src: "chain rounds" if src is chains else "tree rounds"  # noqa: E731
+    return pick(c_pred, t_pred), pick(c_ind, t_ind), {"chain": name(chain_src), "trees": name(tree_src)}
+
+
+def cross_predictions(jobs: list[JobData], L: int) -> list[dict[str, Any]]:
+    """Each job's records alone predicting every job's tau (what one calibration run, e.g. budget=auto, can tell):
+    rows of {calibration, budget, method, predicted, measured, error}."""
+    targets = [(j.tree_budget, j.tau) for j in jobs if j.tree_budget is not None and j.tau]
+    budgets = tuple(sorted({b for b, _ in targets}))
+    rows = []
+    for cal in jobs:
+        pred, _ = predicted_curves(collect(cal.diagnosed, L), budgets)
+        for b, tau in targets:
+            rows.append({"calibration": cal.name, "calibration_budget": cal.tree_budget, "budget": b,
+                         "predicted": pred[b], "measured": tau, "error": (pred[b] - tau) / tau})
+    return rows
+
+
+def verdict(doc: dict[str, Any], taus: dict[int, float]) -> str:
+    """One line naming the limiting factor: suspect outputs, then drafter, tree or verification."""
+    if doc["suspect"]:
+        return f"SUSPECT outputs in {', '.join(doc['suspect'])}: fix correctness before reading tau"
+    d1 = doc["depths"][0]
+    acc1, cov8 = d1["accept_main"], d1["coverage"][8]
+    chain, best_tree = taus[1], max(taus.values())
+    best_b = min(b for b in taus if taus[b] >= best_tree - 1e-9)
+    drafter = (f"depth-1 acceptance {_pct(acc1)}, top-8 coverage {_pct(cov8)}; a chain reaches tau {chain:.2f}, "
+               f"the best tree up to {BUDGETS[-1]} nodes {best_tree:.2f}")
+    a = doc["accuracy"]
+    off, m = a["off"], a["depth_matched_main"]["rate"]
+    collapsed = (off["n"] >= MIN_OFF and m is not None and off["hi"] is not None and off["hi"] < m
+                 and off["rate"] < 0.6 * m)
+    if best_tree < 1.1 * chain:
+        if collapsed:
+            return (f"tree-limited: off its top-1 chain the drafter's top-1 is right {_pct(off['rate'])} "
+                    f"(n={off['n']}) against {_pct(m)} on it at the same depths — use a chain (DFlash); {drafter}")
+        return f"drafter-limited: {drafter}; no tree helps much — a better drafter does"
+    if collapsed:
+        enough = min(b for b in taus if taus[b] >= chain + 0.9 * (best_tree - chain))
+        return (f"tree-limited: off its top-1 chain the drafter's top-1 is right {_pct(off['rate'])} (n={off['n']}) "
+                f"against {_pct(m)} on it — budget <= {enough} gets 90 % of what any tree gets; {drafter}")
+    best = doc.get("best_budget")
+    if best is not None and doc["speedup"]:
+        top = doc["speedup"][best]["speedup"]
+        at_tau = max((b for b in doc["speedup"]), key=lambda b: taus[b])
+        if at_tau != best and doc["speedup"][at_tau]["speedup"] < 0.95 * top:
+            return (f"verification-limited: tau keeps rising to {taus[at_tau]:.2f} at budget {at_tau}, but its rounds "
+                    f"cost more than they gain — best budget {_budget_name(best)} (predicted {top:.2f}x); {drafter}")
+        return (f"drafter-limited: best budget {_budget_name(best)} (predicted {top:.2f}x, tau {taus[best]:.2f}); "
+                f"{drafter}")
+    return f"drafter-limited: {drafter} (tau peaks near budget {best_b})"
+
+
+def _budget_name(b: int | None) -> str:
+    return "-" if b is None else ("1 (a chain: DFlash)" if b == 1 else str(b))
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f} %"
+
+
+def _f(x: float | None, nd: int = 2) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+# ---------------------------------------------------------------- plots and files
+
+
+def _label(ax, xlabel: str, ylabel: str, title: str, *, ylim: bool = False, budgets: list[int] | None = None) -> None:
+    """Axis labels, grid, legend and title; a 0-1 scale (ylim) or a log2 budget axis (budgets)."""
+    if budgets:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+    if ylim:
+        ax.set_ylim(0, 1.02)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7 if ylim else 8)
+    ax.set_title(title, fontsize=10)
+
+
+def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> list[Path]:
+    """diagnosis_depth.png, diagnosis_tau.png and (with a cost curve) diagnosis_speedup.png."""
+    if "depths" not in doc:
+        return []
+    from ddtree.pipeline.report import _plt, _save  # the report's matplotlib set-up (Agg) and saving
+
+    plt = _plt()
+    paths = []
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8), dpi=100)
+    ds = [r["depth"] for r in doc["depths"]]
+    ax.plot(ds, [r["accept_main"] for r in doc["depths"]], marker="o", color="k", label="top-1 accepted | d-1 (chain)")
+    for i, k in enumerate(COVERAGE_K[1:]):
+        ax.plot(ds, [r["coverage"][k] for r in doc["depths"]], marker=".", color=f"C{i}", label=f"target in top {k}")
+    _label(ax, "depth", "share of rounds reaching the depth", "the drafter by depth", ylim=True)
+    pd_ = [p for p in doc["accuracy"]["per_depth"] if p["main"]["n"] or p["off"]["n"]]
+    for name, color, dx in (("main", "C0", -0.1), ("off", "C3", 0.1)):
+        pts = [(p["depth"] + dx, p[name]) for p in pd_ if p[name]["n"]]
+        if pts:
+            xs = [x for x, _ in pts]
+            ys = [r["rate"] for _, r in pts]
+            err = [[max(0.0, y - r["lo"]) for (_, r), y in zip(pts, ys, strict=True)],
+                   [max(0.0, r["hi"] - y) for (_, r), y in zip(pts, ys, strict=True)]]
+            bx.errorbar(xs, ys, yerr=err, fmt="o", color=color, capsize=2,
+                        label=f"{'on' if name == 'main' else 'off'} its top-1 chain above")
+    _label(bx, "depth", "drafter's top-1 = target's token", "main path vs off-path (95 % intervals)", ylim=True)
+    paths.append(_save(plt, fig, out / f"{prefix}_depth.png"))
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+    bs = list(doc["predicted"])
+    trees = [b for b in bs if b > 1]
+    ax.plot(trees, [doc["predicted"][b] for b in trees], marker=".", color="C0", label="predicted tree (measured off-path)")
+    ax.plot(trees, [doc["predicted_independent"][b] for b in trees], linestyle=":", color="C0",
+            label="predicted tree (independence: off-path = main)")
+    if 1 in doc["predicted"]:
+        ax.scatter([1], [doc["predicted"][1]], marker="*", s=120, color="C0", label="predicted chain (all positions)")
+    meas = doc["measured"]
+    ax.scatter([m["budget"] for m in meas], [m["measured"] for m in meas], color="C3", zorder=3,
+               label="measured (1 = DFlash)")
+    _label(ax, "node budget (1 = a chain)", "tau (tokens per round)", "tau against budget", budgets=bs)
+    paths.append(_save(plt, fig, out / f"{prefix}_tau.png"))
+
+    if doc.get("speedup"):
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
+        sb = list(doc["speedup"])
+        st = [b for b in sb if b > 1]
+        ax.plot(st, [doc["speedup"][b]["speedup"] for b in st], marker=".", color="C0", label="predicted tree")
+        if 1 in doc["speedup"]:
+            ax.scatter([1], [doc["speedup"][1]["speedup"]], marker="*", s=120, color="C0", label="predicted chain")
+        pts = [(m["budget"], j["speedup"]) for m in meas for j in doc["jobs"]
+               if j["name"] == m["name"] and j.get("speedup")]
+        if pts:
+            ax.scatter(*zip(*pts, strict=True), color="C3", zorder=3, label="measured")
+        if doc["best_budget"]:
+            ax.axvline(doc["best_budget"], color="k", linestyle=":", linewidth=1, label=f"best {doc['best_budget']}")
+        _label(ax, f"node budget (cost: {doc['cost']['source']})", "speedup over AR (x)", "speedup against budget",
+               budgets=sb)
+        paths.append(_save(plt, fig, out / f"{prefix}_speedup.png"))
+    return paths
+
+
+MODEL_NOTE = ("Model: at depth d the target's token has rank r in the drafter's distribution with the measured "
+              "probability p_d(r | on or off the drafter's top-1 chain above), independently across depths; the "
+              "predicted tree holds the B most likely rank paths. Dotted: the plain independence assumption "
+              "(off-path = main path), which DDTree's scores make.")
+
+
+def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> list[str]:
+    """The diagnosis as markdown lines (diagnosis.md, and the report's section), headings at `level`."""
+    h = "#" * level
+    lines = [f"**Verdict:** {doc['verdict']}", ""]
+    if "depths" not in doc:
+        return lines
+    lines += [f"{doc['rounds']} rounds recorded; the drafter drafts {doc['drafter_positions']} positions.", ""]
+    if doc.get("note"):
+        lines += [f"Note: {doc['note']}.", ""]
+    lines += [f"{h} Predicted and measured tau", "", MODEL_NOTE, "",
+              "Budget 1 is the drafter's chain of all its positions (DFlash); a budget B >= 2 a tree of B nodes. "
+              "Measured tau is the job's (committed tokens per round); accepted is the same before the stop token "
+              "and max_new_tokens cut the last round of each output (what the model describes).", "",
+              "| job | method | budget | measured tau | accepted | predicted | error |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for m in doc["measured"]:
+        lines.append(f"| {m['name']} | {m['method']} | {m['budget']} | {m['measured']:.2f} | {_f(m['accepted'])} | "
+                     f"{_f(m['predicted'])} | {100 * m['error']:+.1f} % |")
+    lines += ["", "| budget | " + " | ".join(str(b) for b in doc["predicted"]) + " |",
+              "| --- |" + " ---: |" * len(doc["predicted"]),
+              "| predicted tau | " + " | ".join(f"{v:.2f}" for v in doc["predicted"].values()) + " |",
+              "| independence | " + " | ".join(f"{v:.2f}" for v in doc["predicted_independent"].values()) + " |"]
+    if doc.get("speedup"):
+        lines.append("| predicted speedup | " + " | ".join(
+            f"{doc['speedup'][b]['speedup']:.2f}x" if b in doc["speedup"] else "-" for b in doc["predicted"]) + " |")
+        lines += ["", f"Verification cost ({doc['cost']['source']}): AR {_f(doc['cost']['ar_ms'])} ms a token; rounds "
+                  + ", ".join(f"{b}: {ms:.2f} ms" for b, ms in doc["cost"]["round_ms"].items())
+                  + " (between measured budgets: interpolated in log2 budget; outside them: not predicted). "
+                  f"Best budget: {_budget_name(doc['best_budget'])}."]
+    if doc.get("calibration"):
+        lines += ["", f"Calibration: the chain from {doc['calibration']['chain']}, the trees from "
+                  f"{doc['calibration']['trees']} (a round starts where the last one missed, and trees miss at harder "
+                  "tokens than chains: see docs/diagnosis.md)."]
+    if doc.get("cross"):
+        cols = sorted({r["budget"] for r in doc["cross"]})
+        cals = sorted(dict.fromkeys((r["calibration"], r["calibration_budget"]) for r in doc["cross"]),
+                      key=lambda c: (c[1] is None, c[1] or 0))
+        cell = {(r["calibration"], r["budget"]): r for r in doc["cross"]}
+        lines += ["", f"{h} Predicting from one job", "", "Each job's records alone, predicting every job's tau "
+                  "(error against the measured tau; `budget=auto` calibrates this way):", "",
+                  "| calibration job (budget) | " + " | ".join(str(b) for b in cols) + " |",
+                  "| --- |" + " ---: |" * len(cols)]
+        for name, cb in cals:
+            lines.append(f"| {name} ({cb}) | " + " | ".join(
+                f"{100 * cell[(name, b)]['error']:+.0f} %" for b in cols) + " |")
+    a = doc["accuracy"]
+    lines += ["", f"{h} The drafter on and off its top-1 chain", "",
+              "The drafter's top-1 is the target's token, at depths >= 2 of the accepted paths (95 % Wilson intervals):",
+              "", "| where | right | of | rate | interval |", "| --- | ---: | ---: | ---: | --- |"]
+    for name, r in (("on its top-1 chain", a["main"]), ("off it (a non-top-1 token above)", a["off"])):
+        lines.append(f"| {name} | {r['k']} | {r['n']} | {_pct(r['rate'])} | {_pct(r['lo'])} – {_pct(r['hi'])} |")
+    lines.append(f"| on the chain, at the off-path depths | | {a['depth_matched_main']['n']} | "
+                 f"{_pct(a['depth_matched_main']['rate'])} | |")
+    nd = a["nodes"]
+    if nd["main"]["n"] or nd["off"]["n"]:
+        lines += ["", "Every verified top-1 node of the trees whose parent's target choice was computed (the lazy "
+                  "head on a CPU computes it on the walked path's chains only): "
+                  f"on the chain {nd['main']['k']}/{nd['main']['n']} ({_pct(nd['main']['rate'])}), off it "
+                  f"{nd['off']['k']}/{nd['off']['n']} ({_pct(nd['off']['rate'])})."]
+    lines += ["", f"{h} By depth", "",
+              "| depth | rounds (chain / off) | top-1 accepted on the chain | " +
+              " | ".join(f"top {k}" for k in COVERAGE_K) + " |",
+              "| ---: | ---: | ---: |" + " ---: |" * len(COVERAGE_K)]
+    for r in doc["depths"]:
+        if r["n_main"] + r["n_off"] == 0:
+            continue
+        lines.append(f"| {r['depth']} | {r['n_main']} / {r['n_off']} | {_pct(r['accept_main'])} | "
+                     + " | ".join(_pct(r["coverage"][k]) for k in COVERAGE_K) + " |")
+    if plots:
+        lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    return lines + [""]
+
+
+def write_diagnosis(doc: dict[str, Any], out: Path, plots: bool = True) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = write_plots(doc, out) if plots else []
+    doc["plots"] = [p.name for p in paths]
+    (out / DIAGNOSIS_JSON).write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (out / DIAGNOSIS_MD).write_text("\n".join(["# Why is tau what it is?", ""] + markdown_section(doc, doc["plots"])))
+    return paths
+
+
+def report_diagnoses(cells: list[dict[str, Any]], load_samples, out: Path, plots: bool = True
+                     ) -> tuple[list[str], list[dict[str, Any]]]:
+    """`python -m ddtree.report`'s "Why is tau what it is?": a diagnosis per table cell from its jobs (MLflow runs with
+    .summary, .samples, .method, .budget, .name), samples fetched by `load_samples(job)`; (markdown lines, docs)."""
+    lines, docs = ["## Why is tau what it is?", "",
+                   "Per cell, from the per-round records of its DFlash and DDTree runs (`python -m ddtree.diagnose` on a "
+                   "job or sweep dir says the same; docs/diagnosis.md explains it).", ""], []
+    for c in cells:
+        jobs = []
+        for job in c["_jobs"].values():
+            load_samples(job)
+            recs = job.samples or []
+            jobs.append(JobData(job.name, job.method, job.budget, job.summary or {},
+                                [r for r in recs if r.get("role") == "method"],
+                                [r for r in recs if r.get("role") == "baseline"]))
+        doc = diagnose(jobs)
+        slug = "_".join(str(x) for x in (c["dataset"], c["model"], f"T{c['temperature']:g}"))
+        slug = "".join(ch if ch.isalnum() or ch in "._" else "-" for ch in slug)
+        doc["plots"] = [p.name for p in write_plots(doc, out, f"diagnosis_{slug}")] if plots else []
+        docs.append({"dataset": c["dataset"], "model": c["model"], "temperature": c["temperature"], **doc})
+        lines += [f"### {c['title']}, {c['model']}, temperature {c['temperature']:g}", ""]
+        lines += markdown_section(doc, doc["plots"], level=4)
+    return lines, docs
+
+
+def main(argv: list[str] | None = None) -> None:
+    from ddtree.pipeline.cli import tracebacks_wanted, user_error
+
+    ap = argparse.ArgumentParser(prog="python -m ddtree.diagnose", description=__doc__.split("\n\n")[0])
+    ap.add_argument("path", type=Path, help="a job dir (samples.jsonl, summary.json) or a sweep dir")
+    ap.add_argument("--out", type=Path, default=None, help="where to write (default: the path itself)")
+    ap.add_argument("--cost", type=Path, default=None,
+                    help="verification cost table: CSV budget,ms (budget 'ar': AR ms per token) or JSON")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        jobs = load_jobs(args.path.expanduser().resolve())
+        cost = read_cost_table(args.cost) if args.cost else None
+    except ConfigError as e:
+        if tracebacks_wanted():
+            raise
+        user_error(str(e))
+    doc = diagnose(jobs, cost)
+    out = (args.out or args.path).expanduser().resolve()
+    write_diagnosis(doc, out, plots=not args.no_plots)
+    for m in doc.get("measured", []):
+        print(f"  {m['name']}: {m['method']} budget {m['budget']}: tau {m['measured']:.2f}, predicted "
+              f"{_f(m['predicted'])}")
+    print(doc["verdict"])
+    print(f"diagnosis: {out / DIAGNOSIS_MD}")
+    sys.stdout.flush()
