@@ -214,7 +214,9 @@ def check_tree_fits(cfg: dict[str, Any], rc) -> None:
         return
     dtype = rc.model.dtype if rc.model.dtype != "auto" else str(cfg.get("dtype") or cfg.get("torch_dtype") or "")
     dtype_bytes = DTYPE_BYTES.get(dtype, 4 if rc.model.tiny is not None else 2)
-    check_tree_memory(cfg, rc.budget, dtype_bytes, resolve_device(rc.device))
+    budgets = [int(b) for b in rc.auto.candidates] + [int(rc.auto.calibration_budget)] if rc.budget == "auto" else [rc.budget]
+    for budget in budgets:  # budget=auto: every budget the calibration may build
+        check_tree_memory(cfg, budget, dtype_bytes, resolve_device(rc.device))
 
 
 def flat_config(d: dict[str, Any]) -> dict[str, Any]:
