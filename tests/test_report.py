@@ -136,7 +136,8 @@ def test_report_tables_plots_and_run_lists(grid):
 
     pngs = sorted(out.glob("*.png"))
     assert {p.name for p in pngs} == {f"{k}_tiny_qwen3_T{t}.png" for k in ("speedup_vs_budget", "tau_vs_budget")
-                                      for t in (0, 1)} | {f"acceptance_tiny_tiny_qwen3_T{t}.png" for t in (0, 1)}
+                                      for t in (0, 1)} | {f"acceptance_tiny_tiny_qwen3_T{t}.png" for t in (0, 1)} | {
+        f"diagnosis_tiny_tiny_qwen3_T{t}_{k}.png" for k in ("depth", "tau", "speedup") for t in (0, 1)}
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000 for p in pngs)
     assert all(f"]({p.name})" in md for p in pngs)
 
