@@ -47,9 +47,14 @@ def _walk_asking_head(tree, ask) -> tuple:
     return greedy_walk_rows(tree, timed), spent
 
 
-def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None) -> Proposer:
-    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares."""
-    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
+def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
+                  steps: int | None = None, topk: int | None = None) -> Proposer:
+    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares.
+    steps, topk: method=mtp's draft depth and branching (ignored by the others)."""
+    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
+                          steps=steps, topk=topk)
+    if m.own_head:
+        return m.make_proposer(target, drafter, budget, block_size, steps=steps, topk=topk)
     return m.make_proposer(target, drafter, budget, block_size)
 
 
@@ -64,18 +69,19 @@ class Engine:
 
     def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = True,
-                 tree_attention: str = "auto"):
+                 tree_attention: str = "auto", steps: int | None = None, topk: int | None = None):
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if proposer is None:
             if drafter is not None and self.spec.needs_drafter:
                 drafter.check_compatible(target)
-            proposer = make_proposer(method, target, drafter, budget, block_size)
+            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
-        layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
+        layers = getattr(proposer, "feature_layers", None) or (  # MTP: the target's own last hidden state
+            drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None)
         self.binding = TargetBinding(target, layers, tree_attention=tree_attention)
-        self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1) + 1
+        self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1, getattr(proposer, "max_nodes", 1)) + 1
         if not isinstance(proposer, ARProposer):
             TargetSession(target, binding=self.binding).check_method(method)
 
@@ -91,7 +97,8 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = True, tree_attention: str = "auto") -> GenerationResult:
+             sync_timing: bool = True, tree_attention: str = "auto", steps: int | None = None,
+             topk: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -101,10 +108,12 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     implementation wrapping its backend), "dense" (a 4-D mask over past + tree; eager/sdpa) or "auto"
     (split, but dense for a small mask on a CPU eager/sdpa target without sliding layers: cheaper there).
     Many prompts on the same models: build one `Engine` and call its `generate` (the set-up runs once).
+    method="mtp" drafts with the target's own MTP head (`drafter`: an MTPHead, or None to read it from the target's
+    checkpoint): `steps` tokens a round (default 3), `topk` > 1 an EAGLE-style tree of the `budget` best nodes.
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     engine = Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                    sync_timing=sync_timing, tree_attention=tree_attention)
+                    sync_timing=sync_timing, tree_attention=tree_attention, steps=steps, topk=topk)
     return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
 
@@ -134,7 +143,8 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
         result.stopped_by = "stop_token"
     while not done:
         state = DecodeState(root=root, start=session.length, prompt_len=input_ids.shape[1], generated=out,
-                            new_context=feats, temperature=temperature, generator=generator, timer=timer)
+                            new_context=feats, temperature=temperature, generator=generator, timer=timer,
+                            input_ids=input_ids)
         tree = proposer.propose(state)
         lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
         with timer.stage("verify"):

@@ -44,6 +44,7 @@ from ddtree.pipeline.schema import (
     RunConfig,
     flatten,
     identity_dict,
+    reads_budget,
     resolved_dict,
     to_run_config,
     tracking_uri,
@@ -99,8 +100,10 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
 
     from ddtree import Engine
 
-    drafts = METHODS[method].needs_drafter
+    drafts, own_head = METHODS[method].needs_drafter, METHODS[method].own_head
     kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
+    if own_head:  # method=mtp: `drafter` is the target's MTP head (ddtree.pipeline.models.load_mtp_head)
+        kw = {"steps": rc.mtp.steps, "topk": rc.mtp.topk}
     if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
         from ddtree.upstream.engine import generate_upstream
 
@@ -109,7 +112,8 @@ def run_conversation(target, drafter, tokenizer, prompt: Prompt, method: str, rc
     else:
         engines = {} if engines is None else engines
         if method not in engines:
-            engines[method] = Engine(target, drafter if drafts else None, method=method, budget=rc.budget, **kw)
+            engines[method] = Engine(target, drafter if drafts or own_head else None, method=method,
+                                     budget=rc.budget, **kw)
         generate = engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
@@ -170,8 +174,10 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
     block = next((r["block_size"] for r in meth if r.get("block_size")), None)
     return {
         "engine": rc.engine,
-        "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget else None, "block_size": block,
-        "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
+        "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk) else None, "block_size": block,
+        "temperature": rc.temperature, "model": rc.model.name,
+        "drafter": "mtp head" if METHODS[rc.method].own_head else rc.drafter.name_or_path or rc.drafter.kind,
+        **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if METHODS[rc.method].own_head else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
@@ -261,7 +267,7 @@ def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 
 def run_name(rc: RunConfig) -> str:
-    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if METHODS[rc.method].reads_budget else "")
+    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, rc.mtp.topk) else "")
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 
@@ -321,10 +327,10 @@ def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool
     if first is None:
         return False
     if world.is_main:
-        why = f"method={rc.method} ignores the budget" if not METHODS[rc.method].reads_budget else "same config"
+        why = f"method={rc.method} ignores the budget" if not reads_budget(rc.method, rc.mtp.topk) else "same config"
         note = f"skipped: same job as {Path(first).name} ({why})"
         files.job_dir.joinpath(SKIPPED).write_text(json.dumps(
-            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget
+            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk)
              else None, "duplicate_of": first, "note": note}) + "\n")
         print(f"{note}: {first}", flush=True)
     return True
