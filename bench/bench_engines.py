@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_engines.py [--upstream PATH] [--pairs toy,toy_pure]
         [--prompts 48] [--new 128] [--no-stop] [--passes 3] [--budgets 16,64,256] [--device cpu]
-        [--dtype float32] [--out runs/bench_engines.md]
+        [--dtype float32] [--mtp-steps 3] [--mtp-topk 4] [--mtp-budgets 16] [--out runs/bench_engines.md]
 
 Peers (each skipped, with the reason printed, where it cannot run):
   upstream      the DDTree authors' generate functions (`--upstream PATH` or $DDTREE_UPSTREAM: a checkout
@@ -19,6 +19,9 @@ Pairs (default toy,toy_pure):
   pure      a tiny random pure-attention Qwen3 (6 x 192, vocab 1024) and a random drafter, --pure-prompts
             random prompts (default 4), always no-stop: acceptance is meaningless there (tau about 1), costs
             are not.
+MTP rows (native only; where the pair's target checkpoint carries an MTP head, as the toy's does): `mtp S`, the
+head's chain of --mtp-steps tokens a round, and `mtp SxK` at each --mtp-budgets, its EAGLE-style tree (top-K children
+per expanded node); their outputs are compared with the native AR row's.
 Workload, greedy (T = 0) everywhere, outputs compared per prompt:
   answers (default on the trained pairs) every prompt's answer up to its stop token (at most --new tokens): the regime the
           drafter was trained for (tau 5-8). The toy's answers are short (~20 tokens), so the figures rest on
@@ -60,7 +63,9 @@ import torch  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
+from ddtree.engine.drafter.mtp import MTPHead  # noqa: E402
 from ddtree.engine.host import tune_host_allocator  # noqa: E402
+from ddtree.errors import ConfigError  # noqa: E402
 from ddtree.testing.tiny import tiny_model  # noqa: E402
 
 ENGINES = ("native", "upstream", "transformers")
@@ -75,6 +80,7 @@ class Pair:
     prompts: list[torch.Tensor]
     hybrid: bool
     stops: list[int] = field(default_factory=list)  # the answers workload's stop tokens (none: no-stop only)
+    mtp: object = None  # the target's own MTP head (ddtree.engine.drafter.mtp), where its checkpoint has one
 
 
 @dataclass
@@ -113,7 +119,12 @@ def trained_pair(name: str, n: int, device: str, dtype: torch.dtype) -> Pair | N
                                        return_tensors="pt", return_dict=True)["input_ids"].to(device) for r in rows]
     drafter = DFlashDrafter.from_pretrained(toy / "drafter", dtype=dtype, device=device)
     hybrid = "linear_attention" in (getattr(target.config.get_text_config(), "layer_types", None) or ())
-    return Pair(TRAINED[name], target, drafter, prompts, hybrid=hybrid, stops=stop_ids(tok, target))
+    try:
+        mtp = MTPHead.from_target(target, toy / "target")
+    except ConfigError as e:
+        print(f"# {name}: no MTP rows — {e}")
+        mtp = None
+    return Pair(TRAINED[name], target, drafter, prompts, hybrid=hybrid, stops=stop_ids(tok, target), mtp=mtp)
 
 
 def pure_pair(n: int, device: str, dtype: torch.dtype) -> Pair:
@@ -151,8 +162,9 @@ def hf_assistant(drafter: DFlashDrafter) -> torch.nn.Module:
 class Runner:
     """One generate call per engine, timed the same way (wall clock around the call, device synced)."""
 
-    def __init__(self, pair: Pair, upstream, new: int, stops: list[int]):
+    def __init__(self, pair: Pair, upstream, new: int, stops: list[int], mtp_steps: int = 3, mtp_topk: int = 4):
         self.pair, self.upstream, self.new, self.stops = pair, upstream, new, stops
+        self.mtp_steps, self.mtp_topk = mtp_steps, mtp_topk
         if not stops:  # no-stop: transformers' generate must not fall back to the checkpoint's eos either
             pair.target.generation_config.eos_token_id = None
         self.assistant = None if pair.hybrid else hf_assistant(pair.drafter)
@@ -160,6 +172,8 @@ class Runner:
         self.engines: dict[tuple, ddtree.Engine] = {}
 
     def available(self, engine: str, method: str) -> bool:
+        if method == "mtp":  # only the native engine runs the target's own MTP head
+            return engine == "native" and self.pair.mtp is not None
         if engine == "upstream":
             return self.upstream is not None
         if engine == "transformers":
@@ -185,6 +199,10 @@ class Runner:
             cell.outputs.append(toks)
             return
         if engine == "native":  # one ddtree.Engine per row, as ddtree.run keeps one per job (built in the warm-up)
+            if (method, budget) not in self.engines and method == "mtp":  # budget None: the chain, else a tree
+                self.engines[(method, budget)] = ddtree.Engine(
+                    p.target, p.mtp, method=method, budget=budget, steps=self.mtp_steps,
+                    topk=1 if budget is None else self.mtp_topk)
             if (method, budget) not in self.engines:
                 self.engines[(method, budget)] = ddtree.Engine(p.target, p.drafter, method=method, budget=budget)
             r = self.engines[(method, budget)].generate(ids, max_new_tokens=self.new, stop_token_ids=self.stops)
@@ -279,8 +297,10 @@ def overhead_share(nat: list[Cell]) -> str:
 
 def run_pair(pair: Pair, upstream, args) -> list[str]:
     rows = [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
+    if pair.mtp is not None:  # the target's own MTP head: a chain, and EAGLE-style trees of these budgets
+        rows += [("mtp", None)] + [("mtp", int(b)) for b in args.mtp_budgets.split(",") if b]
     stops = [] if args.no_stop else pair.stops
-    runner = Runner(pair, upstream, args.new, stops)
+    runner = Runner(pair, upstream, args.new, stops, args.mtp_steps, args.mtp_topk)
     engines = [e for e in ENGINES if e == "native" or (e == "upstream" and upstream is not None)
                or (e == "transformers" and not pair.hybrid)]
     if pair.hybrid:
@@ -318,7 +338,8 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
              "|" + " --- |" * len(head)]
     for method, budget in rows:
         nat = cells[(method, budget, "native")]
-        row = [method, str(budget or "–")]
+        label = (f"mtp {args.mtp_steps}" + ("" if budget is None else f"x{args.mtp_topk}")) if method == "mtp" else method
+        row = [label, str(budget or "–")]
         for e in engines:
             c = cells.get((method, budget, e))
             row.append(f"{statistics.median(x.tok_s for x in c):.1f}" if c else "–")
@@ -326,20 +347,23 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
             c = cells.get((method, budget, e))
             row.append(fmt_ratio(median_ratio(nat, c)) if c else "–")
         row.append(tau(nat, len(pair.prompts)))
+        up = cells.get((method, budget, "upstream"))
         if upstream is not None:
-            row.append(tau(cells[(method, budget, "upstream")], len(pair.prompts)))
+            row.append(tau(up, len(pair.prompts)) if up else "–")
         same = []
         for e in engines[1:]:
             c = cells.get((method, budget, e))
             if c:
                 same.append(f"{e[:2]} {sum(a == b for a, b in zip(nat[0].outputs, c[0].outputs, strict=True))}/{len(pair.prompts)}")
+        if method == "mtp":  # no peer runs it: its outputs against the native AR row's
+            ar = cells[("ar", None, "native")][0].outputs
+            same.append(f"ar {sum(a == b for a, b in zip(nat[0].outputs, ar, strict=True))}/{len(pair.prompts)}")
         row.append(", ".join(same) or "–")
         if upstream is not None:
-            up = cells[(method, budget, "upstream")]
-            row += [stage_ratio(nat, up, s) for s in STAGES]
+            row += [stage_ratio(nat, up, s) for s in STAGES] if up else ["–"] * len(STAGES)
         row.append(overhead_share(nat) if method != "ar" else "–")
         if upstream is not None:
-            row.append(ceiling(nat, cells[(method, budget, "upstream")]))
+            row.append(ceiling(nat, up) if up else "–")
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -354,6 +378,9 @@ def main() -> None:
     ap.add_argument("--no-stop", action="store_true", help="exactly --new tokens per prompt (no stop token)")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--budgets", default="16,64,256")
+    ap.add_argument("--mtp-steps", type=int, default=3, help="method=mtp rows: draft steps a round")
+    ap.add_argument("--mtp-topk", type=int, default=4, help="method=mtp tree rows: children per expanded node")
+    ap.add_argument("--mtp-budgets", default="16", help="method=mtp tree rows (the chain row always runs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: as torch chose)")

@@ -76,16 +76,20 @@ def test_grid_equals_greedy_many_prompts(model_type):
 
 
 class _Recording(MTPProposer):
-    """Records, per round, the committed tokens and the tree it proposed."""
+    """Records, per round, the committed tokens, the tree it proposed and the head's logits it computed."""
 
     def __init__(self, *a, **kw):
         super().__init__(*a, **kw)
-        self.rounds: list[tuple[list[int], object]] = []
+        self.rounds: list[tuple[list[int], object, list[torch.Tensor]]] = []
+        self.logits: list[torch.Tensor] = []
+        plain = self.head.logits
+        self.head.logits = lambda h: self.logits.append(plain(h)) or self.logits[-1]
 
     def propose(self, state):
+        self.logits = []
         tree = super().propose(state)
         committed = state.input_ids[0].tolist() + list(state.generated)
-        self.rounds.append((committed, tree))
+        self.rounds.append((committed, tree, self.logits))
         return tree
 
 
@@ -96,10 +100,13 @@ def test_chain_drafts_equal_the_from_scratch_head():
     prop = _Recording(target, head, steps=3)
     r = ddtree.generate(target, None, _prompts(1)[0], method="mtp", proposer=prop, max_new_tokens=24)
     assert len(prop.rounds) > 3 and any(a > 1 for a in r.acceptance_lengths)
-    for committed, tree in prop.rounds:
+    for committed, tree, logits in prop.rounds:
         drafts = tree.tokens[1:].tolist()
+        assert len(logits) == len(drafts) == 3
         for j in range(len(drafts)):
-            assert int(reference_head_logits(target, head, committed, drafts[:j]).argmax()) == drafts[j]
+            ref = reference_head_logits(target, head, committed, drafts[:j])
+            assert int(ref.argmax()) == drafts[j]
+            torch.testing.assert_close(logits[j].float(), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_tree_drafts_equal_the_from_scratch_head():
@@ -109,7 +116,7 @@ def test_tree_drafts_equal_the_from_scratch_head():
     k, steps, budget = 2, 3, 6
     prop = _Recording(target, head, steps=steps, topk=k, budget=budget)
     ddtree.generate(target, None, _prompts(2)[1], method="mtp", proposer=prop, max_new_tokens=16)
-    for committed, tree in prop.rounds[:3]:
+    for committed, tree, _ in prop.rounds[:3]:
         # the reference expansion
         nodes = [([], 0.0)]  # (path tokens, cumulative score); the root first
         frontier = [0]
@@ -124,16 +131,18 @@ def test_tree_drafts_equal_the_from_scratch_head():
                     cands.append(len(nodes) - 1)
             frontier = sorted(cands, key=lambda i: -nodes[i][1])[:k]
         best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget]
-        want = sorted(tuple(nodes[i][0]) for i in best)
-        toks, par = tree.tokens.tolist(), tree.parents.tolist()
-        got = []
+        want = {tuple(nodes[i][0]): nodes[i][1] for i in best}
+        toks, par, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
+        got = {}
         for i in range(1, len(toks)):
             path, a = [], i
             while a > 0:
                 path.append(toks[a])
                 a = par[a]
-            got.append(tuple(reversed(path)))
-        assert sorted(got) == want
+            got[tuple(reversed(path))] = scores[i]
+        assert sorted(got) == sorted(want)
+        for path, score in want.items():  # the cumulative log-probabilities, not only their order
+            assert abs(got[path] - score) < 1e-4, path
 
 
 @pytest.mark.parametrize("model_type,per_expert,prefix", [
@@ -246,3 +255,20 @@ def test_cli_sweep_puts_mtp_beside_dflash_and_ddtree(cli, tmp_path):
     table = proc.stdout[proc.stdout.index("sweep "):]
     rows = [line.split()[1:3] for line in table.splitlines()[2:] if line.strip()]
     assert rows == [["mtp", "3"], ["dflash", "-"], ["ddtree", "8"]], table  # method (mtp: its steps), budget
+
+
+def test_report_and_sweep_table_name_the_mtp_shape():
+    from ddtree.pipeline.report import markdown_table
+    from ddtree.pipeline.sweep_table import method_cell
+
+    assert method_cell({"method": "mtp", "mtp": {"steps": 3, "topk": 1}}) == "mtp 3"
+    assert method_cell({"method": "mtp", "mtp": {"steps": 4, "topk": 2}}) == "mtp 4x2"
+    assert method_cell({"method": "ddtree"}) == "ddtree"
+    entry = {"speedup": 2.0, "tau": 3.0, "budget": 16, "verdicts": "4 ok"}
+    cell = {"temperature": 0.0, "title": "toy", "model": "toy", "dflash": entry, "ddtree_best": entry,
+            "ddtree": [entry], "gain": 1.0}
+    assert "MTP" not in markdown_table([cell])  # no MTP run: the table as before
+    md = markdown_table([{**cell, "mtp": [entry], "mtp_best": {**entry, "speedup": 1.5, "shape": "mtp 3"}}])
+    head, _, row = md.splitlines()[2:5]
+    assert head.endswith("MTP speedup | MTP tau | MTP shape | MTP verdicts |")
+    assert row.endswith("| 1.50x | 3.00 | mtp 3 | 4 ok |")
