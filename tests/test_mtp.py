@@ -20,6 +20,7 @@ from ddtree.engine.loop import Engine
 from ddtree.engine.proposers import MTPProposer
 from ddtree.errors import ConfigError
 from ddtree.testing.mtp import fitted_head, reference_head_logits, save_target_with_mtp
+from ddtree.testing.reference import tree_paths
 from ddtree.testing.tiny import tiny_model
 
 _PAIRS: dict = {}
@@ -89,8 +90,12 @@ class _Recording(MTPProposer):
         self.logits = []
         tree = super().propose(state)
         committed = state.input_ids[0].tolist() + list(state.generated)
-        self.rounds.append((committed, tree, self.logits))
+        self.rounds.append((committed, tree, list(self.logits)))
         return tree
+
+    def release(self) -> None:
+        """The head's own `logits` again (the head is shared with other tests)."""
+        del self.head.logits
 
 
 def test_chain_drafts_equal_the_from_scratch_head():
@@ -99,6 +104,7 @@ def test_chain_drafts_equal_the_from_scratch_head():
     target, head = pair("qwen3_5_text")
     prop = _Recording(target, head, steps=3)
     r = ddtree.generate(target, None, _prompts(1)[0], method="mtp", proposer=prop, max_new_tokens=24)
+    prop.release()
     assert len(prop.rounds) > 3 and any(a > 1 for a in r.acceptance_lengths)
     for committed, tree, logits in prop.rounds:
         drafts = tree.tokens[1:].tolist()
@@ -116,6 +122,7 @@ def test_tree_drafts_equal_the_from_scratch_head():
     k, steps, budget = 2, 3, 6
     prop = _Recording(target, head, steps=steps, topk=k, budget=budget)
     ddtree.generate(target, None, _prompts(2)[1], method="mtp", proposer=prop, max_new_tokens=16)
+    prop.release()
     for committed, tree, _ in prop.rounds[:3]:
         # the reference expansion
         nodes = [([], 0.0)]  # (path tokens, cumulative score); the root first
@@ -132,14 +139,7 @@ def test_tree_drafts_equal_the_from_scratch_head():
             frontier = sorted(cands, key=lambda i: -nodes[i][1])[:k]
         best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget]
         want = {tuple(nodes[i][0]): nodes[i][1] for i in best}
-        toks, par, scores = tree.tokens.tolist(), tree.parents.tolist(), tree.scores.tolist()
-        got = {}
-        for i in range(1, len(toks)):
-            path, a = [], i
-            while a > 0:
-                path.append(toks[a])
-                a = par[a]
-            got[tuple(reversed(path))] = scores[i]
+        got = tree_paths(tree)  # path -> its cumulative score
         assert sorted(got) == sorted(want)
         for path, score in want.items():  # the cumulative log-probabilities, not only their order
             assert abs(got[path] - score) < 1e-4, path

@@ -141,6 +141,7 @@ def install(head: MTPHead, target_dir: Path) -> Path:
     from safetensors.torch import save_file
 
     save_file(head.checkpoint_state(), target_dir / MTP_SHARD, metadata={"format": "pt"})
+    (target_dir / MTP_SHARD).chmod(0o644)  # as the target's own files (safetensors writes 0600)
     weight_map = {}
     with safe_open(target_dir / WEIGHTS_NAME, framework="pt") as f:
         weight_map.update(dict.fromkeys(f.keys(), WEIGHTS_NAME))

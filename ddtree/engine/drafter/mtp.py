@@ -182,10 +182,6 @@ class MTPHead(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
     def check_compatible(self, target: nn.Module) -> None:
         tc = _text_config(target.config)
         if tc.hidden_size != self.config.hidden_size or tc.num_hidden_layers != self.num_target_layers:
