@@ -272,3 +272,30 @@ def test_report_and_sweep_table_name_the_mtp_shape():
     head, _, row = md.splitlines()[2:5]
     assert head.endswith("MTP speedup | MTP tau | MTP shape | MTP verdicts |")
     assert row.endswith("| 1.50x | 3.00 | mtp 3 | 4 ok |")
+
+
+def test_multimodal_wrapper_as_published(tmp_path):
+    """Qwen3.5/3.6 ship as the multimodal wrapper: the language model under model.language_model.*, the head
+    under mtp.* at the top level. Loaded with transformers' image-text-to-text class, it drafts with the right
+    hidden state (the first draft's logits equal the from-scratch head's) and stays lossless."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ddtree.testing.tiny import tiny_config
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    cfg = AutoConfig.for_model("qwen3_5", text_config=tiny_config("qwen3_5_text").to_dict(), vision_config=vision)
+    torch.manual_seed(0)
+    wrapper = AutoModelForImageTextToText.from_config(cfg, dtype=torch.float32).eval()
+    d = save_target_with_mtp(wrapper, MTPHead.random_for_target(wrapper, seed=3, std=0.1), tmp_path / "w")
+    names = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.language_model.embed_tokens.weight" in names and "mtp.fc.weight" in names
+    target = AutoModelForImageTextToText.from_pretrained(d, dtype=torch.float32).eval()
+    ids = _prompts(1)[0]
+    prop = _Recording(target, None, steps=3, topk=2, budget=6)  # the head read from the checkpoint
+    r = ddtree.generate(target, None, ids, method="mtp", proposer=prop, max_new_tokens=12)
+    prop.release()
+    assert r.output_ids == _greedy(target, ids, 12)
+    committed, _, logits = prop.rounds[0]
+    torch.testing.assert_close(logits[0].float(), reference_head_logits(target, prop.head, committed, []),
+                               atol=1e-4, rtol=1e-4)

@@ -218,10 +218,12 @@ class MTPProposer:
             keys = torch.arange(state.start, device=dev)
             mask = self._mask(keys[None, :] <= pos[:, None])
         head = self.head
-        out = head(head.embed(ids[None]), ctx.to(head.dtype), pos[None], mask, self.cache)
+        # .to: under a device map the features (and the head's logits) may sit elsewhere than the root
+        out = head(head.embed(ids[None]), ctx.to(device=head.fc.weight.device, dtype=head.dtype), pos[None], mask,
+                   self.cache)
         self.ctx_len = state.start
         last = out[:, -1:]
-        return head.logits(last[0, 0]).float(), last
+        return head.logits(last[0, 0]).float().to(dev), last
 
     def _drop_drafts(self) -> None:
         extra = self.cache.get_seq_length() - self.ctx_len
@@ -248,7 +250,7 @@ class MTPProposer:
         for s in range(1, self.steps):  # token s sits at start + s; the head runs one before it
             pos = torch.full((1, 1), state.start + s - 1, dtype=torch.long, device=dev)
             hidden = head(head.embed(toks[-1].reshape(1, 1)), hidden, pos, None, self.cache)
-            toks.append(self._pick(head.logits(hidden[0, 0]).float(), state))
+            toks.append(self._pick(head.logits(hidden[0, 0]).float().to(dev), state))
         self._drop_drafts()
         with state.timer.stage("tree"):
             return chain_tree(state.root, torch.stack(toks))
