@@ -247,6 +247,7 @@ def test_cli_runs_the_checkpoint_head_and_refuses_a_bare_one(cli, tmp_path):
     assert pure.returncode == 2 and "'qwen3' target has none" in pure.stderr
 
 
+@pytest.mark.slow  # three jobs through Hydra's launcher (~2 min on a shared 2-core CPU)
 def test_cli_sweep_puts_mtp_beside_dflash_and_ddtree(cli, tmp_path):
     proc = cli("model=tiny_qwen3_5", "dataset=tiny", "dataset.max_samples=1", "max_new_tokens=6", "tracking=none",
                f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={tmp_path / 'sweep'}", "budget=8",

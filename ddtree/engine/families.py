@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ddtree.engine.methods import BASELINE, METHOD_NAMES, MTP
+from ddtree.engine.methods import BASELINE, DRAFTER_METHOD_NAMES, METHOD_NAMES
 
 ALL_METHODS = METHOD_NAMES
-DRAFTER_METHODS = tuple(m for m in METHOD_NAMES if m != MTP)  # a family without its own MTP head
+DRAFTER_METHODS = DRAFTER_METHOD_NAMES  # a family without its own MTP head
 AR_ONLY = (BASELINE,)
 
 # Embedding access: how the authors' code reaches the target's embeddings / head on this family.

@@ -73,6 +73,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method(MTP, _mtp, needs_drafter=False, reads_budget=True, tree="tree", own_head=True),
 )}
 METHOD_NAMES = tuple(METHODS)
+# every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
+DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if not m.own_head)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
 
 
