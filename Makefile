@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all run bench lint toy toy-pure clean
+.PHONY: install test test-slow test-all run bench docs lint toy toy-pure clean
 
 $(STAMP): pyproject.toml setup.py ddtree/engine/_hosttree.c
 	$(PYTHON) -m venv $(VENV)
@@ -31,12 +31,17 @@ run: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run +experiment=toy method=mtp force=true
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run +experiment=toy force=true -m
 
+# each script prints its table and writes its record under docs/bench/ (bench/README.md)
 bench: $(STAMP)
 	$(PY) bench/bench_tree.py
 	$(PY) bench/bench_stages.py
 	OMP_NUM_THREADS=1 $(PY) bench/bench_round.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_overhead.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_engines.py --out runs/bench_engines.md
+
+# regenerate the generated pages: README's model/method table, docs/benchmarks.md (from docs/bench/*.json), paper tables
+docs: $(STAMP)
+	$(PY) -m ddtree.docs
 
 lint: $(STAMP)
 	$(PY) -m ruff check ddtree compat tests bench toy

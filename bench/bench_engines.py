@@ -1,8 +1,8 @@
 """The native engine against every peer that runs here: same pair, prompts, settings and warm-up, one process.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_engines.py [--upstream PATH] [--pairs toy,toy_pure]
+    OMP_NUM_THREADS=1 python bench/bench_engines.py [--upstream PATH] [--pairs toy,toy_pure]
         [--prompts 48] [--new 128] [--no-stop] [--passes 3] [--budgets 16,64,256] [--device cpu]
-        [--dtype float32] [--mtp-steps 3] [--mtp-topk 4] [--mtp-budgets 16] [--out runs/bench_engines.md]
+        [--dtype float32] [--out runs/bench_engines.md] [--json docs/bench/bench_engines.json]
 
 Peers (each skipped, with the reason printed, where it cannot run):
   upstream      the DDTree authors' generate functions (`--upstream PATH` or $DDTREE_UPSTREAM: a checkout
@@ -41,46 +41,40 @@ forwards, and in brackets the same share of the rounds alone (without each gener
 result; the native engine is one `ddtree.Engine` per row, as `ddtree.run` keeps one per job, so the checks, the
 proposer and the target's binding are built once, in the warm-up); ceiling = the authors' wall time over our target-forward time (prefills + verifications): the
 native/upstream ratio we would reach if everything else of ours (drafter, tree, walk, commit, loop) took no
-time at all, since both engines run the same target code.
+time at all, since both engines run the same target code. Writes docs/bench/bench_engines.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from _common import (
+    TRAINED,
+    Pair,
+    Record,
+    Spread,
+    add_json_arg,
+    device_sync,
+    load_pair,
+    machine,
+    params,
+    random_pair,
+)
 
-import torch  # noqa: E402
-
-import ddtree  # noqa: E402
-from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
-from ddtree.engine.drafter.mtp import MTPHead  # noqa: E402
-from ddtree.engine.host import tune_host_allocator  # noqa: E402
-from ddtree.errors import ConfigError  # noqa: E402
-from ddtree.testing.tiny import tiny_model  # noqa: E402
+import ddtree
+from ddtree.docs import render_table
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.host import tune_host_allocator
 
 ENGINES = ("native", "upstream", "transformers")
 STAGES = ("draft", "tree", "verify", "commit")
-
-
-@dataclass
-class Pair:
-    name: str
-    target: torch.nn.Module
-    drafter: DFlashDrafter
-    prompts: list[torch.Tensor]
-    hybrid: bool
-    stops: list[int] = field(default_factory=list)  # the answers workload's stop tokens (none: no-stop only)
-    mtp: object = None  # the target's own MTP head (ddtree.engine.drafter.mtp), where its checkpoint has one
 
 
 @dataclass
@@ -98,44 +92,6 @@ class Cell:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.wall_s if self.wall_s else 0.0
-
-
-TRAINED = {"toy": "toy (hybrid Qwen3.5 + trained DFlash)", "toy_pure": "toy_pure (Qwen3 + trained DFlash)"}
-
-
-def trained_pair(name: str, n: int, device: str, dtype: torch.dtype) -> Pair | None:
-    """A shipped trained pair (assets/NAME: target + DFlash drafter), its first n held-out prompts."""
-    toy = ROOT / "assets" / name
-    if not (toy / "target" / "config.json").exists():
-        return None
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ddtree.train.data import stop_ids
-
-    target = AutoModelForCausalLM.from_pretrained(toy / "target", dtype=dtype).to(device).eval()
-    tok = AutoTokenizer.from_pretrained(toy / "target")
-    rows = [json.loads(x) for x in (toy / "prompts.jsonl").read_text().splitlines()][:n]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"].to(device) for r in rows]
-    drafter = DFlashDrafter.from_pretrained(toy / "drafter", dtype=dtype, device=device)
-    hybrid = "linear_attention" in (getattr(target.config.get_text_config(), "layer_types", None) or ())
-    try:
-        mtp = MTPHead.from_target(target, toy / "target")
-    except ConfigError as e:
-        print(f"# {name}: no MTP rows — {e}")
-        mtp = None
-    return Pair(TRAINED[name], target, drafter, prompts, hybrid=hybrid, stops=stop_ids(tok, target), mtp=mtp)
-
-
-def pure_pair(n: int, device: str, dtype: torch.dtype) -> Pair:
-    target = tiny_model("qwen3", seed=0, attn_implementation="sdpa", dtype=dtype, vocab_size=1024, hidden_size=192,
-                        intermediate_size=576, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=3,
-                        head_dim=32, max_position_embeddings=4096).to(device)
-    target.generation_config.eos_token_id = None  # no-stop mode for transformers' generate too
-    drafter = DFlashDrafter.random_for_target(target.config, block_size=16).to(device=device, dtype=dtype)
-    prompts = [torch.randint(4, 1000, (1, 24), generator=torch.Generator().manual_seed(i)).to(device)
-               for i in range(n)]
-    return Pair("pure (random Qwen3 + random DFlash)", target, drafter, prompts, hybrid=False)
 
 
 def hf_assistant(drafter: DFlashDrafter) -> torch.nn.Module:
@@ -162,37 +118,34 @@ def hf_assistant(drafter: DFlashDrafter) -> torch.nn.Module:
 class Runner:
     """One generate call per engine, timed the same way (wall clock around the call, device synced)."""
 
-    def __init__(self, pair: Pair, upstream, new: int, stops: list[int], mtp_steps: int = 3, mtp_topk: int = 4):
+    def __init__(self, pair: Pair, upstream, new: int, stops: list[int], mtp=None, mtp_steps: int = 3,
+                 mtp_topk: int = 4):
         self.pair, self.upstream, self.new, self.stops = pair, upstream, new, stops
-        self.mtp_steps, self.mtp_topk = mtp_steps, mtp_topk
+        self.mtp, self.mtp_steps, self.mtp_topk = mtp, mtp_steps, mtp_topk  # the target's own MTP head, if any
         if not stops:  # no-stop: transformers' generate must not fall back to the checkpoint's eos either
             pair.target.generation_config.eos_token_id = None
         self.assistant = None if pair.hybrid else hf_assistant(pair.drafter)
-        self.cuda = pair.prompts[0].device.type == "cuda"
+        self.sync = device_sync(pair.prompts[0].device)
         self.engines: dict[tuple, ddtree.Engine] = {}
 
     def available(self, engine: str, method: str) -> bool:
         if method == "mtp":  # only the native engine runs the target's own MTP head
-            return engine == "native" and self.pair.mtp is not None
+            return engine == "native" and self.mtp is not None
         if engine == "upstream":
             return self.upstream is not None
         if engine == "transformers":
             return not self.pair.hybrid and method in ("ar", "dflash")
         return True
 
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
     def one(self, engine: str, method: str, budget: int | None, ids: torch.Tensor, cell: Cell) -> None:
         p = self.pair
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
         if engine == "transformers":
             kw = dict(assistant_model=self.assistant, speculation_type="dflash") if method == "dflash" else {}
             out = p.target.generate(ids, max_new_tokens=self.new, do_sample=False, eos_token_id=self.stops or None,
                                     **kw)
-            self._sync()
+            self.sync()
             cell.wall_s += time.perf_counter() - t0
             toks = out[0, ids.shape[1]:].tolist()
             cell.tokens += len(toks)
@@ -201,7 +154,7 @@ class Runner:
         if engine == "native":  # one ddtree.Engine per row, as ddtree.run keeps one per job (built in the warm-up)
             if (method, budget) not in self.engines and method == "mtp":  # budget None: the chain, else a tree
                 self.engines[(method, budget)] = ddtree.Engine(
-                    p.target, p.mtp, method=method, budget=budget, steps=self.mtp_steps,
+                    p.target, self.mtp, method=method, budget=budget, steps=self.mtp_steps,
                     topk=1 if budget is None else self.mtp_topk)
             if (method, budget) not in self.engines:
                 self.engines[(method, budget)] = ddtree.Engine(p.target, p.drafter, method=method, budget=budget)
@@ -211,7 +164,7 @@ class Runner:
 
             r = generate_upstream(self.upstream, p.target, p.drafter, ids, method=method, budget=budget,
                                   max_new_tokens=self.new, stop_token_ids=self.stops)
-        self._sync()
+        self.sync()
         cell.wall_s += time.perf_counter() - t0
         cell.tokens += r.num_new_tokens
         cell.ttft_s += r.ttft_s
@@ -220,22 +173,6 @@ class Runner:
         for k in STAGES:
             cell.stage_s[k] += r.stage_seconds.get(k, 0.0)
         cell.outputs.append(list(r.output_ids))
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = [x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                 if x.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    import transformers
-
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return (f"{cpu}, {os.cpu_count()} cores (load average {load}){gpu}; torch {torch.__version__}, "
-            f"transformers {transformers.__version__}, {torch.get_num_threads()} torch thread(s)")
 
 
 def load_upstream(path: str | None):
@@ -253,54 +190,50 @@ def load_upstream(path: str | None):
         return None
 
 
-def median_ratio(a: list[Cell], b: list[Cell]) -> tuple[float, float, float] | None:
+def median_ratio(a: list[Cell], b: list[Cell]) -> dict | None:
     ratios = [x.tok_s / y.tok_s for x, y in zip(a, b, strict=True) if y.tok_s]
-    return (statistics.median(ratios), min(ratios), max(ratios)) if ratios else None
+    return Spread.of(ratios).cell(2) if ratios else None
 
 
-def fmt_ratio(r: tuple[float, float, float] | None) -> str:
-    return "–" if r is None else f"{r[0]:.2f}x ({r[1]:.2f}–{r[2]:.2f})"
-
-
-def tau(cells: list[Cell], n_prompts: int) -> str:
+def tau(cells: list[Cell], n_prompts: int) -> float | None:
     c = cells[0]
-    return f"{(c.tokens - n_prompts) / c.rounds:.2f}" if c.rounds else "–"  # the prefill's token is not a round
+    return round((c.tokens - n_prompts) / c.rounds, 2) if c.rounds else None  # the prefill's token is not a round
 
 
-def stage_ratio(nat: list[Cell], up: list[Cell], stage: str) -> str:
+def stage_ratio(nat: list[Cell], up: list[Cell], stage: str) -> str | None:
     def per_round(cells: list[Cell]) -> float:
         return statistics.median(c.stage_s[stage] / max(1, c.rounds) for c in cells)
 
     a, b = per_round(nat), per_round(up)
-    return f"{1e3 * a:.2f}/{1e3 * b:.2f}" if a or b else "–"
+    return f"{1e3 * a:.2f}/{1e3 * b:.2f}" if a or b else None
 
 
-def ceiling(nat: list[Cell], up: list[Cell]) -> str:
+def ceiling(nat: list[Cell], up: list[Cell]) -> float | None:
     """The native/upstream ratio if everything of ours but the target's forwards took no time: the
     authors' wall over our prefill + verification time (both engines run the same target code)."""
     bounds = [u.wall_s / (n.ttft_s + n.stage_s["verify"]) for n, u in zip(nat, up, strict=True)
               if n.ttft_s + n.stage_s["verify"] > 0]
-    return f"{statistics.median(bounds):.2f}x" if bounds else "–"
+    return round(statistics.median(bounds), 2) if bounds else None
 
 
-def overhead_share(nat: list[Cell]) -> str:
+def overhead_share(nat: list[Cell]) -> str | None:
     """The share outside the forwards of the decode time with each generation's setup, and (in brackets) of the
     rounds alone."""
     cells = [c for c in nat if c.wall_s > c.ttft_s and c.decode_s > 0]
     if not cells:
-        return "–"
+        return None
     forwards = [c.stage_s["draft"] + c.stage_s["verify"] for c in cells]
     whole = statistics.median((c.wall_s - c.ttft_s - f) / (c.wall_s - c.ttft_s) for c, f in zip(cells, forwards, strict=True))
     rounds = statistics.median((c.decode_s - f) / c.decode_s for c, f in zip(cells, forwards, strict=True))
     return f"{100 * whole:.1f}% ({100 * rounds:.1f}%)"
 
 
-def run_pair(pair: Pair, upstream, args) -> list[str]:
-    rows = [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
-    if pair.mtp is not None:  # the target's own MTP head: a chain, and EAGLE-style trees of these budgets
-        rows += [("mtp", None)] + [("mtp", int(b)) for b in args.mtp_budgets.split(",") if b]
+def run_pair(pair: Pair, upstream, args) -> dict:
+    """Every row on every engine that runs, interleaved; the table as a record's table (see _common)."""
+    mtp = mtp_head(pair)
+    rows = rows_of(args, mtp is not None)
     stops = [] if args.no_stop else pair.stops
-    runner = Runner(pair, upstream, args.new, stops, args.mtp_steps, args.mtp_topk)
+    runner = Runner(pair, upstream, args.new, stops, mtp, args.mtp_steps, args.mtp_topk)
     engines = [e for e in ENGINES if e == "native" or (e == "upstream" and upstream is not None)
                or (e == "transformers" and not pair.hybrid)]
     if pair.hybrid:
@@ -333,23 +266,21 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
     head += ["overhead"]
     if upstream is not None:
         head += ["ceiling"]
-    lines = [f"\n### {pair.name}: {len(pair.prompts)} prompts, {workload}, "
-             f"median of {args.passes} interleaved passes\n", "| " + " | ".join(head) + " |",
-             "|" + " --- |" * len(head)]
+    table = []
     for method, budget in rows:
         nat = cells[(method, budget, "native")]
         label = (f"mtp {args.mtp_steps}" + ("" if budget is None else f"x{args.mtp_topk}")) if method == "mtp" else method
-        row = [label, str(budget or "–")]
+        row = [label, budget]
         for e in engines:
             c = cells.get((method, budget, e))
-            row.append(f"{statistics.median(x.tok_s for x in c):.1f}" if c else "–")
+            row.append(round(statistics.median(x.tok_s for x in c), 1) if c else None)
         for e in engines[1:]:
             c = cells.get((method, budget, e))
-            row.append(fmt_ratio(median_ratio(nat, c)) if c else "–")
+            row.append(median_ratio(nat, c) if c else None)
         row.append(tau(nat, len(pair.prompts)))
         up = cells.get((method, budget, "upstream"))
         if upstream is not None:
-            row.append(tau(up, len(pair.prompts)) if up else "–")
+            row.append(tau(up, len(pair.prompts)) if up else None)
         same = []
         for e in engines[1:]:
             c = cells.get((method, budget, e))
@@ -358,14 +289,36 @@ def run_pair(pair: Pair, upstream, args) -> list[str]:
         if method == "mtp":  # no peer runs it: its outputs against the native AR row's
             ar = cells[("ar", None, "native")][0].outputs
             same.append(f"ar {sum(a == b for a, b in zip(nat[0].outputs, ar, strict=True))}/{len(pair.prompts)}")
-        row.append(", ".join(same) or "–")
+        row.append(", ".join(same) or None)
         if upstream is not None:
-            row += [stage_ratio(nat, up, s) for s in STAGES] if up else ["–"] * len(STAGES)
-        row.append(overhead_share(nat) if method != "ar" else "–")
+            row += [stage_ratio(nat, up, s) for s in STAGES] if up else [None] * len(STAGES)
+        row.append(overhead_share(nat) if method != "ar" else None)
         if upstream is not None:
-            row.append(ceiling(nat, up) if up else "–")
-        lines.append("| " + " | ".join(row) + " |")
-    return lines
+            row.append(ceiling(nat, up) if up else None)
+        table.append(row)
+    formats = {c: "{:.1f}" for c in head if c.endswith("tok/s")} | {c: "{:.2f}x" for c in head if c.startswith("native/")}
+    formats |= {"tau native": "{:.2f}", "tau upstream": "{:.2f}", "ceiling": "{:.2f}x"}
+    return {"title": f"{pair.name}: {len(pair.prompts)} prompts, {workload}, median of {args.passes} interleaved passes",
+            "columns": head, "rows": table, "formats": formats}
+
+
+def rows_of(args, mtp: bool = False) -> list[tuple[str, int | None]]:
+    rows = [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
+    if mtp:  # the target's own MTP head: a chain, and EAGLE-style trees of these budgets
+        rows += [("mtp", None)] + [("mtp", int(b)) for b in args.mtp_budgets.split(",") if b]
+    return rows
+
+
+def mtp_head(pair: Pair):
+    """The MTP head stored with the pair's target (the checkpoint it was loaded from), or None."""
+    from ddtree.engine.drafter import MTPHead
+    from ddtree.errors import ConfigError
+
+    try:
+        return MTPHead.from_target(pair.target)
+    except ConfigError as e:
+        print(f"# {pair.name}: no MTP rows — {e}")
+        return None
 
 
 def main() -> None:
@@ -385,6 +338,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: as torch chose)")
     ap.add_argument("--out", default=None, help="also write the Markdown table here")
+    add_json_arg(ap, "bench_engines")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -395,18 +349,29 @@ def main() -> None:
     lines = [f"## Engines side by side ({args.device}, {args.dtype})", "", f"Machine: {machine()}",
              f"Host allocator (every engine): {alloc}",
              f"Command: `{' '.join(['python', *sys.argv])}`"]
+    rec = Record("bench_engines", f"Engines side by side ({args.device}, {args.dtype})",
+                 "The native engine against the DDTree authors' code (upstream) and transformers' own DFlash and "
+                 "generate, interleaved per prompt in one process, greedy. native/peer = the median of the per-pass "
+                 "tok/s ratios (min-max in brackets); stage columns: native/upstream ms per round; overhead = the "
+                 "share of the native decode time outside the drafter and target forwards, with each generation's "
+                 "setup (of the rounds alone in brackets); ceiling = the authors' wall time over our target-forward "
+                 "time.", params=params(args, upstream=args.upstream is not None, host_allocator=str(alloc)))
     for name in args.pairs.split(","):
-        pair = (trained_pair(name, args.prompts, args.device, dtype) if name in TRAINED
-                else pure_pair(args.pure_prompts, args.device, dtype))
+        dev = args.device
+        pair = (load_pair(name, args.prompts, device=dev, dtype=dtype) if name in TRAINED
+                else random_pair(args.pure_prompts, device=dev, dtype=dtype))
         if pair is None:
             print(f"# {name}: skipped — assets/{name} is missing (make {name.replace('_', '-')})")
             continue
-        lines += run_pair(pair, upstream, args)
+        table = run_pair(pair, upstream, args)
+        rec.tables.append(table)
+        lines += [f"\n### {table['title']}\n", render_table(table)]
         text = "\n".join(lines) + "\n"
         print("\n" + text, flush=True)  # after each pair: a later pair's failure keeps this one's table
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(text)
+        rec.write(args.json)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Where a round's time outside the forwards goes: each engine function timed in place, inside real generations.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128]
+    OMP_NUM_THREADS=1 python bench/bench_overhead.py [--budget 64] [--prompts 48] [--new 128]
 
 On the shipped toy pair (assets/toy; a tiny random Qwen3 and drafter without it), greedy DDTree, one warm-up pass,
 then one timed pass. Each function below is wrapped with a perf_counter pair (~1 us each) and reported in ms per
@@ -12,32 +12,23 @@ hence commit calls per round above 1. setup = each generate call's wall time out
 `ddtree.Engine` for all the prompts, as `ddtree.run` keeps one per job: a generation sets up only its caches).
 These are the costs right after the forwards that evict the host code's caches, which is what a round pays: warm,
 in a loop of its own, the same tree build and host arrays take about half (bench/bench_tree.py).
+Writes docs/bench/bench_overhead.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import os
-import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
-import torch
+from _common import Record, add_json_arg, load_pair, params, random_pair
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_stages import load_pair  # noqa: E402
-
-import ddtree.engine.gdn as gdn  # noqa: E402
-import ddtree.engine.loop as loop  # noqa: E402
-import ddtree.engine.proposers as proposers  # noqa: E402
-import ddtree.engine.target as target_mod  # noqa: E402
-import ddtree.engine.tree as tree_mod  # noqa: E402
+import ddtree.engine.gdn as gdn
+import ddtree.engine.loop as loop
+import ddtree.engine.proposers as proposers
+import ddtree.engine.target as target_mod
+import ddtree.engine.tree as tree_mod
 
 
 def main() -> None:
@@ -45,8 +36,10 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=48)
     ap.add_argument("--new", type=int, default=128)
+    add_json_arg(ap, "bench_overhead")
     args = ap.parse_args()
-    name, target, drafter, prompts, stops = load_pair(args.prompts)
+    pair = load_pair("toy", args.prompts) or random_pair(args.prompts)
+    name, target, drafter, prompts, stops = pair.name, pair.target, pair.drafter, pair.prompts, pair.stops
     spent: dict[str, float] = collections.defaultdict(float)
     calls: collections.Counter = collections.Counter()
 
@@ -69,7 +62,8 @@ def main() -> None:
                         (target_mod.TargetSession, "verify"), (target_mod.WalkRows, "argmax"),
                         (target_mod.WalkRows, "features"), (loop, "greedy_walk_rows"),
                         (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states")):
-        wrap(owner, attr)
+        if hasattr(owner, attr):  # a build this checkout lacks is simply not timed
+            wrap(owner, attr)
 
     engine = loop.Engine(target, drafter, method="ddtree", budget=args.budget)  # as ddtree.run: one per job
 
@@ -87,21 +81,35 @@ def main() -> None:
     spent.clear()
     calls.clear()
     rounds, decode, setup = run()
-    cpu = next((x.split(":", 1)[1].strip() for x in Path("/proc/cpuinfo").read_text().splitlines()
-                if x.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else platform.machine()
-    print(f"# {cpu}, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"# {name}, budget {args.budget}, {len(prompts)} prompts, {torch.get_num_threads()} thread(s): {rounds} rounds, "
-          f"{1e3 * decode / rounds:.2f} ms a round, setup {1e3 * statistics.median(setup):.2f} ms a generation "
-          f"({rounds / len(prompts):.2f} rounds a generation)")
+    ms_round, setup_ms = 1e3 * decode / rounds, 1e3 * statistics.median(setup)
+    print(f"# {name}, budget {args.budget}, {len(prompts)} prompts: {rounds} rounds, {ms_round:.2f} ms a round, "
+          f"setup {setup_ms:.2f} ms a generation ({rounds / len(prompts):.2f} rounds a generation)")
     # the forwards: the drafter's, and the target's (its verification, then the walked rows' head and features)
     forwards = sum(spent[a] for a in ("verify", "draft_logits", "argmax", "features"))
     whole = decode + sum(setup)
-    print(f"# overhead (outside the forwards): {1e3 * (decode - forwards) / rounds:.2f} ms a round, "
-          f"{100 * (whole - forwards) / whole:.1f}% of the decode time with each generation's setup "
-          f"({100 * (decode - forwards) / decode:.1f}% of the rounds alone)")
+    over_ms, with_setup, rounds_only = (1e3 * (decode - forwards) / rounds, 100 * (whole - forwards) / whole,
+                                        100 * (decode - forwards) / decode)
+    print(f"# overhead (outside the forwards): {over_ms:.2f} ms a round, {with_setup:.1f}% of the decode time with "
+          f"each generation's setup ({rounds_only:.1f}% of the rounds alone)")
+    rows = [[f"`{attr}`", round(1e3 * s / rounds, 3), round(calls[attr] / rounds, 2)]
+            for attr, s in sorted(spent.items(), key=lambda kv: -kv[1])]
     print("| function | ms / round | calls / round |\n| --- | --- | --- |")
-    for attr, s in sorted(spent.items(), key=lambda kv: -kv[1]):
-        print(f"| `{attr}` | {1e3 * s / rounds:.3f} | {calls[attr] / rounds:.2f} |")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]:.3f} | {r[2]:.2f} |")
+    rec = Record("bench_overhead", "Where a DDTree round's time goes outside the forwards",
+                 "Each engine function timed in place inside real generations (one `ddtree.Engine`), greedy DDTree. "
+                 "Nested rows overlap: `_best_first_rows` is inside `best_first_tree`, `commit_linear_states` inside "
+                 "`commit`, `argmax` (the walk's asks) inside the walk; the commits include each generation's "
+                 "chain-prefill commit, hence more than one call a round.", params=params(args, pair=name))
+    rec.table("Summary", ["rounds", "ms / round", "setup ms / generation", "overhead ms / round",
+                          "overhead % (with setup)", "overhead % (rounds alone)"],
+              [[rounds, round(ms_round, 2), round(setup_ms, 2), round(over_ms, 2), round(with_setup, 1),
+                round(rounds_only, 1)]], formats={"ms / round": "{:.2f}", "setup ms / generation": "{:.2f}",
+                                                   "overhead ms / round": "{:.2f}", "overhead % (with setup)": "{:.1f}",
+                                                   "overhead % (rounds alone)": "{:.1f}"})
+    rec.table("Per function", ["function", "ms / round", "calls / round"], rows,
+              formats={"ms / round": "{:.3f}", "calls / round": "{:.2f}"})
+    rec.write(args.json)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
     python bench/device_forward.py --prefix 4096 --tau 3,4,5
     # CPU smoke test (tiny shape, slow but complete):
     OMP_NUM_THREADS=1 python bench/device_forward.py --device cpu --dtype float32 --hidden 64 --layers 2 \
-        --heads 4 --kv-heads 2 --head-dim 16 --intermediate 128 --vocab 256 --prefix 128 --tokens 1,16,64 --repeats 2
+        --heads 4 --kv-heads 2 --head-dim 16 --intermediate 128 --vocab 256 --prefix 128 --tokens 1,16,64 --repeats 2 \
+        --json -
 
 Random weights (no download) of a Qwen3 with the given shape. After a --prefix prefill, it times one target
 forward of t tokens through the engine's TargetSession: t = 1 is an AR step (plain backend); t > 1 is the
@@ -17,25 +18,20 @@ levels), the cache rolled back after each. Backends (those available here):
 Per cell: median milliseconds over --repeats after --warmup, and the peak extra memory of the forward
 (CUDA allocator). Then, for each tau, the predicted speedup tau * t(1) / (t(n) + draft_ms) with n = budget + 1
 (--draft-ms: the drafter's time per round, 0 = an upper bound). Also checks that split and dense
-verification agree (max |logit difference|, argmax agreement) where both ran.
+verification agree (max |logit difference|, argmax agreement) where both ran. Writes docs/bench/device_forward.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
-import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+from _common import Record, add_json_arg, device_sync, params, timed
 
-import torch  # noqa: E402
-
-from ddtree.engine import attention  # noqa: E402
-from ddtree.engine.target import TargetSession  # noqa: E402
-from ddtree.engine.tree import best_first_tree  # noqa: E402
+from ddtree.engine import attention
+from ddtree.engine.target import TargetSession
+from ddtree.engine.tree import best_first_tree
 
 
 def parse():
@@ -57,6 +53,7 @@ def parse():
     ap.add_argument("--draft-ms", type=float, default=0.0)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    add_json_arg(ap, "device_forward")
     return ap.parse_args()
 
 
@@ -87,11 +84,6 @@ def build_model(a, device, dtype):
     return model.eval()
 
 
-def sync(device):
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def draft_tree(n: int, vocab: int, device) -> object:
     g = torch.Generator().manual_seed(n)
     logp = torch.log_softmax(torch.randn(16, min(vocab, 4096), generator=g) * 4, dim=-1).to(device)
@@ -103,7 +95,8 @@ def time_backend(model, backend: str, a, device, trees, prefix_ids):
     model.set_attn_implementation(base)  # the plain backend; a split session wraps it itself
     sess = TargetSession(model, tree_attention=mode, capacity=a.prefix + max(trees) + 8)
     sess.prefill(prefix_ids)
-    sync(device)
+    sync = device_sync(device)
+    sync()
     res, logits = {}, {}
     for n, tree in trees.items():
         def once(n=n, tree=tree, sess=sess):
@@ -115,20 +108,14 @@ def time_backend(model, backend: str, a, device, trees, prefix_ids):
 
         for _ in range(a.warmup):
             once()
-        sync(device)
+        sync()
         if device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
             base_mem = torch.cuda.memory_allocated()
-        times = []
-        for _ in range(a.repeats):
-            sync(device)
-            t = time.perf_counter()
-            lg, _ = once()
-            sync(device)
-            times.append(time.perf_counter() - t)
+        spread = timed(once, a.repeats, warmup=0, sync=sync).scaled(1e3)
         peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**20 if device.startswith("cuda") else float("nan")
-        res[n] = (1e3 * statistics.median(times), peak)
-        logits[n] = lg.float()
+        res[n] = (spread, peak)
+        logits[n] = once()[0].float()
     return res, logits
 
 
@@ -155,7 +142,7 @@ def main() -> None:
     print("\n# target forward, median ms (peak extra MiB during the forward)")
     print(f"{'backend':>24} " + " ".join(f"{n:>17}" for n in tokens))
     for b, row in table.items():
-        print(f"{b:>24} " + " ".join(f"{row[n][0]:9.2f} ({row[n][1]:5.0f})" for n in tokens))
+        print(f"{b:>24} " + " ".join(f"{row[n][0].median:9.2f} ({row[n][1]:5.0f})" for n in tokens))
     print(f"\n# kernels used by the split path: {attention.chosen_kernels()}")
     if "sdpa/dense" in all_logits:
         for b, lg in all_logits.items():
@@ -169,12 +156,26 @@ def main() -> None:
     taus = [float(t) for t in a.tau.split(",")]
     print(f"\n# predicted speedup tau * t(1) / (t(n) + {a.draft_ms} ms draft), n = budget + 1")
     print(f"{'backend':>24} {'n':>5} " + " ".join(f"{'tau=' + str(t):>8}" for t in taus))
+    predicted = []
     for b, row in table.items():
-        ar = row[1][0] if 1 in row else None
+        ar = row[1][0].median if 1 in row else None
         for n in tokens:
             if n == 1 or ar is None:
                 continue
-            print(f"{b:>24} {n:>5} " + " ".join(f"{t * ar / (row[n][0] + a.draft_ms):8.2f}" for t in taus))
+            pred = [t * ar / (row[n][0].median + a.draft_ms) for t in taus]
+            print(f"{b:>24} {n:>5} " + " ".join(f"{x:8.2f}" for x in pred))
+            predicted.append([b, n, *(round(x, 2) for x in pred)])
+    rec = Record("device_forward", f"Target forward per backend and tree size ({name}, {a.dtype})",
+                 f"One target forward of n tokens after a {a.prefix}-token prefix, random weights of a Qwen3 shape "
+                 f"(hidden {a.hidden}, {a.layers} layers, heads {a.heads}/{a.kv_heads} x {a.head_dim}); n = 1 is an "
+                 "AR step, n > 1 a DDTree-shaped tree. Split kernels: " + str(attention.chosen_kernels()),
+                 params=params(a, device_name=name))
+    rec.table("Target forward, ms", ["backend", *(f"n = {n}" for n in tokens)],
+              [[b, *(row[n][0].cell(2) for n in tokens)] for b, row in table.items()],
+              formats={f"n = {n}": "{:.2f}" for n in tokens})
+    rec.table(f"Predicted speedup tau x t(1) / (t(n) + {a.draft_ms} ms draft)", ["backend", "n",
+              *(f"tau = {t:g}" for t in taus)], predicted, formats={f"tau = {t:g}": "{:.2f}x" for t in taus})
+    rec.write(a.json)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ hybrid: every [heads, n, n] GDN matrix is 1.6 MiB), so under the defaults many o
 kernel must fault in and zero again, op after op. `tune_host_allocator` fixes both thresholds once per
 process (mmap only from 32 MiB, glibc's maximum; trim only past 1 GiB of free heap top), so the freed blocks
 are reused: one 257-node verification of the toy hybrid took 94-111 ms before and 74-79 ms after
-(`bench/bench_verify.py`; same outputs: nothing but where the memory comes from changes).
+(docs/engine-internals.md; same outputs: nothing but where the memory comes from changes).
 
 Process-wide, like any malloc setting: every model in the process (the authors' loops and transformers' in
 `bench/bench_engines.py` too) runs under it once it is set. The cost is that up to 1 GiB of freed memory stays

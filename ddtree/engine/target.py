@@ -39,14 +39,14 @@ TREE_ATTENTION = ("auto", "split", "dense")
 # so long contexts stay on split
 DENSE_AUTO_KEYS = 1024
 # Prompts up to this many tokens prefill a CPU hybrid through the tree-exact GDN as one chain (faster there
-# up to ~64 tokens; its T x T solve loses to the chunked fallback beyond: bench/bench_prefill.py)
+# up to ~64 tokens; its T x T solve loses to the chunked fallback beyond: docs/engine-internals.md)
 CHAIN_PREFILL_MAX = 64
 # A greedy verification of a branching tree this large on a CPU lean target runs the head only on the walked
 # rows (TargetSession.lazy_head); below it the batched head over every node cost about the same (toy pairs, on/off
 # interleaved: 0.99-1.00x at budget 16, 1.00-1.05x at 64, 1.02-1.06x at 256)
 LAZY_HEAD_MIN = 65
 # From this many nodes a lazy-head round also runs the last decoder layer only for the walked rows (LazyTail):
-# on/off interleaved (bench_lean.py --switch tail) 1.03x (hybrid) and 1.07x (pure) at budget 256, 0.98-1.00x at 64
+# on/off interleaved (docs/engine-internals.md) 1.03x (hybrid) and 1.07x (pure) at budget 256, 0.98-1.00x at 64
 LAZY_TAIL_MIN = 129
 
 

@@ -39,7 +39,7 @@ _DRIFT_TOPK = 8  # drift is measured on the tokens that compete for the argmax, 
 
 @dataclass
 class ValidationRule:
-    """The configurable rule (documented in README "Is my run right?")."""
+    """The configurable rule (documented in docs/validation.md)."""
 
     steps: float = 4.0  # a margin up to this many dtype steps at the logits' magnitude is a tie
     calibrate: bool = True  # derive a floor from the baseline's cached-vs-teacher-forced drift

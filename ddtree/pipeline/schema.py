@@ -138,7 +138,7 @@ VALIDATION_MODES = ("auto", "on", "off")
 
 @dataclass
 class ValidationConfig:
-    """Verdicts for every output (ddtree.engine.validate), after the timed generation; README "Is my run right?"."""
+    """Verdicts for every output (ddtree.engine.validate), after the timed generation; docs/validation.md."""
 
     mode: str = "auto"  # auto: on when a baseline runs | on | off
     strict: bool = False  # the job exits non-zero (3) when any output is suspect

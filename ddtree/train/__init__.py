@@ -1,6 +1,6 @@
 """Drafter training: data → hidden-state extraction → block-diffusion training → evaluation.
 
-    python -m ddtree.train train/experiment=toy    # the built-in toy pair (see the README, "The toy pair")
+    python -m ddtree.train train/experiment=toy    # the built-in toy pair (see docs/training.md)
     python -m ddtree.train target.name_or_path=... data.prompts=... out_dir=...
 
 From Python, each stage is a plain function: ddtree.train.data.generate_sequences,

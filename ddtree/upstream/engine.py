@@ -13,7 +13,7 @@ What runs, per method (their `benchmark.py` does the same):
 The drafter is their `DFlashDraftModel`, built from our drafter's config (the public config.json
 dict) and holding our drafter's very tensors (`upstream_drafter`), so both engines draft with the
 same weights. The target is ours, unchanged; the compat patches make their 4.x-era code run on it
-(see the README, "Compatibility patches").
+(see docs/compat.md).
 
 Their outputs map onto `GenerationResult` as follows (their raw numbers stay in `.upstream`):
 

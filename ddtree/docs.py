@@ -1,0 +1,198 @@
+"""`python -m ddtree.docs`: regenerate the generated parts of the documentation (`make docs`).
+
+    python -m ddtree.docs            # rewrite them in place
+    python -m ddtree.docs --check    # exit 1 and name the files that are out of date (tests do the same)
+
+Generated, each from its one source:
+  README.md, between the `models` markers   the supported models and methods (ddtree/engine/families.py and
+                                            ddtree/engine/methods.py)
+  docs/benchmarks.md                        every benchmark record under docs/bench/*.json (written by bench/)
+  docs/paper.md, between the `paper-reference` markers   the paper's figures (docs/paper_reference.yaml)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ddtree.engine.families import FAMILIES, Family
+from ddtree.engine.methods import METHODS
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = ROOT / "docs" / "bench"
+
+
+# ---------------------------------------------------------------- generated blocks in a hand-written page
+
+def begin(name: str) -> str:
+    return f"<!-- generated:{name} (make docs; do not edit by hand) -->"
+
+
+def end(name: str) -> str:
+    return f"<!-- /generated:{name} -->"
+
+
+def replace_block(text: str, name: str, body: str) -> str:
+    """text with the lines between the `name` markers replaced by body; a page without the markers is an error."""
+    b, e = begin(name), end(name)
+    if b not in text or e not in text:
+        raise ValueError(f"the page has no '{b}' ... '{e}' block")
+    head, rest = text.split(b, 1)
+    _, tail = rest.split(e, 1)
+    return f"{head}{b}\n{body.rstrip()}\n{e}{tail}"
+
+
+# ---------------------------------------------------------------- supported models and methods
+
+def _kind(row: Family) -> str:
+    if row.gdn:
+        return "hybrid: tree-exact Gated DeltaNet"
+    if row.methods == (METHODS["ar"].name,):
+        return "recurrent state: no exact tree verification"
+    return "attention"
+
+
+def models_markdown() -> str:
+    """The model-family table (rows alike in everything shown share a line), then the method table."""
+    groups: dict[tuple, list[str]] = {}
+    for row in FAMILIES.values():
+        key = (row.methods, _kind(row), row.embedding_access == "nested", row.lean is not None)
+        groups.setdefault(key, []).append(row.model_type)
+    lines = ["| `model_type` | methods | layers | multimodal wrapper | lean forward |",
+             "| --- | --- | --- | --- | --- |"]
+    for (methods, kind, nested, lean), types in groups.items():
+        lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
+                     f"{'yes' if nested else '–'} | {'yes' if lean else '–'} |")
+    every = ", ".join(METHODS)
+    lines.append(f"| any other | {every} | attention (DFlash and DDTree refused when its cache has "
+                 "linear-attention layers) | – | – |")
+    lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
+    drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
+              "tree": "a best-first tree of `budget` nodes"}
+    for m in METHODS.values():
+        lines.append(f"| `{m.name}` | {drafts.get(m.tree, m.tree)} | {'yes' if m.needs_drafter else 'no'} | "
+                     f"{'yes' if m.reads_budget else 'no'} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- benchmark records
+
+def _split_format(spec: str) -> tuple[str, str]:
+    """"{:.2f}x" -> ("{:.2f}", "x"): the number's format and a unit written after the median only."""
+    i = spec.rfind("}")
+    return spec[: i + 1], spec[i + 1:]
+
+
+def render_cell(value: Any, spec: str | None = None) -> str:
+    """A record's cell as text: None as "–", a timing {median, min, max} as "median (min–max)"."""
+    fmt, unit = _split_format(spec) if spec else ("{}", "")
+    if value is None:
+        return "–"
+    if isinstance(value, dict) and "median" in value:
+        m = fmt.format(value["median"]) + unit
+        if value.get("min") is None or value.get("max") is None or value["min"] == value["max"]:
+            return m
+        return f"{m} ({fmt.format(value['min'])}–{fmt.format(value['max'])})"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    return fmt.format(value) + unit
+
+
+def render_table(table: dict) -> str:
+    cols, formats = table["columns"], table.get("formats", {})
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    for row in table["rows"]:
+        if len(row) != len(cols):
+            raise ValueError(f"table '{table.get('title')}': a row has {len(row)} cells for {len(cols)} columns")
+        lines.append("| " + " | ".join(render_cell(v, formats.get(c)) for c, v in zip(cols, row, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+REQUIRED = ("schema", "bench", "title", "command", "commit", "machine", "date", "tables")
+
+
+def load_records(folder: Path = BENCH_DIR) -> list[dict]:
+    """Every docs/bench/*.json record, checked for the fields the page shows, in file-name order."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        rec = json.loads(path.read_text())
+        missing = [k for k in REQUIRED if k not in rec]
+        if missing:
+            raise ValueError(f"{path}: a benchmark record needs {', '.join(missing)}")
+        rec["_file"] = path.name
+        records.append(rec)
+    return records
+
+
+BENCHMARKS_INTRO = """# Benchmarks
+
+Generated by `make docs` from the records in [`docs/bench/`](bench/); do not edit by hand. Each benchmark
+script in `bench/` writes its record there when it runs (`--json PATH` elsewhere, `--json -` for none), with the
+command, the commit, the machine and the date; a test fails when this page and the records disagree. Timings are
+medians, with the range over the runs in brackets. Records marked *transcribed* were copied from an earlier
+version of the documentation, not written by the script: their figures are what was measured then, at the commit
+named. What each benchmark measures and how to run it: [bench/README.md](../bench/README.md).
+
+Tokens per second and milliseconds compare only within one record (the machines were shared and their speed
+changed between measurements); ratios, shares and tau compare across records.
+"""
+
+
+def benchmarks_markdown(records: Iterable[dict]) -> str:
+    out = [BENCHMARKS_INTRO]
+    for rec in records:
+        out += [f"## {rec['title']}", "", f"`{rec['bench']}` ({rec['_file']})" if "_file" in rec else "", ""]
+        if rec.get("description"):
+            out += [rec["description"], ""]
+        facts = [("command", f"`{rec['command']}`"), ("commit", f"`{rec['commit']}`"), ("machine", rec["machine"]),
+                 ("date", rec["date"])]
+        if rec.get("source"):
+            facts.append(("source", rec["source"]))
+        out += [f"- {k}: {v}" for k, v in facts] + [""]
+        for table in rec["tables"]:
+            out += [f"**{table['title']}**", "", render_table(table), ""]
+            if table.get("note"):
+                out += [table["note"], ""]
+        if rec.get("notes"):
+            out += [rec["notes"], ""]
+    return "\n".join(line for line in out).rstrip() + "\n"
+
+
+# ---------------------------------------------------------------- all pages
+
+def generated_pages(root: Path = ROOT) -> dict[Path, str]:
+    """Every generated page's full text as `make docs` would write it (nothing is written)."""
+    from ddtree.pipeline.reference import DEFAULT_REFERENCE, all_models_markdown, load_reference
+
+    readme, paper = root / "README.md", root / "docs" / "paper.md"
+    return {
+        readme: replace_block(readme.read_text(), "models", models_markdown()),
+        root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
+        paper: replace_block(paper.read_text(), "paper-reference",
+                             all_models_markdown(load_reference(DEFAULT_REFERENCE))),
+    }
+
+
+def stale_pages(root: Path = ROOT) -> list[Path]:
+    return [p for p, text in generated_pages(root).items() if not p.exists() or p.read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] == "--check":
+        stale = stale_pages()
+        for p in stale:
+            print(f"out of date: {p.relative_to(ROOT)} (run `make docs`)")
+        return 1 if stale else 0
+    for path, text in generated_pages().items():
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
