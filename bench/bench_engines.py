@@ -19,6 +19,9 @@ Pairs (default toy,toy_pure):
   pure      a tiny random pure-attention Qwen3 (6 x 192, vocab 1024) and a random drafter, --pure-prompts
             random prompts (default 4), always no-stop: acceptance is meaningless there (tau about 1), costs
             are not.
+MTP rows (native only; where the pair's target checkpoint carries an MTP head, as the toy's does): `mtp S`, the
+head's chain of --mtp-steps tokens a round, and `mtp SxK` at each --mtp-budgets, its EAGLE-style tree (top-K children
+per expanded node); their outputs are compared with the native AR row's.
 Workload, greedy (T = 0) everywhere, outputs compared per prompt:
   answers (default on the trained pairs) every prompt's answer up to its stop token (at most --new tokens): the regime the
           drafter was trained for (tau 5-8). The toy's answers are short (~20 tokens), so the figures rest on
@@ -115,8 +118,10 @@ def hf_assistant(drafter: DFlashDrafter) -> torch.nn.Module:
 class Runner:
     """One generate call per engine, timed the same way (wall clock around the call, device synced)."""
 
-    def __init__(self, pair: Pair, upstream, new: int, stops: list[int]):
+    def __init__(self, pair: Pair, upstream, new: int, stops: list[int], mtp=None, mtp_steps: int = 3,
+                 mtp_topk: int = 4):
         self.pair, self.upstream, self.new, self.stops = pair, upstream, new, stops
+        self.mtp, self.mtp_steps, self.mtp_topk = mtp, mtp_steps, mtp_topk  # the target's own MTP head, if any
         if not stops:  # no-stop: transformers' generate must not fall back to the checkpoint's eos either
             pair.target.generation_config.eos_token_id = None
         self.assistant = None if pair.hybrid else hf_assistant(pair.drafter)
@@ -124,6 +129,8 @@ class Runner:
         self.engines: dict[tuple, ddtree.Engine] = {}
 
     def available(self, engine: str, method: str) -> bool:
+        if method == "mtp":  # only the native engine runs the target's own MTP head
+            return engine == "native" and self.mtp is not None
         if engine == "upstream":
             return self.upstream is not None
         if engine == "transformers":
@@ -145,6 +152,10 @@ class Runner:
             cell.outputs.append(toks)
             return
         if engine == "native":  # one ddtree.Engine per row, as ddtree.run keeps one per job (built in the warm-up)
+            if (method, budget) not in self.engines and method == "mtp":  # budget None: the chain, else a tree
+                self.engines[(method, budget)] = ddtree.Engine(
+                    p.target, self.mtp, method=method, budget=budget, steps=self.mtp_steps,
+                    topk=1 if budget is None else self.mtp_topk)
             if (method, budget) not in self.engines:
                 self.engines[(method, budget)] = ddtree.Engine(p.target, p.drafter, method=method, budget=budget)
             r = self.engines[(method, budget)].generate(ids, max_new_tokens=self.new, stop_token_ids=self.stops)
@@ -219,9 +230,10 @@ def overhead_share(nat: list[Cell]) -> str | None:
 
 def run_pair(pair: Pair, upstream, args) -> dict:
     """Every row on every engine that runs, interleaved; the table as a record's table (see _common)."""
-    rows = rows_of(args)
+    mtp = mtp_head(pair)
+    rows = rows_of(args, mtp is not None)
     stops = [] if args.no_stop else pair.stops
-    runner = Runner(pair, upstream, args.new, stops)
+    runner = Runner(pair, upstream, args.new, stops, mtp, args.mtp_steps, args.mtp_topk)
     engines = [e for e in ENGINES if e == "native" or (e == "upstream" and upstream is not None)
                or (e == "transformers" and not pair.hybrid)]
     if pair.hybrid:
@@ -254,10 +266,11 @@ def run_pair(pair: Pair, upstream, args) -> dict:
     head += ["overhead"]
     if upstream is not None:
         head += ["ceiling"]
-    rows = []
-    for method, budget in rows_of(args):
+    table = []
+    for method, budget in rows:
         nat = cells[(method, budget, "native")]
-        row = [method, budget]
+        label = (f"mtp {args.mtp_steps}" + ("" if budget is None else f"x{args.mtp_topk}")) if method == "mtp" else method
+        row = [label, budget]
         for e in engines:
             c = cells.get((method, budget, e))
             row.append(round(statistics.median(x.tok_s for x in c), 1) if c else None)
@@ -265,29 +278,47 @@ def run_pair(pair: Pair, upstream, args) -> dict:
             c = cells.get((method, budget, e))
             row.append(median_ratio(nat, c) if c else None)
         row.append(tau(nat, len(pair.prompts)))
+        up = cells.get((method, budget, "upstream"))
         if upstream is not None:
-            row.append(tau(cells[(method, budget, "upstream")], len(pair.prompts)))
+            row.append(tau(up, len(pair.prompts)) if up else None)
         same = []
         for e in engines[1:]:
             c = cells.get((method, budget, e))
             if c:
                 same.append(f"{e[:2]} {sum(a == b for a, b in zip(nat[0].outputs, c[0].outputs, strict=True))}/{len(pair.prompts)}")
+        if method == "mtp":  # no peer runs it: its outputs against the native AR row's
+            ar = cells[("ar", None, "native")][0].outputs
+            same.append(f"ar {sum(a == b for a, b in zip(nat[0].outputs, ar, strict=True))}/{len(pair.prompts)}")
         row.append(", ".join(same) or None)
         if upstream is not None:
-            up = cells[(method, budget, "upstream")]
-            row += [stage_ratio(nat, up, s) for s in STAGES]
+            row += [stage_ratio(nat, up, s) for s in STAGES] if up else [None] * len(STAGES)
         row.append(overhead_share(nat) if method != "ar" else None)
         if upstream is not None:
-            row.append(ceiling(nat, cells[(method, budget, "upstream")]))
-        rows.append(row)
+            row.append(ceiling(nat, up) if up else None)
+        table.append(row)
     formats = {c: "{:.1f}" for c in head if c.endswith("tok/s")} | {c: "{:.2f}x" for c in head if c.startswith("native/")}
     formats |= {"tau native": "{:.2f}", "tau upstream": "{:.2f}", "ceiling": "{:.2f}x"}
     return {"title": f"{pair.name}: {len(pair.prompts)} prompts, {workload}, median of {args.passes} interleaved passes",
-            "columns": head, "rows": rows, "formats": formats}
+            "columns": head, "rows": table, "formats": formats}
 
 
-def rows_of(args) -> list[tuple[str, int | None]]:
-    return [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
+def rows_of(args, mtp: bool = False) -> list[tuple[str, int | None]]:
+    rows = [("ar", None), ("dflash", None)] + [("ddtree", int(b)) for b in args.budgets.split(",") if b]
+    if mtp:  # the target's own MTP head: a chain, and EAGLE-style trees of these budgets
+        rows += [("mtp", None)] + [("mtp", int(b)) for b in args.mtp_budgets.split(",") if b]
+    return rows
+
+
+def mtp_head(pair: Pair):
+    """The MTP head stored with the pair's target (the checkpoint it was loaded from), or None."""
+    from ddtree.engine.drafter import MTPHead
+    from ddtree.errors import ConfigError
+
+    try:
+        return MTPHead.from_target(pair.target)
+    except ConfigError as e:
+        print(f"# {pair.name}: no MTP rows — {e}")
+        return None
 
 
 def main() -> None:
@@ -300,6 +331,9 @@ def main() -> None:
     ap.add_argument("--no-stop", action="store_true", help="exactly --new tokens per prompt (no stop token)")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--budgets", default="16,64,256")
+    ap.add_argument("--mtp-steps", type=int, default=3, help="method=mtp rows: draft steps a round")
+    ap.add_argument("--mtp-topk", type=int, default=4, help="method=mtp tree rows: children per expanded node")
+    ap.add_argument("--mtp-budgets", default="16", help="method=mtp tree rows (the chain row always runs)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: as torch chose)")

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.families import FAMILIES, Family
+from ddtree.engine.families import FAMILIES, Family, family
 from ddtree.engine.methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,15 +66,18 @@ def models_markdown() -> str:
     for (methods, kind, nested, lean), types in groups.items():
         lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
                      f"{'yes' if nested else '–'} | {'yes' if lean else '–'} |")
-    every = ", ".join(METHODS)
+    every = ", ".join(family("").methods)  # an unknown model_type: every method but the own-head ones
     lines.append(f"| any other | {every} | attention (DFlash and DDTree refused when its cache has "
                  "linear-attention layers) | – | – |")
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
     drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
               "tree": "a best-first tree of `budget` nodes"}
     for m in METHODS.values():
-        lines.append(f"| `{m.name}` | {drafts.get(m.tree, m.tree)} | {'yes' if m.needs_drafter else 'no'} | "
-                     f"{'yes' if m.reads_budget else 'no'} |")
+        what = drafts.get(m.tree, m.tree)
+        if m.own_head:  # method=mtp: the target's own head, as a chain or a tree
+            what = "the target's own MTP head: a chain of `mtp.steps`, or (`mtp.topk` > 1) a tree of `budget` nodes"
+        lines.append(f"| `{m.name}` | {what} | {'yes' if m.needs_drafter else 'no (its own head)' if m.own_head else 'no'} | "
+                     f"{'tree only' if m.own_head else 'yes' if m.reads_budget else 'no'} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixi
 
 from compat.patches import embedding_access
 from ddtree.engine import families, gdn
-from ddtree.engine.families import ALL_METHODS, FAMILIES, NESTED, family, model_type
+from ddtree.engine.families import ALL_METHODS, DRAFTER_METHODS, FAMILIES, NESTED, family, model_type
 from ddtree.engine.target import check_target_supported
 from ddtree.errors import ConfigError
 from ddtree.testing.tiny import tiny_config, tiny_model
@@ -26,6 +26,10 @@ def test_every_row_is_a_transformers_model_type_with_known_methods():
         assert name == row.model_type and name in CONFIG_MAPPING, name
         assert row.methods and set(row.methods) <= set(ALL_METHODS) and row.methods[0] == "ar", name
         assert (row.embedding_access == NESTED) == (row.wrapper_class is not None), name
+        assert ("mtp" in row.methods) == (row.mtp_layer is not None) == (row.mtp_norm is not None), name
+        if row.mtp_layer:  # the MTP head is built from the family's own decoder layer and norm
+            assert _load(row.mtp_layer).__name__.endswith("DecoderLayer"), name
+            assert _load(row.mtp_norm).__name__.endswith("RMSNorm"), name
 
 
 def test_gdn_rows_are_the_classes_the_gdn_module_wraps():
@@ -44,7 +48,7 @@ def test_tiny_hybrids_have_the_table_gdn_class_and_linear_cache_layers(name):
 @pytest.mark.parametrize("name", ["qwen3", "llama", "gemma2"])
 def test_attention_rows_have_no_linear_cache_layers(name):
     cfg = tiny_config(name)
-    assert not family(name).gdn and family(name).methods == ALL_METHODS
+    assert not family(name).gdn and family(name).methods == DRAFTER_METHODS  # every method but mtp (no head)
     assert not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=cfg).layers)
 
 

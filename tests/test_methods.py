@@ -50,7 +50,7 @@ def test_method_table_checks_what_each_method_reads():
     from ddtree.engine.methods import METHODS, check_method_args
     from ddtree.errors import ConfigError
 
-    assert [m for m in METHODS if METHODS[m].verifies_tree] == ["ddtree"]
+    assert [m for m in METHODS if METHODS[m].verifies_tree] == ["ddtree", "mtp"]  # mtp: a tree when topk > 1
     check_method_args("ar", has_drafter=False, budget=0, block_size=1)  # AR reads neither
     check_method_args("dflash", has_drafter=True, budget=0, block_size=None)
     refused = [("ddtree", False, 64, None, "drafter"), ("dflash", False, None, None, "drafter"),

@@ -54,6 +54,7 @@ def test_wheel_carries_configs_and_the_toy_pair(source, tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for rel in ("conf/config.yaml", "conf/model/toy.yaml", "conf/dataset/toy.yaml", "assets/toy/target/config.json",
                 "assets/toy/target/model.safetensors", "assets/toy/drafter/model.safetensors",
+                "assets/toy/target/model-mtp.safetensors", "assets/toy/target/model.safetensors.index.json",
                 "assets/toy/prompts.jsonl", "docs/paper_reference.yaml"):
         assert f"ddtree/_data/{rel}" in names, rel
     assert SHIPPED == ("conf", "assets/toy", "docs/paper_reference.yaml")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                "tokenizer_config.json", "chat_template.jinja", "metrics.json")
+                "tokenizer_config.json", "chat_template.jinja", "metrics.json",
+                "model-mtp.safetensors", "model.safetensors.index.json")  # the MTP head (qwen3_5_text)
 
 
 def step(name: str, done: Path, cmd: list[str], timings: dict) -> None:
@@ -65,6 +66,12 @@ def main(argv: list[str] | None = None) -> None:
           f"data.prompts={data / 'train_prompts.jsonl'}", f"eval.prompts={data / 'prompts.jsonl'}",
           f"tracking={args.tracking}", *([f"threads={args.threads}"] if args.threads else []), *train_overrides],
          timings)
+    if args.arch == "qwen3_5_text":  # the family's own MTP head, beside the target's weights (docs/mtp.md)
+        step("mtp", target / "model-mtp.safetensors",
+             [py, "-m", "ddtree.train.mtp", "--target", str(target), "--drafter", str(train / "drafter"),
+              "--prompts", str(data / "train_prompts.jsonl"), "--eval-prompts", str(data / "prompts.jsonl"),
+              "--work", str(work / "mtp"), "--max-samples", "1200", "--epochs", "10", "--lr", "3e-3", "--install",
+              *threads], timings)
     timings["total"] = round(time.perf_counter() - t0, 1)
 
     if not args.no_ship:

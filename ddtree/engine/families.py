@@ -4,6 +4,7 @@ A family absent from the table is treated as pure attention: every method, check
 by `TargetSession.check_method` (a cache with linear-attention layers no row covers is refused).
 
     family("qwen3_5_text").gdn          # True: tree-exact Gated DeltaNet (ddtree.engine.gdn)
+    supports("qwen3", "mtp")            # False: no MTP head of its own (method=mtp drafts with the target's)
     supports("mamba2", "ddtree")        # False: recurrent layers, no exact tree verification
 """
 
@@ -14,9 +15,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ddtree.engine.methods import BASELINE, METHOD_NAMES
+from ddtree.engine.methods import BASELINE, DRAFTER_METHOD_NAMES, METHOD_NAMES
 
 ALL_METHODS = METHOD_NAMES
+DRAFTER_METHODS = DRAFTER_METHOD_NAMES  # a family without its own MTP head
 AR_ONLY = (BASELINE,)
 
 # Embedding access: how the authors' code reaches the target's embeddings / head on this family.
@@ -38,13 +40,18 @@ class Family:
     """One model_type. `gdn_class`: "module:Class" of its Gated DeltaNet layer when it has one."""
 
     model_type: str
-    methods: tuple[str, ...] = ALL_METHODS
+    methods: tuple[str, ...] = DRAFTER_METHODS
     gdn_class: str | None = None
     embedding_access: str = DIRECT
     wrapper_class: str | None = None  # "module:Class" of the nesting wrapper model, when NESTED
     tiny: Mapping[str, Any] = field(default_factory=dict)  # config overrides a tiny test model needs
     hybrid_every: int = 0  # tiny hybrids: every n-th layer is full attention, the others linear (0: no GDN)
     lean: str | None = None  # ROPE / MROPE_TEXT: LeanForward reproduces its base model's forward bitwise
+    # the family's own MTP head (ddtree.engine.drafter.mtp): "module:Class" of its decoder layer and RMSNorm;
+    # mtp_mrope: its rotary table takes the positions 3 times (text-only M-RoPE) where `lean` does not say so
+    mtp_layer: str | None = None
+    mtp_norm: str | None = None
+    mtp_mrope: bool = False
 
     @property
     def gdn(self) -> bool:
@@ -54,6 +61,13 @@ class Family:
 _QWEN3_5_GDN = "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5GatedDeltaNet"
 _QWEN3_5_MOE_GDN = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeGatedDeltaNet"
 _QWEN3_NEXT_GDN = "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3NextGatedDeltaNet"
+_Q35, _Q35M, _QN = ("transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5",
+                    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5Moe",
+                    "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3Next")
+_MTP_QWEN3_5 = dict(methods=ALL_METHODS, mtp_layer=_Q35 + "DecoderLayer", mtp_norm=_Q35 + "RMSNorm", mtp_mrope=True)
+_MTP_QWEN3_5_MOE = dict(methods=ALL_METHODS, mtp_layer=_Q35M + "DecoderLayer", mtp_norm=_Q35M + "RMSNorm",
+                        mtp_mrope=True)
+_MTP_QWEN3_NEXT = dict(methods=ALL_METHODS, mtp_layer=_QN + "DecoderLayer", mtp_norm=_QN + "RMSNorm")
 
 # Recurrent-state families whose layers cannot verify a tree or roll back rejected tokens exactly.
 _AR_ONLY_TYPES = ("falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2", "lfm2", "lfm2_moe", "lfm2_vl",
@@ -64,14 +78,17 @@ _ROWS: tuple[Family, ...] = (
     Family("qwen3", lean=ROPE),
     Family("llama", lean=ROPE),
     Family("gemma2"),
-    Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4, lean=MROPE_TEXT),
+    Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4, lean=MROPE_TEXT,
+           **_MTP_QWEN3_5),
     Family("qwen3_5", gdn_class=_QWEN3_5_GDN, embedding_access=NESTED, tiny=_HYBRID_TINY, hybrid_every=4,
-           wrapper_class="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model"),
+           wrapper_class="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model", **_MTP_QWEN3_5),
     Family("qwen3_5_moe_text", gdn_class=_QWEN3_5_MOE_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4,
-           lean=MROPE_TEXT),
+           lean=MROPE_TEXT, **_MTP_QWEN3_5_MOE),
     Family("qwen3_5_moe", gdn_class=_QWEN3_5_MOE_GDN, embedding_access=NESTED, tiny={**_HYBRID_TINY, **_MOE_TINY},
-           hybrid_every=4, wrapper_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel"),
-    Family("qwen3_next", gdn_class=_QWEN3_NEXT_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4, lean=ROPE),
+           hybrid_every=4, wrapper_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel",
+           **_MTP_QWEN3_5_MOE),
+    Family("qwen3_next", gdn_class=_QWEN3_NEXT_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4, lean=ROPE,
+           **_MTP_QWEN3_NEXT),
     Family("qwen3_vl", embedding_access=NESTED,
            wrapper_class="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel"),
     Family("qwen3_vl_moe", embedding_access=NESTED,

@@ -48,9 +48,14 @@ def _walk_asking_head(tree, ask) -> tuple:
     return host_walk(tree, timed), spent
 
 
-def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None) -> Proposer:
-    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares."""
-    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
+def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
+                  steps: int | None = None, topk: int | None = None) -> Proposer:
+    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares.
+    steps, topk: method=mtp's draft depth and branching (ignored by the others)."""
+    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
+                          steps=steps, topk=topk)
+    if m.own_head:
+        return m.make_proposer(target, drafter, budget, block_size, steps=steps, topk=topk)
     return m.make_proposer(target, drafter, budget, block_size)
 
 
@@ -68,7 +73,7 @@ class Engine:
     def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
                  tree_attention: str = "auto", tune_host_allocator: bool | None = None,
-                 record: bool = True):
+                 record: bool = True, steps: int | None = None, topk: int | None = None):
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
@@ -77,14 +82,15 @@ class Engine:
         if proposer is None:
             if drafter is not None and self.spec.needs_drafter:
                 drafter.check_compatible(target)
-            proposer = make_proposer(method, target, drafter, budget, block_size)
+            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
-        layers = drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None
+        layers = getattr(proposer, "feature_layers", None) or (  # MTP: the target's own last hidden state
+            drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None)
         self.binding = TargetBinding(target, layers, tree_attention=tree_attention,
                                      tune_allocator=tune_host_allocator)
-        self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1) + 1
+        self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1, getattr(proposer, "max_nodes", 1)) + 1
         if not isinstance(proposer, ARProposer):
             TargetSession(target, binding=self.binding).check_method(method)
 
@@ -115,7 +121,8 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = False, tree_attention: str = "auto", record: bool = True) -> GenerationResult:
+             sync_timing: bool = False, tree_attention: str = "auto", record: bool = True, steps: int | None = None,
+             topk: int | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -128,10 +135,12 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     record: keep the per-round diagnosis (`GenerationResult.diagnosis`; ddtree.engine.diagnostics) where the proposer
     drafts: a few small ops a round and one host read per generation.
     Many prompts on the same models: build one `Engine` and call its `generate` (the set-up runs once).
+    method="mtp" drafts with the target's own MTP head (`drafter`: an MTPHead, or None to read it from the target's
+    checkpoint): `steps` tokens a round (default 3), `topk` > 1 an EAGLE-style tree of the `budget` best nodes.
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     engine = Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                    sync_timing=sync_timing, tree_attention=tree_attention, record=record)
+                    sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk)
     return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
 
@@ -162,7 +171,8 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
         result.stopped_by = "stop_token"
     while not done:
         state = DecodeState(root=root, start=session.length, prompt_len=input_ids.shape[1], generated=out,
-                            new_context=feats, temperature=temperature, generator=generator, timer=timer)
+                            new_context=feats, temperature=temperature, generator=generator, timer=timer,
+                            input_ids=input_ids)
         tree = proposer.propose(state)
         lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
         with timer.stage("verify"):

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
     from ddtree.engine.proposers import Proposer
 
 DEFAULT_BUDGET = 64  # DDTree's node budget when a caller passes budget=None
+MTP = "mtp"  # the method drafting with the target's own multi-token-prediction head
+MTP_STEPS, MTP_TOPK = 3, 1  # its defaults: SGLang's --speculative-num-steps 3 --speculative-eagle-topk 1
 
 
 def _ar(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
@@ -38,6 +40,14 @@ def _ddtree(target, drafter, budget: int | None, block_size: int | None) -> Prop
     return DDTreeProposer(target, drafter, budget if budget is not None else DEFAULT_BUDGET, block_size)
 
 
+def _mtp(target, drafter, budget: int | None, block_size: int | None, steps: int | None = None,
+         topk: int | None = None) -> Proposer:
+    from ddtree.engine.proposers import MTPProposer
+
+    return MTPProposer(target, drafter, steps=steps or MTP_STEPS, topk=topk or MTP_TOPK,
+                       budget=budget if budget is not None else DEFAULT_BUDGET)
+
+
 @dataclass(frozen=True)
 class Method:
     """One decoding method. `tree`: the shape it verifies: root (one token), chain or tree (branching)."""
@@ -47,6 +57,7 @@ class Method:
     needs_drafter: bool
     reads_budget: bool
     tree: str
+    own_head: bool = False  # drafts with the target's own MTP head (read from its checkpoint), no drafter
 
     @property
     def verifies_tree(self) -> bool:
@@ -58,8 +69,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ar", _ar, needs_drafter=False, reads_budget=False, tree="root"),
     Method("dflash", _dflash, needs_drafter=True, reads_budget=False, tree="chain"),
     Method("ddtree", _ddtree, needs_drafter=True, reads_budget=True, tree="tree"),
+    # a chain of `steps` tokens (topk 1) or an EAGLE-style tree (topk > 1, the `budget` best nodes)
+    Method(MTP, _mtp, needs_drafter=False, reads_budget=True, tree="tree", own_head=True),
 )}
 METHOD_NAMES = tuple(METHODS)
+# every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
+DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if not m.own_head)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
 
 
@@ -69,11 +84,23 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
+def check_mtp_args(steps: int | None, topk: int | None) -> None:
+    """method=mtp: steps >= 1 draft tokens per round (depth), topk >= 1 children per expanded node."""
+    for setting, value in (("mtp.steps", steps), ("mtp.topk", topk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(setting, f"must be an integer >= 1, got {value!r}",
+                              f"e.g. {setting}={MTP_STEPS if setting == 'mtp.steps' else MTP_TOPK}")
+
+
 def check_method_args(name: str, *, has_drafter: bool, budget: int | None, block_size: int | None,
-                      drafter_fix: str = "set drafter=<name>, or method=ar") -> Method:
+                      drafter_fix: str = "set drafter=<name>, or method=ar", steps: int | None = None,
+                      topk: int | None = None) -> Method:
     """The checks every entry (config validation, ddtree.generate, the authors'-code engine) shares:
-    a known method, the drafter it needs, a budget >= 1 where it reads one, a block size >= 2."""
+    a known method, the drafter it needs, a budget >= 1 where it reads one, a block size >= 2 (MTP: its
+    steps and topk)."""
     method = get_method(name)
+    if method.own_head:
+        check_mtp_args(steps, topk)
     if method.needs_drafter and not has_drafter:
         raise ConfigError("drafter", f"method={name} needs a DFlash drafter, but there is none", drafter_fix)
     if method.reads_budget:

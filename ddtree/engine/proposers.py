@@ -1,5 +1,5 @@
 """The proposers: what each method drafts in a round (AR the root alone, DFlash a chain, DDTree a
-best-first tree), and the per-round state and stage timer they share with the generate loop."""
+best-first tree, MTP the target's own head as a chain or an EAGLE-style tree), and the per-round state and stage timer they share with the generate loop."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_block_size, check_budget
 from ddtree.engine.result import STAGES
-from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree
+from ddtree.engine.tree import DraftTree, _host_tree_from_lists, best_first_tree, chain_tree, root_tree
 
 
 class StageTimer:
@@ -90,6 +90,7 @@ class DecodeState:
     temperature: float
     generator: torch.Generator | None
     timer: StageTimer = field(repr=False, default=None)
+    input_ids: torch.Tensor | None = None  # [1, P] the prompt (a proposer reading every committed token needs it)
 
 
 class Proposer(Protocol):
@@ -184,3 +185,148 @@ class DDTreeProposer(DrafterBlock):
             logits = self.draft_logits(state)
         with state.timer.stage("tree"):
             return best_first_tree(state.root, torch.log_softmax(logits, dim=-1), self.budget)
+
+
+class MTPProposer:
+    """The target's own MTP head (ddtree.engine.drafter.mtp): each round it first reads the tokens committed since
+    the last one with the target's hidden states before them (its KV cache then covers every committed position,
+    as the serving engines refill it after verification), then drafts:
+
+    * topk = 1: a chain of `steps` tokens, the head applied on its own output (argmax, or a sample at T > 0);
+    * topk > 1: an EAGLE-style tree: the top-k children of each frontier node per step, the next frontier the
+      k best of them by cumulative log-probability, `steps` deep; the `budget` best nodes are verified.
+
+    Draft entries leave the head's cache at the end of the round (a crop: only committed positions stay), so the
+    rollback is the target's commit. head: an MTPHead, or None to read it from the target's checkpoint.
+    """
+
+    needs_features = True
+
+    def __init__(self, target: PreTrainedModel, head=None, *, steps: int, topk: int = 1, budget: int = 64):
+        from ddtree.engine.drafter.mtp import MTPHead
+        from ddtree.engine.methods import check_mtp_args
+        from ddtree.errors import ConfigError
+
+        check_mtp_args(steps, topk)
+        check_budget(budget)
+        if head is None:
+            head = MTPHead.from_target(target)
+        elif not isinstance(head, MTPHead):
+            raise ConfigError("drafter", "method=mtp drafts with the target's own MTP head, not a DFlash drafter",
+                              "pass no drafter (the head is read from the target's checkpoint) or an MTPHead")
+        head.bind(target)
+        self.head, self.steps, self.topk, self.budget = head, steps, topk, budget
+        self.feature_layers = head.target_layer_ids  # the target's output hidden state (after its final norm)
+        self.max_nodes = (steps if topk == 1 else budget) + 1  # the chain ignores the budget
+        self.cache = None
+        self.ctx_len = 0
+
+    def reset(self) -> None:
+        self.cache = self.head.new_cache()
+        self.ctx_len = 0
+
+    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
+        """Additive [1, 1, q, keys] from a boolean visibility matrix."""
+        out = torch.zeros(visible.shape, dtype=self.head.dtype, device=visible.device)
+        return out.masked_fill_(~visible, torch.finfo(self.head.dtype).min)[None, None]
+
+    def _read_context(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed tokens since the last round into the head's cache; (logits [V], output [1, 1, H]) of the
+        last one (the root), i.e. the head's guess for the token after the root."""
+        ctx, dev = state.new_context, state.root.device
+        c = ctx.shape[1]
+        assert self.ctx_len + c == state.start, "the MTP head must read every committed position"
+        if self.ctx_len == 0:  # the prompt: position p reads token p + 1 (the root after the last one)
+            ids = torch.cat([state.input_ids[0, 1:], state.root.reshape(1)])
+        else:
+            ids = torch.tensor(state.generated[-c:], dtype=torch.long, device=dev)
+        pos = torch.arange(self.ctx_len, state.start, device=dev)
+        mask = None
+        if c > 1:  # causal over the new rows, every cached row visible
+            keys = torch.arange(state.start, device=dev)
+            mask = self._mask(keys[None, :] <= pos[:, None])
+        head = self.head
+        # .to: under a device map the features (and the head's logits) may sit elsewhere than the root
+        out = head(head.embed(ids[None]), ctx.to(device=head.fc.weight.device, dtype=head.dtype), pos[None], mask,
+                   self.cache)
+        self.ctx_len = state.start
+        last = out[:, -1:]
+        return head.logits(last[0, 0]).float().to(dev), last
+
+    def _drop_drafts(self) -> None:
+        extra = self.cache.get_seq_length() - self.ctx_len
+        if extra > 0:
+            self.cache.crop(-extra)
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        with state.timer.stage("draft"):
+            logits, hidden = self._read_context(state)
+            if self.topk == 1:
+                return self._chain(state, logits, hidden)
+            return self._tree(state, logits, hidden)
+
+    def _pick(self, logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        if state.temperature > 0:
+            probs = torch.softmax(logits / state.temperature, dim=-1)
+            return torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
+        return logits.argmax(-1)
+
+    def _chain(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
+        head, dev = self.head, state.root.device
+        toks = [self._pick(logits, state)]
+        for s in range(1, self.steps):  # token s sits at start + s; the head runs one before it
+            pos = torch.full((1, 1), state.start + s - 1, dtype=torch.long, device=dev)
+            hidden = head(head.embed(toks[-1].reshape(1, 1)), hidden, pos, None, self.cache)
+            toks.append(self._pick(head.logits(hidden[0, 0]).float().to(dev), state))
+        self._drop_drafts()
+        with state.timer.stage("tree"):
+            return chain_tree(state.root, torch.stack(toks))
+
+    def _tree(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
+        """EAGLE-style expansion. Pool node i: token, parent (pool index, -1: the root), cumulative score, depth,
+        the head output that predicted it (its input when expanded) and its draft cache entry once expanded."""
+        head, k, dev = self.head, self.topk, state.root.device
+        vals, idx = torch.log_softmax(logits, -1).topk(k)
+        tokens, scores = idx.tolist(), vals.tolist()
+        parents, depths, entry = [-1] * k, [1] * k, [-1] * k
+        src = [hidden[0, 0]] * k
+        frontier = list(range(k))
+        for _ in range(1, self.steps):
+            q, past = len(frontier), self.cache.get_seq_length()
+            vis = torch.zeros(q, past + q, dtype=torch.bool)
+            vis[:, : self.ctx_len] = True
+            for j, i in enumerate(frontier):
+                vis[j, past + j] = True
+                a = parents[i]
+                while a >= 0:
+                    vis[j, entry[a]] = True
+                    a = parents[a]
+            ids = torch.tensor([tokens[i] for i in frontier], dtype=torch.long, device=dev)
+            pos = torch.tensor([state.start + depths[i] - 1 for i in frontier], dtype=torch.long, device=dev)
+            out = head(head.embed(ids[None]), torch.stack([src[i] for i in frontier])[None], pos[None],
+                       self._mask(vis.to(dev)), self.cache)
+            for j, i in enumerate(frontier):
+                entry[i] = past + j
+            vals, idx = torch.log_softmax(head.logits(out[0]).float(), -1).topk(k)
+            vals, idx = vals.tolist(), idx.tolist()
+            first = len(tokens)
+            for j, i in enumerate(frontier):
+                for v, t in zip(vals[j], idx[j], strict=True):
+                    tokens.append(t)
+                    scores.append(scores[i] + v)
+                    parents.append(i)
+                    depths.append(depths[i] + 1)
+                    entry.append(-1)
+                    src.append(out[0, j])
+            new = range(first, len(tokens))
+            frontier = sorted(sorted(new, key=lambda i: (-scores[i], i))[:k])
+        self._drop_drafts()
+        with state.timer.stage("tree"):
+            # cumulative log-probabilities never grow along a path: the best nodes (ties: the earlier) are closed
+            # under ancestors; flat order = creation order puts parents first
+            keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.budget])
+            flat = {p: f + 1 for f, p in enumerate(keep)}
+            return _host_tree_from_lists([int(state.root)] + [tokens[i] for i in keep],
+                                         [-1] + [flat.get(parents[i], 0) for i in keep],
+                                         [0] + [depths[i] for i in keep], [0.0] + [scores[i] for i in keep], dev)

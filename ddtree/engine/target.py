@@ -19,7 +19,11 @@ __all__ = ["PreallocatedLayer", "TargetBinding", "TargetSession", "WalkRows", "c
 
 
 def check_target_supported(model_type_name: str, method: str) -> None:
-    """Refuse families whose verification would be silently wrong (before any generation)."""
+    """Refuse families whose verification would be silently wrong, or without the head a method drafts with."""
+    if not supports(model_type_name, method) and get_method(method).own_head:
+        from ddtree.engine.drafter.mtp import check_family_has_mtp
+
+        check_family_has_mtp(model_type_name)
     if not supports(model_type_name, method):
         raise ConfigError(
             "method", f"{method} on a '{model_type_name}' target is not supported: its recurrent layers cannot "

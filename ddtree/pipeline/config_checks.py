@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ddtree.engine.checks import check_block_size, check_budget
-from ddtree.engine.methods import check_method_args, get_method
+from ddtree.engine.methods import check_method_args, check_mtp_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
@@ -74,8 +74,13 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
 
 def check_run_settings(rc: RunConfig) -> None:
     """The top-level settings: method, engine, budget, temperature, length, device."""
-    get_method(rc.method)
+    method = get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
+    if method.own_head:
+        check_mtp_args(rc.mtp.steps, rc.mtp.topk)
+        if rc.engine == "upstream":
+            raise ConfigError("engine", "engine=upstream runs the DDTree authors' DFlash/DDTree, not method=mtp",
+                              "use engine=native for method=mtp")
     if rc.engine == "upstream":
         check_upstream_path(rc.upstream.path)
     from ddtree.pipeline.autobudget import check_auto, is_auto

@@ -48,6 +48,7 @@ from ddtree.pipeline.schema import (
     RunConfig,
     flatten,
     identity_dict,
+    reads_budget,
     resolved_dict,
     to_run_config,
     tracking_uri,
@@ -103,8 +104,10 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
 
     rc, m = ctx.rc, ctx.models
     target, tokenizer, device = m.target, m.tokenizer, m.device
-    drafts = METHODS[method].needs_drafter
+    drafts, own_head = METHODS[method].needs_drafter, METHODS[method].own_head
     kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
+    if own_head:  # method=mtp: `drafter` is the target's MTP head (ddtree.pipeline.models.load_mtp_head)
+        kw = {"steps": rc.mtp.steps, "topk": rc.mtp.topk}
     if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
         from ddtree.upstream.engine import generate_upstream
 
@@ -112,7 +115,7 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
                                      method=method, budget=rc.budget, **kw)
     else:
         if method not in ctx.engines:
-            ctx.engines[method] = Engine(target, m.drafter if drafts else None, method=method, budget=rc.budget,
+            ctx.engines[method] = Engine(target, m.drafter if drafts or own_head else None, method=method, budget=rc.budget,
                                          tune_host_allocator=rc.host_allocator, record=rc.record_rounds, **kw)
         generate = ctx.engines[method].generate
     messages: list[dict[str, str]] = []
@@ -177,8 +180,10 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
     block = next((r["block_size"] for r in meth if r.get("block_size")), None)
     return {
         "engine": rc.engine,
-        "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget else None, "block_size": block,
-        "temperature": rc.temperature, "model": rc.model.name, "drafter": rc.drafter.name_or_path or rc.drafter.kind,
+        "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk) else None, "block_size": block,
+        "temperature": rc.temperature, "model": rc.model.name,
+        "drafter": "mtp head" if METHODS[rc.method].own_head else rc.drafter.name_or_path or rc.drafter.kind,
+        **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if METHODS[rc.method].own_head else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
@@ -287,7 +292,7 @@ def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 
 def run_name(rc: RunConfig) -> str:
-    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if METHODS[rc.method].reads_budget else "")
+    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, rc.mtp.topk) else "")
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 
@@ -350,10 +355,10 @@ def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool
     if first is None:
         return False
     if world.is_main:
-        why = f"method={rc.method} ignores the budget" if not METHODS[rc.method].reads_budget else "same config"
+        why = f"method={rc.method} ignores the budget" if not reads_budget(rc.method, rc.mtp.topk) else "same config"
         note = f"skipped: same job as {Path(first).name} ({why})"
         files.job_dir.joinpath(SKIPPED).write_text(json.dumps(
-            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if METHODS[rc.method].reads_budget
+            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk)
              else None, "duplicate_of": first, "note": note}) + "\n")
         print(f"{note}: {first}", flush=True)
     return True

@@ -152,6 +152,15 @@ def load_drafter(rc: RunConfig, target, device: str):
     return drafter.eval()
 
 
+def load_mtp_head(rc: RunConfig, target):
+    """method=mtp: the MTP head stored in the target's checkpoint (a random one for a tiny model built in code)."""
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    if rc.model.tiny is not None:
+        return MTPHead.random_for_target(target, seed=rc.mtp.seed)
+    return MTPHead.from_target(target, rc.model.name_or_path, revision=rc.model.revision)
+
+
 def model_device(target, rc: RunConfig, device: str) -> str:
     """Where inputs (and the drafter) go: `device`, or with a device map the embeddings' execution device."""
     if rc.model.device_map is None:
@@ -175,6 +184,13 @@ def get_models(rc: RunConfig, device: str, cache: ModelCache):
         cache.target, cache.tokenizer = load_target(rc, device)
         cache.target_key = tkey
     drafter = None
+    if METHODS[rc.method].own_head:  # method=mtp: the target's own head, the drafter slot of this job
+        key = cache_key(tkey, "mtp", rc.mtp.seed if rc.model.tiny is not None else None)
+        if MODELS.drafter_key != key:
+            MODELS.drafter = None
+            MODELS.drafter = load_mtp_head(rc, MODELS.target)
+            MODELS.drafter_key = key
+        return MODELS.target, MODELS.tokenizer, MODELS.drafter
     if METHODS[rc.method].needs_drafter:
         d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
         if rc.drafter.kind == "pretrained":

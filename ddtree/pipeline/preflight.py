@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddtree.engine.methods import get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.prompts import Prompt
 
@@ -163,6 +164,10 @@ def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_co
     layer_types = cfg.get("layer_types") or []
     hybrid = any(family(t).gdn or family(t).methods != family("qwen3").methods for t in types) \
         or any("linear" in str(t) or "mamba" in str(t) for t in layer_types)
+    if any(not supports(t, method) for t in types) and get_method(method).own_head:
+        from ddtree.engine.drafter.mtp import check_family_has_mtp
+
+        check_family_has_mtp(mtype)
     if any(not supports(t, method) for t in types):
         raise ConfigError("method", f"method={method} on a '{mtype}' target is not supported: its recurrent layers "
                           "cannot verify a draft tree or roll back rejected tokens exactly",
@@ -243,13 +248,17 @@ def preflight(rc) -> TargetFacts | None:
         check_source(tok_setting, m.tokenizer or m.name_or_path, m.revision, TOKENIZER_FILES, "a tokenizer")
         cfg = read_config(src)
         facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
+        if get_method(rc.method).own_head:  # the head's tensors, from the index or headers: no weights load
+            from ddtree.engine.drafter.mtp import mtp_tensor_map
+
+            mtp_tensor_map(m.name_or_path, m.revision)
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
     if cfg:  # what the target's class and the device's memory take, from its config (no weights)
         check_attention_supported(cfg, rc.attention.target)
         check_tree_fits(cfg, rc)
     d = rc.drafter
-    if rc.method != "ar" and d.kind == "pretrained":
+    if get_method(rc.method).needs_drafter and d.kind == "pretrained":
         check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
     return facts
 

@@ -39,10 +39,10 @@ from ddtree.pipeline.cli import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
 from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown, reference_model
 from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
-from ddtree.pipeline.sweep_table import verdict_cell
+from ddtree.pipeline.sweep_table import method_cell, verdict_cell
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
-DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.needs_drafter)  # a table column each
+DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.needs_drafter or m.own_head)  # a column each
 LABELS = {"dflash": "DFlash", "ddtree": "DDTree"}
 DEFAULT_PROTOCOL = ["max_new_tokens", "block_size", "num_prompts", "seed", "dataset.max_samples",
                     "dataset.shuffle_seed", "dataset.path", "dataset.chat_template", "dataset.enable_thinking",
@@ -304,7 +304,7 @@ def select(store: Store, rc: ReportConfig) -> Selection:
                                                                                    strict=True) if a != b]
                 sel.skipped.append((j, "mismatched settings within its dataset x model x temperature: " + ", ".join(diff)))
                 continue
-            slot = (j.method, j.budget)
+            slot = (j.method, j.budget, json.dumps(j.value("mtp"), sort_keys=True))  # mtp: its draft shape too
             if slot in newest:
                 sel.skipped.append((j, f"superseded by the newer run {newest[slot].run_id} with the same settings"))
                 continue
@@ -361,6 +361,9 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
         c["_jobs"][(job.method, job.budget)] = job
         if job.method == "dflash":
             c["dflash"] = _entry(job)
+        elif METHODS[job.method].own_head:  # method=mtp: the target's own head, its best shape shown
+            c.setdefault("mtp", []).append({**_entry(job), "shape": method_cell(
+                {"method": job.method, "mtp": job.value("mtp")}) + (f" b{job.budget}" if job.budget else "")})
         else:
             c["ddtree"].append(_entry(job))
     out = []
@@ -368,6 +371,8 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
         c["ddtree"].sort(key=lambda e: e["budget"])
         if c["ddtree"]:
             c["ddtree_best"] = dict(max(c["ddtree"], key=lambda e: (e["speedup"], -e["budget"])))
+        if c.get("mtp"):
+            c["mtp_best"] = dict(max(c["mtp"], key=lambda e: e["speedup"]))
         d, t = c["dflash"], c["ddtree_best"]
         c["gain"] = t["speedup"] / d["speedup"] if d and t and d["speedup"] else None
         for key in ("dflash", "ddtree_best"):
@@ -396,17 +401,22 @@ def _n(v: float | None) -> str:
 
 def markdown_table(cells: list[dict[str, Any]]) -> str:
     lines = []
+    mtp = any(c.get("mtp") for c in cells)  # method=mtp ran: its best draft shape gets columns too
     for temp in sorted({c["temperature"] for c in cells}):
         lines += [f"### Temperature {temp:g}", "",
                   "| dataset | model | DFlash speedup | DFlash tau | DDTree speedup | DDTree tau | best budget | "
-                  "DDTree / DFlash | budgets run | verdicts (DFlash; DDTree) |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+                  "DDTree / DFlash | budgets run | verdicts (DFlash; DDTree) |"
+                  + (" MTP speedup | MTP tau | MTP shape | MTP verdicts |" if mtp else ""),
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
+                  + (" ---: | ---: | --- | --- |" if mtp else "")]
         for c in (c for c in cells if c["temperature"] == temp):
-            d, t = c["dflash"] or {}, c["ddtree_best"] or {}
+            d, t, m = c["dflash"] or {}, c["ddtree_best"] or {}, c.get("mtp_best") or {}
             budgets = ", ".join(str(e["budget"]) for e in c["ddtree"]) or "-"
             lines.append(f"| {c['title']} | {c['model']} | {_x(d.get('speedup'))} | {_n(d.get('tau'))} | "
                          f"{_x(t.get('speedup'))} | {_n(t.get('tau'))} | {t.get('budget', '-')} | "
-                         f"{_x(c['gain'])} | {budgets} | {d.get('verdicts', '-')}; {t.get('verdicts', '-')} |")
+                         f"{_x(c['gain'])} | {budgets} | {d.get('verdicts', '-')}; {t.get('verdicts', '-')} |"
+                         + (f" {_x(m.get('speedup'))} | {_n(m.get('tau'))} | {m.get('shape', '-')} | "
+                            f"{m.get('verdicts', '-')} |" if mtp else ""))
         lines.append("")
     return "\n".join(lines)
 

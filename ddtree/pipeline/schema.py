@@ -69,6 +69,15 @@ class DrafterConfig:
 
 
 @dataclass
+class MTPConfig:
+    """method=mtp: the target's own MTP head (read from its checkpoint; a tiny model built in code gets a random one)."""
+
+    steps: int = 3  # draft tokens a round, the head applied recursively (SGLang's --speculative-num-steps)
+    topk: int = 1  # > 1: an EAGLE-style tree (--speculative-eagle-topk), its `budget` best nodes verified
+    seed: int = 0  # tiny models: the random head's seed
+
+
+@dataclass
 class AttentionConfig:
     target: str = "sdpa"
     drafter: str = "sdpa"
@@ -157,6 +166,7 @@ class AutoBudgetConfig:
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    mtp: MTPConfig = field(default_factory=MTPConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -266,9 +276,19 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     if str(d.get("budget")).lower() == "auto":  # its settings decide which budget runs
         d["auto"] = auto
     method = METHODS.get(d.get("method"))
-    if method is None or not method.reads_budget:  # a budget sweep runs DFlash once
+    if not reads_budget(d.get("method"), (d.get("mtp") or {}).get("topk")):  # a budget sweep runs DFlash once
         d.pop("budget", None)
+    if method is None or not method.own_head:  # the MTP settings matter to method=mtp alone
+        d.pop("mtp", None)
     return d
+
+
+def reads_budget(method: str | None, mtp_topk: int | None = None) -> bool:
+    """Whether `method` reads the budget (method=mtp only as a tree: topk > 1)."""
+    m = METHODS.get(method)
+    if m is None or not m.reads_budget:
+        return False
+    return not m.own_head or (mtp_topk or 1) > 1
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -25,6 +25,14 @@ def verdict_cell(v: dict[str, Any] | None) -> str:
     return f"{good} ok" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def method_cell(s: dict[str, Any]) -> str:
+    """The method, with method=mtp's draft shape: 'mtp 3' (a chain of 3), 'mtp 3x4' (a tree: 3 steps, top-4)."""
+    m = s.get("mtp")
+    if not m:
+        return s["method"]
+    return f"{s['method']} {m['steps']}" + (f"x{m['topk']}" if m.get("topk", 1) > 1 else "")
+
+
 def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: list[str] | None = None) -> str:
     """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches; a column for
     each of `settings` (read from a row's "settings"), and a note for rows that did not run."""
@@ -44,7 +52,7 @@ def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: lis
             continue
         n = s["num_prompts"]
         match = "-" if s["match_rate"] is None else f"{round(s['match_rate'] * n)}/{n}"
-        rows.append((s["model"], s["method"], f(s["budget"], "d"), *vals, f(s["block_size"], "d"), str(n),
+        rows.append((s["model"], method_cell(s), f(s["budget"], "d"), *vals, f(s["block_size"], "d"), str(n),
                      f(s["tau"]), f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"),
                      f(s["speedup"], ".2f", "x"), match, verdict_cell(s.get("validation")),
                      *([s.get("note") or ""] if notes else [])))

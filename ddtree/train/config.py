@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddtree.engine.methods import METHOD_NAMES
+from ddtree.engine.methods import DRAFTER_METHOD_NAMES, METHOD_NAMES
 from ddtree.errors import ConfigError
 from ddtree.paths import DATA_ROOT
 from ddtree.pipeline.schema import TrackingConfig as RunTrackingConfig
@@ -106,7 +106,7 @@ class EvalConfig:
     prompts: str | None = None  # JSONL of {"id", "turns"}; null: skip the eval stage
     max_samples: int | None = 16
     max_new_tokens: int = 128
-    methods: list[str] = field(default_factory=lambda: list(METHOD_NAMES))
+    methods: list[str] = field(default_factory=lambda: list(DRAFTER_METHOD_NAMES))  # mtp: the target's own head
     budgets: list[int] = field(default_factory=lambda: [8, 16, 32, 64])
     chat_template: bool = True
     warmup: bool = True

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree.engine.methods import BASELINE, METHOD_NAMES, get_method
+from ddtree.engine.methods import BASELINE, DRAFTER_METHOD_NAMES, get_method
 from ddtree.pipeline.prompts import encode
 from ddtree.train.data import read_prompts, stop_ids
 
@@ -34,7 +34,7 @@ def evaluate(target, drafter, tokenizer, prompts_path: str, *, max_samples: int 
     (baseline=True) speedup over AR and match rate (the share of outputs equal to AR's)."""
     import ddtree
 
-    methods = methods or list(METHOD_NAMES)
+    methods = methods or list(DRAFTER_METHOD_NAMES)
     if baseline and BASELINE not in methods:
         methods = [BASELINE, *methods]  # the lossless reference and the speed baseline
     runs = _runs(methods, budgets or [8, 16, 32, 64])

@@ -121,6 +121,8 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
                       block_size: int | None = None) -> UpstreamResult:
     """One generation with the authors' code; the same arguments and result as `ddtree.generate`."""
     spec = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
+    if spec.own_head:
+        raise ConfigError("engine", f"the authors' code has no method={method}", "use the native engine (ddtree.generate)")
     check_generate_args(temperature, max_new_tokens, input_ids)
     stops = sorted(set(stop_token_ids or ()))
     kw: dict[str, Any] = dict(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,

@@ -1,0 +1,272 @@
+"""The target's own multi-token-prediction (MTP) head: Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints carry one.
+
+The public format (what vLLM's `qwen3_5_mtp.py` / `qwen3_next_mtp.py` and SGLang's `qwen3_5_mtp.py` load):
+`mtp_num_hidden_layers` (1) in the text config; in the target's safetensors, beside its own weights,
+
+    mtp.fc.weight                    [H, 2H], no bias, over cat(pre_fc_norm_embedding(embed(token)),
+                                                               pre_fc_norm_hidden(hidden))
+    mtp.pre_fc_norm_embedding.weight, mtp.pre_fc_norm_hidden.weight, mtp.norm.weight   (the family's RMSNorm)
+    mtp.layers.0.*                   one full-attention decoder layer of the family (MoE families: MoE), own KV cache
+
+The embeddings and the head are the target's. `hidden` is what the serving engines hand the head: the target
+model's output hidden state (after its final norm) at position p, with the token at p + 1; the layer runs at
+rotary position p and its output (after `mtp.norm`) gives the logits of the token at p + 2 through the target's
+head. A further draft step feeds that output back as `hidden` with the drafted token, one position on.
+
+transformers drops these tensors at load (`_keys_to_ignore_on_load_unexpected = ['^mtp.*']`); this module reads
+them from the checkpoint files (a single file or shards with an index; a multimodal wrapper's names as
+published: `mtp.` at the top level, `model.mtp.` / `model.language_model.mtp.` also accepted).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from ddtree.engine.families import family, model_type
+from ddtree.errors import ConfigError
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# where checkpoints put the head, the published one first
+MTP_PREFIXES = ("mtp.", "model.mtp.", "model.language_model.mtp.", "language_model.mtp.")
+_METHOD_FIX = "use method=dflash or method=ddtree with a drafter, or method=ar"
+
+
+def _import(path: str) -> Any:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def mtp_layer_count(config) -> int:
+    """The config's `mtp_num_hidden_layers` (0 when absent)."""
+    return int(getattr(_text_config(config), "mtp_num_hidden_layers", 0) or 0)
+
+
+def check_family_has_mtp(mtype: str) -> None:
+    """Refuse a family without an MTP head (before any weights load)."""
+    if family(mtype).mtp_layer is None:
+        raise ConfigError("method", f"method=mtp needs the target's own MTP head, and a '{mtype}' target has none "
+                          "(Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints carry one)", _METHOD_FIX)
+
+
+def _local_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
+    """The checkpoint folder: local, or the hub snapshot's safetensors index / single file (no download of shards)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(str(name_or_path), revision=revision,
+                                      allow_patterns=["config.json", WEIGHTS_INDEX_NAME]))
+    except (HFValidationError, HfHubHTTPError, LocalEntryNotFoundError) as e:
+        raise ConfigError("model.name_or_path", f"{name_or_path!s} is neither a local directory nor a reachable hub "
+                          f"repository ({type(e).__name__})", "pass the target's checkpoint directory or hub id") from e
+
+
+def _shard_names(directory: Path) -> dict[str, str]:
+    """{tensor name: shard file} of a checkpoint folder, read from the index or the safetensors header alone."""
+    index = directory / WEIGHTS_INDEX_NAME
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = directory / WEIGHTS_NAME
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(single, framework="pt") as f:
+            return dict.fromkeys(f.keys(), WEIGHTS_NAME)
+    return {}
+
+
+def mtp_tensor_map(name_or_path: str | os.PathLike, revision: str | None = None) -> tuple[Path, str, dict[str, str]]:
+    """(folder, prefix, {tensor name: shard}) of the checkpoint's MTP tensors; ConfigError when it has none.
+
+    Reads the index or the header only: no weights load here."""
+    directory = _local_dir(name_or_path, revision)
+    names = _shard_names(directory)
+    for prefix in MTP_PREFIXES:
+        found = {k: v for k, v in names.items() if k.startswith(prefix)}
+        if found:
+            return directory, prefix, found
+    raise ConfigError("method", f"method=mtp needs the target's MTP head, but the checkpoint {name_or_path!s} has no "
+                      f"MTP tensors (none named {MTP_PREFIXES[0]}*)",
+                      "use a checkpoint that ships its mtp.* weights (the original Qwen3.5/3.6/Next release), or " +
+                      _METHOD_FIX)
+
+
+def check_mtp_checkpoint(name_or_path: str | os.PathLike, mtype: str, revision: str | None = None) -> None:
+    """Every check of `method=mtp` on a checkpoint that can run before its weights load."""
+    check_family_has_mtp(mtype)
+    mtp_tensor_map(name_or_path, revision)
+
+
+def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (`mlp.experts.{e}.{gate,up,down}_proj.weight`, Qwen3-Next's published layout) as the
+    fused `mlp.experts.gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I] transformers' MoE blocks hold."""
+    pat = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    out = {}
+    for name, t in state.items():
+        m = pat.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        groups.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = t
+    for base, parts in groups.items():
+        n = len(parts["down_proj"])
+        out[f"{base}.gate_up_proj"] = torch.stack([torch.cat([parts["gate_proj"][e], parts["up_proj"][e]], 0)
+                                                   for e in range(n)])
+        out[f"{base}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+    return out
+
+
+def mtp_layer_config(target_config, attn_implementation: str = "sdpa"):
+    """The target's text config for one full-attention layer (index 0), as the serving engines build the MTP layer."""
+    cfg = copy.deepcopy(_text_config(target_config))
+    cfg.num_hidden_layers = 1
+    cfg.layer_types = ["full_attention"]
+    if hasattr(cfg, "full_attention_interval"):
+        cfg.full_attention_interval = 1
+    cfg._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
+    return cfg
+
+
+class MTPHead(nn.Module):
+    """One MTP layer of the target's family, with the fc and the norms around it; the target's embeddings, rotary
+    table and head are borrowed (`bind`), never copied. `target_layer_ids`: the feature the engine hands it, the
+    target's last layer after the final norm (ddtree.engine.target.context_features numbering)."""
+
+    def __init__(self, target_config, attn_implementation: str = "sdpa"):
+        super().__init__()
+        mtype = model_type(_SimpleModel(target_config))
+        check_family_has_mtp(mtype)
+        n = mtp_layer_count(target_config) or 1
+        if n != 1:
+            raise ConfigError("method", f"method=mtp runs one MTP layer; this checkpoint declares "
+                              f"mtp_num_hidden_layers={n}", _METHOD_FIX)
+        row = family(mtype)
+        self.model_type = mtype
+        self.config = mtp_layer_config(target_config, attn_implementation)
+        self.num_target_layers = _text_config(target_config).num_hidden_layers
+        h, eps = self.config.hidden_size, self.config.rms_norm_eps
+        norm_cls = _import(row.mtp_norm)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = norm_cls(h, eps=eps)
+        self.pre_fc_norm_hidden = norm_cls(h, eps=eps)
+        self.layers = nn.ModuleList([_import(row.mtp_layer)(self.config, 0)])
+        self.norm = norm_cls(h, eps=eps)
+        self._mrope = row.lean == "mrope_text" or row.mtp_mrope
+        self._borrowed: tuple | None = None
+
+    # ---- what the engine reads -------------------------------------------------------------------------------
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return [self.num_target_layers - 1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def check_compatible(self, target: nn.Module) -> None:
+        tc = _text_config(target.config)
+        if tc.hidden_size != self.config.hidden_size or tc.num_hidden_layers != self.num_target_layers:
+            raise ConfigError("method", "the MTP head was built for another target (hidden size or depth differs)",
+                              "load the head from the target's own checkpoint")
+
+    def bind(self, target: nn.Module) -> None:
+        """Borrow the target's embeddings, head and rotary table (kept out of this module's parameters)."""
+        self.check_compatible(target)
+        base = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+        rotary = base.rotary_emb if hasattr(base, "rotary_emb") else base.language_model.rotary_emb
+        self._borrowed = (target.get_input_embeddings(), target.get_output_embeddings(), rotary)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    # ---- the forward ------------------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._borrowed[0](ids)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._borrowed[1](hidden)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
+                mask: torch.Tensor | None, cache: DynamicCache | None) -> torch.Tensor:
+        """embeds, hidden [1, q, H] (the tokens and the hidden states before them), position_ids [1, q],
+        mask: additive [1, 1, q, past + q] (None: one query, every key visible). Returns [1, q, H] after mtp.norm."""
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        rope_ids = position_ids[None].expand(3, *position_ids.shape) if self._mrope else position_ids
+        rope = self._borrowed[2](x, rope_ids)
+        x = self.layers[0](x, position_embeddings=rope, attention_mask=mask, position_ids=position_ids, cache=cache)
+        if isinstance(x, tuple):
+            x = x[0]
+        return self.norm(x)
+
+    # ---- building ---------------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: nn.Module, name_or_path: str | os.PathLike | None = None,
+                    revision: str | None = None, attn_implementation: str | None = None) -> MTPHead:
+        """The head stored in `target`'s checkpoint (default: the folder or hub id it was loaded from), bound to it,
+        in its dtype on its embeddings' device."""
+        path = name_or_path or getattr(target, "name_or_path", None) or target.config._name_or_path
+        check_family_has_mtp(model_type(target))
+        if not path:
+            raise ConfigError("method", "method=mtp reads the MTP head from the target's checkpoint, and this "
+                              "target was not loaded from one", "load the target with from_pretrained, or pass "
+                              "an MTPHead as the drafter")
+        directory, prefix, names = mtp_tensor_map(path, revision)
+        from safetensors import safe_open
+
+        emb = target.get_input_embeddings().weight
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(names.values())):
+            with safe_open(directory / shard, framework="pt") as f:
+                for name in f.keys():
+                    if name in names:
+                        state[name.removeprefix(prefix)] = f.get_tensor(name)
+        impl = attn_implementation or target.config._attn_implementation
+        head = cls(target.config, attn_implementation=impl)
+        head.load_state_dict(_fuse_experts(state), strict=True)
+        head = head.to(device=emb.device, dtype=emb.dtype).eval()
+        head.bind(target)
+        return head
+
+    @classmethod
+    def random_for_target(cls, target: nn.Module, seed: int = 0, std: float = 0.02) -> MTPHead:
+        """A random head for `target` (tiny test models built in code), bound to it."""
+        gen = torch.Generator().manual_seed(seed)
+        head = cls(target.config, attn_implementation=target.config._attn_implementation)
+        with torch.no_grad():
+            for name, p in head.named_parameters():
+                if p.dim() >= 2 or "norm" not in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        emb = target.get_input_embeddings().weight
+        head = head.to(device=emb.device, dtype=emb.dtype).eval()
+        head.bind(target)
+        return head
+
+    def checkpoint_state(self, prefix: str = "mtp.") -> dict[str, torch.Tensor]:
+        """This head's tensors under the published names (fused experts as transformers holds them)."""
+        return {prefix + k: v.detach().contiguous() for k, v in self.state_dict().items()}
+
+
+class _SimpleModel:
+    """model_type() reads `.config`: a config alone, wrapped."""
+
+    def __init__(self, config):
+        self.config = config
