@@ -38,17 +38,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import Record, params
 
 ROOT = Path(__file__).resolve().parents[1]
 # --code DIR: import ddtree from DIR (an export of an older commit, e.g. `git archive main ddtree | tar -x -C DIR`)
@@ -344,7 +341,7 @@ def main() -> None:
     ap.add_argument("--dispatch-us", type=float, default=1.0, help="host cost of a view or allocation op")
     ap.add_argument("--sync-us", type=float, default=20.0, help="cost of one host sync (the queue drains)")
     ap.add_argument("--code", default=None, help="import ddtree from this directory (read before the imports)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_launches.json"))
+    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_launches.json"), help="'-' for none")
     a = ap.parse_args()
     a.torch_dtype = getattr(torch, a.dtype)
     a.contexts = [int(x) for x in a.contexts.split(",") if x]
@@ -388,24 +385,29 @@ def main() -> None:
         del target, drafter
     drafter_rows = drafter_context(a) if a.drafter_contexts else []
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=CODE or ROOT, capture_output=True,
-                            text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True).stdout.strip()
-    doc = dict(command=" ".join([Path(sys.executable).name, *sys.argv]),
-               commit=commit.stdout.strip() + ("+dirty" if dirty else ""),
-               machine=dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
-                            torch=torch.__version__, threads=torch.get_num_threads(),
-                            device=torch.cuda.get_device_name() if a.device == "cuda" else "cpu"),
-               date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-               cost_model=dict(bandwidth=a.bandwidth, peak_flops=a.peak_flops, mfu=a.mfu, launch_us=a.launch_us,
-                               dispatch_us=a.dispatch_us, sync_us=a.sync_us, tau=TAU,
-                               drafter_window=a.drafter_window, drafter_sliding=a.drafter_sliding),
-               results=dict(structures=results, drafter_context=drafter_rows, path=a.path, dtype=a.dtype))
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"wrote {out}")
+    rec = Record("bench_launches", "What a decoding round asks of a GPU (ops, syncs, predicted H200 round)",
+                 "Per steady-state round, counted on this machine at tiny width with the real layer structure; "
+                 f"{a.path} path, {a.dtype}. Predicted ms and tok/s from the cost model in `bench/bench_launches.py` "
+                 f"(bandwidth {a.bandwidth / 1e12:.1f} TB/s, {a.launch_us:g} us a kernel op, {a.dispatch_us:g} us a "
+                 f"view, {a.sync_us:g} us a sync; tau: the toy pair's) at {a.table_context} tokens of context.",
+                 params=params(argparse.Namespace(**{k: v for k, v in vars(a).items() if k not in ("torch_dtype", "out")}),
+                               cost_model=dict(bandwidth=a.bandwidth, peak_flops=a.peak_flops, mfu=a.mfu,
+                                                  launch_us=a.launch_us, dispatch_us=a.dispatch_us, sync_us=a.sync_us,
+                                                  tau=TAU)))
+    for name, rows in results.items():
+        rec.table(name, ["method", *STAGES, "ops", "kernel ops", "syncs", "graphs", "ceiling ms", "predicted ms",
+                         "predicted tok/s", "ceiling tok/s"],
+                  [[r["method"], *(round(r["ops"][s]) for s in STAGES), round(r["total_ops"]),
+                    round(r["total_kernel_ops"]), round(r["total_syncs"], 1), round(r["graph_calls"]),
+                    *(round(r["predicted"][str(a.table_context)][k], 1)
+                      for k in ("ceiling_ms", "round_ms", "tok_s", "ceiling_tok_s"))] for r in rows])
+        rec.table(f"{name}: predicted round ms (ceiling ms) by context", ["method", *(f"{c // 1024}k" for c in a.contexts)],
+                  [[r["method"], *(f"{r['predicted'][str(c)]['round_ms']:.1f} ({r['predicted'][str(c)]['ceiling_ms']:.1f})"
+                                   for c in a.contexts)] for r in rows])
+    if drafter_rows:
+        rec.table("Drafter forward by context (ms on this machine)", list(drafter_rows[0]),
+                  [[round(v, 2) if isinstance(v, float) else v for v in row.values()] for row in drafter_rows])
+    rec.write(a.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_block_size, check_budget
 from ddtree.engine.result import STAGES
-from ddtree.engine.tree import DraftTree, _host_tree_from_lists, best_first_tree, chain_tree, root_tree
+from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_from_parents
 
 
 class StageTimer:
@@ -327,6 +327,7 @@ class MTPProposer:
             # under ancestors; flat order = creation order puts parents first
             keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.budget])
             flat = {p: f + 1 for f, p in enumerate(keep)}
-            return _host_tree_from_lists([int(state.root)] + [tokens[i] for i in keep],
-                                         [-1] + [flat.get(parents[i], 0) for i in keep],
-                                         [0] + [depths[i] for i in keep], [0.0] + [scores[i] for i in keep], dev)
+            tree = tree_from_parents([int(state.root)] + [tokens[i] for i in keep],
+                                     [-1] + [flat.get(parents[i], 0) for i in keep], dev)
+            tree.scores = torch.tensor([0.0] + [scores[i] for i in keep], device=dev)
+            return tree
