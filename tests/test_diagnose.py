@@ -297,6 +297,7 @@ def test_diagnose_refuses_a_dir_without_jobs_in_one_line(tmp_path, capsys):
         D.read_cost_table(bad)
 
 
+@pytest.mark.slow  # CLI subprocesses, ~30 s: make test-slow
 def test_cli_diagnoses_a_tiny_sweep_and_picks_a_budget(tmp_path):
     """The random-drafter tiny pair: a sweep, its diagnosis, and budget=auto (calibration, costs, choice, outcome)."""
     small = ["model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=10", "tracking=none",

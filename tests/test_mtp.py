@@ -227,6 +227,7 @@ def _saved(tmp_path, head: bool):
     return save_target_with_mtp(target, h, tmp_path / ("with_mtp" if head else "bare"), tokenizer=tiny_tokenizer(128))
 
 
+@pytest.mark.slow  # CLI subprocesses, ~30 s: make test-slow
 def test_cli_runs_the_checkpoint_head_and_refuses_a_bare_one(cli, tmp_path):
     common = ("model=hf", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "tracking=none",
               f"runs_dir={tmp_path / 'runs'}")
