@@ -25,8 +25,10 @@ Cost model (H200, bf16, batch 1; every constant a flag):
             FLOPs: 2 x parameters x tokens (the verified tree's nodes, the drafter's block)
   host    = kernel ops x 6 us + other ops x 1 us (launch and dispatch from Python, no graphs)
   round   = max(device, host) + syncs x 20 us (the queue drains at each host read; host and device overlap else)
+  MTP rows (mtp: 3 steps; mtp_tree: 3 steps, top-4, budget 16) count a random head's ops; their bytes leave
+            the head out (one decoder layer and its fc: about 1/64 of the 27B target's weights).
   tok/s   = tau / round, with tau the toy pair's (README: AR 1, DFlash 5.70, DDTree 6.29 / 7.51 at 16 / 64;
-            7.6 assumed at 256); `ceiling` is the bandwidth bound, bytes / 4.8 TB/s.
+            7.6 assumed at 256; the toy MTP head 2.96 / 3.35); `ceiling` is the bandwidth bound, bytes / 4.8 TB/s.
 Context growth: the round at 1k / 4k / 16k context (KV bytes grow; ops and syncs are measured once, at --prompt,
 and checked to be independent of the context with --check-context), and the drafter's forward timed on this CPU
 at those contexts, with sliding-window layers (4 sliding at window 2048 + 1 full) against all-full layers.
@@ -70,7 +72,9 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_ke
             linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
             vocab_size=512)
 DRAFTER_IDS = {64: [1, 16, 31, 46, 61]}  # Qwen3.6-27B's public DFlash drafter
-TAU = {"ar": 1.0, "dflash": 5.70, "ddtree:16": 6.29, "ddtree:64": 7.51, "ddtree:256": 7.6}
+TAU = {"ar": 1.0, "dflash": 5.70, "ddtree:16": 6.29, "ddtree:64": 7.51, "ddtree:256": 7.6, "mtp": 2.96,
+       "mtp_tree:16": 3.35}
+MTP = {"mtp": dict(steps=3, topk=1), "mtp_tree": dict(steps=3, topk=4)}  # method=mtp: a chain, an EAGLE-style tree
 LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
 
@@ -205,7 +209,13 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
     if a.path == "device":
         path = device_path() if device_path is not None else legacy_device_path()
     with path:
-        engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
+        if method in MTP:  # the target's own MTP head (random, at the structure's tiny width)
+            from ddtree.engine.drafter.mtp import MTPHead
+
+            head = MTPHead.random_for_target(target, seed=0).to(device=ids.device, dtype=target.dtype)
+            engine = ddtree.Engine(target, head, method="mtp", budget=budget, **MTP[method])
+        else:
+            engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
         engine.generate(ids, max_new_tokens=4)  # warm-up: lazy buffers, the allocator, kernel choices
         short = engine.generate(ids, max_new_tokens=a.warm_tokens)
         runs, outs = [], []
@@ -320,7 +330,7 @@ def table(structure: str, rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--structures", default="qwen3_6_27b,qwen3_8b")
-    ap.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:64,ddtree:256")
+    ap.add_argument("--methods", default="ar,dflash,ddtree:16,ddtree:64,ddtree:256,mtp,mtp_tree:16")
     ap.add_argument("--rounds", type=int, default=6, help="extra rounds counted per method")
     ap.add_argument("--warm-tokens", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=64)
@@ -365,7 +375,7 @@ def main() -> None:
             r["predicted"] = {}
             for ctx in a.contexts:
                 p = predict(dims, r["total_ops"], r["total_kernel_ops"], r["total_syncs"], r["nodes"],
-                            drafter.block_size, method != "ar", ctx, a)
+                            drafter.block_size, method in ("dflash", "ddtree"), ctx, a)
                 tau = TAU.get(spec, 1.0)
                 p.update(tau=tau, tok_s=tau / p["round_ms"] * 1e3, ceiling_tok_s=tau / p["ceiling_ms"] * 1e3)
                 r["predicted"][str(ctx)] = p

@@ -42,6 +42,7 @@ def test_other_glibc_tunables_do_not_stop_it():
     assert _state_in_child({"GLIBC_TUNABLES": "glibc.pthread.rseq=0"}).startswith("glibc ")
 
 
+@pytest.mark.slow  # three child processes, ~23 s
 @glibc
 def test_only_an_engine_that_asks_sets_it_once():
     """A library Engine leaves malloc alone unless asked (the setting, or DDTREE_HOST_MALLOC=1); the CLI asks."""
