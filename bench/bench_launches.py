@@ -59,6 +59,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 import ddtree  # noqa: E402
 from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
 from ddtree.engine.drafter.model import evenly_spaced_layer_ids  # noqa: E402
+from ddtree.engine.families import model_type, supports  # noqa: E402
 
 try:
     from ddtree.engine.host import device_path  # noqa: E402
@@ -370,6 +371,8 @@ def main() -> None:
         rows = []
         for spec in a.methods.split(","):
             method, _ = _method(spec)
+            if method in MTP and not supports(model_type(target), "mtp"):
+                continue  # a family without an MTP head (Qwen3): no MTP rows
             t0 = time.perf_counter()
             r = count_method(target, drafter, spec, ids, a)
             r["predicted"] = {}
