@@ -114,3 +114,19 @@ def copy_checkout(name: str, tmp_path: Path) -> Path:
     import shutil
 
     return Path(shutil.copytree(FIXTURES / name, tmp_path / "ddtree-checkout"))
+
+
+@pytest.fixture
+def gdn_tree_off(monkeypatch):
+    """A fault: hybrid targets verify as if the tree-exact GDN did not exist (the GDN sees a flat chain and no
+    rollback happens); restored afterwards."""
+    from ddtree.engine import gdn
+
+    monkeypatch.setattr(gdn, "_active_tree", lambda: None)
+    monkeypatch.setattr(gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
+    gdn.uninstall()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        gdn.install()

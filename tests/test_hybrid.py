@@ -60,23 +60,15 @@ def test_scripted_deep_trees_on_hybrid():
         assert max(res.acceptance_lengths) >= 4
 
 
-def test_without_the_gdn_patch_the_same_test_fails(monkeypatch):
+def test_without_the_gdn_patch_the_same_test_fails(gdn_tree_off):
     """Proves the lossless tests see the bug: a GDN layer run as a flat chain gives other tokens."""
     target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
-    monkeypatch.setattr(tree_gdn, "_active_tree", lambda: None)  # the GDN sees a flat chain
-    monkeypatch.setattr(tree_gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
-    tree_gdn.uninstall()
-    try:
-        wrong = 0
-        for seed, ids in enumerate(_prompts(64)):
-            ref = hf_greedy(target, ids, 24)
-            res = ddtree.generate(target, None, ids, max_new_tokens=24, proposer=ScriptedProposer(ref, 64, seed=seed),
-                                  )
-            wrong += res.output_ids != ref
-        assert wrong > 0
-    finally:
-        monkeypatch.undo()
-        tree_gdn.install()
+    wrong = 0
+    for seed, ids in enumerate(_prompts(64)):
+        ref = hf_greedy(target, ids, 24)
+        res = ddtree.generate(target, None, ids, max_new_tokens=24, proposer=ScriptedProposer(ref, 64, seed=seed))
+        wrong += res.output_ids != ref
+    assert wrong > 0
 
 
 def test_other_stateful_families_are_refused_for_tree_methods():
