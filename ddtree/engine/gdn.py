@@ -171,14 +171,23 @@ def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeM
 
 def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
     draft = ctx.draft
-    n = ctx.n
     aidx, depth = draft.ancestor_index(), draft.depths  # aidx[:, h]: h-th ancestor (root repeats)
     hops = torch.arange(kernel, device=depth.device)
     ancestor = aidx[:, hops.clamp(max=aidx.shape[1] - 1)]  # (T, K)
+    conv_index, decay_map, decay_mask = meta_tensors(ancestor.to(device), depth.to(device), ctx.ancestors.to(device))
+    return TreeMeta(conv_index, decay_map, decay_mask, depth.to(device), draft.parents.clamp(min=0).to(device),
+                    ctx.depth_bound)
+
+
+def meta_tensors(ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """TreeMeta's (conv_index, decay_map, decay_mask) from the tree's tensors alone (fixed shapes, no host read:
+    the compiled round builds them inside its graph). ancestor (T, K): node i's h-th ancestor (the root repeats past
+    it); depth (T,); anc (T, T) bool: j is i or an ancestor of i."""
+    n, kernel = ancestor.shape
+    device = anc.device
+    hops = torch.arange(kernel, device=device)
     past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
     window = torch.where(past <= 0, kernel + ancestor, kernel - past).flip(1)
-
-    anc = ctx.ancestors.to(device)
     ancf = anc.float()
     decay_map = torch.zeros(2 * n + 2, 6 * n + 3, device=device)
     decay_map[:n, 0:3 * n:3] = ancf.t()  # X_i = (s_i, A, 1)
@@ -189,8 +198,7 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> Tre
     decay_map[n + 1:2 * n + 1, 3 * n + 5::3] = -torch.eye(n, device=device)
     decay_mask = torch.zeros(n, n + 1, device=device)
     decay_mask[:, 1:].masked_fill_(~anc, float("-inf"))
-    return TreeMeta(window.reshape(-1).to(device), decay_map, decay_mask, depth.to(device),
-                    draft.parents.clamp(min=0).to(device), ctx.depth_bound)
+    return window.reshape(-1), decay_map, decay_mask
 
 
 @dataclass

@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_generate_args, check_tree_memory
+from ddtree.engine.compiled import compile_setting, static_round_for
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
@@ -65,7 +66,8 @@ class Engine:
     and each `generate` call starts only a fresh cache. `generate()` below is one Engine, one call.
 
     It drives the models as they are when it is built: after hooking, patching or moving one, build a new Engine.
-    Arguments as `generate()`'s; tune_host_allocator: set glibc's malloc thresholds for the whole process on a CPU
+    Arguments as `generate()`'s; compile_backend: torch.compile's backend for the compiled round (None: inductor;
+    "eager"/"aot_eager" trace without generating code: tests); tune_host_allocator: set glibc's malloc thresholds for the whole process on a CPU
     target (faster verification; ddtree.engine.host), None: only with DDTREE_HOST_MALLOC=1.
     `close()` (or leaving a `with Engine(...) as engine:` block) restores what it changed on the target.
     """
@@ -73,12 +75,15 @@ class Engine:
     def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
                  tree_attention: str = "auto", tune_host_allocator: bool | None = None,
-                 record: bool = True, steps: int | None = None, topk: int | None = None):
+                 record: bool = True, steps: int | None = None, topk: int | None = None,
+                 compile: str | bool = "auto", compile_backend: str | None = None):
+        compile = compile_setting(compile)  # a mistyped setting is refused before any work
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
             check_tree_memory(target.config.get_text_config().to_dict(), budget, target.dtype.itemsize,
                               str(target.device))
+        custom = proposer is not None
         if proposer is None:
             if drafter is not None and self.spec.needs_drafter:
                 drafter.check_compatible(target)
@@ -93,6 +98,8 @@ class Engine:
         self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1, getattr(proposer, "max_nodes", 1)) + 1
         if not isinstance(proposer, ARProposer):
             TargetSession(target, binding=self.binding).check_method(method)
+        # the compiled round (ddtree.engine.compiled), or None: the eager one
+        self.static = static_round_for(self.binding, "custom proposer" if custom else method, compile, compile_backend)
 
     def generate(self, input_ids: torch.Tensor, *, temperature: float = 0.0, max_new_tokens: int = 256,
                  stop_token_ids: Iterable[int] | None = None,
@@ -122,7 +129,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
              sync_timing: bool = False, tree_attention: str = "auto", record: bool = True, steps: int | None = None,
-             topk: int | None = None) -> GenerationResult:
+             topk: int | None = None, compile: str | bool = "auto") -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -137,10 +144,14 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     Many prompts on the same models: build one `Engine` and call its `generate` (the set-up runs once).
     method="mtp" drafts with the target's own MTP head (`drafter`: an MTPHead, or None to read it from the target's
     checkpoint): `steps` tokens a round (default 3), `topk` > 1 an EAGLE-style tree of the `budget` best nodes.
+    compile: "auto" (the compiled round, ddtree.engine.compiled, on a CUDA target it can run; eager elsewhere),
+    "true" (compiled on any device; a target it cannot run is refused) or "false" (eager). Build an `Engine` to
+    keep the compiled graphs across generations.
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     engine = Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                    sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk)
+                    sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
+                    compile=compile)
     return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
 
@@ -150,7 +161,10 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     stops = set(stop_token_ids or ())
     timer = StageTimer(input_ids.device, engine.sync_timing)
     capacity = input_ids.shape[1] + max_new_tokens + engine.tree_max
-    session = TargetSession(engine.target, capacity=capacity, binding=engine.binding)
+    if engine.static is not None:  # the compiled round: fixed-capacity buffers, device-side length
+        session = engine.static.session(capacity)
+    else:
+        session = TargetSession(engine.target, capacity=capacity, binding=engine.binding)
     if isinstance(proposer, DrafterBlock):
         proposer.reset(capacity)
     else:

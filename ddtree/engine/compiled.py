@@ -1,0 +1,369 @@
+"""The compiled verification round: a static-shape target forward and commit, behind `compile=auto|true|false`.
+
+A GPU at batch 1 is bound by kernel launches: the eager verification dispatches thousands of ops a round
+(docs/gpu.md). Here the round's target side is two fixed-shape functions compiled with
+`torch.compile(fullgraph=True, dynamic=False)` (on CUDA with `mode="reduce-overhead"`: CUDA graphs):
+
+* **verify** (`StaticRound._verify`): token ids [1, N], the tree's parents, depths and ancestor matrix, and the
+  cache's length as a device tensor. Every full-attention layer writes its N new keys and values at rows
+  length .. length + N - 1 of a fixed-capacity buffer (`index_copy_`, offsets on the device) and attends over
+  all C rows under a boolean mask (the committed rows, plus the node's ancestors among the new ones); every
+  Gated DeltaNet layer runs `gdn.tree_layer` on its fixed-size conv and recurrent states, its tree metadata built
+  inside the graph (`gdn.meta_tensors`). No Python-side state is read inside, no host sync.
+* **commit** (`StaticRound._commit`): the accepted path padded to N with -1 (its count is read on the device):
+  the GDN states move to prefix + path (`gdn._path_states`' arithmetic with the padding masked), the length grows;
+  the attention rows are moved by two eager ops after it (a gather and a copy over the whole buffer: in one
+  kernel the reads and writes of overlapping rows would race).
+
+N is the round's node count (AR 1, DFlash the block, DDTree the tree size) and C the capacity: a power of two
+>= prompt + max_new_tokens + N (at least 256), kept for later generations while it suffices, so prompts of other
+lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
+is copied into the static buffers once per generation.
+
+The round then reads the device once, in the walk, as the eager one does. The drafter and the tree build stay
+eager. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
+step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
+
+Where it runs: a target the lean forward runs (a family whose table row names its positions, eager/sdpa, no
+sliding layers, no device map, no hooks), every decoder layer a checked class with a dense MLP (an MoE block
+routes tokens: not traced), methods ar, dflash and ddtree. `compile="auto"` uses it on a CUDA target where it
+can run, and nowhere else: on a CPU a compile costs tens of seconds to minutes and a round gains little there
+(docs/compile.md has the measurement); a target it cannot run takes the eager path with the reason logged.
+`compile="true"` compiles on any device and refuses a target it cannot run with one ConfigError line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.engine import gdn
+from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
+from ddtree.engine.families import ROPE
+from ddtree.engine.tree import DraftTree
+from ddtree.errors import ConfigError
+
+__all__ = ["COMPILE_SETTINGS", "STATIC_METHODS", "StaticRound", "StaticSession", "capacity_bucket",
+           "compile_setting", "static_round_for"]
+
+log = logging.getLogger("ddtree.engine.compiled")
+
+COMPILE_SETTINGS = ("auto", "true", "false")
+STATIC_METHODS = ("ar", "dflash", "ddtree")  # a fixed node count per engine (MTP's tree size varies)
+MIN_CAPACITY = 256
+
+
+def compile_setting(value) -> str:
+    """'auto', 'true' or 'false' from a setting (a bool or one of those words); else one ConfigError line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    word = str(value).strip().lower()
+    if word not in COMPILE_SETTINGS:
+        raise ConfigError("compile", f"unknown value '{value}'", "use compile=auto, compile=true or compile=false")
+    return word
+
+
+def capacity_bucket(needed: int) -> int:
+    """The KV capacity for `needed` rows: the next power of two, at least MIN_CAPACITY."""
+    return max(MIN_CAPACITY, 1 << max(0, needed - 1).bit_length())
+
+
+def why_not_static(binding, method: str) -> str | None:
+    """Why the static round cannot run this target and method, in words; None where it can."""
+    if method not in STATIC_METHODS:
+        return f"method={method} drafts trees of varying size (the static round runs {', '.join(STATIC_METHODS)})"
+    lean = binding.lean
+    if lean is None:
+        return ("the lean forward does not run this target (its family, attention backend, sliding-window layers, "
+                "device map or hooks)")
+    for i, (layer, driven) in enumerate(zip(lean.layers, lean.lean_layers, strict=True)):
+        if driven is None:
+            return f"decoder layer {i} ({type(layer).__name__}) is not a layer the lean forward drives"
+        if type(layer.mlp).__name__ not in _MLPS:
+            return f"decoder layer {i}'s MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
+    linear = [layer.linear_attn for layer, lin in zip(lean.layers, lean.linear, strict=True) if lin]
+    if linear and not binding.gdn:
+        return "its linear-attention layers have no tree-exact verification"
+    if len({(m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.conv_kernel_size) for m in linear}) > 1:
+        return "its Gated DeltaNet layers differ in shape (the static round stacks their states)"
+    return None
+
+
+def static_round_for(binding, method: str, setting: str, backend: str | None = None) -> StaticRound | None:
+    """The engine's StaticRound under compile=`setting`, or None for the eager path (auto: with the reason logged;
+    true: a target it cannot run is refused). backend: torch.compile's backend (None: inductor; tests trace with
+    "eager" or "aot_eager" to check graphs without the code generation)."""
+    setting = compile_setting(setting)
+    if setting == "false":
+        return None
+    if setting == "auto" and binding.device.type != "cuda":
+        return None  # a CPU compile costs far more than it saves (docs/compile.md)
+    reason = why_not_static(binding, method)
+    if reason is not None:
+        if setting == "true":
+            raise ConfigError("compile", f"the compiled round cannot run here: {reason}",
+                              "use compile=auto (eager where it cannot run) or compile=false")
+        log.info("compile=auto: the eager round runs: %s", reason)
+        return None
+    return StaticRound(binding, backend=backend)
+
+
+def _frozen_norm(norm: torch.nn.Module):
+    """lean_norm(norm) without its weight-version check (a host read of attributes dynamo cannot trace): the
+    centred norm's (1 + w) is built once here. The arithmetic is lean_norm's."""
+    if type(norm).__name__ not in _NORMS_CENTERED:
+        return lean_norm(norm)
+    with torch.no_grad():
+        scale = 1.0 + norm.weight.detach().float()
+    eps = norm.eps
+    return lambda x: F.rms_norm(x.float(), (x.shape[-1],), scale, eps).type_as(x)
+
+
+class _FrozenLayer(LeanLayer):
+    """A LeanLayer whose norms are `_frozen_norm`s (traceable)."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__(layer)
+        self.norm1 = _frozen_norm(layer.input_layernorm)
+        self.norm2 = _frozen_norm(layer.post_attention_layernorm)
+        if not self.linear:
+            self.q_norm, self.k_norm = (None if getattr(self.attn, n, None) is None
+                                        else _frozen_norm(getattr(self.attn, n)) for n in ("q_norm", "k_norm"))
+
+
+class StaticState:
+    """The fixed buffers of one capacity: keys and values of every attention layer [A, 2, 1, Hkv, C, d], the GDN
+    conv [G, 1, channels, K] and recurrent [G, 1, Hv, dk, dv] states, the length [1] (long). Static addresses
+    (CUDA graphs replay on them); kept by the StaticRound across generations."""
+
+    def __init__(self, capacity: int, kv: torch.Tensor | None, conv: torch.Tensor | None, rec: torch.Tensor | None,
+                 length: torch.Tensor):
+        self.capacity, self.kv, self.conv, self.rec, self.length = capacity, kv, conv, rec, length
+        for t in (kv, conv, rec, length):
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+
+
+class StaticRound:
+    """One engine's compiled verify and commit (see the module docstring). Built once per Engine; its graphs and
+    buffers serve every generation whose rows fit its capacity."""
+
+    def __init__(self, binding, backend: str | None = None):
+        lean = binding.lean
+        self.binding, self.model, self.lean = binding, binding.model, lean
+        self.device = binding.device
+        self.hidden_ids = binding.hidden_ids
+        with torch.inference_mode():
+            self.layers = [_FrozenLayer(layer) for layer in lean.layers]
+            self.final_norm = _frozen_norm(lean.base.norm)
+            self.gdn_modules = [layer.layer.linear_attn for layer in self.layers if layer.linear]
+            self.consts = [gdn.layer_consts(m) for m in self.gdn_modules]
+        for consts in self.consts:  # read by every replay: static inputs, not copied in
+            for t in vars(consts).values():
+                if isinstance(t, torch.Tensor):
+                    torch._dynamo.mark_static_address(t)
+        self.kernel = self.gdn_modules[0].conv_kernel_size if self.gdn_modules else 0
+        self.attn_layers = [i for i, layer in enumerate(self.layers) if not layer.linear]
+        self.mrope = lean.positions != ROPE
+        opts: dict = {"fullgraph": True, "dynamic": False}
+        if backend is not None:
+            opts["backend"] = backend
+        elif self.device.type == "cuda":
+            opts["mode"] = "reduce-overhead"  # CUDA graphs: one launch a graph
+        self.options = opts
+        self.verify_graph = torch.compile(self._verify, **opts)
+        self.commit_graph = torch.compile(self._commit, **opts)
+        self.state: StaticState | None = None
+
+    def session(self, needed: int) -> StaticSession:
+        """A fresh generation's session; `needed`: prompt + max_new_tokens + the largest tree (rows)."""
+        return StaticSession(self, needed)
+
+    # ------------------------------------------------------------------------------------------- buffers
+    def _state_for(self, cache, needed: int) -> StaticState:
+        """The buffers (kept while they hold `needed` rows and match the cache's shapes), else new ones."""
+        attn = [cache.layers[i] for i in self.attn_layers]
+        linear = [i for i, layer in enumerate(self.layers) if layer.linear]
+        st = self.state
+        if st is not None and st.capacity >= needed:
+            return st
+        capacity = capacity_bucket(needed)
+        kv = conv = rec = None
+        if attn:
+            k = attn[0].keys
+            kv = torch.zeros(len(attn), 2, *k.shape[:-2], capacity, k.shape[-1], dtype=k.dtype, device=k.device)
+        if linear:
+            c0, r0 = cache.get_conv_state(linear[0], state_idx=0), cache.get_recurrent_state(linear[0], state_idx=0)
+            conv = torch.zeros(len(linear), *c0.shape[:-1], self.kernel, dtype=c0.dtype, device=c0.device)
+            rec = torch.zeros(len(linear), *r0.shape, dtype=r0.dtype, device=r0.device)
+        self.state = StaticState(capacity, kv, conv, rec, torch.zeros(1, dtype=torch.long, device=self.device))
+        return self.state
+
+    @torch.inference_mode()
+    def load(self, cache, length: int, needed: int) -> StaticState:
+        """Copy an eager prefill's cache (`length` rows) into the static buffers."""
+        st = self._state_for(cache, needed)
+        for a, i in enumerate(self.attn_layers):
+            layer = cache.layers[i]
+            st.kv[a, 0, ..., :length, :].copy_(layer.keys[..., :length, :])
+            st.kv[a, 1, ..., :length, :].copy_(layer.values[..., :length, :])
+        for g, i in enumerate(i for i, layer in enumerate(self.layers) if layer.linear):
+            st.conv[g].copy_(cache.get_conv_state(i, state_idx=0)[..., -self.kernel:])
+            st.rec[g].copy_(cache.get_recurrent_state(i, state_idx=0))
+        st.length.fill_(length)
+        return st
+
+    # ------------------------------------------------------------------------------------------- the graphs
+    def _verify(self, ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor,
+                length: torch.Tensor, kv: torch.Tensor | None, conv: torch.Tensor | None, rec: torch.Tensor | None):
+        """(logits [N, V], features [1, N, F] or None, the GDN layers' stacked (keys, deltas, xy, extended) or
+        None). Writes the N new rows of every attention layer into `kv`; reads the GDN states, writes none."""
+        n = ids.shape[1]
+        dev = ids.device
+        base = self.lean.base
+        positions = (depths + length).view(1, n)
+        hidden = base.embed_tokens.forward(ids)
+        rope_ids = positions[None].expand(3, *positions.shape) if self.mrope else positions
+        rope = base.rotary_emb.forward(hidden, rope_ids)
+        mask = rows = None
+        if kv is not None:
+            rel = torch.arange(kv.shape[-2], device=dev) - length  # each cache row's place after the committed ones
+            tree_cols = anc.index_select(1, rel.clamp(0, n - 1)) & (rel >= 0) & (rel < n)
+            mask = ((rel < 0) | tree_cols).view(1, 1, n, -1)
+            rows = length + torch.arange(n, device=dev)
+        meta = bufs = None
+        if conv is not None:
+            meta, bufs, stacked = self._gdn_round(hidden, parents, depths, anc)
+        wanted = set(self.hidden_ids or ())
+        kept = {0: hidden} if 0 in wanted else {}
+        last = len(self.layers)
+        a = g = 0
+        for i, layer in enumerate(self.layers):
+            h = layer.norm1(hidden)
+            if layer.linear:
+                h = gdn.tree_layer(layer.layer.linear_attn, h, conv[g], rec[g], meta, self.consts[g], bufs[g])
+                g += 1
+            else:
+                query, gate = layer._queries(h)
+                key, value = layer._keys_values(h)
+                query, key = layer.rotary(query, key, *rope)
+                slot = kv[a]
+                slot.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(slot.dtype))
+                out = F.scaled_dot_product_attention(query, slot[0], slot[1], attn_mask=mask, scale=layer.attn.scaling,
+                                                     enable_gqa=query.shape[1] != slot.shape[2])
+                out = out.transpose(1, 2).reshape(1, n, -1)
+                if gate is not None:
+                    out = out * torch.sigmoid(gate)
+                h = layer.o(out)
+                a += 1
+            hidden = layer._feed_forward(hidden + h)
+            if i + 1 in wanted and i + 1 != last:
+                kept[i + 1] = hidden
+        hidden = self.final_norm(hidden)
+        if last in wanted:
+            kept[last] = hidden
+        logits = self.lean.head.forward(hidden)[0]
+        feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
+        return logits, feats, (stacked if conv is not None else None)
+
+    def _gdn_round(self, hidden: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor):
+        """The round's TreeMeta and every GDN layer's LayerBuffers, as slots of stacked buffers."""
+        n = hidden.shape[1]
+        up = parents.clamp(min=0)
+        hop = torch.arange(n, device=hidden.device)
+        hops = [hop]
+        for _ in range(self.kernel - 1):  # the K-window's ancestors: the root repeats past it
+            hop = up[hop]
+            hops.append(hop)
+        conv_index, decay_map, decay_mask = gdn.meta_tensors(torch.stack(hops, dim=1), depths, anc)
+        meta = gdn.TreeMeta(conv_index, decay_map, decay_mask, depths, up, n - 1)
+        module = self.gdn_modules[0]
+        channels = module.conv1d.weight.shape[0]
+        count = len(self.gdn_modules)
+        stacked = {}
+        for name, shape in gdn._buffer_shapes(module, hidden.shape[0], n, channels).items():
+            dtype = hidden.dtype if name in ("extended", "out") else torch.float32
+            stacked[name] = torch.empty(1 if name == "out" else count, *shape, dtype=dtype, device=hidden.device)
+        bufs = []
+        for g, consts in enumerate(self.consts):
+            b = gdn.LayerBuffers(**{name: buf[0 if name == "out" else g] for name, buf in stacked.items()})
+            gdn._fill_gates(b.gates, consts)
+            bufs.append(b)
+        return meta, bufs, (stacked["keys"], stacked["deltas"], stacked["xy"], stacked["extended"])
+
+    def _commit(self, path: torch.Tensor, length: torch.Tensor, conv: torch.Tensor | None,
+                rec: torch.Tensor | None, pending: tuple | None):
+        """Move the GDN states to prefix + path and the length past it; returns (the attention rows to keep:
+        absolute sources, their destinations). path: [N] flat indices root first, padded with -1."""
+        n = path.shape[0]
+        count = (path >= 0).sum().view(1)
+        index = path.clamp(min=0)
+        src, dst = length + index, length + torch.arange(n, device=path.device)
+        if conv is not None:
+            keys, deltas, xy, extended = pending
+            keys = keys.flatten(2, 3).flatten(3, 4)  # (G, B, Hv, 2T, dk)
+            k_rows = keys[..., n:, :]
+            x = xy[..., : 3 * n].unflatten(-1, (n, 3))
+            y = xy[..., 3 * n:].unflatten(-1, (n + 1, 3))
+            last = index.gather(0, count - 1)
+            k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
+            x_last = x.index_select(-2, last)
+            y_path = y.index_select(-2, torch.cat([index.new_zeros(1), index + 1]))
+            weights = (y_path @ x_last.transpose(-1, -2)).exp()  # (..., N + 1, 1): exp(c_a), the path's weights
+            on_path = (torch.arange(n, device=path.device) < count).view(n, 1)
+            added = (k_path * torch.where(on_path, weights[..., 1:, :], 0.0)).transpose(-1, -2) @ d_path
+            rec.copy_(rec.to(added.dtype) * weights[..., :1, :] + added)
+            k = self.kernel  # the last K of [the K old conv columns, the path's inputs]: rows of `extended`
+            order = torch.cat([torch.arange(k, device=path.device), index + k])
+            kept = extended.index_select(2, order.index_select(0, count + torch.arange(k, device=path.device)))
+            conv.copy_(kept.transpose(-1, -2))
+        length.add_(count)
+        return src, dst
+
+    # ------------------------------------------------------------------------------------------- a round
+    def verify(self, st: StaticState, tree: DraftTree):
+        return self.verify_graph(tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),
+                                 st.length, st.kv, st.conv, st.rec)
+
+    def commit(self, st: StaticState, path: torch.Tensor, n: int, pending) -> None:
+        padded = F.pad(path.to(st.length.device), (0, n - path.shape[0]), value=-1)
+        src, dst = self.commit_graph(padded, st.length, st.conv, st.rec, pending)
+        if st.kv is not None:  # every attention layer's rows in one gather and one copy (eager: see the docstring)
+            st.kv.index_copy_(-2, dst, st.kv.index_select(-2, src))
+
+
+class StaticSession:
+    """TargetSession's interface (prefill, verify, commit, length) over a StaticRound, for one generation."""
+
+    def __init__(self, static: StaticRound, needed: int):
+        self.static, self.needed = static, needed
+        self.length = 0
+        self.state: StaticState | None = None
+        self._pending = None
+        self._n = 0
+
+    def prefill(self, input_ids: torch.Tensor):
+        from ddtree.engine.target import TargetSession
+
+        eager = TargetSession(self.static.model, capacity=input_ids.shape[1], binding=self.static.binding)
+        logits, feats = eager.prefill(input_ids)
+        self.state = self.static.load(eager.cache, eager.length, self.needed)
+        self.length = eager.length
+        return logits, feats
+
+    def lazy_head(self, tree: DraftTree) -> bool:
+        return False
+
+    @torch.inference_mode()
+    def verify(self, tree: DraftTree, head: bool = True):
+        logits, feats, self._pending = self.static.verify(self.state, tree)
+        self._n = len(tree)
+        return logits, feats
+
+    @torch.inference_mode()
+    def commit(self, tree: DraftTree, accepted: torch.Tensor, host_path: list[int] | None = None) -> None:
+        self.static.commit(self.state, accepted, self._n, self._pending)
+        self._pending = None
+        self.length += accepted.shape[0]
