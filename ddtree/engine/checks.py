@@ -13,6 +13,20 @@ if TYPE_CHECKING:
     import torch
 
 
+COMPILE_SETTINGS = ("auto", "true", "false")  # the compiled round (ddtree.engine.compiled)
+STATIC_METHODS = ("ar", "dflash", "ddtree")  # the methods it runs: a fixed node count per engine (MTP's varies)
+
+
+def compile_setting(value: Any) -> str:
+    """'auto', 'true' or 'false' from the compile setting (a bool or one of those words); else one ConfigError."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    word = str(value).strip().lower()
+    if word not in COMPILE_SETTINGS:
+        raise ConfigError("compile", f"unknown value '{value}'", "use compile=auto, compile=true or compile=false")
+    return word
+
+
 def check_budget(budget: int | None) -> None:
     if budget is not None and budget < 1:
         raise ConfigError("budget", f"must be >= 1, got {budget}", "use e.g. budget=32")

@@ -40,29 +40,17 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.engine import gdn
+from ddtree.engine.checks import STATIC_METHODS, compile_setting
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.families import ROPE
 from ddtree.engine.tree import DraftTree
 from ddtree.errors import ConfigError
 
-__all__ = ["COMPILE_SETTINGS", "STATIC_METHODS", "StaticRound", "StaticSession", "capacity_bucket",
-           "compile_setting", "static_round_for"]
+__all__ = ["StaticRound", "StaticSession", "capacity_bucket", "static_round_for", "why_not_static"]
 
 log = logging.getLogger("ddtree.engine.compiled")
 
-COMPILE_SETTINGS = ("auto", "true", "false")
-STATIC_METHODS = ("ar", "dflash", "ddtree")  # a fixed node count per engine (MTP's tree size varies)
 MIN_CAPACITY = 256
-
-
-def compile_setting(value) -> str:
-    """'auto', 'true' or 'false' from a setting (a bool or one of those words); else one ConfigError line."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    word = str(value).strip().lower()
-    if word not in COMPILE_SETTINGS:
-        raise ConfigError("compile", f"unknown value '{value}'", "use compile=auto, compile=true or compile=false")
-    return word
 
 
 def capacity_bucket(needed: int) -> int:
@@ -323,13 +311,17 @@ class StaticRound:
         return src, dst
 
     # ------------------------------------------------------------------------------------------- a round
+    def _run(self, graph, *args):
+        """One call of a compiled graph (the seam ddtree.testing.dispatch counts graph calls at)."""
+        return graph(*args)
+
     def verify(self, st: StaticState, tree: DraftTree):
-        return self.verify_graph(tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),
+        return self._run(self.verify_graph, tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),
                                  st.length, st.kv, st.conv, st.rec)
 
     def commit(self, st: StaticState, path: torch.Tensor, n: int, pending) -> None:
         padded = F.pad(path.to(st.length.device), (0, n - path.shape[0]), value=-1)
-        src, dst = self.commit_graph(padded, st.length, st.conv, st.rec, pending)
+        src, dst = self._run(self.commit_graph, padded, st.length, st.conv, st.rec, pending)
         if st.kv is not None:  # every attention layer's rows in one gather and one copy (eager: see the docstring)
             st.kv.index_copy_(-2, dst, st.kv.index_select(-2, src))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddtree.engine.checks import check_block_size, check_budget
+from ddtree.engine.checks import STATIC_METHODS, check_block_size, check_budget, compile_setting
 from ddtree.engine.methods import check_method_args, check_mtp_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
@@ -83,6 +83,13 @@ def check_run_settings(rc: RunConfig) -> None:
                               "use engine=native for method=mtp")
     if rc.engine == "upstream":
         check_upstream_path(rc.upstream.path)
+    rc.compile = compile_setting(rc.compile)
+    if rc.compile == "true" and rc.engine == "upstream":
+        raise ConfigError("compile", "compile=true compiles the native engine's round, not the authors' code",
+                          "use engine=native, or compile=auto")
+    if rc.compile == "true" and rc.method not in STATIC_METHODS:
+        raise ConfigError("compile", f"the compiled round runs {', '.join(STATIC_METHODS)}, not method={rc.method}",
+                          "use compile=auto (eager where it cannot run) or compile=false")
     from ddtree.pipeline.autobudget import check_auto, is_auto
 
     if is_auto(rc.budget):

@@ -116,7 +116,8 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
     else:
         if method not in ctx.engines:
             ctx.engines[method] = Engine(target, m.drafter if drafts or own_head else None, method=method, budget=rc.budget,
-                                         tune_host_allocator=rc.host_allocator, record=rc.record_rounds, **kw)
+                                         tune_host_allocator=rc.host_allocator, record=rc.record_rounds, compile=rc.compile,
+                                         **kw)
         generate = ctx.engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):

@@ -189,6 +189,8 @@ class RunConfig:
     # CPU targets: glibc's malloc thresholds tuned for this process (ddtree.engine.host; the library's default: off)
     host_allocator: bool = True
     record_rounds: bool = True  # per-round diagnosis records in samples.jsonl (python -m ddtree.diagnose reads them)
+    # the compiled verification round (ddtree.engine.compiled): auto (CUDA targets it can run) | true | false
+    compile: str = "auto"
     engine: str = "native"
     runs_dir: str = "runs"
     tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (experiment configs set tags.experiment)
@@ -273,6 +275,8 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     auto = d.get("auto")
     for k in NON_IDENTITY_KEYS:
         d.pop(k, None)
+    if str(d.get("compile", "auto")).lower() == "auto":  # the default: identities from before the setting still match
+        d.pop("compile", None)
     if str(d.get("budget")).lower() == "auto":  # its settings decide which budget runs
         d["auto"] = auto
     method = METHODS.get(d.get("method"))

@@ -22,7 +22,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 __all__ = ["DispatchCount", "NO_KERNEL", "SYNC_OPS"]
 
@@ -50,7 +50,9 @@ def _is_sync(name: str, func, args, kwargs) -> bool:
 
 
 class DispatchCount(TorchDispatchMode):
-    """`with DispatchCount() as c:` ... then `c.ops[stage]`, `c.kernel_ops[stage]`, `c.syncs[stage]`, `c.names`.
+    """`with DispatchCount() as c:` ... then `c.ops[stage]`, `c.kernel_ops[stage]`, `c.syncs[stage]`, `c.names`,
+    `c.graphs[stage]` (calls of the compiled round's graphs: their ops run outside the mode, uncounted; none of
+    them reads the host, by construction: fullgraph).
 
     stages=True (default) books each op under the engine stage running (ddtree.engine.proposers._Stage and
     TargetSession.prefill are wrapped while the mode is active)."""
@@ -62,6 +64,7 @@ class DispatchCount(TorchDispatchMode):
         self.syncs: collections.Counter[str] = collections.Counter()
         self.sync_names: collections.Counter[str] = collections.Counter()
         self.names: collections.Counter[str] = collections.Counter()
+        self.graphs: collections.Counter[str] = collections.Counter()  # compiled-region calls (ddtree.engine.compiled)
         self.stage = "other"
         self._stages = stages
         self._stack = contextlib.ExitStack()
@@ -89,7 +92,7 @@ class DispatchCount(TorchDispatchMode):
 
     @contextlib.contextmanager
     def _booking(self) -> Iterator[None]:
-        from ddtree.engine import proposers, target
+        from ddtree.engine import compiled, proposers, target
 
         counter = self
         stack = self._stack
@@ -97,6 +100,15 @@ class DispatchCount(TorchDispatchMode):
             real = getattr(torch.Tensor, attr)
             stack.callback(setattr, torch.Tensor, attr, real)
             setattr(torch.Tensor, attr, self._host_read(attr, real))
+        run_graph = compiled.StaticRound._run
+
+        def counted_graph(static, graph, *a):  # a compiled region: counted as one call, its ops not dispatched here
+            counter.graphs[counter.stage] += 1
+            with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
+                return run_graph(static, graph, *a)
+
+        stack.callback(setattr, compiled.StaticRound, "_run", run_graph)
+        compiled.StaticRound._run = counted_graph
         if self._stages:
             enter, exit_ = proposers._Stage.__enter__, proposers._Stage.__exit__
             prefill = target.TargetSession.prefill
@@ -110,16 +122,19 @@ class DispatchCount(TorchDispatchMode):
                 counter.stage = "other"
                 return out
 
-            def staged_prefill(session, *a, **k):
-                counter.stage = "prefill"
-                try:
-                    return prefill(session, *a, **k)
-                finally:
-                    counter.stage = "other"
+            def staged(real_prefill):
+                def staged_prefill(session, *a, **k):
+                    before, counter.stage = counter.stage, "prefill"
+                    try:
+                        return real_prefill(session, *a, **k)
+                    finally:
+                        counter.stage = before
+                return staged_prefill
 
             for owner, attr, new in ((proposers._Stage, "__enter__", staged_enter),
                                      (proposers._Stage, "__exit__", staged_exit),
-                                     (target.TargetSession, "prefill", staged_prefill)):
+                                     (target.TargetSession, "prefill", staged(prefill)),
+                                     (compiled.StaticSession, "prefill", staged(compiled.StaticSession.prefill))):
                 stack.callback(setattr, owner, attr, getattr(owner, attr))
                 setattr(owner, attr, new)
         try:
