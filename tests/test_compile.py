@@ -1,0 +1,174 @@
+"""The compiled verification round (ddtree.engine.compiled, `compile=auto|true|false`).
+
+References: HF greedy `generate` in fp32 (lossless), the eager engine (same tokens), the eager TargetSession's
+verify/commit (logits after a non-contiguous commit), dynamo's counters (no graph break, no recompile after the
+first generation across prompt lengths) and DispatchCount (one host read a round, the round's target work in
+compiled-graph calls). The fast tests trace with dynamo only (backend "eager": seconds); the inductor ones, as a
+user's `compile=true` runs, are slow here (about a minute of compiling each on this CPU).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import ddtree
+from ddtree.engine import host
+from ddtree.engine.compiled import StaticRound, capacity_bucket
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.target import TargetSession
+from ddtree.engine.tree import tree_from_parents
+from ddtree.errors import ConfigError
+from ddtree.testing.dispatch import DispatchCount
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_model
+
+VOCAB = 12  # random drafts are accepted several deep
+NEW = 20
+
+
+def _pair(model_type: str, attn: str = "sdpa"):
+    target = tiny_model(model_type, seed=6, attn_implementation=attn, vocab_size=VOCAB)
+    return target, DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
+
+
+def _prompts(lengths=(5, 17, 30)):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
+
+
+@pytest.fixture
+def dynamo_clean():
+    """Fresh dynamo caches and counters; error_on_recompile is set by the test inside a patch (reset after)."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _engine(target, drafter, method, budget=16, backend="eager", **kw):
+    return ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget,
+                         compile="true", compile_backend=backend, **kw)
+
+
+def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dynamo_clean):
+    """Smoke test of the default suite (dynamo tracing, fullgraph): DDTree on the tiny hybrid equals HF greedy and the
+    eager engine on prompts of three lengths; after the first generation no recompile (error_on_recompile) and no
+    graph break; each round reads the host once (the walk) and calls two graphs (verify, commit)."""
+    target, drafter = _pair("qwen3_5_text")
+    prompts = _prompts()
+    with host.device_path():  # the branches a CUDA run takes (device tree build and walk)
+        engine = _engine(target, drafter, "ddtree")
+        eager = ddtree.Engine(target, drafter, method="ddtree", budget=16, compile="false")
+        assert engine.static is not None and eager.static is None
+        engine.generate(prompts[0], max_new_tokens=4)  # warm-up: the graphs are traced here
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == 2 and not counters["graph_break"], dict(counters["graph_break"])
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            accepted = []
+            for ids in prompts:
+                res = engine.generate(ids, max_new_tokens=NEW)
+                assert res.output_ids == hf_greedy(target, ids, NEW)
+                assert res.output_ids == eager.generate(ids, max_new_tokens=NEW).output_ids
+                accepted += res.acceptance_lengths
+            with DispatchCount() as c:
+                res = engine.generate(prompts[1], max_new_tokens=NEW)
+    assert max(accepted) > 2  # multi-token commits ran (paths through the tree, not only the root)
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert c.total(c.syncs, exclude=()) == res.rounds + 2, dict(c.sync_names)  # + the prefill's token, the records
+    assert c.syncs["commit"] == res.rounds and c.syncs["verify"] == 0
+    assert c.graphs["verify"] == res.rounds and c.graphs["commit"] == res.rounds
+    assert c.ops["verify"] <= 2 * res.rounds  # the tree's tensors handed over: views only, no op of the forward
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_a_non_contiguous_commit_leaves_the_eager_sessions_state(model_type, dynamo_clean):
+    """Verify a branching tree, commit a path that skips nodes, then verify the next tree: the compiled round's
+    logits equal the eager TargetSession's at every step (the attention rows moved, the GDN states advanced)."""
+    target, _ = _pair(model_type)
+    binding = ddtree.Engine(target, None, method="ar").binding
+    static = StaticRound(binding, backend="eager")
+    ids = _prompts((11,))[0]
+    trees = [tree_from_parents([3, 1, 5, 2, 7, 4, 9], [-1, 0, 0, 1, 2, 2, 4], ),
+             tree_from_parents([4, 6, 1, 8, 2, 0, 3], [-1, 0, 1, 1, 0, 4, 5])]
+    paths = [torch.tensor([0, 2, 4, 6]), torch.tensor([0, 1, 3])]
+    eager = TargetSession(target, binding=binding, capacity=64)
+    compiled = static.session(64)
+    for s in (eager, compiled):
+        s.prefill(ids)
+    for tree, path in zip(trees, paths, strict=True):
+        want, _ = eager.verify(tree)
+        got, _ = compiled.verify(tree)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for s in (eager, compiled):
+            s.commit(tree, path, path.tolist())
+    assert compiled.length == eager.length == 11 + 4 + 3
+    assert int(static.state.length) == compiled.length
+    last = tree_from_parents([1], [-1])
+    torch.testing.assert_close(compiled.verify(last)[0], eager.verify(last)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_compile_settings_and_refusals():
+    target, drafter = _pair("qwen3")
+    with pytest.raises(ConfigError, match="compile: unknown value 'maybe'"):
+        ddtree.Engine(target, drafter, method="ddtree", budget=4, compile="maybe")
+    assert ddtree.Engine(target, drafter, method="ddtree", budget=4).static is None  # auto on a CPU: eager
+    assert ddtree.Engine(target, drafter, method="ddtree", budget=4, compile=False).static is None
+    assert ddtree.Engine(target, drafter, method="dflash", compile=True).static is not None
+    moe = tiny_model("qwen3_5_moe_text", seed=1, vocab_size=VOCAB)
+    with pytest.raises(ConfigError, match="compile: .*MoE"):
+        ddtree.Engine(moe, None, method="ar", compile="true")
+    eager_attn = tiny_model("qwen3", seed=1, vocab_size=VOCAB, attn_implementation="flex_attention")
+    with pytest.raises(ConfigError, match="compile: .*lean forward"):
+        ddtree.Engine(eager_attn, None, method="ar", compile="true")
+    assert capacity_bucket(1) == 256 and capacity_bucket(257) == 512 and capacity_bucket(512) == 512
+
+
+def test_the_run_setting_is_checked_before_loading():
+    from ddtree.pipeline.config_checks import check_run_settings
+    from ddtree.pipeline.schema import RunConfig, identity_dict
+
+    for bad, match in ((RunConfig(compile="sometimes"), "compile: unknown value"),
+                       (RunConfig(compile="true", method="mtp"), "compile: the compiled round runs ar")):
+        with pytest.raises(ConfigError, match=match):
+            check_run_settings(bad)
+    rc = RunConfig(compile="True")
+    check_run_settings(rc)
+    assert rc.compile == "true"
+    assert "compile" not in identity_dict(RunConfig()) and identity_dict(rc)["compile"] == "true"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_inductor_compiled_methods_equal_hf_greedy(model_type, dynamo_clean):
+    """compile=true as a user runs it (inductor; on this CPU about a minute of compiling a graph): AR, DFlash and
+    DDTree equal HF greedy and the eager engine on prompts of two lengths, without a recompile or a graph break."""
+    target, drafter = _pair(model_type)
+    prompts = _prompts((5, 23))
+    for method, budget in (("ddtree", 16), ("dflash", None), ("ar", None)):
+        engine = _engine(target, drafter, method, budget, backend=None)
+        engine.generate(prompts[0], max_new_tokens=4)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for ids in prompts:
+                res = engine.generate(ids, max_new_tokens=NEW)
+                assert res.output_ids == hf_greedy(target, ids, NEW), (method, ids.shape)
+                eager = ddtree.generate(target, drafter if method != "ar" else None, ids, method=method,
+                                        budget=budget, max_new_tokens=NEW, compile="false")
+                assert res.output_ids == eager.output_ids
+        assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 64)])
+def test_traced_methods_on_both_families_and_a_longer_generation(method, budget, dynamo_clean):
+    """Every method on both tiny families through the traced graphs, a generation long enough to cross 256 rows:
+    the capacity grows once to the next bucket (one more trace), outputs stay HF greedy's."""
+    for model_type in ("qwen3", "qwen3_5_text"):
+        target, drafter = _pair(model_type)
+        engine = _engine(target, drafter, method, budget)
+        for ids, new in ((_prompts((7,))[0], NEW), (_prompts((40,))[0], 240)):
+            res = engine.generate(ids, max_new_tokens=new)
+            assert res.output_ids == hf_greedy(target, ids, new), (model_type, new)
+        assert engine.static.state.capacity == 512
