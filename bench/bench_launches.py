@@ -4,6 +4,7 @@ H200 round time from a stated cost model, for a target structure given by a hub-
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_launches.py [--structures qwen3_6_27b,qwen3_8b]
         [--methods ar,dflash,ddtree:16,ddtree:64,ddtree:256] [--rounds 6] [--path device|host]
         [--contexts 1024,4096,16384] [--drafter-contexts 1024,4096,16384] [--out docs/bench/bench_launches.json]
+        [--compile [--compile-backend eager]]   # the compiled round: ops outside its graphs, graph calls
 
 Each structure (bench/configs/<name>.json: the real layer count and layer types) is built at tiny width (hidden 64)
 with a random 5-layer DFlash drafter reading target layers 1/16/31/46/61 (evenly spaced on a shallower target),
@@ -14,7 +15,8 @@ runs a CPU on the branches a CUDA run takes (`ddtree.engine.host.device_path`); 
 
 Columns: ops dispatched per round by stage (draft, tree, verify, commit, other = the loop between stages), of which
 `kernel` launch a kernel (views and allocations do not), host syncs (device->host reads: see dispatch.py), compiled
-graph calls (torch.profiler "Torch-Compiled Region" events; 0 while the engine has no compiled path), and on CUDA
+graph calls (--compile: the compiled round's verify and commit, ddtree.engine.compiled; counted by DispatchCount and,
+with --profile or on CUDA, torch.profiler's "Torch-Compiled Region" events), and on CUDA
 the real kernel launches (torch.profiler: cudaLaunchKernel and friends, memcpy/memset included).
 
 Cost model (H200, bf16, batch 1; every constant a flag):
@@ -24,6 +26,8 @@ Cost model (H200, bf16, batch 1; every constant a flag):
             layers) and GDN states (fp32, read and written), the drafter's KV (a sliding layer: its window only);
             FLOPs: 2 x parameters x tokens (the verified tree's nodes, the drafter's block)
   host    = kernel ops x 6 us + other ops x 1 us (launch and dispatch from Python, no graphs)
+            + compiled-graph calls x 30 us (--compile: a CUDA graph replay and its guards; its kernels then cost the
+            host nothing, and the device side inside a graph is taken as the bandwidth/FLOP bound above)
   round   = max(device, host) + syncs x 20 us (the queue drains at each host read; host and device overlap else)
   MTP rows (mtp: 3 steps; mtp_tree: 3 steps, top-4, budget 16) count a random head's ops; their bytes leave
             the head out (one decoder layer and its fc: about 1/64 of the 27B target's weights).
@@ -132,7 +136,7 @@ def real_dims(name: str) -> dict:
 
 
 def predict(dims: dict, ops: float, kernel_ops: float, syncs: float, nodes: int, block: int, drafted: bool,
-            context: int, a) -> dict:
+            context: int, a, graphs: float = 0.0) -> dict:
     weights = 2 * (dims["params"] + (dims["drafter"] + dims["head"] if drafted else 0))
     kv = dims["attn_layers"] * context * dims["kv_row"] + dims["gdn_layers"] * dims["gdn_state"] * 2
     if drafted:
@@ -141,7 +145,7 @@ def predict(dims: dict, ops: float, kernel_ops: float, syncs: float, nodes: int,
     flops = 2 * dims["params"] * nodes + (2 * (dims["drafter"] + dims["head"]) * block if drafted else 0)
     ceiling = (weights + kv) / a.bandwidth
     device = max(ceiling, flops / (a.peak_flops * a.mfu))
-    host = (kernel_ops * a.launch_us + (ops - kernel_ops) * a.dispatch_us) * 1e-6
+    host = (kernel_ops * a.launch_us + (ops - kernel_ops) * a.dispatch_us + graphs * a.graph_us) * 1e-6
     return dict(bytes=weights + kv, ceiling_ms=1e3 * ceiling, device_ms=1e3 * device, host_ms=1e3 * host,
                 round_ms=1e3 * (max(device, host) + syncs * a.sync_us * 1e-6))
 
@@ -216,7 +220,8 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
             head = MTPHead.random_for_target(target, seed=0).to(device=ids.device, dtype=target.dtype)
             engine = ddtree.Engine(target, head, method="mtp", budget=budget, **MTP[method])
         else:
-            engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
+            kw = dict(compile="true", compile_backend=a.compile_backend) if a.compile else {}
+            engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget, **kw)
         engine.generate(ids, max_new_tokens=4)  # warm-up: lazy buffers, the allocator, kernel choices
         short = engine.generate(ids, max_new_tokens=a.warm_tokens)
         runs, outs = [], []
@@ -231,12 +236,13 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         if rounds <= 0:
             raise RuntimeError(f"{spec}: no extra rounds ({outs[0].rounds} vs {outs[1].rounds})")
         per = {}
-        for key in ("ops", "kernel_ops", "syncs"):
+        for key in ("ops", "kernel_ops", "syncs", "graphs"):
             long_c, short_c = getattr(runs[1], key), getattr(runs[0], key)
             per[key] = {s: (long_c[s] - short_c[s]) / rounds for s in STAGES}
-        graphs, launches = (0.0, None)
+        graphs, launches = (sum(per["graphs"].values()), None)  # the compiled round's calls (DispatchCount)
         if a.profile or ids.device.type == "cuda":
-            graphs, launches = _compiled_and_launches(engine, ids, a.warm_tokens, new, rounds)
+            profiled, launches = _compiled_and_launches(engine, ids, a.warm_tokens, new, rounds)
+            graphs = max(graphs, profiled)
         t = time.perf_counter()
         timed = engine.generate(ids, max_new_tokens=new)
         wall = (time.perf_counter() - t) / max(1, timed.rounds)
@@ -351,6 +357,13 @@ def main() -> None:
     ap.add_argument("--launch-us", type=float, default=6.0, help="host cost of one kernel-launching op (eager)")
     ap.add_argument("--dispatch-us", type=float, default=1.0, help="host cost of a view or allocation op")
     ap.add_argument("--sync-us", type=float, default=20.0, help="cost of one host sync (the queue drains)")
+    ap.add_argument("--compile", action="store_true",
+                    help="the compiled round (compile=true): ops counted outside its graphs, graph calls apart")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend for --compile (default inductor; 'eager' traces only: the same "
+                         "counts outside the graphs, without minutes of code generation on a CPU)")
+    ap.add_argument("--graph-us", type=float, default=30.0,
+                    help="host cost of one compiled-graph call (a CUDA graph replay and its Python guards)")
     ap.add_argument("--code", default=None, help="import ddtree from this directory (read before the imports)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_launches.json"), help="'-' for none")
     a = ap.parse_args()
@@ -378,7 +391,7 @@ def main() -> None:
             r["predicted"] = {}
             for ctx in a.contexts:
                 p = predict(dims, r["total_ops"], r["total_kernel_ops"], r["total_syncs"], r["nodes"],
-                            drafter.block_size, method in ("dflash", "ddtree"), ctx, a)
+                            drafter.block_size, method in ("dflash", "ddtree"), ctx, a, r["graph_calls"] or 0.0)
                 tau = TAU.get(spec, 1.0)
                 p.update(tau=tau, tok_s=tau / p["round_ms"] * 1e3, ceiling_tok_s=tau / p["ceiling_ms"] * 1e3)
                 r["predicted"][str(ctx)] = p
@@ -406,7 +419,7 @@ def main() -> None:
                  params=params(argparse.Namespace(**{k: v for k, v in vars(a).items() if k not in ("torch_dtype", "out")}),
                                cost_model=dict(bandwidth=a.bandwidth, peak_flops=a.peak_flops, mfu=a.mfu,
                                                   launch_us=a.launch_us, dispatch_us=a.dispatch_us, sync_us=a.sync_us,
-                                                  tau=TAU)))
+                                                  graph_us=a.graph_us, tau=TAU)))
     for name, rows in results.items():
         rec.table(name, ["method", *STAGES, "ops", "kernel ops", "syncs", "graphs", "ceiling ms", "predicted ms",
                          "predicted tok/s", "ceiling tok/s"],

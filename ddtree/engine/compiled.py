@@ -43,7 +43,7 @@ from ddtree.engine import gdn
 from ddtree.engine.checks import STATIC_METHODS, compile_setting
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.families import ROPE
-from ddtree.engine.tree import DraftTree
+from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.errors import ConfigError
 
 __all__ = ["StaticRound", "StaticSession", "capacity_bucket", "static_round_for", "why_not_static"]
@@ -96,6 +96,11 @@ def static_round_for(binding, method: str, setting: str, backend: str | None = N
         log.info("compile=auto: the eager round runs: %s", reason)
         return None
     return StaticRound(binding, backend=backend)
+
+
+def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+    """best_first_tensors over the drafter's log-probabilities: fixed shapes for a budget, no host read."""
+    return best_first_tensors(root, torch.log_softmax(logits, dim=-1), budget)
 
 
 def _frozen_norm(norm: torch.nn.Module):
@@ -162,6 +167,7 @@ class StaticRound:
             opts["mode"] = "reduce-overhead"  # CUDA graphs: one launch a graph
         self.options = opts
         self.verify_graph = torch.compile(self._verify, **opts)
+        self.tree_graph = torch.compile(_tree_tensors, **opts)  # DDTree's torch tree build (DDTreeProposer)
         self.commit_graph = torch.compile(self._commit, **opts)
         self.state: StaticState | None = None
 
@@ -314,6 +320,10 @@ class StaticRound:
     def _run(self, graph, *args):
         """One call of a compiled graph (the seam ddtree.testing.dispatch counts graph calls at)."""
         return graph(*args)
+
+    def tree(self, root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
+        """DDTree's tree build (best_first_tensors) as one graph call: DDTreeProposer.tree_tensors."""
+        return self._run(self.tree_graph, root, logits, budget)
 
     def verify(self, st: StaticState, tree: DraftTree):
         return self._run(self.verify_graph, tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),

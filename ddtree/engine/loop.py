@@ -100,6 +100,8 @@ class Engine:
             TargetSession(target, binding=self.binding).check_method(method)
         # the compiled round (ddtree.engine.compiled), or None: the eager one
         self.static = static_round_for(self.binding, "custom proposer" if custom else method, compile, compile_backend)
+        if self.static is not None and hasattr(proposer, "tree_tensors"):  # DDTree: the tree build compiled too
+            proposer.tree_tensors = self.static.tree
 
     def generate(self, input_ids: torch.Tensor, *, temperature: float = 0.0, max_new_tokens: int = 256,
                  stop_token_ids: Iterable[int] | None = None,

@@ -12,7 +12,8 @@ from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_block_size, check_budget
 from ddtree.engine.result import STAGES
-from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_from_parents
+from ddtree.engine.host import host_branch
+from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_from_parents, tree_of_tensors
 
 
 class StageTimer:
@@ -179,11 +180,16 @@ class DDTreeProposer(DrafterBlock):
         super().__init__(target, drafter, block_size)
         check_budget(budget)
         self.budget = budget
+        # (root, logits, budget) -> best_first_tensors' outputs from the logits: the compiled round's graph of the
+        # torch build (ddtree.engine.compiled), set by the Engine; used where the torch build runs (not the C one)
+        self.tree_tensors = None
 
     def propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
             logits = self.draft_logits(state)
         with state.timer.stage("tree"):
+            if self.tree_tensors is not None and not host_branch("host_tree", logits.device):
+                return tree_of_tensors(*self.tree_tensors(state.root, logits, self.budget))
             return best_first_tree(state.root, torch.log_softmax(logits, dim=-1), self.budget)
 
 

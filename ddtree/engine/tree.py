@@ -131,7 +131,11 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
         if _hosttree is None:
             raise RuntimeError("the C tree build (ddtree/engine/_hosttree.c) is not compiled: rerun `make install`")
         return _best_first_host(root, logprobs, budget)
-    tokens, parents, depths, scores, aidx, anc = best_first_tensors(root, logprobs, budget)
+    return tree_of_tensors(*best_first_tensors(root, logprobs, budget))
+
+
+def tree_of_tensors(tokens, parents, depths, scores, aidx, anc) -> DraftTree:
+    """The DraftTree of best_first_tensors' outputs (or of a compiled call of it: ddtree.engine.compiled)."""
     return DraftTree(tokens, parents, depths, scores, depth_bound=aidx.shape[1] - 1, _aidx=aidx, _anc=anc)
 
 
@@ -184,7 +188,9 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
     """
     L, V = logprobs.shape
     dev = logprobs.device
-    parent_rank, child_rank, root_list, tail, parent_cell, token_id, minus_one = _selection_constants(budget, L, V, dev)
+    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
+    constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
+    parent_rank, child_rank, root_list, tail, parent_cell, token_id, minus_one = constants(budget, L, V, dev)
     n = 1 + tree_size(budget, L, V)
     cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
     key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
