@@ -6,12 +6,17 @@
 #   3. bench/bench_launches.py (ops, syncs and real kernel launches per round on Qwen3.6-27B's and Qwen3-8B's layer
 #      structure at tiny width, the predicted H200 round; JSON next to OUT.md as OUT.launches.json),
 #   4. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved),
-#   5. device_forward's flex_attention row (compiled first, so last and alone).
+#   5. device_forward's flex_attention row (compiled first, so last and alone),
+#   6. the compiled round (compile=true: inductor with CUDA graphs, docs/compile.md): its CUDA test, then
+#      bench_launches --compile on the Qwen3.6-27B structure (ops outside the graphs, graph calls, CUDA launches).
+#   Steps 1-5 run the eager round (DDTREE_COMPILE=0 keeps compile=auto off: the grid would compile every shape).
 #
 #   bench/device_all.sh [OUT.md]                     # default runs/device_all.md
 #   DDTREE_UPSTREAM=runs/ddtree-upstream bench/device_all.sh   # with the authors' checkout (never committed)
+#   DEVICE_STEPS="compiled" bench/device_all.sh runs/device_compiled.md   # some steps only (default: all six)
 #
-# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_LAUNCHES, STEP_S_ENGINES, STEP_S_FLEX seconds)
+# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_LAUNCHES, STEP_S_ENGINES, STEP_S_FLEX,
+# STEP_S_COMPILED_TESTS, STEP_S_COMPILED_LAUNCHES seconds)
 # so a slow step
 # cannot eat the others; a failed or timed-out step is recorded in the file and the next one still runs.
 # The exit status is the tests' (0 = every CUDA test passed). Without a CUDA device it says so and exits 0.
@@ -31,8 +36,10 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 0
 fi
 
+STEPS=" ${DEVICE_STEPS:-tests forward launches engines flex compiled} "
 step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.log, echo the status
   local name=$1 limit=$2; shift 2
+  case "$STEPS" in *" ${name%%_*} "*) ;; *) echo "(step $name not selected)" >"$LOG_DIR/$name.log"; return 0 ;; esac
   local t0=$SECONDS
   timeout --signal=INT --kill-after=15 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
   local rc=$?
@@ -40,8 +47,10 @@ step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.lo
   return $rc
 }
 
-# limits add up to 520 s, plus start-up: under 9.5 minutes
-step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider
+# limits add up to 520 s for steps 1-5 and 300 s for step 6, plus start-up: run them as two calls where a call is
+# limited to 10 minutes (DEVICE_STEPS="tests forward launches engines flex", then DEVICE_STEPS=compiled)
+export DDTREE_COMPILE=0
+step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider -k "not compiled_round"
 TESTS_RC=$?
 step forward "${STEP_S_FORWARD:-80}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
   --repeats 5 --warmup 2 --backends sdpa/dense,sdpa/split,flash_attention_2/split,flash_attention_3/split
@@ -52,6 +61,14 @@ step engines "${STEP_S_ENGINES:-120}" "$PY" bench/bench_engines.py --device cuda
 # flex compiles its kernel first (tens of seconds): last, alone, so a slow compile costs only its own figures
 step flex "${STEP_S_FLEX:-50}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
   --backends sdpa/split,flex_attention/split
+unset DDTREE_COMPILE
+step compiled_tests "${STEP_S_COMPILED_TESTS:-150}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs \
+  -p no:cacheprovider -k compiled_round
+COMPILED_RC=$?
+step compiled_launches "${STEP_S_COMPILED_LAUNCHES:-150}" "$PY" bench/bench_launches.py --device cuda --compile \
+  --structures qwen3_6_27b --methods ddtree:64,dflash,ar --rounds 4 --drafter-contexts '' \
+  --out "${OUT_MD%.md}.compiled_launches.json"
+[ "$TESTS_RC" -eq 0 ] && TESTS_RC=$COMPILED_RC
 
 {
   echo "# device_all: $("$PY" -c "import torch; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| CUDA', torch.version.cuda)")"
@@ -84,6 +101,13 @@ step flex "${STEP_S_FLEX:-50}" "$PY" bench/device_forward.py --prefix 4096 --tok
   echo
   echo '```'
   cat "$LOG_DIR/flex.log"
+  echo '```'
+  echo
+  echo "## 2c. The compiled round (compile=true, CUDA graphs): tests and bench_launches --compile"
+  echo
+  echo '```'
+  tail -n 30 "$LOG_DIR/compiled_tests.log"
+  grep -v "falling back" "$LOG_DIR/compiled_launches.log"
   echo '```'
   echo
   if [ -s "$LOG_DIR/engines.md" ]; then

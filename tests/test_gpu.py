@@ -165,3 +165,36 @@ def test_a_cuda_round_reads_the_device_once_and_times_stages_with_events(monkeyp
     sync_res = ddtree.Engine(target, drafter, method="ddtree", budget=16, sync_timing=True).generate(
         ids, max_new_tokens=NEW)
     assert len(syncs) == 8 * sync_res.rounds and sync_res.output_ids == res.output_ids
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+def test_the_compiled_round_on_cuda_with_cuda_graphs(model_type):
+    """compile=true on CUDA as a user runs it (inductor, mode="reduce-overhead": CUDA graphs; ddtree.engine.compiled):
+    fp32 DDTree and DFlash equal HF greedy on two prompt lengths; after the first generation no recompile and no
+    graph break, no cudagraph skipped; each round one host read (the walk's) and its target work in graph calls."""
+    from torch._dynamo.utils import counters
+
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter = _pair(model_type, "sdpa", torch.float32)
+    prompts = _prompts()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for method, budget in (("ddtree", 16), ("dflash", None)):
+            engine = ddtree.Engine(target, drafter, method=method, budget=budget, compile="true")
+            assert engine.static is not None and engine.static.options.get("mode") == "reduce-overhead"
+            engine.generate(prompts[0], max_new_tokens=NEW)  # compile, cudagraph warm-up and record
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for ids in prompts:
+                    res = engine.generate(ids, max_new_tokens=NEW)
+                    assert res.output_ids == hf_greedy(target, ids, NEW), (method, ids.shape)
+                with DispatchCount() as c:
+                    res = engine.generate(prompts[1], max_new_tokens=NEW)
+            assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+            assert c.syncs["commit"] == res.rounds and c.syncs["verify"] == 0, dict(c.sync_names)
+            assert c.graphs["verify"] == c.graphs["commit"] == res.rounds
+    finally:
+        torch._dynamo.reset()

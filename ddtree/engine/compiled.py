@@ -35,6 +35,7 @@ can run, and nowhere else: on a CPU a compile costs tens of seconds to minutes a
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,10 @@ __all__ = ["StaticRound", "StaticSession", "capacity_bucket", "static_round_for"
 log = logging.getLogger("ddtree.engine.compiled")
 
 MIN_CAPACITY = 256
+OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=auto eager on CUDA too
+# graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
+# another: per torch.compile call, not dynamo's process-wide setting
+RECOMPILE_LIMIT = 64
 
 
 def capacity_bucket(needed: int) -> int:
@@ -86,8 +91,8 @@ def static_round_for(binding, method: str, setting: str, backend: str | None = N
     setting = compile_setting(setting)
     if setting == "false":
         return None
-    if setting == "auto" and binding.device.type != "cuda":
-        return None  # a CPU compile costs far more than it saves (docs/compile.md)
+    if setting == "auto" and (binding.device.type != "cuda" or os.environ.get("DDTREE_COMPILE") in OFF):
+        return None  # a CPU compile costs far more than it saves (docs/compile.md); DDTREE_COMPILE=0: auto is off
     reason = why_not_static(binding, method)
     if reason is not None:
         if setting == "true":
@@ -160,7 +165,7 @@ class StaticRound:
         self.kernel = self.gdn_modules[0].conv_kernel_size if self.gdn_modules else 0
         self.attn_layers = [i for i, layer in enumerate(self.layers) if not layer.linear]
         self.mrope = lean.positions != ROPE
-        opts: dict = {"fullgraph": True, "dynamic": False}
+        opts: dict = {"fullgraph": True, "dynamic": False, "recompile_limit": RECOMPILE_LIMIT}
         if backend is not None:
             opts["backend"] = backend
         elif self.device.type == "cuda":
