@@ -42,8 +42,8 @@ import torch.nn.functional as F
 
 from ddtree.engine import gdn
 from ddtree.engine.checks import STATIC_METHODS, compile_setting
-from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.families import ROPE
+from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.errors import ConfigError
 

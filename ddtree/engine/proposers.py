@@ -11,9 +11,16 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_block_size, check_budget
-from ddtree.engine.result import STAGES
 from ddtree.engine.host import host_branch
-from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_from_parents, tree_of_tensors
+from ddtree.engine.result import STAGES
+from ddtree.engine.tree import (
+    DraftTree,
+    best_first_tree,
+    chain_tree,
+    root_tree,
+    tree_from_parents,
+    tree_of_tensors,
+)
 
 
 class StageTimer:
