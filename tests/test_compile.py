@@ -55,7 +55,8 @@ def _engine(target, drafter, method, budget=16, backend="eager", **kw):
 def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dynamo_clean):
     """Smoke test of the default suite (dynamo tracing, fullgraph): DDTree on the tiny hybrid equals HF greedy and the
     eager engine on prompts of three lengths; after the first generation no recompile (error_on_recompile) and no
-    graph break; each round reads the host once (the walk) and calls three graphs (tree build, verify, commit)."""
+    graph break; each round reads the host once (the walk) and calls four graphs (drafter, tree build, verify, commit; the
+    first round drafts eagerly); the drafts are the eager engine's (same acceptance lengths)."""
     target, drafter = _pair("qwen3_5_text")
     prompts = _prompts()
     with host.device_path():  # the branches a CUDA run takes (device tree build and walk)
@@ -64,13 +65,16 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
         assert engine.static is not None and eager.static is None
         engine.generate(prompts[0], max_new_tokens=4)  # warm-up: the graphs are traced here
         graphs = counters["stats"]["unique_graphs"]
-        assert graphs == 3 and not counters["graph_break"], dict(counters["graph_break"])
+        assert graphs == 4 and not counters["graph_break"], dict(counters["graph_break"])
         with torch._dynamo.config.patch(error_on_recompile=True):
             accepted = []
             for ids in prompts:
                 res = engine.generate(ids, max_new_tokens=NEW)
                 assert res.output_ids == hf_greedy(target, ids, NEW)
-                assert res.output_ids == eager.generate(ids, max_new_tokens=NEW).output_ids
+                ref = eager.generate(ids, max_new_tokens=NEW)
+                assert res.output_ids == ref.output_ids
+                assert res.acceptance_lengths == ref.acceptance_lengths  # the compiled drafter drafted the same trees
+                assert res.diagnosis == ref.diagnosis  # its logits: the target's tokens' ranks and probabilities
                 accepted += res.acceptance_lengths
             with DispatchCount() as c:
                 res = engine.generate(prompts[1], max_new_tokens=NEW)
@@ -79,6 +83,7 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
     assert c.total(c.syncs, exclude=()) == res.rounds + 2, dict(c.sync_names)  # + the prefill's token, the records
     assert c.syncs["commit"] == res.rounds and c.syncs["verify"] == 0
     assert c.graphs["verify"] == c.graphs["commit"] == c.graphs["tree"] == res.rounds
+    assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
     assert c.ops["verify"] <= 2 * res.rounds  # the tree's tensors handed over: views only, no op of the forward
 
 

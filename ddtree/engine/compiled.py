@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from ddtree.engine import gdn
 from ddtree.engine.checks import STATIC_METHODS, compile_setting
+from ddtree.engine.drafter.model import _apply_rope
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.tree import DraftTree, best_first_tensors
@@ -175,6 +176,22 @@ class StaticRound:
         self.tree_graph = torch.compile(_tree_tensors, **opts)  # DDTree's torch tree build (DDTreeProposer)
         self.commit_graph = torch.compile(self._commit, **opts)
         self.state: StaticState | None = None
+        self.draft: StaticDraft | None = None  # the compiled drafter forward, where the proposer's can run (attach)
+
+    def attach(self, proposer) -> str | None:
+        """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree); returns why not, or
+        None. DDTree's tree build is compiled as well (`tree`)."""
+        if hasattr(proposer, "tree_tensors"):
+            proposer.tree_tensors = self.tree
+        drafter = getattr(proposer, "drafter", None)
+        if not hasattr(proposer, "static_draft") or drafter is None:
+            return "no DFlash drafter"
+        if drafter.attn_implementation not in ("eager", "sdpa"):
+            return f"the drafter's attention is {drafter.attn_implementation}"
+        if drafter.device != self.device:
+            return "the drafter is on another device"
+        self.draft = proposer.static_draft = StaticDraft(self, proposer)
+        return None
 
     def session(self, needed: int) -> StaticSession:
         """A fresh generation's session; `needed`: prompt + max_new_tokens + the largest tree (rows)."""
@@ -293,12 +310,18 @@ class StaticRound:
         return meta, bufs, (stacked["keys"], stacked["deltas"], stacked["xy"], stacked["extended"])
 
     def _commit(self, path: torch.Tensor, length: torch.Tensor, conv: torch.Tensor | None,
-                rec: torch.Tensor | None, pending: tuple | None):
+                rec: torch.Tensor | None, pending: tuple | None, feats: torch.Tensor | None = None,
+                context: torch.Tensor | None = None, context_count: torch.Tensor | None = None):
         """Move the GDN states to prefix + path and the length past it; returns (the attention rows to keep:
-        absolute sources, their destinations). path: [N] flat indices root first, padded with -1."""
+        absolute sources, their destinations). path: [N] flat indices root first, padded with -1.
+        feats, context, context_count: the verification's features, and the compiled drafter's buffers that receive
+        the path's rows (padded) and its length (StaticDraft)."""
         n = path.shape[0]
         count = (path >= 0).sum().view(1)
         index = path.clamp(min=0)
+        if context is not None:
+            context.copy_(feats.index_select(1, index[: context.shape[1]]))
+            context_count.copy_(count)
         src, dst = length + index, length + torch.arange(n, device=path.device)
         if conv is not None:
             keys, deltas, xy, extended = pending
@@ -334,9 +357,11 @@ class StaticRound:
         return self._run(self.verify_graph, tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),
                                  st.length, st.kv, st.conv, st.rec)
 
-    def commit(self, st: StaticState, path: torch.Tensor, n: int, pending) -> None:
+    def commit(self, st: StaticState, path: torch.Tensor, n: int, pending, feats: torch.Tensor | None = None) -> None:
         padded = F.pad(path.to(st.length.device), (0, n - path.shape[0]), value=-1)
-        src, dst = self._run(self.commit_graph, padded, st.length, st.conv, st.rec, pending)
+        draft = self.draft if self.draft is not None and feats is not None else None
+        io = (feats, *draft.context_for(n)) if draft is not None else ()
+        src, dst = self._run(self.commit_graph, padded, st.length, st.conv, st.rec, pending, *io)
         if st.kv is not None:  # every attention layer's rows in one gather and one copy (eager: see the docstring)
             st.kv.index_copy_(-2, dst, st.kv.index_select(-2, src))
 
@@ -348,7 +373,7 @@ class StaticSession:
         self.static, self.needed = static, needed
         self.length = 0
         self.state: StaticState | None = None
-        self._pending = None
+        self._pending = self._feats = None
         self._n = 0
 
     def prefill(self, input_ids: torch.Tensor):
@@ -363,14 +388,131 @@ class StaticSession:
     def lazy_head(self, tree: DraftTree) -> bool:
         return False
 
+    @property
+    def keeps_features(self) -> bool:
+        """Whether the commit hands the path's features to the compiled drafter itself (the loop then skips its
+        gather): from the second round on, where the drafter's forward is compiled."""
+        draft = self.static.draft
+        return draft is not None and draft.ready
+
     @torch.inference_mode()
     def verify(self, tree: DraftTree, head: bool = True):
         logits, feats, self._pending = self.static.verify(self.state, tree)
-        self._n = len(tree)
+        self._n, self._feats = len(tree), feats
         return logits, feats
 
     @torch.inference_mode()
     def commit(self, tree: DraftTree, accepted: torch.Tensor, host_path: list[int] | None = None) -> None:
-        self.static.commit(self.state, accepted, self._n, self._pending)
-        self._pending = None
+        self.static.commit(self.state, accepted, self._n, self._pending, self._feats)
+        self._pending = self._feats = None
         self.length += accepted.shape[0]
+
+
+class StaticDraft:
+    """The DFlash drafter's forward as one fixed-shape graph (`_draft`), from a generation's second round on.
+
+    The first round runs the eager forward (the prompt's features: any length), whose cache `load` copies into fixed
+    buffers: keys and values of every drafter layer [layers, 2, 1, Hkv, Cd, d] (row r holds position r, as in
+    `DrafterCache`) and the context length [1] on the device. Each later round, the target's commit graph leaves the
+    accepted path's features in `context` [1, P, F] (P = min(N, block): padded) and its length in `count`; the graph
+    writes the P context rows at length .. length + P - 1, then the block's rows right behind the real ones (at
+    length + count: they overwrite the padding), attends over all Cd rows under a mask (rows before the block's end,
+    the causal and window rules of each layer), and returns the block's logits [block - 1, V] (float32).
+    """
+
+    def __init__(self, static: StaticRound, proposer):
+        self.static, self.proposer = static, proposer
+        self.drafter, self.embed, self.lm_head = proposer.drafter, proposer.embed, proposer.lm_head
+        self.q = proposer.block_size
+        self.graph = torch.compile(self._draft, **static.options)
+        self.kv: torch.Tensor | None = None
+        self.length = self.context = self.count = self.mask_ids = None
+        self.ready = False  # the eager first round has been loaded this generation
+
+    def reset(self) -> None:
+        self.ready = False
+
+    def context_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(context [1, P, F], count [1]) buffers for a tree of n nodes (P = min(n, block size))."""
+        rows = min(n, self.q)
+        if self.context is None or self.context.shape[1] != rows:
+            return self._context_buffers(rows)
+        return self.context, self.count
+
+    def _context_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        width = len(self.drafter.target_layer_ids) * self.drafter.config.hidden_size
+        dev = self.drafter.device
+        with torch.inference_mode():
+            self.context = torch.zeros(1, rows, width, dtype=self.drafter.dtype, device=dev)
+            self.count = torch.ones(1, dtype=torch.long, device=dev)
+        for t in (self.context, self.count):
+            torch._dynamo.mark_static_address(t)
+        return self.context, self.count
+
+    @torch.inference_mode()
+    def load(self, cache, needed: int) -> None:
+        """After the eager first round: its cache (`cache.length` context rows) into the fixed buffers."""
+        k0 = cache.keys[0]
+        capacity = capacity_bucket(needed + 2 * self.q)
+        if self.kv is None or self.kv.shape[-2] < capacity or self.kv.dtype != k0.dtype:
+            layers = len(cache.keys)
+            self.kv = torch.zeros(layers, 2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
+            self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
+            self.mask_ids = torch.full((self.q - 1,), self.drafter.mask_token_id, dtype=torch.long, device=k0.device)
+            for t in (self.kv, self.length):
+                torch._dynamo.mark_static_address(t)
+        rows = cache.length
+        for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+            self.kv[i, 0, ..., :rows, :].copy_(k[..., :rows, :])
+            self.kv[i, 1, ..., :rows, :].copy_(v[..., :rows, :])
+        self.length.fill_(rows)
+        self.ready = True
+
+    def logits(self, root: torch.Tensor) -> torch.Tensor:
+        """The block's logits [block - 1, V] after `root` (the round's drafter forward: one graph call)."""
+        return self.static._run(self.graph, root, self.context, self.count, self.length, self.kv, self.mask_ids)
+
+    def _draft(self, root: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor, length: torch.Tensor,
+               kv: torch.Tensor, mask_ids: torch.Tensor) -> torch.Tensor:
+        drafter, q = self.drafter, self.q
+        dev = ctx.device
+        rows_ctx = ctx.shape[1]
+        start = length + count  # the root's position: the block follows the real context rows
+        ids = torch.cat([root.reshape(1).to(mask_ids.dtype), mask_ids]).view(1, q)
+        x = self.embed(ids)
+        context = drafter.hidden_norm(drafter.fc(ctx))
+        ctx_rows = length + torch.arange(rows_ctx, device=dev)
+        block_rows = start + torch.arange(q, device=dev)
+        rope = drafter.rotary_emb(x, torch.cat([ctx_rows, block_rows]).view(1, -1))
+        block_rope = tuple(t[:, -q:] for t in rope)
+        key_pos = torch.arange(kv.shape[-2], device=dev)
+        delta = block_rows[:, None] - key_pos[None, :]  # [q, Cd]: query position - key position (row)
+        written = (key_pos < start + q)[None, :]
+        masks: dict[int | None, torch.Tensor] = {}
+        declared = drafter.config.is_causal
+        for i, layer in enumerate(drafter.layers):
+            attn = layer.self_attn
+            window = attn.sliding_window
+            if window not in masks:
+                visible = written & (delta >= 0) if (declared if declared is not None else window is not None) else written
+                if window is not None:
+                    visible = visible & (delta.abs() < window)
+                masks[window] = torch.zeros(visible.shape, dtype=x.dtype, device=dev).masked_fill_(
+                    ~visible, torch.finfo(x.dtype).min)[None, None]
+            h = layer.input_layernorm(x)
+            queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
+            queries = _apply_rope(queries, block_rope)
+            fresh = torch.cat([context, h], dim=1)
+            n = fresh.shape[1]
+            keys = _apply_rope(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2), rope)
+            values = attn.v_proj(fresh).view(1, n, -1, attn.head_dim).transpose(1, 2)
+            slot = kv[i]
+            new = torch.stack([keys, values]).to(slot.dtype)
+            slot.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
+            slot.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
+            out, _ = drafter._attend(attn, queries, slot[0], slot[1], masks[window], dropout=0.0,
+                                     scaling=attn.scaling, is_causal=False)
+            x = x + attn.o_proj(out.reshape(1, q, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        length.add_(count)
+        return self.lm_head(drafter.norm(x)[0, 1:]).float()

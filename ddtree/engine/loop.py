@@ -100,8 +100,8 @@ class Engine:
             TargetSession(target, binding=self.binding).check_method(method)
         # the compiled round (ddtree.engine.compiled), or None: the eager one
         self.static = static_round_for(self.binding, "custom proposer" if custom else method, compile, compile_backend)
-        if self.static is not None and hasattr(proposer, "tree_tensors"):  # DDTree: the tree build compiled too
-            proposer.tree_tensors = self.static.tree
+        if self.static is not None:  # the drafter's forward and DDTree's tree build compiled too, where they can be
+            self.static.attach(proposer)
 
     def generate(self, input_ids: torch.Tensor, *, temperature: float = 0.0, max_new_tokens: int = 256,
                  stop_token_ids: Iterable[int] | None = None,
@@ -205,8 +205,8 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                 choice = _choose(verified, temperature, generator)
                 w = walk(tree, choice)  # the round's one host read
             session.commit(tree, w.path, w.path_list)
-            if feats is not None and not lazy:
-                feats = feats[:, w.path]
+            if feats is not None and not lazy and not getattr(session, "keeps_features", False):
+                feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
             new, root = w.tokens, w.next_root
             if rec is not None:  # no host read: ddtree.engine.diagnostics
                 rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)

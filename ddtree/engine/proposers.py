@@ -135,12 +135,19 @@ class DrafterBlock:
         self.cache = None
         self.ctx_len = 0
         self.last_logits: torch.Tensor | None = None  # the latest round's [L, V] (ddtree.engine.diagnostics reads it)
+        # the compiled drafter forward (ddtree.engine.compiled.StaticDraft), set by an Engine with compile on: it
+        # takes over from the second round of a generation (the first reads the prompt's features eagerly)
+        self.static_draft = None
+        self._capacity = 0
 
     def reset(self, capacity: int = 0) -> None:
         """A new generation; capacity: prompt + new tokens + one block (sizes the drafter cache once)."""
         self.cache = self.drafter.new_cache(capacity)
         self.ctx_len = 0
+        self._capacity = capacity
         self._block = None  # [root, mask, …] ids and their position offsets, built once per generation
+        if self.static_draft is not None:
+            self.static_draft.reset()
 
     def _block_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._block is None or self._block[0].device != device:
@@ -150,6 +157,11 @@ class DrafterBlock:
 
     @torch.inference_mode()
     def draft_logits(self, state: DecodeState) -> torch.Tensor:
+        static = self.static_draft
+        if static is not None and static.ready:  # the context arrived through the target's commit graph
+            self.ctx_len = state.start
+            self.last_logits = static.logits(state.root)
+            return self.last_logits
         dev = state.root.device
         ctx = state.new_context
         c = 0 if ctx is None else ctx.shape[1]
@@ -162,6 +174,8 @@ class DrafterBlock:
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
         self.last_logits = self.lm_head(hidden[0, 1:]).float().to(dev)
+        if static is not None:
+            static.load(self.cache, self._capacity)
         return self.last_logits
 
 
