@@ -20,8 +20,9 @@ N is the round's node count (AR 1, DFlash the block, DDTree the tree size) and C
 lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
 is copied into the static buffers once per generation.
 
-The round then reads the device once, in the walk, as the eager one does. The drafter and the tree build stay
-eager. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
+Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
+DFlash drafter's forward from a generation's second round (`StaticDraft`). The round then reads the device once, in
+the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
 Where it runs: a target the lean forward runs (a family whose table row names its positions, eager/sdpa, no
