@@ -114,6 +114,23 @@ def test_a_non_contiguous_commit_leaves_the_eager_sessions_state(model_type, dyn
     torch.testing.assert_close(compiled.verify(last)[0], eager.verify(last)[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_sliding_window_drafter_drafts_as_the_eager_one(attn, dynamo_clean):
+    """A drafter with sliding-window layers (window 6, shorter than the context, as Qwen3.6-27B-DFlash's 2048 is at
+    long context) and a full one, on the eager or sdpa attention: the compiled draft's masks (window and causal
+    rules by position over the whole buffer) give the eager forward's drafts (same records, same acceptance)."""
+    target = tiny_model("qwen3", seed=6, attn_implementation="sdpa", vocab_size=VOCAB)
+    drafter = DFlashDrafter.random_for_target(target.config, num_layers=2, block_size=6, seed=3, attn_implementation=attn,
+                                              layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    engine = _engine(target, drafter, "dflash")
+    assert engine.static.draft is not None
+    eager = ddtree.Engine(target, drafter, method="dflash", compile="false")
+    for ids in _prompts((4, 13)):
+        res, ref = engine.generate(ids, max_new_tokens=NEW), eager.generate(ids, max_new_tokens=NEW)
+        assert res.output_ids == ref.output_ids == hf_greedy(target, ids, NEW)
+        assert res.acceptance_lengths == ref.acceptance_lengths and res.diagnosis == ref.diagnosis
+
+
 def test_compile_settings_and_refusals():
     target, drafter = _pair("qwen3")
     with pytest.raises(ConfigError, match="compile: unknown value 'maybe'"):
