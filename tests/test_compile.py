@@ -87,7 +87,7 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
     assert c.ops["verify"] <= 2 * res.rounds  # the tree's tensors handed over: views only, no op of the forward
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+@pytest.mark.parametrize("model_type", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_5_text"])
 def test_a_non_contiguous_commit_leaves_the_eager_sessions_state(model_type, dynamo_clean):
     """Verify a branching tree, commit a path that skips nodes, then verify the next tree: the compiled round's
     logits equal the eager TargetSession's at every step (the attention rows moved, the GDN states advanced)."""
@@ -114,7 +114,7 @@ def test_a_non_contiguous_commit_leaves_the_eager_sessions_state(model_type, dyn
     torch.testing.assert_close(compiled.verify(last)[0], eager.verify(last)[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.slow)])
 def test_a_sliding_window_drafter_drafts_as_the_eager_one(attn, dynamo_clean):
     """A drafter with sliding-window layers (window 6, shorter than the context, as Qwen3.6-27B-DFlash's 2048 is at
     long context) and a full one, on the eager or sdpa attention: the compiled draft's masks (window and causal
