@@ -117,6 +117,7 @@ def _frozen_norm(norm: torch.nn.Module):
         return lean_norm(norm)
     with torch.no_grad():
         scale = 1.0 + norm.weight.detach().float()
+    torch._dynamo.mark_static_address(scale)  # read by every replay: not copied in
     eps = norm.eps
     return lambda x: F.rms_norm(x.float(), (x.shape[-1],), scale, eps).type_as(x)
 
@@ -460,7 +461,7 @@ class StaticDraft:
             self.kv = torch.zeros(layers, 2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
             self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
             self.mask_ids = torch.full((self.q - 1,), self.drafter.mask_token_id, dtype=torch.long, device=k0.device)
-            for t in (self.kv, self.length):
+            for t in (self.kv, self.length, self.mask_ids):
                 torch._dynamo.mark_static_address(t)
         rows = cache.length
         for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
