@@ -194,3 +194,19 @@ def test_traced_methods_on_both_families_and_a_longer_generation(method, budget,
             res = engine.generate(ids, max_new_tokens=new)
             assert res.output_ids == hf_greedy(target, ids, new), (model_type, new)
         assert engine.static.state.capacity == 512
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ddtree", "dflash"])
+def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, dynamo_clean):
+    """T > 0: the compiled round feeds the same distributions to the same sampler (ddtree.engine.loop._choose, the
+    walk): with equal generator seeds the draws are the eager engine's (a draw could differ only where a uniform
+    falls within rounding of a boundary), so the chi-square suites of the eager round speak for it too."""
+    target, drafter = _pair("qwen3_5_text")
+    engine = _engine(target, drafter, method)
+    eager = ddtree.Engine(target, drafter, method=method, budget=16, compile="false")
+    for seed, ids in enumerate(_prompts((6, 19))):
+        runs = [e.generate(ids, max_new_tokens=NEW, temperature=0.8, generator=torch.Generator().manual_seed(seed))
+                for e in (engine, eager)]
+        assert runs[0].output_ids == runs[1].output_ids
+        assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
