@@ -387,9 +387,6 @@ class StaticSession:
         self.length = eager.length
         return logits, feats
 
-    def lazy_head(self, tree: DraftTree) -> bool:
-        return False
-
     @property
     def keeps_features(self) -> bool:
         """Whether the commit hands the path's features to the compiled drafter itself (the loop then skips its
@@ -398,7 +395,7 @@ class StaticSession:
         return draft is not None and draft.ready
 
     @torch.inference_mode()
-    def verify(self, tree: DraftTree, head: bool = True):
+    def verify(self, tree: DraftTree):
         logits, feats, self._pending = self.static.verify(self.state, tree)
         self._n, self._feats = len(tree), feats
         return logits, feats
