@@ -193,6 +193,20 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> Tre
                     draft.parents.clamp(min=0).to(device), ctx.depth_bound)
 
 
+def _token_meta(cache, ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+    """The TreeMeta of a one-node tree (an AR step), the same every round: kept on the cache, not rebuilt."""
+    if cache is None:
+        return tree_meta(ctx, kernel, device)
+    kept = cache.__dict__.setdefault(_TOKEN_META_ATTR, {})
+    key = (kernel, device)
+    if key not in kept:
+        kept[key] = _build_meta(ctx, kernel, device)
+    return kept[key]
+
+
+_TOKEN_META_ATTR = "_ddtree_gdn_token_meta"
+
+
 @dataclass
 class LayerConsts:
     """One GDN layer's weights as `tree_layer` uses them (float32 unless said), built once per cache.
@@ -437,7 +451,8 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, ct
     if cache is not None:
         conv_state = cache.get_conv_state(layer, state_idx=0)
         recurrent_state = cache.get_recurrent_state(layer, state_idx=0)
-    meta = tree_meta(ctx, kernel, hidden_states.device)
+    meta = _token_meta(cache, ctx, kernel, hidden_states.device) if seq_len == 1 else tree_meta(ctx, kernel,
+                                                                                                hidden_states.device)
     channels = module.conv1d.weight.shape[0]
     shared = _shared_layer(cache, module, hidden_states, channels)
     consts, bufs = shared if shared is not None else (layer_consts(module), None)
