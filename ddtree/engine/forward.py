@@ -119,7 +119,9 @@ class RopeTables:
             self.perm = self.perms[perm_key]
         return self.cos, self.sin, self.perm
 
-    def __call__(self, x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [B, heads, T, d] rotated by `tables` (cos', sin', perm) of its positions."""
         cos, sin, perm = tables
         return x * cos + x.index_select(-1, perm) * sin
 
@@ -207,7 +209,7 @@ class LeanLayer:
         key, value = self._keys_values(x)
         if self.rope_tables is not None and len(rope) == 2:
             tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
-            query, key = self.rope_tables(query, tables), self.rope_tables(key, tables)
+            query, key = RopeTables.apply(query, tables), RopeTables.apply(key, tables)
         else:
             query, key = self.rotary(query, key, *rope)
         if cache is not None:
