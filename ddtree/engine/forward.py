@@ -89,6 +89,25 @@ def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, weight, bias)
 
 
+def _rope_perm(rotary: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """The index that swaps the two rotated halves of a head (the rest in place)."""
+    return torch.cat([torch.arange(rotary // 2, rotary), torch.arange(rotary // 2),
+                      torch.arange(rotary, head_dim)]).to(device)
+
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                 perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RopeTables' (cos', sin', perm) of (cos, sin) [B, T, r] for a head size."""
+    r = cos.shape[-1]
+    half, pad = r // 2, head_dim - r
+    sin_parts = [-sin[..., :half], sin[..., half:]]
+    if pad:
+        sin_parts.append(sin.new_zeros(*sin.shape[:-1], pad))
+        cos = torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], dim=-1)
+    perm = _rope_perm(r, head_dim, cos.device) if perm is None else perm
+    return cos.unsqueeze(1), torch.cat(sin_parts, dim=-1).unsqueeze(1), perm
+
+
 class RopeTables:
     """The rotary embedding in 4 ops a tensor (the module's takes 11, plus 2 unsqueezes a layer): over the whole head,
     x * cos' + x[..., perm] * sin' with cos' = [cos, 1], sin' = [-sin_1, sin_2, 0] and perm swapping the two rotated
@@ -102,21 +121,16 @@ class RopeTables:
         self.perms: dict[tuple, torch.Tensor] = {}
 
     def tables(self, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
-        """(cos', sin', perm) for this forward's (cos, sin) [B, T, r] and a head size."""
+        """(cos', sin', perm) for this forward's (cos, sin) [B, T, r] and a head size (in a compiled graph: built
+        there, nothing kept on the host side)."""
+        if torch.compiler.is_compiling():
+            return _rope_tables(cos, sin, head_dim)
         if self.key is None or self.key[0] is not cos or self.key[1] != head_dim:
             self.key = (cos, head_dim)
-            r = cos.shape[-1]
-            half, pad = r // 2, head_dim - r
-            sin_parts = [-sin[..., :half], sin[..., half:]]
-            if pad:
-                sin_parts.append(sin.new_zeros(*sin.shape[:-1], pad))
-                cos = torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], dim=-1)
-            perm_key = (r, head_dim, cos.device)
+            perm_key = (cos.shape[-1], head_dim, cos.device)
             if perm_key not in self.perms:
-                self.perms[perm_key] = torch.cat([torch.arange(half, r), torch.arange(half),
-                                                  torch.arange(r, head_dim)]).to(cos.device)
-            self.cos, self.sin = cos.unsqueeze(1), torch.cat(sin_parts, dim=-1).unsqueeze(1)
-            self.perm = self.perms[perm_key]
+                self.perms[perm_key] = _rope_perm(cos.shape[-1], head_dim, cos.device)
+            self.cos, self.sin, self.perm = _rope_tables(cos, sin, head_dim, perm=self.perms[perm_key])
         return self.cos, self.sin, self.perm
 
     @staticmethod

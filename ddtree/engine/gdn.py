@@ -341,9 +341,16 @@ class _Views:
 
 
 def _views(module, bufs: LayerBuffers) -> _Views:
-    """bufs.views, made on first use."""
+    """bufs.views, made on first use (in a compiled graph: made there, views cost nothing in a graph)."""
     if bufs.views is not None:
         return bufs.views
+    if torch.compiler.is_compiling():
+        return _make_views(module, bufs)
+    bufs.views = _make_views(module, bufs)
+    return bufs.views
+
+
+def _make_views(module, bufs: LayerBuffers) -> _Views:
     hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
     bsz, n = bufs.deltas.shape[0], bufs.deltas.shape[2]
     conv = bufs.conv
@@ -353,7 +360,7 @@ def _views(module, bufs: LayerBuffers) -> _Views:
     xy = bufs.xy.view(bsz * hv, -1)
     decays = bufs.decays.view(bsz, hv, n, n + 1)
     gram = bufs.gram.view(bsz, hv, 2, n, n)
-    bufs.views = _Views(
+    return _Views(
         ab=bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1),
         windows=bufs.windows.view(bsz, n, k, -1), qk=qk,
         qk_rows=qk.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, dk),
@@ -369,7 +376,6 @@ def _views(module, bufs: LayerBuffers) -> _Views:
         deltas=bufs.deltas.view(bsz * hv, n, dv), core=bufs.core.view(bsz * hv, n, dv),
         core_t=bufs.core.transpose(1, 2), gate=bufs.gate.view(bsz, n, hv, dv), out=bufs.out.view(bsz, n, -1),
         past=[None, None], state=[None, None])
-    return bufs.views
 
 
 def _fill_gates(gates: torch.Tensor, consts: LayerConsts) -> None:
@@ -529,7 +535,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         core = bufs.core
         if state0 is not None:
             core.addcmul_(v.start, v.state_q)
-    return module.out_proj(_gated_norm(core, z, consts, bufs))
+    return module.out_proj(_gated_norm(core, z, consts, bufs, v))
 
 
 def _past(conv_state: torch.Tensor | None, kernel: int, mixed: torch.Tensor, v: _Views) -> torch.Tensor:
@@ -540,7 +546,7 @@ def _past(conv_state: torch.Tensor | None, kernel: int, mixed: torch.Tensor, v: 
     if v.past[0] is conv_state:
         return v.past[1]
     past = conv_state[..., -kernel:].transpose(1, 2)
-    if past.dtype == mixed.dtype and past.shape[1] == kernel:
+    if past.dtype == mixed.dtype and past.shape[1] == kernel and not torch.compiler.is_compiling():
         v.past[:] = conv_state, past
         return past
     if past.dtype != mixed.dtype:
@@ -552,8 +558,11 @@ def _past(conv_state: torch.Tensor | None, kernel: int, mixed: torch.Tensor, v: 
 
 def _state3(state: torch.Tensor, v: _Views) -> torch.Tensor:
     """The recurrent state (B, Hv, dk, dv) as (B Hv, dk, dv); the view kept while the state tensor is the same."""
-    if v.state[0] is not state:
-        v.state[:] = state, state.flatten(0, 1)
+    if v.state[0] is state:
+        return v.state[1]
+    if torch.compiler.is_compiling():
+        return state.flatten(0, 1)
+    v.state[:] = state, state.flatten(0, 1)
     return v.state[1]
 
 
@@ -572,14 +581,13 @@ def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
     return mixed, z.reshape(bsz, n, -1), ab
 
 
-def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: LayerBuffers) -> torch.Tensor:
+def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: LayerBuffers, v: _Views) -> torch.Tensor:
     """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 6 ops.
     core (B, Hv, T, dv) is bufs.core (divided in place).
 
     x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is core / sqrt(mean(core^2) + eps dk)
     = sqrt(dv) core / hypot(|core|, sqrt(eps dk dv)): sqrt(dv) sits in norm_weight, the rest in norm_eps.
     """
-    v = bufs.views
     torch.linalg.vector_norm(core, dim=-1, keepdim=True, out=bufs.core_norm)
     torch.hypot(bufs.core_norm, consts.norm_eps, out=bufs.core_norm)
     torch.mul(F.silu(z), consts.norm_weight, out=bufs.gate)
