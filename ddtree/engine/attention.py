@@ -219,20 +219,25 @@ _HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)  # o * float32 c
 
 
 def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact softmax over the union of the parts' keys: parts of (o [...,L,D], lse [...,L]); sink: lse of an o=0 part."""
-    # (in as few ops as the arithmetic allows: no casts of what is float32 already, the max of two as one op, the
-    # sum without a leading 0 (0 + w = w exactly), and o * ratio promoting o to float32 as o.float() would)
+    """Exact softmax over the union of the parts' keys: parts of (o [...,L,D], lse [...,L]); sink: lse of an o=0 part.
+
+    Two parts (a tree verification's prefix and tree, no sink): part p's weight exp(lse_p) / (exp(lse_1) + exp(lse_2))
+    is sigmoid(lse_p - lse_q), 9 ops in all; otherwise weights relative to the largest lse. Float32 (o * a float32
+    weight promotes o as o.float() would)."""
     lses = [lse if lse.dtype == torch.float32 else lse.float() for _, lse in parts]
-    if sink is not None:
-        lses.append(sink.float())
-    top = torch.maximum(lses[0], lses[1]) if len(lses) == 2 else torch.stack(lses).amax(dim=0)
-    weights = [torch.exp(lse - top) for lse in lses]
-    total = weights[0]
-    for w in weights[1:]:
-        total = total + w
+    if sink is None and len(parts) == 2:
+        gap = lses[0] - lses[1]
+        weights = [torch.sigmoid(gap).unsqueeze(-1), torch.sigmoid(gap.neg()).unsqueeze(-1)]
+    else:
+        if sink is not None:
+            lses.append(sink.float())
+        top = torch.stack(lses).amax(dim=0)
+        exps = [torch.exp(lse - top) for lse in lses]
+        total = sum(exps[1:], exps[0])
+        weights = [(e / total).unsqueeze(-1) for e in exps]
     out = None
     for (o, _), w in zip(parts, weights, strict=False):
-        term = (o if o.dtype in _HALF_OR_FLOAT else o.float()) * (w / total).unsqueeze(-1)
+        term = (o if o.dtype in _HALF_OR_FLOAT else o.float()) * w
         out = term if out is None else out + term
     return out
 
