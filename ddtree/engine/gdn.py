@@ -623,7 +623,7 @@ def _state3(state: torch.Tensor, v: _Views) -> torch.Tensor:
     """The recurrent state (B, Hv, dk, dv) as (B Hv, dk, dv); the view kept while the state tensor is the same."""
     if v.state[0] is state:
         return v.state[1]
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not state.is_contiguous():  # (flattening a strided state copies it)
         return state.flatten(0, 1)
     v.state[:] = state, state.flatten(0, 1)
     return v.state[1]
