@@ -55,6 +55,25 @@ def test_a_round_reads_the_device_once(model_type, method, budget):
     assert c.ops["verify"] > 0 and c.ops["prefill"] > 0
 
 
+@pytest.mark.parametrize("topk,budget", [(1, None), (3, 10)])
+def test_an_mtp_round_reads_the_device_once(topk, budget):
+    """method=mtp, its chain and its EAGLE tree: the head's expansion stays on the device (top-k, frontier and the
+    kept nodes by stable sorts), so a round reads once, at the walk."""
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12)
+    head = MTPHead.random_for_target(target, seed=0)
+    ids = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(1))
+    with host.device_path():
+        engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=topk, budget=budget or 64)
+        engine.generate(ids, max_new_tokens=4)
+        with DispatchCount() as c:
+            res = engine.generate(ids, max_new_tokens=20)
+    assert res.rounds >= 3
+    assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
+    assert c.syncs["draft"] == c.syncs["tree"] == 0
+
+
 # Ops a steady-state round dispatches on the device path, by stage, on the tiny 4-layer targets below (qwen3_5_text:
 # 3 GDN layers and 1 attention layer): the counts after issue 30's eager work (GDN views made once, RoPE tables, the
 # AR token through the tree-exact GDN). Before it verify was 257 / 380 / 378 (qwen3: AR / DFlash / DDTree 16) and

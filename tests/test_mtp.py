@@ -115,11 +115,12 @@ def test_chain_drafts_equal_the_from_scratch_head():
             torch.testing.assert_close(logits[j].float(), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_tree_drafts_equal_the_from_scratch_head():
+@pytest.mark.parametrize("budget", [6, 64])  # the best nodes; all of them (the deepest follow the frontier choice)
+def test_tree_drafts_equal_the_from_scratch_head(budget):
     """The EAGLE tree: every node's children are the top-k of the head along the node's own path (recomputed
     from scratch per path), the frontier the k best by cumulative log-probability, the kept nodes the best."""
     target, head = pair("qwen3_5_text")
-    k, steps, budget = 2, 3, 6
+    k, steps = 2, 3
     prop = _Recording(target, head, steps=steps, topk=k, budget=budget)
     ddtree.generate(target, None, _prompts(2)[1], method="mtp", proposer=prop, max_new_tokens=16)
     prop.release()

@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_block_size, check_budget
 from ddtree.engine.result import STAGES
-from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_from_parents
+from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree
 
 
 class StageTimer:
@@ -41,11 +41,6 @@ class StageTimer:
     def stage(self, name: str) -> _Stage:
         """`with timer.stage(name):` adds the block's wall seconds to `name`."""
         return _Stage(self, name)
-
-    def move(self, source: str, dest: str, seconds: float) -> None:
-        """Book `seconds` timed inside stage `source` under `dest` instead (work of that kind done there)."""
-        self.seconds[source] -= seconds
-        self.seconds[dest] += seconds
 
 
 class _Stage:
@@ -284,50 +279,53 @@ class MTPProposer:
             return chain_tree(state.root, torch.stack(toks))
 
     def _tree(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
-        """EAGLE-style expansion. Pool node i: token, parent (pool index, -1: the root), cumulative score, depth,
-        the head output that predicted it (its input when expanded) and its draft cache entry once expanded."""
+        """EAGLE-style expansion on the device, without a host read: every step's frontier is k nodes of one depth.
+
+        The pool holds every drafted node in creation order (k at depth 1, then k * k children per step); a frontier
+        node carries its token, cumulative score, pool index, the head output that predicted it (its input when
+        expanded) and the head-cache entries of its ancestors (the entries its query may see). Ties between equal
+        scores go to the earlier node (stable sorts), on every device."""
         head, k, dev = self.head, self.topk, state.root.device
         vals, idx = torch.log_softmax(logits, -1).topk(k)
-        tokens, scores = idx.tolist(), vals.tolist()
-        parents, depths, entry = [-1] * k, [1] * k, [-1] * k
-        src = [hidden[0, 0]] * k
-        frontier = list(range(k))
-        for _ in range(1, self.steps):
-            q, past = len(frontier), self.cache.get_seq_length()
-            vis = torch.zeros(q, past + q, dtype=torch.bool)
+        toks, scores, parents, depths = [idx], [vals], [torch.full((k,), -1, dtype=torch.long, device=dev)], [1]
+        f_tok, f_score, f_pool = idx, vals, torch.arange(k, device=dev)
+        f_src = hidden[0, 0].expand(k, -1)
+        f_anc = torch.zeros(k, 0, dtype=torch.long, device=dev)  # [k, depth - 1]: the ancestors' cache entries
+        size = k
+        child = torch.arange(k * k, device=dev) // k  # candidate c's parent, as a row of the frontier
+        for s in range(1, self.steps):  # the frontier is at depth s; token s sits at start + s, read one before
+            past = self.cache.get_seq_length()
+            entries = torch.arange(past, past + k, device=dev)
+            vis = torch.zeros(k, past + k, dtype=torch.bool, device=dev)
             vis[:, : self.ctx_len] = True
-            for j, i in enumerate(frontier):
-                vis[j, past + j] = True
-                a = parents[i]
-                while a >= 0:
-                    vis[j, entry[a]] = True
-                    a = parents[a]
-            ids = torch.tensor([tokens[i] for i in frontier], dtype=torch.long, device=dev)
-            pos = torch.tensor([state.start + depths[i] - 1 for i in frontier], dtype=torch.long, device=dev)
-            out = head(head.embed(ids[None]), torch.stack([src[i] for i in frontier])[None], pos[None],
-                       self._mask(vis.to(dev)), self.cache)
-            for j, i in enumerate(frontier):
-                entry[i] = past + j
-            vals, idx = torch.log_softmax(head.logits(out[0]).float(), -1).topk(k)
-            vals, idx = vals.tolist(), idx.tolist()
-            first = len(tokens)
-            for j, i in enumerate(frontier):
-                for v, t in zip(vals[j], idx[j], strict=True):
-                    tokens.append(t)
-                    scores.append(scores[i] + v)
-                    parents.append(i)
-                    depths.append(depths[i] + 1)
-                    entry.append(-1)
-                    src.append(out[0, j])
-            new = range(first, len(tokens))
-            frontier = sorted(sorted(new, key=lambda i: (-scores[i], i))[:k])
+            vis.scatter_(1, torch.cat([f_anc, entries[:, None]], 1), True)
+            pos = torch.full((1, k), state.start + s - 1, dtype=torch.long, device=dev)
+            out = head(head.embed(f_tok[None]), f_src[None], pos, self._mask(vis), self.cache)[0]
+            lv, li = torch.log_softmax(head.logits(out).float(), -1).topk(k)  # [k, k]
+            c_tok, c_score = li.reshape(-1), (f_score[:, None] + lv).reshape(-1)
+            toks.append(c_tok)
+            scores.append(c_score)
+            parents.append(f_pool[child])
+            depths.append(s + 1)
+            sel = torch.sort(-c_score, stable=True).indices[:k].sort().values  # the k best, in creation order
+            f_tok, f_score, f_pool = c_tok[sel], c_score[sel], size + sel
+            f_anc = torch.cat([f_anc, entries[:, None]], 1)[child[sel]]
+            f_src = out[child[sel]]
+            size += k * k
         self._drop_drafts()
         with state.timer.stage("tree"):
             # cumulative log-probabilities never grow along a path: the best nodes (ties: the earlier) are closed
             # under ancestors; flat order = creation order puts parents first
-            keep = sorted(sorted(range(len(tokens)), key=lambda i: (-scores[i], i))[: self.budget])
-            flat = {p: f + 1 for f, p in enumerate(keep)}
-            tree = tree_from_parents([int(state.root)] + [tokens[i] for i in keep],
-                                     [-1] + [flat.get(parents[i], 0) for i in keep], dev)
-            tree.scores = torch.tensor([0.0] + [scores[i] for i in keep], device=dev)
-            return tree
+            tok, score, parent = torch.cat(toks), torch.cat(scores), torch.cat(parents)
+            depth = torch.cat([torch.full((n.shape[0],), d, dtype=torch.long, device=dev)
+                               for n, d in zip(toks, depths, strict=True)])
+            n = min(self.budget, size)
+            keep = torch.sort(-score, stable=True).indices[:n].sort().values
+            flat = torch.zeros(size, dtype=torch.long, device=dev)
+            flat[keep] = torch.arange(1, n + 1, device=dev)
+            kp = parent[keep]
+            zero, none = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), -1, dtype=torch.long, device=dev)
+            return DraftTree(torch.cat([state.root.reshape(1).long(), tok[keep]]),
+                             torch.cat([none, torch.where(kp >= 0, flat[kp.clamp(min=0)], 0)]),
+                             torch.cat([zero, depth[keep]]), scores=torch.cat([zero.float(), score[keep]]),
+                             depth_bound=self.steps)
