@@ -9,7 +9,7 @@ import torch
 
 import ddtree
 from ddtree.engine.families import FAMILIES
-from ddtree.engine.forward import LeanLayer, lean_forward_for, lean_norm
+from ddtree.engine.forward import LeanLayer, RopeTables, lean_forward_for, lean_norm
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import chain_tree, walk
 from ddtree.testing.reference import hf_greedy, random_tree
@@ -80,6 +80,31 @@ def test_the_fused_norm_is_bitwise_the_module(cls, dtype):
         with torch.no_grad():  # a weight changed in place after the first call: the fused call follows it
             norm.weight.mul_(-0.5)
         assert torch.equal(fused(x), norm(x)), (cls, dtype, width, "changed weight")
+
+
+@pytest.mark.parametrize("family_dir", ["llama", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rope_tables_are_bitwise_the_modules_rope(family_dir, dtype):
+    """RopeTables (4 ops a tensor) against each module's apply_rotary_pos_emb, full and partial rotary, with zeros of
+    both signs among the inputs (x * 1 + x * 0 keeps the sign of a zero): equal bit for bit."""
+    import importlib
+
+    apply = importlib.import_module(f"transformers.models.{family_dir}.modeling_{family_dir}").apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(1)
+    partial = family_dir not in ("llama", "qwen3")  # (those two rotate every dim)
+    for head_dim, rotary in ((16, 16), (32, 32)) + (((16, 4), (64, 16)) if partial else ()):
+        pos = torch.arange(9, dtype=torch.float32)[None, :, None] * torch.rand(rotary // 2, generator=g)
+        angles = torch.cat([pos, pos], dim=-1) * 40
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+        q, k = ((torch.randn(1, h, 9, head_dim, generator=g) * 2).to(dtype) for h in (4, 2))
+        q[0, 0, 0, :4] = 0.0
+        q[0, 0, 1, -4:] = -0.0
+        tables = RopeTables()
+        t = tables.tables(cos, sin, head_dim)
+        assert tables.tables(cos, sin, head_dim)[0] is t[0]  # built once for a forward's (cos, sin)
+        want_q, want_k = apply(q, k, cos, sin)
+        for got, want in ((RopeTables.apply(q, t), want_q), (RopeTables.apply(k, t), want_k)):
+            assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), (head_dim, rotary)
 
 
 @pytest.mark.parametrize("model_type,attn,mode", CASES, ids=lambda v: str(v))

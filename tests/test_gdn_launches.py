@@ -18,8 +18,13 @@ from ddtree.testing.tiny import tiny_model
 PROMPT = 12
 # a DDTree-like 33-node tree: a main line with branches
 PARENTS = [-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 1, 2, 3, 12, 13, 4, 5, 6, 19, 20, 7, 8, 0, 26, 2, 15, 9, 11, 31]
+# ops = kernels + views (OpCounter decomposes composites: a view inside F.linear counts); on a GPU without graphs the
+# host pays a view's dispatch too. Today: the tree verification proper 19 kernels (+1 softplus copy in bf16) and no
+# view; the gated norm 6 kernels; the layer with its input projections and out_proj 29 (30) kernels + 13 views, of
+# which the 4 Linear layers' own decompositions are 12 (was 29 kernels + 72 views before the views were made once)
 CORE_MAX = 20  # the tree verification proper: conv, normalisation, decays, solve, output
 NORM_MAX = 6  # the gated output norm
+LAYER_MAX = 43  # the whole layer (qwen3_5 layout: three input projections, out_proj)
 
 
 @functools.cache
@@ -40,7 +45,8 @@ def _layer_and_cache(model):
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
 def test_ops_per_gdn_layer(model_type, dtype, monkeypatch):
     """As the engine runs it (inference mode, the cache's shared buffers, a round's metadata built by the layer
-    before): the tree verification <= 20 ops, the gated norm <= 6, the whole layer with its projections <= 31."""
+    before), in ops (kernels and views): the tree verification <= 20, the gated norm <= 6, the whole layer with its
+    projections <= 43."""
     model = _model(model_type, dtype)
     gdn.install()
     tree = tree_from_parents(list(range(len(PARENTS))), PARENTS)
@@ -74,12 +80,15 @@ def test_ops_per_gdn_layer(model_type, dtype, monkeypatch):
             monkeypatch.setattr(layer.out_proj, "forward", paused(layer.out_proj.forward))
             with counter:
                 layer(hidden, cache=cache)
-    assert counter.total <= CORE_MAX, dict(counter.kernels)
-    assert norm.total <= NORM_MAX, dict(norm.kernels)
-    print(f"{model_type} {dtype}: tree verification {counter.total} {dict(counter.kernels)}; gated norm {norm.total}; "
-          f"whole layer {whole.total}")
+    def ops(c):
+        return c.total + sum(c.views.values())
+
+    assert ops(counter) <= CORE_MAX, (dict(counter.kernels), dict(counter.views))
+    assert ops(norm) <= NORM_MAX, (dict(norm.kernels), dict(norm.views))
+    print(f"{model_type} {dtype}: tree verification {ops(counter)} {dict(counter.kernels)}; gated norm {ops(norm)}; "
+          f"whole layer {whole.total} kernels + {ops(whole) - whole.total} views")
     if model_type != "qwen3_next":  # (its fused projections are reordered by upstream code: ~12 ops more)
-        assert whole.total <= CORE_MAX + NORM_MAX + 5, dict(whole.kernels)  # + 3 input projections and out_proj
+        assert ops(whole) <= LAYER_MAX, (dict(whole.kernels), dict(whole.views))
 
 
 def test_tree_layer_compiles_without_graph_breaks():

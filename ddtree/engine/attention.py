@@ -106,7 +106,7 @@ def _math_lse(q, k, v, bias, scale):
 
 
 def _cpu_flash_lse(q, k, v, bias, scale):
-    mask = None if bias is None else bias.to(q.dtype)[None, None]
+    mask = bias if bias is None or (bias.ndim == 4 and bias.dtype == q.dtype) else bias.to(q.dtype)[None, None]
     o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                         scale=scale)
     return o, lse
@@ -120,7 +120,8 @@ def _aten_flash_lse(q, k, v, bias, scale):
 def _aten_efficient_lse(q, k, v, bias, scale):
     b = None
     if bias is not None:
-        L, S = bias.shape
+        L, S = bias.shape[-2:]
+        bias = bias.reshape(L, S)
         pad = (-S) % 16  # the kernel wants the bias rows 16-aligned in memory
         full = torch.zeros(L, S + pad, dtype=q.dtype, device=q.device)
         full[:, :S] = bias
@@ -196,7 +197,7 @@ def _probe(name: str, device: torch.device, dtype: torch.dtype, head_dim: int, m
 def attention_lse(q, k, v, bias, scale, base: str = "sdpa") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp on the fastest working kernel. q [B,h,L,D], k/v [B,h,S,D] (same h).
 
-    bias: None or an additive [L, S] mask. Returns (o [B,h,L,D], lse [B,h,L] float32).
+    bias: None or an additive [L, S] (or [1, 1, L, S]) mask. Returns (o [B,h,L,D], lse [B,h,L] float32).
     """
     key = (base, q.device.type, q.dtype, q.shape[-1], bias is not None)
     name = _CHOSEN.get(key)
@@ -214,15 +215,29 @@ def chosen_kernels() -> dict[str, str]:
     return {"/".join(str(x) for x in k): v for k, v in _CHOSEN.items()}
 
 
+_HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)  # o * float32 computes as o.float() * float32
+
+
 def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor | None = None) -> torch.Tensor:
-    """Exact softmax over the union of the parts' keys: parts of (o [...,L,D], lse [...,L]); sink: lse of an o=0 part."""
-    lses = [lse.float() for _, lse in parts] + ([sink.float()] if sink is not None else [])
-    top = torch.stack(lses).amax(dim=0)
-    weights = [torch.exp(lse - top) for lse in lses]
-    total = sum(weights)
+    """Exact softmax over the union of the parts' keys: parts of (o [...,L,D], lse [...,L]); sink: lse of an o=0 part.
+
+    Two parts (a tree verification's prefix and tree, no sink): part p's weight exp(lse_p) / (exp(lse_1) + exp(lse_2))
+    is sigmoid(lse_p - lse_q), 9 ops in all; otherwise weights relative to the largest lse. Float32 (o * a float32
+    weight promotes o as o.float() would)."""
+    lses = [lse if lse.dtype == torch.float32 else lse.float() for _, lse in parts]
+    if sink is None and len(parts) == 2:
+        gap = lses[0] - lses[1]
+        weights = [torch.sigmoid(gap).unsqueeze(-1), torch.sigmoid(gap.neg()).unsqueeze(-1)]
+    else:
+        if sink is not None:
+            lses.append(sink.float())
+        top = torch.stack(lses).amax(dim=0)
+        exps = [torch.exp(lse - top) for lse in lses]
+        total = sum(exps[1:], exps[0])
+        weights = [(e / total).unsqueeze(-1) for e in exps]
     out = None
     for (o, _), w in zip(parts, weights, strict=False):
-        term = o.float() * (w / total).unsqueeze(-1)
+        term = (o if o.dtype in _HALF_OR_FLOAT else o.float()) * w
         out = term if out is None else out + term
     return out
 
@@ -258,7 +273,7 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
         if g > 1:  # rows follow the stacked queries: group member j, then node i
             ok = ok.repeat(g, 1)
         zero = torch.zeros((), dtype=query.dtype, device=query.device)
-        return zero.where(ok, torch.finfo(query.dtype).min)
+        return zero.where(ok, torch.finfo(query.dtype).min)[None, None]  # [1, 1, L, S]: as the kernels take it
 
     # per device too: under a device map the layers of one forward sit on different devices
     bias = ctx.memo(("bias", lo, hi, lo0, window, g, query.dtype, query.device), build_bias)

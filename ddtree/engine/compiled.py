@@ -43,9 +43,8 @@ import torch.nn.functional as F
 
 from ddtree.engine import gdn
 from ddtree.engine.checks import STATIC_METHODS, compile_setting
-from ddtree.engine.drafter.model import _apply_rope
 from ddtree.engine.families import ROPE
-from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
+from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables, lean_norm
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.errors import ConfigError
 
@@ -271,10 +270,10 @@ class StaticRound:
                 slot.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(slot.dtype))
                 out = F.scaled_dot_product_attention(query, slot[0], slot[1], attn_mask=mask, scale=layer.attn.scaling,
                                                      enable_gqa=query.shape[1] != slot.shape[2])
-                out = out.transpose(1, 2).reshape(1, n, -1)
+                out = out.transpose(1, 2)  # [1, N, heads, d], as the gate (LeanLayer._queries)
                 if gate is not None:
                     out = out * torch.sigmoid(gate)
-                h = layer.o(out)
+                h = layer.o(out.reshape(1, n, -1))
                 a += 1
             hidden = layer._feed_forward(hidden + h)
             if i + 1 in wanted and i + 1 != last:
@@ -482,8 +481,9 @@ class StaticDraft:
         context = drafter.hidden_norm(drafter.fc(ctx))
         ctx_rows = length + torch.arange(rows_ctx, device=dev)
         block_rows = start + torch.arange(q, device=dev)
-        rope = drafter.rotary_emb(x, torch.cat([ctx_rows, block_rows]).view(1, -1))
-        block_rope = tuple(t[:, -q:] for t in rope)
+        cos, sin = drafter.rotary_emb(x, torch.cat([ctx_rows, block_rows]).view(1, -1))
+        rope = drafter._rope.tables(cos, sin, drafter.config.head_dim)  # built in the graph (RopeTables)
+        block_rope = (rope[0][:, :, -q:], rope[1][:, :, -q:], rope[2])
         key_pos = torch.arange(kv.shape[-2], device=dev)
         delta = block_rows[:, None] - key_pos[None, :]  # [q, Cd]: query position - key position (row)
         written = (key_pos < start + q)[None, :]
@@ -500,10 +500,10 @@ class StaticDraft:
                     ~visible, torch.finfo(x.dtype).min)[None, None]
             h = layer.input_layernorm(x)
             queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
-            queries = _apply_rope(queries, block_rope)
+            queries = RopeTables.apply(queries, block_rope)
             fresh = torch.cat([context, h], dim=1)
             n = fresh.shape[1]
-            keys = _apply_rope(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2), rope)
+            keys = RopeTables.apply(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2), rope)
             values = attn.v_proj(fresh).view(1, n, -1, attn.head_dim).transpose(1, 2)
             slot = kv[i]
             new = torch.stack([keys, values]).to(slot.dtype)

@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 
-__all__ = ["LeanForward", "LeanLayer", "lean_forward_for", "lean_norm"]
+__all__ = ["LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm"]
 
 # RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
 _NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
@@ -47,6 +47,10 @@ _MLPS = {"Qwen3MLP", "LlamaMLP", "Qwen3_5MLP", "Qwen3_5MoeMLP", "Qwen3NextMLP"} 
 # pre-norm residual layers: x + mixer(norm1(x)), then + mlp(norm2(.)) (a tuple from an MoE block: its first item)
 _LAYERS = {"Qwen3DecoderLayer", "LlamaDecoderLayer", "Qwen3_5DecoderLayer", "Qwen3_5MoeDecoderLayer",
            "Qwen3NextDecoderLayer"}
+# modeling modules whose apply_rotary_pos_emb(q, k, cos, sin) is, on the first r = cos.shape[-1] dims of each head,
+# x * cos + rotate_half(x) * sin (cos and sin unsqueezed at dim 1), the other dims passed through (partial rotary)
+_ROPE_MODULES = {f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "qwen3_5", "qwen3_5_moe",
+                                                                     "qwen3_next")}
 
 
 def _inert(hook: Callable) -> bool:
@@ -85,10 +89,62 @@ def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, weight, bias)
 
 
-class LeanLayer:
-    """One decoder layer's forward, step for step, without the submodule calls (see the module docstring)."""
+def _rope_perm(rotary: int, head_dim: int, device: torch.device) -> torch.Tensor:
+    """The index that swaps the two rotated halves of a head (the rest in place)."""
+    return torch.cat([torch.arange(rotary // 2, rotary), torch.arange(rotary // 2),
+                      torch.arange(rotary, head_dim)]).to(device)
 
-    def __init__(self, layer: torch.nn.Module):
+
+def _rope_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                 perm: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RopeTables' (cos', sin', perm) of (cos, sin) [B, T, r] for a head size."""
+    r = cos.shape[-1]
+    half, pad = r // 2, head_dim - r
+    sin_parts = [-sin[..., :half], sin[..., half:]]
+    if pad:
+        sin_parts.append(sin.new_zeros(*sin.shape[:-1], pad))
+        cos = torch.cat([cos, cos.new_ones(*cos.shape[:-1], pad)], dim=-1)
+    perm = _rope_perm(r, head_dim, cos.device) if perm is None else perm
+    return cos.unsqueeze(1), torch.cat(sin_parts, dim=-1).unsqueeze(1), perm
+
+
+class RopeTables:
+    """The rotary embedding in 4 ops a tensor (the module's takes 11, plus 2 unsqueezes a layer): over the whole head,
+    x * cos' + x[..., perm] * sin' with cos' = [cos, 1], sin' = [-sin_1, sin_2, 0] and perm swapping the two rotated
+    halves. Per element these are the module's own products and sum ((-a) b = a (-b) exactly, and x * 1 + x * 0 = x
+    for a finite x), so the result is bitwise the module's (tests/test_forward.py). The tables are built once per
+    forward (by the first attention layer) and shared by every layer of the model."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None  # (cos, head_dim) the tables were built for
+        self.cos = self.sin = self.perm = None
+        self.perms: dict[tuple, torch.Tensor] = {}
+
+    def tables(self, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """(cos', sin', perm) for this forward's (cos, sin) [B, T, r] and a head size (in a compiled graph: built
+        there, nothing kept on the host side)."""
+        if torch.compiler.is_compiling():
+            return _rope_tables(cos, sin, head_dim)
+        if self.key is None or self.key[0] is not cos or self.key[1] != head_dim:
+            self.key = (cos, head_dim)
+            perm_key = (cos.shape[-1], head_dim, cos.device)
+            if perm_key not in self.perms:
+                self.perms[perm_key] = _rope_perm(cos.shape[-1], head_dim, cos.device)
+            self.cos, self.sin, self.perm = _rope_tables(cos, sin, head_dim, perm=self.perms[perm_key])
+        return self.cos, self.sin, self.perm
+
+    @staticmethod
+    def apply(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """x [B, heads, T, d] rotated by `tables` (cos', sin', perm) of its positions."""
+        cos, sin, perm = tables
+        return x * cos + x.index_select(-1, perm) * sin
+
+
+class LeanLayer:
+    """One decoder layer's forward, step for step, without the submodule calls (see the module docstring).
+    rope_tables: the model's shared RopeTables (LeanForward passes one), or None for the module's own RoPE."""
+
+    def __init__(self, layer: torch.nn.Module, rope_tables: RopeTables | None = None):
         self.layer = layer
         self.norm1 = lean_norm(layer.input_layernorm)
         self.norm2 = lean_norm(layer.post_attention_layernorm)
@@ -101,6 +157,9 @@ class LeanLayer:
             self.q_norm, self.k_norm = (None if m is None else lean_norm(m) for m in norms)
             modeling = sys.modules[type(attn).__module__]
             self.rotary, self.eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+            # the module's RoPE in fewer ops (RopeTables) where its formula is the one checked
+            known = getattr(self.rotary, "__module__", None) in _ROPE_MODULES
+            self.rope_tables = rope_tables if known and self.rotary.__name__ == "apply_rotary_pos_emb" else None
             # what each class passes its attention function besides dropout and scaling
             self.extra = {"sliding_window": attn.sliding_window} if type(attn).__name__ == "Qwen3Attention" else {}
         mlp = layer.mlp
@@ -128,15 +187,13 @@ class LeanLayer:
         return type(getattr(layer, "self_attn", None)).__name__ in _ATTENTIONS
 
     def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(query [B, heads, T, d] before RoPE, the gate of a gated attention or None)."""
+        """(query [B, heads, T, d] before RoPE, the gate [B, T, heads, d] of a gated attention or None)."""
         attn = self.attn
         shape = x.shape[:-1]
         heads = (*shape, -1, attn.head_dim)
         gate = None
-        if self.gated:
+        if self.gated:  # the gate stays [B, T, heads, d] (the module flattens it: a copy; _attend needs no copy)
             query, gate = torch.chunk(self.q(x).view(*shape, -1, attn.head_dim * 2), 2, dim=-1)
-            gate = gate.reshape(*shape, -1)
-            query = query.view(heads)
         else:
             query = self.q(x).view(heads)
         if self.q_norm is not None:
@@ -156,16 +213,19 @@ class LeanLayer:
         attn = self.attn
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         out, _ = attend(attn, query, key, value, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
-                        scaling=attn.scaling, **self.extra, position_ids=position_ids)
-        out = out.reshape(*query.shape[:1], query.shape[2], -1).contiguous()
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        return self.o(out)
+                        scaling=attn.scaling, **self.extra, position_ids=position_ids)  # [B, T, heads, d]
+        if gate is not None:  # the module's out * sigmoid(gate) per element, into sigmoid's (contiguous) output
+            return self.o(torch.sigmoid(gate).mul_(out).view(*gate.shape[:2], -1))
+        return self.o(out.reshape(*query.shape[:1], query.shape[2], -1))
 
     def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
         query, gate = self._queries(x)
         key, value = self._keys_values(x)
-        query, key = self.rotary(query, key, *rope)
+        if self.rope_tables is not None and len(rope) == 2:
+            tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
+            query, key = RopeTables.apply(query, tables), RopeTables.apply(key, tables)
+        else:
+            query, key = self.rotary(query, key, *rope)
         if cache is not None:
             key, value = cache.update(key, value, self.attn.layer_idx, kwargs={"position_ids": position_ids})
         return self._attend(query, gate, key, value, mask, position_ids)
@@ -200,7 +260,8 @@ class LeanForward:
         types = getattr(base.config, "layer_types", None) or ["full_attention"] * len(self.layers)
         self.linear = [t == "linear_attention" for t in types[: len(self.layers)]]
         self.positions = positions
-        self.lean_layers = [LeanLayer(layer) if LeanLayer.supports(layer) else None for layer in self.layers]
+        rope = RopeTables()  # one per model: built by its first attention layer of a forward, read by the others
+        self.lean_layers = [LeanLayer(layer, rope) if LeanLayer.supports(layer) else None for layer in self.layers]
         self.final_norm = lean_norm(base.norm)
 
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,

@@ -164,41 +164,128 @@ class TreeMeta:
     depth_bound: int
 
 
-def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
-    """The verification's TreeMeta for a conv kernel size on a device (built on first use, then shared)."""
-    return ctx.memo(("gdn", kernel, device), lambda: _build_meta(ctx, kernel, device))
+def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:
+    """The verification's TreeMeta for a conv kernel size on a device (built on first use, then shared).
+    store: a dict kept across rounds (the cache's): the tensors are then rewritten in place in buffers kept there
+    (`_MetaBuffers`: ~12 ops a round instead of ~45), not allocated anew."""
+    return ctx.memo(("gdn", kernel, device), lambda: _build_meta(ctx, kernel, device, store))
 
 
-def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+@dataclass
+class _MetaBuffers:
+    """TreeMeta's tensors for one tree size, kernel and device, kept across rounds: what does not depend on the tree
+    (the decay map's A, 1 and -I entries, the mask's virtual column) is written once; each round rewrites the rest
+    through views made once."""
+
+    decay_map: torch.Tensor
+    decay_mask: torch.Tensor
+    conv_index: torch.Tensor  # (T * K,), flat view of window
+    window: torch.Tensor  # (T, K): node i's window rows, oldest first
+    x_ancestors: torch.Tensor  # (T, T) views of decay_map's ancestor entries (X's s_i, Y's s_j; both anc^T), and
+    # decay_mask's tree part (T, T)
+    y_ancestors: torch.Tensor
+    mask_tree: torch.Tensor
+    hops: torch.Tensor  # (K,): K - 1 .. 0
+    zero: torch.Tensor
+    hidden: torch.Tensor  # -inf
+    clamped: dict  # the ancestor-index width -> hops clamped to it
+
+
+def _decay_map_consts(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decay_map, decay_mask) with their tree-independent entries (module docstring: X_i = (s_i, A, 1),
+    Y_j = (-A, s_j, log beta_j), Y_0 = (-A, 0, 0)); the ancestor entries are 0 here, and -inf nowhere."""
+    decay_map = torch.zeros(2 * n + 2, 6 * n + 3, device=device)
+    decay_map[n, 1:3 * n:3] = 1
+    decay_map[2 * n + 1, 2:3 * n:3] = 1
+    decay_map[n, 3 * n::3] = -1
+    decay_map[n + 1:2 * n + 1, 3 * n + 5::3] = -torch.eye(n, device=device)
+    return decay_map, torch.zeros(n, n + 1, device=device)
+
+
+def _meta_buffers(n: int, kernel: int, device: torch.device) -> _MetaBuffers:
+    decay_map, decay_mask = _decay_map_consts(n, device)
+    window = torch.empty(n, kernel, dtype=torch.long, device=device)
+    return _MetaBuffers(decay_map, decay_mask, window.view(-1), window, decay_map[:n, 0:3 * n:3],
+                        decay_map[:n, 3 * n + 4::3], decay_mask[:, 1:],
+                        torch.arange(kernel - 1, -1, -1, device=device), torch.zeros((), device=device),
+                        torch.tensor(float("-inf"), device=device), {})
+
+
+def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:
     draft = ctx.draft
     aidx, depth = draft.ancestor_index(), draft.depths  # aidx[:, h]: h-th ancestor (root repeats)
-    hops = torch.arange(kernel, device=depth.device)
-    ancestor = aidx[:, hops.clamp(max=aidx.shape[1] - 1)]  # (T, K)
-    conv_index, decay_map, decay_mask = meta_tensors(ancestor.to(device), depth.to(device), ctx.ancestors.to(device))
-    return TreeMeta(conv_index, decay_map, decay_mask, depth.to(device), draft.parents.clamp(min=0).to(device),
-                    ctx.depth_bound)
+    n = ctx.n
+    if depth.device != device:
+        aidx, depth = aidx.to(device), depth.to(device)
+    anc = ctx.ancestors
+    if anc.device != device:
+        anc = anc.to(device)
+    key = (n, kernel, device)
+    kept = store.get(key) if store is not None else None
+    if kept is None:
+        kept = _meta_buffers(n, kernel, device)
+        if store is not None:
+            store[key] = kept
+    # the conv window, oldest first: hop h back from node i is its h-th ancestor's input while it is in the tree
+    # (K + ancestor: rows K.. of [K conv-state columns ++ T tree inputs]), else conv-state column K - (h - depth)
+    width = aidx.shape[1]
+    hops = kept.hops
+    clamped = kept.clamped.get(width)
+    if clamped is None:
+        clamped = kept.clamped[width] = hops.clamp(max=width - 1)
+    ancestor = aidx[:, clamped]  # (T, K)
+    past = hops - depth[:, None]  # > 0: that many tokens before the root
+    torch.where(past <= 0, kernel + ancestor, kernel - past, out=kept.window)
+    # the tree's entries of the decay map (X_i's s_i: node i's path sums; Y_j's s_j) and of the ancestor mask
+    anc_t = anc.t()
+    kept.x_ancestors.copy_(anc_t)
+    kept.y_ancestors.copy_(anc_t)
+    torch.where(anc, kept.zero, kept.hidden, out=kept.mask_tree)
+    if ctx.gdn_method == "recurrent":  # (what only the recurrent method reads)
+        depths, parents = depth, draft.parents.clamp(min=0).to(device)
+    else:
+        depths, parents = depth, draft.parents
+    return TreeMeta(kept.conv_index, kept.decay_map, kept.decay_mask, depths, parents, ctx.depth_bound)
 
 
 def meta_tensors(ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """TreeMeta's (conv_index, decay_map, decay_mask) from the tree's tensors alone (fixed shapes, no host read:
-    the compiled round builds them inside its graph). ancestor (T, K): node i's h-th ancestor (the root repeats past
-    it); depth (T,); anc (T, T) bool: j is i or an ancestor of i."""
+    """TreeMeta's (conv_index, decay_map, decay_mask) from the tree's tensors alone, freshly allocated (fixed shapes,
+    no host read: the compiled round builds them inside its graph; the eager round rewrites kept buffers,
+    `_build_meta`). ancestor (T, K): node i's h-th ancestor (the root repeats past it); depth (T,); anc (T, T) bool:
+    j is i or an ancestor of i."""
     n, kernel = ancestor.shape
     device = anc.device
     hops = torch.arange(kernel, device=device)
     past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
     window = torch.where(past <= 0, kernel + ancestor, kernel - past).flip(1)
-    ancf = anc.float()
-    decay_map = torch.zeros(2 * n + 2, 6 * n + 3, device=device)
-    decay_map[:n, 0:3 * n:3] = ancf.t()  # X_i = (s_i, A, 1)
-    decay_map[n, 1:3 * n:3] = 1
-    decay_map[2 * n + 1, 2:3 * n:3] = 1
-    decay_map[n, 3 * n::3] = -1  # Y_j = (-A, s_j, log beta_j), Y_0 = (-A, 0, 0)
-    decay_map[:n, 3 * n + 4::3] = ancf.t()
-    decay_map[n + 1:2 * n + 1, 3 * n + 5::3] = -torch.eye(n, device=device)
-    decay_mask = torch.zeros(n, n + 1, device=device)
+    decay_map, decay_mask = _decay_map_consts(n, device)
+    anc_t = anc.float().t()
+    decay_map[:n, 0:3 * n:3] = anc_t  # X_i's s_i
+    decay_map[:n, 3 * n + 4::3] = anc_t  # Y_j's s_j
     decay_mask[:, 1:].masked_fill_(~anc, float("-inf"))
     return window.reshape(-1), decay_map, decay_mask
+
+
+def _token_meta(cache, ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+    """The TreeMeta of a one-node tree (an AR step), the same every round: kept on the cache, not rebuilt."""
+    if cache is None:
+        return tree_meta(ctx, kernel, device)
+    kept = cache.__dict__.setdefault(_TOKEN_META_ATTR, {})
+    key = (kernel, device)
+    if key not in kept:
+        kept[key] = _build_meta(ctx, kernel, device)
+    return kept[key]
+
+
+_TOKEN_META_ATTR = "_ddtree_gdn_token_meta"
+_META_ATTR = "_ddtree_gdn_meta_buffers"
+
+
+def _meta_store(cache) -> dict | None:
+    """Where a cache keeps its rounds' TreeMeta buffers (None without a cache, or outside inference mode)."""
+    if cache is None or not torch.is_inference_mode_enabled():
+        return None
+    return cache.__dict__.setdefault(_META_ATTR, {})
 
 
 @dataclass
@@ -207,7 +294,8 @@ class LayerConsts:
 
     conv_taps (K, C), conv_bias (C) or None; ab_weight (2 Hv, hidden) = [W_a; -W_b] and ab_bias = [dt_bias; 0] in the
     model's dtype, where a and b are plain bias-free Linear layers (None: the module's own projections);
-    dt_bias (Hv); decay_rate (Hv) = exp(A_log); norm_weight (dv) = the gated norm's weight * sqrt(dv); qk_eps and
+    dt_bias (Hv); decay_rate (Hv) = exp(A_log); norm_weight (Hv dv) = the gated norm's weight * sqrt(dv), once per value
+    head (it multiplies the gate z as the projection lays it out); qk_eps and
     norm_eps: 0-d tensors (the l2norm's and the gated norm's epsilons as hypot terms, see `_gated_norm`).
     """
 
@@ -243,7 +331,7 @@ def layer_consts(module) -> LayerConsts:
         ab_weight=ab_weight, ab_bias=ab_bias,
         dt_bias=module.dt_bias.float(),
         decay_rate=module.A_log.float().exp(),
-        norm_weight=module.norm.weight.float() * dv ** 0.5,
+        norm_weight=(module.norm.weight.float() * dv ** 0.5).repeat(module.num_v_heads),
         qk_eps=torch.tensor(L2NORM_EPS ** 0.5, device=weight.device),
         # the gated norm sees o / sqrt(dk) (q's scale, applied here instead): eps * dk * dv, see _gated_norm
         norm_eps=torch.tensor((eps * dk * dv) ** 0.5, device=weight.device))
@@ -251,12 +339,18 @@ def layer_consts(module) -> LayerConsts:
 
 @dataclass
 class LayerBuffers:
-    """Where `tree_layer` writes what the commit reads (slots of the cache's shared buffers, or fresh tensors).
+    """Where `tree_layer` writes: what the commit reads (slots of the cache's shared buffers, or fresh tensors) and
+    the layer's scratch (used and dropped within the layer: one set shared by every layer of a cache).
 
-    extended (B, K + T, C): the conv state's last K columns then the tree's conv inputs, token-major;
-    keys (B, Hk, Hv/Hk, 2, T, dk): normalised q then k rows per value head; gates (B, Hv, 2T + 2): the decay
-    map's input, its A and 1 entries filled once; xy (B, Hv, 6T + 3): X and Y; deltas (B, Hv, T, dv): d;
-    out (B, T, Hv, dv) in the model's dtype: the gated norm's output.
+    Kept for the commit: extended (B, K + T, C): the conv state's last K columns then the tree's conv inputs,
+    token-major; keys (B, Hk, Hv/Hk, 2, T, dk): normalised q then k rows per value head; gates (B, Hv, 2T + 2): the
+    decay map's input, its A and 1 entries filled once; xy (B, Hv, 6T + 3): X and Y; deltas (B, Hv, T, dv): d.
+    Scratch (float32 unless said): windows (B, T K, C) in the model's dtype: every node's conv window; conv (B, T, C):
+    the conv's output; qk_norm (B, T, 2, Hk, 1); decays (B Hv, T, T + 1): E; gram (B, Hv, 2T, T); from_state
+    (B, Hv, 2T, dv); core (B, Hv, T, dv); core_norm (B, Hv, T, 1); gate (B, T, Hv dv): silu(z) times the norm's
+    weight; out (B, T, Hv, dv) in the model's dtype: the gated norm's output.
+    Every view `tree_layer` takes of them is made once (`views`), not per call: on a GPU without graphs a view is a
+    dispatch the host pays like a launch.
     """
 
     extended: torch.Tensor
@@ -264,14 +358,105 @@ class LayerBuffers:
     gates: torch.Tensor
     xy: torch.Tensor
     deltas: torch.Tensor
+    windows: torch.Tensor
+    conv: torch.Tensor
+    qk_norm: torch.Tensor
+    decays: torch.Tensor
+    gram: torch.Tensor
+    from_state: torch.Tensor
+    core: torch.Tensor
+    core_norm: torch.Tensor
+    gate: torch.Tensor
     out: torch.Tensor
+    views: _Views | None = None
+
+
+# the buffers a layer's forward uses and drops (one of each for all layers); the rest are kept for the commit
+_SCRATCH = ("windows", "conv", "qk_norm", "decays", "gram", "from_state", "core", "core_norm", "gate", "out")
+_MODEL_DTYPE = ("extended", "windows", "out")  # in the model's dtype; the others float32
 
 
 def _buffer_shapes(module, bsz: int, n: int, channels: int) -> dict[str, tuple[int, ...]]:
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    return {"extended": (bsz, module.conv_kernel_size + n, channels), "keys": (bsz, hk, hv // hk, 2, n, dk),
+    hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
+    return {"extended": (bsz, k + n, channels), "keys": (bsz, hk, hv // hk, 2, n, dk),
             "gates": (bsz, hv, 2 * n + 2), "xy": (bsz, hv, 6 * n + 3), "deltas": (bsz, hv, n, dv),
+            "windows": (bsz, n * k, channels), "conv": (bsz, n, channels), "qk_norm": (bsz, n, 2, hk, 1),
+            "decays": (bsz * hv, n, n + 1), "gram": (bsz, hv, 2 * n, n), "from_state": (bsz, hv, 2 * n, dv),
+            "core": (bsz, hv, n, dv), "core_norm": (bsz, hv, n, 1), "gate": (bsz, n, hv * dv),
             "out": (bsz, n, hv, dv)}
+
+
+@dataclass
+class _Views:
+    """The views of one LayerBuffers that tree_layer reads and writes through (see there), made once."""
+
+    ab: torch.Tensor  # (B, T, 2, Hv) of gates: [softplus(a + dt) | softplus(-b)]
+    windows: torch.Tensor  # (B, T, K, C)
+    qk: torch.Tensor  # (B, T, 2, Hk, dk) of conv
+    qk_rows: torch.Tensor  # qk permuted and expanded to keys' layout (B, Hk, Hv/Hk, 2, T, dk)
+    qk_norms: torch.Tensor  # qk_norm the same way (B, Hk, Hv/Hk, 2, T, 1)
+    keys: torch.Tensor  # (B, Hv, 2T, dk): [q rows; k rows]
+    keys3: torch.Tensor  # (B Hv, 2T, dk)
+    k_t: torch.Tensor  # (B Hv, dk, T): the k rows transposed
+    value: torch.Tensor  # (B, Hv, T, dv) of conv
+    gates: torch.Tensor  # (B Hv, 2T + 2)
+    xy: torch.Tensor  # (B Hv, 6T + 3)
+    x: torch.Tensor  # (B Hv, T, 3)
+    y_t: torch.Tensor  # (B Hv, 3, T + 1)
+    start: torch.Tensor  # (B, Hv, T, 1): exp(c_i)
+    ancestry: torch.Tensor  # (B, Hv, 1, T, T): exp(c_i - c_j) beta_j on ancestors
+    gram: torch.Tensor  # (B, Hv, 2, T, T)
+    gram3: torch.Tensor  # (B Hv, 2T, T)
+    gram_q: torch.Tensor  # (B Hv, T, T): its q rows
+    gram_k: torch.Tensor  # (B, Hv, T, T): its k rows
+    from_state: torch.Tensor  # (B Hv, 2T, dv)
+    state_q: torch.Tensor  # (B, Hv, T, dv) of from_state
+    state_k: torch.Tensor
+    deltas: torch.Tensor  # (B Hv, T, dv)
+    core: torch.Tensor  # (B Hv, T, dv)
+    core_t: torch.Tensor  # (B, T, Hv, dv)
+    gate: torch.Tensor  # (B, T, Hv, dv)
+    out: torch.Tensor  # (B, T, Hv dv)
+    past: list  # [conv state, its last K columns token-major (B, K, C)]: the last state seen, a view of it
+    state: list  # [recurrent state (B, Hv, dk, dv) float32, as (B Hv, dk, dv)]: the same
+
+
+def _views(module, bufs: LayerBuffers) -> _Views:
+    """bufs.views, made on first use (in a compiled graph: made there, views cost nothing in a graph)."""
+    if bufs.views is not None:
+        return bufs.views
+    if torch.compiler.is_compiling():
+        return _make_views(module, bufs)
+    bufs.views = _make_views(module, bufs)
+    return bufs.views
+
+
+def _make_views(module, bufs: LayerBuffers) -> _Views:
+    hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
+    bsz, n = bufs.deltas.shape[0], bufs.deltas.shape[2]
+    conv = bufs.conv
+    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, dk)
+    rows = (bsz, hk, hv // hk, 2, n)
+    keys = bufs.keys.view(bsz, hv, 2 * n, dk)
+    xy = bufs.xy.view(bsz * hv, -1)
+    decays = bufs.decays.view(bsz, hv, n, n + 1)
+    gram = bufs.gram.view(bsz, hv, 2, n, n)
+    return _Views(
+        ab=bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1),
+        windows=bufs.windows.view(bsz, n, k, -1), qk=qk,
+        qk_rows=qk.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, dk),
+        qk_norms=bufs.qk_norm.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, 1),
+        keys=keys, keys3=keys.view(bsz * hv, 2 * n, dk), k_t=keys.view(bsz * hv, 2 * n, dk)[:, n:].transpose(1, 2),
+        value=conv[..., 2 * hk * dk:].view(bsz, n, hv, dv).transpose(1, 2),
+        gates=bufs.gates.view(bsz * hv, -1), xy=xy,
+        x=xy[:, :3 * n].view(-1, n, 3), y_t=xy[:, 3 * n:].view(-1, n + 1, 3).transpose(1, 2),
+        start=decays[..., :1], ancestry=decays[..., 1:].unsqueeze(2),
+        gram=gram, gram3=bufs.gram.view(bsz * hv, 2 * n, n), gram_q=bufs.gram.view(bsz * hv, 2 * n, n)[:, :n],
+        gram_k=gram[:, :, 1], from_state=bufs.from_state.view(bsz * hv, 2 * n, dv),
+        state_q=bufs.from_state[:, :, :n], state_k=bufs.from_state[:, :, n:],
+        deltas=bufs.deltas.view(bsz * hv, n, dv), core=bufs.core.view(bsz * hv, n, dv),
+        core_t=bufs.core.transpose(1, 2), gate=bufs.gate.view(bsz, n, hv, dv), out=bufs.out.view(bsz, n, -1),
+        past=[None, None], state=[None, None])
 
 
 def _fill_gates(gates: torch.Tensor, consts: LayerConsts) -> None:
@@ -285,8 +470,8 @@ def new_buffers(module, hidden_states: torch.Tensor, consts: LayerConsts, channe
     bsz, n, _ = hidden_states.shape
     shapes = _buffer_shapes(module, bsz, n, channels)
     dev = hidden_states.device
-    bufs = LayerBuffers(**{name: torch.empty(shape, device=dev, dtype=hidden_states.dtype if name in (
-        "extended", "out") else torch.float32) for name, shape in shapes.items()})
+    bufs = LayerBuffers(**{name: torch.empty(shape, device=dev, dtype=hidden_states.dtype if name in _MODEL_DTYPE
+                                             else torch.float32) for name, shape in shapes.items()})
     _fill_gates(bufs.gates, consts)
     return bufs
 
@@ -353,7 +538,8 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, ct
     if cache is not None:
         conv_state = cache.get_conv_state(layer, state_idx=0)
         recurrent_state = cache.get_recurrent_state(layer, state_idx=0)
-    meta = tree_meta(ctx, kernel, hidden_states.device)
+    meta = (_token_meta(cache, ctx, kernel, hidden_states.device) if seq_len == 1
+            else tree_meta(ctx, kernel, hidden_states.device, _meta_store(cache)))
     channels = module.conv1d.weight.shape[0]
     shared = _shared_layer(cache, module, hidden_states, channels)
     consts, bufs = shared if shared is not None else (layer_consts(module), None)
@@ -373,96 +559,122 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
                method: str = DEFAULT_METHOD) -> torch.Tensor:
     """One GDN layer over the flat tree [root] + nodes: the layer's output (B, T, hidden); fills `bufs`.
 
-    Pure tensor code (no host reads, no Python state): compiles with fullgraph=True. conv_state (B, C, >= K) and
-    recurrent_state (B, Hv, dk, dv) are the cache's (None: an empty cache); neither is written.
+    Pure tensor code (no host reads): compiles with fullgraph=True. conv_state (B, C, >= K) and recurrent_state
+    (B, Hv, dk, dv) are the cache's (None: an empty cache); neither is written. Every intermediate lands in a buffer
+    of `bufs` through views made once (`_views`): the eager layer dispatches its ~28 kernels and almost no views.
     """
     bsz, n, _ = hidden_states.shape
     kernel = module.conv_kernel_size
-    hk, hv, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
     f32 = torch.float32
+    v = _views(module, bufs)
 
     mixed, z, ab = _projections(module, hidden_states, consts)
     # a + dt and -b land in the decay map's input, softplus of both at once
-    ab_view = bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1)  # [sp | A], [nb | 1]: (B, T, 2, Hv)
     if ab.dtype == f32 and not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
-        torch._C._nn.softplus(ab, 1.0, 20.0, out=ab_view)
+        torch._C._nn.softplus(ab, 1.0, 20.0, out=v.ab)
     else:
-        ab_view.copy_(F.softplus(ab))
+        v.ab.copy_(F.softplus(ab))
 
     # causal conv over each node's own ancestors, reaching into the prefix's conv state (token-major: the gather
     # copies whole rows, ~8x cheaper than gathering along the last dim on a CPU; a strided depthwise conv1d is
     # slower still there)
-    if conv_state is None:
-        past = mixed.new_zeros(bsz, kernel, mixed.shape[-1])
-    else:
-        past = conv_state[..., -kernel:].transpose(1, 2)
-        if past.dtype != mixed.dtype:
-            past = past.to(mixed.dtype)
-        if past.shape[1] < kernel:
-            past = F.pad(past, (0, 0, kernel - past.shape[1], 0))
-    extended = torch.cat([past, mixed], dim=1, out=bufs.extended)
-    windows = extended.index_select(1, meta.conv_index).view(bsz, n, kernel, -1)
-    conv = (windows * consts.conv_taps).sum(2)  # (B, T, C) float32
+    torch.cat([_past(conv_state, kernel, mixed, v), mixed], dim=1, out=bufs.extended)
+    torch.index_select(bufs.extended, 1, meta.conv_index, out=bufs.windows)
+    conv = torch.sum(v.windows * consts.conv_taps, 2, out=bufs.conv)  # (B, T, C) float32
     if consts.conv_bias is not None:
-        conv = conv + consts.conv_bias
-    conv = F.silu(conv) if module.activation == "silu" else _activation(module.activation)(conv)
+        conv.add_(consts.conv_bias)
+    if module.activation == "silu":
+        F.silu(conv, inplace=True)
+    else:
+        conv.copy_(_activation(module.activation)(conv))
 
     # q and k l2-normalised (hypot(|x|, sqrt(eps)) = sqrt(|x|^2 + eps)), laid out per value head as
     # [q rows; k rows]; q's dk^-1/2 is applied by the gated norm (see _gated_norm)
-    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, dk)
-    norm = torch.hypot(torch.linalg.vector_norm(qk, dim=-1, keepdim=True), consts.qk_eps)
-    rows = (bsz, hk, hv // hk, 2, n)
-    qk = torch.div(qk.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, dk),
-                   norm.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, 1), out=bufs.keys).view(bsz, hv, 2 * n, dk)
-    value = conv[..., 2 * hk * dk:].view(bsz, n, hv, dv).transpose(1, 2)  # (B, Hv, T, dv)
+    torch.linalg.vector_norm(v.qk, dim=-1, keepdim=True, out=bufs.qk_norm)
+    torch.hypot(bufs.qk_norm, consts.qk_eps, out=bufs.qk_norm)
+    torch.div(v.qk_rows, v.qk_norms, out=bufs.keys)
+    qk = v.keys
 
     # decays: X, Y from one matmul; E = exp(X . Y + mask) = [exp(c_i) | exp(c_i - c_j) beta_j on ancestors]
-    xy = torch.mm(bufs.gates.view(bsz * hv, -1), meta.decay_map, out=bufs.xy.view(bsz * hv, -1))
-    decays = torch.baddbmm(meta.decay_mask, xy[:, :3 * n].view(-1, n, 3), xy[:, 3 * n:].view(-1, n + 1, 3).transpose(1, 2))
-    decays = decays.exp_().view(bsz, hv, n, n + 1)
-    start = decays[..., :1]  # exp(c_i): the prefix state's weight
+    torch.mm(v.gates, meta.decay_map, out=v.xy)
+    torch.baddbmm(meta.decay_mask, v.x, v.y_t, out=bufs.decays).exp_()
 
-    state0 = None if recurrent_state is None else recurrent_state.to(f32)
+    state0 = recurrent_state if recurrent_state is None or recurrent_state.dtype == f32 else recurrent_state.to(f32)
     if method == "recurrent":
-        core = _recurrent_rule(qk, value, state0, meta, bufs)
+        core = bufs.core.copy_(_recurrent_rule(qk, v.value, state0, meta, bufs))
     else:
-        gram = (qk @ qk[:, :, n:].transpose(-1, -2)).view(bsz, hv, 2, n, n) * decays[..., 1:].unsqueeze(2)
+        # (batched matmuls as bmm on 3-d views: matmul's out= computes into a temporary and copies)
+        torch.bmm(v.keys3, v.k_t, out=v.gram3)
+        v.gram.mul_(v.ancestry)
         if state0 is None:
-            rhs = value
+            rhs = v.value
         else:
-            from_state = qk @ state0  # (B, Hv, 2T, dv)
-            rhs = torch.addcmul(value, start, from_state[:, :, n:], value=-1)
-        deltas = torch.linalg.solve_triangular(gram[:, :, 1], rhs, upper=False, unitriangular=True, out=bufs.deltas)
-        core = gram[:, :, 0] @ deltas
+            torch.bmm(v.keys3, _state3(state0, v), out=v.from_state)  # (B Hv, 2T, dv)
+            rhs = torch.addcmul(v.value, v.start, v.state_k, value=-1)
+        torch.linalg.solve_triangular(v.gram_k, rhs, upper=False, unitriangular=True, out=bufs.deltas)
+        torch.bmm(v.gram_q, v.deltas, out=v.core)
+        core = bufs.core
         if state0 is not None:
-            core = torch.addcmul(core, start, from_state[:, :, :n])
-    return module.out_proj(_gated_norm(core, z, consts, bufs.out).view(bsz, n, -1))
+            core.addcmul_(v.start, v.state_q)
+    return module.out_proj(_gated_norm(core, z, consts, bufs, v))
+
+
+def _past(conv_state: torch.Tensor | None, kernel: int, mixed: torch.Tensor, v: _Views) -> torch.Tensor:
+    """The conv state's last K columns token-major (B, K, C), in the inputs' dtype, zeros before the first token; a
+    view of the state where it needs no copy, kept while the state tensor is the same (it is updated in place)."""
+    if conv_state is None:
+        return mixed.new_zeros(mixed.shape[0], kernel, mixed.shape[-1])
+    if v.past[0] is conv_state:
+        return v.past[1]
+    past = conv_state[..., -kernel:].transpose(1, 2)
+    if past.dtype == mixed.dtype and past.shape[1] == kernel and not torch.compiler.is_compiling():
+        v.past[:] = conv_state, past
+        return past
+    if past.dtype != mixed.dtype:
+        past = past.to(mixed.dtype)
+    if past.shape[1] < kernel:
+        past = F.pad(past, (0, 0, kernel - past.shape[1], 0))
+    return past
+
+
+def _state3(state: torch.Tensor, v: _Views) -> torch.Tensor:
+    """The recurrent state (B, Hv, dk, dv) as (B Hv, dk, dv); the view kept while the state tensor is the same."""
+    if v.state[0] is state:
+        return v.state[1]
+    if torch.compiler.is_compiling() or not state.is_contiguous():  # (flattening a strided state copies it)
+        return state.flatten(0, 1)
+    v.state[:] = state, state.flatten(0, 1)
+    return v.state[1]
 
 
 def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
-    """The input projections: conv input (B, T, C), gate z (B, T, Hv, dv) and [a + dt_bias, -b] (B, T, 2, Hv), the
+    """The input projections: conv input (B, T, C), gate z (B, T, Hv dv) and [a + dt_bias, -b] (B, T, 2, Hv), the
     last one matmul where a and b are plain Linear layers."""
     bsz, n, _ = hidden_states.shape
-    hv, dv = module.num_v_heads, module.head_v_dim
+    hv = module.num_v_heads
     if consts.ab_weight is not None:
         mixed = module.in_proj_qkv(hidden_states)
-        z = module.in_proj_z(hidden_states).reshape(bsz, n, hv, dv)
-        ab = torch.addmm(consts.ab_bias, hidden_states.reshape(bsz * n, -1), consts.ab_weight.t()).view(bsz, n, 2, hv)
+        z = module.in_proj_z(hidden_states)
+        ab = F.linear(hidden_states, consts.ab_weight, consts.ab_bias).view(bsz, n, 2, hv)
         return mixed, z, ab
     mixed, z, b, a = _project(module, hidden_states)
     ab = torch.stack([a.reshape(bsz, n, hv) + consts.dt_bias, -b.reshape(bsz, n, hv).float()], dim=2)
-    return mixed, z.reshape(bsz, n, hv, dv), ab
+    return mixed, z.reshape(bsz, n, -1), ab
 
 
-def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, out: torch.Tensor) -> torch.Tensor:
-    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into `out` (B, T, Hv, dv): 6 ops.
+def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: LayerBuffers, v: _Views) -> torch.Tensor:
+    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 6 ops.
+    core (B, Hv, T, dv) is bufs.core (divided in place).
 
     x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is core / sqrt(mean(core^2) + eps dk)
     = sqrt(dv) core / hypot(|core|, sqrt(eps dk dv)): sqrt(dv) sits in norm_weight, the rest in norm_eps.
     """
-    norm = torch.hypot(torch.linalg.vector_norm(core, dim=-1, keepdim=True), consts.norm_eps)
-    gate = F.silu(z) * consts.norm_weight
-    return torch.mul((core / norm).transpose(1, 2), gate, out=out)
+    torch.linalg.vector_norm(core, dim=-1, keepdim=True, out=bufs.core_norm)
+    torch.hypot(bufs.core_norm, consts.norm_eps, out=bufs.core_norm)
+    torch.mul(F.silu(z), consts.norm_weight, out=bufs.gate)
+    core.div_(bufs.core_norm)
+    torch.mul(v.core_t, v.gate, out=bufs.out)
+    return v.out
 
 
 def _recurrent_rule(qk: torch.Tensor, value: torch.Tensor, state0: torch.Tensor | None, meta: TreeMeta,
@@ -526,17 +738,24 @@ def _shared_layer(cache, module, hidden_states: torch.Tensor, channels: int):
     if consts is None:
         consts = shared["consts"][layer] = layer_consts(module)
     bsz, n, _ = hidden_states.shape
-    views = {}
-    for name, shape in _buffer_shapes(module, bsz, n, channels).items():
-        dtype = hidden_states.dtype if name in ("extended", "out") else torch.float32
-        buf = shared["bufs"].get(name)
-        if buf is None or buf.shape[1:] != shape or buf.dtype != dtype or buf.device != hidden_states.device:
-            count = 1 if name == "out" else len(shared["slots"])  # the norm's output is used at once: one for all
-            buf = shared["bufs"][name] = torch.empty(count, *shape, dtype=dtype, device=hidden_states.device)
-            if name == "gates":
-                shared["filled"] = set()
-        views[name] = buf[0 if name == "out" else slot]
-    bufs = LayerBuffers(**views)
+    key = (bsz, n, channels, hidden_states.dtype, hidden_states.device, module.num_k_heads, module.num_v_heads,
+           module.head_k_dim, module.head_v_dim, module.conv_kernel_size)
+    if shared.get("key") != key:  # (re)allocate what no longer fits; the per-slot LayerBuffers are rebuilt
+        for name, shape in _buffer_shapes(module, bsz, n, channels).items():
+            dtype = hidden_states.dtype if name in _MODEL_DTYPE else torch.float32
+            # scratch is used at once: one for all layers; the rest has a slot per layer (the commit reads them)
+            full = shape if name in _SCRATCH else (len(shared["slots"]), *shape)
+            buf = shared["bufs"].get(name)
+            if buf is None or buf.shape != full or buf.dtype != dtype or buf.device != hidden_states.device:
+                shared["bufs"][name] = torch.empty(full, dtype=dtype, device=hidden_states.device)
+                if name == "gates":
+                    shared["filled"] = set()
+        shared["key"], shared["layers"] = key, {}
+    bufs = shared["layers"].get(slot)
+    if bufs is None:
+        found = shared["bufs"]
+        bufs = shared["layers"][slot] = LayerBuffers(**{
+            name: buf if name in _SCRATCH else buf[slot] for name, buf in found.items()})
     if slot not in shared["filled"]:
         _fill_gates(bufs.gates, consts)
         shared["filled"].add(slot)
@@ -633,6 +852,7 @@ class _Pending:
         copied = _Pending(**{name: copy.deepcopy(value, memo) for name, value in vars(self).items()})
         copied.versions = None  # a copied tensor starts a new version count
         copied.slot = None  # copied tensors are no longer slots of the shared buffers
+        copied.bufs.views = None  # (views of the originals)
         return copied
 
     def check_unchanged(self, layer, layer_idx: int) -> None:
@@ -816,7 +1036,7 @@ def _shared_buffers(recs: list[_Pending]) -> dict[str, torch.Tensor] | None:
         if rec.slot is None or rec.slot[1] != start + j or any(
                 rec.slot[0].get(name) is not buf for name, buf in buffers.items()):
             return None
-    return {name: buf[start: start + len(recs)] for name, buf in buffers.items() if name != "out"}
+    return {name: buf[start: start + len(recs)] for name, buf in buffers.items() if name not in _SCRATCH}
 
 
 _STATES_ATTR = "_ddtree_gdn_stacked_states"

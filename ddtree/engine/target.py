@@ -294,6 +294,7 @@ class TargetSession:
         self.cache = new_cache(model, capacity, full_sliding=self.split)
         self._arena = next((layer.arena for layer in self.cache.layers if isinstance(layer, PreallocatedLayer)), None)
         self.length = 0
+        self._gdn_step_tree = False  # the last verify ran one token through the tree-exact GDN (commit it)
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
         self._mask_zero = self._mask_dirty = 0  # columns [:zero) are 0 in every row; [zero:dirty) may be stale
 
@@ -360,7 +361,11 @@ class TargetSession:
             past, lean = self.length, True  # the tree attention is active and builds its own masks
         # else a long chain on split: the causal mask the model builds itself
         # one context for the round: the tree attention (where `past` is given) and the tree-exact GDN read it
-        context = verification.tree_verification(tree, past) if n > 1 else verification.tree_verification(None, step=True)
+        self._gdn_step_tree = n == 1 and self.gdn and not host_branch("gdn_step", self.binding.device)
+        if n > 1 or self._gdn_step_tree:  # (one token off the CPU branch: the tree-exact GDN too, see commit)
+            context = verification.tree_verification(tree, past)
+        else:
+            context = verification.tree_verification(None, step=True)
         with context:
             return self._forward(ids, pos, mask, lean=lean)
 
@@ -411,6 +416,10 @@ class TargetSession:
                 keep = torch.cat([torch.arange(self.length, device=dev), self.length + accepted.to(dev)])
                 layer.keys = layer.keys.index_select(-2, keep)
                 layer.values = layer.values.index_select(-2, keep)
-        if self.gdn and len(tree) > 1:
-            gdn.commit_linear_states(self.cache, accepted, host_path)  # the device path: no host read
+        if self.gdn and (len(tree) > 1 or self._gdn_step_tree):
+            # the device path: no host read. One token (AR) verified as a one-node tree lands here too: its GDN layers
+            # dispatch what every other round's do (~30 ops a layer, against ~100 for the upstream step without
+            # its optional fused kernels), and this commit updates every layer's state in a handful of ops
+            gdn.commit_linear_states(self.cache, accepted, host_path)
+        self._gdn_step_tree = False
         self.length += k

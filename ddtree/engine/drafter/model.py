@@ -38,9 +38,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
     eager_attention_forward,
-    rotate_half,
 )
 
+from ddtree.engine.forward import RopeTables
 from ddtree.errors import ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -316,10 +316,9 @@ class DrafterCache:
         self.length += context_rows
 
 
-def _apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [B, heads, n, d] rotated by cos/sin [B, n, d] of its own positions."""
-    cos, sin = (t.unsqueeze(1) for t in rope)
-    return x * cos + rotate_half(x) * sin
+# RoPE as the tables of ddtree.engine.forward.RopeTables (built once a forward): (cos', sin', perm) of the new
+# context and the block's positions, and the same for the block's (the queries') rows
+Rope = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
 
 
 def _visibility_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool,
@@ -354,18 +353,18 @@ class DFlashAttention(nn.Module):
         self.q_norm = _RMSNorm(config.head_dim, eps=config.rms_norm_eps)
         self.k_norm = _RMSNorm(config.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: Rope,
                 cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable,
                 first: int = 0) -> torch.Tensor:
-        """rope: cos/sin of [new context ‖ block] positions; the block's queries use its last q rows.
+        """rope: the RoPE tables of [new context ‖ block] positions and of the block's (see `Rope`).
         first: attend over the key rows from this one on (a sliding layer's window; `mask` covers those only)."""
         b, q, _ = x.shape
         queries = self.q_norm(self.q_proj(x).view(b, q, -1, self.head_dim)).transpose(1, 2)
-        queries = _apply_rope(queries, tuple(t[:, -q:] for t in rope))
+        queries = RopeTables.apply(queries, rope[1])
         fresh = x if context is None else torch.cat([context, x], dim=1)  # one projection for both
         n = fresh.shape[1]
         keys = self.k_norm(self.k_proj(fresh).view(b, n, -1, self.head_dim)).transpose(1, 2)
-        keys = _apply_rope(keys, rope)
+        keys = RopeTables.apply(keys, rope[0])
         values = self.v_proj(fresh).view(b, n, -1, self.head_dim).transpose(1, 2)
         if cache is not None:
             keys, values = cache.write(self.layer_idx, keys, values)
@@ -384,7 +383,7 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: Rope,
                 cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable, first: int = 0) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend, first)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -446,6 +445,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = _RotaryEmbedding(qwen3_config)
+        self._rope = RopeTables()  # the forward's RoPE tables, built once for all layers
         self.set_attn_implementation(attn_implementation)
 
     # ----- properties the engine reads -----
@@ -515,7 +515,10 @@ class DFlashDrafter(nn.Module):
         if context_features is not None and context_features.shape[1] > 0:
             context = self.hidden_norm(self.fc(context_features))
             positions = torch.cat([context_position_ids, block_position_ids], dim=1)
-        rope = self.rotary_emb(x, positions)  # one RoPE call for the new context and the block
+        cos, sin = self.rotary_emb(x, positions)  # one RoPE call for the new context and the block
+        tables = self._rope.tables(cos, sin, self.config.head_dim)
+        q = x.shape[1]
+        rope = (tables, (tables[0][:, :, -q:], tables[1][:, :, -q:], tables[2]))  # keys, then the block's queries
         key_positions = positions if cache is None else cache.write_positions(positions)
 
         # With a cache, context row r holds position r and the block follows the context (DrafterCache): a key row
