@@ -23,28 +23,18 @@ import sys
 
 import torch
 from _common import BENCH_DIR, Record, add_json_arg, device_sync, load_pair, params, timed
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree.engine import tree as tree_mod
 from ddtree.engine.tree import best_first_tree
+from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.reference import best_first_reference
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
 
 
 def torch_ops(root, logp, budget: int) -> int:
     best_first_tree(root, logp, budget, host=False)  # the constants are built once per device
-    with CountOps() as ops:
+    with DispatchCount(stages=False) as ops:
         best_first_tree(root, logp, budget, host=False)
-    return ops.n
+    return ops.total(ops.ops, exclude=())
 
 
 def same(a, b) -> bool:

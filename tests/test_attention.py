@@ -244,33 +244,19 @@ def test_one_host_read_per_round(monkeypatch):
     walk read the drafter's top-k and the target's choices on purpose (there it is no transfer)."""
     import functools
 
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ddtree.engine import proposers, tree
+    from ddtree.testing.dispatch import DispatchCount
 
     monkeypatch.setattr(proposers, "best_first_tree", functools.partial(tree.best_first_tree, host=False))
-
-    reads = []
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if name in ("_local_scalar_dense", "nonzero", "masked_select", "item", "equal", "is_nonzero"):
-                reads.append(name)
-            return func(*args, **(kwargs or {}))
-
-    real_tolist = torch.Tensor.tolist
-    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append("tolist") or real_tolist(self))
     vocab = 12
     target = tiny_model("qwen3", seed=3, attn_implementation="sdpa", vocab_size=vocab, num_hidden_layers=2)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1)
     ids = _prompts(vocab, (6,))[0]
     ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4)  # warm caches
     for record in (False, True):  # the per-round diagnosis records: one read at the end of the generation
-        reads.clear()
-        with Count():
+        with DispatchCount() as c:
             res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=record)
-        assert len(reads) == res.rounds + 1 + record, reads
+        assert c.total(c.syncs, exclude=()) == res.rounds + 1 + record, dict(c.sync_names)
 
 
 def test_walk_reads_once_and_matches_the_path():

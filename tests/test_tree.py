@@ -9,7 +9,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ddtree.engine import tree as tree_mod
 from ddtree.engine.tree import (
@@ -23,6 +22,7 @@ from ddtree.engine.tree import (
     tree_size,
     walk,
 )
+from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.reference import best_first_reference, random_tree, walk_reference
 
 BUILDS = ["c", "torch"]
@@ -218,23 +218,6 @@ def test_the_host_walk_walks_as_the_reference():
             assert (w.path_list, w.tokens) == walk_reference(tree, logits.argmax(-1))
 
 
-class _Ops(TorchDispatchMode):
-    """Every aten op dispatched (each is at least one kernel launch on a GPU without graphs, views aside)."""
-
-    SYNCS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "equal", "is_nonzero"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        shapes = tuple(tuple(o.shape) for o in (out if isinstance(out, tuple | list) else (out,))
-                       if isinstance(o, torch.Tensor))
-        self.ops.append((func.overloadpacket.__name__, shapes))
-        return out
-
-
 def test_the_device_build_is_a_few_ops_a_depth_with_fixed_shapes_and_no_host_read():
     """DDTree's tree on a GPU, budget 64, block 16: at most 3 ops a depth plus 55 (ancestry included; 205 before this
     build), none reading the device, and the same op sequence and shapes whatever the logits (capturable)."""
@@ -244,11 +227,11 @@ def test_the_device_build_is_a_few_ops_a_depth_with_fixed_shapes_and_no_host_rea
     for V, scale in ((1024, 3.0), (1024, 0.0), (32, 1.0)):
         logprobs = torch.log_softmax(torch.randn(L, V, generator=g) * scale, dim=-1)
         best_first_tree(root, logprobs, budget, host=False)  # constants built once per device
-        with _Ops() as ops:
+        with DispatchCount(stages=False, sequence=True) as ops:
             tree = best_first_tree(root, logprobs, budget, host=False)
             tree.ancestor_index(), tree.ancestor_matrix()  # built with the tree: no op here
-        assert not {name for name, _ in ops.ops} & _Ops.SYNCS
-        runs.append(ops.ops)
+        assert ops.total(ops.syncs, exclude=()) == 0, dict(ops.sync_names)
+        runs.append(ops.sequence)
     assert len(runs[0]) <= 3 * L + 55, len(runs[0])
     assert runs[0] == runs[1]  # ties everywhere or none: the same ops on the same shapes
     assert len(runs[2]) <= len(runs[0]) + 2  # a vocabulary under the budget pads its ranks

@@ -55,10 +55,20 @@ class DispatchCount(TorchDispatchMode):
     them reads the host, by construction: fullgraph).
 
     stages=True (default) books each op under the engine stage running (ddtree.engine.proposers._Stage and
-    TargetSession.prefill are wrapped while the mode is active)."""
+    TargetSession.prefill are wrapped while the mode is active).
+    decompose=True counts a composite op (matmul, linear, reshape, to, ...) by what it dispatches, so a no-op cast or
+    a reshape that is a view costs nothing, as on a device (per-layer counts: tests/test_gdn_launches.py).
+    sequence=True keeps every op in order as (name, output shapes) in `c.sequence` (a capturable region dispatches
+    the same sequence whatever the data). `c.kernel_names` / `c.view_names`: the ops by name, kernels and the rest;
+    `with c.paused():` stops counting inside (what remains of a layer without its projections)."""
 
-    def __init__(self, stages: bool = True):
+    def __init__(self, stages: bool = True, decompose: bool = False, sequence: bool = False):
         super().__init__()
+        self.kernel_names: collections.Counter[str] = collections.Counter()
+        self.view_names: collections.Counter[str] = collections.Counter()
+        self.sequence: list[tuple[str, tuple]] | None = [] if sequence else None
+        self._decompose = decompose
+        self._paused = 0
         self.ops: collections.Counter[str] = collections.Counter()
         self.kernel_ops: collections.Counter[str] = collections.Counter()
         self.syncs: collections.Counter[str] = collections.Counter()
@@ -71,20 +81,44 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._decompose and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+            with self:  # count what the composite dispatches instead
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        if self._paused:
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         stage = self.stage
         self.ops[stage] += 1
         self.names[name] += 1
-        if not (func.is_view or name in NO_KERNEL):
+        if func.is_view or name in NO_KERNEL:
+            self.view_names[name] += 1
+        else:
             self.kernel_ops[stage] += 1
+            self.kernel_names[name] += 1
         if _is_sync(name, func, args, kwargs):
             self.syncs[stage] += 1
             self.sync_names[name] += 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.sequence is not None:
+            outs = out if isinstance(out, tuple | list) else (out,)
+            self.sequence.append((name, tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))))
+        return out
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Inside: nothing is counted (the ops still run)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     def _host_read(self, name: str, real):
         def read(t: torch.Tensor, *a, **k):
-            if t.device.type == "cpu":  # a CUDA tensor's read shows up as its copy to the CPU
+            if t.device.type == "cpu" and not self._paused:  # a CUDA tensor's read shows up as its copy to the CPU
                 self.syncs[self.stage] += 1
                 self.sync_names[name] += 1
             return real(t, *a, **k)
