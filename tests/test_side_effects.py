@@ -58,6 +58,18 @@ def test_close_restores_the_model(model_type, attn):
         engine.generate(ids, max_new_tokens=2)
 
 
+def test_one_shot_generate_leaves_the_model_as_it_found_it():
+    """ddtree.generate() is one Engine, closed after its call: the implementation and hooked forwards are put back."""
+    target = tiny_model("qwen3_5_text", seed=5, attn_implementation="sdpa", vocab_size=96)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    ids = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(2))
+    before = _snapshot(target, ids)
+    out = ddtree.generate(target, drafter, ids, method="ddtree", budget=8, max_new_tokens=10).output_ids
+    assert out == hf_greedy(target, ids, 10)
+    after = _snapshot(target, ids)
+    assert after[0] == before[0] == "sdpa" and after[3] == before[3] and torch.equal(after[2], before[2])
+
+
 def test_another_engine_keeps_working_after_one_closes():
     target = tiny_model("qwen3_5_text", seed=4, attn_implementation="sdpa", vocab_size=96)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=2)

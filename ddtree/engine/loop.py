@@ -136,10 +136,10 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     keep the compiled graphs across generations.
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
-    engine = Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                    sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
-                    compile=compile)
-    return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+    with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
+                sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
+                compile=compile) as engine:  # one call: the model is left as it was found
+        return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
 
 def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_new_tokens: int,
