@@ -233,6 +233,61 @@ def test_scripted_drafter_off_path_accuracy_equals_main(scripted_runs):
     assert off["n"] > 30 and off["lo"] - 0.05 < main < off["hi"] + 0.05
 
 
+# a drafter whose scores do not track acceptance: over-confident in its top-1 at depths 1-2, so its trees go deep
+# where the target's tokens are often its second choice (the random drafter's problem, scripted)
+ACCEPT = [[0.55, 0.35, 0.05], [0.6, 0.3, 0.05], [0.7, 0.2, 0.05], [0.5, 0.3, 0.1]]
+SCORES = [[0.9, 0.06, 0.03], [0.85, 0.1, 0.04], [0.8, 0.12, 0.05], [0.7, 0.2, 0.07]]
+
+
+@pytest.fixture(scope="module")
+def uncalibrated_runs():
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    prompts = [torch.tensor([[3 + i, 5, 7 + i, 11]]) for i in range(3)]
+    new = 100
+    ar = Engine(target, None, method="ar")
+    refs = [ar.generate(p, max_new_tokens=new + len(ACCEPT) + 2).output_ids for p in prompts]
+    out = {}
+    for budget in (None, 4, 12):
+        diag = []
+        for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+            prop = RankScriptedProposer(ref, 64, ACCEPT, budget, seed=7 + 100 * i + (budget or 0), scores=SCORES)
+            eng = Engine(target, None, method="dflash" if budget is None else "ddtree", budget=budget, proposer=prop)
+            res = eng.generate(p, max_new_tokens=new)
+            assert res.output_ids == ref[:new]
+            diag.append(res.diagnosis)
+        out[budget] = diag
+    return out
+
+
+def _mean_sd(diag):
+    depths = [a for d in diag for a in d["depth"]]
+    n = len(depths)
+    mean = 1 + sum(depths) / n
+    return mean, (sum((1 + a - mean) ** 2 for a in depths) / (n - 1)) ** 0.5 / n ** 0.5
+
+
+@pytest.mark.parametrize("calibration", [None, 4, 12])
+def test_the_replay_predicts_a_drafter_whose_scores_do_not_track_acceptance(uncalibrated_runs, calibration):
+    """Each job's records alone predict every budget's exact tau: the replay rebuilds each round's own tree from the
+    drafter's recorded scores (exact up to the run's budget, the rank model below the known path past it). The best
+    tree by measured acceptance (the rank model alone) is far off for this drafter."""
+    diag = uncalibrated_runs[calibration]
+    L = len(ACCEPT)
+    st = D.collect(diag, L)
+    assert D.replayable(diag)
+    pred, _ = D.predicted_curves(st, (1, 4, 12), diag)
+    rank_model, _ = D.predicted_curves(st, (1, 4, 12))
+    _, se = _mean_sd(diag)
+    for b in (4, 12):
+        exact = exact_tau(ACCEPT, b, SCORES)
+        measured, se_b = _mean_sd(uncalibrated_runs[b])
+        assert abs(measured - exact) < 4 * se_b, (b, measured, exact)  # the engine does what the scripted drafter says
+        assert abs(pred[b] - exact) < 4 * se + 0.03, (b, pred[b], exact)
+        if b == 4:
+            assert rank_model[b] - exact > 0.2, (rank_model[b], exact)  # the old model's optimism, for contrast
+    assert pred[1] == pytest.approx(rank_model[1])  # the chain: the rank model is already the replay
+
+
 def test_recording_off_records_nothing():
     target = tiny_model("qwen3", seed=0, vocab_size=64)
     p = torch.tensor([[3, 5, 7]])

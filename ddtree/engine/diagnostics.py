@@ -9,13 +9,20 @@ row d drafts depth d + 1):
 * `ranks`, `probs`: at each depth 1 … min(a + 1, L) along the accepted path and one position past it, the rank of
   the target's token in the drafter's row (0 = the drafter's top-1; RANK_CAP = beyond the top RANK_CAP) and the
   drafter's probability of it (in PROB_SCALE-ths);
+* `costs`: the same tokens' drafter cost (minus the log-probability), in COST_SCALE-ths of a nat (the tree replay
+  compares it with the rows below);
+* `rows`: each of the L rows' costs at the SKETCH ranks (its best-first order: a few points of each sorted row), in
+  COST_SCALE-ths of a nat: a DFlash row does not depend on the path, so a DDTree tree of any budget is rebuilt from them;
+* `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
+* `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
+  whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
 * branching trees whose every node's target choice was computed (not a CPU's lazy head, which computes the walked
   rows only), summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds 8 small kernels (the path's ranks) and about 22 more for the node table, and no
-host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
+Cost, on every device: a round adds about 13 small kernels (the path's ranks and costs, the rows' sketch), 8 more for a
+tree's `need`, about 22 more for the node table, and no host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
 """
 
 from __future__ import annotations
@@ -26,7 +33,10 @@ import torch
 
 RANK_CAP = 32  # ranks 0 … RANK_CAP - 1 are kept; RANK_CAP means "beyond"
 PROB_SCALE = 1000  # probabilities are stored as integers in thousandths
-FORMAT = 1  # the record's layout version
+COST_SCALE = 1000  # costs (minus log-probabilities) are stored as integers in thousandths of a nat
+# the ranks of each row whose costs are kept (a sketch of the sorted row; the replay interpolates in log rank)
+SKETCH = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63, 95, 127, 191, 255)
+FORMAT = 2  # the record's layout version (2: costs, rows, need)
 # `nodes` table columns: index = off_path * 4 + top1 * 2 + agreed (per depth row); counts of verified nodes
 NODE_COLUMNS = 8
 
@@ -36,10 +46,17 @@ class RoundRecorder:
 
     def __init__(self) -> None:
         self._depths: list[int] = []
-        self._lengths: list[int] = []
-        self._ranks: list[torch.Tensor] = []  # per round: [m, 2] float (rank, log-prob)
+        self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, [a] need
+        self._shape: list[tuple[int, int, int, int]] = []  # per round: m, L, sketch points, need count (-1: none)
         self._nodes: torch.Tensor | None = None  # [L + 1, NODE_COLUMNS] float counts
+        self._sketch: torch.Tensor | None = None
         self._vocab = 0
+        self._tree = 0  # the largest verified tree's nodes (the budget run), 0 for chains
+
+    def _sketch_index(self, k: int, device: torch.device) -> torch.Tensor:
+        if self._sketch is None or self._sketch.device != device or int(self._sketch.numel()) != _points(k):
+            self._sketch = torch.tensor([r for r in SKETCH if r < k], device=device)
+        return self._sketch
 
     @torch.inference_mode()
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
@@ -47,18 +64,30 @@ class RoundRecorder:
         """One round: the drafter's `logits` [L, V], the verified `tree`, the accepted `path` (flat indices, on the
         device), its accepted depth, the target's token after it, and the target's choice after every node (None
         where the round did not compute it: a CPU's lazy head; the node table then skips the round)."""
-        L = logits.shape[0]
-        self._vocab = logits.shape[1]
+        L, V = logits.shape
+        self._vocab = V
         m = min(accepted + 1, L)
         self._depths.append(accepted)
-        self._lengths.append(m)
-        if m > 0:
-            toks = torch.cat([tree.tokens[path[1:]], next_root.reshape(1).to(tree.tokens.device)])[:m]
-            rows = logits[:m]
-            own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
-            rank = (rows > own).sum(1)
-            logp = own[:, 0] - rows.logsumexp(1)
-            self._ranks.append(torch.stack([rank.float(), logp], 1))
+        toks = torch.cat([tree.tokens[path[1:]], next_root.reshape(1).to(tree.tokens.device)])[:m]
+        lse = logits.logsumexp(1, keepdim=True)  # [L, 1]
+        rows = logits[:m]
+        own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
+        rank = (rows > own).sum(1, keepdim=True)
+        k = min(SKETCH[-1] + 1, V)
+        sketch = lse - logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device))  # [L, S]
+        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), sketch.reshape(-1)]
+        n_need = -1
+        if tree.scores is not None and not tree.is_chain:  # DDTree: each accepted node's place in best-first order
+            n_need = accepted
+            if accepted:
+                idx = path[1:accepted + 1].to(tree.scores.device)
+                s, key = tree.scores, tree.scores[idx][:, None]
+                ahead = (s > key) | ((s == key) & (torch.arange(s.shape[0], device=s.device) < idx[:, None]))
+                parts.append(ahead.sum(1).to(logits.device, torch.float32))  # the root is always ahead: 1-based
+        self._parts.append(torch.cat(parts))
+        self._shape.append((m, L, sketch.shape[1], n_need))
+        if not tree.is_chain:
+            self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
             self._count_nodes(logits, tree, choice)
 
@@ -81,20 +110,33 @@ class RoundRecorder:
 
     def finish(self) -> dict:
         """The generation's record, read from the device in one transfer: see the module docstring for the fields."""
-        parts = [t.reshape(-1) for t in self._ranks]
+        parts = list(self._parts)
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
         flat = torch.cat(parts).tolist() if parts else []
-        n_ranks = 2 * sum(self._lengths)
-        rows, nodes = flat[:n_ranks], flat[n_ranks:]
-        ranks, probs, i = [], [], 0
-        for m in self._lengths:
-            seg = rows[i: i + 2 * m]
+        ranks, probs, costs, rows, need, i = [], [], [], [], [], 0
+        for m, L, s, n_need in self._shape:
+            seg = flat[i: i + 2 * m]
             i += 2 * m
             ranks.append([min(int(r), RANK_CAP) for r in seg[0::2]])
-            probs.append([round(PROB_SCALE * math.exp(lp)) for lp in seg[1::2]])
-        out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "vocab": self._vocab,
-               "depth": self._depths, "ranks": ranks, "probs": probs}
+            probs.append([round(PROB_SCALE * math.exp(-c)) for c in seg[1::2]])
+            costs.append([round(COST_SCALE * c) for c in seg[1::2]])
+            rows_flat = flat[i: i + s * L]
+            i += s * L
+            rows.append([[round(COST_SCALE * c) for c in rows_flat[j: j + s]] for j in range(0, len(rows_flat), s)])
+            if n_need < 0:
+                need.append(None)
+            else:
+                need.append([int(x) for x in flat[i: i + n_need]])
+                i += n_need
+        nodes = flat[i:]
+        out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "cost_scale": COST_SCALE,
+               "sketch": [r for r in SKETCH if r < self._vocab], "vocab": self._vocab, "tree": self._tree or None,
+               "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "need": need}
         if self._nodes is not None:
             out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out
+
+
+def _points(k: int) -> int:
+    return sum(r < k for r in SKETCH)

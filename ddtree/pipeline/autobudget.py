@@ -81,7 +81,7 @@ def choose_budget(models, prompts, rc, files, cache) -> dict[str, Any]:
     if not job.diagnosed:
         raise ConfigError("budget", "budget=auto: the calibration recorded no rounds", "use a number")
     L = max(len(d.get("nodes", [])) - 1 for d in records) if any("nodes" in d for d in records) else None
-    pred, _ = predicted_curves(collect(records, L), tuple(sorted(set(candidates) | {cal_budget})))
+    pred, _ = predicted_curves(collect(records, L), tuple(sorted(set(candidates) | {cal_budget})), records)
     if a.cost is not None:
         table = read_cost_table(Path(a.cost))
         round_ms, ar_ms, source = table["round_ms"], table["ar_ms"], f"table {a.cost}"
