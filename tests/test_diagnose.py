@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.engine.diagnostics import RANK_CAP, RoundRecorder
+from ddtree.engine.diagnostics import RANK_CAP, SKETCH, RoundRecorder
 from ddtree.engine.loop import Engine
 from ddtree.engine.tree import best_first_tree, chain_tree, walk
 from ddtree.errors import ConfigError
@@ -159,6 +159,33 @@ def test_recorder_matches_a_slow_reference(seed):
         assert out["depth"] == [depth] and out["ranks"] == [ranks] and out["probs"] == [probs]
         if not tree.is_chain:
             assert out["nodes"] == table
+        # costs along the path and the rows' sketch, in thousandths of a nat (float32 on one side: +-1)
+        nll = -torch.log_softmax(logits.double(), -1)
+        want = (tree.tokens[w.path[1:]].tolist() + [int(w.next_root)])[: len(ranks)]
+        close = lambda a, b: all(abs(x - y) <= 1 for x, y in zip(a, b, strict=True))  # noqa: E731
+        assert close(out["costs"][0], [round(1000 * nll[d, t].item()) for d, t in enumerate(want)])
+        srt = nll.sort(-1).values
+        assert out["sketch"] == [r for r in SKETCH if r < V] and len(out["rows"][0]) == L
+        for d in range(L):
+            assert close(out["rows"][0][d], [round(1000 * srt[d, r].item()) for r in out["sketch"]])
+        # need: the smallest budget whose best-first tree holds each accepted node (by its tokens)
+        if tree.is_chain:
+            assert out["need"] == [None] and out["tree"] is None
+            continue
+        assert out["tree"] == len(tree) - 1
+        need = []
+        for d in range(1, depth + 1):
+            prefix = want[:d]
+            for b in range(1, 25):
+                small = best_first_tree(root, lp, b, host=False)
+                st, sp = small.tokens.tolist(), small.parents.tolist()
+                paths = {0: ()}
+                for i in range(1, len(st)):
+                    paths[i] = paths[sp[i]] + (st[i],)
+                if tuple(prefix) in paths.values():
+                    need.append(b)
+                    break
+        assert out["need"] == [need]
 
 
 @pytest.mark.gpu
@@ -286,6 +313,40 @@ def test_the_replay_predicts_a_drafter_whose_scores_do_not_track_acceptance(unca
         if b == 4:
             assert rank_model[b] - exact > 0.2, (rank_model[b], exact)  # the old model's optimism, for contrast
     assert pred[1] == pytest.approx(rank_model[1])  # the chain: the rank model is already the replay
+
+
+def test_the_replay_is_exact_where_the_target_path_is_known():
+    """Round by round, against the trees themselves: the replayed depth of a tree of budget b equals walking
+    best_first_tree(b) of that round's rows along the target's tokens, wherever the recorded path decides it (always
+    up to the budget run; past it, until the path's last recorded node is in the tree)."""
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    p = torch.tensor([[4, 5, 9, 11]])
+    ref = Engine(target, None, method="ar").generate(p, max_new_tokens=70).output_ids
+    decided = 0
+    for budget in (None, 12):
+        prop = RankScriptedProposer(ref, 64, ACCEPT, budget, seed=3, scores=SCORES)
+        dg = Engine(target, None, method="dflash" if budget is None else "ddtree", budget=budget,
+                    proposer=prop).generate(p, max_new_tokens=60).diagnosis
+        rounds = D._prepared(dg, 16)
+        assert len(rounds) == len(prop.history)
+        for (pos, logits), rnd in zip(prop.history, rounds, strict=True):
+            needs, m = rnd.needs(), len(rnd.ranks)
+            for b in range(1, 17):
+                tree = best_first_tree(torch.tensor(ref[pos - 1]), torch.log_softmax(logits, -1), b, host=False)
+                toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+                node, depth = 0, 0
+                while pos + depth < len(ref):
+                    kids = [i for i in range(len(toks)) if pars[i] == node and toks[i] == ref[pos + depth]]
+                    if not kids:
+                        break
+                    node, depth = kids[0], depth + 1
+                j = sum(n <= b for n in needs)
+                if budget is not None and b <= budget:
+                    assert j < m or m == len(ACCEPT)  # the run's own budget and below: always decided
+                if j < m or m == len(ACCEPT):
+                    decided += 1
+                    assert rnd.depths([b], (None, None), 64) == [float(depth)], (budget, b, pos, needs)
+    assert decided > 300
 
 
 def test_recording_off_records_nothing():

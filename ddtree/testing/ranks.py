@@ -33,6 +33,7 @@ class RankScriptedProposer:
         self.block_size = len(probs) + 1
         self.rng = random.Random(seed)
         self.last_logits: torch.Tensor | None = None
+        self.history: list[tuple[int, torch.Tensor]] = []  # per round: tokens generated before it, its rows
         rows = []
         for p in scores or probs:
             rest = max(0.0, 1.0 - sum(p))
@@ -64,6 +65,7 @@ class RankScriptedProposer:
             order = others[:r] + [true] + others[r:]  # order[k]: the token of rank k
             logits[d, torch.tensor(order)] = self.row_probs[d].log().float()
         self.last_logits = logits.to(state.root.device)
+        self.history.append((pos, logits))
         if self.budget is None:
             return chain_tree(state.root, self.last_logits.argmax(-1))
         return best_first_tree(state.root, torch.log_softmax(self.last_logits, -1), self.budget)
