@@ -21,21 +21,22 @@ row d drafts depth d + 1):
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds about 13 small kernels (the path's ranks and costs, the rows' sketch), 8 more for a
-tree's `need`, about 22 more for the node table, and no host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
+Cost, on every device: a round adds about 12 small kernels (the path's ranks and costs, the rows' top-16 sketch, a
+tree's scores kept for `need`), about 22 more for the node table, and no host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 RANK_CAP = 32  # ranks 0 … RANK_CAP - 1 are kept; RANK_CAP means "beyond"
 PROB_SCALE = 1000  # probabilities are stored as integers in thousandths
 COST_SCALE = 1000  # costs (minus log-probabilities) are stored as integers in thousandths of a nat
 # the ranks of each row whose costs are kept (a sketch of the sorted row; the replay interpolates in log rank)
-SKETCH = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63, 95, 127, 191, 255)
+SKETCH = (0, 1, 2, 3, 5, 7, 11, 15)
 FORMAT = 2  # the record's layout version (2: costs, rows, need)
 # `nodes` table columns: index = off_path * 4 + top1 * 2 + agreed (per depth row); counts of verified nodes
 NODE_COLUMNS = 8
@@ -46,8 +47,8 @@ class RoundRecorder:
 
     def __init__(self) -> None:
         self._depths: list[int] = []
-        self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, [a] need
-        self._shape: list[tuple[int, int, int, int]] = []  # per round: m, L, sketch points, need count (-1: none)
+        self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, tree scores, path
+        self._shape: list[tuple[int, ...]] = []  # per round: m, L, sketch points, tree scores kept (0: none), depth
         self._nodes: torch.Tensor | None = None  # [L + 1, NODE_COLUMNS] float counts
         self._sketch: torch.Tensor | None = None
         self._vocab = 0
@@ -76,16 +77,12 @@ class RoundRecorder:
         k = min(SKETCH[-1] + 1, V)
         sketch = lse - logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device))  # [L, S]
         parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), sketch.reshape(-1)]
-        n_need = -1
-        if tree.scores is not None and not tree.is_chain:  # DDTree: each accepted node's place in best-first order
-            n_need = accepted
-            if accepted:
-                idx = path[1:accepted + 1].to(tree.scores.device)
-                s, key = tree.scores, tree.scores[idx][:, None]
-                ahead = (s > key) | ((s == key) & (torch.arange(s.shape[0], device=s.device) < idx[:, None]))
-                parts.append(ahead.sum(1).to(logits.device, torch.float32))  # the root is always ahead: 1-based
+        n_tree = 0
+        if tree.scores is not None and not tree.is_chain:  # DDTree: its scores place the accepted nodes (in finish)
+            n_tree = tree.scores.shape[0]
+            parts += [tree.scores.to(logits.device, torch.float32), path[1:accepted + 1].to(logits.device, torch.float32)]
         self._parts.append(torch.cat(parts))
-        self._shape.append((m, L, sketch.shape[1], n_need))
+        self._shape.append((m, L, sketch.shape[1], n_tree, accepted))
         if not tree.is_chain:
             self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
@@ -113,23 +110,27 @@ class RoundRecorder:
         parts = list(self._parts)
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
-        flat = torch.cat(parts).tolist() if parts else []
+        flat = torch.cat(parts).double().cpu().numpy() if parts else np.zeros(0)  # the one transfer
         ranks, probs, costs, rows, need, i = [], [], [], [], [], 0
-        for m, L, s, n_need in self._shape:
-            seg = flat[i: i + 2 * m]
+        for m, L, s, n_tree, a in self._shape:
+            seg = flat[i: i + 2 * m].reshape(m, 2)
             i += 2 * m
-            ranks.append([min(int(r), RANK_CAP) for r in seg[0::2]])
-            probs.append([round(PROB_SCALE * math.exp(-c)) for c in seg[1::2]])
-            costs.append([round(COST_SCALE * c) for c in seg[1::2]])
-            rows_flat = flat[i: i + s * L]
+            ranks.append(np.minimum(seg[:, 0], RANK_CAP).astype(int).tolist())
+            probs.append(np.rint(PROB_SCALE * np.exp(-seg[:, 1])).astype(int).tolist())
+            costs.append(np.rint(COST_SCALE * seg[:, 1]).astype(int).tolist())
+            rows.append(np.rint(COST_SCALE * flat[i: i + s * L]).astype(int).reshape(L, s).tolist())
             i += s * L
-            rows.append([[round(COST_SCALE * c) for c in rows_flat[j: j + s]] for j in range(0, len(rows_flat), s)])
-            if n_need < 0:
+            if not n_tree:
                 need.append(None)
-            else:
-                need.append([int(x) for x in flat[i: i + n_need]])
-                i += n_need
-        nodes = flat[i:]
+                continue
+            scores, idx = flat[i: i + n_tree], flat[i + n_tree: i + n_tree + a].astype(int)
+            i += n_tree + a
+            # a node's place in the best-first order (1-based, the root ahead of every node): by score, equal scores
+            # in the flat layout's order (depth-major, best first within a depth)
+            place = np.empty(n_tree, dtype=int)
+            place[np.argsort(-scores, kind="stable")] = np.arange(n_tree)
+            need.append(place[idx].tolist())
+        nodes = flat[i:].tolist()
         out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "cost_scale": COST_SCALE,
                "sketch": [r for r in SKETCH if r < self._vocab], "vocab": self._vocab, "tree": self._tree or None,
                "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "need": need}
