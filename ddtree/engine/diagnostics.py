@@ -13,6 +13,8 @@ row d drafts depth d + 1):
   compares it with the rows below);
 * `rows`: each of the L rows' costs at the SKETCH ranks (its best-first order: a few points of each sorted row), in
   COST_SCALE-ths of a nat: a DFlash row does not depend on the path, so a DDTree tree of any budget is rebuilt from them;
+* `tail`: per row, the costs of its mean logit (about rank V / 2) and of its last rank (V - 1), in COST_SCALE-ths of a
+  nat: where a flat row goes past the sketch;
 * `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
 * `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
   whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
@@ -21,8 +23,9 @@ row d drafts depth d + 1):
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds about 12 small kernels (the path's ranks and costs, the rows' top-16 sketch, a
-tree's scores kept for `need`), about 22 more for the node table, and no host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
+Cost, on every device: a round adds about 15 small kernels (the path's ranks and costs, the rows' top-64 sketch and
+ends, a tree's scores kept for `need`), about 22 more for the node table, and no host read; `finish()` reads
+everything once per generation (one transfer). Nothing here changes what is decoded.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ RANK_CAP = 32  # ranks 0 … RANK_CAP - 1 are kept; RANK_CAP means "beyond"
 PROB_SCALE = 1000  # probabilities are stored as integers in thousandths
 COST_SCALE = 1000  # costs (minus log-probabilities) are stored as integers in thousandths of a nat
 # the ranks of each row whose costs are kept (a sketch of the sorted row; the replay interpolates in log rank)
-SKETCH = (0, 1, 2, 3, 5, 7, 11, 15)
+SKETCH = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
 FORMAT = 2  # the record's layout version (2: costs, rows, need)
 # `nodes` table columns: index = off_path * 4 + top1 * 2 + agreed (per depth row); counts of verified nodes
 NODE_COLUMNS = 8
@@ -75,14 +78,17 @@ class RoundRecorder:
         own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
         rank = (rows > own).sum(1, keepdim=True)
         k = min(SKETCH[-1] + 1, V)
-        sketch = lse - logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device))  # [L, S]
-        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), sketch.reshape(-1)]
+        top = logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device))  # [L, S]
+        # past them: the costs of the mean logit (about rank V / 2) and of the last rank, where a flat row goes on
+        ends = torch.cat([logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
+        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - top).reshape(-1),
+                 (lse - ends).reshape(-1)]
         n_tree = 0
         if tree.scores is not None and not tree.is_chain:  # DDTree: its scores place the accepted nodes (in finish)
             n_tree = tree.scores.shape[0]
             parts += [tree.scores.to(logits.device, torch.float32), path[1:accepted + 1].to(logits.device, torch.float32)]
         self._parts.append(torch.cat(parts))
-        self._shape.append((m, L, sketch.shape[1], n_tree, accepted))
+        self._shape.append((m, L, top.shape[1], n_tree, accepted))
         if not tree.is_chain:
             self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
@@ -111,7 +117,7 @@ class RoundRecorder:
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
         flat = torch.cat(parts).double().cpu().numpy() if parts else np.zeros(0)  # the one transfer
-        ranks, probs, costs, rows, need, i = [], [], [], [], [], 0
+        ranks, probs, costs, rows, tails, need, i = [], [], [], [], [], [], 0
         for m, L, s, n_tree, a in self._shape:
             seg = flat[i: i + 2 * m].reshape(m, 2)
             i += 2 * m
@@ -120,6 +126,8 @@ class RoundRecorder:
             costs.append(np.rint(COST_SCALE * seg[:, 1]).astype(int).tolist())
             rows.append(np.rint(COST_SCALE * flat[i: i + s * L]).astype(int).reshape(L, s).tolist())
             i += s * L
+            tails.append(np.rint(COST_SCALE * flat[i: i + 2 * L]).astype(int).reshape(L, 2).tolist())
+            i += 2 * L
             if not n_tree:
                 need.append(None)
                 continue
@@ -133,7 +141,8 @@ class RoundRecorder:
         nodes = flat[i:].tolist()
         out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "cost_scale": COST_SCALE,
                "sketch": [r for r in SKETCH if r < self._vocab], "vocab": self._vocab, "tree": self._tree or None,
-               "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "need": need}
+               "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "tail": tails,
+               "need": need}
         if self._nodes is not None:
             out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out

@@ -343,17 +343,23 @@ class _Round:
     interpolated in log rank, the last segment's slope past it), the n cheapest node costs of the best-first order over
     every depth (a tree of budget B holds the nodes costing at most the B-th), and the target's path (ranks, costs)."""
 
-    def __init__(self, ranks: list[int], costs: list[int], rows: list[list[int]], need: list[int] | None,
-                 sketch: list[int], scale: float, vocab: int, tree: int | None, n: int):
-        self.ranks, self.need, self.tree = ranks, need, tree
+    def __init__(self, ranks: list[int], costs: list[int], rows: list[list[int]], tails: list[list[int]] | None,
+                 need: list[int] | None, dg: dict[str, Any], n: int):
+        self.ranks, self.need, self.tree = ranks, need, dg.get("tree")
+        scale, vocab = dg.get("cost_scale", 1000), int(dg["vocab"])
         self.path = np.cumsum(np.array(costs, dtype=np.float64) / scale)  # the path's nodes' cumulative costs
-        x = np.log1p(np.array(sketch, dtype=np.float64))
         xr = np.log1p(np.arange(min(n, vocab), dtype=np.float64))
         self.rows = []
-        for pts in rows:
-            y = np.array(pts, dtype=np.float64) / scale
+        for d, pts in enumerate(rows):
+            # (rank, cost) points: the sketched ranks, then the mean logit's cost at rank (V - 1) / 2 and the last rank's
+            xs, ys = list(dg["sketch"]), [c / scale for c in pts]
+            for x, c in zip(((vocab - 1) / 2, vocab - 1), tails[d] if tails else [], strict=False):
+                if x > xs[-1] and c / scale >= ys[-1]:
+                    xs.append(x)
+                    ys.append(c / scale)
+            x, y = np.log1p(np.array(xs)), np.array(ys)
             row = np.interp(xr, x, y)
-            if len(x) > 1 and xr[-1] > x[-1]:  # past the sketch: its last slope in log rank
+            if len(x) > 1 and xr[-1] > x[-1]:  # past the last point: its last slope in log rank
                 past = xr > x[-1]
                 row[past] = y[-1] + (y[-1] - y[-2]) / (x[-1] - x[-2]) * (xr[past] - x[-1])
             self.rows.append(row)
@@ -444,9 +450,9 @@ def _prepared(dg: dict[str, Any], n: int) -> list[_Round]:
     key = id(dg) * 4096 + n
     hit = _PREPARED.get(key)
     if hit is None or hit[0] is not dg:
-        need = dg.get("need") or [None] * len(dg["ranks"])
-        rounds = [_Round(r, c, w, nd, dg["sketch"], dg.get("cost_scale", 1000), int(dg["vocab"]), dg.get("tree"), n)
-                  for r, c, w, nd in zip(dg["ranks"], dg["costs"], dg["rows"], need, strict=True)]
+        none = [None] * len(dg["ranks"])
+        rounds = [_Round(r, c, w, t, nd, dg, n) for r, c, w, t, nd in
+                  zip(dg["ranks"], dg["costs"], dg["rows"], dg.get("tail") or none, dg.get("need") or none, strict=True)]
         hit = _PREPARED[key] = (dg, rounds)
     return hit[1]
 
