@@ -30,8 +30,6 @@ everything once per generation (one transfer). Nothing here changes what is deco
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 

@@ -12,13 +12,17 @@ Writes diagnosis.md, diagnosis.json and PNG plots into the directory (or --out):
   the best budget;
 * one verdict line naming the limiting factor.
 
-The model (`predict_taus`): at depth d the target's token has rank r in the drafter's row with probability
-p_d(r | state), state = whether the path above stayed on the drafter's top-1 chain; the ranks at different depths are
-independent given depth and state. A tree of budget B accepts, in expectation, the sum over its nodes of the
-probability that the target's path passes through them; the predicted tree is the B rank-paths of highest such
-probability (a best-first tree ranked by the measured acceptance, not by the drafter's scores of one round). A chain's
-prediction, 1 + sum_d prod_{i<=d} p_i(0), is the measured tau of its own rounds by construction; what the model adds is
-the branches, and the off-path statistics test the assumption it rests on.
+The prediction for DDTree trees (`replay_taus`) replays each recorded round: a DFlash drafter's per-position rows do
+not depend on the path, so the best-first tree of any budget B is the set of rank paths whose summed drafter cost (minus
+log-probability) is among the B smallest, computed from the round's recorded rows. Where the target's path is known
+(its tokens up to one past the accepted depth), the depth that tree accepts is exact: recorded outright up to the
+budget that ran (each accepted node's place in the best-first order), from a sketch of the rows past it. Below the
+known path the rank model decides: at depth d the target's token has rank r in the drafter's row with probability
+p_d(r | state), state = whether the path above stayed on the drafter's top-1 chain, independently across depths, while
+which ranks the tree holds still comes from that round's rows. A chain's prediction, 1 + sum_d prod_{i<=d} p_i(0), is
+the same replay for the top-1 chain (the measured tau of its own rounds, by construction). `predict_taus` is the rank
+model alone: one tree shape for every round, the B most likely rank paths by measured acceptance (what a tree ordered
+by acceptance rather than by the drafter's scores would reach), and the prediction for records without rows (format 1).
 """
 
 from __future__ import annotations
@@ -567,10 +571,10 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
         return doc
     st = collect([d for j in drafting for d in j.diagnosed])
     L = st.depth
-    pred, indep, sources = model_curves(drafting, L)
+    pred, indep, best, sources = model_curves(drafting, L)
     doc.update(temperature=sorted(t for t in temps if t is not None), rounds=st.rounds, drafter_positions=L,
                depths=depth_table(st), accuracy=main_vs_off(st), predicted=pred, predicted_independent=indep,
-               calibration=sources)
+               predicted_by_acceptance=best, calibration=sources, model=MODEL_NOTE)
     measured = []
     for j in drafting:
         b = j.tree_budget
@@ -622,7 +626,7 @@ def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS,
 
 
 def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS):
-    """(predicted, independent, sources): the chain point (budget 1) from the chain rounds (DFlash) where there are any,
+    """(predicted, independent, by acceptance, sources): the chain point (budget 1) from the chain rounds (DFlash) where there are any,
     the trees' points from the tree rounds where there are any; else each from what there is.
 
     Why apart: a round starts where the previous one missed, and a tree misses at harder tokens than a chain (it
@@ -635,9 +639,12 @@ def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS
     c_pred, c_ind = predicted_curves(collect(chain_src, L), budgets, chain_src)
     t_pred, t_ind = (c_pred, c_ind) if tree_src is chain_src else predicted_curves(collect(tree_src, L), budgets,
                                                                                      tree_src)
+    best = predicted_curves(collect(tree_src, L), budgets)[0]  # the rank model alone: one tree shape by acceptance
     pick = lambda c, t: {b: (c[b] if b == 1 else t[b]) for b in budgets}  # noqa: E731
     name = lambda src: "chain rounds" if src is chains else "tree rounds"  # noqa: E731
-    return pick(c_pred, t_pred), pick(c_ind, t_ind), {"chain": name(chain_src), "trees": name(tree_src)}
+    sources = {"chain": name(chain_src), "trees": name(tree_src),
+               "trees_model": "replay" if replayable(tree_src) else "rank model (records without rows)"}
+    return pick(c_pred, t_pred), pick(c_ind, t_ind), pick(c_pred, best), sources
 
 
 def cross_predictions(jobs: list[JobData], L: int) -> list[dict[str, Any]]:
@@ -748,9 +755,13 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     bs = list(doc["predicted"])
     trees = [b for b in bs if b > 1]
-    ax.plot(trees, [doc["predicted"][b] for b in trees], marker=".", color="C0", label="predicted tree (measured off-path)")
+    ax.plot(trees, [doc["predicted"][b] for b in trees], marker=".", color="C0",
+            label="predicted DDTree (replay, measured off-path)")
     ax.plot(trees, [doc["predicted_independent"][b] for b in trees], linestyle=":", color="C0",
-            label="predicted tree (independence: off-path = main)")
+            label="predicted DDTree (independence: off-path = main)")
+    if doc.get("predicted_by_acceptance"):
+        ax.plot(trees, [doc["predicted_by_acceptance"][b] for b in trees], linestyle="--", color="C2",
+                label="one tree shape by measured acceptance")
     if 1 in doc["predicted"]:
         ax.scatter([1], [doc["predicted"][1]], marker="*", s=120, color="C0", label="predicted chain (all positions)")
     meas = doc["measured"]
@@ -778,10 +789,14 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     return paths
 
 
-MODEL_NOTE = ("Model: at depth d the target's token has rank r in the drafter's distribution with the measured "
-              "probability p_d(r | on or off the drafter's top-1 chain above), independently across depths; the "
-              "predicted tree holds the B most likely rank paths. Dotted: the plain independence assumption "
-              "(off-path = main path), which DDTree's scores make.")
+MODEL_NOTE = ("Model: each recorded round is replayed: DDTree's tree of budget B is rebuilt from that round's "
+              "drafter scores (its per-depth rows do not depend on the path), and its accepted depth is exact as far as "
+              "the target's path is known (one token past the accepted depth); below that, the target's token has rank "
+              "r with the measured probability p_d(r | on or off the drafter's top-1 chain above), independently across "
+              "depths. The chain is the same for the top-1 chain. Dotted: the continuation under plain independence "
+              "(off-path = main), which DDTree's scores assume; dashed: the rank model alone, one tree shape for every "
+              "round (the B likeliest rank paths by measured acceptance), where DDTree adapts its tree to each round's "
+              "scores.")
 
 
 def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> list[str]:
@@ -806,6 +821,9 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
               "| --- |" + " ---: |" * len(doc["predicted"]),
               "| predicted tau | " + " | ".join(f"{v:.2f}" for v in doc["predicted"].values()) + " |",
               "| independence | " + " | ".join(f"{v:.2f}" for v in doc["predicted_independent"].values()) + " |"]
+    if doc.get("predicted_by_acceptance"):
+        lines.append("| one tree by acceptance | " + " | ".join(
+            f"{v:.2f}" for v in doc["predicted_by_acceptance"].values()) + " |")
     if doc.get("speedup"):
         lines.append("| predicted speedup | " + " | ".join(
             f"{doc['speedup'][b]['speedup']:.2f}x" if b in doc["speedup"] else "-" for b in doc["predicted"]) + " |")
@@ -815,7 +833,7 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
                   f"Best budget: {_budget_name(doc['best_budget'])}."]
     if doc.get("calibration"):
         lines += ["", f"Calibration: the chain from {doc['calibration']['chain']}, the trees from "
-                  f"{doc['calibration']['trees']} (a round starts where the last one missed, and trees miss at harder "
+                  f"{doc['calibration']['trees']} ({doc['calibration'].get('trees_model', 'rank model')}; a round starts where the last one missed, and trees miss at harder "
                   "tokens than chains: see docs/diagnosis.md)."]
     if doc.get("cross"):
         cols = sorted({r["budget"] for r in doc["cross"]})
