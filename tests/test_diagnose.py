@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import subprocess
@@ -90,6 +91,32 @@ def test_a_chain_prediction_is_its_own_accepted_tau():
     st = D.collect([rec], L)
     main, _ = D.rank_probabilities(st)
     assert D.chain_tau(main) == pytest.approx(1 + sum(depths) / len(depths), rel=1e-12)
+
+
+def test_a_sampled_chain_from_tree_rounds_matches_its_exact_tau():
+    """T > 0: a DFlash chain drafts a sample of the drafter's tempered row q_d at each depth and the target accepts it
+    when its own sample (from p_d) is the same token: the exact expected tau is 1 + sum_k prod_{d<=k} sum_v p_d(v) q_d(v).
+    Tree rounds record the target's sampled path up to a random depth, with each token's tempered drafter cost."""
+    rng = random.Random(5)
+    L, V = 5, 6
+    p = [[8.0] + [rng.random() for _ in range(V - 1)] for _ in range(L)]  # both lean on token 0: long chains
+    q = [[6.0] + [rng.random() for _ in range(V - 1)] for _ in range(L)]
+    p = [[x / sum(r) for x in r] for r in p]
+    q = [[x / sum(r) for x in r] for r in q]
+    exact, run = 1.0, 1.0
+    for d in range(L):
+        run *= sum(a * b for a, b in zip(p[d], q[d], strict=True))
+        exact += run
+    tcosts = []
+    for _ in range(20000):
+        m = rng.randint(1, L)  # how far this round's tree followed the target (independent of the samples here)
+        xs = [rng.choices(range(V), p[d])[0] for d in range(m)]
+        tcosts.append([round(-1000 * math.log(q[d][x])) for d, x in enumerate(xs)])
+    rec = {"tree": 8, "temperature": 1.0, "cost_scale": 1000, "rows": [[[0]] * L], "tcosts": tcosts}
+    assert D.record_temperature([rec]) == 1.0
+    assert D.sampled_chain_tau([rec]) == pytest.approx(exact, abs=0.02)
+    chain = {"tree": None, "depth": [0, 1, 2, 5], "temperature": 1.0}
+    assert D.sampled_chain_tau([chain]) == 3.0  # a chain's own rounds: their accepted tau
 
 
 def test_wilson_interval():

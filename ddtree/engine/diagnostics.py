@@ -15,6 +15,8 @@ row d drafts depth d + 1):
   COST_SCALE-ths of a nat: a DFlash row does not depend on the path, so a DDTree tree of any budget is rebuilt from them;
 * `tail`: per row, the costs of its mean logit (about rank V / 2) and of its last rank (V - 1), in COST_SCALE-ths of a
   nat: where a flat row goes past the sketch;
+* at temperature T > 0, `tcosts`: the path's tokens' costs under the drafter's distribution at T (what a DFlash chain
+  sampling at T draws them with), and `temperature`;
 * `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
 * `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
   whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
@@ -46,7 +48,10 @@ NODE_COLUMNS = 8
 class RoundRecorder:
     """Collects one generation's per-round diagnosis on the device; `finish()` returns it as plain lists."""
 
-    def __init__(self) -> None:
+    def __init__(self, temperature: float = 0.0) -> None:
+        """temperature > 0: also record the path's tokens' costs under the drafter's tempered distribution (`tcosts`:
+        what a DFlash chain sampling at that temperature draws them with)."""
+        self._temperature = float(temperature)
         self._depths: list[int] = []
         self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, tree scores, path
         self._shape: list[tuple[int, ...]] = []  # per round: m, L, sketch points, tree scores kept (0: none), depth
@@ -81,6 +86,9 @@ class RoundRecorder:
         ends = torch.cat([logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
         parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - top).reshape(-1),
                  (lse - ends).reshape(-1)]
+        if self._temperature > 0:  # minus the drafter's tempered log-probability of the path's tokens
+            hot = rows / self._temperature
+            parts.append((hot.logsumexp(1, keepdim=True) - own / self._temperature).reshape(-1))
         n_tree = 0
         if tree.scores is not None and not tree.is_chain:  # DDTree: its scores place the accepted nodes (in finish)
             n_tree = tree.scores.shape[0]
@@ -115,7 +123,7 @@ class RoundRecorder:
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
         flat = torch.cat(parts).double().cpu().numpy() if parts else np.zeros(0)  # the one transfer
-        ranks, probs, costs, rows, tails, need, i = [], [], [], [], [], [], 0
+        ranks, probs, costs, rows, tails, tcosts, need, i = [], [], [], [], [], [], [], 0
         for m, L, s, n_tree, a in self._shape:
             seg = flat[i: i + 2 * m].reshape(m, 2)
             i += 2 * m
@@ -126,6 +134,9 @@ class RoundRecorder:
             i += s * L
             tails.append(np.rint(COST_SCALE * flat[i: i + 2 * L]).astype(int).reshape(L, 2).tolist())
             i += 2 * L
+            if self._temperature > 0:
+                tcosts.append(np.rint(COST_SCALE * flat[i: i + m]).astype(int).tolist())
+                i += m
             if not n_tree:
                 need.append(None)
                 continue
@@ -141,6 +152,8 @@ class RoundRecorder:
                "sketch": [r for r in SKETCH if r < self._vocab], "vocab": self._vocab, "tree": self._tree or None,
                "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "tail": tails,
                "need": need}
+        if self._temperature > 0:
+            out.update(temperature=self._temperature, tcosts=tcosts)
         if self._nodes is not None:
             out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out

@@ -571,7 +571,14 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
         return doc
     st = collect([d for j in drafting for d in j.diagnosed])
     L = st.depth
-    pred, indep, best, sources = model_curves(drafting, L)
+    # each temperature on its own: the first (the lowest) draws the curves, every job is predicted from its own
+    groups: dict[float, list[JobData]] = defaultdict(list)
+    for j in drafting:
+        groups[float(j.summary.get("temperature") or 0.0)].append(j)
+    curves = {t: model_curves(g, L) for t, g in sorted(groups.items())}
+    pred, indep, best, sources = curves[min(groups)]
+    if len(groups) > 1:
+        doc["predicted_by_temperature"] = {t: c[0] for t, c in curves.items()}
     doc.update(temperature=sorted(t for t in temps if t is not None), rounds=st.rounds, drafter_positions=L,
                depths=depth_table(st), accuracy=main_vs_off(st), predicted=pred, predicted_independent=indep,
                predicted_by_acceptance=best, calibration=sources, model=MODEL_NOTE)
@@ -579,12 +586,14 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
     for j in drafting:
         b = j.tree_budget
         if b is not None and j.tau is not None:
-            p = pred[b] if b in pred else model_curves(drafting, L, (b,))[0][b]
+            t = float(j.summary.get("temperature") or 0.0)
+            own = curves[t][0]
+            p = own[b] if b in own else model_curves(groups[t], L, (b,))[0][b]
             depths = [a for d in j.diagnosed for a in d["depth"]]
             accepted = 1 + sum(depths) / len(depths) if depths else None
-            measured.append({"name": j.name, "method": j.method, "budget": b, "measured": j.tau, "accepted": accepted,
-                             "predicted": p, "error": (p - j.tau) / j.tau})
-    doc["measured"] = sorted(measured, key=lambda m: m["budget"])
+            measured.append({"name": j.name, "method": j.method, "budget": b, "temperature": t, "measured": j.tau,
+                             "accepted": accepted, "predicted": p, "error": (p - j.tau) / j.tau})
+    doc["measured"] = sorted(measured, key=lambda m: (m["temperature"], m["budget"]))
     doc["cross"] = cross_predictions(drafting, L) if len(drafting) > 1 else []
     curve = cost_curve(jobs, cost)
     doc["cost"] = curve
@@ -597,8 +606,13 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
     doc["speedup"] = speed
     doc["best_budget"] = max(speed, key=lambda b: speed[b]["speedup"]) if speed else None
     if any(t and t > 0 for t in temps):
-        doc["note"] = ("temperature > 0: the ranks are of the target's sampled tokens; the model predicts greedy "
-                       "acceptance and is not checked at T > 0")
+        doc["note"] = ("temperature > 0: the ranks are of the target's sampled tokens, and the trees are replayed the "
+                       "same way (under the same samples a smaller tree accepts the part of the path it holds); a chain "
+                       "is predicted from its own rounds, or from tree rounds by the drafter's tempered probability of "
+                       "the target's samples (recorded from format 2 on; older records: greedy); each temperature is "
+                       "predicted from its own jobs" if any(record_temperature(j.diagnosed) > 0 for j in drafting)
+                       else "temperature > 0, but these records predate the tempered costs: the chain is predicted "
+                       "as if greedy")
     doc["verdict"] = verdict(doc, pred)
     return doc
 
@@ -614,6 +628,9 @@ def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS,
     main, off = rank_probabilities(st)
     trees = [b for b in budgets if b > 1]
     replay = bool(trees) and diagnoses is not None and replayable(diagnoses)
+    chain = sampled_chain_tau(diagnoses) if diagnoses and record_temperature(diagnoses) > 0 else None
+    if chain is None:
+        chain = chain_tau(main)
     curves = []
     for o in (off, main):
         if replay:
@@ -621,8 +638,40 @@ def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS,
         else:
             full = predict_taus(main, o, max(budgets), st.vocab)
             taus = {b: full[b] for b in trees}
-        curves.append({b: (chain_tau(main) if b == 1 else taus[b]) for b in budgets})
+        curves.append({b: (chain if b == 1 else taus[b]) for b in budgets})
     return curves[0], curves[1]
+
+
+def record_temperature(diagnoses: list[dict[str, Any]]) -> float:
+    """The temperature the records were made at (0: greedy, and records older than format 2)."""
+    return max((float(dg.get("temperature") or 0.0) for dg in diagnoses), default=0.0)
+
+
+def sampled_chain_tau(diagnoses: list[dict[str, Any]]) -> float | None:
+    """A DFlash chain's expected tau at temperature T > 0, where it drafts a sample of the drafter's tempered row at each
+    depth and the target accepts it when its own sample is the same token.
+
+    From a chain's own rounds: their accepted tau (the accepted prefix leans toward the drafter's likely tokens, so it
+    cannot be reused). From tree rounds, whose path is a plain sample of the target's (a DFlash row does not depend on
+    the path): P(the chain accepts >= k) = prod_{i<=k} q_i(x_i), q_i the drafter's tempered probability of the target's
+    token x_i, where x_i was recorded (`tcosts`), and past it the mean q_i of the rounds that recorded depth i
+    (independence across depths). None: records without `tcosts`."""
+    if all(dg.get("tree") is None for dg in diagnoses):  # chain rounds
+        depths = [a for dg in diagnoses for a in dg["depth"]]
+        return 1 + sum(depths) / len(depths) if depths else None
+    if not all(dg.get("tcosts") is not None for dg in diagnoses):
+        return None
+    L = max(len(r) for dg in diagnoses for r in dg["rows"])
+    qs = [[math.exp(-c / dg.get("cost_scale", 1000)) for c in tc] for dg in diagnoses for tc in dg["tcosts"]]
+    seen = [[q[i] for q in qs if len(q) > i] for i in range(L)]
+    mean = [sum(v) / len(v) if v else 0.0 for v in seen]
+    total = 0.0
+    for q in qs:
+        run = 1.0
+        for i in range(L):
+            run *= q[i] if i < len(q) else mean[i]
+            total += run
+    return 1 + total / max(len(qs), 1)
 
 
 def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS):
@@ -650,10 +699,11 @@ def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS
 def cross_predictions(jobs: list[JobData], L: int) -> list[dict[str, Any]]:
     """Each job's records alone predicting every job's tau (what one calibration run, e.g. budget=auto, can tell):
     rows of {calibration, budget, method, predicted, measured, error}."""
-    targets = [(j.tree_budget, j.tau) for j in jobs if j.tree_budget is not None and j.tau]
-    budgets = tuple(sorted({b for b, _ in targets}))
+    temp = lambda j: float(j.summary.get("temperature") or 0.0)  # noqa: E731
     rows = []
     for cal in jobs:
+        targets = [(j.tree_budget, j.tau) for j in jobs if j.tree_budget is not None and j.tau and temp(j) == temp(cal)]
+        budgets = tuple(sorted({b for b, _ in targets}))
         pred, _ = predicted_curves(collect(cal.diagnosed, L), budgets, cal.diagnosed)
         for b, tau in targets:
             rows.append({"calibration": cal.name, "calibration_budget": cal.tree_budget, "budget": b,
@@ -815,7 +865,8 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
               "| job | method | budget | measured tau | accepted | predicted | error |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for m in doc["measured"]:
-        lines.append(f"| {m['name']} | {m['method']} | {m['budget']} | {m['measured']:.2f} | {_f(m['accepted'])} | "
+        t = f" (T={m['temperature']:g})" if m.get("temperature") else ""
+        lines.append(f"| {m['name']} | {m['method']}{t} | {m['budget']} | {m['measured']:.2f} | {_f(m['accepted'])} | "
                      f"{_f(m['predicted'])} | {100 * m['error']:+.1f} % |")
     lines += ["", "| budget | " + " | ".join(str(b) for b in doc["predicted"]) + " |",
               "| --- |" + " ---: |" * len(doc["predicted"]),
