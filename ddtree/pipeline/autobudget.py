@@ -37,9 +37,6 @@ def check_auto(rc) -> None:
     if rc.engine != "native":
         raise ConfigError("budget", "budget=auto needs the native engine (it reads the per-round records)",
                           "use engine=native, or a number")
-    if rc.temperature > 0:
-        raise ConfigError("budget", "budget=auto's model predicts greedy acceptance only",
-                          "use temperature=0, or a number")
     if a.prompts < 1 or a.calibration_budget < 1 or a.cost_tokens < 1:
         raise ConfigError("auto", "auto.prompts, auto.calibration_budget and auto.cost_tokens must be >= 1")
     if not a.candidates or min(a.candidates) < 1:
