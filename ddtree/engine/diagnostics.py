@@ -122,7 +122,7 @@ class RoundRecorder:
         parts = list(self._parts)
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
-        flat = torch.cat(parts).double().cpu().numpy() if parts else np.zeros(0)  # the one transfer
+        flat = np.asarray(torch.cat(parts).tolist() if parts else [], dtype=np.float64)  # the one transfer
         ranks, probs, costs, rows, tails, tcosts, need, i = [], [], [], [], [], [], [], 0
         for m, L, s, n_tree, a in self._shape:
             seg = flat[i: i + 2 * m].reshape(m, 2)
