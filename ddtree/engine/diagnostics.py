@@ -123,28 +123,30 @@ class RoundRecorder:
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
         flat = np.asarray(torch.cat(parts).tolist() if parts else [], dtype=np.float64)  # the one transfer
+        whole = flat.astype(np.int64).tolist()  # ranks and counts
+        milli = np.rint(COST_SCALE * flat).astype(np.int64).tolist()  # costs
+        permille = np.rint(PROB_SCALE * np.exp(-np.clip(flat, 0.0, None))).astype(np.int64).tolist()  # probabilities
         ranks, probs, costs, rows, tails, tcosts, need, i = [], [], [], [], [], [], [], 0
         for m, L, s, n_tree, a in self._shape:
-            seg = flat[i: i + 2 * m].reshape(m, 2)
+            ranks.append([min(r, RANK_CAP) for r in whole[i: i + 2 * m: 2]])
+            probs.append(permille[i + 1: i + 2 * m: 2])
+            costs.append(milli[i + 1: i + 2 * m: 2])
             i += 2 * m
-            ranks.append(np.minimum(seg[:, 0], RANK_CAP).astype(int).tolist())
-            probs.append(np.rint(PROB_SCALE * np.exp(-seg[:, 1])).astype(int).tolist())
-            costs.append(np.rint(COST_SCALE * seg[:, 1]).astype(int).tolist())
-            rows.append(np.rint(COST_SCALE * flat[i: i + s * L]).astype(int).reshape(L, s).tolist())
+            rows.append([milli[j: j + s] for j in range(i, i + s * L, s)])
             i += s * L
-            tails.append(np.rint(COST_SCALE * flat[i: i + 2 * L]).astype(int).reshape(L, 2).tolist())
+            tails.append([milli[j: j + 2] for j in range(i, i + 2 * L, 2)])
             i += 2 * L
             if self._temperature > 0:
-                tcosts.append(np.rint(COST_SCALE * flat[i: i + m]).astype(int).tolist())
+                tcosts.append(milli[i: i + m])
                 i += m
             if not n_tree:
                 need.append(None)
                 continue
-            scores, idx = flat[i: i + n_tree], flat[i + n_tree: i + n_tree + a].astype(int)
+            scores, idx = flat[i: i + n_tree], whole[i + n_tree: i + n_tree + a]
             i += n_tree + a
             # a node's place in the best-first order (1-based, the root ahead of every node): by score, equal scores
             # in the flat layout's order (depth-major, best first within a depth)
-            place = np.empty(n_tree, dtype=int)
+            place = np.empty(n_tree, dtype=np.int64)
             place[np.argsort(-scores, kind="stable")] = np.arange(n_tree)
             need.append(place[idx].tolist())
         nodes = flat[i:].tolist()
