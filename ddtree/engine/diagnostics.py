@@ -81,11 +81,11 @@ class RoundRecorder:
         own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
         rank = (rows > own).sum(1, keepdim=True)
         k = min(SKETCH[-1] + 1, V)
-        top = logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device))  # [L, S]
-        # past them: the costs of the mean logit (about rank V / 2) and of the last rank, where a flat row goes on
-        ends = torch.cat([logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
-        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - top).reshape(-1),
-                 (lse - ends).reshape(-1)]
+        # [L, S + 2]: each row's logits at the SKETCH ranks, then (past them, where a flat row goes on) its mean logit
+        # (about rank V / 2) and its last rank's
+        pts = torch.cat([logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device)),
+                         logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
+        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - pts).reshape(-1)]
         if self._temperature > 0:  # minus the drafter's tempered log-probability of the path's tokens
             hot = rows / self._temperature
             parts.append((hot.logsumexp(1, keepdim=True) - own / self._temperature).reshape(-1))
@@ -94,7 +94,7 @@ class RoundRecorder:
             n_tree = tree.scores.shape[0]
             parts += [tree.scores.to(logits.device, torch.float32), path[1:accepted + 1].to(logits.device, torch.float32)]
         self._parts.append(torch.cat(parts))
-        self._shape.append((m, L, top.shape[1], n_tree, accepted))
+        self._shape.append((m, L, pts.shape[1] - 2, n_tree, accepted))
         if not tree.is_chain:
             self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
@@ -132,10 +132,9 @@ class RoundRecorder:
             probs.append(permille[i + 1: i + 2 * m: 2])
             costs.append(milli[i + 1: i + 2 * m: 2])
             i += 2 * m
-            rows.append([milli[j: j + s] for j in range(i, i + s * L, s)])
-            i += s * L
-            tails.append([milli[j: j + 2] for j in range(i, i + 2 * L, 2)])
-            i += 2 * L
+            rows.append([milli[j: j + s] for j in range(i, i + (s + 2) * L, s + 2)])
+            tails.append([milli[j + s: j + s + 2] for j in range(i, i + (s + 2) * L, s + 2)])
+            i += (s + 2) * L
             if self._temperature > 0:
                 tcosts.append(milli[i: i + m])
                 i += m
