@@ -376,6 +376,25 @@ def test_the_replay_is_exact_where_the_target_path_is_known():
     assert decided > 300
 
 
+def test_jobs_at_different_temperatures_are_predicted_apart(uncalibrated_runs):
+    """A sweep over temperatures: each job is predicted from the jobs at its own temperature, and the write-up holds."""
+    def job(name, budget, temp, diag):
+        depths = [a for d in diag for a in d["depth"]]
+        return D.JobData(name, "dflash" if budget is None else "ddtree", budget,
+                         {"tau": 1 + sum(depths) / len(depths), "temperature": temp}, [{"diagnosis": d} for d in diag])
+
+    jobs = [job("c0", None, 0.0, uncalibrated_runs[None]), job("t0", 4, 0.0, uncalibrated_runs[4]),
+            job("t1", 12, 1.0, uncalibrated_runs[12])]
+    doc = D.diagnose(jobs)
+    assert set(doc["predicted_by_temperature"]) == {0.0, 1.0}
+    by = {m["name"]: m for m in doc["measured"]}
+    assert by["t1"]["temperature"] == 1.0 and by["t1"]["predicted"] == pytest.approx(by["t1"]["accepted"])  # its own
+    assert by["t0"]["predicted"] == pytest.approx(by["t0"]["accepted"])
+    assert all(r["budget"] == 12 for r in doc["cross"] if r["calibration"] == "t1")
+    md = "\n".join(D.markdown_section(doc, []))
+    assert "(T=1)" in md and "| t1 (12) |" in md
+
+
 def test_recording_off_records_nothing():
     target = tiny_model("qwen3", seed=0, vocab_size=64)
     p = torch.tensor([[3, 5, 7]])

@@ -25,8 +25,9 @@ row d drafts depth d + 1):
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds about 15 small kernels (the path's ranks and costs, the rows' top-64 sketch and
-ends, a tree's scores kept for `need`), about 22 more for the node table, and no host read; `finish()` reads
+Cost, on every device: a round adds 16 small kernels (17 for a tree: the path's ranks and costs, the rows' top-64
+sketch and ends; a tree's scores are kept as they are, its `need` worked out in `finish`), about 22 more for the node
+table, and no host read; `finish()` reads
 everything once per generation (one transfer). Nothing here changes what is decoded.
 """
 
@@ -40,7 +41,7 @@ PROB_SCALE = 1000  # probabilities are stored as integers in thousandths
 COST_SCALE = 1000  # costs (minus log-probabilities) are stored as integers in thousandths of a nat
 # the ranks of each row whose costs are kept (a sketch of the sorted row; the replay interpolates in log rank)
 SKETCH = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
-FORMAT = 2  # the record's layout version (2: costs, rows, need)
+FORMAT = 2  # the record's layout version (2: costs, rows, tail, need, tree; tcosts at T > 0)
 # `nodes` table columns: index = off_path * 4 + top1 * 2 + agreed (per depth row); counts of verified nodes
 NODE_COLUMNS = 8
 

@@ -897,7 +897,7 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
                   "| --- |" + " ---: |" * len(cols)]
         for name, cb in cals:
             lines.append(f"| {name} ({cb}) | " + " | ".join(
-                f"{100 * cell[(name, b)]['error']:+.0f} %" for b in cols) + " |")
+                f"{100 * cell[(name, b)]['error']:+.0f} %" if (name, b) in cell else "-" for b in cols) + " |")
     a = doc["accuracy"]
     lines += ["", f"{h} The drafter on and off its top-1 chain", "",
               "The drafter's top-1 is the target's token, at depths >= 2 of the accepted paths (95 % Wilson intervals):",
