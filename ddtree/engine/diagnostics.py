@@ -40,7 +40,7 @@ RANK_CAP = 32  # ranks 0 … RANK_CAP - 1 are kept; RANK_CAP means "beyond"
 PROB_SCALE = 1000  # probabilities are stored as integers in thousandths
 COST_SCALE = 1000  # costs (minus log-probabilities) are stored as integers in thousandths of a nat
 # the ranks of each row whose costs are kept (a sketch of the sorted row; the replay interpolates in log rank)
-SKETCH = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
+SKETCH = (0, 1, 2, 3, 5, 7, 11, 15)
 FORMAT = 2  # the record's layout version (2: costs, rows, tail, need, tree; tcosts at T > 0)
 # `nodes` table columns: index = off_path * 4 + top1 * 2 + agreed (per depth row); counts of verified nodes
 NODE_COLUMNS = 8
