@@ -25,7 +25,7 @@ row d drafts depth d + 1):
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds 16 small kernels (17 for a tree: the path's ranks and costs, the rows' top-64
+Cost, on every device: a round adds 16 small kernels (17 for a tree: the path's ranks and costs, the rows' top-16
 sketch and ends; a tree's scores are kept as they are, its `need` worked out in `finish`), about 22 more for the node
 table, and no host read; `finish()` reads
 everything once per generation (one transfer). Nothing here changes what is decoded.
