@@ -25,8 +25,8 @@ row d drafts depth d + 1):
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds 16 small kernels (17 for a tree: the path's ranks and costs, the rows' top-16
-sketch and ends; a tree's scores are kept as they are, its `need` worked out in `finish`), about 22 more for the node
+Cost, on every device: a round adds 15 small kernels (16 for a tree: the path's ranks and costs, the rows' top-16
+and ends; a tree's scores are kept as they are, its `need` worked out in `finish`), about 22 more for the node
 table, and no host read; `finish()` reads
 everything once per generation (one transfer). Nothing here changes what is decoded.
 """
@@ -57,14 +57,8 @@ class RoundRecorder:
         self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, tree scores, path
         self._shape: list[tuple[int, ...]] = []  # per round: m, L, sketch points, tree scores kept (0: none), depth
         self._nodes: torch.Tensor | None = None  # [L + 1, NODE_COLUMNS] float counts
-        self._sketch: torch.Tensor | None = None
         self._vocab = 0
         self._tree = 0  # the largest verified tree's nodes (the budget run), 0 for chains
-
-    def _sketch_index(self, k: int, device: torch.device) -> torch.Tensor:
-        if self._sketch is None or self._sketch.device != device or int(self._sketch.numel()) != _points(k):
-            self._sketch = torch.tensor([r for r in SKETCH if r < k], device=device)
-        return self._sketch
 
     @torch.inference_mode()
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
@@ -82,10 +76,9 @@ class RoundRecorder:
         own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
         rank = (rows > own).sum(1, keepdim=True)
         k = min(SKETCH[-1] + 1, V)
-        # [L, S + 2]: each row's logits at the SKETCH ranks, then (past them, where a flat row goes on) its mean logit
-        # (about rank V / 2) and its last rank's
-        pts = torch.cat([logits.topk(k, dim=1).values.index_select(1, self._sketch_index(k, logits.device)),
-                         logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
+        # [L, k + 2]: each row's top k logits (`finish` keeps the SKETCH ranks of them), then, past them (where a flat
+        # row goes on), its mean logit (about rank V / 2) and its last rank's
+        pts = torch.cat([logits.topk(k, dim=1).values, logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
         parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - pts).reshape(-1)]
         if self._temperature > 0:  # minus the drafter's tempered log-probability of the path's tokens
             hot = rows / self._temperature
@@ -95,7 +88,7 @@ class RoundRecorder:
             n_tree = tree.scores.shape[0]
             parts += [tree.scores.to(logits.device, torch.float32), path[1:accepted + 1].to(logits.device, torch.float32)]
         self._parts.append(torch.cat(parts))
-        self._shape.append((m, L, pts.shape[1] - 2, n_tree, accepted))
+        self._shape.append((m, L, k, n_tree, accepted))
         if not tree.is_chain:
             self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
@@ -127,13 +120,14 @@ class RoundRecorder:
         whole = flat.astype(np.int64).tolist()  # ranks and counts
         milli = np.rint(COST_SCALE * flat).astype(np.int64).tolist()  # costs
         permille = np.rint(PROB_SCALE * np.exp(-np.clip(flat, 0.0, None))).astype(np.int64).tolist()  # probabilities
+        sketch = [r for r in SKETCH if r < min(SKETCH[-1] + 1, self._vocab)]  # of the top-k kept a round
         ranks, probs, costs, rows, tails, tcosts, need, i = [], [], [], [], [], [], [], 0
         for m, L, s, n_tree, a in self._shape:
             ranks.append([min(r, RANK_CAP) for r in whole[i: i + 2 * m: 2]])
             probs.append(permille[i + 1: i + 2 * m: 2])
             costs.append(milli[i + 1: i + 2 * m: 2])
             i += 2 * m
-            rows.append([milli[j: j + s] for j in range(i, i + (s + 2) * L, s + 2)])
+            rows.append([[milli[j + r] for r in sketch] for j in range(i, i + (s + 2) * L, s + 2)])
             tails.append([milli[j + s: j + s + 2] for j in range(i, i + (s + 2) * L, s + 2)])
             i += (s + 2) * L
             if self._temperature > 0:
@@ -151,7 +145,7 @@ class RoundRecorder:
             need.append(place[idx].tolist())
         nodes = flat[i:].tolist()
         out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "cost_scale": COST_SCALE,
-               "sketch": [r for r in SKETCH if r < self._vocab], "vocab": self._vocab, "tree": self._tree or None,
+               "sketch": sketch, "vocab": self._vocab, "tree": self._tree or None,
                "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "tail": tails,
                "need": need}
         if self._temperature > 0:
@@ -159,7 +153,3 @@ class RoundRecorder:
         if self._nodes is not None:
             out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out
-
-
-def _points(k: int) -> int:
-    return sum(r < k for r in SKETCH)
