@@ -27,8 +27,8 @@ row d drafts depth d + 1):
 
 Cost, on every device: a round adds 15 small kernels (16 for a tree: the path's ranks and costs, the rows' top-16
 and ends; a tree's scores are kept as they are, its `need` worked out in `finish`), about 22 more for the node
-table, and no host read; `finish()` reads
-everything once per generation (one transfer). Nothing here changes what is decoded.
+table, and no host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is
+decoded.
 """
 
 from __future__ import annotations
@@ -121,14 +121,13 @@ class RoundRecorder:
         milli = np.rint(COST_SCALE * flat).astype(np.int64).tolist()  # costs
         permille = np.rint(PROB_SCALE * np.exp(-np.clip(flat, 0.0, None))).astype(np.int64).tolist()  # probabilities
         sketch = [r for r in SKETCH if r < min(SKETCH[-1] + 1, self._vocab)]  # of the top-k kept a round
-        ranks, probs, costs, rows, tails, tcosts, need, i = [], [], [], [], [], [], [], 0
+        ranks, probs, costs, starts, tcosts, need, i = [], [], [], [], [], [], 0
         for m, L, s, n_tree, a in self._shape:
             ranks.append([min(r, RANK_CAP) for r in whole[i: i + 2 * m: 2]])
             probs.append(permille[i + 1: i + 2 * m: 2])
             costs.append(milli[i + 1: i + 2 * m: 2])
             i += 2 * m
-            rows.append([[milli[j + r] for r in sketch] for j in range(i, i + (s + 2) * L, s + 2)])
-            tails.append([milli[j + s: j + s + 2] for j in range(i, i + (s + 2) * L, s + 2)])
+            starts.append(i)  # the round's [L, s + 2] block: its top-s costs, then its mean's and last rank's
             i += (s + 2) * L
             if self._temperature > 0:
                 tcosts.append(milli[i: i + m])
@@ -144,6 +143,13 @@ class RoundRecorder:
             place[np.argsort(-scores, kind="stable")] = np.arange(n_tree)
             need.append(place[idx].tolist())
         nodes = flat[i:].tolist()
+        rows, tails = [], []
+        if self._shape:  # every round's block at once: L and s are the generation's
+            _, L, s, _, _ = self._shape[0]
+            block = np.asarray(starts)[:, None] + np.arange(0, (s + 2) * L, s + 2)[None, :]  # [rounds, L]
+            cost = np.rint(COST_SCALE * flat).astype(np.int64)
+            rows = cost[block[:, :, None] + np.asarray(sketch)].tolist()
+            tails = cost[block[:, :, None] + np.array([s, s + 1])].tolist()
         out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "cost_scale": COST_SCALE,
                "sketch": sketch, "vocab": self._vocab, "tree": self._tree or None,
                "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "tail": tails,
