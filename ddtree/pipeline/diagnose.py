@@ -623,8 +623,8 @@ def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS,
     tree of B nodes), with the measured off-path statistics and under plain independence (off-path = main).
 
     With the records (`diagnoses`) of format 2 on, the trees are replayed round by round (`replay_taus`: each round's
-    own best-first tree from the drafter's recorded scores); otherwise, and with `replay=False`, the best tree by
-    measured acceptance (`predict_taus`)."""
+    own best-first tree from the drafter's recorded scores); without them (or records older than format 2), the one
+    tree shape by measured acceptance (`predict_taus`). The chain: `chain_tau`, or at T > 0 `sampled_chain_tau`."""
     main, off = rank_probabilities(st)
     trees = [b for b in budgets if b > 1]
     replay = bool(trees) and diagnoses is not None and replayable(diagnoses)
