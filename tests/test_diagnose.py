@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import random
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.engine.diagnostics import RANK_CAP, RoundRecorder
+from ddtree.engine.diagnostics import RANK_CAP, SKETCH, RoundRecorder
 from ddtree.engine.loop import Engine
 from ddtree.engine.tree import best_first_tree, chain_tree, walk
 from ddtree.errors import ConfigError
@@ -92,6 +93,32 @@ def test_a_chain_prediction_is_its_own_accepted_tau():
     assert D.chain_tau(main) == pytest.approx(1 + sum(depths) / len(depths), rel=1e-12)
 
 
+def test_a_sampled_chain_from_tree_rounds_matches_its_exact_tau():
+    """T > 0: a DFlash chain drafts a sample of the drafter's tempered row q_d at each depth and the target accepts it
+    when its own sample (from p_d) is the same token: the exact expected tau is 1 + sum_k prod_{d<=k} sum_v p_d(v) q_d(v).
+    Tree rounds record the target's sampled path up to a random depth, with each token's tempered drafter cost."""
+    rng = random.Random(5)
+    L, V = 5, 6
+    p = [[8.0] + [rng.random() for _ in range(V - 1)] for _ in range(L)]  # both lean on token 0: long chains
+    q = [[6.0] + [rng.random() for _ in range(V - 1)] for _ in range(L)]
+    p = [[x / sum(r) for x in r] for r in p]
+    q = [[x / sum(r) for x in r] for r in q]
+    exact, run = 1.0, 1.0
+    for d in range(L):
+        run *= sum(a * b for a, b in zip(p[d], q[d], strict=True))
+        exact += run
+    tcosts = []
+    for _ in range(20000):
+        m = rng.randint(1, L)  # how far this round's tree followed the target (independent of the samples here)
+        xs = [rng.choices(range(V), p[d])[0] for d in range(m)]
+        tcosts.append([round(-1000 * math.log(q[d][x])) for d, x in enumerate(xs)])
+    rec = {"tree": 8, "temperature": 1.0, "cost_scale": 1000, "rows": [[[0]] * L], "tcosts": tcosts}
+    assert D.record_temperature([rec]) == 1.0
+    assert D.sampled_chain_tau([rec]) == pytest.approx(exact, abs=0.02)
+    chain = {"tree": None, "depth": [0, 1, 2, 5], "temperature": 1.0}
+    assert D.sampled_chain_tau([chain]) == 3.0  # a chain's own rounds: their accepted tau
+
+
 def test_wilson_interval():
     p, lo, hi = D.wilson(22, 100)
     assert p == 0.22 and lo == pytest.approx(0.1500, abs=2e-4) and hi == pytest.approx(0.3107, abs=2e-4)
@@ -159,6 +186,33 @@ def test_recorder_matches_a_slow_reference(seed):
         assert out["depth"] == [depth] and out["ranks"] == [ranks] and out["probs"] == [probs]
         if not tree.is_chain:
             assert out["nodes"] == table
+        # costs along the path and the rows' sketch, in thousandths of a nat (float32 on one side: +-1)
+        nll = -torch.log_softmax(logits.double(), -1)
+        want = (tree.tokens[w.path[1:]].tolist() + [int(w.next_root)])[: len(ranks)]
+        close = lambda a, b: all(abs(x - y) <= 1 for x, y in zip(a, b, strict=True))  # noqa: E731
+        assert close(out["costs"][0], [round(1000 * nll[d, t].item()) for d, t in enumerate(want)])
+        srt = nll.sort(-1).values
+        assert out["sketch"] == [r for r in SKETCH if r < V] and len(out["rows"][0]) == L
+        for d in range(L):
+            assert close(out["rows"][0][d], [round(1000 * srt[d, r].item()) for r in out["sketch"]])
+        # need: the smallest budget whose best-first tree holds each accepted node (by its tokens)
+        if tree.is_chain:
+            assert out["need"] == [None] and out["tree"] is None
+            continue
+        assert out["tree"] == len(tree) - 1
+        need = []
+        for d in range(1, depth + 1):
+            prefix = want[:d]
+            for b in range(1, 25):
+                small = best_first_tree(root, lp, b, host=False)
+                st, sp = small.tokens.tolist(), small.parents.tolist()
+                paths = {0: ()}
+                for i in range(1, len(st)):
+                    paths[i] = paths[sp[i]] + (st[i],)
+                if tuple(prefix) in paths.values():
+                    need.append(b)
+                    break
+        assert out["need"] == [need]
 
 
 @pytest.mark.gpu
@@ -231,6 +285,114 @@ def test_scripted_drafter_off_path_accuracy_equals_main(scripted_runs):
     acc = D.main_vs_off(st)
     off, main = acc["off"], acc["depth_matched_main"]["rate"]
     assert off["n"] > 30 and off["lo"] - 0.05 < main < off["hi"] + 0.05
+
+
+# a drafter whose scores do not track acceptance: over-confident in its top-1 at depths 1-2, so its trees go deep
+# where the target's tokens are often its second choice (the random drafter's problem, scripted)
+ACCEPT = [[0.55, 0.35, 0.05], [0.6, 0.3, 0.05], [0.7, 0.2, 0.05], [0.5, 0.3, 0.1]]
+SCORES = [[0.9, 0.06, 0.03], [0.85, 0.1, 0.04], [0.8, 0.12, 0.05], [0.7, 0.2, 0.07]]
+
+
+@pytest.fixture(scope="module")
+def uncalibrated_runs():
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    prompts = [torch.tensor([[3 + i, 5, 7 + i, 11]]) for i in range(3)]
+    new = 100
+    ar = Engine(target, None, method="ar")
+    refs = [ar.generate(p, max_new_tokens=new + len(ACCEPT) + 2).output_ids for p in prompts]
+    out = {}
+    for budget in (None, 4, 12):
+        diag = []
+        for i, (p, ref) in enumerate(zip(prompts, refs, strict=True)):
+            prop = RankScriptedProposer(ref, 64, ACCEPT, budget, seed=7 + 100 * i + (budget or 0), scores=SCORES)
+            eng = Engine(target, None, method="dflash" if budget is None else "ddtree", budget=budget, proposer=prop)
+            res = eng.generate(p, max_new_tokens=new)
+            assert res.output_ids == ref[:new]
+            diag.append(res.diagnosis)
+        out[budget] = diag
+    return out
+
+
+def _mean_sd(diag):
+    depths = [a for d in diag for a in d["depth"]]
+    n = len(depths)
+    mean = 1 + sum(depths) / n
+    return mean, (sum((1 + a - mean) ** 2 for a in depths) / (n - 1)) ** 0.5 / n ** 0.5
+
+
+@pytest.mark.parametrize("calibration", [None, 4, 12])
+def test_the_replay_predicts_a_drafter_whose_scores_do_not_track_acceptance(uncalibrated_runs, calibration):
+    """Each job's records alone predict every budget's exact tau: the replay rebuilds each round's own tree from the
+    drafter's recorded scores (exact up to the run's budget, the rank model below the known path past it). The best
+    tree by measured acceptance (the rank model alone) is far off for this drafter."""
+    diag = uncalibrated_runs[calibration]
+    L = len(ACCEPT)
+    st = D.collect(diag, L)
+    assert D.replayable(diag)
+    pred, _ = D.predicted_curves(st, (1, 4, 12), diag)
+    rank_model, _ = D.predicted_curves(st, (1, 4, 12))
+    _, se = _mean_sd(diag)
+    for b in (4, 12):
+        exact = exact_tau(ACCEPT, b, SCORES)
+        measured, se_b = _mean_sd(uncalibrated_runs[b])
+        assert abs(measured - exact) < 4 * se_b, (b, measured, exact)  # the engine does what the scripted drafter says
+        assert abs(pred[b] - exact) < 4 * se + 0.03, (b, pred[b], exact)
+        if b == 4:
+            assert rank_model[b] - exact > 0.2, (rank_model[b], exact)  # the old model's optimism, for contrast
+    assert pred[1] == pytest.approx(rank_model[1])  # the chain: the rank model is already the replay
+
+
+def test_the_replay_is_exact_where_the_target_path_is_known():
+    """Round by round, against the trees themselves: the replayed depth of a tree of budget b equals walking
+    best_first_tree(b) of that round's rows along the target's tokens, wherever the recorded path decides it (always
+    up to the budget run; past it, until the path's last recorded node is in the tree)."""
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    p = torch.tensor([[4, 5, 9, 11]])
+    ref = Engine(target, None, method="ar").generate(p, max_new_tokens=70).output_ids
+    decided = 0
+    for budget in (None, 12):
+        prop = RankScriptedProposer(ref, 64, ACCEPT, budget, seed=3, scores=SCORES)
+        dg = Engine(target, None, method="dflash" if budget is None else "ddtree", budget=budget,
+                    proposer=prop).generate(p, max_new_tokens=60).diagnosis
+        rounds = D._prepared(dg, 16)
+        assert len(rounds) == len(prop.history)
+        for (pos, logits), rnd in zip(prop.history, rounds, strict=True):
+            needs, m = rnd.needs(), len(rnd.ranks)
+            for b in range(1, 17):
+                tree = best_first_tree(torch.tensor(ref[pos - 1]), torch.log_softmax(logits, -1), b, host=False)
+                toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+                node, depth = 0, 0
+                while pos + depth < len(ref):
+                    kids = [i for i in range(len(toks)) if pars[i] == node and toks[i] == ref[pos + depth]]
+                    if not kids:
+                        break
+                    node, depth = kids[0], depth + 1
+                j = sum(n <= b for n in needs)
+                if budget is not None and b <= budget:
+                    assert j < m or m == len(ACCEPT)  # the run's own budget and below: always decided
+                if j < m or m == len(ACCEPT):
+                    decided += 1
+                    assert rnd.depths([b], (None, None), 64) == [float(depth)], (budget, b, pos, needs)
+    assert decided > 300
+
+
+def test_jobs_at_different_temperatures_are_predicted_apart(uncalibrated_runs):
+    """A sweep over temperatures: each job is predicted from the jobs at its own temperature, and the write-up holds."""
+    def job(name, budget, temp, diag):
+        depths = [a for d in diag for a in d["depth"]]
+        return D.JobData(name, "dflash" if budget is None else "ddtree", budget,
+                         {"tau": 1 + sum(depths) / len(depths), "temperature": temp}, [{"diagnosis": d} for d in diag])
+
+    jobs = [job("c0", None, 0.0, uncalibrated_runs[None]), job("t0", 4, 0.0, uncalibrated_runs[4]),
+            job("t1", 12, 1.0, uncalibrated_runs[12])]
+    doc = D.diagnose(jobs)
+    assert set(doc["predicted_by_temperature"]) == {0.0, 1.0}
+    by = {m["name"]: m for m in doc["measured"]}
+    assert by["t1"]["temperature"] == 1.0 and by["t1"]["predicted"] == pytest.approx(by["t1"]["accepted"])  # its own
+    assert by["t0"]["predicted"] == pytest.approx(by["t0"]["accepted"])
+    assert all(r["budget"] == 12 for r in doc["cross"] if r["calibration"] == "t1")
+    md = "\n".join(D.markdown_section(doc, []))
+    assert "(T=1)" in md and "| t1 (12) |" in md
 
 
 def test_recording_off_records_nothing():

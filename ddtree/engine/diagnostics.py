@@ -9,24 +9,39 @@ row d drafts depth d + 1):
 * `ranks`, `probs`: at each depth 1 … min(a + 1, L) along the accepted path and one position past it, the rank of
   the target's token in the drafter's row (0 = the drafter's top-1; RANK_CAP = beyond the top RANK_CAP) and the
   drafter's probability of it (in PROB_SCALE-ths);
+* `costs`: the same tokens' drafter cost (minus the log-probability), in COST_SCALE-ths of a nat (the tree replay
+  compares it with the rows below);
+* `rows`: each of the L rows' costs at the SKETCH ranks (its best-first order: a few points of each sorted row), in
+  COST_SCALE-ths of a nat: a DFlash row does not depend on the path, so a DDTree tree of any budget is rebuilt from them;
+* `tail`: per row, the costs of its mean logit (about rank V / 2) and of its last rank (V - 1), in COST_SCALE-ths of a
+  nat: where a flat row goes past the sketch;
+* at temperature T > 0, `tcosts`: the path's tokens' costs under the drafter's distribution at T (what a DFlash chain
+  sampling at T draws them with), and `temperature`;
+* `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
+* `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
+  whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
 * branching trees whose every node's target choice was computed (not a CPU's lazy head, which computes the walked
   rows only), summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
-Cost, on every device: a round adds 8 small kernels (the path's ranks) and about 22 more for the node table, and no
-host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is decoded.
+Cost, on every device: a round adds 15 small kernels (16 for a tree: the path's ranks and costs, the rows' top-16
+and ends; a tree's scores are kept as they are, its `need` worked out in `finish`), about 22 more for the node
+table, and no host read; `finish()` reads everything once per generation (one transfer). Nothing here changes what is
+decoded.
 """
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import torch
 
 RANK_CAP = 32  # ranks 0 … RANK_CAP - 1 are kept; RANK_CAP means "beyond"
 PROB_SCALE = 1000  # probabilities are stored as integers in thousandths
-FORMAT = 1  # the record's layout version
+COST_SCALE = 1000  # costs (minus log-probabilities) are stored as integers in thousandths of a nat
+# the ranks of each row whose costs are kept (a sketch of the sorted row; the replay interpolates in log rank)
+SKETCH = (0, 1, 2, 3, 5, 7, 11, 15)
+FORMAT = 2  # the record's layout version (2: costs, rows, tail, need, tree; tcosts at T > 0)
 # `nodes` table columns: index = off_path * 4 + top1 * 2 + agreed (per depth row); counts of verified nodes
 NODE_COLUMNS = 8
 
@@ -34,12 +49,16 @@ NODE_COLUMNS = 8
 class RoundRecorder:
     """Collects one generation's per-round diagnosis on the device; `finish()` returns it as plain lists."""
 
-    def __init__(self) -> None:
+    def __init__(self, temperature: float = 0.0) -> None:
+        """temperature > 0: also record the path's tokens' costs under the drafter's tempered distribution (`tcosts`:
+        what a DFlash chain sampling at that temperature draws them with)."""
+        self._temperature = float(temperature)
         self._depths: list[int] = []
-        self._lengths: list[int] = []
-        self._ranks: list[torch.Tensor] = []  # per round: [m, 2] float (rank, log-prob)
+        self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, tree scores, path
+        self._shape: list[tuple[int, ...]] = []  # per round: m, L, sketch points, tree scores kept (0: none), depth
         self._nodes: torch.Tensor | None = None  # [L + 1, NODE_COLUMNS] float counts
         self._vocab = 0
+        self._tree = 0  # the largest verified tree's nodes (the budget run), 0 for chains
 
     @torch.inference_mode()
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
@@ -47,18 +66,31 @@ class RoundRecorder:
         """One round: the drafter's `logits` [L, V], the verified `tree`, the accepted `path` (flat indices, on the
         device), its accepted depth, the target's token after it, and the target's choice after every node (None
         where the round did not compute it: a CPU's lazy head; the node table then skips the round)."""
-        L = logits.shape[0]
-        self._vocab = logits.shape[1]
+        L, V = logits.shape
+        self._vocab = V
         m = min(accepted + 1, L)
         self._depths.append(accepted)
-        self._lengths.append(m)
-        if m > 0:
-            toks = torch.cat([tree.tokens[path[1:]], next_root.reshape(1).to(tree.tokens.device)])[:m]
-            rows = logits[:m]
-            own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
-            rank = (rows > own).sum(1)
-            logp = own[:, 0] - rows.logsumexp(1)
-            self._ranks.append(torch.stack([rank.float(), logp], 1))
+        toks = torch.cat([tree.tokens[path[1:]], next_root.reshape(1).to(tree.tokens.device)])[:m]
+        lse = logits.logsumexp(1, keepdim=True)  # [L, 1]
+        rows = logits[:m]
+        own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
+        rank = (rows > own).sum(1, keepdim=True)
+        k = min(SKETCH[-1] + 1, V)
+        # [L, k + 2]: each row's top k logits (`finish` keeps the SKETCH ranks of them), then, past them (where a flat
+        # row goes on), its mean logit (about rank V / 2) and its last rank's
+        pts = torch.cat([logits.topk(k, dim=1).values, logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
+        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - pts).reshape(-1)]
+        if self._temperature > 0:  # minus the drafter's tempered log-probability of the path's tokens
+            hot = rows / self._temperature
+            parts.append((hot.logsumexp(1, keepdim=True) - own / self._temperature).reshape(-1))
+        n_tree = 0
+        if tree.scores is not None and not tree.is_chain:  # DDTree: its scores place the accepted nodes (in finish)
+            n_tree = tree.scores.shape[0]
+            parts += [tree.scores.to(logits.device, torch.float32), path[1:accepted + 1].to(logits.device, torch.float32)]
+        self._parts.append(torch.cat(parts))
+        self._shape.append((m, L, k, n_tree, accepted))
+        if not tree.is_chain:
+            self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
             self._count_nodes(logits, tree, choice)
 
@@ -81,20 +113,49 @@ class RoundRecorder:
 
     def finish(self) -> dict:
         """The generation's record, read from the device in one transfer: see the module docstring for the fields."""
-        parts = [t.reshape(-1) for t in self._ranks]
+        parts = list(self._parts)
         if self._nodes is not None:
             parts.append(self._nodes.to(parts[0].device) if parts else self._nodes)
-        flat = torch.cat(parts).tolist() if parts else []
-        n_ranks = 2 * sum(self._lengths)
-        rows, nodes = flat[:n_ranks], flat[n_ranks:]
-        ranks, probs, i = [], [], 0
-        for m in self._lengths:
-            seg = rows[i: i + 2 * m]
+        flat = np.asarray(torch.cat(parts).tolist() if parts else [], dtype=np.float64)  # the one transfer
+        whole = flat.astype(np.int64).tolist()  # ranks and counts
+        milli = np.rint(COST_SCALE * flat).astype(np.int64).tolist()  # costs
+        permille = np.rint(PROB_SCALE * np.exp(-np.clip(flat, 0.0, None))).astype(np.int64).tolist()  # probabilities
+        sketch = [r for r in SKETCH if r < min(SKETCH[-1] + 1, self._vocab)]  # of the top-k kept a round
+        ranks, probs, costs, starts, tcosts, need, i = [], [], [], [], [], [], 0
+        for m, L, s, n_tree, a in self._shape:
+            ranks.append([min(r, RANK_CAP) for r in whole[i: i + 2 * m: 2]])
+            probs.append(permille[i + 1: i + 2 * m: 2])
+            costs.append(milli[i + 1: i + 2 * m: 2])
             i += 2 * m
-            ranks.append([min(int(r), RANK_CAP) for r in seg[0::2]])
-            probs.append([round(PROB_SCALE * math.exp(lp)) for lp in seg[1::2]])
-        out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "vocab": self._vocab,
-               "depth": self._depths, "ranks": ranks, "probs": probs}
+            starts.append(i)  # the round's [L, s + 2] block: its top-s costs, then its mean's and last rank's
+            i += (s + 2) * L
+            if self._temperature > 0:
+                tcosts.append(milli[i: i + m])
+                i += m
+            if not n_tree:
+                need.append(None)
+                continue
+            scores, idx = flat[i: i + n_tree], whole[i + n_tree: i + n_tree + a]
+            i += n_tree + a
+            # a node's place in the best-first order (1-based, the root ahead of every node): by score, equal scores
+            # in the flat layout's order (depth-major, best first within a depth)
+            place = np.empty(n_tree, dtype=np.int64)
+            place[np.argsort(-scores, kind="stable")] = np.arange(n_tree)
+            need.append(place[idx].tolist())
+        nodes = flat[i:].tolist()
+        rows, tails = [], []
+        if self._shape:  # every round's block at once: L and s are the generation's
+            _, L, s, _, _ = self._shape[0]
+            block = np.asarray(starts)[:, None] + np.arange(0, (s + 2) * L, s + 2)[None, :]  # [rounds, L]
+            cost = np.rint(COST_SCALE * flat).astype(np.int64)
+            rows = cost[block[:, :, None] + np.asarray(sketch)].tolist()
+            tails = cost[block[:, :, None] + np.array([s, s + 1])].tolist()
+        out = {"format": FORMAT, "rank_cap": RANK_CAP, "prob_scale": PROB_SCALE, "cost_scale": COST_SCALE,
+               "sketch": sketch, "vocab": self._vocab, "tree": self._tree or None,
+               "depth": self._depths, "ranks": ranks, "probs": probs, "costs": costs, "rows": rows, "tail": tails,
+               "need": need}
+        if self._temperature > 0:
+            out.update(temperature=self._temperature, tcosts=tcosts)
         if self._nodes is not None:
             out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out

@@ -159,7 +159,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
                               budget=budget if spec.reads_budget else None,
                               block_size=getattr(proposer, "block_size", None))
-    rec = RoundRecorder() if engine.record and hasattr(proposer, "last_logits") else None
+    rec = RoundRecorder(temperature) if engine.record and hasattr(proposer, "last_logits") else None
 
     t0 = time.perf_counter()
     logits, feats = session.prefill(input_ids)

@@ -37,9 +37,6 @@ def check_auto(rc) -> None:
     if rc.engine != "native":
         raise ConfigError("budget", "budget=auto needs the native engine (it reads the per-round records)",
                           "use engine=native, or a number")
-    if rc.temperature > 0:
-        raise ConfigError("budget", "budget=auto's model predicts greedy acceptance only",
-                          "use temperature=0, or a number")
     if a.prompts < 1 or a.calibration_budget < 1 or a.cost_tokens < 1:
         raise ConfigError("auto", "auto.prompts, auto.calibration_budget and auto.cost_tokens must be >= 1")
     if not a.candidates or min(a.candidates) < 1:
@@ -81,7 +78,7 @@ def choose_budget(models, prompts, rc, files, cache) -> dict[str, Any]:
     if not job.diagnosed:
         raise ConfigError("budget", "budget=auto: the calibration recorded no rounds", "use a number")
     L = max(len(d.get("nodes", [])) - 1 for d in records) if any("nodes" in d for d in records) else None
-    pred, _ = predicted_curves(collect(records, L), tuple(sorted(set(candidates) | {cal_budget})))
+    pred, _ = predicted_curves(collect(records, L), tuple(sorted(set(candidates) | {cal_budget})), records)
     if a.cost is not None:
         table = read_cost_table(Path(a.cost))
         round_ms, ar_ms, source = table["round_ms"], table["ar_ms"], f"table {a.cost}"

@@ -12,19 +12,24 @@ Writes diagnosis.md, diagnosis.json and PNG plots into the directory (or --out):
   the best budget;
 * one verdict line naming the limiting factor.
 
-The model (`predict_taus`): at depth d the target's token has rank r in the drafter's row with probability
-p_d(r | state), state = whether the path above stayed on the drafter's top-1 chain; the ranks at different depths are
-independent given depth and state. A tree of budget B accepts, in expectation, the sum over its nodes of the
-probability that the target's path passes through them; the predicted tree is the B rank-paths of highest such
-probability (a best-first tree ranked by the measured acceptance, not by the drafter's scores of one round). A chain's
-prediction, 1 + sum_d prod_{i<=d} p_i(0), is the measured tau of its own rounds by construction; what the model adds is
-the branches, and the off-path statistics test the assumption it rests on.
+The prediction for DDTree trees (`replay_taus`) replays each recorded round: a DFlash drafter's per-position rows do
+not depend on the path, so the best-first tree of any budget B is the set of rank paths whose summed drafter cost (minus
+log-probability) is among the B smallest, computed from the round's recorded rows. Where the target's path is known
+(its tokens up to one past the accepted depth), the depth that tree accepts is exact: recorded outright up to the
+budget that ran (each accepted node's place in the best-first order), from a sketch of the rows past it. Below the
+known path the rank model decides: at depth d the target's token has rank r in the drafter's row with probability
+p_d(r | state), state = whether the path above stayed on the drafter's top-1 chain, independently across depths, while
+which ranks the tree holds still comes from that round's rows. A chain's prediction, 1 + sum_d prod_{i<=d} p_i(0), is
+the same replay for the top-1 chain (the measured tau of its own rounds, by construction). `predict_taus` is the rank
+model alone: one tree shape for every round, the B most likely rank paths by measured acceptance (what a tree ordered
+by acceptance rather than by the drafter's scores would reach), and the prediction for records without rows (format 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import heapq
 import json
 import math
@@ -33,6 +38,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from ddtree.engine.diagnostics import NODE_COLUMNS, RANK_CAP
 from ddtree.errors import ConfigError
@@ -318,6 +325,163 @@ def chain_tau(main: list[list[float]]) -> float:
     return tau
 
 
+# ---------------------------------------------------------------- the replay: DDTree's own trees, round by round
+
+EPS = 1e-5  # a continuation path less likely than this is left out of the expectation
+
+
+@functools.lru_cache(maxsize=256)
+def _pairs(n_prev: int, n_row: int, n: int):
+    """(p, r) with (p + 1)(r + 1) <= n: the only pairs of a sorted parent list and a sorted row that can be among the
+    n best of the next depth (every pair <= them is at least as good, and there are (p + 1)(r + 1) of them)."""
+    ps, rs = [], []
+    for p in range(min(n_prev, n)):
+        k = min(n_row, n // (p + 1))
+        ps += [p] * k
+        rs += range(k)
+    return np.array(ps, dtype=np.int64), np.array(rs, dtype=np.int64)
+
+
+class _Round:
+    """One recorded round, prepared for the replay: each depth's sorted drafter costs up to rank n (the sketch
+    interpolated in log rank, the last segment's slope past it), the n cheapest node costs of the best-first order over
+    every depth (a tree of budget B holds the nodes costing at most the B-th), and the target's path (ranks, costs)."""
+
+    def __init__(self, ranks: list[int], costs: list[int], rows: list[list[int]], tails: list[list[int]] | None,
+                 need: list[int] | None, dg: dict[str, Any], n: int):
+        self.ranks, self.need, self.tree = ranks, need, dg.get("tree")
+        scale, vocab = dg.get("cost_scale", 1000), int(dg["vocab"])
+        self.path = np.cumsum(np.array(costs, dtype=np.float64) / scale)  # the path's nodes' cumulative costs
+        xr = np.log1p(np.arange(min(n, vocab), dtype=np.float64))
+        self.rows = []
+        for d, pts in enumerate(rows):
+            # (rank, cost) points: the sketched ranks, then the mean logit's cost at rank (V - 1) / 2 and the last rank's
+            xs, ys = list(dg["sketch"]), [c / scale for c in pts]
+            for x, c in zip(((vocab - 1) / 2, vocab - 1), tails[d] if tails else [], strict=False):
+                if x > xs[-1] and c / scale >= ys[-1]:
+                    xs.append(x)
+                    ys.append(c / scale)
+            x, y = np.log1p(np.array(xs)), np.array(ys)
+            row = np.interp(xr, x, y)
+            if len(x) > 1 and xr[-1] > x[-1]:  # past the last point: its last slope in log rank
+                past = xr > x[-1]
+                row[past] = y[-1] + (y[-1] - y[-2]) / (x[-1] - x[-2]) * (xr[past] - x[-1])
+            self.rows.append(row)
+        lists, prev = [], np.zeros(1)
+        for row in self.rows:
+            ps, rs = _pairs(len(prev), len(row), n)
+            cand = prev[ps] + row[rs]
+            prev = np.sort(np.partition(cand, n - 1)[:n] if len(cand) > n else cand)
+            lists.append(prev)
+        allc = np.concatenate(lists) if lists else np.zeros(0)
+        self.order = np.sort(np.partition(allc, n - 1)[:n] if len(allc) > n else allc)
+
+    def theta(self, budget: int) -> float:
+        """The cost of the budget-th node of the best-first order: a tree of that budget holds the nodes up to it."""
+        return float(self.order[budget - 1]) if budget <= len(self.order) else math.inf
+
+    def needs(self) -> list[int]:
+        """Per known path node: the smallest budget whose tree holds it (recorded where the round's tree carried its
+        scores, else from the sketch; past the run's tree: at least one more than it), non-decreasing."""
+        out, last = [], 0
+        for d, c in enumerate(self.path):
+            if self.need is not None and d < len(self.need):
+                b = self.need[d]
+            else:
+                b = 1 + int(np.searchsorted(self.order, c - 1e-9, side="left"))
+                if self.need is not None and self.tree:
+                    b = max(b, self.tree + 1)  # the run's tree did not hold it
+            last = max(b, last + 1)
+            out.append(last)
+        return out
+
+    def continuation(self, tables: tuple[list[list[float]], list[list[float]]], vocab: int, top: float
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """The nodes below the known path's last node that a tree costing up to `top` could hold: (costs, chance
+        that the target's path passes through each, under the rank model given the known path), sorted by cost."""
+        L, m = len(self.rows), len(self.ranks)
+        costs, probs = [], []
+        stack = [(m, float(self.path[-1]), int(any(self.ranks)), 1.0)]
+        while stack:
+            d, c, state, pr = stack.pop()
+            if d >= L:
+                continue
+            row, tab = self.rows[d], tables[state][d]
+            n_in = int(np.searchsorted(row, top - c, side="right"))
+            for r in range(min(n_in, RANK_CAP)):
+                p = pr * tab[r]
+                if p > EPS:
+                    cc = c + float(row[r])
+                    costs.append(cc)
+                    probs.append(p)
+                    stack.append((d + 1, cc, int(state or r != 0), p))
+            if n_in > RANK_CAP and tab[RANK_CAP] > 0 and vocab > RANK_CAP:
+                each = pr * tab[RANK_CAP] / (vocab - RANK_CAP)
+                for r in range(RANK_CAP, n_in):  # rarely many: a flat drafter's wide trees
+                    if each * (n_in - RANK_CAP) <= EPS:
+                        break
+                    cc = c + float(row[r])
+                    costs.append(cc)
+                    probs.append(each)
+                    if each > EPS:
+                        stack.append((d + 1, cc, 1, each))
+        order = np.argsort(costs, kind="stable")
+        return np.array(costs)[order], np.cumsum(np.array(probs)[order])
+
+    def depths(self, budgets: list[int], tables, vocab: int) -> list[float]:
+        """The expected accepted depth of a DDTree tree of each budget in this round: exact along the known path (the
+        target's tokens up to one past the accepted depth), the rank model below it."""
+        needs = self.needs()
+        L, m = len(self.rows), len(needs)
+        out, cont = [], None
+        for b in budgets:
+            j = sum(n <= b for n in needs)
+            if j < m or m >= L:
+                out.append(float(j))
+                continue
+            if cont is None:
+                cont = self.continuation(tables, vocab, max(self.theta(x) for x in budgets))
+            k = int(np.searchsorted(cont[0], self.theta(b) + 1e-9, side="right"))
+            out.append(m + (float(cont[1][k - 1]) if k else 0.0))
+        return out
+
+
+_PREPARED: dict[int, tuple[dict, list[_Round]]] = {}
+
+
+def _prepared(dg: dict[str, Any], n: int) -> list[_Round]:
+    """A generation record's rounds for the replay (cached: the diagnosis replays the same records many times)."""
+    key = id(dg) * 4096 + n
+    hit = _PREPARED.get(key)
+    if hit is None or hit[0] is not dg:
+        none = [None] * len(dg["ranks"])
+        rounds = [_Round(r, c, w, t, nd, dg, n) for r, c, w, t, nd in
+                  zip(dg["ranks"], dg["costs"], dg["rows"], dg.get("tail") or none, dg.get("need") or none, strict=True)]
+        hit = _PREPARED[key] = (dg, rounds)
+    return hit[1]
+
+
+def replayable(diagnoses: list[dict[str, Any]]) -> bool:
+    """Whether every record keeps the rows the replay needs (format 2 on; older records: the rank model alone)."""
+    return bool(diagnoses) and all(dg.get("rows") is not None and dg.get("costs") is not None for dg in diagnoses)
+
+
+def replay_taus(diagnoses: list[dict[str, Any]], main: list[list[float]], off: list[list[float]],
+                budgets: list[int], vocab: int | None) -> dict[int, float]:
+    """Predicted tau of DDTree trees of each budget (>= 2): the mean over the recorded rounds of 1 + the accepted depth
+    that round's own best-first tree of that budget would reach (`_Round.depths`)."""
+    n = max(budgets)
+    tot = [0.0] * len(budgets)
+    rounds = 0
+    for dg in diagnoses:
+        v = int(dg.get("vocab") or vocab or 0)
+        for rnd in _prepared(dg, n):
+            for i, x in enumerate(rnd.depths(budgets, (main, off), v)):
+                tot[i] += x
+            rounds += 1
+    return {b: 1.0 + t / max(rounds, 1) for b, t in zip(budgets, tot, strict=True)}
+
+
 # ---------------------------------------------------------------- verification cost
 
 
@@ -407,20 +571,29 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
         return doc
     st = collect([d for j in drafting for d in j.diagnosed])
     L = st.depth
-    pred, indep, sources = model_curves(drafting, L)
+    # each temperature on its own: the first (the lowest) draws the curves, every job is predicted from its own
+    groups: dict[float, list[JobData]] = defaultdict(list)
+    for j in drafting:
+        groups[float(j.summary.get("temperature") or 0.0)].append(j)
+    curves = {t: model_curves(g, L) for t, g in sorted(groups.items())}
+    pred, indep, best, sources = curves[min(groups)]
+    if len(groups) > 1:
+        doc["predicted_by_temperature"] = {t: c[0] for t, c in curves.items()}
     doc.update(temperature=sorted(t for t in temps if t is not None), rounds=st.rounds, drafter_positions=L,
                depths=depth_table(st), accuracy=main_vs_off(st), predicted=pred, predicted_independent=indep,
-               calibration=sources)
+               predicted_by_acceptance=best, calibration=sources, model=MODEL_NOTE)
     measured = []
     for j in drafting:
         b = j.tree_budget
         if b is not None and j.tau is not None:
-            p = pred[b] if b in pred else model_curves(drafting, L, (b,))[0][b]
+            t = float(j.summary.get("temperature") or 0.0)
+            own = curves[t][0]
+            p = own[b] if b in own else model_curves(groups[t], L, (b,))[0][b]
             depths = [a for d in j.diagnosed for a in d["depth"]]
             accepted = 1 + sum(depths) / len(depths) if depths else None
-            measured.append({"name": j.name, "method": j.method, "budget": b, "measured": j.tau, "accepted": accepted,
-                             "predicted": p, "error": (p - j.tau) / j.tau})
-    doc["measured"] = sorted(measured, key=lambda m: m["budget"])
+            measured.append({"name": j.name, "method": j.method, "budget": b, "temperature": t, "measured": j.tau,
+                             "accepted": accepted, "predicted": p, "error": (p - j.tau) / j.tau})
+    doc["measured"] = sorted(measured, key=lambda m: (m["temperature"], m["budget"]))
     doc["cross"] = cross_predictions(drafting, L) if len(drafting) > 1 else []
     curve = cost_curve(jobs, cost)
     doc["cost"] = curve
@@ -433,26 +606,76 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
     doc["speedup"] = speed
     doc["best_budget"] = max(speed, key=lambda b: speed[b]["speedup"]) if speed else None
     if any(t and t > 0 for t in temps):
-        doc["note"] = ("temperature > 0: the ranks are of the target's sampled tokens; the model predicts greedy "
-                       "acceptance and is not checked at T > 0")
+        doc["note"] = ("temperature > 0: the ranks are of the target's sampled tokens, and the trees are replayed the "
+                       "same way (under the same samples a smaller tree accepts the part of the path it holds); a chain "
+                       "is predicted from its own rounds, or from tree rounds by the drafter's tempered probability of "
+                       "the target's samples (recorded from format 2 on; older records: greedy); each temperature is "
+                       "predicted from its own jobs" if any(record_temperature(j.diagnosed) > 0 for j in drafting)
+                       else "temperature > 0, but these records predate the tempered costs: the chain is predicted "
+                       "as if greedy")
     doc["verdict"] = verdict(doc, pred)
     return doc
 
 
-def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS) -> tuple[dict[int, float], dict[int, float]]:
-    """Predicted tau at each budget (1: the drafter's chain of all its positions, as DFlash verifies; B >= 2: the best
-    tree of B nodes), with the measured off-path statistics and under plain independence (off-path = main)."""
+def predicted_curves(st: RankStats, budgets: tuple[int, ...] = BUDGETS,
+                     diagnoses: list[dict[str, Any]] | None = None) -> tuple[dict[int, float], dict[int, float]]:
+    """Predicted tau at each budget (1: the drafter's chain of all its positions, as DFlash verifies; B >= 2: DDTree's
+    tree of B nodes), with the measured off-path statistics and under plain independence (off-path = main).
+
+    With the records (`diagnoses`) of format 2 on, the trees are replayed round by round (`replay_taus`: each round's
+    own best-first tree from the drafter's recorded scores); without them (or records older than format 2), the one
+    tree shape by measured acceptance (`predict_taus`). The chain: `chain_tau`, or at T > 0 `sampled_chain_tau`."""
     main, off = rank_probabilities(st)
-    top = max(budgets)
+    trees = [b for b in budgets if b > 1]
+    replay = bool(trees) and diagnoses is not None and replayable(diagnoses)
+    chain = sampled_chain_tau(diagnoses) if diagnoses and record_temperature(diagnoses) > 0 else None
+    if chain is None:
+        chain = chain_tau(main)
     curves = []
     for o in (off, main):
-        taus = predict_taus(main, o, top, st.vocab)
-        curves.append({b: (chain_tau(main) if b == 1 else taus[b]) for b in budgets})
+        if replay:
+            taus = replay_taus(diagnoses, main, o, trees, st.vocab)
+        else:
+            full = predict_taus(main, o, max(budgets), st.vocab)
+            taus = {b: full[b] for b in trees}
+        curves.append({b: (chain if b == 1 else taus[b]) for b in budgets})
     return curves[0], curves[1]
 
 
+def record_temperature(diagnoses: list[dict[str, Any]]) -> float:
+    """The temperature the records were made at (0: greedy, and records older than format 2)."""
+    return max((float(dg.get("temperature") or 0.0) for dg in diagnoses), default=0.0)
+
+
+def sampled_chain_tau(diagnoses: list[dict[str, Any]]) -> float | None:
+    """A DFlash chain's expected tau at temperature T > 0, where it drafts a sample of the drafter's tempered row at each
+    depth and the target accepts it when its own sample is the same token.
+
+    From a chain's own rounds: their accepted tau (the accepted prefix leans toward the drafter's likely tokens, so it
+    cannot be reused). From tree rounds, whose path is a plain sample of the target's (a DFlash row does not depend on
+    the path): P(the chain accepts >= k) = prod_{i<=k} q_i(x_i), q_i the drafter's tempered probability of the target's
+    token x_i, where x_i was recorded (`tcosts`), and past it the mean q_i of the rounds that recorded depth i
+    (independence across depths). None: records without `tcosts`."""
+    if all(dg.get("tree") is None for dg in diagnoses):  # chain rounds
+        depths = [a for dg in diagnoses for a in dg["depth"]]
+        return 1 + sum(depths) / len(depths) if depths else None
+    if not all(dg.get("tcosts") is not None for dg in diagnoses):
+        return None
+    L = max(len(r) for dg in diagnoses for r in dg["rows"])
+    qs = [[math.exp(-c / dg.get("cost_scale", 1000)) for c in tc] for dg in diagnoses for tc in dg["tcosts"]]
+    seen = [[q[i] for q in qs if len(q) > i] for i in range(L)]
+    mean = [sum(v) / len(v) if v else 0.0 for v in seen]
+    total = 0.0
+    for q in qs:
+        run = 1.0
+        for i in range(L):
+            run *= q[i] if i < len(q) else mean[i]
+            total += run
+    return 1 + total / max(len(qs), 1)
+
+
 def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS):
-    """(predicted, independent, sources): the chain point (budget 1) from the chain rounds (DFlash) where there are any,
+    """(predicted, independent, by acceptance, sources): the chain point (budget 1) from the chain rounds (DFlash) where there are any,
     the trees' points from the tree rounds where there are any; else each from what there is.
 
     Why apart: a round starts where the previous one missed, and a tree misses at harder tokens than a chain (it
@@ -462,21 +685,26 @@ def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS
     chains = [d for j in jobs if j.method == "dflash" for d in j.diagnosed]
     trees = [d for j in jobs if j.method != "dflash" for d in j.diagnosed]
     chain_src, tree_src = (chains or trees), (trees or chains)
-    c_pred, c_ind = predicted_curves(collect(chain_src, L), budgets)
-    t_pred, t_ind = (c_pred, c_ind) if tree_src is chain_src else predicted_curves(collect(tree_src, L), budgets)
+    c_pred, c_ind = predicted_curves(collect(chain_src, L), budgets, chain_src)
+    t_pred, t_ind = (c_pred, c_ind) if tree_src is chain_src else predicted_curves(collect(tree_src, L), budgets,
+                                                                                     tree_src)
+    best = predicted_curves(collect(tree_src, L), budgets)[0]  # the rank model alone: one tree shape by acceptance
     pick = lambda c, t: {b: (c[b] if b == 1 else t[b]) for b in budgets}  # noqa: E731
     name = lambda src: "chain rounds" if src is chains else "tree rounds"  # noqa: E731
-    return pick(c_pred, t_pred), pick(c_ind, t_ind), {"chain": name(chain_src), "trees": name(tree_src)}
+    sources = {"chain": name(chain_src), "trees": name(tree_src),
+               "trees_model": "replay" if replayable(tree_src) else "rank model (records without rows)"}
+    return pick(c_pred, t_pred), pick(c_ind, t_ind), pick(c_pred, best), sources
 
 
 def cross_predictions(jobs: list[JobData], L: int) -> list[dict[str, Any]]:
     """Each job's records alone predicting every job's tau (what one calibration run, e.g. budget=auto, can tell):
     rows of {calibration, budget, method, predicted, measured, error}."""
-    targets = [(j.tree_budget, j.tau) for j in jobs if j.tree_budget is not None and j.tau]
-    budgets = tuple(sorted({b for b, _ in targets}))
+    temp = lambda j: float(j.summary.get("temperature") or 0.0)  # noqa: E731
     rows = []
     for cal in jobs:
-        pred, _ = predicted_curves(collect(cal.diagnosed, L), budgets)
+        targets = [(j.tree_budget, j.tau) for j in jobs if j.tree_budget is not None and j.tau and temp(j) == temp(cal)]
+        budgets = tuple(sorted({b for b, _ in targets}))
+        pred, _ = predicted_curves(collect(cal.diagnosed, L), budgets, cal.diagnosed)
         for b, tau in targets:
             rows.append({"calibration": cal.name, "calibration_budget": cal.tree_budget, "budget": b,
                          "predicted": pred[b], "measured": tau, "error": (pred[b] - tau) / tau})
@@ -577,9 +805,13 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     bs = list(doc["predicted"])
     trees = [b for b in bs if b > 1]
-    ax.plot(trees, [doc["predicted"][b] for b in trees], marker=".", color="C0", label="predicted tree (measured off-path)")
+    ax.plot(trees, [doc["predicted"][b] for b in trees], marker=".", color="C0",
+            label="predicted DDTree (replay, measured off-path)")
     ax.plot(trees, [doc["predicted_independent"][b] for b in trees], linestyle=":", color="C0",
-            label="predicted tree (independence: off-path = main)")
+            label="predicted DDTree (independence: off-path = main)")
+    if doc.get("predicted_by_acceptance"):
+        ax.plot(trees, [doc["predicted_by_acceptance"][b] for b in trees], linestyle="--", color="C2",
+                label="one tree shape by measured acceptance")
     if 1 in doc["predicted"]:
         ax.scatter([1], [doc["predicted"][1]], marker="*", s=120, color="C0", label="predicted chain (all positions)")
     meas = doc["measured"]
@@ -607,10 +839,14 @@ def write_plots(doc: dict[str, Any], out: Path, prefix: str = "diagnosis") -> li
     return paths
 
 
-MODEL_NOTE = ("Model: at depth d the target's token has rank r in the drafter's distribution with the measured "
-              "probability p_d(r | on or off the drafter's top-1 chain above), independently across depths; the "
-              "predicted tree holds the B most likely rank paths. Dotted: the plain independence assumption "
-              "(off-path = main path), which DDTree's scores make.")
+MODEL_NOTE = ("Model: each recorded round is replayed: DDTree's tree of budget B is rebuilt from that round's "
+              "drafter scores (its per-depth rows do not depend on the path), and its accepted depth is exact as far as "
+              "the target's path is known (one token past the accepted depth); below that, the target's token has rank "
+              "r with the measured probability p_d(r | on or off the drafter's top-1 chain above), independently across "
+              "depths. The chain is the same for the top-1 chain. Dotted: the continuation under plain independence "
+              "(off-path = main), which DDTree's scores assume; dashed: the rank model alone, one tree shape for every "
+              "round (the B likeliest rank paths by measured acceptance), where DDTree adapts its tree to each round's "
+              "scores.")
 
 
 def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> list[str]:
@@ -629,12 +865,16 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
               "| job | method | budget | measured tau | accepted | predicted | error |",
               "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
     for m in doc["measured"]:
-        lines.append(f"| {m['name']} | {m['method']} | {m['budget']} | {m['measured']:.2f} | {_f(m['accepted'])} | "
+        t = f" (T={m['temperature']:g})" if m.get("temperature") else ""
+        lines.append(f"| {m['name']} | {m['method']}{t} | {m['budget']} | {m['measured']:.2f} | {_f(m['accepted'])} | "
                      f"{_f(m['predicted'])} | {100 * m['error']:+.1f} % |")
     lines += ["", "| budget | " + " | ".join(str(b) for b in doc["predicted"]) + " |",
               "| --- |" + " ---: |" * len(doc["predicted"]),
               "| predicted tau | " + " | ".join(f"{v:.2f}" for v in doc["predicted"].values()) + " |",
               "| independence | " + " | ".join(f"{v:.2f}" for v in doc["predicted_independent"].values()) + " |"]
+    if doc.get("predicted_by_acceptance"):
+        lines.append("| one tree by acceptance | " + " | ".join(
+            f"{v:.2f}" for v in doc["predicted_by_acceptance"].values()) + " |")
     if doc.get("speedup"):
         lines.append("| predicted speedup | " + " | ".join(
             f"{doc['speedup'][b]['speedup']:.2f}x" if b in doc["speedup"] else "-" for b in doc["predicted"]) + " |")
@@ -644,7 +884,7 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
                   f"Best budget: {_budget_name(doc['best_budget'])}."]
     if doc.get("calibration"):
         lines += ["", f"Calibration: the chain from {doc['calibration']['chain']}, the trees from "
-                  f"{doc['calibration']['trees']} (a round starts where the last one missed, and trees miss at harder "
+                  f"{doc['calibration']['trees']} ({doc['calibration'].get('trees_model', 'rank model')}; a round starts where the last one missed, and trees miss at harder "
                   "tokens than chains: see docs/diagnosis.md)."]
     if doc.get("cross"):
         cols = sorted({r["budget"] for r in doc["cross"]})
@@ -657,7 +897,7 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
                   "| --- |" + " ---: |" * len(cols)]
         for name, cb in cals:
             lines.append(f"| {name} ({cb}) | " + " | ".join(
-                f"{100 * cell[(name, b)]['error']:+.0f} %" for b in cols) + " |")
+                f"{100 * cell[(name, b)]['error']:+.0f} %" if (name, b) in cell else "-" for b in cols) + " |")
     a = doc["accuracy"]
     lines += ["", f"{h} The drafter on and off its top-1 chain", "",
               "The drafter's top-1 is the target's token, at depths >= 2 of the accepted paths (95 % Wilson intervals):",
