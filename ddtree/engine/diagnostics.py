@@ -20,8 +20,7 @@ row d drafts depth d + 1):
 * `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
 * `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
   whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
-* branching trees whose every node's target choice was computed (not a CPU's lazy head, which computes the walked
-  rows only), summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
+* branching trees, summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
@@ -64,8 +63,8 @@ class RoundRecorder:
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
               choice: torch.Tensor | None) -> None:
         """One round: the drafter's `logits` [L, V], the verified `tree`, the accepted `path` (flat indices, on the
-        device), its accepted depth, the target's token after it, and the target's choice after every node (None
-        where the round did not compute it: a CPU's lazy head; the node table then skips the round)."""
+        device), its accepted depth, the target's token after it, and the target's choice after every node (None: not
+        computed; the node table then skips the round)."""
         L, V = logits.shape
         self._vocab = V
         m = min(accepted + 1, L)
