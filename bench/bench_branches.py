@@ -25,7 +25,7 @@ from ddtree.engine.host import HOST_BRANCHES, device_path
 # the methods each branch can change
 TOUCHES = {"control": ["ddtree:64"],  # nothing switched: the noise floor of the machine
            "host_tree": ["ddtree:16", "ddtree:64", "ddtree:256"],
-           "dense_attention": ["dflash", "ddtree:16", "ddtree:64"],
+           "dense_attention": ["dflash", "ddtree:16", "ddtree:64"], "lazy_head": ["ddtree:64", "ddtree:256"],
            "gdn_step": ["ar"]}
 
 

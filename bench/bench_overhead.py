@@ -4,8 +4,10 @@
 
 On the shipped toy pair (assets/toy; a tiny random Qwen3 and drafter without it), greedy DDTree, one warm-up pass,
 then one timed pass. Each function below is wrapped with a perf_counter pair (~1 us each) and reported in ms per
-round with its calls per round. Nested ones overlap: best_first_tree holds the C build (or, without it, the torch
-build), commit holds the GDN commit. Calls outside the rounds (the chain prefill's commit, one per generation) are included,
+round with its calls per round. Nested ones overlap: verify holds the lazy head's and tail's asks only where the
+loop books them there, best_first_tree holds the C build (or, without it, the torch build), commit holds
+the GDN commit, the walk
+holds its asks (argmax). Calls outside the rounds (the chain prefill's commit, one per generation) are included,
 hence commit calls per round above 1. setup = each generate call's wall time outside its prefill and rounds (one
 `ddtree.Engine` for all the prompts, as `ddtree.run` keeps one per job: a generation sets up only its caches).
 These are the costs right after the forwards that evict the host code's caches, which is what a round pays: warm,
@@ -62,7 +64,8 @@ def main() -> None:
 
     for owner, attr in ((proposers.DrafterBlock, "draft_logits"), (proposers, "best_first_tree"),
                         (tree_mod, "_best_first_host"), (tree_mod, "best_first_tensors"),
-                        (target_mod.TargetSession, "verify"),
+                        (target_mod.TargetSession, "verify"), (target_mod.WalkRows, "argmax"),
+                        (target_mod.WalkRows, "features"), (loop, "host_walk"),
                         (target_mod.TargetSession, "commit"), (gdn, "commit_linear_states"),
                         (diagnostics.RoundRecorder, "round"), (diagnostics.RoundRecorder, "finish")):
         if hasattr(owner, attr):  # a build this checkout lacks is simply not timed

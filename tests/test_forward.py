@@ -142,6 +142,70 @@ def test_generations_through_the_lean_forward_equal_hf_greedy(model_type):
     assert ddtree.generate(model, None, ids, method="ar", max_new_tokens=16).output_ids == ref
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_greedy_trees_with_the_head_on_walked_rows_only_equal_hf_greedy(model_type, monkeypatch):
+    """TargetSession.lazy_head on every tree (its size floor lowered): outputs still HF greedy's, and the head
+    really read fewer rows than the trees had."""
+    from ddtree.engine import target as target_mod
+
+    monkeypatch.setattr(target_mod, "LAZY_HEAD_MIN", 2)
+    monkeypatch.setattr(target_mod, "LAZY_TAIL_MIN", 2)  # and the last layer on those rows only (LazyTail)
+    model = _model(model_type, "sdpa")
+    drafter = ddtree.DFlashDrafter.random_for_target(model.config, block_size=6)
+    rows, plain = [], model.lm_head.forward
+
+    def counted(x):
+        rows.append(x.shape[-2] if x.ndim > 1 else 1)
+        return plain(x)
+
+    monkeypatch.setattr(model.lm_head, "forward", counted)  # the lean forward calls the head's forward directly
+    ids = torch.randint(0, 80, (1, 9), generator=torch.Generator().manual_seed(2))
+    ref = hf_greedy(model, ids, 24)
+    rows.clear()
+    res = ddtree.generate(model, drafter, ids, method="ddtree", budget=30, max_new_tokens=24)
+    assert res.output_ids == ref
+    assert rows and sum(rows) < len(res.acceptance_lengths) * 31 / 2  # trees of 31 rows: the head read far fewer
+
+
+@pytest.mark.parametrize("model_type", LEAN)
+def test_the_lazy_last_layer_gives_the_full_forwards_rows_features_and_cache(model_type, monkeypatch):
+    """verify(head=False) on a dense-mask tree: argmax, final rows and path features as the full verify's, the
+    last layer run for the asked rows only, and the cache after the commit the full verify's too."""
+    from ddtree.engine import target as target_mod
+
+    monkeypatch.setattr(target_mod, "LAZY_TAIL_MIN", 2)
+    model = _model(model_type, "sdpa")
+    layers = [0, model.config.num_hidden_layers - 1]  # a middle feature and the last (the lazy rows)
+    lazy, full = (TargetSession(model, layers, capacity=256) for _ in range(2))
+    assert lazy.lean.lazy_tail == (not lazy.lean.linear[-1])
+    ids = torch.randint(0, 80, (1, 11), generator=torch.Generator().manual_seed(0))
+    lazy.prefill(ids), full.prefill(ids)
+    rng = random.Random(7)
+    root = 5
+    for n in (40, 9, 64):
+        tree = random_tree(n, 80, rng, root=root)
+        rows, none = lazy.verify(tree, head=False)
+        logits, feats = full.verify(tree)
+        assert none is None
+        w = walk(tree, logits.argmax(-1))
+        asked = [0, *w.path_list[1:], n - 1]
+        assert rows.argmax(asked) == logits[asked].argmax(-1).tolist()
+        head = model.lm_head.forward(rows.final(asked))
+        torch.testing.assert_close(head, logits[asked], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(rows.features(w.path_list), feats[:, w.path], rtol=1e-5, atol=1e-5)
+        if lazy.lean.lazy_tail:
+            assert len(rows.final.__self__._rows) == len(set(asked)) < n  # only the asked rows ran
+        for s in (lazy, full):
+            s.commit(tree, w.path)
+        for a, b in zip(lazy.cache.layers, full.cache.layers, strict=True):
+            for name in ("keys", "values", "conv_states", "recurrent_states"):
+                x, y = getattr(a, name, None), getattr(b, name, None)
+                if isinstance(x, torch.Tensor):
+                    torch.testing.assert_close(x[..., : lazy.length, :] if name in ("keys", "values") else x,
+                                               y[..., : full.length, :] if name in ("keys", "values") else y)
+        root = w.tokens[-1]
+
+
 HYBRIDS = [name for name in LEAN if FAMILIES[name].gdn]
 
 

@@ -181,6 +181,8 @@ def test_a_commit_that_drops_one_accepted_token_is_suspect(fp32_qwen3, monkeypat
         return w
 
     monkeypatch.setattr(loop, "walk", dropping)
+    # the fault sits in walk(), which a lazy-head round (a greedy tree of 65+ nodes) does not call
+    monkeypatch.setattr("ddtree.engine.target.LAZY_HEAD_MIN", 10**9)
     runs = _run_with_fault(fp32_qwen3, 24)
     assert dropped
     _assert_suspect_where_greedy_is_left(fp32_qwen3, runs, 24, kind="not_argmax")
@@ -220,6 +222,8 @@ def test_a_premature_stop_is_suspect(fp32_qwen3, monkeypatch):
         return w
 
     monkeypatch.setattr(loop, "walk", stops_early)
+    # the fault sits in walk(), which a lazy-head round (a greedy tree of 65+ nodes) does not call
+    monkeypatch.setattr("ddtree.engine.target.LAZY_HEAD_MIN", 10**9)
     runs = _run_with_fault(fp32_qwen3, new, stop_token_ids=[stop])[:1]
     monkeypatch.undo()
     assert runs[0][1][-1] == stop and len(runs[0][1]) < new

@@ -102,6 +102,8 @@ def test_strict_job_with_a_wrong_token_fails_after_recording_it(tmp_path, monkey
         return w
 
     monkeypatch.setattr(loop, "walk", wrong_token)
+    # the fault sits in walk(), which a lazy-head round (a greedy tree of 65+ nodes) does not call
+    monkeypatch.setattr("ddtree.engine.target.LAZY_HEAD_MIN", 10**9)
     monkeypatch.chdir(tmp_path)  # without a Hydra runtime the job writes to the cwd
     cfg = compose(*small, *MORE, "validation=strict", "tracking=none", "warmup=false", "baseline_reuse=false",
                   hydra_node=False)

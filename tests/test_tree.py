@@ -206,16 +206,23 @@ def test_the_device_walk_of_any_tree_is_the_reference_walk():
 
 
 @needs_c
-def test_the_host_walk_walks_as_the_reference():
-    """host_walk on the C build's child lists: the reference walk's path and tokens."""
+def test_the_host_walk_asks_only_for_rows_it_needs():
+    """host_walk asks each row at most once, and for the rows of its path; it walks as the reference does."""
     g = torch.Generator().manual_seed(3)
     for budget in (4, 64, 200):
         tree = best_first_tree(torch.tensor(2), torch.log_softmax(torch.randn(10, 7, generator=g) * 2, -1), budget)
         for _ in range(40):
             logits = torch.randn(len(tree), 7, generator=g)
             logits[0, int(tree.tokens[1])] += 3  # some walks go deep
-            w = host_walk(tree, logits.argmax(-1).tolist())
+            asked = []
+
+            def argmax(nodes, logits=logits, asked=asked):
+                asked.extend(nodes)
+                return logits[nodes].argmax(-1).tolist()
+
+            w = host_walk(tree, argmax)
             assert (w.path_list, w.tokens) == walk_reference(tree, logits.argmax(-1))
+            assert set(w.path_list) <= set(asked) and len(asked) == len(set(asked))
 
 
 def test_the_device_build_is_a_few_ops_a_depth_with_fixed_shapes_and_no_host_read():

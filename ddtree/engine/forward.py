@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 
-__all__ = ["LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm"]
+__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm"]
 
 # RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
 _NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
@@ -246,11 +246,54 @@ class LeanLayer:
         return self._feed_forward(x + h)
 
 
+class LazyTail:
+    """The last decoder layer and the final norm of a verification, for the rows a greedy walk reads only.
+
+    Every node's keys and values go to the cache at once (the committed path needs them, and the asked rows
+    attend over them), but the queries, the attention itself, the o projection, the MLP and the final norm run
+    only for the rows asked, one batch per ask, each row once. A greedy walk reads its own path (and a few rows
+    beside it), so on a 257-node tree the last layer's query-side work shrinks to a tenth or less.
+
+    `final(nodes)`: the final-norm rows of `nodes` [k, hidden]; the same arithmetic as the full layer, row by
+    row (the batch is smaller, so a row can differ from the full forward's in the last bits, as a decode step's
+    does).
+    """
+
+    def __init__(self, lean: LeanLayer, x: torch.Tensor, rope, mask: torch.Tensor, position_ids, cache,
+                 final_norm: Callable[[torch.Tensor], torch.Tensor]):
+        self.lean, self.x, self.mask, self.position_ids, self.final_norm = lean, x, mask, position_ids, final_norm
+        self.h = lean.norm1(x)
+        key, value = lean._keys_values(self.h)
+        _, key = lean.rotary(key, key, *rope)
+        if cache is not None:
+            key, value = cache.update(key, value, lean.attn.layer_idx, kwargs={"position_ids": position_ids})
+        self.key, self.value, self.rope = key, value, rope
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def final(self, nodes: list[int]) -> torch.Tensor:
+        todo = list(dict.fromkeys(i for i in nodes if i not in self._rows))
+        if todo:
+            idx = torch.tensor(todo, device=self.x.device)
+            lean = self.lean
+            query, gate = lean._queries(self.h[:, idx])
+            cos, sin, *more = self.rope
+            query, _ = lean.rotary(query, query, cos[:, idx], sin[:, idx], *more)
+            out = lean._attend(query, gate, self.key, self.value, self.mask[:, :, idx],
+                               self.position_ids[:, idx])
+            rows = self.final_norm(lean._feed_forward(self.x[:, idx] + out))[0]
+            self._rows.update(zip(todo, rows.unbind(0), strict=True))
+        return torch.stack([self._rows[i] for i in nodes])
+
+
 class LeanForward:
     """`model(input_ids, position_ids, attention_mask, cache)` for one supported model, minus the wrappers.
 
     Returns (logits [T', V], hidden states by index): hidden[0] is the embeddings, hidden[i] the output of
     decoder layer i - 1, the last one after the final norm, as `output_hidden_states` numbers them.
+    head=False: the rows the head would read (after the final norm) instead of their logits. head="lazy": where
+    the last layer allows it (`lazy_tail`) and `mask` is a tensor, a `LazyTail` that computes the last layer
+    and the final norm for asked rows only (hidden states up to the last layer's input are kept as usual); else
+    as head=False.
     """
 
     def __init__(self, model: PreTrainedModel, base: torch.nn.Module, positions: str):
@@ -263,9 +306,12 @@ class LeanForward:
         rope = RopeTables()  # one per model: built by its first attention layer of a forward, read by the others
         self.lean_layers = [LeanLayer(layer, rope) if LeanLayer.supports(layer) else None for layer in self.layers]
         self.final_norm = lean_norm(base.norm)
+        # head="lazy" can stop before the last layer: an attention layer run as a LeanLayer (see LazyTail)
+        self.lazy_tail = bool(self.layers) and self.lean_layers[-1] is not None and not self.linear[-1]
 
     def __call__(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None, cache,
-                 keep: list[int] | None = None, logits_to_keep: int = 0) -> tuple[torch.Tensor, dict]:
+                 keep: list[int] | None = None, logits_to_keep: int = 0,
+                 head: bool | str = True) -> tuple[torch.Tensor | LazyTail, dict]:
         base = self.base
         hidden = base.embed_tokens.forward(ids)
         rope_ids = position_ids if self.positions == ROPE else position_ids[None].expand(3, *position_ids.shape)
@@ -273,8 +319,11 @@ class LeanForward:
         wanted = set(keep or ())
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
+        tail = head == "lazy" and self.lazy_tail and mask is not None and logits_to_keep == 0
         for i, layer in enumerate(self.layers):
             lean = self.lean_layers[i]
+            if tail and i + 1 == last:
+                return LazyTail(lean, hidden, rope, mask, position_ids, cache, self.final_norm), kept
             if lean is not None:
                 hidden = lean(hidden, None if self.linear[i] else mask, rope, position_ids, cache)
             else:
@@ -286,7 +335,7 @@ class LeanForward:
         if last in wanted:
             kept[last] = hidden
         rows = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
-        return self.head.forward(rows), kept
+        return (self.head.forward(rows) if head is True else rows), kept
 
 
 # base model classes whose forward LeanForward reproduces (checked against transformers 5.24; tests/test_forward.py)

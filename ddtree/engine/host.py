@@ -96,6 +96,7 @@ def _tune() -> str:
 HOST_BRANCHES = {
     "host_tree": "the best-first tree built on the host (C extension, heap) and walked on its host arrays",
     "dense_attention": "a dense tree mask for small trees, and the chain prefill of short prompts on a hybrid",
+    "lazy_head": "a greedy round's head (and last layer) only for the rows the walk reads",
     "gdn_step": "one cached token through a GDN layer as a K-tap dot product and one fused update",
 }
 

@@ -21,7 +21,7 @@ from ddtree.engine.target import (
     context_features,
     model_type,
 )
-from ddtree.engine.tree import walk
+from ddtree.engine.tree import host_walk, walk
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
 
@@ -32,6 +32,21 @@ def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def _walk_asking_head(tree, ask) -> tuple:
+    """host_walk(tree, ask), and the seconds spent in `ask` (the head: target forward work)."""
+    spent = 0.0
+
+    def timed(nodes: list[int]) -> list[int]:
+        nonlocal spent
+        t = time.perf_counter()
+        try:
+            return ask(nodes)
+        finally:
+            spent += time.perf_counter() - t
+
+    return host_walk(tree, timed), spent
 
 
 def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
@@ -175,17 +190,27 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                             new_context=feats, temperature=temperature, generator=generator, timer=timer,
                             input_ids=input_ids)
         tree = proposer.propose(state)
+        lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
         with timer.stage("verify"):
-            logits, feats = session.verify(tree)
+            verified, feats = session.verify(tree, head=not lazy)  # (logits, features), or (WalkRows, None)
+        head_s = 0.0
         with timer.stage("commit"):
-            choice = _choose(logits, temperature, generator)
-            w = walk(tree, choice)  # the round's one host read
+            choice = None
+            if lazy:
+                w, head_s = _walk_asking_head(tree, verified.argmax)
+                t_feats = time.perf_counter()
+                feats = verified.features(w.path_list)  # before the commit moves the cache rows it reads
+                head_s += time.perf_counter() - t_feats
+            else:
+                choice = _choose(verified, temperature, generator)
+                w = walk(tree, choice)  # the round's one host read
             session.commit(tree, w.path, w.path_list)
-            if feats is not None and not getattr(session, "keeps_features", False):
+            if feats is not None and not lazy and not getattr(session, "keeps_features", False):
                 feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
             new, root = w.tokens, w.next_root
             if rec is not None:  # no host read: ddtree.engine.diagnostics
                 rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)
+        timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)
         for i, t in enumerate(new[:room]):

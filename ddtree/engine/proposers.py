@@ -43,6 +43,11 @@ class StageTimer:
         """`with timer.stage(name):` adds the block's wall seconds to `name`."""
         return _Stage(self, name)
 
+    def move(self, source: str, dest: str, seconds: float) -> None:
+        """Book `seconds` timed inside stage `source` under `dest` instead (work of that kind done there)."""
+        self.seconds[source] -= seconds
+        self.seconds[dest] += seconds
+
 
 class _Stage:
     """One timed block of a StageTimer (a plain context manager: a generator-based one costs ~3x more a round)."""

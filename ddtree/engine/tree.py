@@ -281,7 +281,8 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     device with exactly one host read, which decides the path and brings its tokens and the bonus token along.
     """
     if tree._host is not None:
-        return host_walk(tree, choice.tolist())
+        want = choice.tolist()
+        return host_walk(tree, lambda nodes: [want[i] for i in nodes])
     dev = choice.device
     n = len(tree)
     if n == 1:
@@ -305,11 +306,22 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     return Walk(aidx[e, : d + 1].flip(0), path_list, tokens, choice[e])
 
 
-def host_walk(tree: DraftTree, choice: list[int]) -> Walk:
-    """walk() of a tree built on the host (`tree._host`) on its child lists; `choice` as walk's, read to the host."""
+def host_walk(tree: DraftTree, ask) -> Walk:
+    """walk() of a tree built on the host (`tree._host`), asking `ask(nodes)` for the target's choice after each of
+    `nodes` only where the walk needs it: its own path (a greedy verification then runs the head on those rows alone).
+
+    Each ask is a batch: the node the walk stands on and its chain of first children (the drafter's likeliest
+    continuation, which the walk usually follows); a walk that leaves the chain asks again from where it left.
+    """
     tokens, first, sibling = tree._host
+    choice: dict[int, int] = {}
     path, node = [0], 0
     while True:
+        if node not in choice:
+            batch = [node]
+            while first[batch[-1]] >= 0:
+                batch.append(first[batch[-1]])
+            choice.update(zip(batch, ask(batch), strict=True))
         child, want = first[node], choice[node]
         while child >= 0 and tokens[child] != want:  # siblings carry distinct tokens: at most one matches
             child = sibling[child]
