@@ -27,6 +27,20 @@ from ddtree.testing.tiny import tiny_model
 VOCAB = 12  # random drafts are accepted several deep
 NEW = 20
 
+# the diagnosis record's fields stored in thousandths (of a nat, or permille): a rounding step apart where two equal
+# computations differ in the last bit (the compiled drafter's logits); every other field exactly equal
+_ROUNDED = ("costs", "rows", "tail", "tcosts", "probs")
+
+
+def _same_records(a: dict, b: dict) -> bool:
+    def close(x, y) -> bool:
+        if isinstance(x, list) and isinstance(y, list):
+            return len(x) == len(y) and all(close(u, v) for u, v in zip(x, y, strict=True))
+        return x == y or (isinstance(x, int) and isinstance(y, int) and abs(x - y) <= 1)
+
+    return a.keys() == b.keys() and all(close(a[k], b[k]) if k in _ROUNDED else a[k] == b[k] for k in a)
+
+
 
 def _pair(model_type: str, attn: str = "sdpa"):
     target = tiny_model(model_type, seed=6, attn_implementation=attn, vocab_size=VOCAB)
@@ -74,7 +88,7 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
                 ref = eager.generate(ids, max_new_tokens=NEW)
                 assert res.output_ids == ref.output_ids
                 assert res.acceptance_lengths == ref.acceptance_lengths  # the compiled drafter drafted the same trees
-                assert res.diagnosis == ref.diagnosis  # its logits: the target's tokens' ranks and probabilities
+                assert _same_records(res.diagnosis, ref.diagnosis)  # its logits: the target's tokens' ranks, costs
                 accepted += res.acceptance_lengths
             with DispatchCount() as c:
                 res = engine.generate(prompts[1], max_new_tokens=NEW)
@@ -128,7 +142,7 @@ def test_a_sliding_window_drafter_drafts_as_the_eager_one(attn, dynamo_clean):
     for ids in _prompts((4, 13)):
         res, ref = engine.generate(ids, max_new_tokens=NEW), eager.generate(ids, max_new_tokens=NEW)
         assert res.output_ids == ref.output_ids == hf_greedy(target, ids, NEW)
-        assert res.acceptance_lengths == ref.acceptance_lengths and res.diagnosis == ref.diagnosis
+        assert res.acceptance_lengths == ref.acceptance_lengths and _same_records(res.diagnosis, ref.diagnosis)
 
 
 def test_compile_settings_and_refusals():

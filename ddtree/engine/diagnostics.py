@@ -20,7 +20,8 @@ row d drafts depth d + 1):
 * `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
 * `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
   whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
-* branching trees, summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
+* branching trees whose every node's target choice was computed (not a CPU's lazy head, which computes the walked
+  rows only), summed over the generation in `nodes`: per depth, for every verified node, whether its path left the
   drafter's top-1 chain above it (off-path), whether it is the drafter's top-1 at its own depth, and whether the
   target agreed (its token is the target's choice after its parent).
 
@@ -63,25 +64,26 @@ class RoundRecorder:
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
               choice: torch.Tensor | None) -> None:
         """One round: the drafter's `logits` [L, V], the verified `tree`, the accepted `path` (flat indices, on the
-        device), its accepted depth, the target's token after it, and the target's choice after every node (None: not
-        computed; the node table then skips the round)."""
+        device), its accepted depth, the target's token after it, and the target's choice after every node (None
+        where the round did not compute it: a CPU's lazy head; the node table then skips the round)."""
         L, V = logits.shape
         self._vocab = V
         m = min(accepted + 1, L)
         self._depths.append(accepted)
         toks = torch.cat([tree.tokens[path[1:]], next_root.reshape(1).to(tree.tokens.device)])[:m]
-        lse = logits.logsumexp(1, keepdim=True)  # [L, 1]
-        rows = logits[:m]
-        own = rows.gather(1, toks.to(rows.device)[:, None])  # [m, 1] the target's token's logit
+        lp = torch.log_softmax(logits, 1)  # [L, V] (one op; cheaper than logsumexp and a subtraction on a CPU)
+        rows = lp[:m]
+        index = toks.to(rows.device)[:, None]
+        own = rows.gather(1, index)  # [m, 1] the target's token's log-probability
         rank = (rows > own).sum(1, keepdim=True)
         k = min(SKETCH[-1] + 1, V)
-        # [L, k + 2]: each row's top k logits (`finish` keeps the SKETCH ranks of them), then, past them (where a flat
-        # row goes on), its mean logit (about rank V / 2) and its last rank's
-        pts = torch.cat([logits.topk(k, dim=1).values, logits.mean(1, keepdim=True), logits.amin(1, keepdim=True)], 1)
-        parts = [torch.cat([rank.float(), lse[:m] - own], 1).reshape(-1), (lse - pts).reshape(-1)]
+        # [L, k + 2]: each row's top k log-probabilities (`finish` keeps the SKETCH ranks of them), then, past them
+        # (where a flat row goes on), its mean (about rank V / 2) and its last rank's; costs are their negatives
+        pts = torch.cat([lp.topk(k, dim=1).values, lp.mean(1, keepdim=True), lp.amin(1, keepdim=True)], 1)
+        parts = [torch.cat([rank.float(), own.neg()], 1).reshape(-1), pts.neg().reshape(-1)]
         if self._temperature > 0:  # minus the drafter's tempered log-probability of the path's tokens
-            hot = rows / self._temperature
-            parts.append((hot.logsumexp(1, keepdim=True) - own / self._temperature).reshape(-1))
+            hot = logits[:m] / self._temperature
+            parts.append((hot.logsumexp(1, keepdim=True) - hot.gather(1, index)).reshape(-1))
         n_tree = 0
         if tree.scores is not None and not tree.is_chain:  # DDTree: its scores place the accepted nodes (in finish)
             n_tree = tree.scores.shape[0]

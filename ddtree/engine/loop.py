@@ -190,9 +190,10 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                             new_context=feats, temperature=temperature, generator=generator, timer=timer,
                             input_ids=input_ids)
         tree = proposer.propose(state)
-        lazy = temperature <= 0 and session.lazy_head(tree)  # greedy: the head only on the walked rows
+        # greedy on a CPU lean target: the head (and last layer) only on the walked rows (TargetSession.lazy_head)
+        lazy = temperature <= 0 and engine.static is None and session.lazy_head(tree)
         with timer.stage("verify"):
-            verified, feats = session.verify(tree, head=not lazy)  # (logits, features), or (WalkRows, None)
+            verified, feats = session.verify(tree, head=False) if lazy else session.verify(tree)
         head_s = 0.0
         with timer.stage("commit"):
             choice = None

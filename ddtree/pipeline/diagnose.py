@@ -908,7 +908,8 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
                  f"{_pct(a['depth_matched_main']['rate'])} | |")
     nd = a["nodes"]
     if nd["main"]["n"] or nd["off"]["n"]:
-        lines += ["", "Every verified top-1 node of the trees: "
+        lines += ["", "Every verified top-1 node of the trees whose parent's target choice was computed (the lazy "
+                  "head on a CPU computes it on the walked path's chains only): "
                   f"on the chain {nd['main']['k']}/{nd['main']['n']} ({_pct(nd['main']['rate'])}), off it "
                   f"{nd['off']['k']}/{nd['off']['n']} ({_pct(nd['off']['rate'])})."]
     lines += ["", f"{h} By depth", "",
