@@ -145,6 +145,22 @@ def test_a_sliding_window_drafter_drafts_as_the_eager_one(attn, dynamo_clean):
         assert res.acceptance_lengths == ref.acceptance_lengths and _same_records(res.diagnosis, ref.diagnosis)
 
 
+def test_a_bf16_hybrid_through_the_compiled_round_gets_exact_or_tie_verdicts(dynamo_clean):
+    """bf16, as users run (the GDN buffers in the model's dtype where the eager layer keeps them): every output is the
+    target's choice within the bf16 tolerance against the eager engine's (verdict exact or tie, never suspect)."""
+    from ddtree.engine.output_check import Validator
+
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB, dtype=torch.bfloat16)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3).to(torch.bfloat16)
+    with host.device_path():
+        engine = _engine(target, drafter, "ddtree")
+        eager = ddtree.Engine(target, drafter, method="ddtree", budget=16, compile="false")
+        validator = Validator(target, max_new_tokens=NEW)
+        for ids in _prompts((5, 17)):
+            res, ref = engine.generate(ids, max_new_tokens=NEW), eager.generate(ids, max_new_tokens=NEW)
+            assert validator.verdict(ids, res.output_ids, ref.output_ids).verdict in ("exact", "tie")
+
+
 def test_compile_settings_and_refusals():
     target, drafter = _pair("qwen3")
     with pytest.raises(ConfigError, match="compile: unknown value 'maybe'"):

@@ -301,7 +301,7 @@ class StaticRound:
         count = len(self.gdn_modules)
         stacked = {}
         for name, shape in gdn._buffer_shapes(module, hidden.shape[0], n, channels).items():
-            dtype = hidden.dtype if name in ("extended", "out") else torch.float32
+            dtype = hidden.dtype if name in gdn._MODEL_DTYPE else torch.float32  # as gdn.new_buffers lays them out
             stacked[name] = torch.empty(1 if name == "out" else count, *shape, dtype=dtype, device=hidden.device)
         bufs = []
         for g, consts in enumerate(self.consts):
