@@ -165,9 +165,11 @@ def test_a_gdn_module_hooked_before_the_patch_runs_the_patched_forward():
         before = [module._old_forward for module in hooked]
         drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1, num_layers=1)
         ids = torch.randint(0, vocab, (1, 9), generator=torch.Generator().manual_seed(3))
-        res = ddtree.generate(target, drafter, ids, method="ddtree", budget=8, max_new_tokens=12)
-        assert hooked and all(m._old_forward is not old for m, old in zip(hooked, before, strict=True))
+        with ddtree.Engine(target, drafter, method="ddtree", budget=8) as engine:
+            res = engine.generate(ids, max_new_tokens=12)
+            assert hooked and all(m._old_forward is not old for m, old in zip(hooked, before, strict=True))
         assert res.output_ids == hf_greedy(plain, ids, 12) and max(res.acceptance_lengths) >= 2
+        assert all(m._old_forward is old for m, old in zip(hooked, before, strict=True))  # put back on close
     finally:
         (gdn.install if was_installed else gdn.uninstall)()
 
