@@ -37,6 +37,7 @@ def _ok(proc) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # ~1 min of CLI subprocesses: make test-slow (the crash-keeps-samples test stays in make test)
 def test_single_run_sweep_and_resume(cli, tmp_path, small):
     runs_dir, uri = tmp_path / "runs", f"sqlite:///{tmp_path}/store/mlflow.db"
     common = (*small, f"runs_dir={runs_dir}", f"tracking.uri={uri}")
