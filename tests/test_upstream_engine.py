@@ -57,6 +57,7 @@ def greedy(target, ids: torch.Tensor, n: int) -> list[int]:
 # ------------------------------------------------------------------ the run CLI
 
 
+@pytest.mark.slow  # a CLI subprocess, ~15 s: make test-slow (the engine's own tests above stay in make test)
 def test_run_cli_engine_upstream_writes_samples_and_summary(cli, checkout, tmp_path):
     job = tmp_path / "job"
     proc = cli("engine=upstream", f"upstream.path={checkout}", "model=tiny_qwen3", "drafter=tiny", "method=ddtree",
