@@ -214,8 +214,10 @@ class LeanLayer:
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         out, _ = attend(attn, query, key, value, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
                         scaling=attn.scaling, **self.extra, position_ids=position_ids)  # [B, T, heads, d]
-        if gate is not None:  # the module's out * sigmoid(gate) per element, into sigmoid's (contiguous) output
-            return self.o(torch.sigmoid(gate).mul_(out).view(*gate.shape[:2], -1))
+        if gate is not None:  # the module's out * sigmoid(gate), on its contiguous copy of the gate: a CPU's
+            # vectorised sigmoid takes a scalar tail on short strided rows (AVX-512: 16-wide heads), not bitwise
+            gate = torch.sigmoid(gate.reshape(*gate.shape[:2], -1))
+            return self.o(gate.mul_(out.reshape(gate.shape)))
         return self.o(out.reshape(*query.shape[:1], query.shape[2], -1))
 
     def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
