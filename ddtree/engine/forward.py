@@ -15,9 +15,11 @@ a mask the engine knows (`TargetSession` decides). Everything else goes through 
 Each decoder layer of a known class runs as a `LeanLayer`: the same operations as its forward, in the same
 order, on the same tensors, without a module call per submodule (a decode-sized layer makes about twenty,
 each with its hook checks and decorators). On every device its RMSNorms are one fused `F.rms_norm` call with
-the same float32 arithmetic (3 aten ops with the casts and the weight, against ~10 for the module: ~1,600 launches
-a round fewer on a 64-layer target; bitwise the module's formula on the CPU, tested; on CUDA the fused kernel's
-reduction order may differ in the last bit, tested to a tolerance). A layer, norm, attention or MLP of any other
+the same float32 arithmetic (against ~10 ops for the module: ~1,600 launches a round fewer on a 64-layer target; bitwise
+the module's formula on the CPU, tested; on CUDA the fused kernel's reduction order may differ in the last bit, tested
+to a tolerance). A Llama-style norm is 2 ops (the call on x as it is, float32 inside, then the weight); a centred one
+(1 + w) is 3: x cast to float32, the call with the float32 scale, the cast back (torch's fused CUDA kernel takes a
+weight of the input's dtype only; a bf16 input with a float32 weight falls back to the unfused formula there). A layer, norm, attention or MLP of any other
 class runs its own forward.
 """
 
@@ -67,7 +69,9 @@ def lean_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     weight = norm.weight
     if name in _NORMS_SCALED:
         eps = norm.variance_epsilon
-        return lambda x: weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+        # normalised in float32 and rounded once to x's dtype inside the call (one fused kernel on CUDA, the
+        # module's .float() ... .to(dtype) on the CPU), then the module's weight product: 2 ops, not 4
+        return lambda x: weight * F.rms_norm(x, (x.shape[-1],), None, eps)
     eps = norm.eps
     scale: list = [None, None]  # (the weight's identity and version, 1 + weight in float32): rebuilt when it changes
 

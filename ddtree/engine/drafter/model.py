@@ -259,7 +259,7 @@ class _RMSNorm(Qwen3RMSNorm):
     """Qwen3RMSNorm (same weight, same fp32 math) in one fused call instead of six small ones."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), None, self.variance_epsilon).to(x.dtype) * self.weight
+        return F.rms_norm(x, (x.shape[-1],), None, self.variance_epsilon) * self.weight  # float32 inside the call
 
 
 class DrafterCache:
