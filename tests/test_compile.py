@@ -177,6 +177,35 @@ def test_compile_settings_and_refusals():
     assert capacity_bucket(1) == 256 and capacity_bucket(257) == 512 and capacity_bucket(512) == 512
 
 
+def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, caplog, dynamo_clean):
+    """compile=auto on a machine whose compiler fails (a torch.compile backend that raises, as an Inductor or
+    CUDA-graph failure would): the generation is logged and rerun eagerly, equal to HF greedy; the engine stays eager
+    (no second attempt), and a sampling generation's generator is put back first (the same draws as an eager engine).
+    compile=true raises instead."""
+    from ddtree.engine import compiled
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    target, drafter = _pair("qwen3")
+    ids = _prompts((7,))[0]
+    monkeypatch.setattr(compiled, "auto_compiles", lambda binding: True)  # as on a CUDA device
+    engine = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="auto", compile_backend=broken)
+    assert engine.static is not None
+    with caplog.at_level("WARNING", logger="ddtree.engine"):
+        res = engine.generate(ids, max_new_tokens=NEW)
+    assert res.output_ids == hf_greedy(target, ids, NEW)
+    assert engine.static is None and "the compiled round failed (BackendCompilerFailed" in caplog.text
+    sampled = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="auto", compile_backend=broken)
+    eager = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="false")
+    draws = [e.generate(ids, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(5)).output_ids
+             for e in (sampled, eager)]
+    assert draws[0] == draws[1] and sampled.static is None
+    strict = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="true", compile_backend=broken)
+    with pytest.raises(Exception, match="no compiler here"):
+        strict.generate(ids, max_new_tokens=4)
+
+
 def test_the_run_setting_is_checked_before_loading():
     from ddtree.pipeline.config_checks import check_run_settings
     from ddtree.pipeline.schema import RunConfig, identity_dict

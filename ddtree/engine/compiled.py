@@ -48,7 +48,7 @@ from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables,
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.errors import ConfigError
 
-__all__ = ["StaticRound", "StaticSession", "capacity_bucket", "static_round_for", "why_not_static"]
+__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "static_round_for", "why_not_static"]
 
 log = logging.getLogger("ddtree.engine.compiled")
 
@@ -85,6 +85,11 @@ def why_not_static(binding, method: str) -> str | None:
     return None
 
 
+def auto_compiles(binding) -> bool:
+    """Whether compile=auto compiles for this target: on a CUDA device, unless DDTREE_COMPILE turns it off."""
+    return binding.device.type == "cuda" and os.environ.get("DDTREE_COMPILE") not in OFF
+
+
 def static_round_for(binding, method: str, setting: str, backend: str | None = None) -> StaticRound | None:
     """The engine's StaticRound under compile=`setting`, or None for the eager path (auto: with the reason logged;
     true: a target it cannot run is refused). backend: torch.compile's backend (None: inductor; tests trace with
@@ -92,7 +97,7 @@ def static_round_for(binding, method: str, setting: str, backend: str | None = N
     setting = compile_setting(setting)
     if setting == "false":
         return None
-    if setting == "auto" and (binding.device.type != "cuda" or os.environ.get("DDTREE_COMPILE") in OFF):
+    if setting == "auto" and not auto_compiles(binding):
         return None  # a CPU compile costs far more than it saves (docs/compile.md); DDTREE_COMPILE=0: auto is off
     reason = why_not_static(binding, method)
     if reason is not None:
@@ -193,6 +198,14 @@ class StaticRound:
             return "the drafter is on another device"
         self.draft = proposer.static_draft = StaticDraft(self, proposer)
         return None
+
+    def detach(self, proposer) -> None:
+        """Undo `attach`: the proposer drafts and builds its tree eagerly again (compile=auto's fallback)."""
+        if getattr(proposer, "tree_tensors", None) == self.tree:
+            proposer.tree_tensors = None
+        if getattr(proposer, "static_draft", None) is self.draft:
+            proposer.static_draft = None
+        self.draft = None
 
     def session(self, needed: int) -> StaticSession:
         """A fresh generation's session; `needed`: prompt + max_new_tokens + the largest tree (rows)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 
@@ -24,6 +25,9 @@ from ddtree.engine.target import (
 from ddtree.engine.tree import host_walk, walk
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
+
+
+log = logging.getLogger("ddtree.engine")
 
 
 def _choose(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -99,6 +103,7 @@ class Engine:
         if not isinstance(proposer, ARProposer):
             TargetSession(target, binding=self.binding).check_method(method)
         # the compiled round (ddtree.engine.compiled), or None: the eager one
+        self.compile = compile
         self.static = static_round_for(self.binding, "custom proposer" if custom else method, compile, compile_backend)
         if self.static is not None:  # the drafter's forward and DDTree's tree build compiled too, where they can be
             self.static.attach(proposer)
@@ -111,6 +116,20 @@ class Engine:
             raise RuntimeError("Engine.generate after close(): build a new Engine")
         check_generate_args(temperature, max_new_tokens, input_ids)
         self.binding.ensure()
+        if self.static is None or self.compile != "auto":
+            return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+        # compile=auto never fails where the eager round runs: a compiled generation that raises (a compiler or
+        # CUDA-graph failure on this machine) is logged and run again eagerly, the sampler's state as it was
+        state = generator.get_state() if generator is not None else None
+        try:
+            return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+        except Exception as err:  # noqa: BLE001 (any failure of the compiled round: the eager one is the reference)
+            log.warning("compile=auto: the compiled round failed (%s: %s); this engine runs the eager round from now "
+                        "on (compile=false skips the attempt)", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
+            self.static.detach(self.proposer)
+            self.static = None
+            if state is not None:
+                generator.set_state(state)
         return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
     def close(self) -> None:
@@ -146,7 +165,8 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     Many prompts on the same models: build one `Engine` and call its `generate` (the set-up runs once).
     method="mtp" drafts with the target's own MTP head (`drafter`: an MTPHead, or None to read it from the target's
     checkpoint): `steps` tokens a round (default 3), `topk` > 1 an EAGLE-style tree of the `budget` best nodes.
-    compile: "auto" (the compiled round, ddtree.engine.compiled, on a CUDA target it can run; eager elsewhere),
+    compile: "auto" (the compiled round, ddtree.engine.compiled, on a CUDA target it can run; eager elsewhere, and
+    eager from then on where a compiled generation fails: logged, the generation rerun),
     "true" (compiled on any device; a target it cannot run is refused) or "false" (eager). Build an `Engine` to
     keep the compiled graphs across generations.
     """
@@ -154,7 +174,8 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
                 sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
                 compile=compile) as engine:  # one call: the model is left as it was found
-        return _generate(engine, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+        return engine.generate(input_ids, temperature=temperature, max_new_tokens=max_new_tokens,
+                               stop_token_ids=stop_token_ids, generator=generator)
 
 
 def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_new_tokens: int,
