@@ -228,7 +228,7 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         for new in (a.warm_tokens, None):
             if new is None:  # as many tokens as it takes for --rounds more rounds (acceptance is deterministic)
                 new = a.warm_tokens + a.rounds * max(1, round(short.tau))
-            with DispatchCount() as c:
+            with DispatchCount(layers=True) as c:
                 res = engine.generate(ids, max_new_tokens=new)
             runs.append(c)
             outs.append(res)
@@ -239,6 +239,15 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         for key in ("ops", "kernel_ops", "syncs", "graphs"):
             long_c, short_c = getattr(runs[1], key), getattr(runs[0], key)
             per[key] = {s: (long_c[s] - short_c[s]) / rounds for s in STAGES}
+        # the verification's ops by where they run: per decoder layer of each kind (lean layers), and outside them
+        layers = {}
+        for kind in ("linear_attention", "full_attention", "outside"):
+            ops = runs[1].layer_ops[("verify", kind)] - runs[0].layer_ops[("verify", kind)]
+            calls = runs[1].layer_calls[("verify", kind)] - runs[0].layer_calls[("verify", kind)]
+            if kind == "outside":
+                layers[kind] = ops / rounds
+            elif calls:
+                layers[kind] = ops / calls
         graphs, launches = (sum(per["graphs"].values()), None)  # the compiled round's calls (DispatchCount)
         if a.profile or ids.device.type == "cuda":
             profiled, launches = _compiled_and_launches(engine, ids, a.warm_tokens, new, rounds)
@@ -250,6 +259,7 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
     return dict(method=spec, rounds=rounds, ops=per["ops"], kernel_ops=per["kernel_ops"], syncs=per["syncs"],
                 total_ops=sum(per["ops"].values()), total_kernel_ops=sum(per["kernel_ops"].values()),
                 total_syncs=sum(per["syncs"].values()), graph_calls=graphs, cuda_launches=launches, nodes=nodes,
+                verify_per_layer=layers,
                 host_ms_per_round_here=1e3 * wall,
                 sync_names=dict(runs[1].sync_names - runs[0].sync_names))
 
@@ -403,6 +413,9 @@ def main() -> None:
         print()
         print(table(name, rows))
         print()
+        print("verify ops per GDN layer / per attention layer / outside layers: " + "; ".join(
+            f"{r['method']}: " + " / ".join(f"{r['verify_per_layer'].get(k, 0):.1f}"
+                                           for k in ("linear_attention", "full_attention", "outside")) for r in rows))
         print("predicted round ms (ceiling ms) by context: " + "; ".join(
             f"{r['method']}: " + ", ".join(f"{c // 1024}k {r['predicted'][str(c)]['round_ms']:.1f} "
                                            f"({r['predicted'][str(c)]['ceiling_ms']:.1f})" for c in a.contexts)
@@ -427,6 +440,10 @@ def main() -> None:
                     round(r["total_kernel_ops"]), round(r["total_syncs"], 1), round(r["graph_calls"]),
                     *(round(r["predicted"][str(a.table_context)][k], 1)
                       for k in ("ceiling_ms", "round_ms", "tok_s", "ceiling_tok_s"))] for r in rows])
+        rec.table(f"{name}: the verification's ops per decoder layer (lean layers) and outside them, a round",
+                  ["method", "per GDN layer", "per attention layer", "outside layers"],
+                  [[r["method"], *(round(r["verify_per_layer"][k], 1) if k in r["verify_per_layer"] else "–"
+                                   for k in ("linear_attention", "full_attention", "outside"))] for r in rows])
         rec.table(f"{name}: predicted round ms (ceiling ms) by context", ["method", *(f"{c // 1024}k" for c in a.contexts)],
                   [[r["method"], *(f"{r['predicted'][str(c)]['round_ms']:.1f} ({r['predicted'][str(c)]['ceiling_ms']:.1f})"
                                    for c in a.contexts)] for r in rows])

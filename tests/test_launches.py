@@ -45,9 +45,15 @@ def test_a_round_reads_the_device_once(model_type, method, budget):
     with host.device_path():
         engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
         engine.generate(ids, max_new_tokens=4)  # first-call work
-        with DispatchCount() as c:
+        with DispatchCount(layers=True) as c:
             res = engine.generate(ids, max_new_tokens=20)
     assert res.rounds >= 3
+    # every verification op booked under one decoder layer kind or outside them; each lean layer once a round
+    assert sum(v for (stage, _), v in c.layer_ops.items() if stage == "verify") == c.ops["verify"]
+    types = getattr(target.config, "layer_types", None) or ["full_attention"] * target.config.num_hidden_layers
+    for kind in ("linear_attention", "full_attention"):
+        assert c.layer_calls[("verify", kind)] == types.count(kind) * res.rounds
+        assert (c.layer_ops[("verify", kind)] > 0) == (kind in types)
     assert c.total(c.syncs, exclude=()) == res.rounds + 1 + (method != "ar"), dict(c.sync_names)
     assert c.syncs["commit"] == res.rounds  # the walk's read, booked where it happens
     if method != "ar":
@@ -67,9 +73,15 @@ def test_an_mtp_round_reads_the_device_once(topk, budget):
     with host.device_path():
         engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=topk, budget=budget or 64)
         engine.generate(ids, max_new_tokens=4)
-        with DispatchCount() as c:
+        with DispatchCount(layers=True) as c:
             res = engine.generate(ids, max_new_tokens=20)
     assert res.rounds >= 3
+    # every verification op booked under one decoder layer kind or outside them; each lean layer once a round
+    assert sum(v for (stage, _), v in c.layer_ops.items() if stage == "verify") == c.ops["verify"]
+    types = getattr(target.config, "layer_types", None) or ["full_attention"] * target.config.num_hidden_layers
+    for kind in ("linear_attention", "full_attention"):
+        assert c.layer_calls[("verify", kind)] == types.count(kind) * res.rounds
+        assert (c.layer_ops[("verify", kind)] > 0) == (kind in types)
     assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
     assert c.syncs["draft"] == c.syncs["tree"] == 0
 

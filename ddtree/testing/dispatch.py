@@ -60,10 +60,18 @@ class DispatchCount(TorchDispatchMode):
     a reshape that is a view costs nothing, as on a device (per-layer counts: tests/test_gdn_launches.py).
     sequence=True keeps every op in order as (name, output shapes) in `c.sequence` (a capturable region dispatches
     the same sequence whatever the data). `c.kernel_names` / `c.view_names`: the ops by name, kernels and the rest;
-    `with c.paused():` stops counting inside (what remains of a layer without its projections)."""
+    `with c.paused():` stops counting inside (what remains of a layer without its projections).
+    layers=True also books each op under the kind of decoder layer running it, as the lean forward drives it
+    (`ddtree.engine.forward.LeanLayer`: "linear_attention" or "full_attention"; "outside" between layers and on
+    the plain model call): `c.layer_ops[(stage, kind)]`, and `c.layer_calls[(stage, kind)]` layers run, so ops per
+    layer = their ratio."""
 
-    def __init__(self, stages: bool = True, decompose: bool = False, sequence: bool = False):
+    def __init__(self, stages: bool = True, decompose: bool = False, sequence: bool = False, layers: bool = False):
         super().__init__()
+        self.layer_ops: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.layer_calls: collections.Counter[tuple[str, str]] = collections.Counter()
+        self._layers = layers
+        self.layer = "outside"
         self.kernel_names: collections.Counter[str] = collections.Counter()
         self.view_names: collections.Counter[str] = collections.Counter()
         self.sequence: list[tuple[str, tuple]] | None = [] if sequence else None
@@ -92,6 +100,8 @@ class DispatchCount(TorchDispatchMode):
         name = func.overloadpacket.__name__
         stage = self.stage
         self.ops[stage] += 1
+        if self._layers:
+            self.layer_ops[(stage, self.layer)] += 1
         self.names[name] += 1
         if func.is_view or name in NO_KERNEL:
             self.view_names[name] += 1
@@ -143,6 +153,22 @@ class DispatchCount(TorchDispatchMode):
 
         stack.callback(setattr, compiled.StaticRound, "_run", run_graph)
         compiled.StaticRound._run = counted_graph
+        if self._layers:
+            from ddtree.engine import forward
+
+            lean_call = forward.LeanLayer.__call__
+
+            def booked_layer(layer_self, *a, **k):
+                kind = "linear_attention" if layer_self.linear else "full_attention"
+                before, counter.layer = counter.layer, kind
+                counter.layer_calls[(counter.stage, kind)] += 1
+                try:
+                    return lean_call(layer_self, *a, **k)
+                finally:
+                    counter.layer = before
+
+            stack.callback(setattr, forward.LeanLayer, "__call__", lean_call)
+            forward.LeanLayer.__call__ = booked_layer
         if self._stages:
             enter, exit_ = proposers._Stage.__enter__, proposers._Stage.__exit__
             prefill = target.TargetSession.prefill
