@@ -66,15 +66,42 @@ def _engine(target, drafter, method, budget=16, backend="eager", **kw):
                          compile="true", compile_backend=backend, **kw)
 
 
+def _pool_backend():
+    """A torch.compile backend with CUDA graph trees' memory rule: a graph's outputs (those not aliasing an input) are
+    overwritten as soon as a compiled function runs again (NaN, or an out-of-range value in integer outputs)."""
+    live: list[torch.Tensor] = []
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            with torch.inference_mode():
+                for t in live:
+                    if t.dtype == torch.bool:
+                        t.logical_not_()
+                    else:
+                        t.fill_(float("nan") if t.is_floating_point() else 1 << 20)
+            live.clear()
+            out = gm(*args)
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            flat = out if isinstance(out, tuple | list) else (out,)
+            live.extend(t for t in flat if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs)
+            return out
+        return run
+
+    return backend
+
+
 def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dynamo_clean):
     """Smoke test of the default suite (dynamo tracing, fullgraph): DDTree on the tiny hybrid equals HF greedy and the
     eager engine on prompts of three lengths; after the first generation no recompile (error_on_recompile) and no
     graph break; each round reads the host once (the walk) and calls four graphs (drafter, tree build, verify, commit; the
-    first round drafts eagerly); the drafts are the eager engine's (same acceptance lengths)."""
+    first round drafts eagerly); the drafts are the eager engine's (same acceptance lengths). The backend overwrites each
+    graph's outputs at the next compiled call, as CUDA graph trees reuse their pool: the round reads them through the
+    clones `StaticRound._run` makes under CUDA graphs (`cudagraphs`, on here as on CUDA)."""
     target, drafter = _pair("qwen3_5_text")
     prompts = _prompts()
     with host.device_path():  # the branches a CUDA run takes (device tree build and walk)
-        engine = _engine(target, drafter, "ddtree")
+        engine = _engine(target, drafter, "ddtree", backend=_pool_backend())
+        engine.static.cudagraphs = True  # as mode="reduce-overhead" sets it on CUDA
         eager = ddtree.Engine(target, drafter, method="ddtree", budget=16, compile="false")
         assert engine.static is not None and eager.static is None
         engine.generate(prompts[0], max_new_tokens=4)  # warm-up: the graphs are traced here
@@ -99,6 +126,22 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
     assert c.graphs["verify"] == c.graphs["commit"] == c.graphs["tree"] == res.rounds
     assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
     assert c.ops["verify"] <= 2 * res.rounds  # the tree's tensors handed over: views only, no op of the forward
+
+
+@pytest.mark.slow
+def test_without_the_clones_the_pool_rule_breaks_the_round(dynamo_clean):
+    """The smoke test's check can fail: the same run with the clones off (`cudagraphs` False) under the backend that
+    overwrites outputs at the next compiled call no longer equals HF greedy (or raises)."""
+    target, drafter = _pair("qwen3_5_text")
+    ids = _prompts((9,))[0]
+    with host.device_path():
+        engine = _engine(target, drafter, "ddtree", backend=_pool_backend())
+        assert not engine.static.cudagraphs
+        try:
+            out = engine.generate(ids, max_new_tokens=NEW).output_ids
+        except (RuntimeError, IndexError, ValueError):
+            out = None
+    assert out != hf_greedy(target, ids, NEW)
 
 
 @pytest.mark.parametrize("model_type", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_5_text"])

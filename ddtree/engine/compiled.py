@@ -138,6 +138,15 @@ class _FrozenLayer(LeanLayer):
                                         else _frozen_norm(getattr(self.attn, n)) for n in ("q_norm", "k_norm"))
 
 
+def _owned(out):
+    """`out` with every tensor cloned (tuples and lists walked): memory of our own, outside the CUDA graph pool."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple | list):
+        return type(out)(_owned(o) for o in out)
+    return out
+
+
 class StaticState:
     """The fixed buffers of one capacity: keys and values of every attention layer [A, 2, 1, Hkv, C, d], the GDN
     conv [G, 1, channels, K] and recurrent [G, 1, Hv, dk, dv] states, the length [1] (long). Static addresses
@@ -178,6 +187,9 @@ class StaticRound:
         elif self.device.type == "cuda":
             opts["mode"] = "reduce-overhead"  # CUDA graphs: one launch a graph
         self.options = opts
+        # CUDA graph trees reuse a graph's output memory once another compiled function runs (each call starts a new
+        # generation), and every output here is read after the next graph: each is cloned out of the pool (`_run`)
+        self.cudagraphs = opts.get("mode") == "reduce-overhead"
         self.verify_graph = torch.compile(self._verify, **opts)
         self.tree_graph = torch.compile(_tree_tensors, **opts)  # DDTree's torch tree build (DDTreeProposer)
         self.commit_graph = torch.compile(self._commit, **opts)
@@ -360,8 +372,12 @@ class StaticRound:
 
     # ------------------------------------------------------------------------------------------- a round
     def _run(self, graph, *args):
-        """One call of a compiled graph (the seam ddtree.testing.dispatch counts graph calls at)."""
-        return graph(*args)
+        """One call of a compiled graph (the seam ddtree.testing.dispatch counts graph calls at). Under CUDA graphs
+        its tensor outputs are cloned: the draft's logits feed the tree build, the tree the verification, the
+        verification the walk and the commit, and the diagnosis reads the draft and the tree after the commit, while
+        torch frees (and reports as overwritten) a graph's outputs as soon as another compiled function runs."""
+        out = graph(*args)
+        return _owned(out) if self.cudagraphs else out
 
     def tree(self, root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
         """DDTree's tree build (best_first_tensors) as one graph call: DDTreeProposer.tree_tensors."""
