@@ -9,6 +9,7 @@
 #   5. device_forward's flex_attention row (compiled first, so last and alone),
 #   6. the compiled round (compile=true: inductor with CUDA graphs, docs/compile.md): its CUDA test, then
 #      bench_launches --compile on the Qwen3.6-27B structure (ops outside the graphs, graph calls, CUDA launches).
+#      It runs first (the riskiest, never yet run on a GPU); the report keeps the numbering above.
 #   Steps 1-5 run the eager round (DDTREE_COMPILE=0 keeps compile=auto off: the grid would compile every shape).
 #
 #   bench/device_all.sh [OUT.md]                     # default runs/device_all.md
@@ -48,7 +49,14 @@ step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.lo
 }
 
 # limits add up to 520 s for steps 1-5 and 300 s for step 6, plus start-up: run them as two calls where a call is
-# limited to 10 minutes (DEVICE_STEPS="tests forward launches engines flex", then DEVICE_STEPS=compiled)
+# limited to 10 minutes (DEVICE_STEPS="compiled tests", then DEVICE_STEPS="forward launches engines flex")
+# the compiled round first: never run on a GPU before, the riskiest and the one compile=auto picks there
+step compiled_tests "${STEP_S_COMPILED_TESTS:-150}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs \
+  -p no:cacheprovider -k compiled_round
+COMPILED_RC=$?
+step compiled_launches "${STEP_S_COMPILED_LAUNCHES:-150}" "$PY" bench/bench_launches.py --device cuda --compile \
+  --structures qwen3_6_27b --methods ddtree:64,dflash,ar --rounds 4 --drafter-contexts '' \
+  --out "${OUT_MD%.md}.compiled_launches.json"
 export DDTREE_COMPILE=0
 step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider -k "not compiled_round"
 TESTS_RC=$?
@@ -61,13 +69,6 @@ step engines "${STEP_S_ENGINES:-120}" "$PY" bench/bench_engines.py --device cuda
 # flex compiles its kernel first (tens of seconds): last, alone, so a slow compile costs only its own figures
 step flex "${STEP_S_FLEX:-50}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
   --backends sdpa/split,flex_attention/split
-unset DDTREE_COMPILE
-step compiled_tests "${STEP_S_COMPILED_TESTS:-150}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs \
-  -p no:cacheprovider -k compiled_round
-COMPILED_RC=$?
-step compiled_launches "${STEP_S_COMPILED_LAUNCHES:-150}" "$PY" bench/bench_launches.py --device cuda --compile \
-  --structures qwen3_6_27b --methods ddtree:64,dflash,ar --rounds 4 --drafter-contexts '' \
-  --out "${OUT_MD%.md}.compiled_launches.json"
 [ "$TESTS_RC" -eq 0 ] && TESTS_RC=$COMPILED_RC
 
 {
