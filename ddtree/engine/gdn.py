@@ -12,8 +12,8 @@ correctness, not a compat row); it is inert outside a verification.
 The per-layer work is `tree_layer`: pure tensor code over the layer's inputs, the round's `TreeMeta`
 (conv-window index, decay map and mask: tensors built once per round on the device, shared by every
 layer) and the layer's `LayerConsts` (its weights in the layouts the math wants, built once per cache).
-It compiles with torch.compile(fullgraph=True); eager, it dispatches ~19 ops after the input projections
-and 6 for the gated output norm (docs/gdn-tree.md counts them).
+It compiles with torch.compile(fullgraph=True); eager, it dispatches ~18 ops after the input projections
+and 3 for the gated output norm (docs/gdn-tree.md counts them).
 
 The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
 
@@ -294,9 +294,10 @@ class LayerConsts:
 
     conv_taps (K, C), conv_bias (C) or None; ab_weight (2 Hv, hidden) = [W_a; -W_b] and ab_bias = [dt_bias; 0] in the
     model's dtype, where a and b are plain bias-free Linear layers (None: the module's own projections);
-    dt_bias (Hv); decay_rate (Hv) = exp(A_log); norm_weight (Hv dv) = the gated norm's weight * sqrt(dv), once per value
-    head (it multiplies the gate z as the projection lays it out); qk_eps and
-    norm_eps: 0-d tensors (the l2norm's and the gated norm's epsilons as hypot terms, see `_gated_norm`).
+    dt_bias (Hv); decay_rate (Hv) = exp(A_log); zero (1,): softplus(x) = logaddexp(x, zero), in float32 whatever x's
+    dtype. The q/k l2norm and the gated norm are each one `F.rms_norm` (one fused kernel on a GPU): qk_weight (dk) =
+    dk^-1/2 and qk_eps = eps / dk (x / sqrt(|x|^2 + eps) = x rsqrt(mean(x^2) + eps / dk) dk^-1/2); norm_weight (dv) = the
+    gated norm's weight and norm_eps = its eps * dk (it sees core = o sqrt(dk), see `_gated_norm`).
     """
 
     conv_taps: torch.Tensor
@@ -305,9 +306,11 @@ class LayerConsts:
     ab_bias: torch.Tensor | None
     dt_bias: torch.Tensor
     decay_rate: torch.Tensor
+    zero: torch.Tensor
+    qk_weight: torch.Tensor
+    qk_eps: float
     norm_weight: torch.Tensor
-    qk_eps: torch.Tensor
-    norm_eps: torch.Tensor
+    norm_eps: float
 
 
 def _plain_linear(layer) -> bool:
@@ -323,7 +326,7 @@ def layer_consts(module) -> LayerConsts:
         wa, wb = module.in_proj_a.weight, module.in_proj_b.weight
         ab_weight = torch.cat([wa, -wb])
         ab_bias = torch.cat([module.dt_bias.to(wa.dtype), torch.zeros_like(module.dt_bias, dtype=wa.dtype)])
-    dk, dv = module.head_k_dim, module.head_v_dim
+    dk = module.head_k_dim
     eps = module.norm.variance_epsilon
     return LayerConsts(
         conv_taps=weight.squeeze(1).float().t().contiguous(),
@@ -331,10 +334,11 @@ def layer_consts(module) -> LayerConsts:
         ab_weight=ab_weight, ab_bias=ab_bias,
         dt_bias=module.dt_bias.float(),
         decay_rate=module.A_log.float().exp(),
-        norm_weight=(module.norm.weight.float() * dv ** 0.5).repeat(module.num_v_heads),
-        qk_eps=torch.tensor(L2NORM_EPS ** 0.5, device=weight.device),
-        # the gated norm sees o / sqrt(dk) (q's scale, applied here instead): eps * dk * dv, see _gated_norm
-        norm_eps=torch.tensor((eps * dk * dv) ** 0.5, device=weight.device))
+        zero=torch.zeros(1, device=weight.device),
+        qk_weight=torch.full((dk,), dk ** -0.5, device=weight.device), qk_eps=L2NORM_EPS / dk,
+        norm_weight=module.norm.weight.float(),
+        # the gated norm sees o / sqrt(dk) (q's scale, not applied): eps * dk, see _gated_norm
+        norm_eps=eps * dk)
 
 
 @dataclass
@@ -346,9 +350,8 @@ class LayerBuffers:
     token-major; keys (B, Hk, Hv/Hk, 2, T, dk): normalised q then k rows per value head; gates (B, Hv, 2T + 2): the
     decay map's input, its A and 1 entries filled once; xy (B, Hv, 6T + 3): X and Y; deltas (B, Hv, T, dv): d.
     Scratch (float32 unless said): windows (B, T K, C) in the model's dtype: every node's conv window; conv (B, T, C):
-    the conv's output; qk_norm (B, T, 2, Hk, 1); decays (B Hv, T, T + 1): E; gram (B, Hv, 2T, T); from_state
-    (B, Hv, 2T, dv); core (B, Hv, T, dv); core_norm (B, Hv, T, 1); gate (B, T, Hv dv): silu(z) times the norm's
-    weight; out (B, T, Hv, dv) in the model's dtype: the gated norm's output.
+    the conv's output; decays (B Hv, T, T + 1): E; gram (B, Hv, 2T, T); from_state (B, Hv, 2T, dv); core (B, Hv, T, dv);
+    gate (B, T, Hv dv) in the model's dtype: silu(z); out (B, T, Hv, dv) in the model's dtype: the gated norm's output.
     Every view `tree_layer` takes of them is made once (`views`), not per call: on a GPU without graphs a view is a
     dispatch the host pays like a launch.
     """
@@ -360,29 +363,27 @@ class LayerBuffers:
     deltas: torch.Tensor
     windows: torch.Tensor
     conv: torch.Tensor
-    qk_norm: torch.Tensor
     decays: torch.Tensor
     gram: torch.Tensor
     from_state: torch.Tensor
     core: torch.Tensor
-    core_norm: torch.Tensor
     gate: torch.Tensor
     out: torch.Tensor
     views: _Views | None = None
 
 
 # the buffers a layer's forward uses and drops (one of each for all layers); the rest are kept for the commit
-_SCRATCH = ("windows", "conv", "qk_norm", "decays", "gram", "from_state", "core", "core_norm", "gate", "out")
-_MODEL_DTYPE = ("extended", "windows", "out")  # in the model's dtype; the others float32
+_SCRATCH = ("windows", "conv", "decays", "gram", "from_state", "core", "gate", "out")
+_MODEL_DTYPE = ("extended", "windows", "gate", "out")  # in the model's dtype; the others float32
 
 
 def _buffer_shapes(module, bsz: int, n: int, channels: int) -> dict[str, tuple[int, ...]]:
     hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
     return {"extended": (bsz, k + n, channels), "keys": (bsz, hk, hv // hk, 2, n, dk),
             "gates": (bsz, hv, 2 * n + 2), "xy": (bsz, hv, 6 * n + 3), "deltas": (bsz, hv, n, dv),
-            "windows": (bsz, n * k, channels), "conv": (bsz, n, channels), "qk_norm": (bsz, n, 2, hk, 1),
+            "windows": (bsz, n * k, channels), "conv": (bsz, n, channels),
             "decays": (bsz * hv, n, n + 1), "gram": (bsz, hv, 2 * n, n), "from_state": (bsz, hv, 2 * n, dv),
-            "core": (bsz, hv, n, dv), "core_norm": (bsz, hv, n, 1), "gate": (bsz, n, hv * dv),
+            "core": (bsz, hv, n, dv), "gate": (bsz, n, hv * dv),
             "out": (bsz, n, hv, dv)}
 
 
@@ -392,9 +393,8 @@ class _Views:
 
     ab: torch.Tensor  # (B, T, 2, Hv) of gates: [softplus(a + dt) | softplus(-b)]
     windows: torch.Tensor  # (B, T, K, C)
-    qk: torch.Tensor  # (B, T, 2, Hk, dk) of conv
-    qk_rows: torch.Tensor  # qk permuted and expanded to keys' layout (B, Hk, Hv/Hk, 2, T, dk)
-    qk_norms: torch.Tensor  # qk_norm the same way (B, Hk, Hv/Hk, 2, T, 1)
+    qk: torch.Tensor  # (B, T, 2, Hk, 1, dk) of conv: q and k rows
+    qk_rows: torch.Tensor  # (B, T, 2, Hk, Hv/Hk, dk) of keys: where each row goes, once per value head of its key head
     keys: torch.Tensor  # (B, Hv, 2T, dk): [q rows; k rows]
     keys3: torch.Tensor  # (B Hv, 2T, dk)
     k_t: torch.Tensor  # (B Hv, dk, T): the k rows transposed
@@ -414,8 +414,8 @@ class _Views:
     state_k: torch.Tensor
     deltas: torch.Tensor  # (B Hv, T, dv)
     core: torch.Tensor  # (B Hv, T, dv)
-    core_t: torch.Tensor  # (B, T, Hv, dv)
-    gate: torch.Tensor  # (B, T, Hv, dv)
+    gate_t: torch.Tensor  # (B, Hv, T, dv) of gate
+    out_t: torch.Tensor  # (B, Hv, T, dv) of out
     out: torch.Tensor  # (B, T, Hv dv)
     past: list  # [conv state, its last K columns token-major (B, K, C)]: the last state seen, a view of it
     state: list  # [recurrent state (B, Hv, dk, dv) float32, as (B Hv, dk, dv)]: the same
@@ -435,8 +435,7 @@ def _make_views(module, bufs: LayerBuffers) -> _Views:
     hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
     bsz, n = bufs.deltas.shape[0], bufs.deltas.shape[2]
     conv = bufs.conv
-    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, dk)
-    rows = (bsz, hk, hv // hk, 2, n)
+    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, 1, dk)
     keys = bufs.keys.view(bsz, hv, 2 * n, dk)
     xy = bufs.xy.view(bsz * hv, -1)
     decays = bufs.decays.view(bsz, hv, n, n + 1)
@@ -444,8 +443,7 @@ def _make_views(module, bufs: LayerBuffers) -> _Views:
     return _Views(
         ab=bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1),
         windows=bufs.windows.view(bsz, n, k, -1), qk=qk,
-        qk_rows=qk.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, dk),
-        qk_norms=bufs.qk_norm.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, 1),
+        qk_rows=bufs.keys.permute(0, 4, 3, 1, 2, 5),
         keys=keys, keys3=keys.view(bsz * hv, 2 * n, dk), k_t=keys.view(bsz * hv, 2 * n, dk)[:, n:].transpose(1, 2),
         value=conv[..., 2 * hk * dk:].view(bsz, n, hv, dv).transpose(1, 2),
         gates=bufs.gates.view(bsz * hv, -1), xy=xy,
@@ -455,7 +453,8 @@ def _make_views(module, bufs: LayerBuffers) -> _Views:
         gram_k=gram[:, :, 1], from_state=bufs.from_state.view(bsz * hv, 2 * n, dv),
         state_q=bufs.from_state[:, :, :n], state_k=bufs.from_state[:, :, n:],
         deltas=bufs.deltas.view(bsz * hv, n, dv), core=bufs.core.view(bsz * hv, n, dv),
-        core_t=bufs.core.transpose(1, 2), gate=bufs.gate.view(bsz, n, hv, dv), out=bufs.out.view(bsz, n, -1),
+        gate_t=bufs.gate.view(bsz, n, hv, dv).transpose(1, 2), out_t=bufs.out.transpose(1, 2),
+        out=bufs.out.view(bsz, n, -1),
         past=[None, None], state=[None, None])
 
 
@@ -561,7 +560,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
 
     Pure tensor code (no host reads): compiles with fullgraph=True. conv_state (B, C, >= K) and recurrent_state
     (B, Hv, dk, dv) are the cache's (None: an empty cache); neither is written. Every intermediate lands in a buffer
-    of `bufs` through views made once (`_views`): the eager layer dispatches its ~28 kernels and almost no views.
+    of `bufs` through views made once (`_views`): the eager layer dispatches its ~25 kernels and almost no views.
     """
     bsz, n, _ = hidden_states.shape
     kernel = module.conv_kernel_size
@@ -569,11 +568,12 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     v = _views(module, bufs)
 
     mixed, z, ab = _projections(module, hidden_states, consts)
-    # a + dt and -b land in the decay map's input, softplus of both at once
-    if ab.dtype == f32 and not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
-        torch._C._nn.softplus(ab, 1.0, 20.0, out=v.ab)
+    # a + dt and -b land in the decay map's input, softplus of both at once: logaddexp(x, 0), computed in float32
+    # from any dtype (the float32 zero promotes; softplus keeps a bf16 input's dtype, then a copy casts)
+    if not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
+        torch.logaddexp(ab, consts.zero, out=v.ab)
     else:
-        v.ab.copy_(F.softplus(ab))
+        v.ab.copy_(torch.logaddexp(ab, consts.zero))
 
     # causal conv over each node's own ancestors, reaching into the prefix's conv state (token-major: the gather
     # copies whole rows, ~8x cheaper than gathering along the last dim on a CPU; a strided depthwise conv1d is
@@ -588,11 +588,10 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     else:
         conv.copy_(_activation(module.activation)(conv))
 
-    # q and k l2-normalised (hypot(|x|, sqrt(eps)) = sqrt(|x|^2 + eps)), laid out per value head as
-    # [q rows; k rows]; q's dk^-1/2 is applied by the gated norm (see _gated_norm)
-    torch.linalg.vector_norm(v.qk, dim=-1, keepdim=True, out=bufs.qk_norm)
-    torch.hypot(bufs.qk_norm, consts.qk_eps, out=bufs.qk_norm)
-    torch.div(v.qk_rows, v.qk_norms, out=bufs.keys)
+    # q and k l2-normalised: x / sqrt(|x|^2 + eps) = rms_norm(x, eps / dk) * dk^-1/2 (one fused kernel on a GPU, where
+    # its strided input costs it one contiguous copy), then copied per value head as [q rows; k rows]; q's dk^-1/2 is
+    # not applied (see _gated_norm)
+    v.qk_rows.copy_(F.rms_norm(v.qk, (v.qk.shape[-1],), consts.qk_weight, consts.qk_eps))
     qk = v.keys
 
     # decays: X, Y from one matmul; E = exp(X . Y + mask) = [exp(c_i) | exp(c_i - c_j) beta_j on ancestors]
@@ -610,7 +609,8 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
             rhs = v.value
         else:
             torch.bmm(v.keys3, _state3(state0, v), out=v.from_state)  # (B Hv, 2T, dv)
-            rhs = torch.addcmul(v.value, v.start, v.state_k, value=-1)
+            # the right side written where d goes: the solve then runs in place (no copy of it into its out=)
+            rhs = torch.addcmul(v.value, v.start, v.state_k, value=-1, out=bufs.deltas)
         torch.linalg.solve_triangular(v.gram_k, rhs, upper=False, unitriangular=True, out=bufs.deltas)
         torch.bmm(v.gram_q, v.deltas, out=v.core)
         core = bufs.core
@@ -663,17 +663,18 @@ def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
 
 
 def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: LayerBuffers, v: _Views) -> torch.Tensor:
-    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 6 ops.
-    core (B, Hv, T, dv) is bufs.core (divided in place).
+    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 3 ops (silu, one
+    F.rms_norm, one fused kernel on a GPU, and the product written in the model's dtype). core (B, Hv, T, dv).
 
-    x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is core / sqrt(mean(core^2) + eps dk)
-    = sqrt(dv) core / hypot(|core|, sqrt(eps dk dv)): sqrt(dv) sits in norm_weight, the rest in norm_eps.
+    weight * x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is weight * core / sqrt(mean(core^2) + eps dk):
+    rms_norm(core, weight, eps * dk) (norm_weight, norm_eps).
     """
-    torch.linalg.vector_norm(core, dim=-1, keepdim=True, out=bufs.core_norm)
-    torch.hypot(bufs.core_norm, consts.norm_eps, out=bufs.core_norm)
-    torch.mul(F.silu(z), consts.norm_weight, out=bufs.gate)
-    core.div_(bufs.core_norm)
-    torch.mul(v.core_t, v.gate, out=bufs.out)
+    normed = F.rms_norm(core, (core.shape[-1],), consts.norm_weight, consts.norm_eps)  # (B, Hv, T, dv) float32
+    if torch.compiler.is_compiling() or z.dtype != bufs.gate.dtype:  # (dynamo refuses a strided out=; a graph fuses it)
+        gate = F.silu(z).unflatten(-1, (normed.shape[1], normed.shape[-1]))  # (B, T, Hv, dv)
+        return (normed.transpose(1, 2) * gate).to(bufs.out.dtype).flatten(2)
+    torch._C._nn.silu(z, out=bufs.gate)
+    torch.mul(normed, v.gate_t, out=v.out_t)
     return v.out
 
 
