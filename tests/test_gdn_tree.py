@@ -261,6 +261,45 @@ def test_tree_on_an_empty_cache(patched):
     assert (_forward(model, nxt, cache, pos) - _forward(model, nxt, ref_cache, pos)).abs().max() <= TOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", ("qwen3_5_text", "qwen3_next"))
+def test_the_layer_norms_are_the_modules_formulas(model_type, dtype):
+    """The layer's two F.rms_norm calls (one fused kernel each on a GPU) against upstream's formulas, on rows of
+    ordinary size and rows so small that the epsilon counts: the q/k l2norm (x rsqrt(sum x^2 + eps), eps 1e-6, as
+    rms_norm(x, eps / dk) dk^-1/2) within float32 rounding, and the gated output norm (the module's RMSNormGated of
+    o = core / sqrt(dk) times silu(z), as rms_norm(core, weight, eps dk)) within the model dtype's rounding."""
+    import importlib
+
+    family = model_type.removesuffix("_text")
+    l2norm = importlib.import_module(f"transformers.models.{family}.modeling_{family}").l2norm
+    model = _model(model_type, "sdpa")
+    layer = copy.deepcopy(next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))).to(dtype)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.norm.weight.copy_(torch.randn(layer.head_v_dim, generator=g))
+    dk, dv, hv, n = layer.head_k_dim, layer.head_v_dim, layer.num_v_heads, 7
+    consts = tree_gdn.layer_consts(layer)
+    x = torch.randn(3, n, dk, generator=g) * 2
+    x[1] *= 1e-4  # |x|^2 ~ 1e-7 < eps
+    got = torch.nn.functional.rms_norm(x, (dk,), consts.qk_weight, consts.qk_eps)
+    torch.testing.assert_close(got, l2norm(x, eps=tree_gdn.L2NORM_EPS), rtol=4e-7, atol=0)
+    hidden = torch.zeros(1, n, model.config.hidden_size, dtype=dtype)
+    bufs = tree_gdn.new_buffers(layer, hidden, consts, layer.conv1d.weight.shape[0])
+    core = bufs.core.copy_(torch.randn(1, hv, n, dv, generator=g) * 3)
+    core[0, 0] *= 1e-5  # mean(o^2) ~ 1e-10 / dk < eps
+    z = (torch.randn(1, n, hv * dv, generator=g) * 2).to(dtype)
+    got = tree_gdn._gated_norm(core, z, consts, bufs, tree_gdn._views(layer, bufs))
+    o = (core.double() / dk ** 0.5).transpose(1, 2)  # (B, T, Hv, dv)
+    exact = (layer.norm.weight.double() * o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.norm.variance_epsilon)
+             * torch.nn.functional.silu(z.double()).unflatten(-1, (hv, dv))).flatten(2)
+    assert got.dtype == dtype
+    if dtype == torch.float32:  # the module itself, on the same float32 input
+        want = layer.norm(o.float().reshape(-1, dv), z.reshape(-1, dv)).reshape(1, n, -1)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-9)
+    else:  # one rounding to bf16 after silu(z) in bf16 (as before); upstream rounds o, the norm and its product too
+        torch.testing.assert_close(got.double(), exact, rtol=torch.finfo(dtype).eps, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- commit
 
 

@@ -12,8 +12,8 @@ correctness, not a compat row); it is inert outside a verification.
 The per-layer work is `tree_layer`: pure tensor code over the layer's inputs, the round's `TreeMeta`
 (conv-window index, decay map and mask: tensors built once per round on the device, shared by every
 layer) and the layer's `LayerConsts` (its weights in the layouts the math wants, built once per cache).
-It compiles with torch.compile(fullgraph=True); eager, it dispatches ~19 ops after the input projections
-and 6 for the gated output norm (docs/gdn-tree.md counts them).
+It compiles with torch.compile(fullgraph=True); eager, it dispatches ~17 ops after the input projections
+and 3 for the gated output norm (docs/gdn-tree.md counts them).
 
 The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
 
@@ -150,7 +150,9 @@ def _active_tree() -> TreeVerification | None:
 class TreeMeta:
     """What every GDN layer of one verification reads about the tree: tensors on one device, built once a round.
 
-    conv_index (T * K,): rows of [K conv-state columns ++ T tree inputs] holding node i's causal window, oldest first.
+    conv_index (T * K,): node i's causal window, oldest first, as rows of the tap-scaled table (K, K + T): tap k's row
+    k (K + T) + r, r the window row's index in [K conv-state columns ++ T tree inputs]; conv_offsets (T,): where
+    node i's K rows start (0, K, 2K, ...; None in the compiled round, whose graph gathers and sums).
     decay_map (2T + 2, 6T + 3): the matmul from a layer's [softplus(a + dt) (T), A, softplus(-b) (T), 1] to its
     [X (T x 3), Y ((T + 1) x 3)] (module docstring). decay_mask (T, T + 1): 0 at the virtual node and at node i's
     ancestors and itself, -inf elsewhere. depths, parents: for the recurrent method.
@@ -162,6 +164,7 @@ class TreeMeta:
     depths: torch.Tensor
     parents: torch.Tensor
     depth_bound: int
+    conv_offsets: torch.Tensor | None = None
 
 
 def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:
@@ -186,6 +189,8 @@ class _MetaBuffers:
     y_ancestors: torch.Tensor
     mask_tree: torch.Tensor
     hops: torch.Tensor  # (K,): K - 1 .. 0
+    taps: torch.Tensor  # (K,): K + k (K + T), the table's row of window row 0 for tap k (k = 0 oldest)
+    offsets: torch.Tensor  # (T,): 0, K, 2K, ...
     zero: torch.Tensor
     hidden: torch.Tensor  # -inf
     clamped: dict  # the ancestor-index width -> hops clamped to it
@@ -207,7 +212,9 @@ def _meta_buffers(n: int, kernel: int, device: torch.device) -> _MetaBuffers:
     window = torch.empty(n, kernel, dtype=torch.long, device=device)
     return _MetaBuffers(decay_map, decay_mask, window.view(-1), window, decay_map[:n, 0:3 * n:3],
                         decay_map[:n, 3 * n + 4::3], decay_mask[:, 1:],
-                        torch.arange(kernel - 1, -1, -1, device=device), torch.zeros((), device=device),
+                        torch.arange(kernel - 1, -1, -1, device=device),
+                        kernel + torch.arange(kernel, device=device) * (kernel + n),
+                        torch.arange(0, n * kernel, kernel, device=device), torch.zeros((), device=device),
                         torch.tensor(float("-inf"), device=device), {})
 
 
@@ -227,7 +234,8 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store:
         if store is not None:
             store[key] = kept
     # the conv window, oldest first: hop h back from node i is its h-th ancestor's input while it is in the tree
-    # (K + ancestor: rows K.. of [K conv-state columns ++ T tree inputs]), else conv-state column K - (h - depth)
+    # (K + ancestor: rows K.. of [K conv-state columns ++ T tree inputs]), else conv-state column K - (h - depth);
+    # k (K + T) more for the table's slice of tap k (kept.taps: K + k (K + T))
     width = aidx.shape[1]
     hops = kept.hops
     clamped = kept.clamped.get(width)
@@ -235,7 +243,7 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store:
         clamped = kept.clamped[width] = hops.clamp(max=width - 1)
     ancestor = aidx[:, clamped]  # (T, K)
     past = hops - depth[:, None]  # > 0: that many tokens before the root
-    torch.where(past <= 0, kernel + ancestor, kernel - past, out=kept.window)
+    torch.where(past <= 0, kept.taps + ancestor, kept.taps - past, out=kept.window)
     # the tree's entries of the decay map (X_i's s_i: node i's path sums; Y_j's s_j) and of the ancestor mask
     anc_t = anc.t()
     kept.x_ancestors.copy_(anc_t)
@@ -245,7 +253,7 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store:
         depths, parents = depth, draft.parents.clamp(min=0).to(device)
     else:
         depths, parents = depth, draft.parents
-    return TreeMeta(kept.conv_index, kept.decay_map, kept.decay_mask, depths, parents, ctx.depth_bound)
+    return TreeMeta(kept.conv_index, kept.decay_map, kept.decay_mask, depths, parents, ctx.depth_bound, kept.offsets)
 
 
 def meta_tensors(ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -257,7 +265,8 @@ def meta_tensors(ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor)
     device = anc.device
     hops = torch.arange(kernel, device=device)
     past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
-    window = torch.where(past <= 0, kernel + ancestor, kernel - past).flip(1)
+    window = torch.where(past <= 0, kernel + ancestor, kernel - past).flip(1) + torch.arange(
+        kernel, device=device) * (kernel + n)  # (the table's slice of tap k: see TreeMeta)
     decay_map, decay_mask = _decay_map_consts(n, device)
     anc_t = anc.float().t()
     decay_map[:n, 0:3 * n:3] = anc_t  # X_i's s_i
@@ -292,11 +301,12 @@ def _meta_store(cache) -> dict | None:
 class LayerConsts:
     """One GDN layer's weights as `tree_layer` uses them (float32 unless said), built once per cache.
 
-    conv_taps (K, C), conv_bias (C) or None; ab_weight (2 Hv, hidden) = [W_a; -W_b] and ab_bias = [dt_bias; 0] in the
+    conv_taps (K, 1, 1, C) (tap k of channel c, k = 0 the oldest), conv_bias (C) or None; ab_weight (2 Hv, hidden) = [W_a; -W_b] and ab_bias = [dt_bias; 0] in the
     model's dtype, where a and b are plain bias-free Linear layers (None: the module's own projections);
-    dt_bias (Hv); decay_rate (Hv) = exp(A_log); norm_weight (Hv dv) = the gated norm's weight * sqrt(dv), once per value
-    head (it multiplies the gate z as the projection lays it out); qk_eps and
-    norm_eps: 0-d tensors (the l2norm's and the gated norm's epsilons as hypot terms, see `_gated_norm`).
+    dt_bias (Hv); decay_rate (Hv) = exp(A_log); zero (1,): softplus(x) = logaddexp(x, zero), in float32 whatever x's
+    dtype. The q/k l2norm and the gated norm are each one `F.rms_norm` (one fused kernel on a GPU): qk_weight (dk) =
+    dk^-1/2 and qk_eps = eps / dk (x / sqrt(|x|^2 + eps) = x rsqrt(mean(x^2) + eps / dk) dk^-1/2); norm_weight (dv) = the
+    gated norm's weight and norm_eps = its eps * dk (it sees core = o sqrt(dk), see `_gated_norm`).
     """
 
     conv_taps: torch.Tensor
@@ -305,9 +315,11 @@ class LayerConsts:
     ab_bias: torch.Tensor | None
     dt_bias: torch.Tensor
     decay_rate: torch.Tensor
+    zero: torch.Tensor
+    qk_weight: torch.Tensor
+    qk_eps: float
     norm_weight: torch.Tensor
-    qk_eps: torch.Tensor
-    norm_eps: torch.Tensor
+    norm_eps: float
 
 
 def _plain_linear(layer) -> bool:
@@ -323,18 +335,19 @@ def layer_consts(module) -> LayerConsts:
         wa, wb = module.in_proj_a.weight, module.in_proj_b.weight
         ab_weight = torch.cat([wa, -wb])
         ab_bias = torch.cat([module.dt_bias.to(wa.dtype), torch.zeros_like(module.dt_bias, dtype=wa.dtype)])
-    dk, dv = module.head_k_dim, module.head_v_dim
+    dk = module.head_k_dim
     eps = module.norm.variance_epsilon
     return LayerConsts(
-        conv_taps=weight.squeeze(1).float().t().contiguous(),
+        conv_taps=weight.squeeze(1).float().t().contiguous()[:, None, None],
         conv_bias=None if bias is None else bias.float(),
         ab_weight=ab_weight, ab_bias=ab_bias,
         dt_bias=module.dt_bias.float(),
         decay_rate=module.A_log.float().exp(),
-        norm_weight=(module.norm.weight.float() * dv ** 0.5).repeat(module.num_v_heads),
-        qk_eps=torch.tensor(L2NORM_EPS ** 0.5, device=weight.device),
-        # the gated norm sees o / sqrt(dk) (q's scale, applied here instead): eps * dk * dv, see _gated_norm
-        norm_eps=torch.tensor((eps * dk * dv) ** 0.5, device=weight.device))
+        zero=torch.zeros(1, device=weight.device),
+        qk_weight=torch.full((dk,), dk ** -0.5, device=weight.device), qk_eps=L2NORM_EPS / dk,
+        norm_weight=module.norm.weight.float(),
+        # the gated norm sees o / sqrt(dk) (q's scale, not applied): eps * dk, see _gated_norm
+        norm_eps=eps * dk)
 
 
 @dataclass
@@ -345,10 +358,10 @@ class LayerBuffers:
     Kept for the commit: extended (B, K + T, C): the conv state's last K columns then the tree's conv inputs,
     token-major; keys (B, Hk, Hv/Hk, 2, T, dk): normalised q then k rows per value head; gates (B, Hv, 2T + 2): the
     decay map's input, its A and 1 entries filled once; xy (B, Hv, 6T + 3): X and Y; deltas (B, Hv, T, dv): d.
-    Scratch (float32 unless said): windows (B, T K, C) in the model's dtype: every node's conv window; conv (B, T, C):
-    the conv's output; qk_norm (B, T, 2, Hk, 1); decays (B Hv, T, T + 1): E; gram (B, Hv, 2T, T); from_state
-    (B, Hv, 2T, dv); core (B, Hv, T, dv); core_norm (B, Hv, T, 1); gate (B, T, Hv dv): silu(z) times the norm's
-    weight; out (B, T, Hv, dv) in the model's dtype: the gated norm's output.
+    Scratch (float32 unless said): conv (T, B, C): the conv's output; decays (B Hv, T, T + 1): E; gram (B, Hv, 2T, T); from_state (B, Hv, 2T, dv); core (B, Hv, T, dv);
+    gate (B, T, Hv dv) in the model's dtype: silu(z); out (B, T, Hv, dv) in the model's dtype: the gated norm's output;
+    table (K, K + T, B, C): every tap times every row of `extended`, the conv's gather-and-sum reads it (None in the
+    compiled round's buffers: a graph computes it in place of reading it).
     Every view `tree_layer` takes of them is made once (`views`), not per call: on a GPU without graphs a view is a
     dispatch the host pays like a launch.
     """
@@ -358,32 +371,35 @@ class LayerBuffers:
     gates: torch.Tensor
     xy: torch.Tensor
     deltas: torch.Tensor
-    windows: torch.Tensor
     conv: torch.Tensor
-    qk_norm: torch.Tensor
     decays: torch.Tensor
     gram: torch.Tensor
     from_state: torch.Tensor
     core: torch.Tensor
-    core_norm: torch.Tensor
     gate: torch.Tensor
     out: torch.Tensor
     views: _Views | None = None
+    table: torch.Tensor | None = None
 
 
 # the buffers a layer's forward uses and drops (one of each for all layers); the rest are kept for the commit
-_SCRATCH = ("windows", "conv", "qk_norm", "decays", "gram", "from_state", "core", "core_norm", "gate", "out")
-_MODEL_DTYPE = ("extended", "windows", "out")  # in the model's dtype; the others float32
+_SCRATCH = ("conv", "decays", "gram", "from_state", "core", "gate", "out", "table")
+_MODEL_DTYPE = ("extended", "gate", "out")  # in the model's dtype; the others float32
 
 
 def _buffer_shapes(module, bsz: int, n: int, channels: int) -> dict[str, tuple[int, ...]]:
     hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
     return {"extended": (bsz, k + n, channels), "keys": (bsz, hk, hv // hk, 2, n, dk),
             "gates": (bsz, hv, 2 * n + 2), "xy": (bsz, hv, 6 * n + 3), "deltas": (bsz, hv, n, dv),
-            "windows": (bsz, n * k, channels), "conv": (bsz, n, channels), "qk_norm": (bsz, n, 2, hk, 1),
+            "conv": (n, bsz, channels),
             "decays": (bsz * hv, n, n + 1), "gram": (bsz, hv, 2 * n, n), "from_state": (bsz, hv, 2 * n, dv),
-            "core": (bsz, hv, n, dv), "core_norm": (bsz, hv, n, 1), "gate": (bsz, n, hv * dv),
+            "core": (bsz, hv, n, dv), "gate": (bsz, n, hv * dv),
             "out": (bsz, n, hv, dv)}
+
+
+def _table_shape(module, bsz: int, n: int, channels: int) -> tuple[int, ...]:
+    k = module.conv_kernel_size
+    return (k, k + n, bsz, channels)
 
 
 @dataclass
@@ -391,10 +407,11 @@ class _Views:
     """The views of one LayerBuffers that tree_layer reads and writes through (see there), made once."""
 
     ab: torch.Tensor  # (B, T, 2, Hv) of gates: [softplus(a + dt) | softplus(-b)]
-    windows: torch.Tensor  # (B, T, K, C)
-    qk: torch.Tensor  # (B, T, 2, Hk, dk) of conv
-    qk_rows: torch.Tensor  # qk permuted and expanded to keys' layout (B, Hk, Hv/Hk, 2, T, dk)
-    qk_norms: torch.Tensor  # qk_norm the same way (B, Hk, Hv/Hk, 2, T, 1)
+    rows: torch.Tensor  # (K + T, B, C) of extended
+    table: torch.Tensor | None  # (K (K + T), B C) of table
+    conv: torch.Tensor  # (T, B C) of conv
+    qk: torch.Tensor  # (B, T, 2, Hk, 1, dk) of conv: q and k rows
+    qk_rows: torch.Tensor  # (B, T, 2, Hk, Hv/Hk, dk) of keys: where each row goes, once per value head of its key head
     keys: torch.Tensor  # (B, Hv, 2T, dk): [q rows; k rows]
     keys3: torch.Tensor  # (B Hv, 2T, dk)
     k_t: torch.Tensor  # (B Hv, dk, T): the k rows transposed
@@ -414,8 +431,8 @@ class _Views:
     state_k: torch.Tensor
     deltas: torch.Tensor  # (B Hv, T, dv)
     core: torch.Tensor  # (B Hv, T, dv)
-    core_t: torch.Tensor  # (B, T, Hv, dv)
-    gate: torch.Tensor  # (B, T, Hv, dv)
+    gate_t: torch.Tensor  # (B, Hv, T, dv) of gate
+    out_t: torch.Tensor  # (B, Hv, T, dv) of out
     out: torch.Tensor  # (B, T, Hv dv)
     past: list  # [conv state, its last K columns token-major (B, K, C)]: the last state seen, a view of it
     state: list  # [recurrent state (B, Hv, dk, dv) float32, as (B Hv, dk, dv)]: the same
@@ -434,18 +451,17 @@ def _views(module, bufs: LayerBuffers) -> _Views:
 def _make_views(module, bufs: LayerBuffers) -> _Views:
     hk, hv, dk, dv, k = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim, module.conv_kernel_size
     bsz, n = bufs.deltas.shape[0], bufs.deltas.shape[2]
-    conv = bufs.conv
-    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, dk)
-    rows = (bsz, hk, hv // hk, 2, n)
+    conv = bufs.conv.transpose(0, 1)  # (B, T, C)
+    qk = conv[..., :2 * hk * dk].view(bsz, n, 2, hk, 1, dk)
     keys = bufs.keys.view(bsz, hv, 2 * n, dk)
     xy = bufs.xy.view(bsz * hv, -1)
     decays = bufs.decays.view(bsz, hv, n, n + 1)
     gram = bufs.gram.view(bsz, hv, 2, n, n)
     return _Views(
         ab=bufs.gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1),
-        windows=bufs.windows.view(bsz, n, k, -1), qk=qk,
-        qk_rows=qk.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, dk),
-        qk_norms=bufs.qk_norm.permute(0, 3, 2, 1, 4).unsqueeze(2).expand(*rows, 1),
+        rows=bufs.extended.transpose(0, 1), table=None if bufs.table is None else bufs.table.view(k * (k + n), -1),
+        conv=bufs.conv.view(n, -1), qk=qk,
+        qk_rows=bufs.keys.permute(0, 4, 3, 1, 2, 5),
         keys=keys, keys3=keys.view(bsz * hv, 2 * n, dk), k_t=keys.view(bsz * hv, 2 * n, dk)[:, n:].transpose(1, 2),
         value=conv[..., 2 * hk * dk:].view(bsz, n, hv, dv).transpose(1, 2),
         gates=bufs.gates.view(bsz * hv, -1), xy=xy,
@@ -455,7 +471,8 @@ def _make_views(module, bufs: LayerBuffers) -> _Views:
         gram_k=gram[:, :, 1], from_state=bufs.from_state.view(bsz * hv, 2 * n, dv),
         state_q=bufs.from_state[:, :, :n], state_k=bufs.from_state[:, :, n:],
         deltas=bufs.deltas.view(bsz * hv, n, dv), core=bufs.core.view(bsz * hv, n, dv),
-        core_t=bufs.core.transpose(1, 2), gate=bufs.gate.view(bsz, n, hv, dv), out=bufs.out.view(bsz, n, -1),
+        gate_t=bufs.gate.view(bsz, n, hv, dv).transpose(1, 2), out_t=bufs.out.transpose(1, 2),
+        out=bufs.out.view(bsz, n, -1),
         past=[None, None], state=[None, None])
 
 
@@ -471,7 +488,8 @@ def new_buffers(module, hidden_states: torch.Tensor, consts: LayerConsts, channe
     shapes = _buffer_shapes(module, bsz, n, channels)
     dev = hidden_states.device
     bufs = LayerBuffers(**{name: torch.empty(shape, device=dev, dtype=hidden_states.dtype if name in _MODEL_DTYPE
-                                             else torch.float32) for name, shape in shapes.items()})
+                                             else torch.float32) for name, shape in shapes.items()},
+                        table=torch.empty(_table_shape(module, bsz, n, channels), device=dev))
     _fill_gates(bufs.gates, consts)
     return bufs
 
@@ -561,7 +579,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
 
     Pure tensor code (no host reads): compiles with fullgraph=True. conv_state (B, C, >= K) and recurrent_state
     (B, Hv, dk, dv) are the cache's (None: an empty cache); neither is written. Every intermediate lands in a buffer
-    of `bufs` through views made once (`_views`): the eager layer dispatches its ~28 kernels and almost no views.
+    of `bufs` through views made once (`_views`): the eager layer dispatches its ~24 kernels and almost no views.
     """
     bsz, n, _ = hidden_states.shape
     kernel = module.conv_kernel_size
@@ -569,30 +587,35 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     v = _views(module, bufs)
 
     mixed, z, ab = _projections(module, hidden_states, consts)
-    # a + dt and -b land in the decay map's input, softplus of both at once
-    if ab.dtype == f32 and not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
-        torch._C._nn.softplus(ab, 1.0, 20.0, out=v.ab)
+    # a + dt and -b land in the decay map's input, softplus of both at once: logaddexp(x, 0), computed in float32
+    # from any dtype (the float32 zero promotes; softplus keeps a bf16 input's dtype, then a copy casts)
+    if not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
+        torch.logaddexp(ab, consts.zero, out=v.ab)
     else:
-        v.ab.copy_(F.softplus(ab))
+        v.ab.copy_(torch.logaddexp(ab, consts.zero))
 
-    # causal conv over each node's own ancestors, reaching into the prefix's conv state (token-major: the gather
-    # copies whole rows, ~8x cheaper than gathering along the last dim on a CPU; a strided depthwise conv1d is
-    # slower still there)
+    # causal conv over each node's own ancestors, reaching into the prefix's conv state: every tap times every row of
+    # [conv-state tail, inputs] (the table), then per node the sum of its window's K table rows, one per tap (a
+    # gather-and-sum: embedding_bag; token-major rows, whole rows gathered; a strided depthwise conv1d is slower on a
+    # CPU)
     torch.cat([_past(conv_state, kernel, mixed, v), mixed], dim=1, out=bufs.extended)
-    torch.index_select(bufs.extended, 1, meta.conv_index, out=bufs.windows)
-    conv = torch.sum(v.windows * consts.conv_taps, 2, out=bufs.conv)  # (B, T, C) float32
+    if v.table is not None and meta.conv_offsets is not None and not torch.compiler.is_compiling():
+        torch.mul(v.rows, consts.conv_taps, out=bufs.table)
+        conv = F.embedding_bag(meta.conv_index, v.table, meta.conv_offsets, mode="sum")  # (T, B C) float32
+    else:  # (the compiled round: a graph fuses the table, the gather and the sum)
+        table = (v.rows * consts.conv_taps).flatten(0, 1).flatten(1)
+        conv = table.index_select(0, meta.conv_index).view(n, kernel, -1).sum(1)
     if consts.conv_bias is not None:
-        conv.add_(consts.conv_bias)
+        conv.view(n, bsz, -1).add_(consts.conv_bias)
     if module.activation == "silu":
-        F.silu(conv, inplace=True)
+        torch._C._nn.silu(conv, out=v.conv)
     else:
-        conv.copy_(_activation(module.activation)(conv))
+        v.conv.copy_(_activation(module.activation)(conv))
 
-    # q and k l2-normalised (hypot(|x|, sqrt(eps)) = sqrt(|x|^2 + eps)), laid out per value head as
-    # [q rows; k rows]; q's dk^-1/2 is applied by the gated norm (see _gated_norm)
-    torch.linalg.vector_norm(v.qk, dim=-1, keepdim=True, out=bufs.qk_norm)
-    torch.hypot(bufs.qk_norm, consts.qk_eps, out=bufs.qk_norm)
-    torch.div(v.qk_rows, v.qk_norms, out=bufs.keys)
+    # q and k l2-normalised: x / sqrt(|x|^2 + eps) = rms_norm(x, eps / dk) * dk^-1/2 (one fused kernel on a GPU, where
+    # its strided input costs it one contiguous copy), then copied per value head as [q rows; k rows]; q's dk^-1/2 is
+    # not applied (see _gated_norm)
+    v.qk_rows.copy_(F.rms_norm(v.qk, (v.qk.shape[-1],), consts.qk_weight, consts.qk_eps))
     qk = v.keys
 
     # decays: X, Y from one matmul; E = exp(X . Y + mask) = [exp(c_i) | exp(c_i - c_j) beta_j on ancestors]
@@ -610,7 +633,8 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
             rhs = v.value
         else:
             torch.bmm(v.keys3, _state3(state0, v), out=v.from_state)  # (B Hv, 2T, dv)
-            rhs = torch.addcmul(v.value, v.start, v.state_k, value=-1)
+            # the right side written where d goes: the solve then runs in place (no copy of it into its out=)
+            rhs = torch.addcmul(v.value, v.start, v.state_k, value=-1, out=bufs.deltas)
         torch.linalg.solve_triangular(v.gram_k, rhs, upper=False, unitriangular=True, out=bufs.deltas)
         torch.bmm(v.gram_q, v.deltas, out=v.core)
         core = bufs.core
@@ -663,17 +687,18 @@ def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
 
 
 def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: LayerBuffers, v: _Views) -> torch.Tensor:
-    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 6 ops.
-    core (B, Hv, T, dv) is bufs.core (divided in place).
+    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 3 ops (silu, one
+    F.rms_norm, one fused kernel on a GPU, and the product written in the model's dtype). core (B, Hv, T, dv).
 
-    x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is core / sqrt(mean(core^2) + eps dk)
-    = sqrt(dv) core / hypot(|core|, sqrt(eps dk dv)): sqrt(dv) sits in norm_weight, the rest in norm_eps.
+    weight * x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is weight * core / sqrt(mean(core^2) + eps dk):
+    rms_norm(core, weight, eps * dk) (norm_weight, norm_eps).
     """
-    torch.linalg.vector_norm(core, dim=-1, keepdim=True, out=bufs.core_norm)
-    torch.hypot(bufs.core_norm, consts.norm_eps, out=bufs.core_norm)
-    torch.mul(F.silu(z), consts.norm_weight, out=bufs.gate)
-    core.div_(bufs.core_norm)
-    torch.mul(v.core_t, v.gate, out=bufs.out)
+    normed = F.rms_norm(core, (core.shape[-1],), consts.norm_weight, consts.norm_eps)  # (B, Hv, T, dv) float32
+    if torch.compiler.is_compiling() or z.dtype != bufs.gate.dtype:  # (dynamo refuses a strided out=; a graph fuses it)
+        gate = F.silu(z).unflatten(-1, (normed.shape[1], normed.shape[-1]))  # (B, T, Hv, dv)
+        return (normed.transpose(1, 2) * gate).to(bufs.out.dtype).flatten(2)
+    torch._C._nn.silu(z, out=bufs.gate)
+    torch.mul(normed, v.gate_t, out=v.out_t)
     return v.out
 
 
@@ -741,7 +766,8 @@ def _shared_layer(cache, module, hidden_states: torch.Tensor, channels: int):
     key = (bsz, n, channels, hidden_states.dtype, hidden_states.device, module.num_k_heads, module.num_v_heads,
            module.head_k_dim, module.head_v_dim, module.conv_kernel_size)
     if shared.get("key") != key:  # (re)allocate what no longer fits; the per-slot LayerBuffers are rebuilt
-        for name, shape in _buffer_shapes(module, bsz, n, channels).items():
+        shapes = {**_buffer_shapes(module, bsz, n, channels), "table": _table_shape(module, bsz, n, channels)}
+        for name, shape in shapes.items():
             dtype = hidden_states.dtype if name in _MODEL_DTYPE else torch.float32
             # scratch is used at once: one for all layers; the rest has a slot per layer (the commit reads them)
             full = shape if name in _SCRATCH else (len(shared["slots"]), *shape)

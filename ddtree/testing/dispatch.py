@@ -32,6 +32,11 @@ SYNC_OPS = frozenset({"_local_scalar_dense", "item", "nonzero", "nonzero_static"
 NO_KERNEL = frozenset({"detach", "detach_", "resolve_conj", "resolve_neg", "lift_fresh", "_unsafe_view", "alias", "empty", "empty_like", "empty_strided",
                        "new_empty", "new_empty_strided", "resize_", "set_", "_reshape_alias", "sym_size", "sym_stride",
                        "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type"})
+# composites a GPU runs as one fused kernel where the CPU runs their decomposition: `rms_norm` goes to `_fused_rms_norm`
+# (a CUDA / MPS / XPU kernel; CompositeImplicitAutograd on the CPU: pow, mean, add_, rsqrt, mul, mul) when the weight
+# has the input's dtype. decompose=True counts them as the one op a GPU dispatches (a strided input costs the fused
+# kernel one contiguous copy more, inside it: uncounted, as any op's internal launches are).
+DEVICE_FUSED = frozenset({"rms_norm"})
 
 
 def _is_sync(name: str, func, args, kwargs) -> bool:
@@ -49,6 +54,16 @@ def _is_sync(name: str, func, args, kwargs) -> bool:
     return False
 
 
+def _device_fused(func, args) -> bool:
+    """Whether a GPU runs this call as one fused kernel (DEVICE_FUSED; rms_norm: a real weight of the input's dtype or
+    none, a real input)."""
+    if func.overloadpacket.__name__ not in DEVICE_FUSED:
+        return False
+    x = args[0]
+    weight = args[2] if len(args) > 2 else None
+    return not x.is_complex() and (weight is None or weight.dtype == x.dtype)
+
+
 class DispatchCount(TorchDispatchMode):
     """`with DispatchCount() as c:` ... then `c.ops[stage]`, `c.kernel_ops[stage]`, `c.syncs[stage]`, `c.names`,
     `c.graphs[stage]` (calls of the compiled round's graphs: their ops run outside the mode, uncounted; none of
@@ -57,7 +72,8 @@ class DispatchCount(TorchDispatchMode):
     stages=True (default) books each op under the engine stage running (ddtree.engine.proposers._Stage and
     TargetSession.prefill are wrapped while the mode is active).
     decompose=True counts a composite op (matmul, linear, reshape, to, ...) by what it dispatches, so a no-op cast or
-    a reshape that is a view costs nothing, as on a device (per-layer counts: tests/test_gdn_launches.py).
+    a reshape that is a view costs nothing, as on a device (per-layer counts: tests/test_gdn_launches.py); except
+    those a GPU runs fused (DEVICE_FUSED: rms_norm), counted as one op.
     sequence=True keeps every op in order as (name, output shapes) in `c.sequence` (a capturable region dispatches
     the same sequence whatever the data). `c.kernel_names` / `c.view_names`: the ops by name, kernels and the rest;
     `with c.paused():` stops counting inside (what remains of a layer without its projections).
@@ -89,7 +105,7 @@ class DispatchCount(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self._decompose and torch._C._dispatch_has_kernel_for_dispatch_key(
+        if self._decompose and not _device_fused(func, args) and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
             with self:  # count what the composite dispatches instead
                 out = func.decompose(*args, **kwargs)
