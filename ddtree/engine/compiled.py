@@ -15,7 +15,8 @@ A GPU at batch 1 is bound by kernel launches: the eager verification dispatches 
   the attention rows are moved by two eager ops after it (a gather and a copy over the whole buffer: in one
   kernel the reads and writes of overlapping rows would race).
 
-N is the round's node count (AR 1, DFlash the block, DDTree the tree size) and C the capacity: a power of two
+N is the round's node count (AR 1, DFlash the block, DDTree the tree size, MTP its chain or tree: fixed per
+setting) and C the capacity: a power of two
 >= prompt + max_new_tokens + N (at least 256), kept for later generations while it suffices, so prompts of other
 lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
 is copied into the static buffers once per generation.
@@ -27,7 +28,7 @@ step for step), so logits equal the eager engine's to rounding (greedy tokens eq
 
 Where it runs: a target the lean forward runs (a family whose table row names its positions, eager/sdpa, no
 sliding layers, no device map, no hooks), every decoder layer a checked class with a dense MLP (an MoE block
-routes tokens: not traced), methods ar, dflash and ddtree. `compile="auto"` uses it on a CUDA target where it
+routes tokens: not traced), methods ar, dflash, ddtree and mtp. `compile="auto"` uses it on a CUDA target where it
 can run, and nowhere else: on a CPU a compile costs tens of seconds to minutes and a round gains little there
 (docs/compile.md has the measurement); a target it cannot run takes the eager path with the reason logged.
 `compile="true"` compiles on any device and refuses a target it cannot run with one ConfigError line.
@@ -66,8 +67,9 @@ def capacity_bucket(needed: int) -> int:
 
 def why_not_static(binding, method: str) -> str | None:
     """Why the static round cannot run this target and method, in words; None where it can."""
-    if method not in STATIC_METHODS:
-        return f"method={method} drafts trees of varying size (the static round runs {', '.join(STATIC_METHODS)})"
+    if method not in STATIC_METHODS:  # the Engine passes "custom proposer" for a proposer of the caller's
+        what = "a custom proposer's trees may vary in size" if method == "custom proposer" else f"method={method}"
+        return f"{what} (the compiled round runs {', '.join(STATIC_METHODS)}: a fixed node count per engine)"
     lean = binding.lean
     if lean is None:
         return ("the lean forward does not run this target (its family, attention backend, sliding-window layers, "
