@@ -150,33 +150,60 @@ def _mtp_engines(target, head, topk, budget, backend="eager"):
             ddtree.Engine(target, head, compile="false", **kw))
 
 
+def _drafts(engine, ids, **kw):
+    """(the generation, the trees its proposer drafted)."""
+    trees, propose = [], engine.proposer.propose
+    engine.proposer.propose = lambda state: trees.append(propose(state)) or trees[-1]
+    try:
+        return engine.generate(ids, max_new_tokens=NEW, **kw), trees
+    finally:
+        del engine.proposer.propose
+
+
+def _same_trees(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert torch.equal(a.depths, b.depths) and torch.equal(a.ancestor_matrix(), b.ancestor_matrix())
+        if b.scores is not None:
+            torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-5)
+
+
 def test_mtp_through_the_compiled_round_is_lossless_without_recompile_one_read(dynamo_clean):
-    """method=mtp's EAGLE tree (a fixed node count: min(budget, pool)) verified and committed by the compiled round:
-    the eager engine's tokens and acceptance on prompts of two lengths, no graph break, no recompile after the
-    first generation, one host read a round (the walk's) and the verify and commit graphs called once each."""
+    """method=mtp's EAGLE tree (a fixed node count: min(budget, pool)) drafted by the compiled head (StaticMTP, from
+    the second round) and verified and committed by the compiled round: the eager engine's tokens and acceptance
+    (the same drafts) on prompts of two lengths, no graph break, no recompile after the first generation, one host
+    read a round (the walk's), three graph calls a round and no op of the head's outside them."""
     from ddtree.engine.drafter.mtp import MTPHead
 
     target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB, num_hidden_layers=2,
                         layer_types=["linear_attention", "full_attention"])  # one of each: a short trace
-    head = MTPHead.random_for_target(target, seed=0)
+    head = MTPHead.random_for_target(target, seed=0, std=0.3)  # peaked: frontiers mix parents
     prompts = _prompts((5, 17))
     with host.device_path():
-        engine, eager = _mtp_engines(target, head, topk=3, budget=10)
+        engine, eager = _mtp_engines(target, head, topk=3, budget=32)  # every node of the pool (21) kept
         assert engine.static is not None
         engine.generate(prompts[0], max_new_tokens=4)
         graphs = counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
             accepted = []
             for ids in prompts:
-                res, ref = engine.generate(ids, max_new_tokens=NEW), eager.generate(ids, max_new_tokens=NEW)
+                (res, got), (ref, want) = _drafts(engine, ids), _drafts(eager, ids)
                 assert res.output_ids == ref.output_ids and res.acceptance_lengths == ref.acceptance_lengths
+                _same_trees(got, want)  # the compiled head drafts the eager head's trees
                 accepted += res.acceptance_lengths
             assert max(accepted) > 1  # drafts committed (and rolled back)
-            with DispatchCount() as c:
-                res = engine.generate(prompts[0], max_new_tokens=8)
+            counts = []
+            for new in (4, NEW):
+                with DispatchCount() as c:
+                    res = engine.generate(prompts[1], max_new_tokens=new)
+                counts.append((c, res.rounds))
     assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)  # + the prefill's token
     assert c.syncs["commit"] == res.rounds and c.syncs["draft"] == c.syncs["tree"] == 0
-    assert c.graphs["verify"] == c.graphs["commit"] == res.rounds
+    assert c.graphs["verify"] == c.graphs["commit"] == res.rounds and c.graphs["draft"] == res.rounds - 1
+    (short, r0), (long, r1) = counts
+    assert graphs == 3 and r1 > r0 and long.ops["draft"] == short.ops["draft"]  # later rounds: the head's graph only
+    assert long.ops["verify"] - short.ops["verify"] <= 2 * (r1 - r0)  # its tree handed over: views
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
 
 
@@ -199,12 +226,33 @@ def test_mtp_chain_and_trees_through_the_compiled_round_equal_hf_greedy(backend,
         graphs = counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
             for ids in prompts:
-                res, ref = engine.generate(ids, max_new_tokens=NEW), eager.generate(ids, max_new_tokens=NEW)
+                (res, got), (ref, want) = _drafts(engine, ids), _drafts(eager, ids)
                 assert res.output_ids == ref.output_ids == hf_greedy(target, ids, NEW), (topk, budget, ids.shape)
                 assert res.acceptance_lengths == ref.acceptance_lengths
+                _same_trees(got, want)
                 accepted += sum(a - 1 for a in res.acceptance_lengths)
         assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     assert accepted > 3 * len(prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topk,budget", [(1, 64), (3, 12)])
+def test_mtp_sampling_through_the_compiled_round_draws_as_the_eager_one(topk, budget, dynamo_clean):
+    """T > 0: the chain samples its drafts with the generation's generator (its head stays eager: ready never set),
+    the tree drafts by top-k (its head compiled): with equal seeds the compiled engine's draws and drafts are the
+    eager engine's."""
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB)
+    head = MTPHead.random_for_target(target, seed=0, std=0.3)
+    engine, eager = _mtp_engines(target, head, topk, budget)
+    for seed, ids in enumerate(_prompts((6, 19))):
+        kw = dict(temperature=0.8)
+        (res, got), (ref, want) = [_drafts(e, ids, generator=torch.Generator().manual_seed(seed), **kw)
+                                   for e in (engine, eager)]
+        assert res.output_ids == ref.output_ids and res.acceptance_lengths == ref.acceptance_lengths
+        _same_trees(got, want)
+    assert engine.static.draft.ready == (topk > 1)
 
 
 @pytest.mark.parametrize("model_type", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_5_text"])
