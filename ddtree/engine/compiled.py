@@ -22,7 +22,8 @@ lengths reuse the same graphs (no recompile). The prefill stays eager (the usual
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
-DFlash drafter's forward from a generation's second round (`StaticDraft`). The round then reads the device once, in
+DFlash drafter's forward from a generation's second round (`StaticDraft`), or MTP's head, its context read and its
+chain or tree drafting in one graph, from the second round too (`StaticMTP`). The round then reads the device once, in
 the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
@@ -207,6 +208,8 @@ class StaticRound:
             reason = why_not_static_head(proposer.head, self.device)
             if reason is None:
                 self.draft = proposer.static_head = StaticMTP(self, proposer)
+            else:
+                log.info("the MTP head drafts eagerly (its verification compiled): %s", reason)
             return reason
         drafter = getattr(proposer, "drafter", None)
         if not hasattr(proposer, "static_draft") or drafter is None:
