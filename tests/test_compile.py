@@ -173,7 +173,8 @@ def test_mtp_through_the_compiled_round_is_lossless_without_recompile_one_read(d
     """method=mtp's EAGLE tree (a fixed node count: min(budget, pool)) drafted by the compiled head (StaticMTP, from
     the second round) and verified and committed by the compiled round: the eager engine's tokens and acceptance
     (the same drafts) on prompts of two lengths, no graph break, no recompile after the first generation, one host
-    read a round (the walk's), three graph calls a round and no op of the head's outside them."""
+    read a round (the walk's), three graph calls a round and no op of the head's outside them. The backend
+    overwrites outputs as CUDA graph trees do (the smoke test above)."""
     from ddtree.engine.drafter.mtp import MTPHead
 
     target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB, num_hidden_layers=2,
@@ -181,8 +182,8 @@ def test_mtp_through_the_compiled_round_is_lossless_without_recompile_one_read(d
     head = MTPHead.random_for_target(target, seed=0, std=0.3)  # peaked: frontiers mix parents
     prompts = _prompts((5, 17))
     with host.device_path():
-        engine, eager = _mtp_engines(target, head, topk=3, budget=32)  # every node of the pool (21) kept
-        assert engine.static is not None
+        engine, eager = _mtp_engines(target, head, topk=3, budget=32, backend=_pool_backend())  # 21 nodes: the pool
+        engine.static.cudagraphs = True  # outputs overwritten at the next compiled call: read through the clones
         engine.generate(prompts[0], max_new_tokens=4)
         graphs = counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(error_on_recompile=True):
