@@ -361,6 +361,28 @@ def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, c
         strict.generate(ids, max_new_tokens=4)
 
 
+@pytest.mark.slow
+def test_auto_falls_back_for_mtp_and_its_head_drafts_eagerly_again(monkeypatch, dynamo_clean):
+    """method=mtp under compile=auto with a compiler that fails: rerun eagerly, the eager engine's tokens, and the
+    proposer's compiled head detached (its drafts eager from then on)."""
+    from ddtree.engine import compiled
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled, "auto_compiles", lambda binding: True)  # as on a CUDA device
+    ids = _prompts((7,))[0]
+    hybrid = tiny_model("qwen3_5_text", seed=6, vocab_size=VOCAB, num_hidden_layers=2,
+                        layer_types=["linear_attention", "full_attention"])
+    head = MTPHead.random_for_target(hybrid, seed=0, std=0.3)
+    mtp, eager = (ddtree.Engine(hybrid, head, method="mtp", topk=2, budget=6, compile=c, compile_backend=broken)
+                  for c in ("auto", "false"))
+    assert mtp.proposer.static_head is not None
+    assert mtp.generate(ids, max_new_tokens=NEW).output_ids == eager.generate(ids, max_new_tokens=NEW).output_ids
+    assert mtp.static is None and mtp.proposer.static_head is None
+
+
 def test_the_run_setting_is_checked_before_loading():
     from ddtree.pipeline.config_checks import check_run_settings
     from ddtree.pipeline.schema import RunConfig, identity_dict

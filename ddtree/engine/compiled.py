@@ -197,11 +197,12 @@ class StaticRound:
         self.tree_graph = torch.compile(_tree_tensors, **opts)  # DDTree's torch tree build (DDTreeProposer)
         self.commit_graph = torch.compile(self._commit, **opts)
         self.state: StaticState | None = None
-        self.draft: StaticDraft | None = None  # the compiled drafter forward, where the proposer's can run (attach)
+        # the compiled drafter forward or MTP head, where the proposer's can run (attach)
+        self.draft: StaticDraft | StaticMTP | None = None
 
     def attach(self, proposer) -> str | None:
-        """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree); returns why not, or
-        None. DDTree's tree build is compiled as well (`tree`)."""
+        """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree; MTP's head: StaticMTP);
+        returns why not, or None. DDTree's tree build is compiled as well (`tree`)."""
         if hasattr(proposer, "tree_tensors"):
             proposer.tree_tensors = self.tree
         if hasattr(proposer, "static_head"):  # method=mtp: the target's own head
@@ -227,6 +228,8 @@ class StaticRound:
             proposer.tree_tensors = None
         if getattr(proposer, "static_draft", None) is self.draft:
             proposer.static_draft = None
+        if getattr(proposer, "static_head", None) is self.draft:
+            proposer.static_head = None
         self.draft = None
 
     def session(self, needed: int) -> StaticSession:
