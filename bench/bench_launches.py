@@ -213,14 +213,14 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
     path = contextlib.nullcontext()
     if a.path == "device":
         path = device_path() if device_path is not None else legacy_device_path()
+    kw = dict(compile="true", compile_backend=a.compile_backend) if a.compile else {}
     with path:
         if method in MTP:  # the target's own MTP head (random, at the structure's tiny width)
             from ddtree.engine.drafter.mtp import MTPHead
 
             head = MTPHead.random_for_target(target, seed=0).to(device=ids.device, dtype=target.dtype)
-            engine = ddtree.Engine(target, head, method="mtp", budget=budget, **MTP[method])
+            engine = ddtree.Engine(target, head, method="mtp", budget=budget, **MTP[method], **kw)
         else:
-            kw = dict(compile="true", compile_backend=a.compile_backend) if a.compile else {}
             engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget, **kw)
         engine.generate(ids, max_new_tokens=4)  # warm-up: lazy buffers, the allocator, kernel choices
         short = engine.generate(ids, max_new_tokens=a.warm_tokens)
@@ -256,6 +256,8 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         timed = engine.generate(ids, max_new_tokens=new)
         wall = (time.perf_counter() - t) / max(1, timed.rounds)
     nodes = 1 if method == "ar" else (budget + 1 if method == "ddtree" else drafter.block_size)
+    if method in MTP:  # the verified chain (steps + 1) or tree (the budget's nodes + 1), not the drafter's block
+        nodes = engine.proposer.max_nodes
     return dict(method=spec, rounds=rounds, ops=per["ops"], kernel_ops=per["kernel_ops"], syncs=per["syncs"],
                 total_ops=sum(per["ops"].values()), total_kernel_ops=sum(per["kernel_ops"].values()),
                 total_syncs=sum(per["syncs"].values()), graph_calls=graphs, cuda_launches=launches, nodes=nodes,

@@ -144,6 +144,118 @@ def test_without_the_clones_the_pool_rule_breaks_the_round(dynamo_clean):
     assert out != hf_greedy(target, ids, NEW)
 
 
+def _mtp_engines(target, head, topk, budget, backend="eager"):
+    kw = dict(method="mtp", steps=3, topk=topk, budget=budget)
+    return (ddtree.Engine(target, head, compile="true", compile_backend=backend, **kw),
+            ddtree.Engine(target, head, compile="false", **kw))
+
+
+def _drafts(engine, ids, **kw):
+    """(the generation, the trees its proposer drafted)."""
+    trees, propose = [], engine.proposer.propose
+    engine.proposer.propose = lambda state: trees.append(propose(state)) or trees[-1]
+    try:
+        return engine.generate(ids, max_new_tokens=NEW, **kw), trees
+    finally:
+        del engine.proposer.propose
+
+
+def _same_trees(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert torch.equal(a.depths, b.depths) and torch.equal(a.ancestor_matrix(), b.ancestor_matrix())
+        if b.scores is not None:
+            torch.testing.assert_close(a.scores, b.scores, rtol=0, atol=1e-5)
+
+
+def test_mtp_through_the_compiled_round_is_lossless_without_recompile_one_read(dynamo_clean):
+    """method=mtp's EAGLE tree (a fixed node count: min(budget, pool)) drafted by the compiled head (StaticMTP, from
+    the second round) and verified and committed by the compiled round: the eager engine's tokens and acceptance
+    (the same drafts) on prompts of two lengths, no graph break, no recompile after the first generation, one host
+    read a round (the walk's), three graph calls a round and no op of the head's outside them. The backend
+    overwrites outputs as CUDA graph trees do (the smoke test above)."""
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB, num_hidden_layers=2,
+                        layer_types=["linear_attention", "full_attention"])  # one of each: a short trace
+    head = MTPHead.random_for_target(target, seed=0, std=0.3)  # peaked: frontiers mix parents
+    prompts = _prompts((5, 17))
+    with host.device_path():
+        engine, eager = _mtp_engines(target, head, topk=3, budget=32, backend=_pool_backend())  # 21 nodes: the pool
+        engine.static.cudagraphs = True  # outputs overwritten at the next compiled call: read through the clones
+        engine.generate(prompts[0], max_new_tokens=4)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            accepted = []
+            for ids in prompts:
+                (res, got), (ref, want) = _drafts(engine, ids), _drafts(eager, ids)
+                assert res.output_ids == ref.output_ids and res.acceptance_lengths == ref.acceptance_lengths
+                _same_trees(got, want)  # the compiled head drafts the eager head's trees
+                accepted += res.acceptance_lengths
+            assert max(accepted) > 1  # drafts committed (and rolled back)
+            counts = []
+            for new in (4, NEW):
+                with DispatchCount() as c:
+                    res = engine.generate(prompts[1], max_new_tokens=new)
+                counts.append((c, res.rounds))
+    assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)  # + the prefill's token
+    assert c.syncs["commit"] == res.rounds and c.syncs["draft"] == c.syncs["tree"] == 0
+    assert c.graphs["verify"] == c.graphs["commit"] == res.rounds and c.graphs["draft"] == res.rounds - 1
+    (short, r0), (long, r1) = counts
+    assert graphs == 3 and r1 > r0 and long.ops["draft"] == short.ops["draft"]  # later rounds: the head's graph only
+    assert long.ops["verify"] - short.ops["verify"] <= 2 * (r1 - r0)  # its tree handed over: views
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["eager", pytest.param(None, id="inductor")])
+def test_mtp_chain_and_trees_through_the_compiled_round_equal_hf_greedy(backend, dynamo_clean):
+    """A head fitted to the target (drafts accepted several deep): its chain, a tree and a tree cut by its budget
+    through the compiled round equal HF greedy and the eager engine (same acceptance) on prompts of three lengths,
+    without a recompile or a graph break (inductor: as compile=true runs, the chain only: a minute a graph here)."""
+    from ddtree.testing.mtp import fitted_head
+
+    target = tiny_model("qwen3_5_text", seed=0, vocab_size=128)
+    head = fitted_head(target, seed=1)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 128, (1, n), generator=g) for n in (9, 4, 26)]
+    accepted = 0
+    for topk, budget in ((1, 64), (3, 12), (2, 5))[: 3 if backend else 1]:
+        engine, eager = _mtp_engines(target, head, topk, budget, backend)
+        engine.generate(prompts[0], max_new_tokens=4)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for ids in prompts:
+                (res, got), (ref, want) = _drafts(engine, ids), _drafts(eager, ids)
+                assert res.output_ids == ref.output_ids == hf_greedy(target, ids, NEW), (topk, budget, ids.shape)
+                assert res.acceptance_lengths == ref.acceptance_lengths
+                _same_trees(got, want)
+                accepted += sum(a - 1 for a in res.acceptance_lengths)
+        assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert accepted > 3 * len(prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topk,budget", [(1, 64), (3, 12)])
+def test_mtp_sampling_through_the_compiled_round_draws_as_the_eager_one(topk, budget, dynamo_clean):
+    """T > 0: the chain samples its drafts with the generation's generator (its head stays eager: ready never set),
+    the tree drafts by top-k (its head compiled): with equal seeds the compiled engine's draws and drafts are the
+    eager engine's."""
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB)
+    head = MTPHead.random_for_target(target, seed=0, std=0.3)
+    engine, eager = _mtp_engines(target, head, topk, budget)
+    for seed, ids in enumerate(_prompts((6, 19))):
+        kw = dict(temperature=0.8)
+        (res, got), (ref, want) = [_drafts(e, ids, generator=torch.Generator().manual_seed(seed), **kw)
+                                   for e in (engine, eager)]
+        assert res.output_ids == ref.output_ids and res.acceptance_lengths == ref.acceptance_lengths
+        _same_trees(got, want)
+    assert engine.static.draft.ready == (topk > 1)
+
+
 @pytest.mark.parametrize("model_type", [pytest.param("qwen3", marks=pytest.mark.slow), "qwen3_5_text"])
 def test_a_non_contiguous_commit_leaves_the_eager_sessions_state(model_type, dynamo_clean):
     """Verify a branching tree, commit a path that skips nodes, then verify the next tree: the compiled round's
@@ -249,14 +361,35 @@ def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, c
         strict.generate(ids, max_new_tokens=4)
 
 
+@pytest.mark.slow
+def test_auto_falls_back_for_mtp_and_its_head_drafts_eagerly_again(monkeypatch, dynamo_clean):
+    """method=mtp under compile=auto with a compiler that fails: rerun eagerly, the eager engine's tokens, and the
+    proposer's compiled head detached (its drafts eager from then on)."""
+    from ddtree.engine import compiled
+    from ddtree.engine.drafter.mtp import MTPHead
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(compiled, "auto_compiles", lambda binding: True)  # as on a CUDA device
+    ids = _prompts((7,))[0]
+    hybrid = tiny_model("qwen3_5_text", seed=6, vocab_size=VOCAB, num_hidden_layers=2,
+                        layer_types=["linear_attention", "full_attention"])
+    head = MTPHead.random_for_target(hybrid, seed=0, std=0.3)
+    mtp, eager = (ddtree.Engine(hybrid, head, method="mtp", topk=2, budget=6, compile=c, compile_backend=broken)
+                  for c in ("auto", "false"))
+    assert mtp.proposer.static_head is not None
+    assert mtp.generate(ids, max_new_tokens=NEW).output_ids == eager.generate(ids, max_new_tokens=NEW).output_ids
+    assert mtp.static is None and mtp.proposer.static_head is None
+
+
 def test_the_run_setting_is_checked_before_loading():
     from ddtree.pipeline.config_checks import check_run_settings
     from ddtree.pipeline.schema import RunConfig, identity_dict
 
-    for bad, match in ((RunConfig(compile="sometimes"), "compile: unknown value"),
-                       (RunConfig(compile="true", method="mtp"), "compile: the compiled round runs ar")):
-        with pytest.raises(ConfigError, match=match):
-            check_run_settings(bad)
+    with pytest.raises(ConfigError, match="compile: unknown value"):
+        check_run_settings(RunConfig(compile="sometimes"))
+    check_run_settings(RunConfig(compile="true", method="mtp"))  # every method runs compiled (a fixed node count)
     rc = RunConfig(compile="True")
     check_run_settings(rc)
     assert rc.compile == "true"

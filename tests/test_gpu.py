@@ -198,3 +198,37 @@ def test_the_compiled_round_on_cuda_with_cuda_graphs(model_type):
             assert c.graphs["verify"] == c.graphs["commit"] == res.rounds
     finally:
         torch._dynamo.reset()
+
+
+def test_mtp_through_the_compiled_round_on_cuda_with_cuda_graphs():
+    """method=mtp, compile=true on CUDA (inductor, CUDA graphs): the chain and a tree (the head's drafting a graph
+    from the second round, StaticMTP) equal HF greedy on two prompt lengths; no recompile, no graph break, no
+    cudagraph skipped; each round one host read and three graph calls (draft, verify, commit; the first draft eager)."""
+    from torch._dynamo.utils import counters
+
+    from ddtree.engine.drafter.mtp import MTPHead
+    from ddtree.testing.dispatch import DispatchCount
+
+    target = tiny_model("qwen3_5_text", seed=3, attn_implementation="sdpa", vocab_size=VOCAB).to("cuda")
+    head = MTPHead.random_for_target(target, seed=0, std=0.3)
+    prompts = _prompts()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for topk, budget in ((1, 64), (3, 12)):
+            engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=topk, budget=budget, compile="true")
+            assert engine.static.draft is not None and engine.static.options.get("mode") == "reduce-overhead"
+            engine.generate(prompts[0], max_new_tokens=NEW)  # compile, cudagraph warm-up and record
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for ids in prompts:
+                    res = engine.generate(ids, max_new_tokens=NEW)
+                    assert res.output_ids == hf_greedy(target, ids, NEW), (topk, ids.shape)
+                with DispatchCount() as c:
+                    res = engine.generate(prompts[1], max_new_tokens=NEW)
+            assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+            assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
+            assert c.graphs["verify"] == c.graphs["commit"] == res.rounds and c.graphs["draft"] == res.rounds - 1
+    finally:
+        torch._dynamo.reset()

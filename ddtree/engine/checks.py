@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 COMPILE_SETTINGS = ("auto", "true", "false")  # the compiled round (ddtree.engine.compiled)
-STATIC_METHODS = ("ar", "dflash", "ddtree")  # the methods it runs: a fixed node count per engine (MTP's varies)
+STATIC_METHODS = ("ar", "dflash", "ddtree", "mtp")  # the methods it runs: a fixed node count per engine
 
 
 def compile_setting(value: Any) -> str:

@@ -15,19 +15,21 @@ A GPU at batch 1 is bound by kernel launches: the eager verification dispatches 
   the attention rows are moved by two eager ops after it (a gather and a copy over the whole buffer: in one
   kernel the reads and writes of overlapping rows would race).
 
-N is the round's node count (AR 1, DFlash the block, DDTree the tree size) and C the capacity: a power of two
+N is the round's node count (AR 1, DFlash the block, DDTree the tree size, MTP its chain or tree: fixed per
+setting) and C the capacity: a power of two
 >= prompt + max_new_tokens + N (at least 256), kept for later generations while it suffices, so prompts of other
 lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
-DFlash drafter's forward from a generation's second round (`StaticDraft`). The round then reads the device once, in
+DFlash drafter's forward from a generation's second round (`StaticDraft`), or MTP's head, its context read and its
+chain or tree drafting in one graph, from the second round too (`StaticMTP`). The round then reads the device once, in
 the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
 Where it runs: a target the lean forward runs (a family whose table row names its positions, eager/sdpa, no
 sliding layers, no device map, no hooks), every decoder layer a checked class with a dense MLP (an MoE block
-routes tokens: not traced), methods ar, dflash and ddtree. `compile="auto"` uses it on a CUDA target where it
+routes tokens: not traced), methods ar, dflash, ddtree and mtp. `compile="auto"` uses it on a CUDA target where it
 can run, and nowhere else: on a CPU a compile costs tens of seconds to minutes and a round gains little there
 (docs/compile.md has the measurement); a target it cannot run takes the eager path with the reason logged.
 `compile="true"` compiles on any device and refuses a target it cannot run with one ConfigError line.
@@ -66,8 +68,9 @@ def capacity_bucket(needed: int) -> int:
 
 def why_not_static(binding, method: str) -> str | None:
     """Why the static round cannot run this target and method, in words; None where it can."""
-    if method not in STATIC_METHODS:
-        return f"method={method} drafts trees of varying size (the static round runs {', '.join(STATIC_METHODS)})"
+    if method not in STATIC_METHODS:  # the Engine passes "custom proposer" for a proposer of the caller's
+        what = "a custom proposer's trees may vary in size" if method == "custom proposer" else f"method={method}"
+        return f"{what} (the compiled round runs {', '.join(STATIC_METHODS)}: a fixed node count per engine)"
     lean = binding.lean
     if lean is None:
         return ("the lean forward does not run this target (its family, attention backend, sliding-window layers, "
@@ -194,13 +197,21 @@ class StaticRound:
         self.tree_graph = torch.compile(_tree_tensors, **opts)  # DDTree's torch tree build (DDTreeProposer)
         self.commit_graph = torch.compile(self._commit, **opts)
         self.state: StaticState | None = None
-        self.draft: StaticDraft | None = None  # the compiled drafter forward, where the proposer's can run (attach)
+        # the compiled drafter forward or MTP head, where the proposer's can run (attach)
+        self.draft: StaticDraft | StaticMTP | None = None
 
     def attach(self, proposer) -> str | None:
-        """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree); returns why not, or
-        None. DDTree's tree build is compiled as well (`tree`)."""
+        """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree; MTP's head: StaticMTP);
+        returns why not, or None. DDTree's tree build is compiled as well (`tree`)."""
         if hasattr(proposer, "tree_tensors"):
             proposer.tree_tensors = self.tree
+        if hasattr(proposer, "static_head"):  # method=mtp: the target's own head
+            reason = why_not_static_head(proposer.head, self.device)
+            if reason is None:
+                self.draft = proposer.static_head = StaticMTP(self, proposer)
+            else:
+                log.info("the MTP head drafts eagerly (its verification compiled): %s", reason)
+            return reason
         drafter = getattr(proposer, "drafter", None)
         if not hasattr(proposer, "static_draft") or drafter is None:
             return "no DFlash drafter"
@@ -217,6 +228,8 @@ class StaticRound:
             proposer.tree_tensors = None
         if getattr(proposer, "static_draft", None) is self.draft:
             proposer.static_draft = None
+        if getattr(proposer, "static_head", None) is self.draft:
+            proposer.static_head = None
         self.draft = None
 
     def session(self, needed: int) -> StaticSession:
@@ -337,17 +350,21 @@ class StaticRound:
 
     def _commit(self, path: torch.Tensor, length: torch.Tensor, conv: torch.Tensor | None,
                 rec: torch.Tensor | None, pending: tuple | None, feats: torch.Tensor | None = None,
-                context: torch.Tensor | None = None, context_count: torch.Tensor | None = None):
+                context: torch.Tensor | None = None, context_count: torch.Tensor | None = None,
+                tokens: torch.Tensor | None = None, path_tokens: torch.Tensor | None = None):
         """Move the GDN states to prefix + path and the length past it; returns (the attention rows to keep:
         absolute sources, their destinations). path: [N] flat indices root first, padded with -1.
         feats, context, context_count: the verification's features, and the compiled drafter's buffers that receive
-        the path's rows (padded) and its length (StaticDraft)."""
+        the path's rows (padded) and its length (StaticDraft, StaticMTP); tokens, path_tokens: the tree's tokens
+        and the buffer that receives the path's (StaticMTP: the head reads each row with the token after it)."""
         n = path.shape[0]
         count = (path >= 0).sum().view(1)
         index = path.clamp(min=0)
         if context is not None:
             context.copy_(feats.index_select(1, index[: context.shape[1]]))
             context_count.copy_(count)
+        if path_tokens is not None:
+            path_tokens.copy_(tokens.index_select(0, index[: path_tokens.shape[0]]))
         src, dst = length + index, length + torch.arange(n, device=path.device)
         if conv is not None:
             keys, deltas, xy, extended = pending
@@ -387,10 +404,11 @@ class StaticRound:
         return self._run(self.verify_graph, tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),
                                  st.length, st.kv, st.conv, st.rec)
 
-    def commit(self, st: StaticState, path: torch.Tensor, n: int, pending, feats: torch.Tensor | None = None) -> None:
+    def commit(self, st: StaticState, path: torch.Tensor, n: int, pending, feats: torch.Tensor | None = None,
+               tokens: torch.Tensor | None = None) -> None:
         padded = F.pad(path.to(st.length.device), (0, n - path.shape[0]), value=-1)
         draft = self.draft if self.draft is not None and feats is not None else None
-        io = (feats, *draft.context_for(n)) if draft is not None else ()
+        io = draft.commit_io(n, feats, tokens) if draft is not None else ()
         src, dst = self._run(self.commit_graph, padded, st.length, st.conv, st.rec, pending, *io)
         if st.kv is not None:  # every attention layer's rows in one gather and one copy (eager: see the docstring)
             st.kv.index_copy_(-2, dst, st.kv.index_select(-2, src))
@@ -430,7 +448,7 @@ class StaticSession:
 
     @torch.inference_mode()
     def commit(self, tree: DraftTree, accepted: torch.Tensor, host_path: list[int] | None = None) -> None:
-        self.static.commit(self.state, accepted, self._n, self._pending, self._feats)
+        self.static.commit(self.state, accepted, self._n, self._pending, self._feats, tree.tokens)
         self._pending = self._feats = None
         self.length += accepted.shape[0]
 
@@ -458,6 +476,10 @@ class StaticDraft:
 
     def reset(self) -> None:
         self.ready = False
+
+    def commit_io(self, n: int, feats: torch.Tensor, tokens: torch.Tensor) -> tuple:
+        """The commit graph's extra arguments: the features and the buffers that receive the path's."""
+        return (feats, *self.context_for(n))
 
     def context_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(context [1, P, F], count [1]) buffers for a tree of n nodes (P = min(n, block size))."""
@@ -544,3 +566,151 @@ class StaticDraft:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         length.add_(count)
         return self.lm_head(drafter.norm(x)[0, 1:]).float()
+
+
+def why_not_static_head(head, device: torch.device) -> str | None:
+    """Why method=mtp's head cannot draft as a graph (StaticMTP), in words; None where it can."""
+    layer = head.layers[0]
+    impl = head.config._attn_implementation
+    if impl not in ("eager", "sdpa"):
+        return f"the MTP head's attention is {impl}"
+    if head.fc.weight.device != device:
+        return "the MTP head is on another device"
+    if not LeanLayer.supports(layer):
+        return f"the MTP head's layer ({type(layer).__name__}) is not a layer the lean forward drives"
+    if type(layer.mlp).__name__ not in _MLPS:
+        return f"the MTP head's MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
+    return None
+
+
+class StaticMTP:
+    """method=mtp's head (ddtree.engine.drafter.mtp.MTPHead) as one fixed-shape graph a round (`_draft`): it reads
+    the tokens committed since the last round, then drafts the chain (greedy) or the EAGLE tree (mtp_expand, the
+    eager proposer's code), from a generation's second round on.
+
+    The first round runs the eager head (the prompt: any length), whose cache `load` copies into a fixed buffer:
+    keys and values [2, 1, Hkv, Cd, d], row r holding position r of the committed context (as the head's
+    DynamicCache lays it out) and the context length [1] on the device. Each later round the target's commit graph
+    leaves the accepted path's features in `context` [1, P, H] (P = min(N, steps + 1): padded), its tokens in
+    `path_tokens` [P] and its length in `count`; the graph reads row i of the path with the token after it (the next
+    path token, the new root after the last), writing rows length .. length + P - 1 (causal: padding rows are never
+    seen by real ones), then the drafts behind the real rows, as the eager head's cache holds them after the context
+    (chain step s at row start + s - 1; tree step s's k entries at start + (s - 1) k ..), each query attending over
+    all Cd rows under a mask (the committed rows, its ancestors' entries and its own). Rows past the committed ones
+    are never read before being written again: no crop. The chain at T > 0 samples with the generation's generator:
+    it stays eager (its verification compiled).
+    """
+
+    def __init__(self, static: StaticRound, proposer):
+        self.static, self.proposer, self.head = static, proposer, proposer.head
+        self.steps, self.k, self.budget = proposer.steps, proposer.topk, proposer.budget
+        with torch.inference_mode():
+            self.layer = _FrozenLayer(self.head.layers[0])
+        self.graph = torch.compile(self._draft, **static.options)
+        self.kv: torch.Tensor | None = None
+        self.length = self.context = self.count = self.path_tokens = None
+        self.ready = False
+
+    def reset(self) -> None:
+        self.ready = False
+
+    def commit_io(self, n: int, feats: torch.Tensor, tokens: torch.Tensor) -> tuple:
+        """The commit graph's extra arguments: the features, the tree's tokens and the buffers receiving the path's."""
+        rows = min(n, self.steps + 1)  # a path is at most steps + 1 nodes deep
+        if self.context is None or self.context.shape[1] != rows:
+            dev = self.head.fc.weight.device
+            with torch.inference_mode():
+                self.context = torch.zeros(1, rows, feats.shape[-1], dtype=feats.dtype, device=dev)
+                self.path_tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+                self.count = torch.ones(1, dtype=torch.long, device=dev)
+            for t in (self.context, self.path_tokens, self.count):
+                torch._dynamo.mark_static_address(t)
+        return feats, self.context, self.count, tokens, self.path_tokens
+
+    @torch.inference_mode()
+    def load(self, cache, needed: int) -> None:
+        """After the eager first round: its cache (the committed rows: its drafts cropped) into the fixed buffer."""
+        layer = cache.layers[0]
+        rows = cache.get_seq_length()
+        k0 = layer.keys
+        capacity = capacity_bucket(needed + 2 * (self.steps + 1) + self.steps * self.k)
+        if self.kv is None or self.kv.shape[-2] < capacity or self.kv.dtype != k0.dtype:
+            self.kv = torch.zeros(2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
+            self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
+            for t in (self.kv, self.length):
+                torch._dynamo.mark_static_address(t)
+        self.kv[0, ..., :rows, :].copy_(k0[..., :rows, :])
+        self.kv[1, ..., :rows, :].copy_(layer.values[..., :rows, :])
+        self.length.fill_(rows)
+        self.ready = True
+
+    def draft(self, root: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The round's draft tree after `root`, root first (one graph call): the chain's (tokens, parents, depths,
+        ancestor matrix), or the tree's (tokens, parents, depths, scores, ancestor index, ancestor matrix)."""
+        return self.static._run(self.graph, root, self.context, self.count, self.path_tokens, self.length, self.kv)
+
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """MTPHead.forward over a fixed buffer: ids [1, q], hidden [1, q, H], positions and rows [q], visible
+        [q, Cd] (bool); writes the q keys and values at `rows`; returns [1, q, H] after mtp.norm."""
+        head, layer = self.head, self.layer
+        q = ids.shape[1]
+        x = head.fc(torch.cat([head.pre_fc_norm_embedding(head.embed(ids)), head.pre_fc_norm_hidden(hidden)], dim=-1))
+        pos = positions.view(1, q)
+        rope = head._borrowed[2](x, pos[None].expand(3, 1, q) if head._mrope else pos)
+        h = layer.norm1(x)
+        query, gate = layer._queries(h)
+        key, value = layer._keys_values(h)
+        query, key = layer.rotary(query, key, *rope)
+        kv.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(kv.dtype))
+        out = F.scaled_dot_product_attention(query, kv[0], kv[1], attn_mask=visible.view(1, 1, q, -1),
+                                             scale=layer.attn.scaling, enable_gqa=query.shape[1] != kv.shape[2])
+        out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        x = layer._feed_forward(x + layer.o(out.reshape(1, q, -1)))
+        return head.norm(x)
+
+    def _draft(self, root: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor, path_tokens: torch.Tensor,
+               length: torch.Tensor, kv: torch.Tensor):
+        from ddtree.engine.proposers import mtp_expand, mtp_tree_tensors
+        from ddtree.engine.tree import _ancestor_index, _ancestor_matrix
+
+        head = self.head
+        dev = ctx.device
+        p = ctx.shape[1]
+        ar = torch.arange(p, device=dev)
+        # row i of the path reads the token after it: the next path token, the new root after the last one
+        ids = torch.where(ar == count - 1, root.reshape(1).to(path_tokens.dtype), path_tokens.roll(-1))
+        rows = length + ar
+        key_pos = torch.arange(kv.shape[-2], device=dev)
+        out = self._step(ids.view(1, p), ctx.to(head.dtype), rows, rows, key_pos[None, :] <= rows[:, None], kv)
+        start = length + count  # the root's position: the drafts follow the committed rows
+        hidden = out[0].index_select(0, count - 1)  # [1, H]: the root's row
+        logits = head.logits(hidden[0]).float()
+        length.add_(count)
+        committed = key_pos < start  # [Cd]
+        if self.k == 1:  # the chain (greedy): token s sits at start + s, the head reads it one before
+            toks = [logits.argmax(-1).view(1)]
+            for s in range(1, self.steps):
+                here = start + s - 1
+                hidden = self._step(toks[-1].view(1, 1), hidden.view(1, 1, -1), here, here,
+                                    (key_pos <= here)[None], kv)[0]
+                toks.append(head.logits(hidden[0]).float().argmax(-1).view(1))
+            ar = torch.arange(self.steps + 1, device=dev)  # chain_tree's, with its ancestor matrix
+            anc = torch.ones(self.steps + 1, self.steps + 1, dtype=torch.bool, device=dev).tril_()
+            return torch.cat([root.reshape(1).long(), *toks]), ar - 1, ar, anc
+        k = self.k
+
+        def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
+            entries = start + (s - 1) * k + torch.arange(k, device=dev)  # where the eager head's cache puts them
+            vis = torch.zeros(k, kv.shape[-2], dtype=torch.bool, device=dev)
+            vis.scatter_(1, torch.cat([f_anc, entries[:, None]], 1), True)
+            vis = vis | committed[None, :]
+            here = (start + s - 1).expand(k)
+            return self._step(f_tok[None], f_src[None], here, entries, vis, kv)[0], entries
+
+        pool = mtp_expand(head, logits, hidden[0], k, self.steps, step)
+        tokens, parents, depths, scores = mtp_tree_tensors(root, *pool, self.budget)
+        aidx = _ancestor_index(parents, self.steps)
+        return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)

@@ -13,7 +13,7 @@ from ddtree.engine.checks import check_generate_args, check_tree_memory, compile
 from ddtree.engine.compiled import static_round_for
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import check_method_args, get_method
-from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, Proposer, StageTimer
+from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, MTPProposer, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import (
     TargetBinding,
@@ -188,7 +188,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
         session = engine.static.session(capacity)
     else:
         session = TargetSession(engine.target, capacity=capacity, binding=engine.binding)
-    if isinstance(proposer, DrafterBlock):
+    if isinstance(proposer, (DrafterBlock, MTPProposer)):
         proposer.reset(capacity)
     else:
         proposer.reset()

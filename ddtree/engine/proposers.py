@@ -240,10 +240,18 @@ class MTPProposer:
         self.max_nodes = (steps if topk == 1 else budget) + 1  # the chain ignores the budget
         self.cache = None
         self.ctx_len = 0
+        # the compiled head (ddtree.engine.compiled.StaticMTP), set by an Engine with compile on: it takes over from
+        # a generation's second round (the first reads the prompt eagerly), where it drafts as the eager head does
+        self.static_head = None
+        self._capacity = 0
 
-    def reset(self) -> None:
+    def reset(self, capacity: int = 0) -> None:
+        """A new generation; capacity: prompt + new tokens + the largest tree (sizes the compiled head's buffer)."""
         self.cache = self.head.new_cache()
         self.ctx_len = 0
+        self._capacity = capacity
+        if self.static_head is not None:
+            self.static_head.reset()
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """Additive [1, 1, q, keys] from a boolean visibility matrix."""
@@ -281,10 +289,20 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
+            static = self.static_head
+            if static is not None and static.ready:  # the context arrived through the target's commit graph
+                self.ctx_len = state.start
+                out = static.draft(state.root)
+                with state.timer.stage("tree"):
+                    if self.topk == 1:  # chain_tree's, built in the graph
+                        tokens, parents, depths, anc = out
+                        return DraftTree(tokens, parents, depths, is_chain=True, depth_bound=self.steps, _anc=anc)
+                    return tree_of_tensors(*out)
             logits, hidden = self._read_context(state)
-            if self.topk == 1:
-                return self._chain(state, logits, hidden)
-            return self._tree(state, logits, hidden)
+            tree = self._chain(state, logits, hidden) if self.topk == 1 else self._tree(state, logits, hidden)
+            if static is not None and (self.topk > 1 or state.temperature <= 0):  # (a sampled chain stays eager)
+                static.load(self.cache, self._capacity)
+            return tree
 
     def _pick(self, logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
         if state.temperature > 0:
@@ -304,53 +322,78 @@ class MTPProposer:
             return chain_tree(state.root, torch.stack(toks))
 
     def _tree(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
-        """EAGLE-style expansion on the device, without a host read: every step's frontier is k nodes of one depth.
+        """EAGLE-style expansion on the device, without a host read (mtp_expand): the head's entries of each step
+        appended to its cache, each query seeing the committed rows, its ancestors' entries and its own."""
+        head, dev = self.head, state.root.device
 
-        The pool holds every drafted node in creation order (k at depth 1, then k * k children per step); a frontier
-        node carries its token, cumulative score, pool index, the head output that predicted it (its input when
-        expanded) and the head-cache entries of its ancestors (the entries its query may see). Ties between equal
-        scores go to the earlier node (stable sorts), on every device."""
-        head, k, dev = self.head, self.topk, state.root.device
-        vals, idx = torch.log_softmax(logits, -1).topk(k)
-        toks, scores, parents, depths = [idx], [vals], [torch.full((k,), -1, dtype=torch.long, device=dev)], [1]
-        f_tok, f_score, f_pool = idx, vals, torch.arange(k, device=dev)
-        f_src = hidden[0, 0].expand(k, -1)
-        f_anc = torch.zeros(k, 0, dtype=torch.long, device=dev)  # [k, depth - 1]: the ancestors' cache entries
-        size = k
-        child = torch.arange(k * k, device=dev) // k  # candidate c's parent, as a row of the frontier
-        for s in range(1, self.steps):  # the frontier is at depth s; token s sits at start + s, read one before
+        def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
+            k = f_tok.shape[0]
             past = self.cache.get_seq_length()
             entries = torch.arange(past, past + k, device=dev)
             vis = torch.zeros(k, past + k, dtype=torch.bool, device=dev)
             vis[:, : self.ctx_len] = True
             vis.scatter_(1, torch.cat([f_anc, entries[:, None]], 1), True)
             pos = torch.full((1, k), state.start + s - 1, dtype=torch.long, device=dev)
-            out = head(head.embed(f_tok[None]), f_src[None], pos, self._mask(vis), self.cache)[0]
-            lv, li = torch.log_softmax(head.logits(out).float(), -1).topk(k)  # [k, k]
-            c_tok, c_score = li.reshape(-1), (f_score[:, None] + lv).reshape(-1)
-            toks.append(c_tok)
-            scores.append(c_score)
-            parents.append(f_pool[child])
-            depths.append(s + 1)
-            sel = torch.sort(-c_score, stable=True).indices[:k].sort().values  # the k best, in creation order
-            f_tok, f_score, f_pool = c_tok[sel], c_score[sel], size + sel
-            f_anc = torch.cat([f_anc, entries[:, None]], 1)[child[sel]]
-            f_src = out[child[sel]]
-            size += k * k
+            return head(head.embed(f_tok[None]), f_src[None], pos, self._mask(vis), self.cache)[0], entries
+
+        pool = mtp_expand(head, logits, hidden[0, 0], self.topk, self.steps, step)
         self._drop_drafts()
         with state.timer.stage("tree"):
-            # cumulative log-probabilities never grow along a path: the best nodes (ties: the earlier) are closed
-            # under ancestors; flat order = creation order puts parents first
-            tok, score, parent = torch.cat(toks), torch.cat(scores), torch.cat(parents)
-            depth = torch.cat([torch.full((n.shape[0],), d, dtype=torch.long, device=dev)
-                               for n, d in zip(toks, depths, strict=True)])
-            n = min(self.budget, size)
-            keep = torch.sort(-score, stable=True).indices[:n].sort().values
-            flat = torch.zeros(size, dtype=torch.long, device=dev)
-            flat[keep] = torch.arange(1, n + 1, device=dev)
-            kp = parent[keep]
-            zero, none = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), -1, dtype=torch.long, device=dev)
-            return DraftTree(torch.cat([state.root.reshape(1).long(), tok[keep]]),
-                             torch.cat([none, torch.where(kp >= 0, flat[kp.clamp(min=0)], 0)]),
-                             torch.cat([zero, depth[keep]]), scores=torch.cat([zero.float(), score[keep]]),
-                             depth_bound=self.steps)
+            tokens, parents, depths, scores = mtp_tree_tensors(state.root, *pool, self.budget)
+            return DraftTree(tokens, parents, depths, scores=scores, depth_bound=self.steps)
+
+
+def mtp_expand(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, steps: int, step) -> tuple:
+    """MTP's EAGLE-style expansion, every step's frontier k nodes of one depth (the eager proposer's and the compiled
+    head's: ddtree.engine.compiled.StaticMTP). logits [V] and hidden [H]: the head's guess after the root and the
+    output that made it. step(s, f_tok [k], f_src [k, H], f_anc [k, s - 1]) runs the head on the frontier at depth s
+    (its token, the output that predicted it, its ancestors' cache entries) and returns (outputs [k, H], the
+    entries it wrote [k]). Returns the pool (toks, scores, parents, depths: one tensor / int per depth).
+
+    The pool holds every drafted node in creation order (k at depth 1, then k * k children per step); a frontier
+    node carries its token, cumulative score, pool index, the head output that predicted it (its input when
+    expanded) and the head-cache entries of its ancestors (the entries its query may see). Ties between equal
+    scores go to the earlier node (stable sorts), on every device."""
+    dev = logits.device
+    vals, idx = torch.log_softmax(logits, -1).topk(k)
+    toks, scores, parents, depths = [idx], [vals], [torch.full((k,), -1, dtype=torch.long, device=dev)], [1]
+    f_tok, f_score, f_pool = idx, vals, torch.arange(k, device=dev)
+    f_src = hidden.expand(k, -1)
+    f_anc = torch.zeros(k, 0, dtype=torch.long, device=dev)  # [k, depth - 1]: the ancestors' cache entries
+    size = k
+    child = torch.arange(k * k, device=dev) // k  # candidate c's parent, as a row of the frontier
+    for s in range(1, steps):  # the frontier is at depth s; token s sits at start + s, read one before
+        out, entries = step(s, f_tok, f_src, f_anc)
+        lv, li = torch.log_softmax(head.logits(out).float(), -1).topk(k)  # [k, k]
+        c_tok, c_score = li.reshape(-1), (f_score[:, None] + lv).reshape(-1)
+        toks.append(c_tok)
+        scores.append(c_score)
+        parents.append(f_pool[child])
+        depths.append(s + 1)
+        sel = torch.sort(-c_score, stable=True).indices[:k].sort().values  # the k best, in creation order
+        f_tok, f_score, f_pool = c_tok[sel], c_score[sel], size + sel
+        f_anc = torch.cat([f_anc, entries[:, None]], 1)[child[sel]]
+        f_src = out[child[sel]]
+        size += k * k
+    return toks, scores, parents, depths
+
+
+def mtp_tree_tensors(root: torch.Tensor, toks: list, scores: list, parents: list, depths: list,
+                     budget: int) -> tuple[torch.Tensor, ...]:
+    """(tokens, parents, depths, scores) of the `budget` best nodes of an mtp_expand pool, root first: fixed shapes
+    (min(budget, pool) + 1 nodes), no host read."""
+    # cumulative log-probabilities never grow along a path: the best nodes (ties: the earlier) are closed
+    # under ancestors; flat order = creation order puts parents first
+    dev = root.device
+    tok, score, parent = torch.cat(toks), torch.cat(scores), torch.cat(parents)
+    depth = torch.cat([torch.full((n.shape[0],), d, dtype=torch.long, device=dev)
+                       for n, d in zip(toks, depths, strict=True)])
+    size = tok.shape[0]
+    n = min(budget, size)
+    keep = torch.sort(-score, stable=True).indices[:n].sort().values
+    flat = torch.zeros(size, dtype=torch.long, device=dev)
+    flat[keep] = torch.arange(1, n + 1, device=dev)
+    kp = parent[keep]
+    zero, none = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), -1, dtype=torch.long, device=dev)
+    return (torch.cat([root.reshape(1).long(), tok[keep]]), torch.cat([none, torch.where(kp >= 0, flat[kp.clamp(min=0)], 0)]),
+            torch.cat([zero, depth[keep]]), torch.cat([zero.float(), score[keep]]))
