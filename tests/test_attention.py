@@ -112,6 +112,28 @@ def test_merge_is_exact_softmax_over_the_union():
     torch.testing.assert_close(A.merge_lse(parts), full, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_merge_of_two_parts_is_as_precise_as_the_weighted_sum(dtype):
+    """The two-part merge (one lerp in float32) against the float64 weighted sum of the same parts: no less precise
+    than the float32 weighted sum sigmoid(gap) o_1 + sigmoid(-gap) o_2 it replaced, over gaps of every size."""
+    g = torch.Generator().manual_seed(2)
+    o1, o2 = (torch.randn(2, 3, 400, 16, generator=g).to(dtype) for _ in range(2))
+    gaps = torch.cat([torch.randn(2, 3, 200, generator=g) * 3, torch.linspace(-40, 40, 1200).view(2, 3, 200)], -1)
+    lse2 = torch.randn(2, 3, 400, generator=g) * 10
+    lse1 = lse2 + gaps
+    merged = A.merge_lse([(o1, lse1), (o2, lse2)])
+    assert merged.dtype == torch.float32 and merged.shape == o1.shape
+    w = torch.sigmoid(lse1.double() - lse2.double()).unsqueeze(-1)
+    exact = o1.double() * w + o2.double() * (1 - w)
+    gap = (lse1 - lse2).unsqueeze(-1)
+    before = o1.float() * torch.sigmoid(gap) + o2.float() * torch.sigmoid(-gap)
+    err, err_before = (merged.double() - exact).abs().max(), (before.double() - exact).abs().max()
+    assert err <= max(err_before, 1e-7) * 1.5 and err < 1e-6
+    # the attention-sink path (three terms) on the same parts
+    sink = torch.full_like(lse1, -1e4)  # a sink no key beats: the two-part answer
+    torch.testing.assert_close(A.merge_lse([(o1, lse1), (o2, lse2)], sink), merged, atol=1e-6, rtol=0)
+
+
 # --------------------------------------------------------------------------- flex
 
 

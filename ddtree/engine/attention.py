@@ -215,29 +215,28 @@ def chosen_kernels() -> dict[str, str]:
     return {"/".join(str(x) for x in k): v for k, v in _CHOSEN.items()}
 
 
-_HALF_OR_FLOAT = (torch.float32, torch.bfloat16, torch.float16)  # o * float32 computes as o.float() * float32
-
-
 def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax over the union of the parts' keys: parts of (o [...,L,D], lse [...,L]); sink: lse of an o=0 part.
+    Returns float32 (float64 where an o is).
 
-    Two parts (a tree verification's prefix and tree, no sink): part p's weight exp(lse_p) / (exp(lse_1) + exp(lse_2))
-    is sigmoid(lse_p - lse_q), 9 ops in all; otherwise weights relative to the largest lse. Float32 (o * a float32
-    weight promotes o as o.float() would)."""
+    Two parts (a tree verification's prefix and tree, no sink): part 1's weight exp(lse_1) / (exp(lse_1) + exp(lse_2))
+    is w = sigmoid(lse_1 - lse_2), and o = o_2 + w (o_1 - o_2) is one lerp of the float32 outputs: 4 ops (6 with the
+    two casts of half outputs). Otherwise weights relative to the largest lse."""
     lses = [lse if lse.dtype == torch.float32 else lse.float() for _, lse in parts]
+    outs = [o if o.dtype in (torch.float32, torch.float64) else o.float() for o, _ in parts]
     if sink is None and len(parts) == 2:
-        gap = lses[0] - lses[1]
-        weights = [torch.sigmoid(gap).unsqueeze(-1), torch.sigmoid(gap.neg()).unsqueeze(-1)]
-    else:
-        if sink is not None:
-            lses.append(sink.float())
-        top = torch.stack(lses).amax(dim=0)
-        exps = [torch.exp(lse - top) for lse in lses]
-        total = sum(exps[1:], exps[0])
-        weights = [(e / total).unsqueeze(-1) for e in exps]
+        w = torch.sigmoid((lses[0] - lses[1]).unsqueeze(-1))
+        if outs[0].dtype != outs[1].dtype or outs[0].dtype != w.dtype:
+            outs, w = [o.double() for o in outs], w.double()
+        return torch.lerp(outs[1], outs[0], w)
+    if sink is not None:
+        lses.append(sink.float())
+    top = torch.stack(lses).amax(dim=0)
+    exps = [torch.exp(lse - top) for lse in lses]
+    total = sum(exps[1:], exps[0])
     out = None
-    for (o, _), w in zip(parts, weights, strict=False):
-        term = (o if o.dtype in _HALF_OR_FLOAT else o.float()) * w
+    for o, e in zip(outs, exps, strict=False):  # (the sink's term is zero)
+        term = o * (e / total).unsqueeze(-1)
         out = term if out is None else out + term
     return out
 
