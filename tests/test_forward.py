@@ -9,7 +9,7 @@ import torch
 
 import ddtree
 from ddtree.engine.families import FAMILIES
-from ddtree.engine.forward import LeanLayer, RopeTables, lean_forward_for, lean_norm
+from ddtree.engine.forward import LeanLayer, RopeTables, lean_forward_for, lean_norm, lean_text_rotary
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import chain_tree, walk
 from ddtree.testing.reference import hf_greedy, random_tree
@@ -105,6 +105,24 @@ def test_the_rope_tables_are_bitwise_the_modules_rope(family_dir, dtype):
         want_q, want_k = apply(q, k, cos, sin)
         for got, want in ((RopeTables.apply(q, t), want_q), (RopeTables.apply(k, t), want_k)):
             assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit()), (head_dim, rotary)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [1.0, 0.75])
+def test_the_text_mrope_table_is_bitwise_the_modules(model_type, dtype, scaling):
+    """lean_text_rotary (8 ops) against the module's three-row M-RoPE forward for text positions, bit for bit."""
+    rotary = _model(model_type, "sdpa").model.rotary_emb
+    rotary.attention_scaling = scaling
+    fn = lean_text_rotary(rotary)
+    assert fn is not None
+    x = torch.zeros(1, 1, 4, dtype=dtype)
+    pos = torch.tensor([[0, 1, 7, 300, 4095, 123457, 9, 9]])
+    got, want = fn(x, pos), rotary.forward(x, pos[None].expand(3, *pos.shape))
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == dtype and torch.equal(g, w)
+    rotary.rope_type = "dynamic"
+    assert lean_text_rotary(rotary) is None  # a dynamic RoPE rescales inv_freq: the module's forward
 
 
 @pytest.mark.parametrize("model_type,attn,mode", CASES, ids=lambda v: str(v))

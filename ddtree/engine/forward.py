@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 
-__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm"]
+__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm", "lean_text_rotary"]
 
 # RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
 _NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
@@ -84,6 +84,33 @@ def lean_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         return F.rms_norm(x.float(), (x.shape[-1],), scale[1], eps).type_as(x)
 
     return centered
+
+
+# text-only M-RoPE tables whose forward is, for three equal position rows, the plain table of the positions:
+# freqs = pos * inv_freq (float32), cos/sin of [freqs, freqs] times attention_scaling, cast to the input's dtype
+# (the recomposition of the three rows copies equal values)
+_TEXT_MROPE_ROTARY = {"Qwen3_5TextRotaryEmbedding", "Qwen3_5MoeTextRotaryEmbedding"}
+
+
+def lean_text_rotary(rotary: torch.nn.Module) -> Callable | None:
+    """`rotary.forward(x, position_ids[None].expand(3, ...))` as fn(x, position_ids [B, T]) in 8 ops (the module's
+    takes ~30: three rows, then the recomposition's selects and copies), bitwise the same; None where the class or
+    its RoPE type (a dynamic one rescales inv_freq) is not the one checked."""
+    if type(rotary).__name__ not in _TEXT_MROPE_ROTARY or getattr(rotary, "rope_type", None) != "default":
+        return None
+
+    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = rotary.inv_freq, rotary.attention_scaling
+        if inv_freq.dtype != torch.float32 or inv_freq.device != x.device:
+            inv_freq = inv_freq.to(device=x.device, dtype=torch.float32)
+        freqs = position_ids[..., None].float() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        if scaling != 1.0:  # (x * 1.0 is x)
+            cos, sin = cos * scaling, sin * scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    return forward
 
 
 def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -312,6 +339,7 @@ class LeanForward:
         rope = RopeTables()  # one per model: built by its first attention layer of a forward, read by the others
         self.lean_layers = [LeanLayer(layer, rope) if LeanLayer.supports(layer) else None for layer in self.layers]
         self.final_norm = lean_norm(base.norm)
+        self.text_rotary = lean_text_rotary(base.rotary_emb) if positions == MROPE_TEXT else None
         # head="lazy" can stop before the last layer: an attention layer run as a LeanLayer (see LazyTail)
         self.lazy_tail = bool(self.layers) and self.lean_layers[-1] is not None and not self.linear[-1]
 
@@ -320,8 +348,11 @@ class LeanForward:
                  head: bool | str = True) -> tuple[torch.Tensor | LazyTail, dict]:
         base = self.base
         hidden = base.embed_tokens.forward(ids)
-        rope_ids = position_ids if self.positions == ROPE else position_ids[None].expand(3, *position_ids.shape)
-        rope = base.rotary_emb.forward(hidden, rope_ids)
+        if self.text_rotary is not None:
+            rope = self.text_rotary(hidden, position_ids)
+        else:
+            rope_ids = position_ids if self.positions == ROPE else position_ids[None].expand(3, *position_ids.shape)
+            rope = base.rotary_emb.forward(hidden, rope_ids)
         wanted = set(keep or ())
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
