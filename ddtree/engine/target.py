@@ -75,6 +75,20 @@ class WalkRows:
         return torch.cat(parts, dim=-1)
 
 
+_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _rows(start: int, end: int, device: torch.device) -> torch.Tensor:
+    """arange(start, end) on `device`, made once for the attention layers of a forward (a cache of the last few)."""
+    key = (start, end, device, torch.is_inference_mode_enabled())
+    rows = _ROWS.get(key)
+    if rows is None:
+        if len(_ROWS) >= 8:
+            _ROWS.clear()
+        rows = _ROWS[key] = torch.arange(start, end, device=device)
+    return rows
+
+
 class KVArena:
     """One buffer [layers, 2, ..., capacity, head_dim] for the keys and values of a cache's full-attention layers:
     a commit then moves the accepted rows of every layer in one gather and one copy (`keep`), not four ops a layer.
@@ -105,9 +119,8 @@ class KVArena:
         """Move every member to `buf` (a larger or cloned copy of the old buffer's contents)."""
         self.buf = buf
         for slot, layer in self.members.items():
-            n = layer.keys.shape[-2]
             layer._k, layer._v = buf[slot, 0], buf[slot, 1]
-            layer.keys, layer.values = layer._k[..., :n, :], layer._v[..., :n, :]
+            layer.set_length(layer.length)
 
     def grow(self, capacity: int) -> None:
         old = self.buf
@@ -121,30 +134,69 @@ class KVArena:
         buf = self.buf
         buf[..., start: start + k, :].copy_(buf.index_select(-2, rows))
         for layer in self.members.values():
-            layer.keys, layer.values = layer._k[..., : start + k, :], layer._v[..., : start + k, :]
+            layer.set_length(start + k)
 
 
 class PreallocatedLayer(DynamicLayer):
     """A full-attention KV layer in a preallocated buffer: a forward writes its tokens in place.
 
     DynamicLayer concatenates (copies) the whole cache at every forward and the tree commit used to
-    re-gather it; here a forward writes only its new tokens, a commit moves only the accepted ones,
-    and the buffer grows by doubling when a hint was short. `keys`/`values` are views [..., :length, :].
+    re-gather it; here a forward writes only its new tokens (one index_copy_ each for keys and values, at the rows
+    `_rows` holds for the forward: one arange shared by the layers), a commit moves only the accepted ones,
+    and the buffer grows by doubling when a hint was short. `keys`/`values` are views [..., :length, :], made
+    when read (a commit sets the host-side `length` only: no view ops for the layers nobody reads before the next
+    forward, whose update makes them). Assigning `keys`/`values` (transformers' crop, offload) sets them as given.
     arena, slot: a KVArena shared with the cache's other attention layers, and this layer's place in it.
     """
 
     def __init__(self, capacity: int = 0, arena: KVArena | None = None, slot: int = 0):
+        self._k = self._v = None
+        self.length = 0  # rows held
+        self._views: list = [None, None]  # (keys, values) of [:length), or None: made when read
         super().__init__()
         self.capacity_hint = capacity
-        self._k = self._v = None
         self.arena, self.slot = arena, slot
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._views[0] is None and self._k is not None:
+            self._views[0] = self._k[..., : self.length, :]
+        return self._views[0]
+
+    @keys.setter
+    def keys(self, t: torch.Tensor | None) -> None:
+        self._views[0] = t
+        self.length = 0 if t is None else t.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._views[1] is None and self._v is not None:
+            self._views[1] = self._v[..., : self.length, :]
+        return self._views[1]
+
+    @values.setter
+    def values(self, t: torch.Tensor | None) -> None:
+        self._views[1] = t
+
+    def set_length(self, n: int) -> None:
+        """Hold rows [:n) of the buffers (their views made when next read)."""
+        self.length = n
+        self._views = [None, None]
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0 or not self.is_initialized:
+            return super().crop(tokens_to_remove)
+        self.set_length(self.length + tokens_to_remove)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
         if self.arena is None or not self.arena.join(self, self.slot, key_states, value_states):
             self.arena = None
             self._alloc(key_states, value_states, max(self.capacity_hint, 2 * key_states.shape[-2], 64))
-        self.keys, self.values = self._k[..., :0, :], self._v[..., :0, :]
+        self.set_length(0)
         self.is_initialized = True
 
     def _alloc(self, ks: torch.Tensor, vs: torch.Tensor, capacity: int) -> None:
@@ -154,7 +206,7 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        cur = self.keys.shape[-2]
+        cur = self.length
         new = cur + key_states.shape[-2]
         if self._k.is_inference() and not torch.is_inference_mode_enabled():
             # a plain forward after inference-mode rounds (tests, notebooks): leave inference tensors behind
@@ -170,9 +222,15 @@ class PreallocatedLayer(DynamicLayer):
                 self._alloc(key_states, value_states, max(2 * self._k.shape[-2], new))
                 self._k[..., :cur, :].copy_(old_k)
                 self._v[..., :cur, :].copy_(old_v)
-        self._k[..., cur:new, :].copy_(key_states)
-        self._v[..., cur:new, :].copy_(value_states)
-        self.keys, self.values = self._k[..., :new, :], self._v[..., :new, :]
+        if torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad):
+            # a forward that records autograd (not the engine's): in place on fresh views of the buffers
+            self._k[..., cur:new, :].copy_(key_states)
+            self._v[..., cur:new, :].copy_(value_states)
+        else:
+            rows = _rows(cur, new, self._k.device)
+            self._k.index_copy_(-2, rows, key_states)
+            self._v.index_copy_(-2, rows, value_states)
+        self.set_length(new)
         return self.keys, self.values
 
     def keep(self, start: int, index: torch.Tensor, rows: torch.Tensor | None = None) -> None:
@@ -184,7 +242,7 @@ class PreallocatedLayer(DynamicLayer):
             rows = start + index.to(self._k.device)
         self._k[..., start: start + k, :].copy_(self.keys.index_select(-2, rows))
         self._v[..., start: start + k, :].copy_(self.values.index_select(-2, rows))
-        self.keys, self.values = self._k[..., : start + k, :], self._v[..., : start + k, :]
+        self.set_length(start + k)
 
     def reset(self) -> None:
         if self.arena is not None:
@@ -449,7 +507,7 @@ class TargetSession:
         arena = self._arena
         moved = (not contiguous and arena is not None and len(arena.members) == arena.slots
                  and rows.device == arena.buf.device
-                 and all(m.keys.shape[-2] == self.length + n for m in arena.members.values()))
+                 and all(m.length == self.length + n for m in arena.members.values()))
         if moved:  # every attention layer in one buffer: one gather and one copy for all of them
             arena.keep(self.length, rows)
         for layer in self.cache.layers:
