@@ -259,13 +259,16 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     # a key/value group's queries share keys and (in part a) have no mask: stack them along the sequence
     qp = query.reshape(B, hkv, g * n, D)
     parts = []
+    # [below the window, the band, seen by all, the tree]: one split (views) each, not a slice per part
+    sizes = [lo, hi - lo, kp - hi, n]
+    _, k_band, k_all, k_tree = key.split(sizes, dim=2)
+    _, v_band, v_all, v_tree = value.split(sizes, dim=2)
     if hi < kp:
-        parts.append(attention_lse(qp, key[:, :, hi:kp], value[:, :, hi:kp], None, scale, base))
+        parts.append(attention_lse(qp, k_all, v_all, None, scale, base))
     if hi > lo:
-        k_small = torch.cat([key[:, :, lo:hi], key[:, :, kp:]], dim=2)
-        v_small = torch.cat([value[:, :, lo:hi], value[:, :, kp:]], dim=2)
+        k_small, v_small = torch.cat([k_band, k_tree], dim=2), torch.cat([v_band, v_tree], dim=2)
     else:
-        k_small, v_small = key[:, :, kp:], value[:, :, kp:]
+        k_small, v_small = k_tree, v_tree
 
     def build_bias():
         ok = _tree_visibility(ctx, lo, hi, lo0, window).to(query.device)
@@ -281,7 +284,8 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     if sink is not None:  # one learned logit per head, with a zero value
         sink = sink.float().reshape(hkv, g, 1).expand(hkv, g, n).reshape(1, hkv, g * n).expand(B, -1, -1)
     out = merge_lse(parts, sink)
-    return out.view(B, H, n, D).transpose(1, 2).to(query.dtype)
+    # [B, n, H, D] contiguous: the model's reshape of it to [B, n, H * D] is then a view, not a second copy
+    return out.view(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)
 
 
 def _model_eager(module) -> Callable:
