@@ -212,10 +212,15 @@ def test_cache_split_equals_one_call():
     torch.testing.assert_close(again, whole, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["autograd", "inference"])
 @pytest.mark.parametrize("layer_types", [("full_attention",), ("sliding_attention", "full_attention")])
-def test_preallocated_cache_over_many_rounds_equals_whole_context(layer_types):
+def test_preallocated_cache_over_many_rounds_equals_whole_context(layer_types, grad):
     """Round after round (buffers growing past their hint), the cached drafter equals one call over the whole
-    context: the plain path without a cache, and the float64 dense reference."""
+    context: the plain path without a cache, and the float64 dense reference. Under inference mode (the engine's)
+    the cache writes by index_copy_, under autograd into fresh views."""
+    if not grad:
+        with torch.inference_mode():
+            return test_preallocated_cache_over_many_rounds_equals_whole_context(layer_types, True)
     drafter = make_drafter(layer_types, window=5)
     g = torch.Generator().manual_seed(3)
     n_ids, block = len(drafter.target_layer_ids), 6
@@ -232,6 +237,21 @@ def test_preallocated_cache_over_many_rounds_equals_whole_context(layer_types):
         torch.testing.assert_close(out, drafter(*args), rtol=0, atol=1e-5)
         torch.testing.assert_close(out.double(), reference_forward(drafter, *args), rtol=0, atol=1e-5)
     assert cache.keys[0].shape[-2] >= held + block
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scaling", [1.0, 0.5])
+def test_rope_table_is_bitwise_the_qwen3_modules(dtype, scaling):
+    """The drafter's RoPE forward (the module's formula without its no-op ops) against Qwen3RotaryEmbedding's."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    rotary = make_drafter().rotary_emb
+    rotary.attention_scaling = scaling
+    x = torch.zeros(1, 1, 4, dtype=dtype)
+    pos = torch.tensor([[0, 1, 5, 77, 4096, 131071]])
+    got, want = rotary(x, pos), Qwen3RotaryEmbedding.forward(rotary, x, pos)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == dtype and torch.equal(g, w)
 
 
 # ----- (5) compatibility with a target -----

@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 
-__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm", "lean_text_rotary"]
+__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
 
 # RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
 _NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
@@ -99,18 +99,22 @@ def lean_text_rotary(rotary: torch.nn.Module) -> Callable | None:
     if type(rotary).__name__ not in _TEXT_MROPE_ROTARY or getattr(rotary, "rope_type", None) != "default":
         return None
 
-    def forward(x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scaling = rotary.inv_freq, rotary.attention_scaling
-        if inv_freq.dtype != torch.float32 or inv_freq.device != x.device:
-            inv_freq = inv_freq.to(device=x.device, dtype=torch.float32)
-        freqs = position_ids[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        if scaling != 1.0:  # (x * 1.0 is x)
-            cos, sin = cos * scaling, sin * scaling
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+    return lambda x, position_ids: rope_cos_sin(x, position_ids, rotary.inv_freq, rotary.attention_scaling)
 
-    return forward
+
+def rope_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                 scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, T, r] of a default RoPE as transformers' Qwen3/Qwen3-Next rotary forwards compute them
+    (freqs = pos * inv_freq in float32, cos and sin of [freqs, freqs] times `scaling`, cast to x's dtype), bitwise,
+    without their no-op ops (inv_freq already float32 on x's device, a scaling of 1.0): 8 ops."""
+    if inv_freq.dtype != torch.float32 or inv_freq.device != x.device:
+        inv_freq = inv_freq.to(device=x.device, dtype=torch.float32)
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if scaling != 1.0:  # (x * 1.0 is x)
+        cos, sin = cos * scaling, sin * scaling
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
 def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:

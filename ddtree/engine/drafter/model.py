@@ -40,7 +40,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
 )
 
-from ddtree.engine.forward import RopeTables
+from ddtree.engine.forward import RopeTables, rope_cos_sin
 from ddtree.errors import ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -245,7 +245,13 @@ class DFlashConfig:
 
 
 class _RotaryEmbedding(Qwen3RotaryEmbedding):
-    """Qwen3 RoPE whose frequencies stay fp32 when the drafter is cast, as transformers keeps them at load."""
+    """Qwen3 RoPE whose frequencies stay fp32 when the drafter is cast, as transformers keeps them at load.
+    A default RoPE's forward is the module's formula without its no-op ops (ddtree.engine.forward.rope_cos_sin)."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rope_type != "default":  # (a dynamic RoPE rescales inv_freq in the module's decorator)
+            return super().forward(x, position_ids)
+        return rope_cos_sin(x, position_ids, self.inv_freq, self.attention_scaling)
 
     def _apply(self, fn: Callable, recurse: bool = True) -> _RotaryEmbedding:
         kept = dict(self.named_buffers(recurse=False))
@@ -283,6 +289,7 @@ class DrafterCache:
         self.values: list[torch.Tensor | None] = [None] * num_layers
         self.positions: torch.Tensor | None = None  # [B, capacity] long: position of each row
         self.length = 0  # context rows held
+        self._new_rows: tuple | None = None  # ((length, n, device, inference), arange(length, length + n))
 
     def __len__(self) -> int:
         return self.length
@@ -297,12 +304,21 @@ class DrafterCache:
             grown[..., : self.length, :].copy_(buffer[..., : self.length, :])
         return grown
 
+    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
+        """arange(len, len + n): the rows a forward writes, made once for its positions and every layer."""
+        key = (self.length, n, device, torch.is_inference_mode_enabled())
+        if self._new_rows is None or self._new_rows[0] != key:
+            self._new_rows = key, torch.arange(self.length, self.length + n, device=device)
+        return self._new_rows[1]
+
     def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Positions of [context ‖ new rows]: the new rows are written at [len, len + n)."""
         n = position_ids.shape[1]
-        buffer = self._reserve(None if self.positions is None else self.positions.unsqueeze(-1),
-                               position_ids.unsqueeze(-1), self.length + n).squeeze(-1)
-        buffer[:, self.length: self.length + n].copy_(position_ids)
+        buffer = self.positions
+        if buffer is None or buffer.shape[-1] < self.length + n:
+            buffer = self._reserve(None if buffer is None else buffer.unsqueeze(-1), position_ids.unsqueeze(-1),
+                                   self.length + n).squeeze(-1)
+        buffer.index_copy_(1, self._rows(n, buffer.device), position_ids)
         self.positions = buffer
         return buffer[:, : self.length + n]
 
@@ -311,8 +327,14 @@ class DrafterCache:
         end = self.length + keys.shape[-2]
         k = self.keys[layer_idx] = self._reserve(self.keys[layer_idx], keys, end)
         v = self.values[layer_idx] = self._reserve(self.values[layer_idx], values, end)
-        k[..., self.length: end, :].copy_(keys)
-        v[..., self.length: end, :].copy_(values)
+        if torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad):
+            # a forward that records autograd: in place on fresh views of the buffers
+            k[..., self.length: end, :].copy_(keys)
+            v[..., self.length: end, :].copy_(values)
+        else:  # one op each, at the rows shared by every layer
+            rows = self._rows(keys.shape[-2], k.device)
+            k.index_copy_(-2, rows, keys)
+            v.index_copy_(-2, rows, values)
         return k[..., :end, :], v[..., :end, :]
 
     def advance(self, context_rows: int) -> None:
