@@ -46,6 +46,13 @@ FORMAT = 2  # the record's layout version (2: costs, rows, tail, need, tree; tco
 NODE_COLUMNS = 8
 
 
+def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """t on `device` (and in `dtype`), without dispatching a no-op cast where it is there already."""
+    if t.device == device and (dtype is None or t.dtype == dtype):
+        return t
+    return t.to(device, dtype) if dtype is not None else t.to(device)
+
+
 class RoundRecorder:
     """Collects one generation's per-round diagnosis on the device; `finish()` returns it as plain lists."""
 
@@ -70,10 +77,10 @@ class RoundRecorder:
         self._vocab = V
         m = min(accepted + 1, L)
         self._depths.append(accepted)
-        toks = torch.cat([tree.tokens[path[1:]], next_root.reshape(1).to(tree.tokens.device)])[:m]
+        toks = torch.cat([tree.tokens[path[1:]], _on(next_root.reshape(1), tree.tokens.device)])[:m]
         lp = torch.log_softmax(logits, 1)  # [L, V] (one op; cheaper than logsumexp and a subtraction on a CPU)
         rows = lp[:m]
-        index = toks.to(rows.device)[:, None]
+        index = _on(toks, rows.device)[:, None]
         own = rows.gather(1, index)  # [m, 1] the target's token's log-probability
         rank = (rows > own).sum(1, keepdim=True)
         k = min(SKETCH[-1] + 1, V)
@@ -87,7 +94,7 @@ class RoundRecorder:
         n_tree = 0
         if tree.scores is not None and not tree.is_chain:  # DDTree: its scores place the accepted nodes (in finish)
             n_tree = tree.scores.shape[0]
-            parts += [tree.scores.to(logits.device, torch.float32), path[1:accepted + 1].to(logits.device, torch.float32)]
+            parts += [_on(tree.scores, logits.device, torch.float32), _on(path[1:accepted + 1], logits.device, torch.float32)]
         self._parts.append(torch.cat(parts))
         self._shape.append((m, L, k, n_tree, accepted))
         if not tree.is_chain:
@@ -98,19 +105,21 @@ class RoundRecorder:
     def _count_nodes(self, logits: torch.Tensor, tree, choice: torch.Tensor) -> None:
         L = logits.shape[0]
         dev = tree.tokens.device
-        chosen = choice.to(dev)
+        chosen = _on(choice, dev)
         depth = tree.depths
-        top1 = logits.argmax(-1).to(dev)  # [L]
-        is_top1 = (tree.tokens == top1[(depth - 1).clamp(min=0)]) | (depth == 0)
+        # the drafter's top-1 at each node's depth: row d - 1 for depth d >= 1; the root (depth 0) reads its own token,
+        # so it counts as a top-1 (as the chain above every node starts there)
+        top1 = torch.cat([tree.tokens[:1], _on(logits.argmax(-1), dev)])  # [L + 1]
+        is_top1 = tree.tokens == top1[depth]
         aidx = tree.ancestor_index()  # [n, bound + 1], column 0 the node itself, the root past the top
         on_chain_above = is_top1[aidx[:, 1:]].all(1) if aidx.shape[1] > 1 else torch.ones_like(is_top1)
-        parent = tree.parents.clamp(min=0)
-        agreed = tree.tokens == chosen[parent]
-        valid = depth > 0
-        key = depth.clamp(max=L) * NODE_COLUMNS + (~on_chain_above).long() * 4 + is_top1.long() * 2 + agreed.long()
+        agreed = tree.tokens == chosen[tree.parents.clamp(min=0)]
+        # column off_path * 4 + top1 * 2 + agreed of the depth's row, in place on one integer tensor
+        key = torch.add(agreed, depth.clamp(max=L), alpha=NODE_COLUMNS)
+        key.add_(is_top1, alpha=2).add_(on_chain_above.logical_not(), alpha=4)
         if self._nodes is None or self._nodes.device != dev:
             self._nodes = torch.zeros((L + 1) * NODE_COLUMNS, device=dev)
-        self._nodes.index_add_(0, key, valid.float())
+        self._nodes.index_add_(0, key, depth.clamp(max=1).to(self._nodes.dtype))  # the root (depth 0) adds nothing
 
     def finish(self) -> dict:
         """The generation's record, read from the device in one transfer: see the module docstring for the fields."""
