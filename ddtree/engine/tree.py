@@ -294,16 +294,17 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
         return Walk(torch.arange(k + 1, device=dev), list(range(k + 1)), host[1: k + 1] + [host[n + k]], choice[k])
     aidx = tree.ancestor_index()
     match = tree.tokens == choice[tree.parents.clamp(min=0)]
-    match[0] = True
+    match[:1].fill_(True)  # the root
     ok = match[aidx].all(dim=1)  # every ancestor-or-self matches
     end = torch.where(ok, tree.depths, -1).argmax().view(1)  # 1-d: a 0-d index tensor would be read on the host
-    up = aidx.index_select(0, end)[0]  # end, its parent, …, root, root, …
+    up = aidx.index_select(0, end)[0]  # end, its parent, …, root (node 0), root, …
     m = up.shape[0]
-    host = torch.cat([end, tree.depths.index_select(0, end), up, tree.tokens[up], choice.index_select(0, end)]).tolist()
-    e, d = host[0], host[1]
-    path_list = host[2: 3 + d][::-1]
-    tokens = host[2 + m: 3 + m + d][::-1][1:] + [host[-1]]
-    return Walk(aidx[e, : d + 1].flip(0), path_list, tokens, choice[e])
+    host = torch.cat([up, tree.tokens[up], choice.index_select(0, end)]).tolist()
+    e = host[0]
+    d = host.index(0) if e else 0  # the end's depth: where the root first comes (it ends the chain)
+    path_list = host[: 1 + d][::-1]
+    tokens = host[m: m + 1 + d][::-1][1:] + [host[-1]]
+    return Walk(up[: d + 1].flip(0), path_list, tokens, choice[e])
 
 
 def host_walk(tree: DraftTree, ask) -> Walk:
