@@ -142,10 +142,12 @@ class DrafterBlock:
         if self.static_draft is not None:
             self.static_draft.reset()
 
-    def _block_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block_inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """([root, mask, …] ids [1, block], position offsets [1, block], the index [0]), built once per generation."""
         if self._block is None or self._block[0].device != device:
             ids = torch.full((1, self.block_size), self.drafter.mask_token_id, dtype=torch.long, device=device)
-            self._block = ids, torch.arange(self.block_size, device=device).unsqueeze(0)
+            self._block = (ids, torch.arange(self.block_size, device=device).unsqueeze(0),
+                           torch.zeros(1, dtype=torch.long, device=device))
         return self._block
 
     @torch.inference_mode()
@@ -159,14 +161,16 @@ class DrafterBlock:
         ctx = state.new_context
         c = 0 if ctx is None else ctx.shape[1]
         assert self.ctx_len + c == state.start, "drafter context must cover every committed token"
-        block, offsets = self._block_inputs(dev)
-        block[0, 0] = state.root  # the mask ids behind it never change
+        block, offsets, first = self._block_inputs(dev)
+        root = state.root
+        block.index_fill_(1, first, root if root.dim() == 0 else root.reshape(()))  # the mask ids behind never change
         ctx_pos = offsets[:, :c] + self.ctx_len if c <= self.block_size else (
             torch.arange(self.ctx_len, self.ctx_len + c, device=dev).unsqueeze(0))
         hidden = self.drafter(self.embed(block), ctx, ctx_pos, offsets + state.start, cache=self.cache)
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
-        self.last_logits = self.lm_head(hidden[0, 1:]).float().to(dev)
+        logits = self.lm_head(hidden[0, 1:]).float()
+        self.last_logits = logits if logits.device == dev else logits.to(dev)
         if static is not None:
             static.load(self.cache, self._capacity)
         return self.last_logits
