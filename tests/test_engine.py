@@ -62,6 +62,38 @@ def test_tree_logits_equal_per_path_sequential(target):
             torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("arena", [True, False])
+def test_update_rows_writes_what_update_writes(arena):
+    """PreallocatedLayer.update_rows (keys and values in the projections' layout [B, T, kv heads, d], the lean
+    forward's write) leaves the buffers and returns the views update() does: through growth, a commit's keep,
+    crops, and a forward under autograd after inference-mode ones."""
+    from ddtree.engine.target import KVArena, PreallocatedLayer
+
+    g = torch.Generator().manual_seed(0)
+    steps = [(torch.randn(1, n, 2, 4, generator=g), torch.randn(1, n, 2, 4, generator=g)) for n in (5, 1, 3, 7, 2, 9)]
+    results = []
+    for rows in (True, False):
+        pool = KVArena(8, 2) if arena else None
+        layers = [PreallocatedLayer(8, pool, i) for i in range(2)]
+        seen = []
+        for i, (k, v) in enumerate(steps):
+            with torch.inference_mode(i < 5):
+                for j, layer in enumerate(layers):
+                    kj, vj = k + j, v - j
+                    if rows:
+                        out = layer.update_rows(kj, vj)
+                    else:
+                        out = layer.update(kj.transpose(1, 2), vj.transpose(1, 2))
+                    seen.append([t.clone() for t in out] + [layer.get_seq_length()])
+                    if i == 2:
+                        layer.keep(2, torch.tensor([3, 0]))
+                    if i == 3:
+                        layer.crop(-2)
+        results.append(seen)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2]
+
+
 def test_the_kv_arena_commits_as_each_layer_alone(target, monkeypatch):
     """All attention layers in one KVArena buffer: a commit's one gather and copy leave every layer's keys and values
     as each layer's own keep does, through buffer growth (a short capacity hint) and chains; and every layer joined."""

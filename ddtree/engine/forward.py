@@ -154,6 +154,7 @@ class RopeTables:
         self.key: tuple | None = None  # (cos, head_dim) the tables were built for
         self.cos = self.sin = self.perm = None
         self.perms: dict[tuple, torch.Tensor] = {}
+        self._rows: tuple | None = None  # (the tables' cos', their row-layout tables)
 
     def tables(self, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
         """(cos', sin', perm) for this forward's (cos, sin) [B, T, r] and a head size (in a compiled graph: built
@@ -167,6 +168,15 @@ class RopeTables:
                 self.perms[perm_key] = _rope_perm(cos.shape[-1], head_dim, cos.device)
             self.cos, self.sin, self.perm = _rope_tables(cos, sin, head_dim, perm=self.perms[perm_key])
         return self.cos, self.sin, self.perm
+
+    def row_tables(self, tables: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """`tables` for x in its projection's layout [B, T, heads, d] (views, made once a forward)."""
+        cos, sin, perm = tables
+        if torch.compiler.is_compiling():
+            return cos.transpose(1, 2), sin.transpose(1, 2), perm
+        if self._rows is None or self._rows[0] is not cos:
+            self._rows = cos, (cos.transpose(1, 2), sin.transpose(1, 2), perm)
+        return self._rows[1]
 
     @staticmethod
     def apply(x: torch.Tensor, tables: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -235,13 +245,26 @@ class LeanLayer:
             query = self.q_norm(query)
         return query.transpose(1, 2), gate
 
-    def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key before RoPE, value), [B, kv heads, T, d]."""
+    def _key_value_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key before RoPE, value) in the projections' layout [B, T, kv heads, d]."""
         heads = (*x.shape[:-1], -1, self.attn.head_dim)
         key = self.k(x).view(heads)
         if self.k_norm is not None:
             key = self.k_norm(key)
-        return key.transpose(1, 2), self.v(x).view(heads).transpose(1, 2)
+        return key, self.v(x).view(heads)
+
+    def _keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key before RoPE, value), [B, kv heads, T, d]."""
+        key, value = self._key_value_rows(x)
+        return key.transpose(1, 2), value.transpose(1, 2)
+
+    def _row_writer(self, cache) -> Callable | None:
+        """The cache layer's `update_rows` (ddtree.engine.target.PreallocatedLayer: keys and values written in their
+        projections' layout, no transposes), where this layer's RoPE runs as RopeTables; else None."""
+        if cache is None or self.rope_tables is None or getattr(cache, "offloading", False):
+            return None
+        layers, idx = getattr(cache, "layers", None), self.attn.layer_idx
+        return getattr(layers[idx], "update_rows", None) if layers is not None and idx < len(layers) else None
 
     def _attend(self, query, gate, key, value, mask, position_ids) -> torch.Tensor:
         """The configured attention function over (key, value), the gate, the o projection: [B, T, hidden]."""
@@ -257,6 +280,13 @@ class LeanLayer:
 
     def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
         query, gate = self._queries(x)
+        write = self._row_writer(cache) if len(rope) == 2 else None
+        if write is not None:  # RoPE on the keys' rows (the tables' transposed views), written as they are
+            tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
+            query = RopeTables.apply(query, tables)
+            key, value = self._key_value_rows(x)
+            key, value = write(RopeTables.apply(key, self.rope_tables.row_tables(tables)), value)
+            return self._attend(query, gate, key, value, mask, position_ids)
         key, value = self._keys_values(x)
         if self.rope_tables is not None and len(rope) == 2:
             tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])

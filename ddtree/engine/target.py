@@ -153,6 +153,7 @@ class PreallocatedLayer(DynamicLayer):
         self._k = self._v = None
         self.length = 0  # rows held
         self._views: list = [None, None]  # (keys, values) of [:length), or None: made when read
+        self._row_views: tuple | None = None  # (_k, _k and _v transposed [B, capacity, kv heads, d]): update_rows
         super().__init__()
         self.capacity_hint = capacity
         self.arena, self.slot = arena, slot
@@ -230,6 +231,22 @@ class PreallocatedLayer(DynamicLayer):
             rows = _rows(cur, new, self._k.device)
             self._k.index_copy_(-2, rows, key_states)
             self._v.index_copy_(-2, rows, value_states)
+        self.set_length(new)
+        return self.keys, self.values
+
+    def update_rows(self, key_rows: torch.Tensor, value_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() of keys and values [B, T, kv heads, d] (the projections' layout: no transposes), written by
+        index_copy_ into the buffers' transposed views (made once per buffer). The same rows, the same views back."""
+        new = self.length + key_rows.shape[1]
+        if (not self.is_initialized or new > self._k.shape[-2] or (self._k.is_inference()
+                and not torch.is_inference_mode_enabled()) or (torch.is_grad_enabled()
+                and (key_rows.requires_grad or value_rows.requires_grad))):
+            return self.update(key_rows.transpose(1, 2), value_rows.transpose(1, 2))
+        if self._row_views is None or self._row_views[0] is not self._k:
+            self._row_views = self._k, self._k.transpose(1, 2), self._v.transpose(1, 2)
+        rows = _rows(self.length, new, self._k.device)
+        self._row_views[1].index_copy_(1, rows, key_rows)
+        self._row_views[2].index_copy_(1, rows, value_rows)
         self.set_length(new)
         return self.keys, self.values
 
