@@ -290,6 +290,7 @@ class DrafterCache:
         self.positions: torch.Tensor | None = None  # [B, capacity] long: position of each row
         self.length = 0  # context rows held
         self._new_rows: tuple | None = None  # ((length, n, device, inference), arange(length, length + n))
+        self._row_views: list[tuple | None] = [None] * num_layers  # (keys, values, both transposed): write_rows
 
     def __len__(self) -> int:
         return self.length
@@ -322,6 +323,23 @@ class DrafterCache:
         self.positions = buffer
         return buffer[:, : self.length + n]
 
+    def write_rows(self, layer_idx: int, keys: torch.Tensor,
+                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """write() of keys and values in their projections' layout [B, n, kv heads, d]: into the buffers' transposed
+        views (made once per buffer) where no autograd records, else transposed into write()."""
+        end = self.length + keys.shape[1]
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        if (k is None or k.shape[-2] < end or v.shape[-2] < end
+                or (torch.is_grad_enabled() and (keys.requires_grad or values.requires_grad))):
+            return self.write(layer_idx, keys.transpose(1, 2), values.transpose(1, 2))
+        views = self._row_views[layer_idx]
+        if views is None or views[0] is not k or views[1] is not v:
+            views = self._row_views[layer_idx] = k, v, k.transpose(1, 2), v.transpose(1, 2)
+        rows = self._rows(keys.shape[1], k.device)
+        views[2].index_copy_(1, rows, keys)
+        views[3].index_copy_(1, rows, values)
+        return k[..., :end, :], v[..., :end, :]
+
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write new rows (context then block) at [len, len + n); return views of [:len + n)."""
         end = self.length + keys.shape[-2]
@@ -343,8 +361,9 @@ class DrafterCache:
 
 
 # RoPE as the tables of ddtree.engine.forward.RopeTables (built once a forward): (cos', sin', perm) of the new
-# context and the block's positions, and the same for the block's (the queries') rows
-Rope = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]
+# context and the block's positions, the same for the block's (the queries') rows, and the first for keys in their
+# projection's layout [B, n, heads, d] (RopeTables.row_tables; None without a cache: the keys are transposed first)
+Rope = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]
 
 
 def _visibility_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool,
@@ -389,11 +408,12 @@ class DFlashAttention(nn.Module):
         queries = RopeTables.apply(queries, rope[1])
         fresh = x if context is None else torch.cat([context, x], dim=1)  # one projection for both
         n = fresh.shape[1]
-        keys = self.k_norm(self.k_proj(fresh).view(b, n, -1, self.head_dim)).transpose(1, 2)
-        keys = RopeTables.apply(keys, rope[0])
-        values = self.v_proj(fresh).view(b, n, -1, self.head_dim).transpose(1, 2)
-        if cache is not None:
-            keys, values = cache.write(self.layer_idx, keys, values)
+        keys = self.k_norm(self.k_proj(fresh).view(b, n, -1, self.head_dim))  # [B, n, kv heads, d]
+        values = self.v_proj(fresh).view(b, n, -1, self.head_dim)
+        if cache is not None:  # written as they are (rows layout): no transposes
+            keys, values = cache.write_rows(self.layer_idx, RopeTables.apply(keys, rope[2]), values)
+        else:
+            keys, values = RopeTables.apply(keys.transpose(1, 2), rope[0]), values.transpose(1, 2)
         if first:
             keys, values = keys[..., first:, :], values[..., first:, :]
         # is_causal=False: with fewer queries than keys, sdpa's causal path would keep only the first q keys.
@@ -544,7 +564,9 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb(x, positions)  # one RoPE call for the new context and the block
         tables = self._rope.tables(cos, sin, self.config.head_dim)
         q = x.shape[1]
-        rope = (tables, (tables[0][:, :, -q:], tables[1][:, :, -q:], tables[2]))  # keys, then the block's queries
+        # the keys', the block's queries', and the keys' in their projection's layout [B, n, heads, d] (a cache's write)
+        rope = (tables, (tables[0][:, :, -q:], tables[1][:, :, -q:], tables[2]),
+                self._rope.row_tables(tables) if cache is not None else None)
         key_positions = positions if cache is None else cache.write_positions(positions)
 
         # With a cache, context row r holds position r and the block follows the context (DrafterCache): a key row
