@@ -75,18 +75,18 @@ class WalkRows:
         return torch.cat(parts, dim=-1)
 
 
-_ROWS: dict[tuple, torch.Tensor] = {}
+class _Rows:
+    """arange(start, end) on a device, made once for the attention layers of a forward (each layer asks for it)."""
 
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.rows: torch.Tensor | None = None
 
-def _rows(start: int, end: int, device: torch.device) -> torch.Tensor:
-    """arange(start, end) on `device`, made once for the attention layers of a forward (a cache of the last few)."""
-    key = (start, end, device, torch.is_inference_mode_enabled())
-    rows = _ROWS.get(key)
-    if rows is None:
-        if len(_ROWS) >= 8:
-            _ROWS.clear()
-        rows = _ROWS[key] = torch.arange(start, end, device=device)
-    return rows
+    def __call__(self, start: int, end: int, device: torch.device) -> torch.Tensor:
+        key = (start, end, device, torch.is_inference_mode_enabled())
+        if key != self.key:
+            self.key, self.rows = key, torch.arange(start, end, device=device)
+        return self.rows
 
 
 class KVArena:
@@ -102,6 +102,7 @@ class KVArena:
         self.capacity_hint, self.slots = capacity, slots
         self.buf: torch.Tensor | None = None
         self.members: dict[int, PreallocatedLayer] = {}
+        self.rows = _Rows()  # the rows a forward writes, shared by the members
 
     def join(self, layer: PreallocatedLayer, slot: int, ks: torch.Tensor, vs: torch.Tensor) -> bool:
         if self.buf is None:
@@ -142,7 +143,7 @@ class PreallocatedLayer(DynamicLayer):
 
     DynamicLayer concatenates (copies) the whole cache at every forward and the tree commit used to
     re-gather it; here a forward writes only its new tokens (one index_copy_ each for keys and values, at the rows
-    `_rows` holds for the forward: one arange shared by the layers), a commit moves only the accepted ones,
+    of the forward: one arange shared by the layers of an arena), a commit moves only the accepted ones,
     and the buffer grows by doubling when a hint was short. `keys`/`values` are views [..., :length, :], made
     when read (a commit sets the host-side `length` only: no view ops for the layers nobody reads before the next
     forward, whose update makes them). Assigning `keys`/`values` (transformers' crop, offload) sets them as given.
@@ -154,6 +155,7 @@ class PreallocatedLayer(DynamicLayer):
         self.length = 0  # rows held
         self._views: list = [None, None]  # (keys, values) of [:length), or None: made when read
         self._row_views: tuple | None = None  # (_k, _k and _v transposed [B, capacity, kv heads, d]): update_rows
+        self._rows = _Rows()  # the rows a forward writes (an arena's member uses the arena's, shared)
         super().__init__()
         self.capacity_hint = capacity
         self.arena, self.slot = arena, slot
@@ -228,7 +230,7 @@ class PreallocatedLayer(DynamicLayer):
             self._k[..., cur:new, :].copy_(key_states)
             self._v[..., cur:new, :].copy_(value_states)
         else:
-            rows = _rows(cur, new, self._k.device)
+            rows = (self.arena.rows if self.arena is not None else self._rows)(cur, new, self._k.device)
             self._k.index_copy_(-2, rows, key_states)
             self._v.index_copy_(-2, rows, value_states)
         self.set_length(new)
@@ -244,7 +246,7 @@ class PreallocatedLayer(DynamicLayer):
             return self.update(key_rows.transpose(1, 2), value_rows.transpose(1, 2))
         if self._row_views is None or self._row_views[0] is not self._k:
             self._row_views = self._k, self._k.transpose(1, 2), self._v.transpose(1, 2)
-        rows = _rows(self.length, new, self._k.device)
+        rows = (self.arena.rows if self.arena is not None else self._rows)(self.length, new, self._k.device)
         self._row_views[1].index_copy_(1, rows, key_rows)
         self._row_views[2].index_copy_(1, rows, value_rows)
         self.set_length(new)
