@@ -192,7 +192,7 @@ class PreallocatedLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0 or not self.is_initialized:
             return super().crop(tokens_to_remove)
-        self.set_length(self.length + tokens_to_remove)
+        self.set_length(max(self.length + tokens_to_remove, 0))
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
