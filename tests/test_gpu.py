@@ -167,14 +167,33 @@ def test_a_cuda_round_reads_the_device_once_and_times_stages_with_events(monkeyp
     assert len(syncs) == 8 * sync_res.rounds and sync_res.output_ids == res.output_ids
 
 
+def _compiled_on_cuda(engine, target, prompts, label):
+    """A compiled engine on CUDA graphs: a warm-up (compile, cudagraph warm-up and record), then every prompt equal to
+    HF greedy without a recompile; no graph break, no cudagraph skipped. Returns one more generation and its counts."""
+    from torch._dynamo.utils import counters
+
+    from ddtree.testing.dispatch import DispatchCount
+
+    assert engine.static is not None and engine.static.options.get("mode") == "reduce-overhead"
+    engine.generate(prompts[0], max_new_tokens=NEW)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for ids in prompts:
+            res = engine.generate(ids, max_new_tokens=NEW)
+            assert res.output_ids == hf_greedy(target, ids, NEW), (label, ids.shape)
+        with DispatchCount() as c:
+            res = engine.generate(prompts[1], max_new_tokens=NEW)
+    assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+    return res, c
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
 def test_the_compiled_round_on_cuda_with_cuda_graphs(model_type):
     """compile=true on CUDA as a user runs it (inductor, mode="reduce-overhead": CUDA graphs; ddtree.engine.compiled):
     fp32 DDTree and DFlash equal HF greedy on two prompt lengths; after the first generation no recompile and no
     graph break, no cudagraph skipped; each round one host read (the walk's) and its target work in graph calls."""
     from torch._dynamo.utils import counters
-
-    from ddtree.testing.dispatch import DispatchCount
 
     target, drafter = _pair(model_type, "sdpa", torch.float32)
     prompts = _prompts()
@@ -183,17 +202,7 @@ def test_the_compiled_round_on_cuda_with_cuda_graphs(model_type):
     try:
         for method, budget in (("ddtree", 16), ("dflash", None)):
             engine = ddtree.Engine(target, drafter, method=method, budget=budget, compile="true")
-            assert engine.static is not None and engine.static.options.get("mode") == "reduce-overhead"
-            engine.generate(prompts[0], max_new_tokens=NEW)  # compile, cudagraph warm-up and record
-            graphs = counters["stats"]["unique_graphs"]
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                for ids in prompts:
-                    res = engine.generate(ids, max_new_tokens=NEW)
-                    assert res.output_ids == hf_greedy(target, ids, NEW), (method, ids.shape)
-                with DispatchCount() as c:
-                    res = engine.generate(prompts[1], max_new_tokens=NEW)
-            assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
-            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+            res, c = _compiled_on_cuda(engine, target, prompts, method)
             assert c.syncs["commit"] == res.rounds and c.syncs["verify"] == 0, dict(c.sync_names)
             assert c.graphs["verify"] == c.graphs["commit"] == res.rounds
     finally:
@@ -207,7 +216,6 @@ def test_mtp_through_the_compiled_round_on_cuda_with_cuda_graphs():
     from torch._dynamo.utils import counters
 
     from ddtree.engine.drafter.mtp import MTPHead
-    from ddtree.testing.dispatch import DispatchCount
 
     target = tiny_model("qwen3_5_text", seed=3, attn_implementation="sdpa", vocab_size=VOCAB).to("cuda")
     head = MTPHead.random_for_target(target, seed=0, std=0.3)
@@ -217,17 +225,8 @@ def test_mtp_through_the_compiled_round_on_cuda_with_cuda_graphs():
     try:
         for topk, budget in ((1, 64), (3, 12)):
             engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=topk, budget=budget, compile="true")
-            assert engine.static.draft is not None and engine.static.options.get("mode") == "reduce-overhead"
-            engine.generate(prompts[0], max_new_tokens=NEW)  # compile, cudagraph warm-up and record
-            graphs = counters["stats"]["unique_graphs"]
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                for ids in prompts:
-                    res = engine.generate(ids, max_new_tokens=NEW)
-                    assert res.output_ids == hf_greedy(target, ids, NEW), (topk, ids.shape)
-                with DispatchCount() as c:
-                    res = engine.generate(prompts[1], max_new_tokens=NEW)
-            assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
-            assert not counters["inductor"]["cudagraph_skips"], dict(counters["inductor"])
+            assert engine.static.draft is not None
+            res, c = _compiled_on_cuda(engine, target, prompts, topk)
             assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
             assert c.graphs["verify"] == c.graphs["commit"] == res.rounds and c.graphs["draft"] == res.rounds - 1
     finally:
