@@ -125,7 +125,7 @@ class Engine:
             return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
         except Exception as err:  # noqa: BLE001 (any failure of the compiled round: the eager one is the reference)
             log.warning("compile=auto: the compiled round failed (%s: %s); this engine runs the eager round from now "
-                        "on (compile=false skips the attempt)", type(err).__name__, str(err).splitlines()[0][:300] if str(err) else "")
+                        "on (compile=false skips the attempt)", type(err).__name__, (str(err).splitlines() or [""])[0][:300])
             self.static.detach(self.proposer)
             self.static = None
             if state is not None:
