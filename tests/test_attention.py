@@ -254,9 +254,11 @@ def test_flex_target_is_lossless():
     ids = _prompts(vocab, (5,))[0]
     ref = hf_greedy(target, ids, 14)
     target.set_attn_implementation("flex_attention")
-    res = ddtree.generate(target, None, ids, max_new_tokens=14, proposer=ScriptedProposer(ref, vocab, seed=3))
+    with ddtree.Engine(target, None, proposer=ScriptedProposer(ref, vocab, seed=3)) as engine:
+        assert target.config._attn_implementation == "ddtree_flex"  # the tree implementation wrapping flex
+        res = engine.generate(ids, max_new_tokens=14)
     assert res.output_ids == ref and max(res.acceptance_lengths) >= 3
-    assert target.config._attn_implementation == "ddtree_flex"
+    assert target.config._attn_implementation == "flex_attention"  # put back when the engine closes
 
 
 def test_one_host_read_per_round(monkeypatch):
