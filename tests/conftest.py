@@ -16,6 +16,18 @@ for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("M
     os.environ.setdefault(_key, _value)
 
 
+def _triton_interpreted() -> None:
+    """Without a GPU, the fused ops' Triton kernels run in Triton's interpreter on CPU tensors
+    (ddtree.testing.triton): it must be switched on before anything imports triton."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_triton_interpreted()
+
+
 @pytest.fixture
 def cli(tmp_path: Path) -> Callable[..., subprocess.CompletedProcess]:
     """Run `python -m ddtree.run ARGS` in a subprocess, from a directory outside the repo."""

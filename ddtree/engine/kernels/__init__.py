@@ -1,0 +1,132 @@
+"""Fused ops: one dispatch where the composite takes several, the same call on every device.
+
+A decode-sized round of a 27B target is bound by kernel launches when it runs without CUDA graphs (`compile=false`):
+each aten op is one launch, and an RMSNorm in the model's float32 arithmetic on a bf16 input is three of them. The
+ops here are registered with torch's dispatcher (library `ddtree`), so the engine makes one call per fused op on
+every device, and each device has one implementation:
+
+* CPU (and Meta, for shape inference): the composite, the exact torch ops the engine ran before (bitwise, tested).
+* CUDA: a Triton kernel, one launch. It is checked once per process against the composite on its first call (the
+  kernels were validated with Triton's interpreter, `TRITON_INTERPRET=1`, on a CPU); a kernel that fails to build or
+  disagrees logs one WARNING and the composite runs from then on.
+
+`ddtree.testing.dispatch.DispatchCount` counts a fused op as the one launch a GPU makes. Inside a compiled graph
+the call sites use the composite, which Inductor fuses itself. Without Triton (a CPU build of torch) the CUDA
+implementation is the composite.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["FusedOp", "LIB", "triton_interpreting"]
+
+log = logging.getLogger("ddtree.engine")
+
+LIB = torch.library.Library("ddtree", "DEF")
+
+
+def triton_interpreting() -> bool:
+    """Whether Triton kernels built now run in its interpreter (TRITON_INTERPRET=1: on CPU tensors, for tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class FusedOp:
+    """One fused op: `schema` defined in library `ddtree`; `composite(*args)` for the CPU and Meta (and the CUDA
+    fallback), `launch(*args)` the Triton implementation, built lazily (None: not written for this op).
+    mutated: positions of the arguments the op writes (schema `Tensor(a!)`); the op then returns nothing.
+    `FusedOp.op` is what call sites call; `run_triton(*args)` runs the Triton implementation directly (tests)."""
+
+    registry: dict[str, FusedOp] = {}
+
+    def __init__(self, schema: str, composite: Callable, launch: Callable | None = None,
+                 mutated: Sequence[int] = (), atol: float | None = None, rtol: float | None = None):
+        name = schema.split("(", 1)[0]
+        self.name, self.composite, self.launch, self.mutated = name, composite, launch, tuple(mutated)
+        self.atol, self.rtol = atol, rtol
+        self.state = "unchecked"  # -> "triton" (checked on its first CUDA call) or "composite"
+        LIB.define(schema)
+        LIB.impl(name, composite, "CPU")
+        LIB.impl(name, composite, "Meta")
+        LIB.impl(name, self._cuda, "CUDA")
+        self.op = getattr(torch.ops.ddtree, name).default
+        FusedOp.registry[name] = self
+
+    def run_triton(self, *args):
+        """The Triton implementation on these arguments (CPU tensors need TRITON_INTERPRET=1)."""
+        if self.launch is None:
+            raise NotImplementedError(f"ddtree::{self.name} has no Triton implementation")
+        return self.launch(*args)
+
+    def _cuda(self, *args):
+        if self.state == "triton":
+            return self.launch(*args)
+        if self.state == "composite" or self.launch is None or not _has_triton():
+            self.state = "composite"
+            return self.composite(*args)
+        return self._first_call(args)
+
+    def _first_call(self, args):
+        """The Triton kernel's first CUDA call: built, run on copies of what it writes, compared with the composite
+        (which writes the real outputs); from then on the kernel alone, or the composite where it failed."""
+        try:
+            trial = list(args)
+            for i in self.mutated:
+                trial[i] = args[i].clone()
+            got = self.launch(*trial)
+            got = [trial[i] for i in self.mutated] if self.mutated else got
+        except Exception as exc:  # noqa: BLE001 -- a kernel that cannot build or run here: the composite runs
+            log.warning("ddtree::%s: the Triton kernel failed (%s: %s); running the composite ops", self.name,
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            self.state = "composite"
+            return self.composite(*args)
+        want = self.composite(*args)
+        ref = [args[i] for i in self.mutated] if self.mutated else want
+        try:
+            for a, b in zip(_tensors(got), _tensors(ref), strict=True):
+                torch.testing.assert_close(a, b, atol=self.atol, rtol=self.rtol, equal_nan=True)
+        except AssertionError as exc:
+            log.warning("ddtree::%s: the Triton kernel disagrees with the composite (%s); running the composite ops",
+                        self.name, str(exc).splitlines()[0])
+            self.state = "composite"
+            return want
+        self.state = "triton"
+        return want
+
+
+def _tensors(x) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    return [t for t in x if isinstance(t, torch.Tensor)]
+
+
+_TRITON: list = []
+
+
+def _has_triton() -> bool:
+    if not _TRITON:
+        try:
+            import triton  # noqa: F401
+            _TRITON.append(True)
+        except ImportError:
+            _TRITON.append(False)
+    return _TRITON[0]
+
+
+def jit_cache() -> Callable[[Callable], Callable]:
+    """Decorator for a module's kernel factory `def build(): import triton ...; return kernels`: built on first use,
+    once per interpreter setting (TRITON_INTERPRET is read when a kernel is decorated)."""
+    def wrap(factory: Callable) -> Callable:
+        built: dict[bool, object] = {}
+
+        def get():
+            key = triton_interpreting()
+            if key not in built:
+                built[key] = factory()
+            return built[key]
+        return get
+    return wrap

@@ -1,0 +1,53 @@
+"""The fused ops (ddtree.engine.kernels): the composite is what the engine ran before, and the Triton kernel (in
+Triton's interpreter without a GPU, ddtree.testing.triton) computes the composite's values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.engine.kernels import FusedOp
+from ddtree.engine.kernels import norm as kn
+from ddtree.testing.dispatch import DispatchCount
+from ddtree.testing.triton import interpreter
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to the last bits of a float32 reduction's order (rounded to bf16: a rare one-ulp step)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    else:
+        diff = got.float() != want.float()
+        assert diff.float().mean() <= 0.01, diff.float().mean()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("centered", [True, False])
+def test_rms_norm_kernel_matches_composite(dtype, centered):
+    g = torch.Generator().manual_seed(0)
+    with interpreter() as device:
+        x = torch.randn(2, 3, 40, 96, generator=g).to(device, dtype)
+        r = torch.randn(2, 3, 40, 96, generator=g).to(device, dtype)
+        w = (1 + 0.1 * torch.randn(96, generator=g)).to(device) if centered else torch.randn(96, generator=g).to(device, dtype)
+        view = x[..., :48]  # a strided view (a gated q projection's query half)
+        for args in ((x, w, 1e-6, centered), (view, w[:48], 1e-6, centered)):
+            _close(FusedOp.registry["rms_norm"].run_triton(*args), kn._norm(*args))
+        got = FusedOp.registry["add_rms_norm"].run_triton(x, r, w, 1e-6, centered)
+        want = kn._add_norm(x, r, w, 1e-6, centered)
+        assert torch.equal(got[1], want[1])  # the residual sum: one rounding, bitwise
+        _close(got[0], want[0])
+
+
+def test_rms_norm_composite_is_the_lean_norm():
+    """The CPU implementation is bitwise the arithmetic it replaces, and one dispatched op."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 7, 64, generator=g).bfloat16()
+    r = torch.randn(3, 7, 64, generator=g).bfloat16()
+    scale = 1 + torch.randn(64, generator=g)
+    with DispatchCount(stages=False) as c:
+        got, total = kn.add_rms_norm(x, r, scale, 1e-6, True)
+    assert c.kernel_ops["other"] == 1
+    assert torch.equal(total, r + x)
+    assert torch.equal(got, torch.nn.functional.rms_norm((r + x).float(), (64,), scale, 1e-6).bfloat16())
