@@ -35,8 +35,9 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
+from ddtree.engine.kernels import norm as kernel_norm
 
-__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
+__all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_add_norm", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
 
 # RMSNorms: w * normalize(x.float()).to(dtype)  (Llama style) and (normalize(x.float()) * (1 + w.float())).type_as(x)
 _NORMS_SCALED = {"Qwen3RMSNorm", "LlamaRMSNorm"}
@@ -61,29 +62,74 @@ def _inert(hook: Callable) -> bool:
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
-def lean_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`norm.forward` as one fused F.rms_norm call where its class is known, else itself."""
+def _norm_parts(norm: torch.nn.Module) -> tuple[Callable[[], torch.Tensor], float, bool] | None:
+    """(the weight the fused op takes, eps, centered) of a norm class whose arithmetic is known, else None.
+    A centred norm's weight is 1 + w in float32, rebuilt when w changes (its identity and version: host attributes,
+    no op, no sync)."""
     name = type(norm).__name__
     if name not in _NORMS_SCALED | _NORMS_CENTERED:
-        return norm.forward
+        return None
     weight = norm.weight
     if name in _NORMS_SCALED:
-        eps = norm.variance_epsilon
-        # normalised in float32 and rounded once to x's dtype inside the call (one fused kernel on CUDA, the
-        # module's .float() ... .to(dtype) on the CPU), then the module's weight product: 2 ops, not 4
-        return lambda x: weight * F.rms_norm(x, (x.shape[-1],), None, eps)
-    eps = norm.eps
-    scale: list = [None, None]  # (the weight's identity and version, 1 + weight in float32): rebuilt when it changes
+        return (lambda: weight), norm.variance_epsilon, False
+    scale: list = [None, None]  # (the weight's identity and version, 1 + weight in float32)
 
-    def centered(x: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)  # host attributes: no op, no sync
+    def centred_scale() -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
         if scale[0] != key:
             with torch.no_grad():
                 scale[:] = key, 1.0 + weight.detach().float()
-        # the scale inside the fused call: x * rstd * (1 + w), the module's product in the same order
-        return F.rms_norm(x.float(), (x.shape[-1],), scale[1], eps).type_as(x)
+        return scale[1]
 
-    return centered
+    return centred_scale, norm.eps, True
+
+
+def _composite(weight: torch.Tensor) -> bool:
+    """Whether a norm runs as its composite ops, not the fused op: inside a compiled graph (Inductor fuses them) or
+    where autograd records (the fused op has no backward)."""
+    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad)
+
+
+def lean_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`norm.forward` as one fused op (`ddtree::rms_norm`) where its class is known, else itself.
+
+    The op's CPU implementation is the module's float32 arithmetic (bitwise, tested): a Llama-style norm
+    `w * F.rms_norm(x, None, eps)` (normalised in float32, rounded once to x's dtype, then the weight's product), a
+    centred one `F.rms_norm(x.float(), 1 + w, eps).type_as(x)`; on CUDA one Triton kernel (2 and 3 launches with
+    torch's own ops: its fused kernel takes a weight of the input's dtype only)."""
+    parts = _norm_parts(norm)
+    if parts is None:
+        return norm.forward
+    weight_of, eps, centered = parts
+
+    def fused(x: torch.Tensor) -> torch.Tensor:
+        weight = weight_of()
+        if _composite(weight):
+            return kernel_norm._norm(x, weight, eps, centered)
+        return kernel_norm.rms_norm(x, weight, eps, centered)
+
+    return fused
+
+
+def lean_add_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """fn(h, x) = (norm(x + h), x + h): a decoder layer's residual add and the norm after it as one fused op
+    (`ddtree::add_rms_norm`, lean_norm's arithmetic on the sum, rounded to the residual's dtype first), or the two
+    steps where the norm's class is not known."""
+    parts = _norm_parts(norm)
+    if parts is None:
+        def unfused(h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            x = x + h
+            return norm.forward(x), x
+        return unfused
+    weight_of, eps, centered = parts
+
+    def fused(h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = weight_of()
+        if _composite(weight) or h.dtype != x.dtype:
+            return kernel_norm._add_norm(h, x, weight, eps, centered)
+        return kernel_norm.add_rms_norm(h, x, weight, eps, centered)
+
+    return fused
 
 
 # text-only M-RoPE tables whose forward is, for three equal position rows, the plain table of the positions:
@@ -193,6 +239,8 @@ class LeanLayer:
         self.layer = layer
         self.norm1 = lean_norm(layer.input_layernorm)
         self.norm2 = lean_norm(layer.post_attention_layernorm)
+        self.add_norm1 = lean_add_norm(layer.input_layernorm)
+        self.add_norm2 = lean_add_norm(layer.post_attention_layernorm)
         self.linear = getattr(layer, "block_type", None) == "linear_attention"
         if not self.linear:
             attn = layer.self_attn
@@ -303,14 +351,26 @@ class LeanLayer:
             h = h[0]
         return x + h
 
-    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, rope, position_ids, cache) -> torch.Tensor:
-        h = self.norm1(x)
+    def __call__(self, x: torch.Tensor, mask: torch.Tensor | None, rope, position_ids, cache,
+                 pending: torch.Tensor | None = None, defer: bool = False):
+        """The layer's output x + mixer + MLP. pending: the previous layer's MLP output not yet added to x (its add
+        runs fused with this layer's first norm); defer=True: returns (x + mixer, the MLP output) unadded, for the
+        next layer (or the final norm) to add in its fused norm. Each residual add and the norm after it are one
+        op (`lean_add_norm`)."""
+        if pending is None:
+            h = self.norm1(x)
+        else:
+            h, x = self.add_norm1(pending, x)
         if self.linear:
             # its forward looked up per call: the GDN patch (ddtree.engine.gdn) may be installed after this was built
             h = self.layer.linear_attn.forward(hidden_states=h, cache=cache, attention_mask=None)
         else:
             h = self._attention(h, rope, mask, cache, position_ids)
-        return self._feed_forward(x + h)
+        h, x = self.add_norm2(h, x)
+        h = self.mlp(h)
+        if isinstance(h, tuple):
+            h = h[0]
+        return (x, h) if defer else x + h
 
 
 class LazyTail:
@@ -373,6 +433,7 @@ class LeanForward:
         rope = RopeTables()  # one per model: built by its first attention layer of a forward, read by the others
         self.lean_layers = [LeanLayer(layer, rope) if LeanLayer.supports(layer) else None for layer in self.layers]
         self.final_norm = lean_norm(base.norm)
+        self.final_add_norm = lean_add_norm(base.norm)
         self.text_rotary = lean_text_rotary(base.rotary_emb) if positions == MROPE_TEXT else None
         # head="lazy" can stop before the last layer: an attention layer run as a LeanLayer (see LazyTail)
         self.lazy_tail = bool(self.layers) and self.lean_layers[-1] is not None and not self.linear[-1]
@@ -391,18 +452,27 @@ class LeanForward:
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
         tail = head == "lazy" and self.lazy_tail and mask is not None and logits_to_keep == 0
+        pending = None  # the last lean layer's MLP output, added by the next fused norm (LeanLayer.__call__)
         for i, layer in enumerate(self.layers):
             lean = self.lean_layers[i]
-            if tail and i + 1 == last:
-                return LazyTail(lean, hidden, rope, mask, position_ids, cache, self.final_norm), kept
-            if lean is not None:
-                hidden = lean(hidden, None if self.linear[i] else mask, rope, position_ids, cache)
-            else:
+            if lean is None or (tail and i + 1 == last):
+                if pending is not None:
+                    hidden, pending = hidden + pending, None
+                if lean is not None:
+                    return LazyTail(lean, hidden, rope, mask, position_ids, cache, self.final_norm), kept
                 hidden = layer.forward(hidden, attention_mask=None if self.linear[i] else mask,
                                        position_embeddings=rope, position_ids=position_ids, cache=cache)
+            else:
+                hidden, pending = lean(hidden, None if self.linear[i] else mask, rope, position_ids, cache,
+                                       pending=pending, defer=True)
             if i + 1 in wanted and i + 1 != last:
+                if pending is not None:
+                    hidden, pending = hidden + pending, None
                 kept[i + 1] = hidden
-        hidden = self.final_norm(hidden)
+        if pending is None:
+            hidden = self.final_norm(hidden)
+        else:
+            hidden, _ = self.final_add_norm(pending, hidden)
         if last in wanted:
             kept[last] = hidden
         rows = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
