@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA path in one call, under 8 minutes on one GPU, written to one Markdown file:
-#   1. the lossless and verdict tests on CUDA (pytest -m gpu over tests/: fp32/bf16, sdpa/flash, split/dense, the CUDA
+#   1. the lossless and verdict tests on CUDA (pytest -m gpu over tests/: fp32/bf16, sdpa/flash, split/dense, the fused
+#      ops' Triton kernels (DDTREE_KERNELS=strict: one that fails its first-call check fails the run), the CUDA
 #      kernels, the fused norm, one host read a round with CUDA-event stage timing),
 #   2. bench/device_forward.py (target forward per backend and tree size, a Qwen3-8B-shaped random model),
 #   3. bench/bench_launches.py (ops, syncs and real kernel launches per round on Qwen3.6-27B's and Qwen3-8B's layer
@@ -29,6 +30,8 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# a fused op whose Triton kernel fails or disagrees on its first CUDA call raises here (never the silent fallback)
+export DDTREE_KERNELS=${DDTREE_KERNELS:-strict}
 mkdir -p "$(dirname "$OUT_MD")"
 LOG_DIR=$(mktemp -d)
 

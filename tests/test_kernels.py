@@ -11,6 +11,8 @@ from ddtree.engine.kernels import norm as kn
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.triton import interpreter
 
+pytestmark = pytest.mark.gpu  # on a GPU (bench/device_all.sh) the kernels run for real; here, interpreted
+
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal up to the last bits of a float32 reduction's order (rounded to bf16: a rare one-ulp step)."""
@@ -28,8 +30,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_rms_norm_kernel_matches_composite(dtype, centered):
     g = torch.Generator().manual_seed(0)
     with interpreter() as device:
-        x = torch.randn(2, 3, 40, 96, generator=g).to(device, dtype)
-        r = torch.randn(2, 3, 40, 96, generator=g).to(device, dtype)
+        x = torch.randn(2, 3, 4, 96, generator=g).to(device, dtype)
+        r = torch.randn(2, 3, 4, 96, generator=g).to(device, dtype)
         w = (1 + 0.1 * torch.randn(96, generator=g)).to(device) if centered else torch.randn(96, generator=g).to(device, dtype)
         view = x[..., :48]  # a strided view (a gated q projection's query half)
         for args in ((x, w, 1e-6, centered), (view, w[:48], 1e-6, centered)):
@@ -51,3 +53,19 @@ def test_rms_norm_composite_is_the_lean_norm():
     assert c.kernel_ops["other"] == 1
     assert torch.equal(total, r + x)
     assert torch.equal(got, torch.nn.functional.rms_norm((r + x).float(), (64,), scale, 1e-6).bfloat16())
+
+
+def test_cuda_first_call_checks_the_kernel(monkeypatch):
+    """The CUDA implementation's first call runs the kernel against the composite: a disagreeing kernel falls back to
+    the composite (auto) or raises (strict). Run here through the implementation itself, on CPU tensors."""
+    op = FusedOp("check_demo(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 2)
+    x = torch.zeros(3)
+    monkeypatch.setattr("ddtree.engine.kernels._has_triton", lambda: True)
+    monkeypatch.setenv("DDTREE_KERNELS", "strict")
+    with pytest.raises(RuntimeError, match="disagrees"):
+        op._cuda(x)
+    monkeypatch.setenv("DDTREE_KERNELS", "auto")
+    assert torch.equal(op._cuda(x), x + 1) and op.state == "composite"
+    assert torch.equal(op._cuda(x), x + 1)
+    good = FusedOp("check_demo_ok(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 1)
+    assert torch.equal(good._cuda(x), x + 1) and good.state == "triton"

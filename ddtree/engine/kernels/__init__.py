@@ -8,7 +8,8 @@ every device, and each device has one implementation:
 * CPU (and Meta, for shape inference): the composite, the exact torch ops the engine ran before (bitwise, tested).
 * CUDA: a Triton kernel, one launch. It is checked once per process against the composite on its first call (the
   kernels were validated with Triton's interpreter, `TRITON_INTERPRET=1`, on a CPU); a kernel that fails to build or
-  disagrees logs one WARNING and the composite runs from then on.
+  disagrees logs one WARNING and the composite runs from then on. DDTREE_KERNELS=strict raises there instead
+  (bench/device_all.sh: a GPU check must not pass on the fallback); DDTREE_KERNELS=composite never runs a kernel.
 
 `ddtree.testing.dispatch.DispatchCount` counts a fused op as the one launch a GPU makes. Inside a compiled graph
 the call sites use the composite, which Inductor fuses itself. Without Triton (a CPU build of torch) the CUDA
@@ -65,10 +66,16 @@ class FusedOp:
     def _cuda(self, *args):
         if self.state == "triton":
             return self.launch(*args)
-        if self.state == "composite" or self.launch is None or not _has_triton():
+        if self.state == "composite" or self.launch is None or _setting() == "composite" or not _has_triton():
             self.state = "composite"
             return self.composite(*args)
         return self._first_call(args)
+
+    def _fail(self, message: str) -> None:
+        if _setting() == "strict":
+            raise RuntimeError(f"ddtree::{self.name}: {message} (DDTREE_KERNELS=strict)")
+        log.warning("ddtree::%s: %s; running the composite ops", self.name, message)
+        self.state = "composite"
 
     def _first_call(self, args):
         """The Triton kernel's first CUDA call: built, run on copies of what it writes, compared with the composite
@@ -80,9 +87,7 @@ class FusedOp:
             got = self.launch(*trial)
             got = [trial[i] for i in self.mutated] if self.mutated else got
         except Exception as exc:  # noqa: BLE001 -- a kernel that cannot build or run here: the composite runs
-            log.warning("ddtree::%s: the Triton kernel failed (%s: %s); running the composite ops", self.name,
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            self.state = "composite"
+            self._fail(f"the Triton kernel failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
             return self.composite(*args)
         want = self.composite(*args)
         ref = [args[i] for i in self.mutated] if self.mutated else want
@@ -90,9 +95,7 @@ class FusedOp:
             for a, b in zip(_tensors(got), _tensors(ref), strict=True):
                 torch.testing.assert_close(a, b, atol=self.atol, rtol=self.rtol, equal_nan=True)
         except AssertionError as exc:
-            log.warning("ddtree::%s: the Triton kernel disagrees with the composite (%s); running the composite ops",
-                        self.name, str(exc).splitlines()[0])
-            self.state = "composite"
+            self._fail(f"the Triton kernel disagrees with the composite ({str(exc).splitlines()[0]})")
             return want
         self.state = "triton"
         return want
@@ -105,6 +108,14 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 _TRITON: list = []
+SETTINGS = ("auto", "strict", "composite")
+
+
+def _setting() -> str:
+    value = os.environ.get("DDTREE_KERNELS", "auto") or "auto"
+    if value not in SETTINGS:
+        raise ValueError(f"DDTREE_KERNELS={value!r}: use one of {', '.join(SETTINGS)}")
+    return value
 
 
 def _has_triton() -> bool:
