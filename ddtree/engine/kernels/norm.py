@@ -69,7 +69,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, centered: bool):
     import triton
 
+    if residual is not None and (residual.shape != x.shape or residual.device != x.device):
+        return _add_norm(x, residual, weight, eps, centered)  # (broadcasting: the composite's)
     n = x.shape[-1]
+    weight = weight.contiguous()
     xr = _rows(x)
     out_dtype = x.dtype if centered else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
