@@ -69,3 +69,13 @@ def test_cuda_first_call_checks_the_kernel(monkeypatch):
     assert torch.equal(op._cuda(x), x + 1)
     good = FusedOp("check_demo_ok(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 1)
     assert torch.equal(good._cuda(x), x + 1) and good.state == "triton"
+
+
+def test_row_stride_reads_views_without_copies():
+    x = torch.zeros(2, 3, 4, 32)
+    assert kn._row_stride(x) == 32
+    assert kn._row_stride(x[..., :16]) == 32  # a chunk of the last dim: rows 32 apart
+    assert kn._row_stride(x.transpose(1, 2)) is None  # leading dims that do not collapse
+    assert kn._row_stride(x[:1]) == 32
+    assert kn._row_stride(x[:, :1]) is None  # rows 32 apart within a batch, 384 across
+    assert kn._row_stride(torch.zeros(7)) == 7

@@ -60,10 +60,18 @@ def _kernels():
     return rms_norm_rows
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x as (rows, H) with unit column stride: a view where the leading dims collapse, else a copy."""
-    rows = x.reshape(-1, x.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The stride between x's rows (its last dim unit-strided, the leading dims collapsing into one), else None:
+    read from the tensor's metadata, no dispatch (a view per call is host work a launch-bound GPU pays)."""
+    shape, stride = x.shape, x.stride()
+    if stride[-1] != 1:
+        return None
+    if x.dim() < 2:
+        return shape[-1]
+    for i in range(x.dim() - 2):
+        if shape[i] != 1 and stride[i] != stride[i + 1] * shape[i + 1]:
+            return None
+    return stride[-2]
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, centered: bool):
@@ -73,21 +81,26 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         return _add_norm(x, residual, weight, eps, centered)  # (broadcasting: the composite's)
     n = x.shape[-1]
     weight = weight.contiguous()
-    xr = _rows(x)
+    sx = _row_stride(x)
+    if sx is None:
+        x = x.contiguous()
+        sx = n
+    sr = sx
+    if residual is not None:
+        sr = _row_stride(residual)
+        if sr is None:
+            residual = residual.contiguous()
+            sr = n
     out_dtype = x.dtype if centered else torch.promote_types(weight.dtype, x.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    o2 = out.view(-1, n)
-    if residual is not None:
-        rr = _rows(residual)
-        total = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-        t2 = total.view(-1, n)
-    else:
-        rr, total, t2 = xr, None, o2
+    total = out if residual is None else torch.empty(
+        x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    rows = x.numel() // n if n else 0
     block = triton.next_power_of_2(n)
-    if xr.shape[0]:
-        _kernels()[(xr.shape[0],)](xr, rr, weight, o2, t2, n, xr.stride(0), rr.stride(0), o2.stride(0),
-                                   t2.stride(0), eps, HAS_RES=residual is not None, CENTERED=centered, BLOCK=block,
-                                   num_warps=4 if block <= 2048 else 8)
+    if rows:
+        _kernels()[(rows,)](x, x if residual is None else residual, weight, out, total, n, sx, sr, n, n, eps,
+                            HAS_RES=residual is not None, CENTERED=centered, BLOCK=block,
+                            num_warps=4 if block <= 2048 else 8)
     return out if residual is None else (out, total)
 
 
