@@ -114,24 +114,30 @@ class DispatchCount(TorchDispatchMode):
         if self._paused:
             return func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        self._book(name, kernel=not (func.is_view or name in NO_KERNEL))
+        if _is_sync(name, func, args, kwargs):
+            self.syncs[self.stage] += 1
+            self.sync_names[name] += 1
+        out = func(*args, **kwargs)
+        self._record(name, out)
+        return out
+
+    def _book(self, name: str, kernel: bool) -> None:
         stage = self.stage
         self.ops[stage] += 1
         if self._layers:
             self.layer_ops[(stage, self.layer)] += 1
         self.names[name] += 1
-        if func.is_view or name in NO_KERNEL:
-            self.view_names[name] += 1
-        else:
+        if kernel:
             self.kernel_ops[stage] += 1
             self.kernel_names[name] += 1
-        if _is_sync(name, func, args, kwargs):
-            self.syncs[stage] += 1
-            self.sync_names[name] += 1
-        out = func(*args, **kwargs)
+        else:
+            self.view_names[name] += 1
+
+    def _record(self, name: str, out) -> None:
         if self.sequence is not None:
             outs = out if isinstance(out, tuple | list) else (out,)
             self.sequence.append((name, tuple(tuple(o.shape) for o in outs if isinstance(o, torch.Tensor))))
-        return out
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -153,9 +159,23 @@ class DispatchCount(TorchDispatchMode):
     @contextlib.contextmanager
     def _booking(self) -> Iterator[None]:
         from ddtree.engine import compiled, proposers, target
+        from ddtree.engine.kernels import FusedOp
 
         counter = self
         stack = self._stack
+        fused_call = FusedOp.__call__
+
+        def counted_fused(op, *a):  # one launch on a GPU: counted as one kernel op, its composite's ops not at all
+            if counter._paused:
+                return fused_call(op, *a)
+            counter._book(op.name, kernel=True)
+            with counter.paused():
+                out = fused_call(op, *a)
+            counter._record(op.name, out)
+            return out
+
+        stack.callback(setattr, FusedOp, "__call__", fused_call)
+        FusedOp.__call__ = counted_fused
         for attr in ("tolist", "numpy"):
             real = getattr(torch.Tensor, attr)
             stack.callback(setattr, torch.Tensor, attr, real)

@@ -1,19 +1,21 @@
-"""Fused ops: one dispatch where the composite takes several, the same call on every device.
+"""Fused ops: one launch where the composite takes several, the same call on every device.
 
 A decode-sized round of a 27B target is bound by kernel launches when it runs without CUDA graphs (`compile=false`):
-each aten op is one launch, and an RMSNorm in the model's float32 arithmetic on a bf16 input is three of them. The
-ops here are registered with torch's dispatcher (library `ddtree`), so the engine makes one call per fused op on
-every device, and each device has one implementation:
+each aten op is one launch, and an RMSNorm in the model's float32 arithmetic on a bf16 input is three of them. A
+`FusedOp` is called like a function by the engine on every device, and each device has one implementation:
 
-* CPU (and Meta, for shape inference): the composite, the exact torch ops the engine ran before (bitwise, tested).
+* CPU: the composite, the exact torch ops the engine ran before (bitwise, tested).
 * CUDA: a Triton kernel, one launch. It is checked once per process against the composite on its first call (the
   kernels were validated with Triton's interpreter, `TRITON_INTERPRET=1`, on a CPU); a kernel that fails to build or
   disagrees logs one WARNING and the composite runs from then on. DDTREE_KERNELS=strict raises there instead
   (bench/device_all.sh: a GPU check must not pass on the fallback); DDTREE_KERNELS=composite never runs a kernel.
 
-`ddtree.testing.dispatch.DispatchCount` counts a fused op as the one launch a GPU makes. Inside a compiled graph
-the call sites use the composite, which Inductor fuses itself. Without Triton (a CPU build of torch) the CUDA
-implementation is the composite.
+The choice is made in Python on the first tensor argument's device, not by registering an op with torch's
+dispatcher: a dispatcher op with a Python kernel costs ~8 us of host time a call here (argument boxing both ways),
+about what the launches it saves cost, and a launch-bound GPU round pays host time first. Inside a compiled graph the
+call sites use the composite, which Inductor fuses itself. `ddtree.testing.dispatch.DispatchCount` counts a fused
+call as the one launch a GPU makes (and its composite's ops not at all). Without Triton (a CPU build of torch) the
+CUDA implementation is the composite.
 """
 
 from __future__ import annotations
@@ -24,11 +26,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["FusedOp", "LIB", "triton_interpreting"]
+__all__ = ["FusedOp", "triton_interpreting"]
 
 log = logging.getLogger("ddtree.engine")
-
-LIB = torch.library.Library("ddtree", "DEF")
 
 
 def triton_interpreting() -> bool:
@@ -37,25 +37,27 @@ def triton_interpreting() -> bool:
 
 
 class FusedOp:
-    """One fused op: `schema` defined in library `ddtree`; `composite(*args)` for the CPU and Meta (and the CUDA
-    fallback), `launch(*args)` the Triton implementation, built lazily (None: not written for this op).
-    mutated: positions of the arguments the op writes (schema `Tensor(a!)`); the op then returns nothing.
-    `FusedOp.op` is what call sites call; `run_triton(*args)` runs the Triton implementation directly (tests)."""
+    """One fused op, called as `op(*args)`: `composite(*args)` on the CPU (and the CUDA fallback), `launch(*args)` the
+    Triton implementation on CUDA (None: not written for this op). `schema` names it and documents its arguments, in
+    torch's schema syntax. mutated: positions of the arguments the op writes (`Tensor(a!)`); it then returns nothing.
+    `FusedOp.op` is the op itself (call sites hold it); `run_triton(*args)` runs the Triton implementation directly
+    (tests)."""
 
     registry: dict[str, FusedOp] = {}
 
     def __init__(self, schema: str, composite: Callable, launch: Callable | None = None,
                  mutated: Sequence[int] = (), atol: float | None = None, rtol: float | None = None):
         name = schema.split("(", 1)[0]
-        self.name, self.composite, self.launch, self.mutated = name, composite, launch, tuple(mutated)
-        self.atol, self.rtol = atol, rtol
+        self.name, self.schema, self.composite, self.launch = name, schema, composite, launch
+        self.mutated, self.atol, self.rtol = tuple(mutated), atol, rtol
         self.state = "unchecked"  # -> "triton" (checked on its first CUDA call) or "composite"
-        LIB.define(schema)
-        LIB.impl(name, composite, "CPU")
-        LIB.impl(name, composite, "Meta")
-        LIB.impl(name, self._cuda, "CUDA")
-        self.op = getattr(torch.ops.ddtree, name).default
+        self.op = self
         FusedOp.registry[name] = self
+
+    def __call__(self, *args):
+        if args[0].is_cuda:
+            return self._cuda(*args)
+        return self.composite(*args)
 
     def run_triton(self, *args):
         """The Triton implementation on these arguments (CPU tensors need TRITON_INTERPRET=1)."""
