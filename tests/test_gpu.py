@@ -125,9 +125,15 @@ def test_drafter_cache_on_cuda():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_norm_on_cuda_matches_the_module(dtype):
-    """The lean forward's one F.rms_norm call on CUDA (the same code as on the CPU) against the module's formula:
-    equal within the last bit of the dtype (the fused kernel may reduce in another order)."""
+def test_the_fused_norm_on_cuda_matches_the_module(dtype, monkeypatch):
+    """The lean forward's norm on CUDA (the fused op's Triton kernel, ddtree.engine.kernels.norm; the engine's
+    inference mode) against the module's formula: equal within the last bit of the dtype (the kernel reduces in
+    another order); the residual add folded in likewise. Strict: a kernel that fails its first-call check fails
+    here, not falls back."""
+    from ddtree.engine.forward import lean_add_norm
+    from ddtree.engine.kernels import FusedOp
+
+    monkeypatch.setenv("DDTREE_KERNELS", "strict")
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
@@ -139,10 +145,19 @@ def test_the_fused_norm_on_cuda_matches_the_module(dtype):
             norm = cls(width, eps=1e-6).to("cuda", dtype)
             with torch.no_grad():
                 norm.weight.copy_(torch.randn(width, generator=g))
-            fused = lean_norm(norm)
+            fused, fused_add = lean_norm(norm), lean_add_norm(norm)
             assert fused is not norm.forward
             x = (torch.randn(3, 17, width, generator=g) * 3).to("cuda", dtype)
-            torch.testing.assert_close(fused(x), norm(x), rtol=2 * torch.finfo(dtype).eps, atol=1e-6)
+            h = torch.randn(3, 17, width, generator=g).to("cuda", dtype)
+            with torch.inference_mode():
+                got, (got_add, total) = fused(x), fused_add(h, x)
+                want, want_total = norm(x), x + h
+                want_add = norm(want_total)
+            tol = {"rtol": 2 * torch.finfo(dtype).eps, "atol": 1e-6}
+            torch.testing.assert_close(got, want, **tol)
+            torch.testing.assert_close(got_add, want_add, **tol)
+            assert torch.equal(total, want_total)
+    assert FusedOp.registry["rms_norm"].state == FusedOp.registry["add_rms_norm"].state == "triton"
 
 
 def test_a_cuda_round_reads_the_device_once_and_times_stages_with_events(monkeypatch):
