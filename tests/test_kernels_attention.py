@@ -54,8 +54,8 @@ def test_merge_attention_kernel_matches_composite(dtype, gated):
     g = torch.Generator().manual_seed(0)
     with interpreter() as device:
         for strided in (False, True):
-            (o1, l1), (o2, l2) = _parts(g, dtype, device=device, strided=strided)
-            gate = _gate(g, dtype, device=device) if gated else None
+            (o1, l1), (o2, l2) = _parts(g, dtype, n=2, device=device, strided=strided)  # 24 rows of 24
+            gate = _gate(g, dtype, n=2, device=device) if gated else None
             got = FusedOp.registry["merge_attention"].run_triton(o1, l1, o2, l2, gate, 6, dtype)
             want = ka._merge_attention(o1, l1, o2, l2, gate, 6, dtype)
             assert got.is_contiguous()
@@ -102,3 +102,47 @@ def test_fused_tails_are_the_old_arithmetic_in_one_op(dtype):
         got = ka.silu_mul(gate, up)
     assert c.ops["other"] == 1
     assert torch.equal(got, F.silu(gate) * up)
+
+
+def test_autograd_and_graphs_take_the_composite():
+    """A drafter in training records its MLP's backward: the composite's ops, no fused op (which has none)."""
+    g = torch.Generator().manual_seed(4)
+    gate = torch.randn(3, 8, generator=g, requires_grad=True)
+    up = torch.randn(3, 8, generator=g)
+    assert not ka.fused(gate, up) and ka.fused(gate.detach(), up)
+    with DispatchCount(stages=False) as c:
+        out = ka.silu_mul(gate, up)
+    assert "silu_mul" not in c.names and out.grad_fn is not None
+    out.sum().backward()
+    want = torch.autograd.grad(F.silu(gate).mul(up).sum(), gate)[0]
+    assert torch.equal(gate.grad, want)
+    with torch.no_grad():
+        assert ka.fused(gate, up)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_split_is_the_split_then_the_gate(dtype):
+    """`split_attention(base).gated`: the attention's output gated, bitwise, in one fused op after the two attention
+    kernels (with a sink: the composite); None outside a verification (the caller gates the plain output)."""
+    import random
+    from types import SimpleNamespace
+
+    from ddtree.engine import attention as A
+    from ddtree.testing.reference import random_tree
+
+    tree = random_tree(9, 50, random.Random(0))
+    g = torch.Generator().manual_seed(5)
+    H, hkv, n, kp = 4, 2, len(tree), 20
+    q = torch.randn(1, n, H, 16, generator=g).transpose(1, 2).to(dtype)
+    k, v = (torch.randn(1, hkv, kp + n, 16, generator=g).to(dtype) for _ in range(2))
+    gate = _gate(g, dtype, B=1, n=n, H=H, D=16)
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=H // hkv)
+    fn = A.split_attention("sdpa")
+    assert fn.gated(module, q, gate, k, v, None, scaling=0.25) is None
+    for sink in (None, torch.randn(H, generator=g)):
+        with A.tree_verification(tree, kp):
+            out, _ = fn(module, q, k, v, None, scaling=0.25, s_aux=sink)
+            with DispatchCount(stages=False) as c:
+                got = fn.gated(module, q, gate, k, v, None, scaling=0.25, s_aux=sink)
+        assert torch.equal(got, ka.gate_output(out, gate))
+        assert (c.names["merge_attention"] == 1) == (sink is None)

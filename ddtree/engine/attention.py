@@ -35,7 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ddtree.engine.kernels.attention import gate_output, merge2, merge_attention
+from ddtree.engine.kernels.attention import fused, gate_output, merge2, merge_attention
 from ddtree.engine.verification import TreeVerification, active, tree_verification
 from ddtree.errors import ConfigError
 
@@ -286,9 +286,8 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     sink = kwargs.get("s_aux")
     if sink is not None:  # one learned logit per head, with a zero value
         sink = sink.float().reshape(hkv, g, 1).expand(hkv, g, n).reshape(1, hkv, g * n).expand(B, -1, -1)
-    if sink is None and len(parts) == 2 and not torch.compiler.is_compiling():
-        (o1, lse1), (o2, lse2) = parts
-        return merge_attention(o1, lse1, o2, lse2, gate, H, query.dtype)
+    if sink is None and len(parts) == 2 and fused(*parts[0], *parts[1], *([] if gate is None else [gate])):
+        return merge_attention(*parts[0], *parts[1], gate, H, query.dtype)
     out = merge_lse(parts, sink)
     # [B, n, H, D] contiguous: the model's reshape of it to [B, n, H * D] is then a view, not a second copy
     out = out.view(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)

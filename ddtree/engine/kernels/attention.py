@@ -10,8 +10,8 @@
   group stacked along the sequence (lse [B, kv heads, g * n]); any strides.
 * `silu_mul(gate, up)`: the MLP's `F.silu(gate) * up` (silu rounded to gate's dtype, then the product): 2 launches, 1.
 
-Inside a compiled graph the call sites use the composite (Inductor fuses it). Outputs in float64 (or mixed float
-dtypes) run the composite on every device.
+Inside a compiled graph the call sites use the composite (Inductor fuses it), and where autograd records (a drafter
+in training: the ops have no backward). Outputs in float64 run the composite on every device.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ddtree.engine.kernels import FusedOp, jit_cache
 
-__all__ = ["gate_output", "merge2", "merge_attention", "silu_mul"]
+__all__ = ["fused", "gate_output", "merge2", "merge_attention", "silu_mul"]
 
 _KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -149,8 +149,14 @@ _SILU_MUL = FusedOp("silu_mul(Tensor gate, Tensor up) -> Tensor", _silu_mul, _la
 merge_attention = _MERGE.op
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """F.silu(gate) * up: the fused op, eager; the composite inside a compiled graph (Inductor fuses it)."""
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether a call site takes the fused op: eager and without autograd (the ops have no backward: a drafter in
+    training, a graph, which Inductor fuses itself, run the composite)."""
     if torch.compiler.is_compiling():
-        return _silu_mul(gate, up)
-    return _SILU_MUL.op(gate, up)
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up: the fused op where `fused`, else the composite."""
+    return _SILU_MUL.op(gate, up) if fused(gate, up) else _silu_mul(gate, up)
