@@ -289,8 +289,9 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     if sink is None and len(parts) == 2 and fused(*parts[0], *parts[1], *([] if gate is None else [gate])):
         return merge_attention(*parts[0], *parts[1], gate, H, query.dtype)
     out = merge_lse(parts, sink)
-    # [B, n, H, D] contiguous: the model's reshape of it to [B, n, H * D] is then a view, not a second copy
-    out = out.view(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)
+    # [B, n, H, D] contiguous: the model's reshape of it to [B, n, H * D] is then a view, not a second copy (reshape:
+    # a view of a merge in the parts' [B, kv, g * n, D] layout, a copy of one in CUDA flash's [B, g * n, kv, D])
+    out = out.reshape(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)
     return out if gate is None else gate_output(out, gate)
 
 
