@@ -160,6 +160,33 @@ def test_the_fused_norm_on_cuda_matches_the_module(dtype, monkeypatch):
     assert FusedOp.registry["rms_norm"].state == FusedOp.registry["add_rms_norm"].state == "triton"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_attention_tails_run_their_triton_kernels_on_cuda(dtype):
+    """merge_attention and silu_mul (ddtree.engine.kernels.attention) on CUDA at Qwen3.6-27B's attention dims, the
+    parts from the kernels a split verification takes: the Triton kernels pass their first-call check (no fallback
+    to the composite) and match the composite; a split verification with GQA in the CUDA kernels' layouts runs."""
+    pytest.importorskip("triton")
+    from ddtree.engine.kernels import FusedOp
+    from ddtree.engine.kernels import attention as ka
+
+    g = torch.Generator().manual_seed(0)
+    B, H, kv, n, kp, d = 1, 24, 4, 65, 300, 256
+    q = torch.randn(B, n, H, d, generator=g).transpose(1, 2).to("cuda", dtype)
+    k, v = (torch.randn(B, kv, kp + n, d, generator=g).to("cuda", dtype) for _ in range(2))
+    qp = q.reshape(B, kv, H // kv * n, d)
+    bias = torch.zeros(qp.shape[2], n, device="cuda", dtype=dtype)
+    parts = [A.attention_lse(qp, k[:, :, :kp], v[:, :, :kp], None, d ** -0.5),
+             A.attention_lse(qp, k[:, :, kp:], v[:, :, kp:], bias[None, None], d ** -0.5)]
+    gate = torch.randn(B, n, H, 2 * d, generator=g).to("cuda", dtype)[..., d:]
+    with torch.no_grad():
+        for gated in (None, gate):
+            got = ka.merge_attention(*parts[0], *parts[1], gated, H, dtype)
+            torch.testing.assert_close(got, ka._merge_attention(*parts[0], *parts[1], gated, H, dtype))
+        x, y = (torch.randn(B, n, 17408, generator=g).to("cuda", dtype) for _ in range(2))
+        torch.testing.assert_close(ka.silu_mul(x, y), torch.nn.functional.silu(x) * y)
+    assert FusedOp.registry["merge_attention"].state == FusedOp.registry["silu_mul"].state == "triton"
+
+
 def test_a_cuda_round_reads_the_device_once_and_times_stages_with_events(monkeypatch):
     """Default timing (sync_timing=False) on CUDA: no torch.cuda.synchronize inside the generation, the stages
     timed by CUDA events (every stage > 0), and one device->host read a round (the walk's) plus the prefill's."""

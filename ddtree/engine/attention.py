@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ddtree.engine.kernels.attention import fused, gate_output, merge2, merge_attention
 from ddtree.engine.verification import TreeVerification, active, tree_verification
 from ddtree.errors import ConfigError
 
@@ -221,14 +222,12 @@ def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor
 
     Two parts (a tree verification's prefix and tree, no sink): part 1's weight exp(lse_1) / (exp(lse_1) + exp(lse_2))
     is w = sigmoid(lse_1 - lse_2), and o = o_2 + w (o_1 - o_2) is one lerp of the float32 outputs: 4 ops (6 with the
-    two casts of half outputs). Otherwise weights relative to the largest lse."""
+    two casts of half outputs; `merge2`, which a split verification runs fused with its layout, cast and gate:
+    `merge_attention`). Otherwise weights relative to the largest lse."""
+    if sink is None and len(parts) == 2:
+        return merge2(*parts[0], *parts[1])
     lses = [lse if lse.dtype == torch.float32 else lse.float() for _, lse in parts]
     outs = [o if o.dtype in (torch.float32, torch.float64) else o.float() for o, _ in parts]
-    if sink is None and len(parts) == 2:
-        w = torch.sigmoid((lses[0] - lses[1]).unsqueeze(-1))
-        if outs[0].dtype != outs[1].dtype or outs[0].dtype != w.dtype:
-            outs, w = [o.double() for o in outs], w.double()
-        return torch.lerp(outs[1], outs[0], w)
     if sink is not None:
         lses.append(sink.float())
     top = torch.stack(lses).amax(dim=0)
@@ -244,7 +243,11 @@ def merge_lse(parts: list[tuple[torch.Tensor, torch.Tensor]], sink: torch.Tensor
 # --------------------------------------------------------------------------- split implementation
 
 
-def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, kwargs) -> torch.Tensor:
+def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, kwargs,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, n, H, D] in the query's dtype; with a gated attention's gate [B, n, H, D]: out * sigmoid(gate),
+    [B, n, H * D]. Two parts without a sink (a verification's prefix and tree), eager: one fused op from the parts'
+    outputs to the (gated) output (ddtree.engine.kernels.attention.merge_attention)."""
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         raise NotImplementedError("tree verification does not support attention logit soft-capping or position bias")
     B, H, n, D = query.shape
@@ -283,9 +286,13 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     sink = kwargs.get("s_aux")
     if sink is not None:  # one learned logit per head, with a zero value
         sink = sink.float().reshape(hkv, g, 1).expand(hkv, g, n).reshape(1, hkv, g * n).expand(B, -1, -1)
+    if sink is None and len(parts) == 2 and fused(*parts[0], *parts[1], *([] if gate is None else [gate])):
+        return merge_attention(*parts[0], *parts[1], gate, H, query.dtype)
     out = merge_lse(parts, sink)
-    # [B, n, H, D] contiguous: the model's reshape of it to [B, n, H * D] is then a view, not a second copy
-    return out.view(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)
+    # [B, n, H, D] contiguous: the model's reshape of it to [B, n, H * D] is then a view, not a second copy (reshape:
+    # a view of a merge in the parts' [B, kv, g * n, D] layout, a copy of one in CUDA flash's [B, g * n, kv, D])
+    out = out.reshape(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)
+    return out if gate is None else gate_output(out, gate)
 
 
 def _model_eager(module) -> Callable:
@@ -346,7 +353,17 @@ def split_attention(base: str) -> Callable:
             return plain(module, query, key, value, attention_mask, **kwargs)
         return verify(ctx, base, module, query, key, value, kwargs), None
 
+    def gated(module, query, gate, key, value, attention_mask, **kwargs):
+        """A gated attention's out * sigmoid(gate) [B, T, H * D] inside a verification (the merge and the gate in
+        one op), or None: the caller runs `attention` and gates its output."""
+        ctx = _active_tree()
+        if ctx is None or query.shape[2] != ctx.n or key.shape[2] < ctx.n:
+            return None
+        return _split_verify(ctx, base, module, query, key, value, kwargs, gate)
+
     attention.__name__ = f"ddtree_tree_attention_{base}"
+    if verify is _split_verify:
+        attention.gated = gated
     return attention
 
 

@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 from ddtree.engine.kernels import norm as kernel_norm
+from ddtree.engine.kernels.attention import gate_output, silu_mul
 
 __all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_add_norm", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
 
@@ -258,8 +259,11 @@ class LeanLayer:
         mlp = layer.mlp
         if type(mlp).__name__ in _MLPS:
             gate, up, down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
-            act = F.silu if type(mlp.act_fn) is SiLUActivation else mlp.act_fn.forward
-            self.mlp = lambda x: down(act(gate(x)) * up(x))
+            if type(mlp.act_fn) is SiLUActivation:  # silu and the product: one fused op (a graph: the composite)
+                self.mlp = lambda x: down(silu_mul(gate(x), up(x)))
+            else:
+                act = mlp.act_fn.forward
+                self.mlp = lambda x: down(act(gate(x)) * up(x))
         else:
             self.mlp = lambda x: mlp.forward(x)  # looked up per call: a patch may be installed later
 
@@ -318,12 +322,17 @@ class LeanLayer:
         """The configured attention function over (key, value), the gate, the o projection: [B, T, hidden]."""
         attn = self.attn
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
-        out, _ = attend(attn, query, key, value, mask, dropout=0.0 if not attn.training else attn.attention_dropout,
-                        scaling=attn.scaling, **self.extra, position_ids=position_ids)  # [B, T, heads, d]
-        if gate is not None:  # the module's out * sigmoid(gate), on its contiguous copy of the gate: a CPU's
-            # vectorised sigmoid takes a scalar tail on short strided rows (AVX-512: 16-wide heads), not bitwise
-            gate = torch.sigmoid(gate.reshape(*gate.shape[:2], -1))
-            return self.o(gate.mul_(out.reshape(gate.shape)))
+        dropout = 0.0 if not attn.training else attn.attention_dropout
+        gated = getattr(attend, "gated", None) if gate is not None else None
+        if gated is not None:  # a split tree verification: its merge and the gate in one op ([B, T, heads * d])
+            out = gated(attn, query, gate, key, value, mask, dropout=dropout, scaling=attn.scaling, **self.extra,
+                        position_ids=position_ids)
+            if out is not None:
+                return self.o(out)
+        out, _ = attend(attn, query, key, value, mask, dropout=dropout, scaling=attn.scaling, **self.extra,
+                        position_ids=position_ids)  # [B, T, heads, d]
+        if gate is not None:  # the module's out * sigmoid(gate) (on the gate's contiguous copy: gate_output)
+            return self.o(gate_output(out, gate))
         return self.o(out.reshape(*query.shape[:1], query.shape[2], -1))
 
     def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:

@@ -31,7 +31,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntry
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import Qwen3Config
-from transformers.activations import ACT2FN
+from transformers.activations import ACT2FN, SiLUActivation
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -41,6 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from ddtree.engine.forward import RopeTables, rope_cos_sin
+from ddtree.engine.kernels.attention import silu_mul
 from ddtree.errors import ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -426,13 +427,17 @@ class DFlashDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(qwen3_config)
+        self.silu = type(self.mlp.act_fn) is SiLUActivation  # its silu and product: one fused op
         self.input_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: Rope,
                 cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable, first: int = 0) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend, first)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, mlp = self.post_attention_layernorm(x), self.mlp
+        if self.silu:  # Qwen3MLP's down(silu(gate(h)) * up(h))
+            return x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        return x + mlp(h)
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, config: DFlashConfig,
