@@ -37,6 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
 from ddtree.engine.kernels import norm as kernel_norm
 from ddtree.engine.kernels.attention import gate_output, silu_mul
+from ddtree.engine.kernels.rope import norm_rope
 
 __all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_add_norm", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
 
@@ -249,6 +250,9 @@ class LeanLayer:
             self.q, self.k, self.v, self.o = (_linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
             norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
             self.q_norm, self.k_norm = (None if m is None else lean_norm(m) for m in norms)
+            # known q and k norms: each head's norm and its RoPE as one fused op (kernels.rope) where RoPE runs as
+            # RopeTables
+            self.norm_parts = (None if None in norms else (_norm_parts(norms[0]), _norm_parts(norms[1])))
             modeling = sys.modules[type(attn).__module__]
             self.rotary, self.eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
             # the module's RoPE in fewer ops (RopeTables) where its formula is the one checked
@@ -283,19 +287,34 @@ class LeanLayer:
             return hasattr(layer, "linear_attn")
         return type(getattr(layer, "self_attn", None)).__name__ in _ATTENTIONS
 
-    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(query [B, heads, T, d] before RoPE, the gate [B, T, heads, d] of a gated attention or None)."""
+    def _query_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(query [B, T, heads, d] before its norm and RoPE, the gate [B, T, heads, d] of a gated attention or
+        None)."""
         attn = self.attn
         shape = x.shape[:-1]
-        heads = (*shape, -1, attn.head_dim)
-        gate = None
         if self.gated:  # the gate stays [B, T, heads, d] (the module flattens it: a copy; _attend needs no copy)
             query, gate = torch.chunk(self.q(x).view(*shape, -1, attn.head_dim * 2), 2, dim=-1)
-        else:
-            query = self.q(x).view(heads)
+            return query, gate
+        return self.q(x).view(*shape, -1, attn.head_dim), None
+
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(query [B, heads, T, d] before RoPE, the gate [B, T, heads, d] of a gated attention or None)."""
+        query, gate = self._query_rows(x)
         if self.q_norm is not None:
             query = self.q_norm(query)
         return query.transpose(1, 2), gate
+
+    def _fused_norm_rope(self) -> tuple | None:
+        """((q weight, eps, centred), (k ...)) where each head's norm and RoPE run as one `norm_rope` op: known
+        norms, eager, no autograd (kernels.rope), else None."""
+        parts = self.norm_parts
+        if parts is None or parts[0] is None or parts[1] is None or torch.compiler.is_compiling():
+            return None
+        (q_weight, q_eps, q_centered), (k_weight, k_eps, k_centered) = parts
+        wq, wk = q_weight(), k_weight()
+        if _composite(wq) or _composite(wk):
+            return None
+        return (wq, q_eps, q_centered), (wk, k_eps, k_centered)
 
     def _key_value_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(key before RoPE, value) in the projections' layout [B, T, kv heads, d]."""
@@ -336,8 +355,19 @@ class LeanLayer:
         return self.o(out.reshape(*query.shape[:1], query.shape[2], -1))
 
     def _attention(self, x: torch.Tensor, rope, mask: torch.Tensor | None, cache, position_ids) -> torch.Tensor:
-        query, gate = self._queries(x)
         write = self._row_writer(cache) if len(rope) == 2 else None
+        fused = self._fused_norm_rope() if write is not None else None
+        if fused is not None:  # each head's norm and RoPE one op for q and for k (on the tables' row layout)
+            (wq, q_eps, q_centered), (wk, k_eps, k_centered) = fused
+            query, gate = self._query_rows(x)
+            tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
+            cos, sin, perm = self.rope_tables.row_tables(tables)
+            query = norm_rope(query, wq, q_eps, q_centered, cos, sin, perm).transpose(1, 2)
+            heads = (*x.shape[:-1], -1, self.attn.head_dim)
+            key = norm_rope(self.k(x).view(heads), wk, k_eps, k_centered, cos, sin, perm)
+            key, value = write(key, self.v(x).view(heads))
+            return self._attend(query, gate, key, value, mask, position_ids)
+        query, gate = self._queries(x)
         if write is not None:  # RoPE on the keys' rows (the tables' transposed views), written as they are
             tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
             query = RopeTables.apply(query, tables)
