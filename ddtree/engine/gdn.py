@@ -55,6 +55,7 @@ from transformers.activations import ACT2FN
 from ddtree.engine import verification
 from ddtree.engine.families import gdn_classes
 from ddtree.engine.host import host_branch
+from ddtree.engine.kernels import gdn as kgdn
 from ddtree.engine.verification import GDN_METHODS as METHODS  # noqa: F401 (re-exported: callers name gdn.METHODS)
 from ddtree.engine.verification import TreeVerification, tree_verification
 
@@ -587,40 +588,49 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     v = _views(module, bufs)
 
     mixed, z, ab = _projections(module, hidden_states, consts)
-    # a + dt and -b land in the decay map's input, softplus of both at once: logaddexp(x, 0), computed in float32
-    # from any dtype (the float32 zero promotes; softplus keeps a bf16 input's dtype, then a copy casts)
-    if not torch.compiler.is_compiling():  # (dynamo refuses a strided out=; a graph fuses it)
-        torch.logaddexp(ab, consts.zero, out=v.ab)
+    compiling = torch.compiler.is_compiling()
+    # eager, each step below is one fused op (ddtree.engine.kernels.gdn: the same torch ops on the CPU, one Triton
+    # kernel on CUDA); compiled, the torch ops themselves (a graph fuses them)
+    # decays: a + dt and -b land in the decay map's input, softplus of both at once: logaddexp(x, 0), computed in float32
+    # from any dtype (the float32 zero promotes); X, Y from one matmul; E = exp(X . Y + mask) =
+    # [exp(c_i) | exp(c_i - c_j) beta_j on ancestors]
+    if not compiling:
+        kgdn.decays(ab, consts.zero, meta.decay_map, meta.decay_mask, bufs.gates, bufs.xy, bufs.decays)
     else:
-        v.ab.copy_(torch.logaddexp(ab, consts.zero))
+        v.ab.copy_(torch.logaddexp(ab.view(bsz, n, 2, -1), consts.zero))  # (dynamo refuses a strided out=)
+        torch.mm(v.gates, meta.decay_map, out=v.xy)
+        torch.baddbmm(meta.decay_mask, v.x, v.y_t, out=bufs.decays).exp_()
 
     # causal conv over each node's own ancestors, reaching into the prefix's conv state: every tap times every row of
     # [conv-state tail, inputs] (the table), then per node the sum of its window's K table rows, one per tap (a
     # gather-and-sum: embedding_bag; token-major rows, whole rows gathered; a strided depthwise conv1d is slower on a
     # CPU)
-    torch.cat([_past(conv_state, kernel, mixed, v), mixed], dim=1, out=bufs.extended)
-    if v.table is not None and meta.conv_offsets is not None and not torch.compiler.is_compiling():
-        torch.mul(v.rows, consts.conv_taps, out=bufs.table)
-        conv = F.embedding_bag(meta.conv_index, v.table, meta.conv_offsets, mode="sum")  # (T, B C) float32
-    else:  # (the compiled round: a graph fuses the table, the gather and the sum)
-        table = (v.rows * consts.conv_taps).flatten(0, 1).flatten(1)
-        conv = table.index_select(0, meta.conv_index).view(n, kernel, -1).sum(1)
-    if consts.conv_bias is not None:
-        conv.view(n, bsz, -1).add_(consts.conv_bias)
-    if module.activation == "silu":
-        torch._C._nn.silu(conv, out=v.conv)
+    past = _past(conv_state, kernel, mixed, v)
+    if v.table is not None and meta.conv_offsets is not None and not compiling and module.activation == "silu":
+        kgdn.conv(past, mixed, consts.conv_taps, consts.conv_bias, meta.conv_index, meta.conv_offsets,
+                  bufs.extended, bufs.table, v.conv)
     else:
-        v.conv.copy_(_activation(module.activation)(conv))
+        torch.cat([past, mixed], dim=1, out=bufs.extended)
+        if v.table is not None and meta.conv_offsets is not None and not compiling:
+            torch.mul(v.rows, consts.conv_taps, out=bufs.table)
+            conv = F.embedding_bag(meta.conv_index, v.table, meta.conv_offsets, mode="sum")  # (T, B C) float32
+        else:  # (the compiled round: a graph fuses the table, the gather and the sum)
+            table = (v.rows * consts.conv_taps).flatten(0, 1).flatten(1)
+            conv = table.index_select(0, meta.conv_index).view(n, kernel, -1).sum(1)
+        if consts.conv_bias is not None:
+            conv.view(n, bsz, -1).add_(consts.conv_bias)
+        if module.activation == "silu":
+            torch._C._nn.silu(conv, out=v.conv)
+        else:
+            v.conv.copy_(_activation(module.activation)(conv))
 
-    # q and k l2-normalised: x / sqrt(|x|^2 + eps) = rms_norm(x, eps / dk) * dk^-1/2 (one fused kernel on a GPU, where
-    # its strided input costs it one contiguous copy), then copied per value head as [q rows; k rows]; q's dk^-1/2 is
-    # not applied (see _gated_norm)
-    v.qk_rows.copy_(F.rms_norm(v.qk, (v.qk.shape[-1],), consts.qk_weight, consts.qk_eps))
+    # q and k l2-normalised: x / sqrt(|x|^2 + eps) = rms_norm(x, eps / dk) * dk^-1/2, then copied per value head as
+    # [q rows; k rows]; q's dk^-1/2 is not applied (see _gated_norm)
+    if not compiling:
+        kgdn.qk_norm(v.qk, consts.qk_weight, consts.qk_eps, v.qk_rows)
+    else:
+        v.qk_rows.copy_(F.rms_norm(v.qk, (v.qk.shape[-1],), consts.qk_weight, consts.qk_eps))
     qk = v.keys
-
-    # decays: X, Y from one matmul; E = exp(X . Y + mask) = [exp(c_i) | exp(c_i - c_j) beta_j on ancestors]
-    torch.mm(v.gates, meta.decay_map, out=v.xy)
-    torch.baddbmm(meta.decay_mask, v.x, v.y_t, out=bufs.decays).exp_()
 
     state0 = recurrent_state if recurrent_state is None or recurrent_state.dtype == f32 else recurrent_state.to(f32)
     if method == "recurrent":
@@ -672,15 +682,14 @@ def _state3(state: torch.Tensor, v: _Views) -> torch.Tensor:
 
 
 def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
-    """The input projections: conv input (B, T, C), gate z (B, T, Hv dv) and [a + dt_bias, -b] (B, T, 2, Hv), the
-    last one matmul where a and b are plain Linear layers."""
+    """The input projections: conv input (B, T, C), gate z (B, T, Hv dv) and [a + dt_bias, -b], the last one matmul
+    (B, T, 2 Hv) where a and b are plain Linear layers, else stacked (B, T, 2, Hv)."""
     bsz, n, _ = hidden_states.shape
     hv = module.num_v_heads
     if consts.ab_weight is not None:
         mixed = module.in_proj_qkv(hidden_states)
         z = module.in_proj_z(hidden_states)
-        ab = F.linear(hidden_states, consts.ab_weight, consts.ab_bias).view(bsz, n, 2, hv)
-        return mixed, z, ab
+        return mixed, z, F.linear(hidden_states, consts.ab_weight, consts.ab_bias)
     mixed, z, b, a = _project(module, hidden_states)
     ab = torch.stack([a.reshape(bsz, n, hv) + consts.dt_bias, -b.reshape(bsz, n, hv).float()], dim=2)
     return mixed, z.reshape(bsz, n, -1), ab
@@ -693,12 +702,11 @@ def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: 
     weight * x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is weight * core / sqrt(mean(core^2) + eps dk):
     rms_norm(core, weight, eps * dk) (norm_weight, norm_eps).
     """
-    normed = F.rms_norm(core, (core.shape[-1],), consts.norm_weight, consts.norm_eps)  # (B, Hv, T, dv) float32
     if torch.compiler.is_compiling() or z.dtype != bufs.gate.dtype:  # (dynamo refuses a strided out=; a graph fuses it)
+        normed = F.rms_norm(core, (core.shape[-1],), consts.norm_weight, consts.norm_eps)  # (B, Hv, T, dv) float32
         gate = F.silu(z).unflatten(-1, (normed.shape[1], normed.shape[-1]))  # (B, T, Hv, dv)
         return (normed.transpose(1, 2) * gate).to(bufs.out.dtype).flatten(2)
-    torch._C._nn.silu(z, out=bufs.gate)
-    torch.mul(normed, v.gate_t, out=v.out_t)
+    kgdn.gated_norm(core, z, consts.norm_weight, consts.norm_eps, bufs.gate, bufs.out)
     return v.out
 
 

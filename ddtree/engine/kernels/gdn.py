@@ -1,0 +1,292 @@
+"""The tree-exact GDN layer's elementwise and small-matmul steps as one launch each (`ddtree.engine.gdn.tree_layer`,
+eager only: a compiled graph fuses the composites itself).
+
+* `gdn_decays(ab, zero, decay_map, decay_mask, gates!, xy!, decays!)`: softplus of [a + dt, -b] into the decay map's
+  input `gates` (a float32 `logaddexp(x, 0)`), X and Y = gates @ decay_map into `xy`, and
+  E = exp(X . Y + decay_mask) into `decays` (4 ops: logaddexp, mm, baddbmm, exp_).
+* `gdn_conv(past, mixed, taps, bias, index, offsets, extended!, table!, out!)`: the causal conv over each node's own
+  ancestors: [past; mixed] into `extended` (what the commit reads), then per node i and channel c
+  silu(bias_c + sum_k taps[k, c] * rows[window[i, k], c]) in float32 into `out` (5 ops: cat, the tap-scaled table,
+  embedding_bag, the bias add, silu). `table` is the composite's scratch; the kernel reads the rows directly.
+* `gdn_qk_norm(qk, weight, eps, rows!)`: the q/k rows' rms_norm (the l2-norm, gdn.LayerConsts) copied into `rows`,
+  once per value head of each key head (2 ops: rms_norm, copy_).
+* `gdn_gated_norm(core, z, weight, eps, gate!, out!)`: rms_norm(core) * silu(z), silu rounded to z's dtype, the
+  product written in `out`'s dtype (3 ops: rms_norm, silu, mul). `gate` is the composite's scratch.
+
+The composites are the torch ops `tree_layer` ran before (bitwise, the CPU's path); the Triton kernels compute the
+same values in float32 (their sums in another order: equal up to float32 rounding; tests/test_kernels_gdn.py).
+`decays` takes a looser first-call check than the others: X . Y is c_i - c_j + log beta_j computed from path sums of
+a few hundred, so any two summation orders (the CPU's mm, cuBLAS's, this kernel's) differ in E's last ~10 bits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.engine.kernels import FusedOp, jit_cache
+
+__all__ = ["conv", "decays", "gated_norm", "qk_norm"]
+
+
+# --------------------------------------------------------------------------- composites (CPU, Meta, CUDA fallback)
+
+
+def _decays(ab: torch.Tensor, zero: torch.Tensor, decay_map: torch.Tensor, decay_mask: torch.Tensor,
+            gates: torch.Tensor, xy: torch.Tensor, decays: torch.Tensor) -> None:
+    """ab (B, T, 2 Hv) or (B, T, 2, Hv): [a + dt | -b]; gates (B, Hv, 2T + 2), xy (B, Hv, 6T + 3) and decays
+    (B Hv, T, T + 1) float32 (gdn.LayerBuffers)."""
+    bsz, hv = gates.shape[0], gates.shape[1]
+    n = decay_mask.shape[0]
+    torch.logaddexp(ab.view(bsz, n, 2, hv), zero, out=gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1))
+    flat = xy.view(bsz * hv, -1)
+    torch.mm(gates.view(bsz * hv, -1), decay_map, out=flat)
+    torch.baddbmm(decay_mask, flat[:, :3 * n].view(-1, n, 3), flat[:, 3 * n:].view(-1, n + 1, 3).transpose(1, 2),
+                  out=decays).exp_()
+
+
+def _conv(past: torch.Tensor, mixed: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
+          index: torch.Tensor, offsets: torch.Tensor, extended: torch.Tensor, table: torch.Tensor,
+          out: torch.Tensor) -> None:
+    """past (B, K, C), mixed (B, T, C); taps (K, 1, 1, C) float32; index (T K,): node i's window rows of the table
+    (gdn.TreeMeta.conv_index), offsets (T,); extended (B, K + T, C); table (K, K + T, B, C) float32; out (T, B C)
+    float32."""
+    torch.cat([past, mixed], dim=1, out=extended)
+    k, n = taps.shape[0], out.shape[0]
+    torch.mul(extended.transpose(0, 1), taps, out=table)
+    summed = F.embedding_bag(index, table.view(k * (k + n), -1), offsets, mode="sum")  # (T, B C)
+    if bias is not None:
+        summed.view(n, extended.shape[0], -1).add_(bias)
+    torch._C._nn.silu(summed, out=out)
+
+
+def _qk_norm(qk: torch.Tensor, weight: torch.Tensor, eps: float, rows: torch.Tensor) -> None:
+    """qk (..., 1, dk) float32, rows (..., R, dk): each normalised row copied R times."""
+    rows.copy_(F.rms_norm(qk, (qk.shape[-1],), weight, eps))
+
+
+def _gated_norm(core: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, gate: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """core (B, Hv, T, dv) float32, z (B, T, Hv dv) and gate (B, T, Hv dv) in z's dtype, out (B, T, Hv, dv)."""
+    normed = F.rms_norm(core, (core.shape[-1],), weight, eps)
+    torch._C._nn.silu(z, out=gate)
+    bsz, n, hv, dv = out.shape
+    torch.mul(normed, gate.view(bsz, n, hv, dv).transpose(1, 2), out=out.transpose(1, 2))
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+
+@jit_cache()
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decays_kernel(ab_ptr, gates_ptr, map_ptr, mask_ptr, xy_ptr, dec_ptr, n, hv,
+                      sab_b, sab_t, sab_c, sg, smap, smask, sxy, sd_bh, sd_i,
+                      BT: tl.constexpr, BI: tl.constexpr, BM: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)
+        b, h = bh // hv, bh % hv
+        width = 2 * n + 2
+        cols = tl.arange(0, BT)  # Y's index j = 0 .. T (j = 0 the virtual node)
+        col_ok = cols < n + 1
+        # Y_d[j] = sum_m gates[m] map[m, 3T + 3j + d]; the gates written on the way
+        y0 = tl.zeros([BT], dtype=tl.float32)
+        y1 = tl.zeros([BT], dtype=tl.float32)
+        y2 = tl.zeros([BT], dtype=tl.float32)
+        for m0 in range(0, width, BM):
+            m = m0 + tl.arange(0, BM)
+            # the decay map's input at m: [softplus(a + dt) (T), A, softplus(-b) (T), 1], A and 1 filled once
+            is_a = m < n
+            computed = is_a | ((m > n) & (m < 2 * n + 1))
+            raw = tl.load(ab_ptr + b * sab_b + tl.where(is_a, m, m - n - 1).to(tl.int64) * sab_t
+                          + tl.where(is_a, h, hv + h) * sab_c, mask=computed, other=0.0).to(tl.float32)
+            u = tl.exp(-tl.abs(raw))  # softplus = logaddexp(x, 0) = max(x, 0) + log1p(exp(-|x|)), log1p exactly
+            w = 1.0 + u
+            soft = tl.maximum(raw, 0.0) + tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+            g = tl.where(computed, soft, tl.load(gates_ptr + bh * sg + m, mask=(m == n) | (m == 2 * n + 1), other=0.0))
+            tl.store(gates_ptr + bh * sg + m, g, mask=computed)
+            ok = (m < width)[:, None] & col_ok[None, :]
+            base = map_ptr + m[:, None].to(tl.int64) * smap + 3 * n + 3 * cols[None, :]
+            y0 += tl.sum(tl.load(base, mask=ok, other=0.0) * g[:, None], axis=0)
+            y1 += tl.sum(tl.load(base + 1, mask=ok, other=0.0) * g[:, None], axis=0)
+            y2 += tl.sum(tl.load(base + 2, mask=ok, other=0.0) * g[:, None], axis=0)
+        out_y = xy_ptr + bh * sxy + 3 * n + 3 * cols
+        tl.store(out_y, y0, mask=col_ok)
+        tl.store(out_y + 1, y1, mask=col_ok)
+        tl.store(out_y + 2, y2, mask=col_ok)
+        # per block of rows i: X_d[i] = sum_m gates[m] map[m, 3i + d], then E = exp(mask + X . Y)
+        for i0 in range(0, n, BI):
+            rows = i0 + tl.arange(0, BI)
+            row_ok = rows < n
+            x0 = tl.zeros([BI], dtype=tl.float32)
+            x1 = tl.zeros([BI], dtype=tl.float32)
+            x2 = tl.zeros([BI], dtype=tl.float32)
+            for m0 in range(0, width, BM):
+                m = m0 + tl.arange(0, BM)
+                # (the same, again: the gates are not read back)
+                is_a = m < n
+                computed = is_a | ((m > n) & (m < 2 * n + 1))
+                raw = tl.load(ab_ptr + b * sab_b + tl.where(is_a, m, m - n - 1).to(tl.int64) * sab_t
+                              + tl.where(is_a, h, hv + h) * sab_c, mask=computed, other=0.0).to(tl.float32)
+                u = tl.exp(-tl.abs(raw))  # softplus = logaddexp(x, 0) = max(x, 0) + log1p(exp(-|x|)), log1p exactly
+                w = 1.0 + u
+                soft = tl.maximum(raw, 0.0) + tl.where(w == 1.0, u, tl.log(w) * (u / (w - 1.0)))
+                g = tl.where(computed, soft, tl.load(gates_ptr + bh * sg + m, mask=(m == n) | (m == 2 * n + 1), other=0.0))
+                ok = row_ok[:, None] & (m < width)[None, :]
+                base = map_ptr + m[None, :].to(tl.int64) * smap + 3 * rows[:, None]
+                x0 += tl.sum(tl.load(base, mask=ok, other=0.0) * g[None, :], axis=1)
+                x1 += tl.sum(tl.load(base + 1, mask=ok, other=0.0) * g[None, :], axis=1)
+                x2 += tl.sum(tl.load(base + 2, mask=ok, other=0.0) * g[None, :], axis=1)
+            out_x = xy_ptr + bh * sxy + 3 * rows
+            tl.store(out_x, x0, mask=row_ok)
+            tl.store(out_x + 1, x1, mask=row_ok)
+            tl.store(out_x + 2, x2, mask=row_ok)
+            prod = x0[:, None] * y0[None, :]
+            prod = prod + x1[:, None] * y1[None, :]
+            prod = prod + x2[:, None] * y2[None, :]
+            ok = row_ok[:, None] & col_ok[None, :]
+            mask = tl.load(mask_ptr + rows[:, None] * smask + cols[None, :], mask=ok, other=0.0)
+            tl.store(dec_ptr + bh * sd_bh + rows[:, None] * sd_i + cols[None, :], tl.exp(mask + prod), mask=ok)
+
+    @triton.jit
+    def conv_kernel(past_ptr, mixed_ptr, taps_ptr, bias_ptr, index_ptr, ext_ptr, out_ptr, n, channels,
+                    sp_b, sp_r, sp_c, sm_b, sm_t, sm_c, stap, se_b, se_r, se_c, so_t, so_c,
+                    KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1).to(tl.int64)
+        cols = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < channels
+        ext_ty = ext_ptr.dtype.element_ty
+        # extended = [past; mixed]: node i writes its input's row K + i, node 0 the K past rows too
+        x = tl.load(mixed_ptr + b * sm_b + i * sm_t + cols * sm_c, mask=ok, other=0.0)
+        tl.store(ext_ptr + b * se_b + (KERNEL + i) * se_r + cols * se_c, x.to(ext_ty), mask=ok)
+        first = ok & (cols * 0 + i == 0)  # (masks as blocks: a scalar condition broadcast)
+        for r in tl.static_range(KERNEL):
+            p = tl.load(past_ptr + b * sp_b + r * sp_r + cols * sp_c, mask=first, other=0.0)
+            tl.store(ext_ptr + b * se_b + r * se_r + cols * se_c, p.to(ext_ty), mask=first)
+        # the window's rows of extended (oldest first), each times its tap, summed in float32
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in tl.static_range(KERNEL):
+            row = tl.load(index_ptr + i * KERNEL + k) - k * (KERNEL + n)  # the table row's row of extended
+            in_past = cols * 0 + row < KERNEL
+            xp = tl.load(past_ptr + b * sp_b + row * sp_r + cols * sp_c, mask=ok & in_past, other=0.0)
+            xm = tl.load(mixed_ptr + b * sm_b + (row - KERNEL) * sm_t + cols * sm_c, mask=ok & ~in_past, other=0.0)
+            xv = tl.where(in_past, xp.to(ext_ty), xm.to(ext_ty)).to(tl.float32)
+            tap = tl.load(taps_ptr + k * stap + cols, mask=ok, other=0.0)
+            acc += xv * tap
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=ok, other=0.0)
+        acc = acc / (1.0 + tl.exp(-acc))  # silu
+        tl.store(out_ptr + i * so_t + (b * channels + cols) * so_c, acc, mask=ok)
+
+    @triton.jit
+    def qk_norm_kernel(qk_ptr, w_ptr, rows_ptr, dk, t_len, hk, r_count, eps,
+                       sq_b, sq_t, sq_s, sq_h, sq_d, sr_b, sr_t, sr_s, sr_h, sr_r, sr_d, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)  # (b, t, s, h): s = 0 q, 1 k
+        h = pid % hk
+        s = (pid // hk) % 2
+        t = (pid // (2 * hk)) % t_len
+        b = pid // (2 * hk * t_len)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < dk
+        x = tl.load(qk_ptr + b * sq_b + t * sq_t + s * sq_s + h * sq_h + cols * sq_d, mask=ok, other=0.0)
+        x = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / dk + eps)
+        y = x * rstd * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        base = rows_ptr + b * sr_b + t * sr_t + s * sr_s + h * sr_h + cols * sr_d
+        for r in range(r_count):
+            tl.store(base + r * sr_r, y.to(rows_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def gated_norm_kernel(core_ptr, z_ptr, w_ptr, gate_ptr, out_ptr, dv, t_len, hv, eps,
+                          sc_b, sc_h, sc_t, sc_d, sz_b, sz_t, sz_c, so_b, so_t, so_h, so_d, BLOCK: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)  # (b, h, t)
+        t = pid % t_len
+        h = (pid // t_len) % hv
+        b = pid // (t_len * hv)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < dv
+        x = tl.load(core_ptr + b * sc_b + h * sc_h + t * sc_t + cols * sc_d, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / dv + eps)
+        normed = x * rstd * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        zf = tl.load(z_ptr + b * sz_b + t * sz_t + (h * dv + cols) * sz_c, mask=ok, other=0.0).to(tl.float32)
+        gate = (zf / (1.0 + tl.exp(-zf))).to(gate_ptr.dtype.element_ty).to(tl.float32)  # silu in z's dtype
+        tl.store(out_ptr + b * so_b + t * so_t + h * so_h + cols * so_d,
+                 (normed * gate).to(out_ptr.dtype.element_ty), mask=ok)
+
+    return {"decays": decays_kernel, "conv": conv_kernel, "qk_norm": qk_norm_kernel, "gated_norm": gated_norm_kernel}
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    import triton
+
+    return max(least, triton.next_power_of_2(n))
+
+
+def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
+    bsz, hv = gates.shape[0], gates.shape[1]
+    n = decay_mask.shape[0]
+    ab3 = ab.reshape(bsz, n, 2 * hv)
+    g2, xy2 = gates.view(bsz * hv, -1), xy.view(bsz * hv, -1)
+    assert g2.stride(1) == 1 and xy2.stride(1) == 1 and decay_map.stride(1) == 1 and decay_mask.stride(1) == 1
+    assert decays.stride(2) == 1
+    bt = _pow2(n + 1)
+    bi = max(16, min(bt, 4096 // bt))
+    _kernels()["decays"][(bsz * hv,)](
+        ab3, g2, decay_map, decay_mask, xy2, decays, n, hv, ab3.stride(0), ab3.stride(1), ab3.stride(2),
+        g2.stride(0), decay_map.stride(0), decay_mask.stride(0), xy2.stride(0), decays.stride(0), decays.stride(1),
+        BT=bt, BI=bi, BM=16, num_warps=4 if bt <= 64 else 8)
+
+
+def _launch_conv(past, mixed, taps, bias, index, offsets, extended, table, out) -> None:
+    import triton
+
+    bsz, n, channels = mixed.shape
+    k = taps.shape[0]
+    taps2 = taps.view(k, channels)
+    assert taps2.stride(1) == 1 and (bias is None or bias.stride(0) == 1) and index.is_contiguous()
+    block = min(1024, triton.next_power_of_2(channels))
+    _kernels()["conv"][(n, bsz, triton.cdiv(channels, block))](
+        past, mixed, taps2, taps2 if bias is None else bias, index, extended, out, n, channels,
+        *past.stride(), *mixed.stride(), taps2.stride(0), *extended.stride(), *out.stride(),
+        KERNEL=k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+
+
+def _launch_qk_norm(qk, weight, eps, rows) -> None:
+    bsz, n, _, hk, _, dk = qk.shape
+    r_count = rows.shape[4]
+    assert weight.stride(0) == 1
+    strides = qk.stride()
+    block = _pow2(dk)
+    if bsz * n:
+        _kernels()["qk_norm"][(bsz * n * 2 * hk,)](
+            qk, weight, rows, dk, n, hk, r_count, eps, strides[0], strides[1], strides[2], strides[3], strides[5],
+            *rows.stride(), BLOCK=block, num_warps=4 if block <= 2048 else 8)
+
+
+def _launch_gated_norm(core, z, weight, eps, gate, out) -> None:
+    bsz, hv, n, dv = core.shape
+    assert weight.stride(0) == 1
+    block = _pow2(dv)
+    if bsz * hv * n:
+        _kernels()["gated_norm"][(bsz * hv * n,)](
+            core, z, weight, gate, out, dv, n, hv, eps, *core.stride(), *z.stride(), *out.stride(),
+            BLOCK=block, num_warps=4 if block <= 2048 else 8)
+
+
+_DECAYS = FusedOp("gdn_decays(Tensor ab, Tensor zero, Tensor decay_map, Tensor decay_mask, Tensor(a!) gates, "
+                  "Tensor(b!) xy, Tensor(c!) decays) -> ()", _decays, _launch_decays, mutated=(4, 5, 6),
+                  atol=1e-5, rtol=1e-3)
+_CONV = FusedOp("gdn_conv(Tensor past, Tensor mixed, Tensor taps, Tensor? bias, Tensor index, Tensor offsets, "
+                "Tensor(a!) extended, Tensor(b!) table, Tensor(c!) out) -> ()", _conv, _launch_conv, mutated=(6, 8))
+_QK_NORM = FusedOp("gdn_qk_norm(Tensor qk, Tensor weight, float eps, Tensor(a!) rows) -> ()", _qk_norm,
+                   _launch_qk_norm, mutated=(3,))
+_GATED_NORM = FusedOp("gdn_gated_norm(Tensor core, Tensor z, Tensor weight, float eps, Tensor(a!) gate, "
+                      "Tensor(b!) out) -> ()", _gated_norm, _launch_gated_norm, mutated=(5,))
+
+decays = _DECAYS.op
+conv = _CONV.op
+qk_norm = _QK_NORM.op
+gated_norm = _GATED_NORM.op

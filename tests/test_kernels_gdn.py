@@ -1,0 +1,129 @@
+"""The tree-exact GDN layer's fused ops (ddtree.engine.kernels.gdn): each Triton kernel (in Triton's interpreter
+without a GPU) computes its composite's values, and each op is one dispatch. That the composites are bitwise what
+the layer ran before is the lossless tests' (tests/test_gdn_tree.py); their counts are tests/test_gdn_launches.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.engine import gdn
+from ddtree.engine.kernels import FusedOp
+from ddtree.engine.tree import tree_from_parents
+from ddtree.engine.verification import tree_verification
+from ddtree.testing.dispatch import DispatchCount
+from ddtree.testing.triton import interpreter
+
+# a 9-node tree with branches (flat order, parents first); K = 4 reaches past the root for the shallow nodes
+PARENTS = [-1, 0, 1, 2, 0, 4, 1, 6, 3]
+KERNEL = 4
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    """Equal up to float32 rounding (in bf16: a rare one-ulp step of a rounded value)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    else:
+        diff = got.float() != want.float()
+        assert diff.float().mean() <= 0.01, diff.float().mean()
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
+
+
+def _meta(parents: list[int] = PARENTS) -> gdn.TreeMeta:
+    tree = tree_from_parents(list(range(len(parents))), parents)
+    with tree_verification(tree) as ctx:
+        return gdn.tree_meta(ctx, KERNEL, torch.device("cpu"), {})
+
+
+def _both(name: str, args: tuple, mutated: tuple[int, ...], device: str) -> tuple[list, list]:
+    """(the kernel's outputs, the composite's) on copies of the written arguments, the kernel's on `device`."""
+    op = FusedOp.registry[name]
+    want = [a.clone() if i in mutated else a for i, a in enumerate(args)]
+    op.composite(*want)
+    got = [(a.clone() if i in mutated else a) for i, a in enumerate(args)]
+    got = [a.to(device) if isinstance(a, torch.Tensor) else a for a in got]
+    op.run_triton(*got)
+    return [got[i].cpu() for i in mutated], [want[i] for i in mutated]
+
+
+def _one_op(name: str, args: tuple) -> None:
+    with torch.inference_mode(), DispatchCount(stages=False, decompose=True) as c:
+        getattr(torch.ops.ddtree, name).default(*args)
+    assert c.total(c.ops, exclude=()) == 1 and c.kernel_names == {name: 1}, (dict(c.kernel_names), dict(c.view_names))
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["flat", "stacked"])
+@DTYPES
+def test_decays_kernel_matches_composite(dtype, stacked):
+    g = torch.Generator().manual_seed(0)
+    meta = _meta()
+    n, bsz, hv = len(PARENTS), 2, 3
+    ab = (2 * torch.randn(bsz, n, 2 * hv, generator=g)).to(dtype)
+    if stacked:  # (qwen3_next's layout: (B, T, 2, Hv) float32)
+        ab = ab.float().view(bsz, n, 2, hv)
+    gates = torch.full((bsz, hv, 2 * n + 2), float("nan"))
+    gates[..., n] = torch.rand(hv, generator=g) * 8  # A, filled once
+    gates[..., 2 * n + 1] = 1
+    xy = torch.full((bsz, hv, 6 * n + 3), float("nan"))
+    decays = torch.full((bsz * hv, n, n + 1), float("nan"))
+    args = (ab, torch.zeros(1), meta.decay_map, meta.decay_mask, gates, xy, decays)
+    with interpreter() as device:
+        got, want = _both("gdn_decays", args, (4, 5, 6), device)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+    assert (want[2] == 0).any() and (want[2] > 0).any()  # masked and unmasked entries both checked
+    _one_op("gdn_decays", args)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@DTYPES
+def test_conv_kernel_matches_composite(dtype, bias):
+    g = torch.Generator().manual_seed(1)
+    meta = _meta()
+    n, bsz, channels = len(PARENTS), 2, 40
+    state = torch.randn(bsz, channels, KERNEL + 1, generator=g).to(dtype)
+    past = state[..., -KERNEL:].transpose(1, 2)  # the conv state's last K columns token-major (a strided view)
+    mixed = torch.randn(bsz, n, channels, generator=g).to(dtype)
+    taps = torch.randn(KERNEL, 1, 1, channels, generator=g)
+    conv_bias = torch.randn(channels, generator=g) if bias else None
+    extended = torch.zeros(bsz, KERNEL + n, channels, dtype=dtype)
+    table = torch.empty(KERNEL, KERNEL + n, bsz, channels)
+    out = torch.full((n, bsz, channels), float("nan")).view(n, -1)
+    args = (past, mixed, taps, conv_bias, meta.conv_index, meta.conv_offsets, extended, table, out)
+    with interpreter() as device:
+        got, want = _both("gdn_conv", args, (6, 8), device)
+    assert torch.equal(got[0], want[0])  # the rows the commit reads: copies, bitwise
+    _close(got[1], want[1])
+    _one_op("gdn_conv", args)
+
+
+def test_qk_norm_kernel_matches_composite():
+    g = torch.Generator().manual_seed(2)
+    bsz, n, hk, per, dk = 2, 7, 2, 3, 32
+    conv = torch.randn(n, bsz, 2 * hk * dk + 24, generator=g)  # as tree_layer's conv buffer: q, k, then v columns
+    qk = conv.transpose(0, 1)[..., :2 * hk * dk].view(bsz, n, 2, hk, 1, dk)
+    keys = torch.full((bsz, hk, per, 2, n, dk), float("nan"))
+    rows = keys.permute(0, 4, 3, 1, 2, 5)  # (B, T, 2, Hk, Hv/Hk, dk) of the keys buffer
+    args = (qk, torch.full((dk,), dk ** -0.5), 1e-6 / dk, rows)
+    with interpreter() as device:
+        got, want = _both("gdn_qk_norm", args, (3,), device)
+    _close(got[0], want[0])
+    _one_op("gdn_qk_norm", args)
+
+
+@DTYPES
+def test_gated_norm_kernel_matches_composite(dtype):
+    g = torch.Generator().manual_seed(3)
+    bsz, hv, n, dv = 2, 2, 5, 24
+    core = torch.randn(bsz, hv, n, dv, generator=g)
+    z = (2 * torch.randn(bsz, n, hv * dv, generator=g)).to(dtype)
+    weight = 1 + 0.1 * torch.randn(dv, generator=g)
+    gate = torch.empty(bsz, n, hv * dv, dtype=dtype)
+    out = torch.full((bsz, n, hv, dv), float("nan")).to(dtype)
+    args = (core, z, weight, 1e-6 * dv, gate, out)
+    with interpreter() as device:
+        got, want = _both("gdn_gated_norm", args, (5,), device)
+    _close(got[0], want[0])
+    _one_op("gdn_gated_norm", args)
