@@ -127,3 +127,29 @@ def test_gated_norm_kernel_matches_composite(dtype):
         got, want = _both("gdn_gated_norm", args, (5,), device)
     _close(got[0], want[0])
     _one_op("gdn_gated_norm", args)
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["state", "no_state"])
+def test_delta_rule_kernel_matches_composite(prefix):
+    """The solve, its products and the output, on a tree's real E (gdn_decays' composite) and l2-normalised keys."""
+    g = torch.Generator().manual_seed(4)
+    meta = _meta()
+    n, bsz, hv, dk, dv = len(PARENTS), 1, 2, 32, 24
+    gates = torch.empty(bsz, hv, 2 * n + 2)
+    gates[..., n] = torch.rand(hv, generator=g) * 4
+    gates[..., 2 * n + 1] = 1
+    decays = torch.empty(bsz * hv, n, n + 1)
+    kg_args = (torch.randn(bsz, n, 2 * hv, generator=g), torch.zeros(1), meta.decay_map, meta.decay_mask, gates,
+               torch.empty(bsz, hv, 6 * n + 3), decays)
+    FusedOp.registry["gdn_decays"].composite(*kg_args)
+    keys = torch.nn.functional.normalize(torch.randn(bsz * hv, 2 * n, dk, generator=g), dim=-1)
+    conv = torch.randn(n, bsz, hv * dv + 8, generator=g)  # value: a strided view of the conv buffer, as tree_layer's
+    value = conv.transpose(0, 1)[..., 8:].view(bsz, n, hv, dv).transpose(1, 2)
+    state = 0.3 * torch.randn(bsz * hv, dk, dv, generator=g) if prefix else None
+    args = (keys, value, state, decays, torch.empty(bsz, hv, 2 * n, n), torch.empty(bsz, hv, 2 * n, dv),
+            torch.full((bsz, hv, n, dv), float("nan")), torch.full((bsz, hv, n, dv), float("nan")))
+    with interpreter() as device:
+        got, want = _both("gdn_delta_rule", args, (6, 7), device)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b)
+    _one_op("gdn_delta_rule", args)

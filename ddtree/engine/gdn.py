@@ -12,8 +12,9 @@ correctness, not a compat row); it is inert outside a verification.
 The per-layer work is `tree_layer`: pure tensor code over the layer's inputs, the round's `TreeMeta`
 (conv-window index, decay map and mask: tensors built once per round on the device, shared by every
 layer) and the layer's `LayerConsts` (its weights in the layouts the math wants, built once per cache).
-It compiles with torch.compile(fullgraph=True); eager, it dispatches ~17 ops after the input projections
-and 3 for the gated output norm (docs/gdn-tree.md counts them).
+It compiles with torch.compile(fullgraph=True); eager, it dispatches 4 fused ops after the input projections
+(decays, conv, q/k norm, solve: ddtree.engine.kernels.gdn, one Triton kernel each on CUDA, the same torch ops as the
+compiled graph on the CPU) and 1 for the gated output norm (docs/gdn-tree.md counts them).
 
 The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
 
@@ -580,7 +581,8 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
 
     Pure tensor code (no host reads): compiles with fullgraph=True. conv_state (B, C, >= K) and recurrent_state
     (B, Hv, dk, dv) are the cache's (None: an empty cache); neither is written. Every intermediate lands in a buffer
-    of `bufs` through views made once (`_views`): the eager layer dispatches its ~24 kernels and almost no views.
+    of `bufs` through views made once (`_views`): the eager layer dispatches its projections, 5 fused ops and almost
+    no views.
     """
     bsz, n, _ = hidden_states.shape
     kernel = module.conv_kernel_size
@@ -635,6 +637,10 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     state0 = recurrent_state if recurrent_state is None or recurrent_state.dtype == f32 else recurrent_state.to(f32)
     if method == "recurrent":
         core = bufs.core.copy_(_recurrent_rule(qk, v.value, state0, meta, bufs))
+    elif not compiling:  # the solve below as one fused op (kernels.gdn.delta_rule)
+        kgdn.delta_rule(v.keys3, v.value, None if state0 is None else _state3(state0, v), bufs.decays, bufs.gram,
+                        bufs.from_state, bufs.deltas, bufs.core)
+        core = bufs.core
     else:
         # (batched matmuls as bmm on 3-d views: matmul's out= computes into a temporary and copies)
         torch.bmm(v.keys3, v.k_t, out=v.gram3)
@@ -696,8 +702,8 @@ def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
 
 
 def _gated_norm(core: torch.Tensor, z: torch.Tensor, consts: LayerConsts, bufs: LayerBuffers, v: _Views) -> torch.Tensor:
-    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); 3 ops (silu, one
-    F.rms_norm, one fused kernel on a GPU, and the product written in the model's dtype). core (B, Hv, T, dv).
+    """The module's RMSNormGated of o = core / sqrt(dk), times silu(z), into bufs.out: (B, T, Hv dv); one fused op
+    (kernels.gdn.gated_norm: F.rms_norm, silu, and the product written in the model's dtype). core (B, Hv, T, dv).
 
     weight * x / sqrt(mean(x^2) + eps) with x = core / sqrt(dk) is weight * core / sqrt(mean(core^2) + eps dk):
     rms_norm(core, weight, eps * dk) (norm_weight, norm_eps).

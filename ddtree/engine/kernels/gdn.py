@@ -10,13 +10,19 @@ eager only: a compiled graph fuses the composites itself).
   embedding_bag, the bias add, silu). `table` is the composite's scratch; the kernel reads the rows directly.
 * `gdn_qk_norm(qk, weight, eps, rows!)`: the q/k rows' rms_norm (the l2-norm, gdn.LayerConsts) copied into `rows`,
   once per value head of each key head (2 ops: rms_norm, copy_).
+* `gdn_delta_rule(keys, value, state, decays, gram!, from_state!, deltas!, core!)`: the chunk method's solve
+  (I + (K K^T * E)) d = v - exp(c) (K S_0) (unit lower triangular) into `deltas` (what the commit reads) and the
+  output (Q K^T * E) d + exp(c) (Q S_0) into `core` (7 ops: 3 bmm, mul_, addcmul, solve_triangular, addcmul_).
+  `gram` and `from_state` are the composite's scratch; the kernel, one program per value head and 32 value columns,
+  runs the forward substitution one row a step in registers.
 * `gdn_gated_norm(core, z, weight, eps, gate!, out!)`: rms_norm(core) * silu(z), silu rounded to z's dtype, the
   product written in `out`'s dtype (3 ops: rms_norm, silu, mul). `gate` is the composite's scratch.
 
 The composites are the torch ops `tree_layer` ran before (bitwise, the CPU's path); the Triton kernels compute the
 same values in float32 (their sums in another order: equal up to float32 rounding; tests/test_kernels_gdn.py).
 `decays` takes a looser first-call check than the others: X . Y is c_i - c_j + log beta_j computed from path sums of
-a few hundred, so any two summation orders (the CPU's mm, cuBLAS's, this kernel's) differ in E's last ~10 bits.
+a few hundred, so any two summation orders (the CPU's mm, cuBLAS's, this kernel's) differ in E's last ~10 bits;
+`delta_rule` one a little looser than float32's default (a solve in another order than cuBLAS's trsm).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch.nn.functional as F
 
 from ddtree.engine.kernels import FusedOp, jit_cache
 
-__all__ = ["conv", "decays", "gated_norm", "qk_norm"]
+__all__ = ["conv", "decays", "delta_rule", "gated_norm", "qk_norm"]
 
 
 # --------------------------------------------------------------------------- composites (CPU, Meta, CUDA fallback)
@@ -72,6 +78,29 @@ def _gated_norm(core: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     torch._C._nn.silu(z, out=gate)
     bsz, n, hv, dv = out.shape
     torch.mul(normed, gate.view(bsz, n, hv, dv).transpose(1, 2), out=out.transpose(1, 2))
+
+
+def _delta_rule(keys: torch.Tensor, value: torch.Tensor, state: torch.Tensor | None, decays: torch.Tensor,
+                gram: torch.Tensor, from_state: torch.Tensor, deltas: torch.Tensor, core: torch.Tensor) -> None:
+    """The chunk method's solve (gdn module docstring): keys (B Hv, 2T, dk) [q rows; k rows], value (B, Hv, T, dv),
+    state (B Hv, dk, dv) float32 or None (no prefix), decays (B Hv, T, T + 1) = E; gram (B, Hv, 2T, T) and
+    from_state (B, Hv, 2T, dv) scratch; d into deltas, the output into core (B, Hv, T, dv)."""
+    bsz, hv, n, dv = deltas.shape
+    gram3 = gram.view(bsz * hv, 2 * n, n)
+    torch.bmm(keys, keys[:, n:].transpose(1, 2), out=gram3)  # [Q; K] K^T
+    e = decays.view(bsz, hv, n, n + 1)
+    start = e[..., :1]  # exp(c_i)
+    gram.view(bsz, hv, 2, n, n).mul_(e[..., 1:].unsqueeze(2))  # times exp(c_i - c_j) beta_j on ancestors
+    if state is None:
+        rhs = value
+    else:
+        torch.bmm(keys, state, out=from_state.view(bsz * hv, 2 * n, dv))  # [Q; K] S_0
+        # the right side written where d goes: the solve then runs in place (no copy of it into its out=)
+        rhs = torch.addcmul(value, start, from_state[:, :, n:], value=-1, out=deltas)
+    torch.linalg.solve_triangular(gram[:, :, n:], rhs, upper=False, unitriangular=True, out=deltas)
+    torch.bmm(gram3[:, :n], deltas.view(bsz * hv, n, dv), out=core.view(bsz * hv, n, dv))
+    if state is not None:
+        core.addcmul_(start, from_state[:, :, :n])
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -216,7 +245,62 @@ def _kernels():
         tl.store(out_ptr + b * so_b + t * so_t + h * so_h + cols * so_d,
                  (normed * gate).to(out_ptr.dtype.element_ty), mask=ok)
 
-    return {"decays": decays_kernel, "conv": conv_kernel, "qk_norm": qk_norm_kernel, "gated_norm": gated_norm_kernel}
+    @triton.jit
+    def delta_rule_kernel(keys_ptr, value_ptr, state_ptr, dec_ptr, deltas_ptr, core_ptr, n, dk, dv, hv,
+                          sk_bh, sk_r, sk_d, sv_b, sv_h, sv_t, sv_d, ss_bh, ss_k, ss_v, se_bh, se_i,
+                          sd_bh, sd_t, sd_v, sc_bh, sc_t, sc_v,
+                          HAS_STATE: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DC: tl.constexpr,
+                          BV: tl.constexpr):
+        bh = tl.program_id(0).to(tl.int64)  # one value head, BV of its dv columns (the solve is per column)
+        b, h = bh // hv, bh % hv
+        vcols = tl.program_id(1) * BV + tl.arange(0, BV)
+        v_ok = vcols < dv
+        rows = tl.arange(0, BT)
+        r_ok = rows < n
+        dks = tl.arange(0, DK)
+        k_ok = dks < dk
+        kq = keys_ptr + bh * sk_bh
+        dec = dec_ptr + bh * se_bh
+        keys = tl.load(kq + (n + rows[:, None]) * sk_r + dks[None, :] * sk_d, mask=r_ok[:, None] & k_ok[None, :],
+                       other=0.0)
+        rhs = tl.load(value_ptr + b * sv_b + h * sv_h + rows[:, None] * sv_t + vcols[None, :] * sv_d,
+                      mask=r_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+        if HAS_STATE:  # v - exp(c) (K S_0)
+            s0 = tl.load(state_ptr + bh * ss_bh + dks[:, None] * ss_k + vcols[None, :] * ss_v,
+                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+            start = tl.load(dec + rows * se_i, mask=r_ok, other=0.0)
+            rhs = rhs - start[:, None] * tl.dot(keys, s0, input_precision="ieee")
+        # (I + L) d = rhs, L = (K K^T * E) strictly lower: forward substitution, one row a step; row i final, its
+        # multiple taken off the rows below (column i of L: K k_i times E's column i, those rows only)
+        d = tl.zeros([BT, BV], dtype=tl.float32)
+        for i in range(0, n):
+            here = (rows == i)[:, None]
+            d_i = tl.sum(tl.where(here, rhs, 0.0), axis=0)
+            d = tl.where(here, d_i[None, :], d)
+            k_i = tl.load(kq + (n + i) * sk_r + dks * sk_d, mask=k_ok, other=0.0)
+            e_i = tl.load(dec + rows * se_i + 1 + i, mask=r_ok & (rows > i), other=0.0)
+            rhs = rhs - (tl.sum(keys * k_i[None, :], axis=1) * e_i)[:, None] * d_i[None, :]
+        out_ok = r_ok[:, None] & v_ok[None, :]
+        tl.store(deltas_ptr + bh * sd_bh + rows[:, None] * sd_t + vcols[None, :] * sd_v, d, mask=out_ok)
+        # output: (Q K^T * E) d (+ exp(c) (Q S_0)); Q K^T in slices of dk
+        qk = tl.zeros([BT, BT], dtype=tl.float32)
+        for c0 in tl.static_range(0, DK, DC):
+            cs = c0 + tl.arange(0, DC)
+            c_ok = cs < dk
+            q_c = tl.load(kq + rows[:, None] * sk_r + cs[None, :] * sk_d, mask=r_ok[:, None] & c_ok[None, :],
+                          other=0.0)
+            k_c = tl.load(kq + (n + rows[None, :]) * sk_r + cs[:, None] * sk_d, mask=c_ok[:, None] & r_ok[None, :],
+                          other=0.0)
+            qk += tl.dot(q_c, k_c, input_precision="ieee")
+        e = tl.load(dec + rows[:, None] * se_i + 1 + rows[None, :], mask=r_ok[:, None] & r_ok[None, :], other=0.0)
+        out = tl.dot(qk * e, d, input_precision="ieee")
+        if HAS_STATE:
+            q = tl.load(kq + rows[:, None] * sk_r + dks[None, :] * sk_d, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            out += start[:, None] * tl.dot(q, s0, input_precision="ieee")
+        tl.store(core_ptr + bh * sc_bh + rows[:, None] * sc_t + vcols[None, :] * sc_v, out, mask=out_ok)
+
+    return {"decays": decays_kernel, "conv": conv_kernel, "qk_norm": qk_norm_kernel, "gated_norm": gated_norm_kernel,
+            "delta_rule": delta_rule_kernel}
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -276,6 +360,22 @@ def _launch_gated_norm(core, z, weight, eps, gate, out) -> None:
             BLOCK=block, num_warps=4 if block <= 2048 else 8)
 
 
+def _launch_delta_rule(keys, value, state, decays, gram, from_state, deltas, core) -> None:
+    import triton
+
+    bsz, hv, n, dv = deltas.shape
+    dk = keys.shape[-1]
+    d3, c3 = deltas.view(bsz * hv, n, dv), core.view(bsz * hv, n, dv)
+    assert decays.stride(2) == 1
+    bt, dkb = _pow2(n), _pow2(dk)
+    bv = min(32, _pow2(dv))
+    s3 = state if state is not None else keys
+    _kernels()["delta_rule"][(bsz * hv, triton.cdiv(dv, bv))](
+        keys, value, s3, decays, d3, c3, n, dk, dv, hv, *keys.stride(), *value.stride(), *s3.stride(),
+        decays.stride(0), decays.stride(1), *d3.stride(), *c3.stride(),
+        HAS_STATE=state is not None, BT=bt, DK=dkb, DC=min(32, dkb), BV=bv, num_warps=8 if bt * dkb >= 8192 else 4)
+
+
 _DECAYS = FusedOp("gdn_decays(Tensor ab, Tensor zero, Tensor decay_map, Tensor decay_mask, Tensor(a!) gates, "
                   "Tensor(b!) xy, Tensor(c!) decays) -> ()", _decays, _launch_decays, mutated=(4, 5, 6),
                   atol=1e-5, rtol=1e-3)
@@ -285,8 +385,12 @@ _QK_NORM = FusedOp("gdn_qk_norm(Tensor qk, Tensor weight, float eps, Tensor(a!) 
                    _launch_qk_norm, mutated=(3,))
 _GATED_NORM = FusedOp("gdn_gated_norm(Tensor core, Tensor z, Tensor weight, float eps, Tensor(a!) gate, "
                       "Tensor(b!) out) -> ()", _gated_norm, _launch_gated_norm, mutated=(5,))
+_DELTA_RULE = FusedOp("gdn_delta_rule(Tensor keys, Tensor value, Tensor? state, Tensor decays, Tensor(a!) gram, "
+                      "Tensor(b!) from_state, Tensor(c!) deltas, Tensor(d!) core) -> ()", _delta_rule,
+                      _launch_delta_rule, mutated=(6, 7), atol=1e-4, rtol=1e-4)
 
 decays = _DECAYS.op
 conv = _CONV.op
 qk_norm = _QK_NORM.op
 gated_norm = _GATED_NORM.op
+delta_rule = _DELTA_RULE.op
