@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ddtree
 from ddtree.engine import gdn
 from ddtree.engine.kernels import FusedOp
+from ddtree.engine.kernels import gdn as kernels
 from ddtree.engine.tree import tree_from_parents
 from ddtree.engine.verification import tree_verification
 from ddtree.testing.dispatch import DispatchCount
+from ddtree.testing.reference import ScriptedProposer, hf_greedy
+from ddtree.testing.tiny import tiny_model
 from ddtree.testing.triton import interpreter
 
 # a 9-node tree with branches (flat order, parents first); K = 4 reaches past the root for the shallow nodes
@@ -153,3 +157,36 @@ def test_delta_rule_kernel_matches_composite(prefix):
     for a, b in zip(got, want, strict=True):
         _close(a, b)
     _one_op("gdn_delta_rule", args)
+
+
+def test_delta_rule_over_128_nodes_runs_the_composite():
+    """Past the kernel's tiles (a tree of more than 128 nodes) the CUDA implementation is the composite: bitwise."""
+    g = torch.Generator().manual_seed(5)
+    n, hv, dk, dv = 129, 1, 16, 16
+    decays = torch.rand(hv, n, n + 1, generator=g).tril(1) * 0.5
+    keys = torch.nn.functional.normalize(torch.randn(hv, 2 * n, dk, generator=g), dim=-1)
+    value = torch.randn(1, hv, n, dv, generator=g)
+    state = torch.randn(hv, dk, dv, generator=g)
+    args = (keys, value, state, decays, torch.empty(1, hv, 2 * n, n), torch.empty(1, hv, 2 * n, dv),
+            torch.empty(1, hv, n, dv), torch.empty(1, hv, n, dv))
+    got, want = _both("gdn_delta_rule", args, (6, 7), "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.slow
+def test_engine_with_the_triton_kernels_is_lossless(monkeypatch):
+    """The layer's five fused ops run by their Triton kernels (the interpreter on a CPU) through whole generations on
+    a tiny hybrid: fp32 greedy output equals HF's (what a GPU runs, end to end; ~15 s in the interpreter)."""
+    calls = dict.fromkeys(("decays", "conv", "qk_norm", "delta_rule", "gated_norm"), 0)
+    for name in calls:
+        def run(*args, _op=FusedOp.registry[f"gdn_{name}"], _name=name):
+            calls[_name] += 1
+            return _op.run_triton(*args)
+        monkeypatch.setattr(kernels, name, run)
+    target = tiny_model("qwen3_5_text", seed=8, vocab_size=64)
+    ids = torch.randint(0, 64, (1, 14), generator=torch.Generator().manual_seed(4))
+    ref = hf_greedy(target, ids, 24)
+    with interpreter():
+        res = ddtree.generate(target, None, ids, max_new_tokens=24, proposer=ScriptedProposer(ref, 64, seed=1))
+    assert res.output_ids == ref
+    assert max(res.acceptance_lengths) >= 4 and min(calls.values()) >= 3 * res.rounds, calls

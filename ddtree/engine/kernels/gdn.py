@@ -14,7 +14,8 @@ eager only: a compiled graph fuses the composites itself).
   (I + (K K^T * E)) d = v - exp(c) (K S_0) (unit lower triangular) into `deltas` (what the commit reads) and the
   output (Q K^T * E) d + exp(c) (Q S_0) into `core` (7 ops: 3 bmm, mul_, addcmul, solve_triangular, addcmul_).
   `gram` and `from_state` are the composite's scratch; the kernel, one program per value head and 32 value columns,
-  runs the forward substitution one row a step in registers.
+  runs the forward substitution one row a step in registers (trees of up to 128 nodes; larger ones run the
+  composite).
 * `gdn_gated_norm(core, z, weight, eps, gate!, out!)`: rms_norm(core) * silu(z), silu rounded to z's dtype, the
   product written in `out`'s dtype (3 ops: rms_norm, silu, mul). `gate` is the composite's scratch.
 
@@ -309,6 +310,11 @@ def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 
 
+def _row_warps(block: int) -> int:
+    """Warps for a program normalising one row of `block` columns (a head's 128: one warp, shuffles only)."""
+    return max(1, min(8, block // 256))
+
+
 def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
     bsz, hv = gates.shape[0], gates.shape[1]
     n = decay_mask.shape[0]
@@ -347,7 +353,7 @@ def _launch_qk_norm(qk, weight, eps, rows) -> None:
     if bsz * n:
         _kernels()["qk_norm"][(bsz * n * 2 * hk,)](
             qk, weight, rows, dk, n, hk, r_count, eps, strides[0], strides[1], strides[2], strides[3], strides[5],
-            *rows.stride(), BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            *rows.stride(), BLOCK=block, num_warps=_row_warps(block))
 
 
 def _launch_gated_norm(core, z, weight, eps, gate, out) -> None:
@@ -357,7 +363,7 @@ def _launch_gated_norm(core, z, weight, eps, gate, out) -> None:
     if bsz * hv * n:
         _kernels()["gated_norm"][(bsz * hv * n,)](
             core, z, weight, gate, out, dv, n, hv, eps, *core.stride(), *z.stride(), *out.stride(),
-            BLOCK=block, num_warps=4 if block <= 2048 else 8)
+            BLOCK=block, num_warps=_row_warps(block))
 
 
 def _launch_delta_rule(keys, value, state, decays, gram, from_state, deltas, core) -> None:
@@ -368,6 +374,9 @@ def _launch_delta_rule(keys, value, state, decays, gram, from_state, deltas, cor
     d3, c3 = deltas.view(bsz * hv, n, dv), core.view(bsz * hv, n, dv)
     assert decays.stride(2) == 1
     bt, dkb = _pow2(n), _pow2(dk)
+    if bt > 128 or dkb > 256:  # (its tiles in registers and tl.dot's shared memory: trees up to 128 nodes)
+        _delta_rule(keys, value, state, decays, gram, from_state, deltas, core)
+        return
     bv = min(32, _pow2(dv))
     s3 = state if state is not None else keys
     _kernels()["delta_rule"][(bsz * hv, triton.cdiv(dv, bv))](
