@@ -13,8 +13,8 @@ The per-layer work is `tree_layer`: pure tensor code over the layer's inputs, th
 (conv-window index, decay map and mask: tensors built once per round on the device, shared by every
 layer) and the layer's `LayerConsts` (its weights in the layouts the math wants, built once per cache).
 It compiles with torch.compile(fullgraph=True); eager, it dispatches 4 fused ops after the input projections
-(decays, conv, q/k norm, solve: ddtree.engine.kernels.gdn, one Triton kernel each on CUDA, the same torch ops as the
-compiled graph on the CPU) and 1 for the gated output norm (docs/gdn-tree.md counts them).
+(decays, conv, q/k norm, solve: ddtree.engine.kernels.gdn, one Triton kernel each on CUDA, on the CPU the torch ops
+it ran before them) and 1 for the gated output norm (docs/gdn-tree.md counts them).
 
 The math (per value head, q and k l2-normalised, q scaled by dk^-1/2):
 
