@@ -239,15 +239,21 @@ class DispatchCount(TorchDispatchMode):
             stack.close()
 
     def __enter__(self):
-        self._booking_cm = self._booking()
-        self._booking_cm.__enter__()
+        # (re-entered by decompose=True's `with self:` inside __torch_dispatch__: the booking stays the outermost
+        # one's; booking again and closing on the inner exit would undo the outer patches, FusedOp.__call__'s too)
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth == 1:
+            self._booking_cm = self._booking()
+            self._booking_cm.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._booking_cm.__exit__(None, None, None)
+            self._depth -= 1
+            if self._depth == 0:
+                self._booking_cm.__exit__(None, None, None)
 
     def total(self, counter: collections.Counter, exclude: tuple[str, ...] = ("prefill",)) -> int:
         return sum(v for k, v in counter.items() if k not in exclude)
