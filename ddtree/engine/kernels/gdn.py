@@ -315,18 +315,30 @@ def _row_warps(block: int) -> int:
     return max(1, min(8, block // 256))
 
 
+def _bh(t: torch.Tensor) -> int | None:
+    """The stride between t's (batch, head) pairs where its first two dims collapse into one, else None (from the
+    tensor's metadata: no view dispatched, host time a launch-bound GPU pays)."""
+    return t.stride(1) if t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1) else None
+
+
 def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
     bsz, hv = gates.shape[0], gates.shape[1]
     n = decay_mask.shape[0]
-    ab3 = ab.reshape(bsz, n, 2 * hv)
-    g2, xy2 = gates.view(bsz * hv, -1), xy.view(bsz * hv, -1)
-    assert g2.stride(1) == 1 and xy2.stride(1) == 1 and decay_map.stride(1) == 1 and decay_mask.stride(1) == 1
-    assert decays.stride(2) == 1
+    if ab.dim() == 4:  # (B, T, 2, Hv): [a | b] channels 2 Hv apart where they collapse
+        sab_b, sab_t, s_ab, sab_c = ab.stride()
+        flat = s_ab == hv * sab_c
+    else:
+        (sab_b, sab_t, sab_c), flat = ab.stride(), True
+    sg, sxy = _bh(gates), _bh(xy)
+    if (not flat or sg is None or sxy is None or gates.stride(2) != 1 or xy.stride(2) != 1
+            or decay_map.stride(1) != 1 or decay_mask.stride(1) != 1 or decays.stride(2) != 1):
+        _decays(ab, zero, decay_map, decay_mask, gates, xy, decays)  # (layouts tree_layer does not make)
+        return
     bt = _pow2(n + 1)
     bi = max(16, min(bt, 4096 // bt))
     _kernels()["decays"][(bsz * hv,)](
-        ab3, g2, decay_map, decay_mask, xy2, decays, n, hv, ab3.stride(0), ab3.stride(1), ab3.stride(2),
-        g2.stride(0), decay_map.stride(0), decay_mask.stride(0), xy2.stride(0), decays.stride(0), decays.stride(1),
+        ab, gates, decay_map, decay_mask, xy, decays, n, hv, sab_b, sab_t, sab_c, sg, decay_map.stride(0),
+        decay_mask.stride(0), sxy, decays.stride(0), decays.stride(1),
         BT=bt, BI=bi, BM=16, num_warps=4 if bt <= 64 else 8)
 
 
@@ -335,12 +347,13 @@ def _launch_conv(past, mixed, taps, bias, index, offsets, extended, table, out) 
 
     bsz, n, channels = mixed.shape
     k = taps.shape[0]
-    taps2 = taps.view(k, channels)
-    assert taps2.stride(1) == 1 and (bias is None or bias.stride(0) == 1) and index.is_contiguous()
+    if taps.stride(3) != 1 or (bias is not None and bias.stride(0) != 1) or index.stride(0) != 1:
+        _conv(past, mixed, taps, bias, index, offsets, extended, table, out)  # (layouts tree_layer does not make)
+        return
     block = min(1024, triton.next_power_of_2(channels))
     _kernels()["conv"][(n, bsz, triton.cdiv(channels, block))](
-        past, mixed, taps2, taps2 if bias is None else bias, index, extended, out, n, channels,
-        *past.stride(), *mixed.stride(), taps2.stride(0), *extended.stride(), *out.stride(),
+        past, mixed, taps, taps if bias is None else bias, index, extended, out, n, channels,
+        *past.stride(), *mixed.stride(), taps.stride(0), *extended.stride(), *out.stride(),
         KERNEL=k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
 
@@ -371,18 +384,19 @@ def _launch_delta_rule(keys, value, state, decays, gram, from_state, deltas, cor
 
     bsz, hv, n, dv = deltas.shape
     dk = keys.shape[-1]
-    d3, c3 = deltas.view(bsz * hv, n, dv), core.view(bsz * hv, n, dv)
-    assert decays.stride(2) == 1
     bt, dkb = _pow2(n), _pow2(dk)
-    if bt > 128 or dkb > 256:  # (its tiles in registers and tl.dot's shared memory: trees up to 128 nodes)
+    sd, sc = _bh(deltas), _bh(core)
+    # (its tiles in registers and tl.dot's shared memory: trees of up to 128 nodes; and tree_layer's layouts)
+    if bt > 128 or dkb > 256 or sd is None or sc is None or decays.stride(2) != 1:
         _delta_rule(keys, value, state, decays, gram, from_state, deltas, core)
         return
     bv = min(32, _pow2(dv))
     s3 = state if state is not None else keys
     _kernels()["delta_rule"][(bsz * hv, triton.cdiv(dv, bv))](
-        keys, value, s3, decays, d3, c3, n, dk, dv, hv, *keys.stride(), *value.stride(), *s3.stride(),
-        decays.stride(0), decays.stride(1), *d3.stride(), *c3.stride(),
-        HAS_STATE=state is not None, BT=bt, DK=dkb, DC=min(32, dkb), BV=bv, num_warps=8 if bt * dkb >= 8192 else 4)
+        keys, value, s3, decays, deltas, core, n, dk, dv, hv, *keys.stride(), *value.stride(), *s3.stride(),
+        decays.stride(0), decays.stride(1), sd, deltas.stride(2), deltas.stride(3), sc, core.stride(2),
+        core.stride(3), HAS_STATE=state is not None, BT=bt, DK=dkb, DC=min(32, dkb), BV=bv,
+        num_warps=8 if bt * dkb >= 8192 else 4)
 
 
 _DECAYS = FusedOp("gdn_decays(Tensor ab, Tensor zero, Tensor decay_map, Tensor decay_mask, Tensor(a!) gates, "
