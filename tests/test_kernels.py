@@ -69,6 +69,8 @@ def test_cuda_first_call_checks_the_kernel(monkeypatch):
     assert torch.equal(op._cuda(x), x + 1)
     good = FusedOp("check_demo_ok(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 1)
     assert torch.equal(good._cuda(x), x + 1) and good.state == "triton"
+    good.launch = lambda x: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))  # a later shape fails
+    assert torch.equal(good._cuda(x), x + 1) and good.state == "composite"
 
 
 def test_row_stride_reads_views_without_copies():

@@ -67,7 +67,13 @@ class FusedOp:
 
     def _cuda(self, *args):
         if self.state == "triton":
-            return self.launch(*args)
+            try:
+                return self.launch(*args)
+            except Exception as exc:  # noqa: BLE001 -- a shape the first call did not see failed to build: a
+                # compile error raises before the launch, nothing written
+                self._fail(f"the Triton kernel failed on a new shape ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''})")
+                return self.composite(*args)
         if self.state == "composite" or self.launch is None or _setting() == "composite" or not _has_triton():
             self.state = "composite"
             return self.composite(*args)
