@@ -346,6 +346,21 @@ def table(structure: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def fused_ops_seen() -> list[list[str]]:
+    """[op, the implementation it ran (Triton after its first-call check, or the composite), timings] for each fused
+    op a CUDA run called; [] on the CPU (where every fused op is its composite)."""
+    from ddtree.engine.kernels import FusedOp
+
+    rows = []
+    for name, op in sorted(FusedOp.registry.items()):
+        if op.state == "unchecked":
+            continue
+        timed = ", ".join(f"{[list(k) for k in key if k is not None][0]}: {t[0]:.1f} / {t[1]:.1f}"
+                          for key, t in op.timings.items())
+        rows.append([name, "Triton" if op.state == "triton" else "composite", timed])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--structures", default="qwen3_6_27b,qwen3_8b")
@@ -449,6 +464,12 @@ def main() -> None:
         rec.table(f"{name}: predicted round ms (ceiling ms) by context", ["method", *(f"{c // 1024}k" for c in a.contexts)],
                   [[r["method"], *(f"{r['predicted'][str(c)]['round_ms']:.1f} ({r['predicted'][str(c)]['ceiling_ms']:.1f})"
                                    for c in a.contexts)] for r in rows])
+    fused = fused_ops_seen()
+    if fused:  # on CUDA: which implementation each fused op ran, and the timed ones' measurements
+        print("fused ops (ddtree.engine.kernels): " + "; ".join(f"{r[0]} {r[1]}" + (f" ({r[2]})" if r[2] else "")
+                                                             for r in fused))
+        rec.table("Fused ops on this device (ddtree.engine.kernels)", ["op", "runs", "timed (shapes: kernel / "
+                                                                      "composite us)"], fused)
     if drafter_rows:
         rec.table("Drafter forward by context (ms on this machine)", list(drafter_rows[0]),
                   [[round(v, 2) if isinstance(v, float) else v for v in row.values()] for row in drafter_rows])

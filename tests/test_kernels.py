@@ -81,3 +81,28 @@ def test_row_stride_reads_views_without_copies():
     assert kn._row_stride(x[:1]) == 32
     assert kn._row_stride(x[:, :1]) is None  # rows 32 apart within a batch, 384 across
     assert kn._row_stride(torch.zeros(7)) == 7
+
+
+def test_a_timed_kernel_runs_only_where_it_was_faster(monkeypatch):
+    """timed=True: after the first-call check, each new set of argument shapes times both implementations and keeps
+    the faster (the timer stubbed here: CUDA events need a GPU)."""
+    monkeypatch.setattr("ddtree.engine.kernels._has_triton", lambda: True)
+    ran = []
+    op = FusedOp("timed_demo(Tensor x) -> Tensor", lambda x: ran.append("composite") or x + 1,
+                 lambda x: ran.append("kernel") or x + 1, timed=True)
+    speed = {"kernel": 5.0, "composite": 3.0}  # us: the kernel is slower on small inputs, faster on large
+    monkeypatch.setattr("ddtree.engine.kernels._micros",
+                        lambda fn, args: speed["kernel" if fn is op.launch else "composite"] * args[0].numel())
+    small, large = torch.zeros(2), torch.zeros(8)
+    op._cuda(small)  # the first call: the check
+    assert op.state == "triton"
+    ran.clear()
+    op._cuda(small)
+    assert op.faster[((2,),)] is False and ran[-1] == "composite"
+    speed.update(kernel=1.0)
+    op._cuda(large)
+    assert op.faster[((8,),)] is True and ran[-1] == "kernel"
+    assert op.timings[((8,),)] == (8.0, 24.0)
+    ran.clear()
+    op._cuda(small)
+    assert ran == ["composite"]  # decided once per shape

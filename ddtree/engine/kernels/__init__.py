@@ -41,16 +41,23 @@ class FusedOp:
     Triton implementation on CUDA (None: not written for this op). `schema` names it and documents its arguments, in
     torch's schema syntax. mutated: positions of the arguments the op writes (`Tensor(a!)`); it then returns nothing.
     `FusedOp.op` is the op itself (call sites hold it); `run_triton(*args)` runs the Triton implementation directly
-    (tests)."""
+    (tests).
+
+    timed=True: a kernel whose speed against the composite is not obvious (a sequential loop replacing library
+    kernels): on the first CUDA call with each set of argument shapes, after the check, both are timed (CUDA events,
+    a few runs on copies) and the faster one runs for those shapes from then on (logged at INFO, `timings`)."""
 
     registry: dict[str, FusedOp] = {}
 
     def __init__(self, schema: str, composite: Callable, launch: Callable | None = None,
-                 mutated: Sequence[int] = (), atol: float | None = None, rtol: float | None = None):
+                 mutated: Sequence[int] = (), atol: float | None = None, rtol: float | None = None,
+                 timed: bool = False):
         name = schema.split("(", 1)[0]
         self.name, self.schema, self.composite, self.launch = name, schema, composite, launch
-        self.mutated, self.atol, self.rtol = tuple(mutated), atol, rtol
+        self.mutated, self.atol, self.rtol, self.timed = tuple(mutated), atol, rtol, timed
         self.state = "unchecked"  # -> "triton" (checked on its first CUDA call) or "composite"
+        self.faster: dict[tuple, bool] = {}  # timed: argument shapes -> whether the kernel was faster there
+        self.timings: dict[tuple, tuple[float, float]] = {}  # timed: shapes -> (kernel us, composite us)
         self.op = self
         FusedOp.registry[name] = self
 
@@ -67,6 +74,13 @@ class FusedOp:
 
     def _cuda(self, *args):
         if self.state == "triton":
+            if self.timed:
+                key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
+                faster = self.faster.get(key)
+                if faster is None:
+                    faster = self._timed(key, args)
+                if not faster:
+                    return self.composite(*args)
             try:
                 return self.launch(*args)
             except Exception as exc:  # noqa: BLE001 -- a shape the first call did not see failed to build: a
@@ -78,6 +92,23 @@ class FusedOp:
             self.state = "composite"
             return self.composite(*args)
         return self._first_call(args)
+
+    def _timed(self, key: tuple, args) -> bool:
+        """Times the kernel and the composite on copies of what they write (after a warm-up run each); records and
+        returns whether the kernel was faster."""
+        trial = list(args)
+        for i in self.mutated:
+            trial[i] = args[i].clone()
+
+        try:
+            kernel, composite = _micros(self.launch, trial), _micros(self.composite, trial)
+        except Exception as exc:  # noqa: BLE001 -- as in _cuda: a shape that fails to build
+            self._fail(f"the Triton kernel failed on a new shape ({type(exc).__name__})")
+            return False
+        self.timings[key], self.faster[key] = (kernel, composite), kernel < composite
+        log.info("ddtree::%s at %s: Triton %.1f us, composite %.1f us: %s runs", self.name,
+                 [k for k in key if k is not None], kernel, composite, "Triton" if kernel < composite else "composite")
+        return kernel < composite
 
     def _fail(self, message: str) -> None:
         if _setting() == "strict":
@@ -107,6 +138,18 @@ class FusedOp:
             return want
         self.state = "triton"
         return want
+
+
+def _micros(fn: Callable, args: list, runs: int = 5) -> float:
+    """fn(*args)'s mean CUDA time over `runs` after one warm-up run, in microseconds (CUDA events)."""
+    fn(*args)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn(*args)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000.0 / runs
 
 
 def _tensors(x) -> list[torch.Tensor]:

@@ -410,7 +410,8 @@ _GATED_NORM = FusedOp("gdn_gated_norm(Tensor core, Tensor z, Tensor weight, floa
                       "Tensor(b!) out) -> ()", _gated_norm, _launch_gated_norm, mutated=(5,))
 _DELTA_RULE = FusedOp("gdn_delta_rule(Tensor keys, Tensor value, Tensor? state, Tensor decays, Tensor(a!) gram, "
                       "Tensor(b!) from_state, Tensor(c!) deltas, Tensor(d!) core) -> ()", _delta_rule,
-                      _launch_delta_rule, mutated=(6, 7), atol=1e-4, rtol=1e-4)
+                      _launch_delta_rule, mutated=(6, 7), atol=1e-4, rtol=1e-4,
+                      timed=True)  # (a row-by-row loop against cuBLAS's solve: the faster one runs, per tree size)
 
 decays = _DECAYS.op
 conv = _CONV.op
