@@ -6,7 +6,6 @@ selection of `budget` prefixes under the drafter's per-position log-probabilitie
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 
 from ddtree.engine.host import host_branch
+from ddtree.engine.kernels.tree import _ancestor_index, _ancestor_matrix, _tree_build, tree_build
 
 try:  # the host tree build in C (setup.py compiles it where a compiler is found)
     from ddtree.engine import _hosttree
@@ -151,26 +151,9 @@ def tree_size(budget: int, L: int, V: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def _selection_constants(budget: int, L: int, V: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """best_first_tensors' constants, built once per device: (parent rank p, child rank r) of the candidates a depth
-    keeps, the root's list, depth 1's list tail, each candidate's parent cell, the token ids, -1.
-
-    A depth's candidates are pairs (p, r): the p-th best node of the depth above and its child of rank r. Only pairs
-    with (p + 1)(r + 1) <= budget can be among a depth's best `budget`: every (p', r') <= (p, r) is at least as good
-    (both lists are sorted) and comes earlier (p-major), and there are (p + 1)(r + 1) of them. Listed p-major: the
-    definition's order among equal scores (the parent earlier, then the lower rank); the first `budget` are (0, r)."""
-    ps, rs = [], []
-    for p in range(budget):
-        ps += [p] * (budget // (p + 1))
-        rs += range(budget // (p + 1))
-    nothing = torch.full((len(ps),), math.nan, device=device)  # NaN: no candidate (sorts last)
-    root_list = nothing.clone()  # the depth-0 list: the root (cost 0), then nothing
-    root_list[0] = 0.0
-    tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
-    parent_rank = tensor(ps)
-    parent_cell = torch.arange(0, L * budget, budget, device=device)[:, None] + parent_rank  # [L, pairs]: at depth d + 1
-    return (parent_rank, tensor(rs), root_list, nothing[budget:], parent_cell, torch.arange(V, device=device),
-            tensor([-1]))
+def _token_ids(V: int, device: torch.device) -> torch.Tensor:
+    """best_first_tensors' token ids (the top-k keys' low bits), built once per device."""
+    return torch.arange(V, device=device)
 
 
 def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
@@ -184,14 +167,20 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
     the next depth's list. A depth's best `budget` contain every node of it the tree selects (any other has `budget`
     better ones at that depth), and the children of nodes outside it are outside too. The tree is then the first nodes
     of one stable sort of all depths' lists (root first, depth-major: equal costs prefer the shallower), laid out
-    depth-major.
+    depth-major. Everything after the top-k is one fused op, `ddtree::tree_build` (ddtree.engine.kernels.tree: those
+    torch ops on a CPU and inside a compiled graph, one Triton launch on CUDA).
     """
     L, V = logprobs.shape
-    dev = logprobs.device
-    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
-    constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
-    parent_rank, child_rank, root_list, tail, parent_cell, token_id, minus_one = constants(budget, L, V, dev)
+    cost, ranked = _ranked_costs(logprobs, budget)
     n = 1 + tree_size(budget, L, V)
+    return (_tree_build if torch.compiler.is_compiling() else tree_build)(cost, ranked, root, n)
+
+
+def _ranked_costs(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """best_first_tensors' ranks: each position's best `budget` costs and tokens, ([L, budget] float32, long)."""
+    L, V = logprobs.shape
+    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
+    token_id = (_token_ids.__wrapped__ if torch.compiler.is_compiling() else _token_ids)(V, logprobs.device)
     cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
     key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
     key.bitwise_left_shift_(32).bitwise_or_(token_id)  # (in place: a full row of int64 is the build's largest write)
@@ -200,40 +189,7 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
     if V < budget:  # ranks past the vocabulary: nothing
         cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
         ranked = torch.nn.functional.pad(ranked, (0, budget - V))
-    child_cost = cost.index_select(1, child_rank).unbind(0)
-    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
-    lists, pairs = [root_list, torch.cat([cost[0], tail])], [child_rank]
-    for d in range(1, L):
-        best, pair = torch.sort(lists[-1].index_select(0, parent_rank) + child_cost[d], stable=True)
-        lists.append(best)
-        pairs.append(pair)
-    grid = torch.stack(lists)[:, :budget].reshape(-1)  # cell d * budget + j: the j-th best of depth d (root: cell 0)
-    cells = torch.sort(grid, stable=True).indices[:n].sort().values  # the tree's cells, depth-major: the flat layout
-    pair = torch.stack(pairs)[:, :budget]  # [L, budget]: the pair behind each cell of depths 1..L
-    below = cells[1:] - budget  # the nodes' cells in `pair`
-    tokens = torch.cat([root.reshape(1).to(dev, torch.long), ranked.gather(1, child_rank[pair]).view(-1)[below]])
-    parent_of = parent_cell.gather(1, pair).view(-1)[below]
-    parents = torch.cat([minus_one, torch.searchsorted(cells, parent_of)])  # a parent's flat index: its place in cells
-    depths = torch.div(cells, budget, rounding_mode="floor")
-    scores = 0.0 - grid[cells]
-    aidx = _ancestor_index(parents, min(L, n - 1))
-    return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)
-
-
-def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
-    """aidx[i, h] = the h-th ancestor of i (the root repeats past it), h <= bound: by doubling, three ops a doubling."""
-    up = parents.clamp(min=0)
-    hops = torch.stack([torch.arange(parents.shape[0], device=parents.device), up], dim=1)  # hops 0 and 1
-    far = up  # the hops.shape[1] / 2-th ancestor
-    while hops.shape[1] <= bound:  # hops w.. 2w - 1 of i: hops 0.. w - 1 of its w-th ancestor
-        far = far[far]
-        hops = torch.cat([hops, hops[far]], dim=1)
-    return hops if hops.shape[1] == bound + 1 else hops[:, : bound + 1]
-
-
-def _ancestor_matrix(aidx: torch.Tensor) -> torch.Tensor:
-    n = aidx.shape[0]
-    return torch.zeros(n, n, dtype=torch.bool, device=aidx.device).scatter_(1, aidx, True)
+    return cost, ranked
 
 
 def _best_first_host(root: torch.Tensor, logprobs: torch.Tensor, budget: int) -> DraftTree:

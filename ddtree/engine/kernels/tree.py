@@ -1,0 +1,231 @@
+"""DDTree's best-first tree build after the per-position top-k as one launch: `ddtree::tree_build`.
+
+`ddtree.engine.tree.best_first_tensors` ranks each position's tokens (one top-k) and then builds the tree: depth by
+depth, the candidate pairs' costs, a stable sort and the best `budget` (three ops a depth), then the tree's cells
+(one global stable sort of the depths' lists) and their tokens, parents, depths, scores, ancestor index and ancestor
+matrix (about 35 ops): ~80 launches a round on a GPU without graphs. The composite here is exactly those ops (what
+best_first_tensors ran before, bitwise; a compiled graph calls it directly); the Triton kernel does all of it in one
+program of one launch:
+
+* each sort is `tl.sort` of unique int64 keys (the float32 cost's bits << 32 | the index): costs are >= +0.0, so their
+  bits order as they do, NaN (no candidate) is made one bit pattern above +inf and sorts last, and equal costs keep
+  the index order, as torch's stable sort does;
+* a depth's pairs read the depth above's list through a global scratch row (stored, `tl.debug_barrier()`, then the
+  gathered load), and a pair's cost is the parent's plus the child's in float32, the composite's one rounding;
+* the global selection keeps the best cells of the lists seen so far, merged one depth at a time (a sort of twice the
+  tree's size), then sorts the chosen cells into the flat layout;
+* a parent's flat index is the count of the tree's cells below the parent's cell (searchsorted's answer), the
+  ancestor index repeated parent lookups (the root repeats past itself), the ancestor matrix zeros then a True at
+  every (node, ancestor) pair, as the composite's scatter.
+
+cost [L, budget] float32 (costs >= +0.0, NaN past the vocabulary), ranked [L, budget] long (the tokens by rank),
+root (the root token, any integer tensor of one element), n (the tree's nodes, root included); returns (tokens,
+parents, depths, scores, aidx, anc) as `best_first_tensors` documents.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from functools import lru_cache
+
+import torch
+
+from ddtree.engine.kernels import FusedOp, jit_cache
+
+__all__ = ["tree_build"]
+
+
+@lru_cache(maxsize=64)
+def _selection_constants(budget: int, L: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The tree build's constants, built once per device: (parent rank p, child rank r) of the candidates a depth
+    keeps, the root's list, depth 1's list tail, each candidate's parent cell, -1.
+
+    A depth's candidates are pairs (p, r): the p-th best node of the depth above and its child of rank r. Only pairs
+    with (p + 1)(r + 1) <= budget can be among a depth's best `budget`: every (p', r') <= (p, r) is at least as good
+    (both lists are sorted) and comes earlier (p-major), and there are (p + 1)(r + 1) of them. Listed p-major: the
+    definition's order among equal scores (the parent earlier, then the lower rank); the first `budget` are (0, r)."""
+    ps, rs = [], []
+    for p in range(budget):
+        ps += [p] * (budget // (p + 1))
+        rs += range(budget // (p + 1))
+    nothing = torch.full((len(ps),), math.nan, device=device)  # NaN: no candidate (sorts last)
+    root_list = nothing.clone()  # the depth-0 list: the root (cost 0), then nothing
+    root_list[0] = 0.0
+    tensor = functools.partial(torch.tensor, dtype=torch.long, device=device)
+    parent_rank = tensor(ps)
+    parent_cell = torch.arange(0, L * budget, budget, device=device)[:, None] + parent_rank  # [L, pairs]: at depth d + 1
+    return parent_rank, tensor(rs), root_list, nothing[budget:], parent_cell, tensor([-1])
+
+
+def _tree_build(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    """The composite: best_first_tensors' ops from the ranks' costs on (see its docstring)."""
+    L, budget = cost.shape
+    dev = cost.device
+    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
+    constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
+    parent_rank, child_rank, root_list, tail, parent_cell, minus_one = constants(budget, L, dev)
+    child_cost = cost.index_select(1, child_rank).unbind(0)
+    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
+    lists, pairs = [root_list, torch.cat([cost[0], tail])], [child_rank]
+    for d in range(1, L):
+        best, pair = torch.sort(lists[-1].index_select(0, parent_rank) + child_cost[d], stable=True)
+        lists.append(best)
+        pairs.append(pair)
+    grid = torch.stack(lists)[:, :budget].reshape(-1)  # cell d * budget + j: the j-th best of depth d (root: cell 0)
+    cells = torch.sort(grid, stable=True).indices[:n].sort().values  # the tree's cells, depth-major: the flat layout
+    pair = torch.stack(pairs)[:, :budget]  # [L, budget]: the pair behind each cell of depths 1..L
+    below = cells[1:] - budget  # the nodes' cells in `pair`
+    tokens = torch.cat([root.reshape(1).to(dev, torch.long), ranked.gather(1, child_rank[pair]).view(-1)[below]])
+    parent_of = parent_cell.gather(1, pair).view(-1)[below]
+    parents = torch.cat([minus_one, torch.searchsorted(cells, parent_of)])  # a parent's flat index: its place in cells
+    depths = torch.div(cells, budget, rounding_mode="floor")
+    scores = 0.0 - grid[cells]
+    aidx = _ancestor_index(parents, min(L, n - 1))
+    return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)
+
+
+def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
+    """aidx[i, h] = the h-th ancestor of i (the root repeats past it), h <= bound: by doubling, three ops a doubling."""
+    up = parents.clamp(min=0)
+    hops = torch.stack([torch.arange(parents.shape[0], device=parents.device), up], dim=1)  # hops 0 and 1
+    far = up  # the hops.shape[1] / 2-th ancestor
+    while hops.shape[1] <= bound:  # hops w.. 2w - 1 of i: hops 0.. w - 1 of its w-th ancestor
+        far = far[far]
+        hops = torch.cat([hops, hops[far]], dim=1)
+    return hops if hops.shape[1] == bound + 1 else hops[:, : bound + 1]
+
+
+def _ancestor_matrix(aidx: torch.Tensor) -> torch.Tensor:
+    n = aidx.shape[0]
+    return torch.zeros(n, n, dtype=torch.bool, device=aidx.device).scatter_(1, aidx, True)
+
+
+@jit_cache()
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tree_build_kernel(cost_ptr, ranked_ptr, root_ptr, prank_ptr, crank_ptr,
+                          tok_ptr, par_ptr, dep_ptr, score_ptr, aidx_ptr, anc_ptr,
+                          grid_ptr, pair_ptr, cell_ptr, L, P, n, bound,
+                          B: tl.constexpr, PP: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr,
+                          ZB: tl.constexpr):
+        LAST: tl.constexpr = 0x7FFFFFFFFFFFFFFF  # past every key: padding
+        LOW: tl.constexpr = 0xFFFFFFFF
+        NAN_BITS: tl.constexpr = 0x7FC00000
+        # grid (scratch) [L + 1, B] float32: each depth's best B costs (row 0: the root, then NaN); pairs (scratch)
+        # [L, B] int32: the pair behind each cell of depths 1..L; cells (scratch) [n]: the tree's cells in order
+        j = tl.arange(0, NB)
+        in_row = j < B
+        nan = tl.full([NB], NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+        tl.store(grid_ptr + j, tl.where(j == 0, 0.0, nan), mask=in_row)
+        tl.store(grid_ptr + B + j, tl.load(cost_ptr + j, mask=in_row, other=0.0), mask=in_row)
+        tl.store(pair_ptr + j, j.to(tl.int32), mask=in_row)  # depth 1: pair j is the root's child of rank j
+        tl.debug_barrier()
+
+        # depth by depth: the pairs' costs (parent's + child's), sorted; the best B are the next depth's list
+        q = tl.arange(0, PP)
+        in_pairs = q < P
+        prank = tl.load(prank_ptr + q, mask=in_pairs, other=0)
+        crank = tl.load(crank_ptr + q, mask=in_pairs, other=0)
+        for d in range(1, L):
+            row = d * B  # (at most 32 * 512: int32 is wide enough)
+            parent = tl.load(grid_ptr + row + prank, mask=in_pairs, other=0.0)
+            child = tl.load(cost_ptr + row + crank, mask=in_pairs, other=0.0)
+            v = parent + child
+            bits = tl.where(v != v, NAN_BITS, v.to(tl.int32, bitcast=True))  # NaN: one pattern, above +inf
+            key = tl.where(in_pairs, (bits.to(tl.int64) << 32) | q, LAST)  # unique keys ordered as a stable sort
+            key = tl.sort(key)
+            best = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            tl.store(grid_ptr + row + B + q, best, mask=q < B)
+            tl.store(pair_ptr + row + q, (key & LOW).to(tl.int32), mask=q < B)
+            tl.debug_barrier()
+
+        # the tree's cells: the best NB of all cells (key: cost, cell), kept across the depths; then in cell order
+        m = tl.arange(0, 2 * NB)
+        kept = tl.full([2 * NB], LAST, tl.int64)
+        jm = m - NB
+        in_new = (m >= NB) & (jm < B)
+        for d in range(0, L + 1):
+            cell = d * B + jm
+            v = tl.load(grid_ptr + cell, mask=in_new, other=0.0)
+            bits = tl.where(v != v, NAN_BITS, v.to(tl.int32, bitcast=True))
+            new = tl.where(in_new, (bits.to(tl.int64) << 32) | cell, LAST)
+            kept = tl.sort(tl.where(m < NB, kept, new))
+        cells = tl.sort(tl.where(m < n, kept & LOW, LAST))
+        tl.store(cell_ptr + m, cells, mask=m < n)
+        tl.debug_barrier()
+
+        # the nodes: token, depth, score, and the parent's flat index (the count of cells below the parent's cell)
+        i = tl.arange(0, NB)
+        live = i < n
+        node = live & (i > 0)
+        c = tl.load(cell_ptr + i, mask=live, other=0)
+        depth = c // B
+        above = tl.maximum(depth - 1, 0) * B
+        pair = tl.load(pair_ptr + above + c % B, mask=node, other=0)
+        crank_i = tl.load(crank_ptr + pair, mask=node, other=0)
+        prank_i = tl.load(prank_ptr + pair, mask=node, other=0)
+        token = tl.load(ranked_ptr + above + crank_i, mask=node, other=0)
+        token = tl.where(i == 0, tl.load(root_ptr).to(tl.int64), token)
+        parent_cell = above + prank_i
+        count = tl.zeros([NB], tl.int64)
+        for k0 in range(0, n, KB):
+            k = k0 + tl.arange(0, KB)
+            ck = tl.load(cell_ptr + k, mask=k < n, other=LAST)
+            count += tl.sum((ck[None, :] < parent_cell[:, None]).to(tl.int64), axis=1)
+        score = 0.0 - tl.load(grid_ptr + c, mask=live, other=0.0)
+        tl.store(tok_ptr + i, token, mask=live)
+        tl.store(par_ptr + i, tl.where(i == 0, -1, count), mask=live)
+        tl.store(dep_ptr + i, depth, mask=live)
+        tl.store(score_ptr + i, score, mask=live)
+
+        # the ancestor matrix's zeros, then (after the barrier: parents and zeros written) the ancestor index and a
+        # True at each (node, ancestor)
+        total = n * n
+        for z0 in range(0, total, ZB):
+            z = z0 + tl.arange(0, ZB)
+            tl.store(anc_ptr + z, tl.zeros([ZB], tl.int1), mask=z < total)
+        tl.debug_barrier()
+        width = bound + 1
+        cur = i.to(tl.int64)
+        for h in range(0, width):
+            tl.store(aidx_ptr + i * width + h, cur, mask=live)
+            tl.store(anc_ptr + i * n + cur, tl.full([NB], 1, tl.int1), mask=live)
+            cur = tl.maximum(tl.load(par_ptr + cur, mask=live, other=0), 0)
+
+    return tree_build_kernel
+
+
+def _launch(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
+    import triton
+
+    L, budget = cost.shape
+    if (cost.dtype != torch.float32 or ranked.dtype != torch.long or ranked.shape != cost.shape
+            or not cost.is_contiguous() or not ranked.is_contiguous() or root.numel() != 1 or not 1 <= n <= budget + 1):
+        return _tree_build(cost, ranked, root, n)  # other layouts: the composite
+    dev = cost.device
+    parent_rank, child_rank = _selection_constants(budget, L, dev)[:2]
+    pairs = parent_rank.shape[0]
+    bound = min(L, n - 1)
+    root = root.reshape(1).to(dev, torch.long)
+    long = functools.partial(torch.empty, dtype=torch.long, device=dev)
+    tokens, parents, depths, aidx, cells = long(n), long(n), long(n), long(n, bound + 1), long(n)
+    scores = torch.empty(n, dtype=torch.float32, device=dev)
+    anc = torch.empty(n, n, dtype=torch.bool, device=dev)
+    grid = torch.empty((L + 1) * budget, dtype=torch.float32, device=dev)
+    pair = torch.empty(L * budget, dtype=torch.int32, device=dev)
+    nb = max(16, triton.next_power_of_2(max(budget, n)))
+    pp = max(16, triton.next_power_of_2(pairs))
+    _kernels()[(1,)](cost, ranked, root, parent_rank, child_rank, tokens, parents, depths, scores, aidx, anc, grid,
+                     pair, cells, L, pairs, n, bound, B=budget, PP=pp, NB=nb, KB=max(16, min(nb, 8192 // nb)),
+                     ZB=1024, num_warps=4 if pp <= 1024 else 8)
+    return tokens, parents, depths, scores, aidx, anc
+
+
+_TREE_BUILD = FusedOp("tree_build(Tensor cost, Tensor ranked, Tensor root, int n) -> "
+                      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _tree_build, _launch)
+
+tree_build = _TREE_BUILD.op
