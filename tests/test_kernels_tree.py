@@ -97,3 +97,38 @@ def test_the_kernel_on_cuda_at_real_budgets():
             through = best_first_tensors(args[2], logprobs, budget)
             assert all(torch.equal(a, b) for a, b in zip(through, want, strict=True)), (budget, L, V, seed)
     assert op.state == "triton"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [16, 64])
+def test_kernel_compiles_for_sm90_without_a_gpu(budget, tmp_path):
+    """The kernel through Triton's real compiler (not the interpreter, which is lax about types) to an sm_90 (H100 /
+    H200) binary: no GPU needed, only Triton's NVIDIA backend (5-10 s a budget)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    code = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from ddtree.engine.kernels import tree as kt
+budget = {budget}
+pairs = sum(budget // (p + 1) for p in range(budget))
+meta = dict(kt._meta(budget, pairs, budget + 1))
+warps = meta.pop("num_warps")
+sig = {{name: "*i64" for name in ("ranked_ptr", "root_ptr", "prank_ptr", "crank_ptr", "tok_ptr", "par_ptr", "dep_ptr",
+                                  "aidx_ptr", "cell_ptr")}}
+sig.update(cost_ptr="*fp32", score_ptr="*fp32", grid_ptr="*fp32", anc_ptr="*i1", pair_ptr="*i32", L="i32", P="i32",
+           n="i32", bound="i32", **{{k: "constexpr" for k in meta}})
+fn = kt._kernels()
+sig = {{name: sig[name] for name in fn.arg_names}}
+kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=meta),
+                        target=GPUTarget("cuda", 90, 32), options={{"num_warps": warps}})
+assert "cubin" in kernel.asm
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -3,7 +3,8 @@
 `ddtree.engine.tree.best_first_tensors` ranks each position's tokens (one top-k) and then builds the tree: depth by
 depth, the candidate pairs' costs, a stable sort and the best `budget` (three ops a depth), then the tree's cells
 (one global stable sort of the depths' lists) and their tokens, parents, depths, scores, ancestor index and ancestor
-matrix (about 35 ops): ~80 launches a round on a GPU without graphs. The composite here is exactly those ops (what
+matrix (about 35 ops): about 85 ops at budget 64 and 15 positions, each a launch on a GPU without graphs (the views
+aside). The composite here is exactly those ops (what
 best_first_tensors ran before, bitwise; a compiled graph calls it directly); the Triton kernel does all of it in one
 program of one launch:
 
@@ -113,8 +114,9 @@ def _kernels():
                           B: tl.constexpr, PP: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr,
                           ZB: tl.constexpr):
         LAST: tl.constexpr = 0x7FFFFFFFFFFFFFFF  # past every key: padding
-        LOW: tl.constexpr = 0xFFFFFFFF
+        LOW: tl.constexpr = 0x7FFFFFFF  # the index bits (indices < 2 ** 31; an int32 mask, no unsigned constant)
         NAN_BITS: tl.constexpr = 0x7FC00000
+        NAN_KEY: tl.constexpr = 0x7FC0000000000000  # NaN_BITS << 32
         # grid (scratch) [L + 1, B] float32: each depth's best B costs (row 0: the root, then NaN); pairs (scratch)
         # [L, B] int32: the pair behind each cell of depths 1..L; cells (scratch) [n]: the tree's cells in order
         j = tl.arange(0, NB)
@@ -145,10 +147,10 @@ def _kernels():
 
         # the tree's cells: the best NB of all cells (key: cost, cell), kept across the depths; then in cell order
         m = tl.arange(0, 2 * NB)
-        kept = tl.full([2 * NB], LAST, tl.int64)
+        kept = tl.where(m == 0, 0, tl.where(m < B, m.to(tl.int64) | NAN_KEY, LAST))  # depth 0, sorted
         jm = m - NB
         in_new = (m >= NB) & (jm < B)
-        for d in range(0, L + 1):
+        for d in range(1, L + 1):
             cell = d * B + jm
             v = tl.load(grid_ptr + cell, mask=in_new, other=0.0)
             bits = tl.where(v != v, NAN_BITS, v.to(tl.int32, bitcast=True))
@@ -170,15 +172,15 @@ def _kernels():
         prank_i = tl.load(prank_ptr + pair, mask=node, other=0)
         token = tl.load(ranked_ptr + above + crank_i, mask=node, other=0)
         token = tl.where(i == 0, tl.load(root_ptr).to(tl.int64), token)
-        parent_cell = above + prank_i
-        count = tl.zeros([NB], tl.int64)
+        parent_cell = (above + prank_i).to(tl.int32)  # (cells < 2 ** 31: compared in int32, a tile of KB columns)
+        count = tl.zeros([NB], tl.int32)
         for k0 in range(0, n, KB):
             k = k0 + tl.arange(0, KB)
-            ck = tl.load(cell_ptr + k, mask=k < n, other=LAST)
-            count += tl.sum((ck[None, :] < parent_cell[:, None]).to(tl.int64), axis=1)
+            ck = tl.load(cell_ptr + k, mask=k < n, other=LOW).to(tl.int32)
+            count += tl.sum((ck[None, :] < parent_cell[:, None]).to(tl.int32), axis=1)
         score = 0.0 - tl.load(grid_ptr + c, mask=live, other=0.0)
         tl.store(tok_ptr + i, token, mask=live)
-        tl.store(par_ptr + i, tl.where(i == 0, -1, count), mask=live)
+        tl.store(par_ptr + i, tl.where(i == 0, -1, count).to(tl.int64), mask=live)
         tl.store(dep_ptr + i, depth, mask=live)
         tl.store(score_ptr + i, score, mask=live)
 
@@ -200,12 +202,11 @@ def _kernels():
 
 
 def _launch(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    import triton
-
     L, budget = cost.shape
     if (cost.dtype != torch.float32 or ranked.dtype != torch.long or ranked.shape != cost.shape
-            or not cost.is_contiguous() or not ranked.is_contiguous() or root.numel() != 1 or not 1 <= n <= budget + 1):
-        return _tree_build(cost, ranked, root, n)  # other layouts: the composite
+            or not cost.is_contiguous() or not ranked.is_contiguous() or root.numel() != 1 or not 1 <= n <= budget + 1
+            or budget > 1024):
+        return _tree_build(cost, ranked, root, n)  # other layouts, and trees past one program's registers: the composite
     dev = cost.device
     parent_rank, child_rank = _selection_constants(budget, L, dev)[:2]
     pairs = parent_rank.shape[0]
@@ -217,12 +218,22 @@ def _launch(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int
     anc = torch.empty(n, n, dtype=torch.bool, device=dev)
     grid = torch.empty((L + 1) * budget, dtype=torch.float32, device=dev)
     pair = torch.empty(L * budget, dtype=torch.int32, device=dev)
+    _kernels()[(1,)](cost, ranked, root, parent_rank, child_rank, tokens, parents, depths, scores, aidx, anc, grid,
+                     pair, cells, L, pairs, n, bound, **_meta(budget, pairs, n))
+    return tokens, parents, depths, scores, aidx, anc
+
+
+@lru_cache(maxsize=64)
+def _meta(budget: int, pairs: int, n: int) -> dict[str, int]:
+    """The kernel's block sizes (powers of 2, at least 16) and warps: PP over the candidate pairs, NB over a depth's
+    list and the tree, KB the columns of the parent count's [NB, KB] tile, ZB the ancestor matrix's zeros. (Cached:
+    not to be changed.)"""
+    import triton
+
     nb = max(16, triton.next_power_of_2(max(budget, n)))
     pp = max(16, triton.next_power_of_2(pairs))
-    _kernels()[(1,)](cost, ranked, root, parent_rank, child_rank, tokens, parents, depths, scores, aidx, anc, grid,
-                     pair, cells, L, pairs, n, bound, B=budget, PP=pp, NB=nb, KB=max(16, min(nb, 8192 // nb)),
-                     ZB=1024, num_warps=4 if pp <= 1024 else 8)
-    return tokens, parents, depths, scores, aidx, anc
+    return {"B": budget, "PP": pp, "NB": nb, "KB": max(16, min(nb, 4096 // nb)), "ZB": 1024,
+            "num_warps": 4 if pp <= 1024 else 8}
 
 
 _TREE_BUILD = FusedOp("tree_build(Tensor cost, Tensor ranked, Tensor root, int n) -> "
