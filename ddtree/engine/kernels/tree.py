@@ -233,7 +233,7 @@ def _meta(budget: int, pairs: int, n: int) -> dict[str, int]:
     nb = max(16, triton.next_power_of_2(max(budget, n)))
     pp = max(16, triton.next_power_of_2(pairs))
     return {"B": budget, "PP": pp, "NB": nb, "KB": max(16, min(nb, 4096 // nb)), "ZB": 1024,
-            "num_warps": 4 if pp <= 1024 else 8}
+            "num_warps": 4 if pp <= 1024 else 8 if pp <= 4096 else 16}
 
 
 _TREE_BUILD = FusedOp("tree_build(Tensor cost, Tensor ranked, Tensor root, int n) -> "
