@@ -143,26 +143,32 @@ def test_gated_norm_kernel_matches_composite(dtype):
     _one_op("gdn_gated_norm", args)
 
 
-@pytest.mark.parametrize(("prefix", "parents"), [(True, PARENTS), (False, PARENTS), (True, BIG)],
-                         ids=["state", "no_state", "65_nodes"])
-def test_delta_rule_kernel_matches_composite(prefix, parents):
-    """The solve, its products and the output, on a tree's real E (gdn_decays' composite) and l2-normalised keys."""
+@pytest.mark.parametrize(("prefix", "parents", "coupled"), [(True, PARENTS, False), (False, PARENTS, False),
+                                                            (True, BIG, False), (True, BIG, True)],
+                         ids=["state", "no_state", "65_nodes", "65_nodes_coupled"])
+def test_delta_rule_kernel_matches_composite(prefix, parents, coupled):
+    """The solve, its products and the output, on a tree's real E (gdn_decays' composite) and l2-normalised keys.
+    coupled: nearly equal keys, no decay, beta ~ 1 (every ancestor weighs ~1 in the solve): a step too few of the
+    kernel's iteration leaves the deepest nodes visibly wrong."""
     g = torch.Generator().manual_seed(4)
     meta = _meta(parents)
     n, bsz, hv, dk, dv = len(parents), 1, 2, 32, 24
     gates = torch.empty(bsz, hv, 2 * n + 2)
-    gates[..., n] = torch.rand(hv, generator=g) * 4
+    gates[..., n] = torch.rand(hv, generator=g) * (0.01 if coupled else 4)
     gates[..., 2 * n + 1] = 1
     decays = torch.empty(bsz * hv, n, n + 1)
-    kg_args = (torch.randn(bsz, n, 2 * hv, generator=g), torch.zeros(1), meta.decay_map, meta.decay_mask, gates,
-               torch.empty(bsz, hv, 6 * n + 3), decays)
+    ab = torch.full((bsz, n, 2 * hv), -8.0) if coupled else torch.randn(bsz, n, 2 * hv, generator=g)
+    kg_args = (ab, torch.zeros(1), meta.decay_map, meta.decay_mask, gates, torch.empty(bsz, hv, 6 * n + 3), decays)
     FusedOp.registry["gdn_decays"].composite(*kg_args)
-    keys = torch.nn.functional.normalize(torch.randn(bsz * hv, 2 * n, dk, generator=g), dim=-1)
+    keys = torch.randn(bsz * hv, 2 * n, dk, generator=g)
+    if coupled:
+        keys = torch.randn(bsz * hv, 1, dk, generator=g) + 0.05 * keys
+    keys = torch.nn.functional.normalize(keys, dim=-1)
     conv = torch.randn(n, bsz, hv * dv + 8, generator=g)  # value: a strided view of the conv buffer, as tree_layer's
     value = conv.transpose(0, 1)[..., 8:].view(bsz, n, hv, dv).transpose(1, 2)
     state = 0.3 * torch.randn(bsz * hv, dk, dv, generator=g) if prefix else None
     args = (keys, value, state, decays, torch.empty(bsz, hv, 2 * n, n), torch.empty(bsz, hv, 2 * n, dv),
-            torch.full((bsz, hv, n, dv), float("nan")), torch.full((bsz, hv, n, dv), float("nan")))
+            torch.full((bsz, hv, n, dv), float("nan")), torch.full((bsz, hv, n, dv), float("nan")), meta.depth_bound)
     with interpreter() as device:
         got, want = _both("gdn_delta_rule", args, (6, 7), device)
     for a, b in zip(got, want, strict=True):
@@ -179,7 +185,7 @@ def test_delta_rule_over_128_nodes_runs_the_composite():
     value = torch.randn(1, hv, n, dv, generator=g)
     state = torch.randn(hv, dk, dv, generator=g)
     args = (keys, value, state, decays, torch.empty(1, hv, 2 * n, n), torch.empty(1, hv, 2 * n, dv),
-            torch.empty(1, hv, n, dv), torch.empty(1, hv, n, dv))
+            torch.empty(1, hv, n, dv), torch.empty(1, hv, n, dv), n - 1)
     got, want = _both("gdn_delta_rule", args, (6, 7), "cpu")
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 

@@ -639,7 +639,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         core = bufs.core.copy_(_recurrent_rule(qk, v.value, state0, meta, bufs))
     elif not compiling:  # the solve below as one fused op (kernels.gdn.delta_rule)
         kgdn.delta_rule(v.keys3, v.value, None if state0 is None else _state3(state0, v), bufs.decays, bufs.gram,
-                        bufs.from_state, bufs.deltas, bufs.core)
+                        bufs.from_state, bufs.deltas, bufs.core, meta.depth_bound)
         core = bufs.core
     else:
         # (batched matmuls as bmm on 3-d views: matmul's out= computes into a temporary and copies)

@@ -82,10 +82,12 @@ def _gated_norm(core: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def _delta_rule(keys: torch.Tensor, value: torch.Tensor, state: torch.Tensor | None, decays: torch.Tensor,
-                gram: torch.Tensor, from_state: torch.Tensor, deltas: torch.Tensor, core: torch.Tensor) -> None:
+                gram: torch.Tensor, from_state: torch.Tensor, deltas: torch.Tensor, core: torch.Tensor,
+                depth: int) -> None:
     """The chunk method's solve (gdn module docstring): keys (B Hv, 2T, dk) [q rows; k rows], value (B, Hv, T, dv),
     state (B Hv, dk, dv) float32 or None (no prefix), decays (B Hv, T, T + 1) = E; gram (B, Hv, 2T, T) and
-    from_state (B, Hv, 2T, dv) scratch; d into deltas, the output into core (B, Hv, T, dv)."""
+    from_state (B, Hv, 2T, dv) scratch; d into deltas, the output into core (B, Hv, T, dv). depth: the tree's depth
+    bound (the kernel's step count; the composite's solve needs none)."""
     bsz, hv, n, dv = deltas.shape
     gram3 = gram.view(bsz * hv, 2 * n, n)
     torch.bmm(keys, keys[:, n:].transpose(1, 2), out=gram3)  # [Q; K] K^T
@@ -247,7 +249,7 @@ def _kernels():
                  (normed * gate).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def delta_rule_kernel(keys_ptr, value_ptr, state_ptr, dec_ptr, deltas_ptr, core_ptr, n, dk, dv, hv,
+    def delta_rule_kernel(keys_ptr, value_ptr, state_ptr, dec_ptr, deltas_ptr, core_ptr, n, dk, dv, hv, steps,
                           sk_bh, sk_r, sk_d, sv_b, sv_h, sv_t, sv_d, ss_bh, ss_k, ss_v, se_bh, se_i,
                           sd_bh, sd_t, sd_v, sc_bh, sc_t, sc_v,
                           HAS_STATE: tl.constexpr, BT: tl.constexpr, DK: tl.constexpr, DC: tl.constexpr,
@@ -258,46 +260,60 @@ def _kernels():
         v_ok = vcols < dv
         rows = tl.arange(0, BT)
         r_ok = rows < n
-        dks = tl.arange(0, DK)
-        k_ok = dks < dk
         kq = keys_ptr + bh * sk_bh
         dec = dec_ptr + bh * se_bh
-        keys = tl.load(kq + (n + rows[:, None]) * sk_r + dks[None, :] * sk_d, mask=r_ok[:, None] & k_ok[None, :],
-                       other=0.0)
-        rhs = tl.load(value_ptr + b * sv_b + h * sv_h + rows[:, None] * sv_t + vcols[None, :] * sv_d,
-                      mask=r_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        if HAS_STATE:  # v - exp(c) (K S_0)
-            s0 = tl.load(state_ptr + bh * ss_bh + dks[:, None] * ss_k + vcols[None, :] * ss_v,
-                         mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-            start = tl.load(dec + rows * se_i, mask=r_ok, other=0.0)
-            rhs = rhs - start[:, None] * tl.dot(keys, s0, input_precision="ieee")
-        # (I + L) d = rhs, L = (K K^T * E) strictly lower: forward substitution, one row a step; row i final, its
-        # multiple taken off the rows below (column i of L: K k_i times E's column i, those rows only)
-        d = tl.zeros([BT, BV], dtype=tl.float32)
-        for i in range(0, n):
-            here = (rows == i)[:, None]
-            d_i = tl.sum(tl.where(here, rhs, 0.0), axis=0)
-            d = tl.where(here, d_i[None, :], d)
-            k_i = tl.load(kq + (n + i) * sk_r + dks * sk_d, mask=k_ok, other=0.0)
-            e_i = tl.load(dec + rows * se_i + 1 + i, mask=r_ok & (rows > i), other=0.0)
-            rhs = rhs - (tl.sum(keys * k_i[None, :], axis=1) * e_i)[:, None] * d_i[None, :]
         out_ok = r_ok[:, None] & v_ok[None, :]
+        # K K^T (and K S_0) over dk in slices of DC. Every product on tensor cores in 3xTF32 (three TF32 passes, about
+        # float32's accuracy; plain TF32 is not used): float32 FMA dots ("ieee") spill ~100 KB a thread at 128 nodes
+        # on sm_90 (bench/kernels_sm90.py), 3xTF32 ~4 KB
+        gram = tl.zeros([BT, BT], dtype=tl.float32)
+        from_state = tl.zeros([BT, BV], dtype=tl.float32)
+        for c0 in tl.static_range(0, DK, DC):
+            cs = c0 + tl.arange(0, DC)
+            c_ok = cs < dk
+            k_c = tl.load(kq + (n + rows[:, None]) * sk_r + cs[None, :] * sk_d, mask=r_ok[:, None] & c_ok[None, :],
+                          other=0.0)
+            k_t = tl.load(kq + (n + rows[None, :]) * sk_r + cs[:, None] * sk_d, mask=c_ok[:, None] & r_ok[None, :],
+                          other=0.0)
+            gram += tl.dot(k_c, k_t, input_precision="tf32x3")
+            if HAS_STATE:
+                s_c = tl.load(state_ptr + bh * ss_bh + cs[:, None] * ss_k + vcols[None, :] * ss_v,
+                              mask=c_ok[:, None] & v_ok[None, :], other=0.0)
+                from_state += tl.dot(k_c, s_c, input_precision="tf32x3")
+        anc = r_ok[:, None] & r_ok[None, :]
+        e = tl.load(dec + rows[:, None] * se_i + 1 + rows[None, :], mask=anc, other=0.0)  # E: 0 off the ancestors
+        low = tl.where(rows[:, None] > rows[None, :], gram * e, 0.0)  # (I + L) d = rhs: L strictly lower
+        rhs = tl.load(value_ptr + b * sv_b + h * sv_h + rows[:, None] * sv_t + vcols[None, :] * sv_d,
+                      mask=out_ok, other=0.0).to(tl.float32)
+        if HAS_STATE:  # v - exp(c) (K S_0)
+            start = tl.load(dec + rows * se_i, mask=r_ok, other=0.0)
+            rhs = rhs - start[:, None] * from_state
+        # d = rhs - L d, iterated from d = rhs: L is nonzero only from a node to its ancestors, so the root's row is
+        # final at once and a node at depth k after step k; `steps` = the tree's depth bound. Each step is one
+        # tensor-shaped product (no row-by-row loop); a final row recomputes to the same value
+        d = rhs
+        for _ in range(steps):
+            d = rhs - tl.dot(low, d, input_precision="tf32x3")
         tl.store(deltas_ptr + bh * sd_bh + rows[:, None] * sd_t + vcols[None, :] * sd_v, d, mask=out_ok)
-        # output: (Q K^T * E) d (+ exp(c) (Q S_0)); Q K^T in slices of dk
+        # output: (Q K^T * E) d (+ exp(c) (Q S_0)), the same slices
         qk = tl.zeros([BT, BT], dtype=tl.float32)
+        q_state = tl.zeros([BT, BV], dtype=tl.float32)
         for c0 in tl.static_range(0, DK, DC):
             cs = c0 + tl.arange(0, DC)
             c_ok = cs < dk
             q_c = tl.load(kq + rows[:, None] * sk_r + cs[None, :] * sk_d, mask=r_ok[:, None] & c_ok[None, :],
                           other=0.0)
-            k_c = tl.load(kq + (n + rows[None, :]) * sk_r + cs[:, None] * sk_d, mask=c_ok[:, None] & r_ok[None, :],
+            k_t = tl.load(kq + (n + rows[None, :]) * sk_r + cs[:, None] * sk_d, mask=c_ok[:, None] & r_ok[None, :],
                           other=0.0)
-            qk += tl.dot(q_c, k_c, input_precision="ieee")
-        e = tl.load(dec + rows[:, None] * se_i + 1 + rows[None, :], mask=r_ok[:, None] & r_ok[None, :], other=0.0)
-        out = tl.dot(qk * e, d, input_precision="ieee")
+            qk += tl.dot(q_c, k_t, input_precision="tf32x3")
+            if HAS_STATE:
+                s_c = tl.load(state_ptr + bh * ss_bh + cs[:, None] * ss_k + vcols[None, :] * ss_v,
+                              mask=c_ok[:, None] & v_ok[None, :], other=0.0)
+                q_state += tl.dot(q_c, s_c, input_precision="tf32x3")
+        e = tl.load(dec + rows[:, None] * se_i + 1 + rows[None, :], mask=anc, other=0.0)
+        out = tl.dot(qk * e, d, input_precision="tf32x3")
         if HAS_STATE:
-            q = tl.load(kq + rows[:, None] * sk_r + dks[None, :] * sk_d, mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            out += start[:, None] * tl.dot(q, s0, input_precision="ieee")
+            out += start[:, None] * q_state
         tl.store(core_ptr + bh * sc_bh + rows[:, None] * sc_t + vcols[None, :] * sc_v, out, mask=out_ok)
 
     return {"decays": decays_kernel, "conv": conv_kernel, "qk_norm": qk_norm_kernel, "gated_norm": gated_norm_kernel,
@@ -379,24 +395,24 @@ def _launch_gated_norm(core, z, weight, eps, gate, out) -> None:
             BLOCK=block, num_warps=_row_warps(block))
 
 
-def _launch_delta_rule(keys, value, state, decays, gram, from_state, deltas, core) -> None:
+def _launch_delta_rule(keys, value, state, decays, gram, from_state, deltas, core, depth) -> None:
     import triton
 
     bsz, hv, n, dv = deltas.shape
     dk = keys.shape[-1]
     bt, dkb = _pow2(n), _pow2(dk)
     sd, sc = _bh(deltas), _bh(core)
-    # (its tiles in registers and tl.dot's shared memory: trees of up to 128 nodes; and tree_layer's layouts)
+    # (its [T, T] tiles in registers: trees of up to 128 nodes; and tree_layer's layouts)
     if bt > 128 or dkb > 256 or sd is None or sc is None or decays.stride(2) != 1:
-        _delta_rule(keys, value, state, decays, gram, from_state, deltas, core)
+        _delta_rule(keys, value, state, decays, gram, from_state, deltas, core, depth)
         return
     bv = min(32, _pow2(dv))
     s3 = state if state is not None else keys
     _kernels()["delta_rule"][(bsz * hv, triton.cdiv(dv, bv))](
-        keys, value, s3, decays, deltas, core, n, dk, dv, hv, *keys.stride(), *value.stride(), *s3.stride(),
-        decays.stride(0), decays.stride(1), sd, deltas.stride(2), deltas.stride(3), sc, core.stride(2),
-        core.stride(3), HAS_STATE=state is not None, BT=bt, DK=dkb, DC=min(32, dkb), BV=bv,
-        num_warps=8 if bt * dkb >= 8192 else 4)
+        keys, value, s3, decays, deltas, core, n, dk, dv, hv, min(depth, n - 1), *keys.stride(),
+        *value.stride(), *s3.stride(), decays.stride(0), decays.stride(1), sd, deltas.stride(2), deltas.stride(3), sc,
+        core.stride(2), core.stride(3), HAS_STATE=state is not None, BT=bt, DK=dkb, DC=min(32, dkb), BV=bv,
+        num_warps=8 if bt >= 64 else 4)
 
 
 _DECAYS = FusedOp("gdn_decays(Tensor ab, Tensor zero, Tensor decay_map, Tensor decay_mask, Tensor(a!) gates, "
@@ -409,9 +425,9 @@ _QK_NORM = FusedOp("gdn_qk_norm(Tensor qk, Tensor weight, float eps, Tensor(a!) 
 _GATED_NORM = FusedOp("gdn_gated_norm(Tensor core, Tensor z, Tensor weight, float eps, Tensor(a!) gate, "
                       "Tensor(b!) out) -> ()", _gated_norm, _launch_gated_norm, mutated=(5,))
 _DELTA_RULE = FusedOp("gdn_delta_rule(Tensor keys, Tensor value, Tensor? state, Tensor decays, Tensor(a!) gram, "
-                      "Tensor(b!) from_state, Tensor(c!) deltas, Tensor(d!) core) -> ()", _delta_rule,
+                      "Tensor(b!) from_state, Tensor(c!) deltas, Tensor(d!) core, int depth) -> ()", _delta_rule,
                       _launch_delta_rule, mutated=(6, 7), atol=1e-4, rtol=1e-4,
-                      timed=True)  # (a row-by-row loop against cuBLAS's solve: the faster one runs, per tree size)
+                      timed=True)  # (depth + 1 dependent products against cuBLAS's solve: the faster one runs, per tree size)
 
 decays = _DECAYS.op
 conv = _CONV.op
