@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ddtree.engine.kernels.attention import fused, gate_output, merge2, merge_attention
+from ddtree.engine.kernels import fused
+from ddtree.engine.kernels.attention import gate_output, merge2, merge_attention
 from ddtree.engine.verification import TreeVerification, active, tree_verification
 from ddtree.errors import ConfigError
 

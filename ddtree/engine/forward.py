@@ -14,13 +14,10 @@ a mask the engine knows (`TargetSession` decides). Everything else goes through 
 
 Each decoder layer of a known class runs as a `LeanLayer`: the same operations as its forward, in the same
 order, on the same tensors, without a module call per submodule (a decode-sized layer makes about twenty,
-each with its hook checks and decorators). On every device its RMSNorms are one fused `F.rms_norm` call with
-the same float32 arithmetic (against ~10 ops for the module: ~1,600 launches a round fewer on a 64-layer target; bitwise
-the module's formula on the CPU, tested; on CUDA the fused kernel's reduction order may differ in the last bit, tested
-to a tolerance). A Llama-style norm is 2 ops (the call on x as it is, float32 inside, then the weight); a centred one
-(1 + w) is 3: x cast to float32, the call with the float32 scale, the cast back (torch's fused CUDA kernel takes a
-weight of the input's dtype only; a bf16 input with a float32 weight falls back to the unfused formula there). A layer, norm, attention or MLP of any other
-class runs its own forward.
+each with its hook checks and decorators). Its norms, residual adds, q/k norms with RoPE, attention tail and MLP
+activation are fused ops (`ddtree.engine.kernels`, docs/kernels.md): on the CPU the module's arithmetic, bitwise
+(tested); on CUDA one Triton kernel each, equal to a tolerance (the last bit of a reduction). A layer, norm,
+attention or MLP of any other class runs its own forward.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
+from ddtree.engine.kernels import fused
 from ddtree.engine.kernels import norm as kernel_norm
 from ddtree.engine.kernels.attention import gate_output, silu_mul
 from ddtree.engine.kernels.rope import norm_rope
@@ -86,52 +84,44 @@ def _norm_parts(norm: torch.nn.Module) -> tuple[Callable[[], torch.Tensor], floa
     return centred_scale, norm.eps, True
 
 
-def _composite(weight: torch.Tensor) -> bool:
-    """Whether a norm runs as its composite ops, not the fused op: inside a compiled graph (Inductor fuses them) or
-    where autograd records (the fused op has no backward)."""
-    return torch.compiler.is_compiling() or (torch.is_grad_enabled() and weight.requires_grad)
-
-
 def lean_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    """`norm.forward` as one fused op (`ddtree::rms_norm`) where its class is known, else itself.
-
-    The op's CPU implementation is the module's float32 arithmetic (bitwise, tested): a Llama-style norm
-    `w * F.rms_norm(x, None, eps)` (normalised in float32, rounded once to x's dtype, then the weight's product), a
-    centred one `F.rms_norm(x.float(), 1 + w, eps).type_as(x)`; on CUDA one Triton kernel (2 and 3 launches with
-    torch's own ops: its fused kernel takes a weight of the input's dtype only)."""
-    parts = _norm_parts(norm)
-    if parts is None:
-        return norm.forward
-    weight_of, eps, centered = parts
-
-    def fused(x: torch.Tensor) -> torch.Tensor:
-        weight = weight_of()
-        if _composite(weight):
-            return kernel_norm._norm(x, weight, eps, centered)
-        return kernel_norm.rms_norm(x, weight, eps, centered)
-
-    return fused
+    """`norm.forward` as one fused op (`kernels.norm.rms_norm`) where its class is known, else itself."""
+    return _lean_norms(norm)[0]
 
 
 def lean_add_norm(norm: torch.nn.Module) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """fn(h, x) = (norm(x + h), x + h): a decoder layer's residual add and the norm after it as one fused op
-    (`ddtree::add_rms_norm`, lean_norm's arithmetic on the sum, rounded to the residual's dtype first), or the two
-    steps where the norm's class is not known."""
+    (`kernels.norm.add_rms_norm`), or the two steps where the norm's class is not known."""
+    return _lean_norms(norm)[1]
+
+
+def _lean_norms(norm: torch.nn.Module) -> tuple[Callable, Callable]:
+    """(lean_norm, lean_add_norm) of one norm, sharing its weight (a centred norm's 1 + w is built once for both).
+
+    The ops' CPU implementation is the module's float32 arithmetic (bitwise, tested): a Llama-style norm
+    `w * F.rms_norm(x, None, eps)` (normalised in float32, rounded once to x's dtype, then the weight's product), a
+    centred one `F.rms_norm(x.float(), 1 + w, eps).type_as(x)`; the add rounds `x + h` to x's dtype first. On CUDA
+    one Triton kernel (2 and 3 launches with torch's own ops, whose fused kernel takes a weight of the input's dtype
+    only; 1 more for the add). A graph or autograd runs the composite (`kernels.fused`)."""
     parts = _norm_parts(norm)
     if parts is None:
         def unfused(h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             x = x + h
             return norm.forward(x), x
-        return unfused
+        return norm.forward, unfused
     weight_of, eps, centered = parts
 
-    def fused(h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def one(x: torch.Tensor) -> torch.Tensor:
         weight = weight_of()
-        if _composite(weight) or h.dtype != x.dtype:
-            return kernel_norm._add_norm(h, x, weight, eps, centered)
-        return kernel_norm.add_rms_norm(h, x, weight, eps, centered)
+        op = kernel_norm.rms_norm if fused(weight) else kernel_norm._norm
+        return op(x, weight, eps, centered)
 
-    return fused
+    def with_add(h: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        weight = weight_of()
+        op = kernel_norm.add_rms_norm if fused(weight) and h.dtype == x.dtype else kernel_norm._add_norm
+        return op(h, x, weight, eps, centered)
+
+    return one, with_add
 
 
 # text-only M-RoPE tables whose forward is, for three equal position rows, the plain table of the positions:
@@ -239,10 +229,8 @@ class LeanLayer:
 
     def __init__(self, layer: torch.nn.Module, rope_tables: RopeTables | None = None):
         self.layer = layer
-        self.norm1 = lean_norm(layer.input_layernorm)
-        self.norm2 = lean_norm(layer.post_attention_layernorm)
-        self.add_norm1 = lean_add_norm(layer.input_layernorm)
-        self.add_norm2 = lean_add_norm(layer.post_attention_layernorm)
+        self.norm1, self.add_norm1 = _lean_norms(layer.input_layernorm)
+        self.norm2, self.add_norm2 = _lean_norms(layer.post_attention_layernorm)
         self.linear = getattr(layer, "block_type", None) == "linear_attention"
         if not self.linear:
             attn = layer.self_attn
@@ -308,11 +296,11 @@ class LeanLayer:
         """((q weight, eps, centred), (k ...)) where each head's norm and RoPE run as one `norm_rope` op: known
         norms, eager, no autograd (kernels.rope), else None."""
         parts = self.norm_parts
-        if parts is None or parts[0] is None or parts[1] is None or torch.compiler.is_compiling():
+        if parts is None or parts[0] is None or parts[1] is None:
             return None
         (q_weight, q_eps, q_centered), (k_weight, k_eps, k_centered) = parts
         wq, wk = q_weight(), k_weight()
-        if _composite(wq) or _composite(wk):
+        if not fused(wq, wk):
             return None
         return (wq, q_eps, q_centered), (wk, k_eps, k_centered)
 
@@ -471,8 +459,7 @@ class LeanForward:
         self.positions = positions
         rope = RopeTables()  # one per model: built by its first attention layer of a forward, read by the others
         self.lean_layers = [LeanLayer(layer, rope) if LeanLayer.supports(layer) else None for layer in self.layers]
-        self.final_norm = lean_norm(base.norm)
-        self.final_add_norm = lean_add_norm(base.norm)
+        self.final_norm, self.final_add_norm = _lean_norms(base.norm)
         self.text_rotary = lean_text_rotary(base.rotary_emb) if positions == MROPE_TEXT else None
         # head="lazy" can stop before the last layer: an attention layer run as a LeanLayer (see LazyTail)
         self.lazy_tail = bool(self.layers) and self.lean_layers[-1] is not None and not self.linear[-1]

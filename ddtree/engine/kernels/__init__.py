@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["FusedOp", "triton_interpreting"]
+__all__ = ["FusedOp", "fused", "triton_interpreting"]
 
 log = logging.getLogger("ddtree.engine")
 
@@ -34,6 +34,14 @@ log = logging.getLogger("ddtree.engine")
 def triton_interpreting() -> bool:
     """Whether Triton kernels built now run in its interpreter (TRITON_INTERPRET=1: on CPU tensors, for tests)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def fused(*tensors: torch.Tensor) -> bool:
+    """Whether a call site takes a fused op rather than its composite: eager and without autograd (the ops have no
+    backward: a drafter in training runs the composite; so does a compiled graph, which Inductor fuses itself)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 class FusedOp:

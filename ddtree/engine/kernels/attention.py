@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ddtree.engine.kernels import FusedOp, jit_cache
+from ddtree.engine.kernels import FusedOp, fused, jit_cache
 
-__all__ = ["fused", "gate_output", "merge2", "merge_attention", "silu_mul"]
+__all__ = ["gate_output", "merge2", "merge_attention", "silu_mul"]
 
 _KERNEL_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -147,14 +147,6 @@ _MERGE = FusedOp("merge_attention(Tensor o1, Tensor lse1, Tensor o2, Tensor lse2
 _SILU_MUL = FusedOp("silu_mul(Tensor gate, Tensor up) -> Tensor", _silu_mul, _launch_silu_mul)
 
 merge_attention = _MERGE.op
-
-
-def fused(*tensors: torch.Tensor) -> bool:
-    """Whether a call site takes the fused op: eager and without autograd (the ops have no backward: a drafter in
-    training, a graph, which Inductor fuses itself, run the composite)."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
