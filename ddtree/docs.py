@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.families import FAMILIES, Family, family
-from ddtree.engine.methods import METHODS
+from ddtree.engine.families import FAMILIES, Family
+from ddtree.engine.methods import DFLASH, METHODS, OWN_HEAD, family_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs" / "bench"
@@ -50,7 +50,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 def _kind(row: Family) -> str:
     if row.gdn:
         return "hybrid: tree-exact Gated DeltaNet"
-    if row.methods == (METHODS["ar"].name,):
+    if row.recurrent:
         return "recurrent state: no exact tree verification"
     return "attention"
 
@@ -59,25 +59,26 @@ def models_markdown() -> str:
     """The model-family table (rows alike in everything shown share a line), then the method table."""
     groups: dict[tuple, list[str]] = {}
     for row in FAMILIES.values():
-        key = (row.methods, _kind(row), row.embedding_access == "nested", row.lean is not None)
+        key = (family_methods(row.model_type), _kind(row), row.embedding_access == "nested", row.lean is not None)
         groups.setdefault(key, []).append(row.model_type)
     lines = ["| `model_type` | methods | layers | multimodal wrapper | lean forward |",
              "| --- | --- | --- | --- | --- |"]
     for (methods, kind, nested, lean), types in groups.items():
         lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
                      f"{'yes' if nested else '–'} | {'yes' if lean else '–'} |")
-    every = ", ".join(family("").methods)  # an unknown model_type: every method but the own-head ones
+    every = ", ".join(family_methods(""))  # an unknown model_type: every method but the own-head ones
     lines.append(f"| any other | {every} | attention (DFlash and DDTree refused when its cache has "
                  "linear-attention layers) | – | – |")
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
     drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
               "tree": "a best-first tree of `budget` nodes"}
+    drafter = {None: "no", DFLASH: "yes", OWN_HEAD: "no (its own head)"}
     for m in METHODS.values():
         what = drafts.get(m.tree, m.tree)
-        if m.own_head:  # method=mtp: the target's own head, as a chain or a tree
+        if m.drafter_kind == OWN_HEAD:  # method=mtp: the target's own head, as a chain or a tree
             what = "the target's own MTP head: a chain of `mtp.steps`, or (`mtp.topk` > 1) a tree of `budget` nodes"
-        lines.append(f"| `{m.name}` | {what} | {'yes' if m.needs_drafter else 'no (its own head)' if m.own_head else 'no'} | "
-                     f"{'tree only' if m.own_head else 'yes' if m.reads_budget else 'no'} |")
+        budget = "tree only" if m.budget_when_branching else "yes" if m.reads_budget else "no"
+        lines.append(f"| `{m.name}` | {what} | {drafter[m.drafter_kind]} | {budget} |")
     return "\n".join(lines)
 
 
