@@ -73,6 +73,17 @@ def choose_budget(models, prompts, rc, files, cache) -> dict[str, Any]:
             "chosen": best, "seconds": time.perf_counter() - t0}
 
 
+def outcome_line(o: dict[str, Any]) -> str:
+    """The job's line on budget=auto's outcome; a job without a decoding round (max_new_tokens=1: the prefill's token
+    alone, or every prompt stopped at its first token) measured no tau to set beside the prediction."""
+    predicted = f"predicted tau {o['predicted_tau']:.2f}, speedup {o['predicted_speedup']:.2f}x"
+    if o["measured_tau"] is None:
+        return f"budget=auto outcome: no decoding round ran (each answer ended at its first token): {predicted}"
+    speedup = "n/a" if o["measured_speedup"] is None else f"{o['measured_speedup']:.2f}x"
+    return (f"budget=auto outcome: tau {o['measured_tau']:.2f} (predicted {o['predicted_tau']:.2f}), speedup "
+            f"{speedup} (predicted {o['predicted_speedup']:.2f}x)")
+
+
 def outcome(auto: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     """The job's measured tau and speedup beside the prediction for the chosen budget."""
     b = auto["chosen"]

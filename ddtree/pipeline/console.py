@@ -33,7 +33,10 @@ def one_line(e: BaseException, cli: str = "ddtree.run") -> str:
     msg, cause = str(e), e.__cause__
     merging = re.match(r"Error merging override (\S+?)=", msg)
     if merging and cause is not None:
-        return f"{merging.group(1)}: {str(cause).splitlines()[0]}"
+        key = merging.group(1)
+        if "Cannot convert 'dict' to string" in str(cause) and "." in key:  # a setting under a plain value
+            return f"{key}: {nested_setting_fix(key)}"
+        return f"{key}: {str(cause).splitlines()[0]}"
     unknown = re.match(r"Could not override '([^']+)'", msg)
     if unknown:
         key = unknown.group(1)
@@ -49,6 +52,23 @@ def one_line(e: BaseException, cli: str = "ddtree.run") -> str:
             if ln and not ln.startswith(skip) and ln not in lines and not set(ln) <= {"^", " "}:
                 lines.append(ln)
     return " ".join(lines) or type(e).__name__
+
+
+def nested_setting_fix(key: str) -> str:
+    """`method.steps=3` and the like: the part before the dot is a plain value, not a group; where a method's own
+    settings live instead (the methods table's `settings` groups and their fields)."""
+    from dataclasses import fields
+
+    from ddtree.engine.methods import METHODS
+    from ddtree.pipeline.schema import RunConfig
+
+    parent = key.rsplit(".", 1)[0]
+    groups = {f.name: f for f in fields(RunConfig)}
+    own = [f"{g}.{f.name}" for g in dict.fromkeys(m.settings for m in METHODS.values() if m.settings)
+           for f in fields(groups[g].default_factory())]
+    where = f" — a method's own settings: {', '.join(own)}" if parent == "method" and own else ""
+    return (f"'{parent}' is a single value, not a group of settings: no such setting{where} "
+            f"(python -m ddtree.run --cfg job prints every setting)")
 
 
 def user_error(message: str) -> NoReturn:

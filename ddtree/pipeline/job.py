@@ -23,8 +23,9 @@ from omegaconf import DictConfig, OmegaConf
 from ddtree.engine.methods import BASELINE, METHODS, MTP, OWN_HEAD, reads_budget
 from ddtree.engine.result import STAGES
 from ddtree.pipeline import distributed as D
-from ddtree.pipeline.autobudget import choose_budget, outcome
+from ddtree.pipeline.autobudget import choose_budget, outcome, outcome_line
 from ddtree.pipeline.config_checks import validate
+from ddtree.pipeline.console import Progress
 from ddtree.pipeline.conversation import (
     SAMPLES,
     JobContext,
@@ -423,9 +424,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
                                                             "validation": checked,
                                                             **({"auto_budget": auto} if auto else {})}, run)
         if auto and world.is_main:
-            o = summary["auto_budget"]["outcome"]
-            print(f"budget=auto outcome: tau {o['measured_tau'] or 0:.2f} (predicted {o['predicted_tau']:.2f}), speedup "
-                  f"{o['measured_speedup'] or 0:.2f}x (predicted {o['predicted_speedup']:.2f}x)", flush=True)
+            print(outcome_line(summary["auto_budget"]["outcome"]), flush=True)
         report_suspects(rc, summary)
         return summary
     except BaseException as e:
@@ -449,8 +448,6 @@ def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], 
                                       max_new_tokens=min(8, rc.max_new_tokens)):
                 pass
         cache.warmed.add(wkey)
-    from tqdm import tqdm
-
     reuse = BASELINE in methods and rc.method != BASELINE and rc.baseline_reuse
     bkey = baseline_key(rc, mine, cache.target_key) if reuse else None
     reused_from, kept = cache.baselines.get(bkey, (None, None)) if bkey else (None, None)
@@ -459,8 +456,8 @@ def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], 
         by_prompt.setdefault(rec["id"], []).append(rec)
     fresh: list[dict[str, Any]] = []
     with ctx.files.rank_samples.open("a", encoding="utf-8") as out:
-        bar = tqdm(mine, desc=run_name(rc), unit="prompt", file=sys.stderr, dynamic_ncols=True,
-                   disable=not ctx.show_progress)
+        # a bar on a terminal; one line per job in a log (CI, nohup, SLURM), where each frame would be a line
+        bar = Progress(mine, run_name(rc), "prompt", enabled=ctx.show_progress)
         for prompt in bar:
             if resume is not None and prompt.id in resume.done:  # finished by the job this one continues
                 got = [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)}
