@@ -6,6 +6,8 @@
 Generated, each from its one source:
   README.md, between the `models` markers   the supported models and methods (ddtree/engine/families.py and
                                             ddtree/engine/methods.py)
+  README.md, between the `results` markers  the toy pair's result table (docs/bench/bench_toy_run.json, written by
+                                            bench/bench_toy_run.py)
   docs/benchmarks.md                        every benchmark record under docs/bench/*.json (written by bench/)
   docs/paper.md, between the `paper-reference` markers   the paper's figures (docs/paper_reference.yaml)
 """
@@ -165,6 +167,19 @@ def benchmarks_markdown(records: Iterable[dict]) -> str:
     return "\n".join(line for line in out).rstrip() + "\n"
 
 
+RESULTS_RECORD = "bench_toy_run.json"
+
+
+def results_markdown(rec: dict) -> str:
+    """README's result table: the first table of the toy-run record, with where it came from."""
+    table = rec["tables"][0]
+    runs = rec.get("params", {}).get("runs")
+    spread = f"speedup: median (min–max) of {runs} runs" if runs and runs > 1 else "one run"
+    return (f"{render_table(table)}\n\n{spread}, from [`docs/bench/{RESULTS_RECORD}`](docs/bench/{RESULTS_RECORD}) "
+            f"(commit `{rec['commit']}`, {rec['date'][:10]}; the machine and its load: "
+            f"[benchmarks.md](docs/benchmarks.md)).")
+
+
 # ---------------------------------------------------------------- all pages
 
 def generated_pages(root: Path = ROOT) -> dict[Path, str]:
@@ -173,7 +188,8 @@ def generated_pages(root: Path = ROOT) -> dict[Path, str]:
 
     readme, paper = root / "README.md", root / "docs" / "paper.md"
     return {
-        readme: replace_block(readme.read_text(), "models", models_markdown()),
+        readme: replace_block(replace_block(readme.read_text(), "models", models_markdown()), "results",
+                              results_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
         root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
         paper: replace_block(paper.read_text(), "paper-reference",
                              all_models_markdown(load_reference(DEFAULT_REFERENCE))),
