@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from ddtree.engine.checks import check_block_size, check_budget, check_mtp_args, compile_setting
-from ddtree.engine.methods import COMPILABLE_METHOD_NAMES, DFLASH, check_method_args, get_method
+from ddtree.engine.methods import COMPILABLE_METHOD_NAMES, DFLASH, MTP, check_method_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
@@ -95,7 +95,7 @@ def check_run_settings(rc: RunConfig) -> None:
     """The top-level settings: method, engine, budget, temperature, length, device."""
     method = get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
-    if method.settings == "mtp":
+    if method.settings == MTP:
         check_mtp_args(rc.mtp.steps, rc.mtp.topk)
     if rc.engine == "upstream" and not method.authors_code:
         raise ConfigError("engine", f"engine=upstream runs the DDTree authors' DFlash/DDTree, not method={rc.method}",
