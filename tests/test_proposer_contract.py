@@ -116,3 +116,24 @@ def test_messages_name_the_settings_and_say_when_nothing_was_measured(cli, tmp_p
             bar.set_postfix(tau="1.50")
     assert bar.bar is None and out.read_text().splitlines() == [out.read_text().splitlines()[0]]
     assert out.read_text().startswith("job-a: 3 prompts in ") and out.read_text().rstrip().endswith("tau 1.50")
+
+
+def test_library_bars_are_off_in_a_log_only(tmp_path, monkeypatch):
+    """Outside a terminal transformers' own bars (weight loading) are off too; on a terminal they stay."""
+    from transformers.utils import logging as hf_logging
+
+    from ddtree.pipeline.console import library_bars_off_outside_a_terminal
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
+
+    class Tty:
+        def isatty(self) -> bool:
+            return True
+
+    hf_logging.enable_progress_bar()  # (an in-process job of an earlier test may have turned them off)
+    try:
+        assert not library_bars_off_outside_a_terminal(Tty()) and hf_logging.is_progress_bar_enabled()
+        with (tmp_path / "log").open("w") as f:
+            assert library_bars_off_outside_a_terminal(f) and not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

@@ -106,6 +106,18 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def library_bars_off_outside_a_terminal(stream: TextIO | None = None) -> bool:
+    """Outside a terminal, turn off the libraries' own progress bars (transformers' weight loading, the hub's
+    downloads): in a log each frame is a line. Returns whether it did."""
+    if is_terminal(stream if stream is not None else sys.stderr):
+        return False
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    return True
+
+
 class Progress:
     """`for item in Progress(items, desc, unit):` a tqdm bar where `file` is a terminal; elsewhere nothing while it runs
     and one line when it ends (`desc: N units in S s` and the postfix). `set_postfix(**kw)` as tqdm's."""

@@ -25,7 +25,7 @@ from ddtree.engine.result import STAGES
 from ddtree.pipeline import distributed as D
 from ddtree.pipeline.autobudget import choose_budget, outcome, outcome_line
 from ddtree.pipeline.config_checks import validate
-from ddtree.pipeline.console import Progress
+from ddtree.pipeline.console import Progress, library_bars_off_outside_a_terminal
 from ddtree.pipeline.conversation import (
     SAMPLES,
     JobContext,
@@ -256,6 +256,7 @@ def install_compat(rc: RunConfig, world) -> list[dict[str, Any]]:
 
 
 def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
+    library_bars_off_outside_a_terminal()  # a log gets one line per job, not a line per bar frame
     t_load = time.perf_counter()
     target, tokenizer, drafter = get_models(rc, device, cache)
     load_s = time.perf_counter() - t_load
