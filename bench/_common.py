@@ -61,7 +61,7 @@ class Pair:
 
 def stop_tokens(tokenizer, target) -> list[int]:
     """The stop tokens `python -m ddtree.run` uses, so a benchmark decodes what a run decodes."""
-    from ddtree.pipeline.job import stop_token_ids
+    from ddtree.pipeline.conversation import stop_token_ids
 
     return stop_token_ids(tokenizer, target)
 

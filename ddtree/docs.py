@@ -6,6 +6,8 @@
 Generated, each from its one source:
   README.md, between the `models` markers   the supported models and methods (ddtree/engine/families.py and
                                             ddtree/engine/methods.py)
+  README.md, between the `results` markers  the toy pair's result table (docs/bench/bench_toy_run.json, written by
+                                            bench/bench_toy_run.py)
   docs/benchmarks.md                        every benchmark record under docs/bench/*.json (written by bench/)
   docs/paper.md, between the `paper-reference` markers   the paper's figures (docs/paper_reference.yaml)
 """
@@ -18,8 +20,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.families import FAMILIES, Family, family
-from ddtree.engine.methods import METHODS
+from ddtree.engine.families import FAMILIES, Family
+from ddtree.engine.methods import DFLASH, METHODS, OWN_HEAD, family_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs" / "bench"
@@ -50,7 +52,7 @@ def replace_block(text: str, name: str, body: str) -> str:
 def _kind(row: Family) -> str:
     if row.gdn:
         return "hybrid: tree-exact Gated DeltaNet"
-    if row.methods == (METHODS["ar"].name,):
+    if row.recurrent:
         return "recurrent state: no exact tree verification"
     return "attention"
 
@@ -59,25 +61,26 @@ def models_markdown() -> str:
     """The model-family table (rows alike in everything shown share a line), then the method table."""
     groups: dict[tuple, list[str]] = {}
     for row in FAMILIES.values():
-        key = (row.methods, _kind(row), row.embedding_access == "nested", row.lean is not None)
+        key = (family_methods(row.model_type), _kind(row), row.embedding_access == "nested", row.lean is not None)
         groups.setdefault(key, []).append(row.model_type)
     lines = ["| `model_type` | methods | layers | multimodal wrapper | lean forward |",
              "| --- | --- | --- | --- | --- |"]
     for (methods, kind, nested, lean), types in groups.items():
         lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
                      f"{'yes' if nested else '–'} | {'yes' if lean else '–'} |")
-    every = ", ".join(family("").methods)  # an unknown model_type: every method but the own-head ones
+    every = ", ".join(family_methods(""))  # an unknown model_type: every method but the own-head ones
     lines.append(f"| any other | {every} | attention (DFlash and DDTree refused when its cache has "
                  "linear-attention layers) | – | – |")
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
     drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
               "tree": "a best-first tree of `budget` nodes"}
+    drafter = {None: "no", DFLASH: "yes", OWN_HEAD: "no (its own head)"}
     for m in METHODS.values():
         what = drafts.get(m.tree, m.tree)
-        if m.own_head:  # method=mtp: the target's own head, as a chain or a tree
+        if m.drafter_kind == OWN_HEAD:  # method=mtp: the target's own head, as a chain or a tree
             what = "the target's own MTP head: a chain of `mtp.steps`, or (`mtp.topk` > 1) a tree of `budget` nodes"
-        lines.append(f"| `{m.name}` | {what} | {'yes' if m.needs_drafter else 'no (its own head)' if m.own_head else 'no'} | "
-                     f"{'tree only' if m.own_head else 'yes' if m.reads_budget else 'no'} |")
+        budget = "tree only" if m.budget_when_branching else "yes" if m.reads_budget else "no"
+        lines.append(f"| `{m.name}` | {what} | {drafter[m.drafter_kind]} | {budget} |")
     return "\n".join(lines)
 
 
@@ -164,6 +167,19 @@ def benchmarks_markdown(records: Iterable[dict]) -> str:
     return "\n".join(line for line in out).rstrip() + "\n"
 
 
+RESULTS_RECORD = "bench_toy_run.json"
+
+
+def results_markdown(rec: dict) -> str:
+    """README's result table: the first table of the toy-run record, with where it came from."""
+    table = rec["tables"][0]
+    runs = rec.get("params", {}).get("runs")
+    spread = f"speedup: median (min–max) of {runs} runs" if runs and runs > 1 else "one run"
+    return (f"{render_table(table)}\n\n{spread}, from [`docs/bench/{RESULTS_RECORD}`](docs/bench/{RESULTS_RECORD}) "
+            f"(commit `{rec['commit']}`, {rec['date'][:10]}; the machine and its load: "
+            f"[benchmarks.md](docs/benchmarks.md)).")
+
+
 # ---------------------------------------------------------------- all pages
 
 def generated_pages(root: Path = ROOT) -> dict[Path, str]:
@@ -172,7 +188,8 @@ def generated_pages(root: Path = ROOT) -> dict[Path, str]:
 
     readme, paper = root / "README.md", root / "docs" / "paper.md"
     return {
-        readme: replace_block(readme.read_text(), "models", models_markdown()),
+        readme: replace_block(replace_block(readme.read_text(), "models", models_markdown()), "results",
+                              results_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
         root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
         paper: replace_block(paper.read_text(), "paper-reference",
                              all_models_markdown(load_reference(DEFAULT_REFERENCE))),

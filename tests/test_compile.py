@@ -378,9 +378,9 @@ def test_auto_falls_back_for_mtp_and_its_head_drafts_eagerly_again(monkeypatch, 
     head = MTPHead.random_for_target(hybrid, seed=0, std=0.3)
     mtp, eager = (ddtree.Engine(hybrid, head, method="mtp", topk=2, budget=6, compile=c, compile_backend=broken)
                   for c in ("auto", "false"))
-    assert mtp.proposer.static_head is not None
+    assert mtp.proposer.static_draft is not None
     assert mtp.generate(ids, max_new_tokens=NEW).output_ids == eager.generate(ids, max_new_tokens=NEW).output_ids
-    assert mtp.static is None and mtp.proposer.static_head is None
+    assert mtp.static is None and mtp.proposer.static_draft is None
 
 
 def test_the_run_setting_is_checked_before_loading():

@@ -20,6 +20,7 @@ from ddtree.engine.loop import Engine
 from ddtree.engine.tree import best_first_tree, chain_tree, walk
 from ddtree.errors import ConfigError
 from ddtree.pipeline import diagnose as D
+from ddtree.pipeline.diagnose import analysis, model, stats, text
 from ddtree.testing.ranks import RankScriptedProposer, exact_tau
 from ddtree.testing.tiny import tiny_model
 
@@ -54,26 +55,26 @@ def test_predicted_tau_is_the_sum_of_the_best_paths(seed):
     rng = random.Random(seed)
     L, K = 3, 4
     main, off = _table(rng, L, K), _table(rng, L, K)
-    pad = lambda t: [row + [0.0] * (D.RANK_CAP - K) for row in t]  # noqa: E731
-    taus = D.predict_taus(pad(main), pad(off), 84)
+    pad = lambda t: [row + [0.0] * (RANK_CAP - K) for row in t]  # noqa: E731
+    taus = model.predict_taus(pad(main), pad(off), 84)
     for b in range(1, 85):
         assert taus[b] == pytest.approx(_enumerated(main, off, b), rel=1e-12), b
-    assert D.chain_tau(pad(main)) == pytest.approx(1 + main[0][0] + main[0][0] * main[1][0]
+    assert model.chain_tau(pad(main)) == pytest.approx(1 + main[0][0] + main[0][0] * main[1][0]
                                                    + main[0][0] * main[1][0] * main[2][0])
 
 
 def test_the_mass_past_the_rank_cap_spreads_over_the_vocabulary():
     """A flat drafter: big trees hold ranks past RANK_CAP; the model spreads the measured mass beyond evenly."""
     rng = random.Random(7)
-    V, L = D.RANK_CAP + 5, 2
+    V, L = RANK_CAP + 5, 2
     main, off = _table(rng, L, 4), _table(rng, L, 4)
-    flat = lambda t: [row + [0.0] * (D.RANK_CAP - 4) + [(1 - sum(row)) / (V - D.RANK_CAP)] * (V - D.RANK_CAP)  # noqa: E731
+    flat = lambda t: [row + [0.0] * (RANK_CAP - 4) + [(1 - sum(row)) / (V - RANK_CAP)] * (V - RANK_CAP)  # noqa: E731
                       for row in t]
-    capped = lambda t: [row + [0.0] * (D.RANK_CAP - 4) + [1 - sum(row)] for row in t]  # noqa: E731
-    taus = D.predict_taus(capped(main), capped(off), 300, vocab=V)
+    capped = lambda t: [row + [0.0] * (RANK_CAP - 4) + [1 - sum(row)] for row in t]  # noqa: E731
+    taus = model.predict_taus(capped(main), capped(off), 300, vocab=V)
     for b in (1, 5, 9, 10, 40, 41, 100, 300):
         assert taus[b] == pytest.approx(_enumerated(flat(main), flat(off), b), rel=1e-12), b
-    assert D.predict_taus(capped(main), capped(off), 50)[50] < taus[50]  # without the vocabulary: left out
+    assert model.predict_taus(capped(main), capped(off), 50)[50] < taus[50]  # without the vocabulary: left out
 
 
 def test_a_chain_prediction_is_its_own_accepted_tau():
@@ -86,11 +87,11 @@ def test_a_chain_prediction_is_its_own_accepted_tau():
             a += 1
         depths.append(a)
         ranks.append([0] * a + ([rng.randrange(1, 40) if rng.random() < 0.5 else 1] if a < L else []))
-    rec = {"depth": depths, "ranks": [[min(r, D.RANK_CAP) for r in rs] for rs in ranks],
+    rec = {"depth": depths, "ranks": [[min(r, RANK_CAP) for r in rs] for rs in ranks],
            "probs": [[500] * len(rs) for rs in ranks], "prob_scale": 1000}
     st = D.collect([rec], L)
-    main, _ = D.rank_probabilities(st)
-    assert D.chain_tau(main) == pytest.approx(1 + sum(depths) / len(depths), rel=1e-12)
+    main, _ = stats.rank_probabilities(st)
+    assert model.chain_tau(main) == pytest.approx(1 + sum(depths) / len(depths), rel=1e-12)
 
 
 def test_a_sampled_chain_from_tree_rounds_matches_its_exact_tau():
@@ -113,16 +114,16 @@ def test_a_sampled_chain_from_tree_rounds_matches_its_exact_tau():
         xs = [rng.choices(range(V), p[d])[0] for d in range(m)]
         tcosts.append([round(-1000 * math.log(q[d][x])) for d, x in enumerate(xs)])
     rec = {"tree": 8, "temperature": 1.0, "cost_scale": 1000, "rows": [[[0]] * L], "tcosts": tcosts}
-    assert D.record_temperature([rec]) == 1.0
-    assert D.sampled_chain_tau([rec]) == pytest.approx(exact, abs=0.02)
+    assert analysis.record_temperature([rec]) == 1.0
+    assert analysis.sampled_chain_tau([rec]) == pytest.approx(exact, abs=0.02)
     chain = {"tree": None, "depth": [0, 1, 2, 5], "temperature": 1.0}
-    assert D.sampled_chain_tau([chain]) == 3.0  # a chain's own rounds: their accepted tau
+    assert analysis.sampled_chain_tau([chain]) == 3.0  # a chain's own rounds: their accepted tau
 
 
 def test_wilson_interval():
-    p, lo, hi = D.wilson(22, 100)
+    p, lo, hi = stats.wilson(22, 100)
     assert p == 0.22 and lo == pytest.approx(0.1500, abs=2e-4) and hi == pytest.approx(0.3107, abs=2e-4)
-    assert D.wilson(0, 0) == (None, None, None)
+    assert stats.wilson(0, 0) == (None, None, None)
 
 
 # ---------------------------------------------------------------- the recorder against a slow reference
@@ -282,7 +283,7 @@ def test_scripted_drafter_measured_and_predicted_tau_match_the_exact_value(scrip
 def test_scripted_drafter_off_path_accuracy_equals_main(scripted_runs):
     """Independence holds by construction: the off-path and depth-matched main-path accuracy agree."""
     st = D.collect([d for b in scripted_runs.values() for d in b], len(PROBS))
-    acc = D.main_vs_off(st)
+    acc = stats.main_vs_off(st)
     off, main = acc["off"], acc["depth_matched_main"]["rate"]
     assert off["n"] > 30 and off["lo"] - 0.05 < main < off["hi"] + 0.05
 
@@ -328,7 +329,7 @@ def test_the_replay_predicts_a_drafter_whose_scores_do_not_track_acceptance(unca
     diag = uncalibrated_runs[calibration]
     L = len(ACCEPT)
     st = D.collect(diag, L)
-    assert D.replayable(diag)
+    assert model.replayable(diag)
     pred, _ = D.predicted_curves(st, (1, 4, 12), diag)
     rank_model, _ = D.predicted_curves(st, (1, 4, 12))
     _, se = _mean_sd(diag)
@@ -354,7 +355,7 @@ def test_the_replay_is_exact_where_the_target_path_is_known():
         prop = RankScriptedProposer(ref, 64, ACCEPT, budget, seed=3, scores=SCORES)
         dg = Engine(target, None, method="dflash" if budget is None else "ddtree", budget=budget,
                     proposer=prop).generate(p, max_new_tokens=60).diagnosis
-        rounds = D._prepared(dg, 16)
+        rounds = model._prepared(dg, 16)
         assert len(rounds) == len(prop.history)
         for (pos, logits), rnd in zip(prop.history, rounds, strict=True):
             needs, m = rnd.needs(), len(rnd.ranks)
@@ -391,7 +392,7 @@ def test_jobs_at_different_temperatures_are_predicted_apart(uncalibrated_runs):
     assert by["t1"]["temperature"] == 1.0 and by["t1"]["predicted"] == pytest.approx(by["t1"]["accepted"])  # its own
     assert by["t0"]["predicted"] == pytest.approx(by["t0"]["accepted"])
     assert all(r["budget"] == 12 for r in doc["cross"] if r["calibration"] == "t1")
-    md = "\n".join(D.markdown_section(doc, []))
+    md = "\n".join(text.markdown_section(doc, []))
     assert "(T=1)" in md and "| t1 (12) |" in md
 
 

@@ -44,6 +44,19 @@ def test_readme_model_table_is_the_family_and_method_tables():
         assert f"| `{name}` |" in table
 
 
+def test_readme_result_table_is_the_toy_run_record():
+    """README's result table is rendered from bench/bench_toy_run.py's record, with the spread of its runs."""
+    readme = (ROOT / "README.md").read_text()
+    rec = json.loads((ROOT / "docs" / "bench" / docs.RESULTS_RECORD).read_text())
+    body = docs.results_markdown(rec)
+    assert f"{docs.begin('results')}\n{body}\n{docs.end('results')}" in readme
+    table = rec["tables"][0]
+    assert table["columns"] == ["method", "budget", "tau", "speedup over AR", "outputs"]
+    speed = [row[3] for row in table["rows"]]
+    assert speed and all(set(c) >= {"median", "min", "max", "n"} and c["min"] <= c["median"] <= c["max"] for c in speed)
+    assert {row[0] for row in table["rows"]} >= {"DFlash", "DDTree"} and rec["commit"] in body
+
+
 def test_benchmarks_page_matches_every_record():
     records = docs.load_records()
     assert {r["bench"] for r in records} >= {"bench_engines", "bench_overhead", "bench_tree", "bench_stages",

@@ -10,8 +10,8 @@ from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixi
 
 from compat.patches import embedding_access
 from ddtree.engine import families, gdn
-from ddtree.engine.families import ALL_METHODS, DRAFTER_METHODS, FAMILIES, NESTED, family, model_type
-from ddtree.engine.target import check_target_supported
+from ddtree.engine.families import FAMILIES, NESTED, family, model_type
+from ddtree.engine.methods import DRAFTER_METHOD_NAMES, METHOD_NAMES, check_target_supported, family_methods
 from ddtree.errors import ConfigError
 from ddtree.testing.tiny import tiny_config, tiny_model
 
@@ -24,9 +24,10 @@ def _load(path: str) -> type:
 def test_every_row_is_a_transformers_model_type_with_known_methods():
     for name, row in FAMILIES.items():
         assert name == row.model_type and name in CONFIG_MAPPING, name
-        assert row.methods and set(row.methods) <= set(ALL_METHODS) and row.methods[0] == "ar", name
+        methods = family_methods(name)
+        assert methods and set(methods) <= set(METHOD_NAMES) and methods[0] == "ar", name
         assert (row.embedding_access == NESTED) == (row.wrapper_class is not None), name
-        assert ("mtp" in row.methods) == (row.mtp_layer is not None) == (row.mtp_norm is not None), name
+        assert ("mtp" in methods) == (row.mtp_layer is not None) == (row.mtp_norm is not None), name
         if row.mtp_layer:  # the MTP head is built from the family's own decoder layer and norm
             assert _load(row.mtp_layer).__name__.endswith("DecoderLayer"), name
             assert _load(row.mtp_norm).__name__.endswith("RMSNorm"), name
@@ -48,12 +49,13 @@ def test_tiny_hybrids_have_the_table_gdn_class_and_linear_cache_layers(name):
 @pytest.mark.parametrize("name", ["qwen3", "llama", "gemma2"])
 def test_attention_rows_have_no_linear_cache_layers(name):
     cfg = tiny_config(name)
-    assert not family(name).gdn and family(name).methods == DRAFTER_METHODS  # every method but mtp (no head)
+    assert not family(name).gdn and family_methods(name) == DRAFTER_METHOD_NAMES  # every method but mtp
     assert not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=cfg).layers)
 
 
 def test_ar_only_rows_are_refused_for_tree_methods_and_unknown_types_are_not():
-    ar_only = [n for n, r in FAMILIES.items() if r.methods == ("ar",)]
+    ar_only = [n for n in FAMILIES if family_methods(n) == ("ar",)]
+    assert ar_only == [n for n, r in FAMILIES.items() if r.recurrent]
     assert "mamba2" in ar_only and "falcon_h1" in ar_only
     for name in ar_only:
         check_target_supported(name, "ar")

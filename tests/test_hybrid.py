@@ -14,8 +14,8 @@ import torch
 import ddtree
 from ddtree.engine import gdn as tree_gdn
 from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.methods import check_target_supported
 from ddtree.engine.output_check import Validator
-from ddtree.engine.target import check_target_supported
 from ddtree.errors import ConfigError
 from ddtree.testing.reference import ScriptedProposer, hf_greedy
 from ddtree.testing.tiny import tiny_model

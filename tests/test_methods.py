@@ -60,3 +60,22 @@ def test_method_table_checks_what_each_method_reads():
         with pytest.raises(ConfigError) as e:
             check_method_args(name, has_drafter=has, budget=budget, block_size=block)
         assert e.value.setting == setting and e.value.fix
+
+
+def test_the_table_is_uniform_and_agrees_with_its_proposers():
+    """Every row's make_proposer takes (target, drafter, DraftSettings); compilable and the drafter kind agree with
+    the proposer class it builds; reads_budget is one rule (MTP's chain ignores the budget, its tree reads it)."""
+    import inspect
+
+    from ddtree.engine import methods as M
+    from ddtree.engine import proposers as P
+
+    built = {"ar": P.ARProposer, "dflash": P.DFlashProposer, "ddtree": P.DDTreeProposer, "mtp": P.MTPProposer}
+    assert set(built) == set(M.METHODS)
+    for name, m in M.METHODS.items():
+        assert list(inspect.signature(m.make_proposer).parameters) == ["target", "drafter", "s"], name
+        assert m.compilable == built[name].compilable, name
+        assert (m.drafter_kind == M.DFLASH) == issubclass(built[name], P.DrafterBlock), name
+    assert M.COMPILABLE_METHOD_NAMES == M.METHOD_NAMES
+    assert [M.reads_budget(n) for n in ("ar", "dflash", "ddtree")] == [False, False, True]
+    assert not M.reads_budget("mtp", 1) and M.reads_budget("mtp", 2) and not M.reads_budget("nope")

@@ -166,7 +166,7 @@ def test_bad_input_is_one_line_before_model_work_in_process(case, compose, tmp_p
 
     from ddtree.errors import ConfigError
     from ddtree.pipeline import job as R
-    from ddtree.pipeline.cli import one_line
+    from ddtree.pipeline.console import one_line
 
     _skip_if_not_a_mistake_here(case)
     _bad_input_files(tmp_path)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 COMPILE_SETTINGS = ("auto", "true", "false")  # the compiled round (ddtree.engine.compiled)
-STATIC_METHODS = ("ar", "dflash", "ddtree", "mtp")  # the methods it runs: a fixed node count per engine
+MTP_STEPS, MTP_TOPK = 3, 1  # method=mtp's defaults: SGLang's --speculative-num-steps 3 --speculative-eagle-topk 1
 
 
 def compile_setting(value: Any) -> str:
@@ -35,6 +35,14 @@ def check_budget(budget: int | None) -> None:
 def check_block_size(block_size: int | None) -> None:
     if block_size is not None and block_size < 2:
         raise ConfigError("drafter.block_size", f"must be >= 2, got {block_size}", "use 2..16, or null")
+
+
+def check_mtp_args(steps: int | None, topk: int | None) -> None:
+    """method=mtp: steps >= 1 draft tokens per round (depth), topk >= 1 children per expanded node."""
+    for setting, value in (("mtp.steps", steps), ("mtp.topk", topk)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(setting, f"must be an integer >= 1, got {value!r}",
+                              f"e.g. {setting}={MTP_STEPS if setting == 'mtp.steps' else MTP_TOPK}")
 
 
 def check_generate_args(temperature: float, max_new_tokens: int, input_ids: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.engine import gdn
-from ddtree.engine.checks import STATIC_METHODS, compile_setting
+from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables, lean_norm
 from ddtree.engine.tree import DraftTree, best_first_tensors
@@ -66,11 +66,11 @@ def capacity_bucket(needed: int) -> int:
     return max(MIN_CAPACITY, 1 << max(0, needed - 1).bit_length())
 
 
-def why_not_static(binding, method: str) -> str | None:
-    """Why the static round cannot run this target and method, in words; None where it can."""
-    if method not in STATIC_METHODS:  # the Engine passes "custom proposer" for a proposer of the caller's
-        what = "a custom proposer's trees may vary in size" if method == "custom proposer" else f"method={method}"
-        return f"{what} (the compiled round runs {', '.join(STATIC_METHODS)}: a fixed node count per engine)"
+def why_not_static(binding, unfit: str | None) -> str | None:
+    """Why the static round cannot run this target, in words; None where it can. unfit: the proposer, in words,
+    where it does not declare `compilable` (one node count per engine), else None."""
+    if unfit is not None:
+        return f"{unfit}'s trees may vary in size (the compiled round needs a fixed node count per engine)"
     lean = binding.lean
     if lean is None:
         return ("the lean forward does not run this target (its family, attention backend, sliding-window layers, "
@@ -93,16 +93,16 @@ def auto_compiles(binding) -> bool:
     return binding.device.type == "cuda" and os.environ.get("DDTREE_COMPILE") not in OFF
 
 
-def static_round_for(binding, method: str, setting: str, backend: str | None = None) -> StaticRound | None:
+def static_round_for(binding, unfit: str | None, setting: str, backend: str | None = None) -> StaticRound | None:
     """The engine's StaticRound under compile=`setting`, or None for the eager path (auto: with the reason logged;
-    true: a target it cannot run is refused). backend: torch.compile's backend (None: inductor; tests trace with
+    true: a target it cannot run is refused). unfit: as why_not_static's. backend: torch.compile's backend (None: inductor; tests trace with
     "eager" or "aot_eager" to check graphs without the code generation)."""
     setting = compile_setting(setting)
     if setting == "false":
         return None
     if setting == "auto" and not auto_compiles(binding):
         return None  # a CPU compile costs far more than it saves (docs/compile.md); DDTREE_COMPILE=0: auto is off
-    reason = why_not_static(binding, method)
+    reason = why_not_static(binding, unfit)
     if reason is not None:
         if setting == "true":
             raise ConfigError("compile", f"the compiled round cannot run here: {reason}",
@@ -201,20 +201,21 @@ class StaticRound:
         self.draft: StaticDraft | StaticMTP | None = None
 
     def attach(self, proposer) -> str | None:
-        """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree; MTP's head: StaticMTP);
-        returns why not, or None. DDTree's tree build is compiled as well (`tree`)."""
-        if hasattr(proposer, "tree_tensors"):
+        """Compile what `proposer` declares (ddtree.engine.proposers.Proposer): its best-first tree build (`tree`,
+        as `tree_tensors`) and its drafter's static form (`static_form` "dflash": StaticDraft; "mtp": StaticMTP,
+        as `static_draft`); returns why its drafter drafts eagerly, or None."""
+        if proposer.best_first:
             proposer.tree_tensors = self.tree
-        if hasattr(proposer, "static_head"):  # method=mtp: the target's own head
+        if proposer.static_form == "mtp":  # the target's own head
             reason = why_not_static_head(proposer.head, self.device)
             if reason is None:
-                self.draft = proposer.static_head = StaticMTP(self, proposer)
+                self.draft = proposer.static_draft = StaticMTP(self, proposer)
             else:
                 log.info("the MTP head drafts eagerly (its verification compiled): %s", reason)
             return reason
-        drafter = getattr(proposer, "drafter", None)
-        if not hasattr(proposer, "static_draft") or drafter is None:
-            return "no DFlash drafter"
+        if proposer.static_form != "dflash":
+            return "no compiled draft form"
+        drafter = proposer.drafter
         if drafter.attn_implementation not in ("eager", "sdpa"):
             return f"the drafter's attention is {drafter.attn_implementation}"
         if drafter.device != self.device:
@@ -224,12 +225,10 @@ class StaticRound:
 
     def detach(self, proposer) -> None:
         """Undo `attach`: the proposer drafts and builds its tree eagerly again (compile=auto's fallback)."""
-        if getattr(proposer, "tree_tensors", None) == self.tree:
+        if proposer.tree_tensors == self.tree:
             proposer.tree_tensors = None
-        if getattr(proposer, "static_draft", None) is self.draft:
+        if proposer.static_draft is self.draft:
             proposer.static_draft = None
-        if getattr(proposer, "static_head", None) is self.draft:
-            proposer.static_head = None
         self.draft = None
 
     def session(self, needed: int) -> StaticSession:

@@ -1,11 +1,13 @@
 """What ddtree knows about each model family, in one table keyed by `model_type` (Liger-Kernel style).
 
-A family absent from the table is treated as pure attention: every method, checked at run time
-by `TargetSession.check_method` (a cache with linear-attention layers no row covers is refused).
+A row says what a family has (tree-exact GDN, recurrent layers, its own MTP head); which methods that lets it run
+is the methods table's question (ddtree.engine.methods.supports). A family absent from the table is treated as pure
+attention, checked at run time by `TargetSession.check_method` (a cache with linear-attention layers no row covers
+is refused).
 
     family("qwen3_5_text").gdn          # True: tree-exact Gated DeltaNet (ddtree.engine.gdn)
-    supports("qwen3", "mtp")            # False: no MTP head of its own (method=mtp drafts with the target's)
-    supports("mamba2", "ddtree")        # False: recurrent layers, no exact tree verification
+    family("qwen3").own_head            # False: no MTP head of its own (method=mtp drafts with the target's)
+    family("mamba2").recurrent          # True: recurrent layers, no exact tree verification
 """
 
 from __future__ import annotations
@@ -15,11 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from ddtree.engine.methods import BASELINE, DRAFTER_METHOD_NAMES, METHOD_NAMES
-
-ALL_METHODS = METHOD_NAMES
-DRAFTER_METHODS = DRAFTER_METHOD_NAMES  # a family without its own MTP head
-AR_ONLY = (BASELINE,)
+from ddtree.errors import ConfigError
 
 # Embedding access: how the authors' code reaches the target's embeddings / head on this family.
 DIRECT = "direct"  # target.model.embed_tokens and target.lm_head exist
@@ -40,7 +38,7 @@ class Family:
     """One model_type. `gdn_class`: "module:Class" of its Gated DeltaNet layer when it has one."""
 
     model_type: str
-    methods: tuple[str, ...] = DRAFTER_METHODS
+    recurrent: bool = False  # recurrent layers that cannot verify a draft tree or roll back exactly: the baseline only
     gdn_class: str | None = None
     embedding_access: str = DIRECT
     wrapper_class: str | None = None  # "module:Class" of the nesting wrapper model, when NESTED
@@ -57,6 +55,11 @@ class Family:
     def gdn(self) -> bool:
         return self.gdn_class is not None
 
+    @property
+    def own_head(self) -> bool:
+        """It carries an MTP head of its own (the drafter of method=mtp)."""
+        return self.mtp_layer is not None
+
 
 _QWEN3_5_GDN = "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5GatedDeltaNet"
 _QWEN3_5_MOE_GDN = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeGatedDeltaNet"
@@ -64,10 +67,9 @@ _QWEN3_NEXT_GDN = "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3NextG
 _Q35, _Q35M, _QN = ("transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5",
                     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5Moe",
                     "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3Next")
-_MTP_QWEN3_5 = dict(methods=ALL_METHODS, mtp_layer=_Q35 + "DecoderLayer", mtp_norm=_Q35 + "RMSNorm", mtp_mrope=True)
-_MTP_QWEN3_5_MOE = dict(methods=ALL_METHODS, mtp_layer=_Q35M + "DecoderLayer", mtp_norm=_Q35M + "RMSNorm",
-                        mtp_mrope=True)
-_MTP_QWEN3_NEXT = dict(methods=ALL_METHODS, mtp_layer=_QN + "DecoderLayer", mtp_norm=_QN + "RMSNorm")
+_MTP_QWEN3_5 = dict(mtp_layer=_Q35 + "DecoderLayer", mtp_norm=_Q35 + "RMSNorm", mtp_mrope=True)
+_MTP_QWEN3_5_MOE = dict(mtp_layer=_Q35M + "DecoderLayer", mtp_norm=_Q35M + "RMSNorm", mtp_mrope=True)
+_MTP_QWEN3_NEXT = dict(mtp_layer=_QN + "DecoderLayer", mtp_norm=_QN + "RMSNorm")
 
 # Recurrent-state families whose layers cannot verify a tree or roll back rejected tokens exactly.
 _AR_ONLY_TYPES = ("falcon_h1", "nemotron_h", "granitemoehybrid", "mamba", "mamba2", "lfm2", "lfm2_moe", "lfm2_vl",
@@ -94,9 +96,9 @@ _ROWS: tuple[Family, ...] = (
     Family("qwen3_vl_moe", embedding_access=NESTED,
            wrapper_class="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel"),
     # a wrapper whose head lives on a nested causal LM (target.lm_head -> language_model.lm_head)
-    Family("nemotron_h_omni", methods=AR_ONLY, embedding_access=NESTED,
+    Family("nemotron_h_omni", recurrent=True, embedding_access=NESTED,
            wrapper_class="transformers.models.nemotron_h_omni.modeling_nemotron_h_omni:NemotronH_Omni_Reasoning_V3"),
-    *(Family(name, methods=AR_ONLY) for name in _AR_ONLY_TYPES),
+    *(Family(name, recurrent=True) for name in _AR_ONLY_TYPES),
 )
 
 FAMILIES: Mapping[str, Family] = MappingProxyType({row.model_type: row for row in _ROWS})
@@ -104,7 +106,7 @@ _ATTENTION_ONLY = Family("")  # an unknown model_type: pure attention until the 
 
 
 def family(model_type: str) -> Family:
-    """The table row of `model_type`; an unknown type gets every method (checked again at run time)."""
+    """The table row of `model_type`; an unknown type is pure attention (checked again at run time)."""
     return FAMILIES.get(model_type, _ATTENTION_ONLY)
 
 
@@ -115,8 +117,12 @@ def model_type(model: Any) -> str:
     return getattr(text, "model_type", None) or cfg.model_type
 
 
-def supports(model_type: str, method: str) -> bool:
-    return method in family(model_type).methods
+def check_family_has_mtp(mtype: str) -> None:
+    """Refuse a family without an MTP head of its own (before any weights load)."""
+    if not family(mtype).own_head:
+        raise ConfigError("method", f"method=mtp needs the target's own MTP head, and a '{mtype}' target has none "
+                          "(Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints carry one)",
+                          "use method=dflash or method=ddtree with a drafter, or method=ar")
 
 
 def gdn_classes() -> tuple[str, ...]:

@@ -12,16 +12,10 @@ from transformers import PreTrainedModel
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.compiled import static_round_for
 from ddtree.engine.diagnostics import RoundRecorder
-from ddtree.engine.methods import check_method_args, get_method
-from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, MTPProposer, Proposer, StageTimer
+from ddtree.engine.methods import DFLASH, DraftSettings, check_method_args, check_target_supported, get_method
+from ddtree.engine.proposers import DecodeState, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
-from ddtree.engine.target import (
-    TargetBinding,
-    TargetSession,
-    check_target_supported,
-    context_features,
-    model_type,
-)
+from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
 from ddtree.engine.tree import host_walk, walk
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
@@ -59,9 +53,7 @@ def make_proposer(method: str, target, drafter, budget: int | None, block_size: 
     steps, topk: method=mtp's draft depth and branching (ignored by the others)."""
     m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
                           steps=steps, topk=topk)
-    if m.own_head:
-        return m.make_proposer(target, drafter, budget, block_size, steps=steps, topk=topk)
-    return m.make_proposer(target, drafter, budget, block_size)
+    return m.make_proposer(target, drafter, DraftSettings(budget=budget, block_size=block_size, steps=steps, topk=topk))
 
 
 class Engine:
@@ -89,22 +81,22 @@ class Engine:
                               str(target.device))
         custom = proposer is not None
         if proposer is None:
-            if drafter is not None and self.spec.needs_drafter:
+            if drafter is not None and self.spec.drafter_kind == DFLASH:
                 drafter.check_compatible(target)
             proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
-        layers = getattr(proposer, "feature_layers", None) or (  # MTP: the target's own last hidden state
-            drafter.target_layer_ids if (proposer.needs_features and drafter is not None) else None)
-        self.binding = TargetBinding(target, layers, tree_attention=tree_attention,
+        # the Proposer contract (ddtree.engine.proposers.Proposer): what it reads, how big its trees get, what compiles
+        self.binding = TargetBinding(target, proposer.feature_layers, tree_attention=tree_attention,
                                      tune_allocator=tune_host_allocator)
-        self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1, getattr(proposer, "max_nodes", 1)) + 1
-        if not isinstance(proposer, ARProposer):
+        self.tree_max = proposer.max_nodes + 1
+        if proposer.max_nodes > 1:  # it drafts: the target must verify its trees exactly
             TargetSession(target, binding=self.binding).check_method(method)
         # the compiled round (ddtree.engine.compiled), or None: the eager one
         self.compile = compile
-        self.static = static_round_for(self.binding, "custom proposer" if custom else method, compile, compile_backend)
+        unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")
+        self.static = static_round_for(self.binding, unfit, compile, compile_backend)
         if self.static is not None:  # the drafter's forward and DDTree's tree build compiled too, where they can be
             self.static.attach(proposer)
 
@@ -188,14 +180,10 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
         session = engine.static.session(capacity)
     else:
         session = TargetSession(engine.target, capacity=capacity, binding=engine.binding)
-    if isinstance(proposer, (DrafterBlock, MTPProposer)):
-        proposer.reset(capacity)
-    else:
-        proposer.reset()
+    proposer.reset(capacity)
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
-                              budget=budget if spec.reads_budget else None,
-                              block_size=getattr(proposer, "block_size", None))
-    rec = RoundRecorder(temperature) if engine.record and hasattr(proposer, "last_logits") else None
+                              budget=budget if spec.reads_budget else None, block_size=proposer.block_size)
+    rec = RoundRecorder(temperature) if engine.record and proposer.diagnoses else None
 
     t0 = time.perf_counter()
     logits, feats = session.prefill(input_ids)

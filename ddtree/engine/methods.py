@@ -1,7 +1,8 @@
-"""The one table of decoding methods: name -> proposer, whether it needs a drafter, reads the budget, tree kind.
+"""The one table of decoding methods: name -> proposer, the drafter it drafts with, the budget and the shape it
+verifies, whether the compiled round runs it, which families it runs on.
 
 Everything that asks "which method is this" (the generate loop, config validation, the authors'-code
-engine, reports) asks this table, not a string. Importing it is cheap (no torch): config validation
+engine, reports, docs) asks this table, not a string. Importing it is cheap (no torch): config validation
 reads it before any model work; the proposers load when one is made.
 """
 
@@ -11,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ddtree.engine.checks import check_block_size, check_budget
+from ddtree.engine.checks import MTP_STEPS, MTP_TOPK, check_block_size, check_budget, check_mtp_args
+from ddtree.engine.families import Family, check_family_has_mtp, family
 from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -19,63 +21,111 @@ if TYPE_CHECKING:
 
 DEFAULT_BUDGET = 64  # DDTree's node budget when a caller passes budget=None
 MTP = "mtp"  # the method drafting with the target's own multi-token-prediction head
-MTP_STEPS, MTP_TOPK = 3, 1  # its defaults: SGLang's --speculative-num-steps 3 --speculative-eagle-topk 1
+
+# What fills a method's drafter slot (Method.drafter_kind; None: no drafter)
+DFLASH = "dflash"  # a DFlash drafter checkpoint (drafter=<name>); its block size: the checkpoint's or drafter.block_size
+OWN_HEAD = "own_head"  # the target's own MTP head (ddtree.engine.drafter.mtp), read from the target's checkpoint
 
 
-def _ar(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
+@dataclass(frozen=True)
+class DraftSettings:
+    """What a proposer is built from besides the models; each method reads its own (the rest stay None)."""
+
+    budget: int | None = None  # the node budget (methods with reads_budget)
+    block_size: int | None = None  # the drafter's block (drafter_kind DFLASH; None: the drafter's own)
+    steps: int | None = None  # method=mtp: draft depth (None: MTP_STEPS)
+    topk: int | None = None  # method=mtp: children per expanded node (None: MTP_TOPK; > 1: a tree)
+
+
+def _ar(target, drafter, s: DraftSettings) -> Proposer:
     from ddtree.engine.proposers import ARProposer
 
     return ARProposer()
 
 
-def _dflash(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
+def _dflash(target, drafter, s: DraftSettings) -> Proposer:
     from ddtree.engine.proposers import DFlashProposer
 
-    return DFlashProposer(target, drafter, block_size)
+    return DFlashProposer(target, drafter, s.block_size)
 
 
-def _ddtree(target, drafter, budget: int | None, block_size: int | None) -> Proposer:
+def _ddtree(target, drafter, s: DraftSettings) -> Proposer:
     from ddtree.engine.proposers import DDTreeProposer
 
-    return DDTreeProposer(target, drafter, budget if budget is not None else DEFAULT_BUDGET, block_size)
+    return DDTreeProposer(target, drafter, s.budget if s.budget is not None else DEFAULT_BUDGET, s.block_size)
 
 
-def _mtp(target, drafter, budget: int | None, block_size: int | None, steps: int | None = None,
-         topk: int | None = None) -> Proposer:
+def _mtp(target, drafter, s: DraftSettings) -> Proposer:
     from ddtree.engine.proposers import MTPProposer
 
-    return MTPProposer(target, drafter, steps=steps or MTP_STEPS, topk=topk or MTP_TOPK,
-                       budget=budget if budget is not None else DEFAULT_BUDGET)
+    return MTPProposer(target, drafter, steps=s.steps or MTP_STEPS, topk=s.topk or MTP_TOPK,
+                       budget=s.budget if s.budget is not None else DEFAULT_BUDGET)
 
 
 @dataclass(frozen=True)
 class Method:
-    """One decoding method. `tree`: the shape it verifies: root (one token), chain or tree (branching)."""
+    """One decoding method.
+
+    make_proposer(target, drafter, DraftSettings): its proposer (ddtree.engine.proposers), after check_method_args.
+    drafter_kind: what fills its drafter slot: DFLASH, OWN_HEAD (None passed: read from the target) or None.
+    tree: the shape it verifies: root (one token), chain or tree (branching).
+    reads_budget: the budget can shape its tree; budget_when_branching: only when it branches (topk > 1).
+    compilable: the compiled round (ddtree.engine.compiled) runs it (one node count per engine).
+    authors_code: the DDTree authors' code (engine=upstream, ddtree.upstream) has it.
+    settings: the config group of settings it alone reads (method=mtp: mtp.steps, mtp.topk), or None.
+    """
 
     name: str
-    make_proposer: Callable[[Any, Any, int | None, int | None], Proposer]
-    needs_drafter: bool
-    reads_budget: bool
+    make_proposer: Callable[[Any, Any, DraftSettings], Proposer]
+    drafter_kind: str | None
     tree: str
-    own_head: bool = False  # drafts with the target's own MTP head (read from its checkpoint), no drafter
+    reads_budget: bool
+    budget_when_branching: bool = False
+    compilable: bool = True
+    authors_code: bool = True
+    settings: str | None = None
 
     @property
     def verifies_tree(self) -> bool:
         """A branching tree: needs a tree attention mask (and, on hybrids, the tree-exact GDN)."""
         return self.tree == "tree"
 
+    @property
+    def reads_block_size(self) -> bool:
+        """It drafts blocks of a DFlash drafter (drafter.block_size)."""
+        return self.drafter_kind == DFLASH
+
+    def uses_budget(self, topk: int | None = None) -> bool:
+        """Whether the budget shapes its tree under these settings (MTP's chain, topk 1, ignores it)."""
+        return self.reads_budget and (not self.budget_when_branching or (topk or MTP_TOPK) > 1)
+
+    def runs_on(self, row: Family) -> bool:
+        """The baseline runs on every family; a drafting method where the family verifies a tree exactly (not
+        recurrent) and, drafting with the target's own head, where the family has one."""
+        if self.tree == "root":
+            return True
+        return not row.recurrent and (self.drafter_kind != OWN_HEAD or row.own_head)
+
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("ar", _ar, needs_drafter=False, reads_budget=False, tree="root"),
-    Method("dflash", _dflash, needs_drafter=True, reads_budget=False, tree="chain"),
-    Method("ddtree", _ddtree, needs_drafter=True, reads_budget=True, tree="tree"),
+    Method("ar", _ar, drafter_kind=None, tree="root", reads_budget=False),
+    Method("dflash", _dflash, drafter_kind=DFLASH, tree="chain", reads_budget=False),
+    Method("ddtree", _ddtree, drafter_kind=DFLASH, tree="tree", reads_budget=True),
     # a chain of `steps` tokens (topk 1) or an EAGLE-style tree (topk > 1, the `budget` best nodes)
-    Method(MTP, _mtp, needs_drafter=False, reads_budget=True, tree="tree", own_head=True),
+    Method(MTP, _mtp, drafter_kind=OWN_HEAD, tree="tree", reads_budget=True, budget_when_branching=True,
+           authors_code=False, settings="mtp"),
 )}
 METHOD_NAMES = tuple(METHODS)
 # every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
-DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if not m.own_head)
+DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.drafter_kind != OWN_HEAD)
+COMPILABLE_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.compilable)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
+
+
+def reads_budget(name: str | None, topk: int | None = None) -> bool:
+    """Whether method `name` (None or unknown: no) reads the budget under these settings (Method.uses_budget)."""
+    m = METHODS.get(name)
+    return m is not None and m.uses_budget(topk)
 
 
 def get_method(name: str) -> Method:
@@ -84,12 +134,26 @@ def get_method(name: str) -> Method:
     return METHODS[name]
 
 
-def check_mtp_args(steps: int | None, topk: int | None) -> None:
-    """method=mtp: steps >= 1 draft tokens per round (depth), topk >= 1 children per expanded node."""
-    for setting, value in (("mtp.steps", steps), ("mtp.topk", topk)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(setting, f"must be an integer >= 1, got {value!r}",
-                              f"e.g. {setting}={MTP_STEPS if setting == 'mtp.steps' else MTP_TOPK}")
+def family_methods(model_type: str) -> tuple[str, ...]:
+    """The methods a model_type runs, in table order (an unknown type: pure attention)."""
+    row = family(model_type)
+    return tuple(name for name, m in METHODS.items() if m.runs_on(row))
+
+
+def supports(model_type: str, method: str) -> bool:
+    return get_method(method).runs_on(family(model_type))
+
+
+def check_target_supported(model_type_name: str, method: str,
+                           fix: str = "use method=ar for this model family") -> None:
+    """Refuse families whose verification would be silently wrong, or without the head a method drafts with."""
+    m, row = get_method(method), family(model_type_name)
+    if m.runs_on(row):
+        return
+    if m.drafter_kind == OWN_HEAD and not row.own_head:
+        check_family_has_mtp(model_type_name)
+    raise ConfigError("method", f"method={method} on a '{model_type_name}' target is not supported: its recurrent "
+                      "layers cannot verify a draft tree or roll back rejected tokens exactly", fix)
 
 
 def check_method_args(name: str, *, has_drafter: bool, budget: int | None, block_size: int | None,
@@ -99,12 +163,12 @@ def check_method_args(name: str, *, has_drafter: bool, budget: int | None, block
     a known method, the drafter it needs, a budget >= 1 where it reads one, a block size >= 2 (MTP: its
     steps and topk)."""
     method = get_method(name)
-    if method.own_head:
+    if method.settings == MTP:
         check_mtp_args(steps, topk)
-    if method.needs_drafter and not has_drafter:
+    if method.drafter_kind == DFLASH and not has_drafter:
         raise ConfigError("drafter", f"method={name} needs a DFlash drafter, but there is none", drafter_fix)
     if method.reads_budget:
         check_budget(budget)
-    if method.needs_drafter:
+    if method.reads_block_size:
         check_block_size(block_size)
     return method

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.engine.checks import check_block_size, check_budget
+from ddtree.engine.checks import check_block_size, check_budget, check_mtp_args
+from ddtree.engine.drafter.mtp import MTPHead
 from ddtree.engine.host import host_branch
 from ddtree.engine.result import STAGES
 from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_of_tensors
+from ddtree.errors import ConfigError
 
 
 class StageTimer:
@@ -94,46 +95,78 @@ class DecodeState:
     input_ids: torch.Tensor | None = None  # [1, P] the prompt (a proposer reading every committed token needs it)
 
 
-class Proposer(Protocol):
-    """Proposes a draft tree each round. `needs_features`: wants target context features."""
+class Proposer:
+    """What a method drafts each round (`propose`), and everything the generate loop (ddtree.engine.loop) and the
+    compiled round (ddtree.engine.compiled) read from a proposer: each is declared here with a default (a proposer
+    that reads no target features, drafts the root alone, records no diagnosis and has no compiled form); a proposer
+    subclasses this and overrides what it does. Nothing reads a proposer by probing for attributes.
 
-    needs_features: bool
+    feature_layers: decoder layer indices whose hidden states it reads at every committed token
+      (DecodeState.new_context), or None. block_size: its drafter's block (None: no block; reported in the result).
+    max_nodes: the most nodes a tree it proposes holds, root included (the caches are sized for prompt + new tokens +
+      max_nodes + 1 rows once per generation).
+    compilable: its trees keep one node count per engine (the compiled round's graphs are per shape; compile=true
+      refuses a proposer that does not declare it).
+    diagnoses: it sets `last_logits` ([L, V], its per-position logits) every round, which the per-round diagnosis
+      (ddtree.engine.diagnostics) records.
+    best_first: its tree is the best-first tree over `last_logits` with `budget` nodes: under compile it builds it with
+      the compiled round's graph, `tree_tensors` (root, logits, budget) -> best_first_tensors' outputs.
+    static_form: the compiled form of its drafter the compiled round attaches under compile, as `static_draft`:
+      "dflash" (a StaticDraft of its `drafter`), "mtp" (a StaticMTP of its `head`) or None (it drafts eagerly).
+    """
 
-    def reset(self) -> None: ...
+    feature_layers: list[int] | None = None
+    block_size: int | None = None
+    max_nodes: int = 1
+    compilable: bool = False
+    diagnoses: bool = False
+    last_logits: torch.Tensor | None = None
+    best_first: bool = False
+    static_form: str | None = None
+    tree_tensors = None  # set by the compiled round where `best_first`
+    static_draft = None  # set by the compiled round where `static_form`
 
-    def propose(self, state: DecodeState) -> DraftTree: ...
+    @property
+    def needs_features(self) -> bool:
+        return bool(self.feature_layers)
+
+    def reset(self, capacity: int) -> None:
+        """A new generation of up to `capacity` rows (prompt + new tokens + max_nodes + 1)."""
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        raise NotImplementedError
 
 
-class ARProposer:
-    needs_features = False
-
-    def reset(self) -> None:
-        pass
+class ARProposer(Proposer):
+    compilable = True
 
     def propose(self, state: DecodeState) -> DraftTree:
         return root_tree(state.root)
 
 
-class DrafterBlock:
+class DrafterBlock(Proposer):
     """Runs the DFlash drafter on [root, mask, …] and returns per-position logits [block_size - 1, V]."""
 
-    needs_features = True
+    compilable = True
+    diagnoses = True
+    static_form = "dflash"
 
     def __init__(self, target: PreTrainedModel, drafter, block_size: int | None = None):
         self.target, self.drafter = target, drafter
         self.block_size = block_size or drafter.block_size
         check_block_size(self.block_size)  # the drafter's own, when no block size is passed
+        self.feature_layers = drafter.target_layer_ids
+        self.max_nodes = self.block_size  # the root and a chain of block_size - 1
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.cache = None
         self.ctx_len = 0
         self.last_logits: torch.Tensor | None = None  # the latest round's [L, V] (ddtree.engine.diagnostics reads it)
-        # the compiled drafter forward (ddtree.engine.compiled.StaticDraft), set by an Engine with compile on: it
-        # takes over from the second round of a generation (the first reads the prompt's features eagerly)
-        self.static_draft = None
+        # static_draft: the compiled drafter forward (ddtree.engine.compiled.StaticDraft), set by an Engine with compile
+        # on: it takes over from the second round of a generation (the first reads the prompt's features eagerly)
         self._capacity = 0
 
-    def reset(self, capacity: int = 0) -> None:
+    def reset(self, capacity: int) -> None:
         """A new generation; capacity: prompt + new tokens + one block (sizes the drafter cache once)."""
         self.cache = self.drafter.new_cache(capacity)
         self.ctx_len = 0
@@ -194,13 +227,13 @@ class DFlashProposer(DrafterBlock):
 class DDTreeProposer(DrafterBlock):
     """The best-first `budget` prefixes under the drafter's per-position log-probabilities."""
 
+    best_first = True  # tree_tensors: the compiled round's graph of the torch build, used where it runs (not the C one)
+
     def __init__(self, target, drafter, budget: int, block_size: int | None = None):
         super().__init__(target, drafter, block_size)
         check_budget(budget)
         self.budget = budget
-        # (root, logits, budget) -> best_first_tensors' outputs from the logits: the compiled round's graph of the
-        # torch build (ddtree.engine.compiled), set by the Engine; used where the torch build runs (not the C one)
-        self.tree_tensors = None
+        self.max_nodes = max(self.block_size, budget + 1)
 
     def propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
@@ -211,7 +244,7 @@ class DDTreeProposer(DrafterBlock):
             return best_first_tree(state.root, torch.log_softmax(logits, dim=-1), self.budget)
 
 
-class MTPProposer:
+class MTPProposer(Proposer):
     """The target's own MTP head (ddtree.engine.drafter.mtp): each round it first reads the tokens committed since
     the last one with the target's hidden states before them (its KV cache then covers every committed position,
     as the serving engines refill it after verification), then drafts:
@@ -224,13 +257,10 @@ class MTPProposer:
     rollback is the target's commit. head: an MTPHead, or None to read it from the target's checkpoint.
     """
 
-    needs_features = True
+    compilable = True
+    static_form = "mtp"
 
     def __init__(self, target: PreTrainedModel, head=None, *, steps: int, topk: int = 1, budget: int = 64):
-        from ddtree.engine.drafter.mtp import MTPHead
-        from ddtree.engine.methods import check_mtp_args
-        from ddtree.errors import ConfigError
-
         check_mtp_args(steps, topk)
         check_budget(budget)
         if head is None:
@@ -244,18 +274,17 @@ class MTPProposer:
         self.max_nodes = (steps if topk == 1 else budget) + 1  # the chain ignores the budget
         self.cache = None
         self.ctx_len = 0
-        # the compiled head (ddtree.engine.compiled.StaticMTP), set by an Engine with compile on: it takes over from
-        # a generation's second round (the first reads the prompt eagerly), where it drafts as the eager head does
-        self.static_head = None
+        # static_draft: the compiled head (ddtree.engine.compiled.StaticMTP), set by an Engine with compile on: it
+        # takes over from a generation's second round (the first reads the prompt eagerly), drafting as the eager head
         self._capacity = 0
 
-    def reset(self, capacity: int = 0) -> None:
+    def reset(self, capacity: int) -> None:
         """A new generation; capacity: prompt + new tokens + the largest tree (sizes the compiled head's buffer)."""
         self.cache = self.head.new_cache()
         self.ctx_len = 0
         self._capacity = capacity
-        if self.static_head is not None:
-            self.static_head.reset()
+        if self.static_draft is not None:
+            self.static_draft.reset()
 
     def _mask(self, visible: torch.Tensor) -> torch.Tensor:
         """Additive [1, 1, q, keys] from a boolean visibility matrix."""
@@ -293,7 +322,7 @@ class MTPProposer:
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
-            static = self.static_head
+            static = self.static_draft
             if static is not None and static.ready:  # the context arrived through the target's commit graph
                 self.ctx_len = state.start
                 out = static.draft(state.root)

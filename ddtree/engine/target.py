@@ -7,27 +7,15 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from ddtree.engine import attention, gdn, verification
-from ddtree.engine.families import family, model_type, supports
+from ddtree.engine.families import family, model_type
 from ddtree.engine.forward import LazyTail, lean_forward_for
 from ddtree.engine.host import allocator_wanted, host_branch, tune_host_allocator
 from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
-__all__ = ["PreallocatedLayer", "TargetBinding", "TargetSession", "WalkRows", "check_target_supported", "context_features", "model_type",
+__all__ = ["PreallocatedLayer", "TargetBinding", "TargetSession", "WalkRows", "context_features", "model_type",
            "new_cache"]
-
-
-def check_target_supported(model_type_name: str, method: str) -> None:
-    """Refuse families whose verification would be silently wrong, or without the head a method drafts with."""
-    if not supports(model_type_name, method) and get_method(method).own_head:
-        from ddtree.engine.drafter.mtp import check_family_has_mtp
-
-        check_family_has_mtp(model_type_name)
-    if not supports(model_type_name, method):
-        raise ConfigError(
-            "method", f"{method} on a '{model_type_name}' target is not supported: its recurrent layers cannot "
-            "verify a draft tree or roll back rejected tokens exactly", "use method=ar for this model family")
 
 
 # split: ddtree.engine.attention (any backend); dense: a 4-D additive mask (eager/sdpa); auto: per round, dense

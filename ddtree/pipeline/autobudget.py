@@ -20,30 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.errors import ConfigError
-
-AUTO = "auto"
-
-
-def is_auto(budget: Any) -> bool:
-    return isinstance(budget, str) and budget.strip().lower() == AUTO
-
-
-def check_auto(rc) -> None:
-    """budget=auto's settings (config validation, before model work)."""
-    a = rc.auto
-    if rc.method != "ddtree":
-        raise ConfigError("budget", f"budget=auto picks a DDTree budget, but method={rc.method}",
-                          "use method=ddtree, or a number")
-    if rc.engine != "native":
-        raise ConfigError("budget", "budget=auto needs the native engine (it reads the per-round records)",
-                          "use engine=native, or a number")
-    if a.prompts < 1 or a.calibration_budget < 1 or a.cost_tokens < 1:
-        raise ConfigError("auto", "auto.prompts, auto.calibration_budget and auto.cost_tokens must be >= 1")
-    if not a.candidates or min(a.candidates) < 1:
-        raise ConfigError("auto.candidates", f"must be budgets >= 1, got {list(a.candidates)}",
-                          "use e.g. auto.candidates=[8,16,32,64]")
-    if a.cost is not None and not Path(a.cost).is_file():
-        raise ConfigError("auto.cost", f"{a.cost} does not exist", "pass a CSV or JSON cost table, or auto.cost=null")
+from ddtree.pipeline.conversation import JobContext, run_conversation
+from ddtree.pipeline.diagnose import JobData, collect, predicted_curves, read_cost_table
 
 
 def _round_ms(res) -> float:
@@ -52,15 +30,7 @@ def _round_ms(res) -> float:
 
 def choose_budget(models, prompts, rc, files, cache) -> dict[str, Any]:
     """Calibrate, measure the costs, predict, choose: sets rc.budget and returns the record for summary.json.
-    files, cache: the job's (ddtree.pipeline.job.JobContext); the calibration's engines are closed on return."""
-    from ddtree.pipeline.diagnose import (
-        JobData,
-        collect,
-        predicted_curves,
-        read_cost_table,
-    )
-    from ddtree.pipeline.job import JobContext, run_conversation
-
+    files, cache: the job's (ddtree.pipeline.conversation.JobContext); the calibration's engines are closed on return."""
     t0 = time.perf_counter()
     a = rc.auto
     cal_budget = int(a.calibration_budget)
@@ -101,6 +71,17 @@ def choose_budget(models, prompts, rc, files, cache) -> dict[str, Any]:
             "ar_ms_per_token": ar_ms, "round_ms": {b: round_ms[b] for b in candidates},
             "predicted_tau": {b: pred[b] for b in candidates}, "predicted_speedup": speedup,
             "chosen": best, "seconds": time.perf_counter() - t0}
+
+
+def outcome_line(o: dict[str, Any]) -> str:
+    """The job's line on budget=auto's outcome; a job without a decoding round (max_new_tokens=1: the prefill's token
+    alone, or every prompt stopped at its first token) measured no tau to set beside the prediction."""
+    predicted = f"predicted tau {o['predicted_tau']:.2f}, speedup {o['predicted_speedup']:.2f}x"
+    if o["measured_tau"] is None:
+        return f"budget=auto outcome: no decoding round ran (each answer ended at its first token): {predicted}"
+    speedup = "n/a" if o["measured_speedup"] is None else f"{o['measured_speedup']:.2f}x"
+    return (f"budget=auto outcome: tau {o['measured_tau']:.2f} (predicted {o['predicted_tau']:.2f}), speedup "
+            f"{speedup} (predicted {o['predicted_speedup']:.2f}x)")
 
 
 def outcome(auto: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:

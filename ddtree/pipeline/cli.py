@@ -1,4 +1,4 @@
-"""`python -m ddtree.run`: the Hydra entry point, and the one-line user errors every CLI here shares.
+"""`python -m ddtree.run`: the Hydra entry point.
 
     python -m ddtree.run                                    # tiny smoke run (offline)
     python -m ddtree.run model=qwen3_8b method=dflash
@@ -6,93 +6,26 @@
     torchrun --nproc_per_node=8 -m ddtree.run model=qwen3_8b  # data parallel: the prompts shared by 8 ranks
 
 A mistake a user can make ends the process with one line on stderr (exit code 2), before any model work
-where possible; DDTREE_TRACEBACK=1 shows the traceback instead. The job itself is ddtree.pipeline.job.
+where possible (ddtree.pipeline.console); DDTREE_TRACEBACK=1 shows the traceback instead. The job itself is
+ddtree.pipeline.job.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import sys
 import warnings
-from collections.abc import Callable
-from typing import NoReturn
 
 import hydra
-from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
+from ddtree.pipeline.console import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.schema import CONF_DIR
 
 # conf/hydra/launcher/{submitit_slurm,submitit_local,ray}.yaml shadow the plugins' own configs on purpose
 # (ddtree's defaults: a GPU per job); Hydra 1.3 then validates them against the plugin's schema, and says so
 warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema",
                         category=UserWarning)
-
-USER_ERROR_EXIT = 2
-# conf/hydra/launcher/*.yaml: the plugin module each needs -> how to install it
-LAUNCHER_PACKAGES = {"hydra_plugins.hydra_submitit_launcher": "pip install 'ddtree[cluster]' (hydra-submitit-launcher)",
-                     "hydra_plugins.hydra_ray_launcher": "pip install hydra-ray-launcher"}
-
-
-def tracebacks_wanted() -> bool:
-    return bool(os.environ.get("DDTREE_TRACEBACK"))
-
-
-def one_line(e: BaseException, cli: str = "ddtree.run") -> str:
-    """Hydra and OmegaConf errors in one line: the message and its cause, without search paths."""
-    if isinstance(e, MissingConfigException) and e.missing_cfg_file and e.options:
-        group, _, name = str(e.missing_cfg_file).rpartition("/")
-        return f"{group}: unknown option '{name}' — use one of: {', '.join(sorted(e.options))}"
-    msg, cause = str(e), e.__cause__
-    merging = re.match(r"Error merging override (\S+?)=", msg)
-    if merging and cause is not None:
-        return f"{merging.group(1)}: {str(cause).splitlines()[0]}"
-    unknown = re.match(r"Could not override '([^']+)'", msg)
-    if unknown:
-        key = unknown.group(1)
-        return f"{key}: no such setting — check the spelling (python -m {cli} --cfg job prints every setting)"
-    skip = ("Config search path", "provider=", "See https://", "Set the environment variable", "full_key:",
-            "object_type=", "Available options")
-    lines: list[str] = []
-    for exc in (e, e.__cause__):
-        if exc is None:
-            continue
-        for ln in str(exc).splitlines():
-            ln = ln.strip()
-            if ln and not ln.startswith(skip) and ln not in lines and not set(ln) <= {"^", " "}:
-                lines.append(ln)
-    return " ".join(lines) or type(e).__name__
-
-
-def user_error(message: str) -> NoReturn:
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
-    raise SystemExit(USER_ERROR_EXIT)
-
-
-def run_cli(hydra_main: Callable[[], None], cli: str) -> None:
-    """Call a @hydra.main function, turning user errors (config composition, ConfigError) into one line."""
-    os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us instead of Hydra's multi-line report
-    try:
-        hydra_main()
-    except ConfigError as e:  # raised outside the job, e.g. by a malformed RANK/WORLD_SIZE environment
-        if tracebacks_wanted():
-            raise
-        user_error(str(e))
-    except (HydraException, OmegaConfBaseException) as e:
-        if tracebacks_wanted():
-            raise
-        user_error(one_line(e, cli))
-    except RuntimeError as e:  # hydra/launcher=<x> whose plugin is not installed
-        missing = next((fix for mod, fix in LAUNCHER_PACKAGES.items() if f"'{mod}." in str(e)), None)
-        if missing is None or tracebacks_wanted():
-            raise
-        user_error(f"hydra/launcher: the launcher plugin is not installed — {missing}")
-    except BrokenPipeError:  # `--help | head`: the reader left, which is fine
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

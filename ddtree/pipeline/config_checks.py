@@ -16,8 +16,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddtree.engine.checks import STATIC_METHODS, check_block_size, check_budget, compile_setting
-from ddtree.engine.methods import check_method_args, check_mtp_args, get_method
+from ddtree.engine.checks import check_block_size, check_budget, check_mtp_args, compile_setting
+from ddtree.engine.methods import COMPILABLE_METHOD_NAMES, DFLASH, MTP, check_method_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
@@ -30,6 +30,7 @@ from ddtree.pipeline.schema import (
     VALIDATION_MODES,
     RunConfig,
     first_line,
+    is_auto,
     to_run_config,
     tracking_uri,
 )
@@ -67,31 +68,47 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     check_dataset(rc.dataset)  # settings and local files only: nothing is downloaded here
     check_tracking(rc)
     check_validation(rc)
-    if get_method(rc.method).needs_drafter:  # AR never loads the drafter
+    if get_method(rc.method).drafter_kind == DFLASH:  # AR never loads a drafter, MTP reads the target's head
         check_drafter_fits(rc)
     return rc
+
+
+def check_auto(rc: RunConfig) -> None:
+    """budget=auto's settings (ddtree.pipeline.autobudget), before model work."""
+    a = rc.auto
+    if rc.method != "ddtree":
+        raise ConfigError("budget", f"budget=auto picks a DDTree budget, but method={rc.method}",
+                          "use method=ddtree, or a number")
+    if rc.engine != "native":
+        raise ConfigError("budget", "budget=auto needs the native engine (it reads the per-round records)",
+                          "use engine=native, or a number")
+    if a.prompts < 1 or a.calibration_budget < 1 or a.cost_tokens < 1:
+        raise ConfigError("auto", "auto.prompts, auto.calibration_budget and auto.cost_tokens must be >= 1")
+    if not a.candidates or min(a.candidates) < 1:
+        raise ConfigError("auto.candidates", f"must be budgets >= 1, got {list(a.candidates)}",
+                          "use e.g. auto.candidates=[8,16,32,64]")
+    if a.cost is not None and not Path(a.cost).is_file():
+        raise ConfigError("auto.cost", f"{a.cost} does not exist", "pass a CSV or JSON cost table, or auto.cost=null")
 
 
 def check_run_settings(rc: RunConfig) -> None:
     """The top-level settings: method, engine, budget, temperature, length, device."""
     method = get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
-    if method.own_head:
+    if method.settings == MTP:
         check_mtp_args(rc.mtp.steps, rc.mtp.topk)
-        if rc.engine == "upstream":
-            raise ConfigError("engine", "engine=upstream runs the DDTree authors' DFlash/DDTree, not method=mtp",
-                              "use engine=native for method=mtp")
+    if rc.engine == "upstream" and not method.authors_code:
+        raise ConfigError("engine", f"engine=upstream runs the DDTree authors' DFlash/DDTree, not method={rc.method}",
+                          f"use engine=native for method={rc.method}")
     if rc.engine == "upstream":
         check_upstream_path(rc.upstream.path)
     rc.compile = compile_setting(rc.compile)
     if rc.compile == "true" and rc.engine == "upstream":
         raise ConfigError("compile", "compile=true compiles the native engine's round, not the authors' code",
                           "use engine=native, or compile=auto")
-    if rc.compile == "true" and rc.method not in STATIC_METHODS:
-        raise ConfigError("compile", f"the compiled round runs {', '.join(STATIC_METHODS)}, not method={rc.method}",
+    if rc.compile == "true" and not method.compilable:
+        raise ConfigError("compile", f"the compiled round runs {', '.join(COMPILABLE_METHOD_NAMES)}, not method={rc.method}",
                           "use compile=auto (eager where it cannot run) or compile=false")
-    from ddtree.pipeline.autobudget import check_auto, is_auto
-
     if is_auto(rc.budget):
         rc.budget = "auto"
         check_auto(rc)
@@ -151,7 +168,7 @@ def check_drafter(rc: RunConfig) -> None:
     budget = rc.auto.calibration_budget if rc.budget == "auto" else rc.budget
     method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=budget, block_size=d.block_size,
                                drafter_fix=_drafter_fix(m.name, m.tiny is not None))
-    if method.needs_drafter:
+    if method.drafter_kind == DFLASH:
         if d.kind == "random" and m.tiny is None:
             raise ConfigError("drafter", f"a random drafter on the real model {m.name} measures nothing",
                               f"use drafter={m.name}; drafter=tiny is for the tiny test models")
@@ -162,7 +179,7 @@ def check_attention_settings(rc: RunConfig) -> None:
     dtype = _model_dtype(rc)
     check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
                     device=rc.device, dtype=dtype)
-    if get_method(rc.method).needs_drafter:
+    if get_method(rc.method).drafter_kind == DFLASH:
         check_attention("attention.drafter", rc.attention.drafter, method=rc.method, for_target=False,
                         device=rc.device, dtype=rc.drafter.dtype or dtype)
     if rc.engine == "upstream" and get_method(rc.method).verifies_tree and (

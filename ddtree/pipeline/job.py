@@ -8,14 +8,11 @@ cache ddtree.pipeline.models.
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import json
 import platform
 import sys
 import time
-import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +20,20 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ddtree.engine.methods import BASELINE, METHODS
+from ddtree.engine.methods import BASELINE, METHODS, MTP, OWN_HEAD, reads_budget
 from ddtree.engine.result import STAGES
-from ddtree.errors import ConfigError
+from ddtree.pipeline import distributed as D
+from ddtree.pipeline.autobudget import choose_budget, outcome, outcome_line
 from ddtree.pipeline.config_checks import validate
+from ddtree.pipeline.console import Progress, library_bars_off_outside_a_terminal
+from ddtree.pipeline.conversation import (
+    SAMPLES,
+    JobContext,
+    JobFiles,
+    LoadedModels,
+    run_conversation,
+    stop_token_ids,
+)
 from ddtree.pipeline.datasets import dataset_label, load_dataset_prompts
 from ddtree.pipeline.models import (
     MODELS,
@@ -37,29 +44,21 @@ from ddtree.pipeline.models import (
     load_upstream,
     model_device,
     resolve_device,
-    target_context,
 )
 from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
-from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, keep_last, preflight
+from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
-from ddtree.pipeline.resume import Resume, find_resume, write_job_file
+from ddtree.pipeline.resume import find_resume, write_job_file
 from ddtree.pipeline.schema import (
     REPO_ROOT,
     RunConfig,
     flatten,
     identity_dict,
-    reads_budget,
     resolved_dict,
     to_run_config,
     tracking_uri,
 )
 from ddtree.pipeline.sweep_table import SKIPPED, claim_config, format_table
-
-SAMPLES = "samples.jsonl"
-SUMMARY = "summary.json"
-HISTOGRAM = "acceptance_hist.png"
-RESOLVED = "config_resolved.yaml"
-
 
 # ---------------------------------------------------------------- compat
 
@@ -83,64 +82,6 @@ def baseline_key(rc: RunConfig, mine: list[Prompt], target_key: str | None) -> s
     return cache_key(target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
                 rc.dataset.chat_template, rc.dataset.enable_thinking, rc.engine, rc.upstream.path,
                 OmegaConf.to_container(OmegaConf.structured(rc.compat)), rc.warmup)
-
-
-def stop_token_ids(tokenizer, target) -> list[int]:
-    ids = {tokenizer.eos_token_id}
-    eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    vocab = target.get_input_embeddings().weight.shape[0]
-    return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
-
-
-def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_tokens: int | None = None):
-    """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers.
-
-    The native ddtree.Engine of each method is built on first use and kept in ctx.engines (one per job: the
-    set-up runs once per method, not once per generation)."""
-    import torch
-
-    from ddtree import Engine
-
-    rc, m = ctx.rc, ctx.models
-    target, tokenizer, device = m.target, m.tokenizer, m.device
-    drafts, own_head = METHODS[method].needs_drafter, METHODS[method].own_head
-    kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and drafts else {}
-    if own_head:  # method=mtp: `drafter` is the target's MTP head (ddtree.pipeline.models.load_mtp_head)
-        kw = {"steps": rc.mtp.steps, "topk": rc.mtp.topk}
-    if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
-        from ddtree.upstream.engine import generate_upstream
-
-        generate = functools.partial(generate_upstream, load_upstream(rc), target, m.drafter if drafts else None,
-                                     method=method, budget=rc.budget, **kw)
-    else:
-        if method not in ctx.engines:
-            ctx.engines[method] = Engine(target, m.drafter if drafts or own_head else None, method=method, budget=rc.budget,
-                                         tune_host_allocator=rc.host_allocator, record=rc.record_rounds, compile=rc.compile,
-                                         **kw)
-        generate = ctx.engines[method].generate
-    messages: list[dict[str, str]] = []
-    for turn, user in enumerate(prompt.turns):
-        messages.append({"role": "user", "content": user})
-        ids = encode(tokenizer, messages, chat_template=rc.dataset.chat_template,
-                     enable_thinking=rc.dataset.enable_thinking)
-        if not ids:  # (prompts are checked before loading; a later turn holds the model's own answers)
-            raise ConfigError("dataset", f"turn {turn + 1} of prompt '{prompt.id}' is no tokens under this tokenizer",
-                              "remove it or give it words the tokenizer knows")
-        new = max_new_tokens or rc.max_new_tokens
-        if rc.dataset.truncate:
-            ids = keep_last(ids, new, target_context(target))
-        else:  # a later turn grows with the model's answers: checked again here
-            check_prompt_lengths([prompt], [len(ids)], new, target_context(target), False)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        gen = None
-        if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
-            gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
-        res = generate(input_ids, temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
-                       stop_token_ids=m.stops, generator=gen)
-        text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
-        messages.append({"role": "assistant", "content": text})
-        yield turn, res, text
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -167,6 +108,7 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
     meth = [r for r in records if r["role"] == "method"]
+    spec = METHODS[rc.method]
     base = [r for r in records if r["role"] == "baseline"]
     m = aggregate(meth)
     b = aggregate(base) if base else (m if rc.method == BASELINE else None)
@@ -183,8 +125,8 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "engine": rc.engine,
         "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk) else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name,
-        "drafter": "mtp head" if METHODS[rc.method].own_head else rc.drafter.name_or_path or rc.drafter.kind,
-        **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if METHODS[rc.method].own_head else {}),
+        "drafter": "mtp head" if spec.drafter_kind == OWN_HEAD else rc.drafter.name_or_path or rc.drafter.kind,
+        **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if spec.settings == MTP else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
@@ -217,66 +159,6 @@ def environment(device: str, compat_report: list[dict[str, Any]]) -> dict[str, A
 
 
 # ---------------------------------------------------------------- the job's phases
-
-
-@dataclass
-class JobFiles:
-    """Where a job writes: rank 0's Hydra job dir (the other ranks' Hydra output went to a scratch dir)."""
-
-    job_dir: Path
-    sweep_dir: Path | None  # set when this job is part of a multirun
-    overrides: list[str]
-    log_file: Path | None
-    rank_samples: Path  # this rank's share of samples.jsonl (the file itself on a single process)
-
-    @property
-    def samples(self) -> Path:
-        return self.job_dir / SAMPLES
-
-    @property
-    def summary(self) -> Path:
-        return self.job_dir / SUMMARY
-
-    @property
-    def histogram(self) -> Path:
-        return self.job_dir / HISTOGRAM
-
-    @property
-    def resolved(self) -> Path:
-        return self.job_dir / RESOLVED
-
-    @property
-    def config_artifacts(self) -> list[Path]:
-        return [self.job_dir / ".hydra" / "config.yaml", self.job_dir / ".hydra" / "overrides.yaml", self.resolved]
-
-
-@dataclass
-class LoadedModels:
-    target: Any
-    tokenizer: Any
-    drafter: Any
-    device: str  # where inputs go (with a device map: the embeddings' device)
-    stops: list[int]
-    load_s: float
-
-
-@dataclass
-class JobContext:
-    """What one rank's share of a job runs with, built by run_job: nothing below it reads a module global."""
-
-    rc: RunConfig
-    models: LoadedModels
-    files: JobFiles
-    cache: ModelCache  # the process's cache: warm-up marks and reusable AR baselines across a sweep's jobs
-    show_progress: bool = True
-    resume: Resume | None = None
-    engines: dict[str, Any] = field(default_factory=dict)  # one ddtree.Engine per method, built on first use
-
-    def close(self) -> None:
-        """Close the job's engines: the cached target is handed to the next job as it was loaded."""
-        for engine in self.engines.values():
-            engine.close()
-        self.engines.clear()
 
 
 def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
@@ -324,7 +206,6 @@ def first_turn_lengths(rc: RunConfig, prompts: list[Prompt], tokenizer) -> list[
 
 def open_files(world) -> JobFiles:
     """Rank 0's job dir for every rank, with this rank's samples file started fresh."""
-    from ddtree.pipeline import distributed as D
 
     job_dir, sweep_dir, overrides, log_file = D.broadcast(job_dirs(), world)
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -335,7 +216,6 @@ def open_files(world) -> JobFiles:
 
 def already_finished(rc: RunConfig, tracker, chash: str, world, files: JobFiles) -> bool:
     """Whether the tracking store holds a finished run of this config (force=true reruns it)."""
-    from ddtree.pipeline import distributed as D
 
     done = D.broadcast(None if rc.force else tracker.finished_run(chash), world)
     if done and world.is_main:
@@ -348,7 +228,6 @@ def already_finished(rc: RunConfig, tracker, chash: str, world, files: JobFiles)
 def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool:
     """Whether an earlier job of this sweep has this config (DFlash in a budget sweep: it ignores the budget);
     such a job does not run, even with force=true, and says so in skipped.json and the sweep table."""
-    from ddtree.pipeline import distributed as D
 
     if files.sweep_dir is None:
         return False
@@ -377,6 +256,7 @@ def install_compat(rc: RunConfig, world) -> list[dict[str, Any]]:
 
 
 def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
+    library_bars_off_outside_a_terminal()  # a log gets one line per job, not a line per bar frame
     t_load = time.perf_counter()
     target, tokenizer, drafter = get_models(rc, device, cache)
     load_s = time.perf_counter() - t_load
@@ -385,7 +265,6 @@ def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
 
 
 def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world) -> dict[str, Any]:
-    from ddtree.pipeline import distributed as D
 
     env = environment(models.device, compat_report)
     env["world_size"] = world.world_size
@@ -428,7 +307,6 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
 def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[dict[str, Any]], str | None] | None:
     """Every rank runs its share of the prompts; rank 0 gets (all records in prompt order, the job whose
     baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
-    from ddtree.pipeline import distributed as D
 
     rc = ctx.rc
     methods = [rc.method] + ([BASELINE] if rc.baseline and rc.method != BASELINE else [])
@@ -467,8 +345,6 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
 
     summary = summarize(records, rc, {**extra, "baseline_reused_from": reused_from})
     if summary.get("auto_budget"):  # budget=auto: the outcome beside the prediction
-        from ddtree.pipeline.autobudget import outcome
-
         summary["auto_budget"]["outcome"] = outcome(summary["auto_budget"], summary)
     files.summary.write_text(json.dumps(summary, indent=2) + "\n")
     lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
@@ -503,7 +379,6 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     """
     import torch
 
-    from ddtree.pipeline import distributed as D
     from ddtree.pipeline.tracking import TAG_RESUMED_FROM, config_hash, make_tracker
 
     rc, prompts, identity = configure(cfg)
@@ -525,8 +400,6 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     env = job_environment(models, compat_report, world)
     auto = None
     if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
-        from ddtree.pipeline.autobudget import choose_budget
-
         auto = choose_budget(models, prompts, rc, files, MODELS)
         if world.is_main:
             print(f"budget=auto: budget {auto['chosen']} (predicted tau {auto['predicted_tau'][auto['chosen']]:.2f}, "
@@ -552,9 +425,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
                                                             "validation": checked,
                                                             **({"auto_budget": auto} if auto else {})}, run)
         if auto and world.is_main:
-            o = summary["auto_budget"]["outcome"]
-            print(f"budget=auto outcome: tau {o['measured_tau'] or 0:.2f} (predicted {o['predicted_tau']:.2f}), speedup "
-                  f"{o['measured_speedup'] or 0:.2f}x (predicted {o['predicted_speedup']:.2f}x)", flush=True)
+            print(outcome_line(summary["auto_budget"]["outcome"]), flush=True)
         report_suspects(rc, summary)
         return summary
     except BaseException as e:
@@ -578,8 +449,6 @@ def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], 
                                       max_new_tokens=min(8, rc.max_new_tokens)):
                 pass
         cache.warmed.add(wkey)
-    from tqdm import tqdm
-
     reuse = BASELINE in methods and rc.method != BASELINE and rc.baseline_reuse
     bkey = baseline_key(rc, mine, cache.target_key) if reuse else None
     reused_from, kept = cache.baselines.get(bkey, (None, None)) if bkey else (None, None)
@@ -588,8 +457,8 @@ def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], 
         by_prompt.setdefault(rec["id"], []).append(rec)
     fresh: list[dict[str, Any]] = []
     with ctx.files.rank_samples.open("a", encoding="utf-8") as out:
-        bar = tqdm(mine, desc=run_name(rc), unit="prompt", file=sys.stderr, dynamic_ncols=True,
-                   disable=not ctx.show_progress)
+        # a bar on a terminal; one line per job in a log (CI, nohup, SLURM), where each frame would be a line
+        bar = Progress(mine, run_name(rc), "prompt", enabled=ctx.show_progress)
         for prompt in bar:
             if resume is not None and prompt.id in resume.done:  # finished by the job this one continues
                 got = [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)}

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddtree.engine.methods import METHODS
+from ddtree.engine.methods import DFLASH, METHODS, OWN_HEAD
 from ddtree.errors import ConfigError
 from ddtree.pipeline.schema import RunConfig
 
@@ -183,29 +183,42 @@ def get_models(rc: RunConfig, device: str, cache: ModelCache):
         cache.clear()
         cache.target, cache.tokenizer = load_target(rc, device)
         cache.target_key = tkey
-    drafter = None
-    if METHODS[rc.method].own_head:  # method=mtp: the target's own head, the drafter slot of this job
-        key = cache_key(tkey, "mtp", rc.mtp.seed if rc.model.tiny is not None else None)
-        if MODELS.drafter_key != key:
-            MODELS.drafter = None
-            MODELS.drafter = load_mtp_head(rc, MODELS.target)
-            MODELS.drafter_key = key
-        return MODELS.target, MODELS.tokenizer, MODELS.drafter
-    if METHODS[rc.method].needs_drafter:
-        d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
-        if rc.drafter.kind == "pretrained":
-            d.pop("block_size")  # applied at generate time, not at load time
-        dkey = cache_key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path)
-        if cache.drafter_key != dkey:
-            cache.drafter = cache.drafter_key = None  # a load that fails leaves no key naming a drafter not there
-            cache.drafter = load_drafter(rc, cache.target, model_device(cache.target, rc, device))
-            if rc.engine == "upstream":  # the authors' drafter class, holding the same tensors
-                from ddtree.upstream.engine import upstream_drafter
+    kind = METHODS[rc.method].drafter_kind
+    if kind is None:
+        return cache.target, cache.tokenizer, None
+    dkey, load = DRAFTER_SOURCES[kind](rc, cache, device, tkey)
+    if cache.drafter_key != dkey:
+        cache.drafter = cache.drafter_key = None  # a load that fails leaves no key naming a drafter not there
+        cache.drafter = load()
+        cache.drafter_key = dkey
+    return cache.target, cache.tokenizer, cache.drafter
 
-                cache.drafter = upstream_drafter(load_upstream(rc), cache.drafter)
-            cache.drafter_key = dkey
-        drafter = cache.drafter
-    return cache.target, cache.tokenizer, drafter
+
+def _dflash_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
+    """A DFlash drafter: its cache key and loader (engine=upstream: the authors' class holding the same tensors)."""
+    d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
+    if rc.drafter.kind == "pretrained":
+        d.pop("block_size")  # applied at generate time, not at load time
+
+    def load():
+        drafter = load_drafter(rc, cache.target, model_device(cache.target, rc, device))
+        if rc.engine == "upstream":
+            from ddtree.upstream.engine import upstream_drafter
+
+            return upstream_drafter(load_upstream(rc), drafter)
+        return drafter
+
+    return cache_key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path), load
+
+
+def _own_head_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
+    """The target's own MTP head: its cache key and loader."""
+    return (cache_key(tkey, "mtp", rc.mtp.seed if rc.model.tiny is not None else None),
+            lambda: load_mtp_head(rc, cache.target))
+
+
+# how each drafter kind of the methods table (Method.drafter_kind) is keyed and loaded into a job's drafter slot
+DRAFTER_SOURCES = {DFLASH: _dflash_source, OWN_HEAD: _own_head_source}
 
 
 def load_upstream(rc: RunConfig):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ddtree.engine.methods import BASELINE
 from ddtree.errors import ConfigError
 from ddtree.pipeline.prompts import Prompt, encode
 from ddtree.pipeline.schema import RunConfig, ValidationConfig
@@ -28,7 +29,7 @@ class SuspectOutputs(Exception):
 
 def enabled(rc: RunConfig) -> bool:
     mode = rc.validation.mode
-    return mode == "on" or (mode == "auto" and (rc.baseline or rc.method == "ar"))
+    return mode == "on" or (mode == "auto" and (rc.baseline or rc.method == BASELINE))
 
 
 def rule_of(v: ValidationConfig):
@@ -88,7 +89,7 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
                 inputs[(role, pid, rec["turn"])] = ids
     base = {(r["id"], r["turn"]): r for r in records if r["role"] == "baseline"}
     # the AR outputs are the calibration: the baseline's, or the method's own when the method is AR
-    ar_role = "baseline" if base else ("method" if rc.method == "ar" else None)
+    ar_role = "baseline" if base else ("method" if rc.method == BASELINE else None)
     t_cal = time.perf_counter()
     if rc.validation.calibrate and rc.temperature == 0 and ar_role:
         pairs = [(inputs[(ar_role, r["id"], r["turn"])], r["output_ids"]) for r in records if r["role"] == ar_role]

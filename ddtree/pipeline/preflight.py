@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.methods import get_method
+from ddtree.engine.methods import DFLASH, OWN_HEAD, check_target_supported, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.prompts import Prompt
 
@@ -144,7 +144,7 @@ class TargetFacts:
 
 def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_code: bool) -> TargetFacts:
     """The family, hybrid or not, and context of a target config; refuses what cannot run `method`."""
-    from ddtree.engine.families import family, supports
+    from ddtree.engine.families import family
 
     mtype = cfg.get("text_model_type") or cfg.get("model_type")
     outer = cfg.get("model_type")
@@ -162,16 +162,10 @@ def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_co
                               if remote else "pass a causal language model (a *ForCausalLM checkpoint)")
     types = [t for t in (mtype, outer) if t]
     layer_types = cfg.get("layer_types") or []
-    hybrid = any(family(t).gdn or family(t).methods != family("qwen3").methods for t in types) \
+    hybrid = any(family(t).gdn or family(t).recurrent for t in types) \
         or any("linear" in str(t) or "mamba" in str(t) for t in layer_types)
-    if any(not supports(t, method) for t in types) and get_method(method).own_head:
-        from ddtree.engine.drafter.mtp import check_family_has_mtp
-
-        check_family_has_mtp(mtype)
-    if any(not supports(t, method) for t in types):
-        raise ConfigError("method", f"method={method} on a '{mtype}' target is not supported: its recurrent layers "
-                          "cannot verify a draft tree or roll back rejected tokens exactly",
-                          "use method=ar drafter=none for this model family")
+    for t in types:
+        check_target_supported(t, method, "use method=ar drafter=none for this model family")
     ctx = cfg.get("max_position_embeddings")
     return TargetFacts(mtype, hybrid, int(ctx) if isinstance(ctx, int) and ctx > 0 else None)
 
@@ -212,7 +206,6 @@ def check_attention_supported(cfg: dict[str, Any], backend: str, setting: str = 
 def check_tree_fits(cfg: dict[str, Any], rc) -> None:
     """A DDTree budget whose verification round would not fit in the device's memory, with the largest that fits."""
     from ddtree.engine.checks import DTYPE_BYTES, check_tree_memory
-    from ddtree.engine.methods import get_method
     from ddtree.pipeline.models import resolve_device
 
     if not get_method(rc.method).reads_budget:
@@ -248,7 +241,7 @@ def preflight(rc) -> TargetFacts | None:
         check_source(tok_setting, m.tokenizer or m.name_or_path, m.revision, TOKENIZER_FILES, "a tokenizer")
         cfg = read_config(src)
         facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
-        if get_method(rc.method).own_head:  # the head's tensors, from the index or headers: no weights load
+        if get_method(rc.method).drafter_kind == OWN_HEAD:  # the head's tensors, from the index or headers: no weights load
             from ddtree.engine.drafter.mtp import mtp_tensor_map
 
             mtp_tensor_map(m.name_or_path, m.revision)
@@ -258,7 +251,7 @@ def preflight(rc) -> TargetFacts | None:
         check_attention_supported(cfg, rc.attention.target)
         check_tree_fits(cfg, rc)
     d = rc.drafter
-    if get_method(rc.method).needs_drafter and d.kind == "pretrained":
+    if get_method(rc.method).drafter_kind == DFLASH and d.kind == "pretrained":
         check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
     return facts
 

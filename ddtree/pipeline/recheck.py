@@ -37,8 +37,8 @@ def load_job_config(job_dir: Path) -> RunConfig:
 
 def recheck(job_dir: Path, validation: ValidationConfig | None = None, device: str | None = None) -> dict[str, Any]:
     """Validate a finished job's samples with the target its config names; writes validation.json."""
+    from ddtree.pipeline.conversation import SAMPLES, stop_token_ids
     from ddtree.pipeline.datasets import load_dataset_prompts
-    from ddtree.pipeline.job import SAMPLES, stop_token_ids
     from ddtree.pipeline.models import load_target, resolve_device
 
     job_dir = Path(job_dir)
@@ -59,7 +59,7 @@ def recheck(job_dir: Path, validation: ValidationConfig | None = None, device: s
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ddtree.pipeline.cli import tracebacks_wanted, user_error
+    from ddtree.pipeline.console import tracebacks_wanted, user_error
 
     p = argparse.ArgumentParser(prog="python -m ddtree.validate", description="Re-check a finished job's outputs "
                                 "against its target (teacher-forced); writes validation.json into the job dir.")

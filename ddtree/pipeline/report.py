@@ -35,14 +35,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.errors import ConfigError
-from ddtree.pipeline.cli import run_cli, tracebacks_wanted, user_error
+from ddtree.pipeline.console import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
+from ddtree.pipeline.plotting import pyplot, save
 from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown, reference_model
 from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
 from ddtree.pipeline.sweep_table import method_cell, verdict_cell
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
-DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.needs_drafter or m.own_head)  # a column each
+DRAFTING_METHODS = tuple(name for name, m in METHODS.items() if m.drafter_kind is not None)  # a column each
 LABELS = {"dflash": "DFlash", "ddtree": "DDTree"}
 DEFAULT_PROTOCOL = ["max_new_tokens", "block_size", "num_prompts", "seed", "dataset.max_samples",
                     "dataset.shuffle_seed", "dataset.path", "dataset.chat_template", "dataset.enable_thinking",
@@ -361,7 +362,7 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
         c["_jobs"][(job.method, job.budget)] = job
         if job.method == "dflash":
             c["dflash"] = _entry(job)
-        elif METHODS[job.method].own_head:  # method=mtp: the target's own head, its best shape shown
+        elif METHODS[job.method].settings:  # method=mtp: its own settings (steps, topk) name its best shape
             c.setdefault("mtp", []).append({**_entry(job), "shape": method_cell(
                 {"method": job.method, "mtp": job.value("mtp")}) + (f" b{job.budget}" if job.budget else "")})
         else:
@@ -468,26 +469,10 @@ def _slug(*parts: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._]+", "-", "_".join(str(p) for p in parts)).strip("-")
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def budget_plots(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     """Per model and temperature: speedup and tau against the DDTree budget, one line per dataset,
     DFlash as a dotted level in the same colour."""
-    plt = _plt()
+    plt = pyplot()
     paths = []
     groups: dict[tuple, list] = defaultdict(list)
     for c in cells:
@@ -511,13 +496,13 @@ def budget_plots(cells: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.set_title(f"{model}, temperature {temp:g}", fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, ncol=2)
-            paths.append(_save(plt, fig, out / f"{metric}_vs_budget_{_slug(model, f'T{temp:g}')}.png"))
+            paths.append(save(plt, fig, out / f"{metric}_vs_budget_{_slug(model, f'T{temp:g}')}.png"))
     return paths
 
 
 def acceptance_histograms(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     """Per cell: the share of rounds committing k tokens, DFlash vs DDTree at its best budget."""
-    plt = _plt()
+    plt = pyplot()
     paths = []
     for c in cells:
         series = []
@@ -543,7 +528,7 @@ def acceptance_histograms(cells: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.set_title(f"{c['title']}, {c['model']}, temperature {c['temperature']:g}", fontsize=10)
         ax.legend(fontsize=8)
         name = _slug(c["dataset"], c["model"], "T" + format(c["temperature"], "g"))
-        paths.append(_save(plt, fig, out / f"acceptance_{name}.png"))
+        paths.append(save(plt, fig, out / f"acceptance_{name}.png"))
     return paths
 
 

@@ -13,7 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from ddtree.engine.methods import METHODS
+from ddtree.engine.methods import METHODS, reads_budget
 from ddtree.errors import ConfigError
 from ddtree.paths import CONF_DIR as CONF_DIR  # re-exported: the entry points read conf/ from here
 from ddtree.paths import DATA_ROOT, runs_root
@@ -282,17 +282,15 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     method = METHODS.get(d.get("method"))
     if not reads_budget(d.get("method"), (d.get("mtp") or {}).get("topk")):  # a budget sweep runs DFlash once
         d.pop("budget", None)
-    if method is None or not method.own_head:  # the MTP settings matter to method=mtp alone
-        d.pop("mtp", None)
+    for group in {m.settings for m in METHODS.values() if m.settings}:  # a method's own settings matter to it alone
+        if method is None or method.settings != group:
+            d.pop(group, None)
     return d
 
 
-def reads_budget(method: str | None, mtp_topk: int | None = None) -> bool:
-    """Whether `method` reads the budget (method=mtp only as a tree: topk > 1)."""
-    m = METHODS.get(method)
-    if m is None or not m.reads_budget:
-        return False
-    return not m.own_head or (mtp_topk or 1) > 1
+def is_auto(budget: Any) -> bool:
+    """budget=auto (ddtree.pipeline.autobudget) rather than a number."""
+    return isinstance(budget, str) and budget.strip().lower() == "auto"
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -19,11 +19,12 @@ import random
 
 import torch
 
+from ddtree.engine.proposers import Proposer
 from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree
 
 
-class RankScriptedProposer:
-    needs_features = False
+class RankScriptedProposer(Proposer):
+    diagnoses = True  # its rows, as last_logits
 
     def __init__(self, reference: list[int], vocab: int, probs: list[list[float]], budget: int | None,
                  seed: int = 0, scores: list[list[float]] | None = None):
@@ -31,6 +32,7 @@ class RankScriptedProposer:
         the mass: a rank past them, uniformly among the other tokens)."""
         self.reference, self.vocab, self.probs, self.budget = reference, vocab, probs, budget
         self.block_size = len(probs) + 1
+        self.max_nodes = (len(probs) if budget is None else budget) + 1
         self.rng = random.Random(seed)
         self.last_logits: torch.Tensor | None = None
         self.history: list[tuple[int, torch.Tensor]] = []  # per round: tokens generated before it, its rows
@@ -41,9 +43,6 @@ class RankScriptedProposer:
             assert not tail or tail[0] < p[-1], "the tail's tokens must rank below the scripted ones"
             rows.append([*p, *tail])
         self.row_probs = torch.tensor(rows, dtype=torch.float64).clamp(min=1e-30)
-
-    def reset(self) -> None:
-        pass
 
     def _rank(self, d: int) -> int:
         u, acc = self.rng.random(), 0.0

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ddtree.engine.proposers import Proposer
 from ddtree.engine.tree import DraftTree, tree_from_parents
 
 
@@ -128,22 +129,18 @@ def random_tree(n: int, vocab: int, rng: random.Random, max_children: int = 3, r
     return tree_from_parents(toks, pars)
 
 
-class ScriptedProposer:
+class ScriptedProposer(Proposer):
     """Knows the true continuation; hides it on a non-first sibling among decoys, at random depths.
 
     Exercises deep acceptance and non-contiguous KV compaction without a trained drafter.
     """
-
-    needs_features = False
 
     def __init__(self, reference: list[int], vocab: int, seed: int = 0, depth: int = 6, decoys: int = 2,
                  miss_rate: float = 0.25):
         self.reference, self.vocab, self.depth, self.decoys = reference, vocab, depth, decoys
         self.miss_rate = miss_rate
         self.rng = random.Random(seed)
-
-    def reset(self) -> None:
-        pass
+        self.max_nodes = 1 + depth * (1 + 2 * decoys)  # the root; per true token: it, its decoys and their children
 
     def propose(self, state) -> DraftTree:
         rng = self.rng

@@ -121,13 +121,13 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
                       block_size: int | None = None) -> UpstreamResult:
     """One generation with the authors' code; the same arguments and result as `ddtree.generate`."""
     spec = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size)
-    if spec.own_head:
+    if not spec.authors_code:
         raise ConfigError("engine", f"the authors' code has no method={method}", "use the native engine (ddtree.generate)")
     check_generate_args(temperature, max_new_tokens, input_ids)
     stops = sorted(set(stop_token_ids or ()))
     kw: dict[str, Any] = dict(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,
                               stop_token_ids=stops or None, temperature=temperature)
-    if not spec.needs_drafter:  # AR: their dflash_generate(block_size=1), which never calls a drafter
+    if spec.drafter_kind is None:  # AR: their dflash_generate(block_size=1), which never calls a drafter
         fn, model, mask_id, size, tree_budget = upstream.dflash_generate, _NoDrafter(input_ids.device), NO_TOKEN, 1, None
     else:
         model = upstream_drafter(upstream, drafter)
@@ -153,7 +153,7 @@ def generate_upstream(upstream, target, drafter, input_ids: torch.Tensor, *, met
                        for p in upstream.patches or ())
     return to_result(raw, input_ids, method=method, mask_token_id=mask_id if filtered else NO_TOKEN, stops=stops,
                      wall_s=wall,
-                     temperature=temperature, budget=tree_budget, block_size=size if spec.needs_drafter else None,
+                     temperature=temperature, budget=tree_budget, block_size=size if spec.reads_block_size else None,
                      max_new_tokens=max_new_tokens)
 
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ddtree.engine.families import family, model_type
+from ddtree.engine.families import check_family_has_mtp, family, model_type
 from ddtree.errors import ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -54,13 +54,6 @@ def _text_config(config):
 def mtp_layer_count(config) -> int:
     """The config's `mtp_num_hidden_layers` (0 when absent)."""
     return int(getattr(_text_config(config), "mtp_num_hidden_layers", 0) or 0)
-
-
-def check_family_has_mtp(mtype: str) -> None:
-    """Refuse a family without an MTP head (before any weights load)."""
-    if family(mtype).mtp_layer is None:
-        raise ConfigError("method", f"method=mtp needs the target's own MTP head, and a '{mtype}' target has none "
-                          "(Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints carry one)", _METHOD_FIX)
 
 
 def _local_dir(name_or_path: str | os.PathLike, revision: str | None = None) -> Path:
