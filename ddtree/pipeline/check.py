@@ -34,7 +34,7 @@ from ddtree.pipeline.check_sources import (
     read_output_file,
     repeat_id,
 )
-from ddtree.pipeline.endpoint import APIS, EndpointClient, counter_delta
+from ddtree.pipeline.endpoint import APIS, EndpointClient, EndpointError, counter_delta
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.schema import (
     CONF_DIR,
@@ -146,11 +146,11 @@ def check_settings(cc: CheckConfig) -> RunConfig:
         raise ConfigError("repeats", f"must be >= 1, got {cc.repeats}", "use repeats=1 (each prompt once)")
     if cc.source == "endpoint":
         C.check_dataset(rc.dataset)
+        if cc.endpoint.api not in APIS:
+            raise ConfigError("endpoint.api", f"unknown value '{cc.endpoint.api}'", f"use one of: {', '.join(APIS)}")
         if not cc.endpoint.url:
             raise ConfigError("endpoint.url", "is not set", "pass endpoint.url=http://HOST:PORT/v1, or source=file "
                               "file.path=<outputs.jsonl>")
-        if cc.endpoint.api not in APIS:
-            raise ConfigError("endpoint.api", f"unknown value '{cc.endpoint.api}'", f"use one of: {', '.join(APIS)}")
         if not cc.endpoint.timeout_s > 0:
             raise ConfigError("endpoint.timeout_s", f"must be > 0, got {cc.endpoint.timeout_s}", "use e.g. 600")
         if cc.endpoint.prompt_ids and cc.endpoint.api == "chat":
@@ -251,7 +251,7 @@ def check_verdict(v: dict[str, Any], temperature: float) -> dict[str, Any]:
 @dataclass
 class Gathered:
     records: list[dict[str, Any]]
-    error: ConfigError | None = None  # the server failed mid-dataset: what was gathered is kept
+    error: EndpointError | None = None  # the server failed mid-dataset: what was gathered is kept
     acceptance: dict[str, Any] | None = None  # vLLM counters over the check's requests
 
 
@@ -297,7 +297,7 @@ def gather_endpoint(cc: CheckConfig, rc: RunConfig, client: EndpointClient, prom
                 got = output_token_ids(text=reply.text, ids=reply.token_ids, finish_reason=reply.finish_reason,
                                        tokenizer=tokenizer, stops=stops, max_new_tokens=cc.max_new_tokens,
                                        where=f"prompt {p.id} turn {turn}", setting="endpoint", fix=fix,
-                                       vocab_size=vocab)
+                                       vocab_size=vocab, reported=reply.completion_tokens)
                 n = len(got["output_ids"])
                 text = reply.text if reply.token_ids is None else tokenizer.decode(
                     [t for t in got["output_ids"] if t not in stops], skip_special_tokens=True)
@@ -313,7 +313,7 @@ def gather_endpoint(cc: CheckConfig, rc: RunConfig, client: EndpointClient, prom
                     rec["server_acceptance"] = reply.acceptance
                 turns.append(rec)
                 messages.append({"role": "assistant", "content": text})
-        except ConfigError as err:  # server down, 4xx/5xx, timeout, text that does not round-trip: keep the rest
+        except EndpointError as err:  # the server went down, failed or timed out: what was gathered is kept
             error = err
             break
         records.extend(turns)
@@ -443,7 +443,8 @@ def summarize(cc: CheckConfig, records: list[dict[str, Any]], validation: dict[s
     return {
         "check": True, "source": cc.source, "from": source, "served_model": cc.endpoint.model,
         "model": cc.model.name, "method": f"check:{cc.source}", "budget": None, "block_size": None,
-        "temperature": cc.temperature, "max_new_tokens": cc.max_new_tokens, "dataset": dataset_label(cc.dataset),
+        "temperature": cc.temperature, "max_new_tokens": cc.max_new_tokens,
+        "dataset": dataset_label(cc.dataset) if cc.source == "endpoint" else Path(cc.file.path).stem,
         "num_prompts": len({r["prompt_id"] for r in records}), "outputs": len(records), "repeats": cc.repeats,
         "complete": complete, "error": error,
         "tau": (server or {}).get("mean_acceptance_length"),
@@ -526,7 +527,7 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
     rc = check_settings(cc)
     fo = read_output_file(cc.file.path) if cc.source == "file" else None
     base_prompts = fo.prompts if fo else load_dataset_prompts(rc.dataset)
-    prompts = expand_repeats(base_prompts, cc.repeats if cc.source == "endpoint" else 1)
+    prompts = expand_repeats(base_prompts, cc.repeats if cc.source == "endpoint" else 1)  # one per output
     client = None
     if cc.source == "endpoint":
         e = cc.endpoint
@@ -567,7 +568,7 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
         vocab = target.get_input_embeddings().weight.shape[0]
         with (job_dir / CHECK_FILE).open("w", encoding="utf-8") as out:
             if client is not None:
-                g = gather_endpoint(cc, rc, client, prompts, tokenizer, stops, vocab, out,
+                g = gather_endpoint(cc, rc, client, base_prompts, tokenizer, stops, vocab, out,
                                     resume.done if resume else {})
             else:
                 g = gather_file(cc, fo, tokenizer, stops, vocab, out)

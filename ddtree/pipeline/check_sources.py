@@ -100,7 +100,7 @@ def stop_for(tokenizer, stops: list[int]) -> int | None:
 
 def output_token_ids(*, text: str | None, ids: list[int] | None, finish_reason: str | None, tokenizer,
                      stops: list[int], max_new_tokens: int, where: str, setting: str, fix: str,
-                     vocab_size: int) -> dict[str, Any]:
+                     vocab_size: int, reported: int | None = None) -> dict[str, Any]:
     """The ids the verdict reads, and how they were obtained.
 
     The engine's ids when it gave them; else its text, re-tokenized by the target's tokenizer (refused when
@@ -114,6 +114,9 @@ def output_token_ids(*, text: str | None, ids: list[int] | None, finish_reason: 
         if back != (text or ""):
             raise ConfigError(setting, f"{where}: the target's tokenizer does not round-trip the text "
                               f"({(text or '')[:60]!r} -> {len(ids)} ids -> {back[:60]!r})", fix)
+        if reported is not None and reported not in (len(ids), len(ids) + 1):  # + 1: a stop token it counted
+            raise ConfigError(setting, f"{where}: the target's tokenizer does not round-trip the text: it reads "
+                              f"{len(ids)} tokens where the engine generated {reported}", fix)
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ConfigError(setting, f"{where}: token id {bad} is outside the target's vocabulary ({vocab_size})",
