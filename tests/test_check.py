@@ -200,9 +200,8 @@ def test_engine_token_ids_and_reported_acceptance(toy, tmp_path, monkeypatch, co
 
 def test_a_server_failing_mid_dataset_keeps_what_was_checked_and_the_rerun_resumes(toy, tmp_path, monkeypatch,
                                                                                     compose):
-    from mlflow import MlflowClient
-
     from check_server import Behaviour, FakeEngine
+    from mlflow import MlflowClient
 
     model, tok = toy
     uri = f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}"

@@ -350,7 +350,12 @@ def sampling_report(target, tokenizer, prompts: list[Prompt], records: list[dict
     randomized PIT of every sampled token (uniform when sampling is right; chi-square over 10 bins)."""
     import torch
 
-    from ddtree.engine.output_check import chi_square_pvalue, sampled_pit, teacher_forced_logits, token_logprobs
+    from ddtree.engine.output_check import (
+        chi_square_pvalue,
+        sampled_pit,
+        teacher_forced_logits,
+        token_logprobs,
+    )
     from ddtree.pipeline.output_verdicts import conversation_inputs
 
     T = rc.temperature
@@ -518,7 +523,13 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
     from ddtree.pipeline.output_verdicts import SuspectOutputs
     from ddtree.pipeline.resume import find_resume, write_job_file
     from ddtree.pipeline.sweep_table import format_table
-    from ddtree.pipeline.tracking import TAG_RESUMED_FROM, config_hash, git_commit, make_tracker, numeric_metrics
+    from ddtree.pipeline.tracking import (
+        TAG_RESUMED_FROM,
+        config_hash,
+        git_commit,
+        make_tracker,
+        numeric_metrics,
+    )
 
     cc = to_check_config(cfg)
     for holder, key in ((cc.dataset, "path"), (cc.file, "path")):

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -90,12 +89,12 @@ class EndpointClient:
                    else "check the server's log; endpoint.extra may hold a field this server refuses" if e.code in (400, 422)
                    else "check endpoint.url and the server's log")
             raise EndpointError(setting, f"{url} answered HTTP {e.code}: {detail or e.reason}", fix) from None
-        except (TimeoutError, socket.timeout):
+        except TimeoutError:
             raise EndpointError("endpoint.timeout_s", f"{url} did not answer within {self.timeout_s:g} s",
                                 "raise endpoint.timeout_s, or lower max_new_tokens") from None
         except (urllib.error.URLError, ConnectionError, OSError) as e:
             reason = getattr(e, "reason", e)
-            if isinstance(reason, (TimeoutError, socket.timeout)):
+            if isinstance(reason, TimeoutError):
                 raise EndpointError("endpoint.timeout_s", f"{url} did not answer within {self.timeout_s:g} s",
                                     "raise endpoint.timeout_s, or lower max_new_tokens") from None
             raise EndpointError("endpoint.url", f"cannot reach {url} ({_first_line(reason)})",
