@@ -127,6 +127,23 @@ def test_a_constructed_near_tie_is_a_tie(toy, tmp_path, monkeypatch, compose):
     assert s["validation"]["tie"] == 1 and s["validation"]["suspect"] == 0
 
 
+def test_a_multi_turn_file_is_judged_turn_by_turn(toy, tmp_path, monkeypatch, compose):
+    """A later turn's input holds the engine's own earlier answer (as a chat client sends it)."""
+    model, tok = toy
+    turns = [PROMPTS[0]["turns"][0], PROMPTS[1]["turns"][0]]
+    first = greedy(model, prompt_ids(tok, turns[0]), 16)
+    messages = [{"role": "user", "content": turns[0]},
+                {"role": "assistant", "content": tok.decode(first, skip_special_tokens=True)},
+                {"role": "user", "content": turns[1]}]
+    ids = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+              add_special_tokens=False)["input_ids"]
+    second = greedy(model, ids, 16)
+    f = write_jsonl(tmp_path / "two.jsonl", [{"id": "two", "turns": turns, "output_ids": [first, second]}])
+    s = check(compose, tmp_path, monkeypatch, "source=file", f"file.path={f}", "max_new_tokens=16", "tracking=none")
+    assert [r["check"]["verdict"] for r in lines(tmp_path / "check.jsonl")] == ["exact", "exact"]
+    assert s["validation"]["exact"] == 2 and s["num_prompts"] == 1
+
+
 @pytest.mark.parametrize("content, match", [
     ("", "holds no outputs"),
     ('{"id": 1, "prompt": "hi", "output": "x"}\n{not json\n', "line 2 is not valid JSON"),

@@ -496,6 +496,9 @@ def summary_line(s: dict[str, Any]) -> str:
         line += f"; {s['baseline']['equal']}/{s['baseline']['compared']} equal ddtree's AR outputs"
     if v["first_suspect_position"] is not None:
         line += f"; first suspect position {v['first_suspect_position']}"
+    if s["prompt_mismatches"]:
+        line += (f"; WARNING: for {s['prompt_mismatches']} outputs the server's prompt length differs from ddtree's "
+                 "encoding (another chat template?)")
     if s.get("sampling") and s["sampling"].get("pit"):
         line += f"; PIT p={s['sampling']['pit']['pvalue']:.3g}"
     return line
@@ -508,7 +511,8 @@ def identity(cc: CheckConfig, prompts: list[Prompt], file_sha: str | None) -> di
     d = OmegaConf.to_container(OmegaConf.structured(cc), resolve=True)
     for k in NON_IDENTITY:
         d.pop(k, None)
-    d["endpoint"].pop("api_key", None)
+    for k in ("api_key", "timeout_s", "metrics"):  # how the server is asked, not what it is asked
+        d["endpoint"].pop(k, None)
     d["prompts"] = fingerprint(prompts)
     if file_sha:
         d["file_sha256"] = file_sha
@@ -598,7 +602,7 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
                                              if summary.get(k) is not None}))
             run.log_artifacts([*files, job_dir / SUMMARY])
         if g.error is not None:  # the server failed mid-dataset: what was checked is kept; a rerun resumes
-            raise ConfigError(g.error.setting, f"{g.error.problem} (after {len(g.records)} of "
+            raise ConfigError(g.error.setting, f"{g.error.problem} (after {len({r['id'] for r in g.records})} of "
                               f"{len(prompts)} outputs; they are kept in {job_dir / CHECK_FILE}, "
                               "and a rerun of the same check resumes)", g.error.fix)
         if run is not None:
