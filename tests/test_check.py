@@ -328,3 +328,25 @@ def test_transformers_serve_outputs_are_exact(tmp_path):
     s = json.loads((tmp_path / "job" / "summary.json").read_text())
     assert (s["validation"]["exact"], s["validation"]["suspect"], s["outputs"]) == (6, 0, 6)
     assert "6 ok (6 exact)" in proc.stdout
+
+
+def test_the_cli_exits_3_on_a_suspect_output_and_2_on_a_bad_file(toy, tmp_path):
+    """Through `python -m ddtree.check` itself: Hydra, the one-line errors and the exit codes."""
+    model, tok = toy
+    ids = prompt_ids(tok, PROMPTS[0]["turns"][0])
+    out = greedy(model, ids, 8)
+    out[2] = (out[2] + 1) % model.config.vocab_size
+    f = write_jsonl(tmp_path / "o.jsonl", [{"id": "a", "prompt": PROMPTS[0]["turns"][0], "output_ids": out}])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DDTREE_TRACEBACK": ""}
+    run = [sys.executable, "-m", "ddtree.check", "source=file", "max_new_tokens=8", "tracking=none",
+           f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}"]
+    proc = subprocess.run([*run, f"file.path={f}", "validation=strict"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "1 SUSPECT of 1 outputs; first suspect position 2" in proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: validation.strict: 1 of 1 outputs are suspect")
+    (tmp_path / "bad.jsonl").write_text('{"id": 1}\n')
+    proc = subprocess.run([*run, f"file.path={tmp_path / 'bad.jsonl'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: file.path: bad.jsonl line 1")
+    assert "Traceback" not in proc.stderr
