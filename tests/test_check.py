@@ -283,6 +283,25 @@ def test_sampled_outputs_get_target_probabilities_and_distribution_tests(toy, tm
     assert min(s["sampling"]["pit"]["pvalue"], s["sampling"]["first_token"][0]["pvalue"]) < 1e-3
 
 
+def test_saved_samples_of_one_prompt_get_the_distribution_tests(toy, tmp_path, monkeypatch, compose):
+    model, tok = toy
+    ids = prompt_ids(tok, PROMPTS[0]["turns"][0])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        outs = model.generate(torch.tensor([ids] * 40), max_new_tokens=2, do_sample=True, temperature=3.0, top_k=0,
+                              top_p=1.0)[:, len(ids):].tolist()
+    f = write_jsonl(tmp_path / "samples.jsonl", [{"id": "p", "prompt": PROMPTS[0]["turns"][0], "repeat": k,
+                                                  "output_ids": o} for k, o in enumerate(outs)])
+    s = check(compose, tmp_path, monkeypatch, "source=file", f"file.path={f}", "max_new_tokens=2", "temperature=3.0",
+              "tracking=none")
+    assert s["repeats"] == 40 and s["num_prompts"] == 1 and s["validation"]["ok"] == 40
+    (first,) = s["sampling"]["first_token"]
+    assert first["samples"] == 40 and first["pvalue"] > 1e-3 and s["sampling"]["pit"]["tokens"] == 80
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"id": "p", "prompt": "a", "output": "x"}] * 2)
+    with pytest.raises(ConfigError, match="^file.path: dup.jsonl line 2: duplicate id 'p'"):
+        check(compose, tmp_path, monkeypatch, "source=file", f"file.path={dup}", "tracking=none")
+
+
 def test_chi_square_pvalue_matches_scipy():
     scipy_stats = pytest.importorskip("scipy.stats")
     from ddtree.engine.output_check import chi_square_pvalue, gamma_upper_regularized

@@ -326,6 +326,7 @@ def gather_endpoint(cc: CheckConfig, rc: RunConfig, client: EndpointClient, prom
 def gather_file(cc: CheckConfig, fo: FileOutputs, tokenizer, stops: list[int], vocab: int, out) -> Gathered:
     records = []
     for p in fo.prompts:
+        pid, k = fo.prompt_of[p.id]
         for turn, o in enumerate(fo.outputs[p.id]):
             got = output_token_ids(text=o.get("text"), ids=o.get("ids"), finish_reason=o.get("finish_reason"),
                                    tokenizer=tokenizer, stops=stops, max_new_tokens=cc.max_new_tokens,
@@ -333,7 +334,7 @@ def gather_file(cc: CheckConfig, fo: FileOutputs, tokenizer, stops: list[int], v
                                    fix="save the engine's token ids as output_ids", vocab_size=vocab)
             text = o["text"] if "text" in o else tokenizer.decode(
                 [t for t in got["output_ids"] if t not in stops], skip_special_tokens=True)
-            records.append({"id": p.id, "prompt_id": p.id, "repeat": 0, "turn": turn, "role": "method",
+            records.append({"id": p.id, "prompt_id": pid, "repeat": k, "turn": turn, "role": "method",
                             "source": "file", **got, "text": text, "finish_reason": o.get("finish_reason"),
                             "num_new_tokens": len(got["output_ids"])})
     out.writelines(json.dumps(r) + "\n" for r in records)
@@ -525,6 +526,7 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
     from ddtree.pipeline.job import apply_compat, environment, job_dirs, stop_token_ids
     from ddtree.pipeline.models import load_target, load_tokenizer, resolve_device
     from ddtree.pipeline.output_verdicts import SuspectOutputs
+    from ddtree.pipeline.preflight import check_prompt_tokens
     from ddtree.pipeline.resume import find_resume, write_job_file
     from ddtree.pipeline.sweep_table import format_table
     from ddtree.pipeline.tracking import (
@@ -542,13 +544,16 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
     rc = check_settings(cc)
     fo = read_output_file(cc.file.path) if cc.source == "file" else None
     base_prompts = fo.prompts if fo else load_dataset_prompts(rc.dataset)
-    prompts = expand_repeats(base_prompts, cc.repeats if cc.source == "endpoint" else 1)  # one per output
+    prompts = fo.prompts if fo else expand_repeats(base_prompts, cc.repeats)  # one per output
+    if fo is not None:
+        cc.repeats = fo.repeats  # the file's own samples per prompt
     client = None
     if cc.source == "endpoint":
         e = cc.endpoint
         client = EndpointClient(e.url, api=e.api, model=e.model, api_key=e.api_key, timeout_s=e.timeout_s, extra=e.extra)
         cc.endpoint.model = client.served_model()  # the server is up and serves the model, before any weight loads
     tokenizer = load_tokenizer(rc)
+    check_prompt_tokens(base_prompts, tokenizer, "file.path" if fo else "dataset")
     job_dir, sweep_dir, overrides, _ = job_dirs()
     chash = config_hash(identity(cc, prompts, fo.sha256 if fo else None))
     uri = tracking_uri(rc) if cc.tracking.backend == "mlflow" else None

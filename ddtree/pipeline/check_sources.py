@@ -20,9 +20,14 @@ REPEAT_SEP = "@"  # a repeated prompt's records carry "<prompt id>@<repeat>" (re
 class FileOutputs:
     """A file source: its prompts, and per prompt id the outputs of its turns (text or ids, as saved)."""
 
-    prompts: list[Prompt]
+    prompts: list[Prompt]  # one per output: a repeat of a prompt is "<id>@<repeat>"
     outputs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # id -> [{"ids"|"text", "finish_reason"}]
     sha256: str = ""
+    prompt_of: dict[str, tuple[str, int]] = field(default_factory=dict)  # output id -> (prompt id, repeat)
+
+    @property
+    def repeats(self) -> int:
+        return 1 + max((k for _, k in self.prompt_of.values()), default=0)
 
 
 def repeat_id(pid: str, k: int) -> str:
@@ -39,14 +44,18 @@ def _as_list(v: Any) -> list[Any]:
 
 
 def read_output_file(path: str | Path, setting: str = "file.path") -> FileOutputs:
-    """Parse a file of outputs: one {"id", "prompt" | "turns", "output_ids" | "output"[, "finish_reason"]} a line.
+    """Parse a file of outputs: one {"id", "prompt" | "turns", "output_ids" | "output"[, "finish_reason", "repeat"]}
+    a line.
 
-    Multi-turn: "turns" lists the user turns and "output"/"output_ids" one answer per turn (a list of them)."""
+    Multi-turn: "turns" lists the user turns and "output"/"output_ids" one answer per turn (a list of them).
+    Samples of one prompt (T > 0): lines with the same id and prompt, told apart by "repeat" (0, 1, ...)."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise ConfigError(setting, f"no such file: {p}", f"pass {setting}=<a .jsonl of saved outputs>")
     prompts: list[Prompt] = []
     outputs: dict[str, list[dict[str, Any]]] = {}
+    prompt_of: dict[str, tuple[str, int]] = {}
+    turns_of: dict[str, list[str]] = {}
     shape = '{"id": ..., "prompt": "...", "output": "..."} (or "turns": [...], "output_ids": [...])'
     for lineno, line in text_lines(p, setting):
         where = f"{p.name} line {lineno}"
@@ -66,30 +75,39 @@ def read_output_file(path: str | Path, setting: str = "file.path") -> FileOutput
             answers = _as_list(obj["output_ids"])
             ok = all(isinstance(a, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                                                  for t in a) for a in answers)
-            key = "ids"
+            kind = "ids"
         elif "output" in obj:
             answers = _as_list(obj["output"])
             ok = all(isinstance(a, str) for a in answers)
-            key = "text"
+            kind = "text"
         else:
             raise ConfigError(setting, f"{where} has neither 'output' nor 'output_ids'", f"each line must be {shape}")
         if not ok:
-            raise ConfigError(setting, f"{where}: '{'output_ids' if key == 'ids' else 'output'}' must be "
-                              f"{'a list of token ids (ints >= 0)' if key == 'ids' else 'a string'} per turn",
+            raise ConfigError(setting, f"{where}: '{'output_ids' if kind == 'ids' else 'output'}' must be "
+                              f"{'a list of token ids (ints >= 0)' if kind == 'ids' else 'a string'} per turn",
                               f"each line must be {shape}")
         if len(answers) != len(turns):
             raise ConfigError(setting, f"{where}: {len(turns)} user turn(s) but {len(answers)} answer(s)",
                               "give one answer per turn")
-        pid = str(obj["id"])
-        if pid in outputs:
-            raise ConfigError(setting, f"{where}: duplicate id '{pid}'", "give every line its own id")
+        pid, k = str(obj["id"]), obj.get("repeat", 0)
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ConfigError(setting, f"{where}: 'repeat' must be a whole number >= 0, got {k!r}",
+                              "number the samples of one prompt 0, 1, 2, ...")
+        key = repeat_id(pid, k)
+        if key in outputs:
+            raise ConfigError(setting, f"{where}: duplicate id '{pid}'" + (f" with repeat {k}" if k else ""),
+                              "give every line its own id (samples of one prompt: its own 'repeat')")
+        if turns_of.setdefault(pid, turns) != turns:
+            raise ConfigError(setting, f"{where}: id '{pid}' was given another prompt on an earlier line",
+                              "give every prompt its own id")
         finish = obj.get("finish_reason")
         finishes = finish if isinstance(finish, list) else [finish] * len(answers)
-        prompts.append(Prompt(pid, tuple(turns)))
-        outputs[pid] = [{key: a, "finish_reason": f} for a, f in zip(answers, finishes, strict=False)]
+        prompts.append(Prompt(key, tuple(turns)))
+        prompt_of[key] = (pid, k)
+        outputs[key] = [{kind: a, "finish_reason": f} for a, f in zip(answers, finishes, strict=False)]
     if not prompts:
         raise ConfigError(setting, f"{p} holds no outputs", f"write one line per output: {shape}")
-    return FileOutputs(prompts, outputs, hashlib.sha256(p.read_bytes()).hexdigest()[:16])
+    return FileOutputs(prompts, outputs, hashlib.sha256(p.read_bytes()).hexdigest()[:16], prompt_of)
 
 
 def stop_for(tokenizer, stops: list[int]) -> int | None:
