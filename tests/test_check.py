@@ -266,6 +266,7 @@ def test_ddtree_ar_baseline_from_runs_is_compared(toy, tmp_path, monkeypatch, co
 # ---------------------------------------------------------------- T > 0
 
 
+@pytest.mark.slow  # ~30 s: 120 sampled answers over HTTP (the fast suite tests saved samples, below)
 def test_sampled_outputs_get_target_probabilities_and_distribution_tests(toy, tmp_path, monkeypatch, compose):
     from check_server import Behaviour, FakeEngine
 

@@ -520,66 +520,114 @@ def identity(cc: CheckConfig, prompts: list[Prompt], file_sha: str | None) -> di
     return d
 
 
-def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
-    """One check: settings, source, tokenizer, gather (resumable), the target, verdicts, results. The summary."""
+@dataclass
+class Source:
+    """Where the outputs come from, opened and checked before any weight loads."""
+
+    prompts: list[Prompt]  # the dataset's (or the file's) prompts
+    outputs: list[Prompt]  # one per output: a prompt's repeats are prompts of their own ("<id>@<repeat>")
+    client: EndpointClient | None = None
+    file: FileOutputs | None = None
+
+
+def open_source(cc: CheckConfig, rc: RunConfig) -> Source:
+    """The file read and checked, or the server asked what it serves (down, 4xx/5xx, no such model: one line)."""
     from ddtree.pipeline.datasets import load_dataset_prompts
-    from ddtree.pipeline.job import apply_compat, environment, job_dirs, stop_token_ids
+
+    if cc.source == "file":
+        fo = read_output_file(cc.file.path)
+        cc.repeats = fo.repeats  # the file's own samples per prompt
+        return Source(fo.prompts, fo.prompts, file=fo)
+    e = cc.endpoint
+    client = EndpointClient(e.url, api=e.api, model=e.model, api_key=e.api_key, timeout_s=e.timeout_s, extra=e.extra)
+    cc.endpoint.model = client.served_model()
+    prompts = load_dataset_prompts(rc.dataset)
+    return Source(prompts, expand_repeats(prompts, cc.repeats), client)
+
+
+def start_tracking(cc: CheckConfig, tracker, chash: str, job_dir: Path, env: dict[str, Any]):
+    """config_resolved.yaml written (no api key) and the tracked run started; the run (None: tracking=none)."""
+    from ddtree.pipeline.job import job_dirs
+    from ddtree.pipeline.tracking import git_commit
+
+    _, sweep_dir, overrides, _ = job_dirs()
+    resolved = OmegaConf.to_container(OmegaConf.structured(cc), resolve=True)
+    resolved["endpoint"].pop("api_key", None)
+    (job_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
+    tags = {"mlflow.source.name": "ddtree.check", "ddtree.role": "check", "job_dir": str(job_dir),
+            "git_commit": git_commit(REPO_ROOT), "overrides": " ".join(overrides), "ddtree.check.source": cc.source,
+            "ddtree.check.from": cc.endpoint.url if cc.source == "endpoint" else cc.file.path,
+            "ddtree.model": cc.model.name, "torch_version": env["versions"]["torch"],
+            "transformers_version": env["versions"]["transformers"], **cc.tags}
+    return tracker.start(run_name=f"check-{cc.model.name}-{cc.source}", params=flatten(resolved), tags=tags,
+                         config_hash=chash, sweep_dir=sweep_dir,
+                         sweep_name=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None)
+
+
+def finish(cc: CheckConfig, summary: dict[str, Any], g: Gathered, src: Source, run, job_dir: Path) -> None:
+    """summary.json, the table and its line, the run's metrics and files; the run ends (FAILED: the server failed
+    mid-dataset, raised as one line after everything gathered was judged and written)."""
+    from ddtree.pipeline.output_verdicts import SuspectOutputs
+    from ddtree.pipeline.sweep_table import format_table
+    from ddtree.pipeline.tracking import numeric_metrics
+
+    (job_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
+    print(format_table(summary), flush=True)
+    print(summary_line(summary), flush=True)
+    print(f"results: {job_dir}", flush=True)
+    if run is not None:
+        keys = ("validation", "tokens_per_s", "tau", "latency_s_mean", "match_rate", "outputs", "server_acceptance",
+                "sampling")
+        run.log_metrics(numeric_metrics({k: summary[k] for k in keys if summary.get(k) is not None}))
+        run.log_artifacts([job_dir / "config_resolved.yaml", job_dir / CHECK_FILE, job_dir / SUMMARY])
+    if g.error is not None:  # the server failed mid-dataset: what was checked is kept; a rerun resumes
+        raise ConfigError(g.error.setting, f"{g.error.problem} (after {len({r['id'] for r in g.records})} of "
+                          f"{len(src.outputs)} outputs; they are kept in {job_dir / CHECK_FILE}, and a rerun of the "
+                          "same check resumes)", g.error.fix)
+    if run is not None:
+        run.end("FINISHED")
+    v = summary["validation"]
+    if v["first_suspects"]:
+        s = v["first_suspects"][0]
+        print(f"first suspect: prompt {s['id']} turn {s['turn']}: {s['reason']}", flush=True)
+    if v["suspect"] and cc.validation.strict:
+        raise SuspectOutputs(f"validation.strict: {v['suspect']} of {v['checked']} outputs are suspect — "
+                             "see check.jsonl")
+
+
+def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
+    """One check, as named phases: settings, source, tokenizer, tracking (resume), the target, gathering,
+    verdicts, results. The summary."""
+    from ddtree.pipeline.job import apply_compat, environment, job_dirs, record_failure, stop_token_ids
     from ddtree.pipeline.models import load_target, load_tokenizer, resolve_device
     from ddtree.pipeline.output_verdicts import SuspectOutputs
     from ddtree.pipeline.preflight import check_prompt_tokens
     from ddtree.pipeline.resume import find_resume, write_job_file
-    from ddtree.pipeline.sweep_table import format_table
-    from ddtree.pipeline.tracking import (
-        TAG_RESUMED_FROM,
-        config_hash,
-        git_commit,
-        make_tracker,
-        numeric_metrics,
-    )
+    from ddtree.pipeline.tracking import TAG_RESUMED_FROM, config_hash, make_tracker
 
     cc = to_check_config(cfg)
-    for holder, key in ((cc.dataset, "path"), (cc.file, "path")):
-        if getattr(holder, key):
-            setattr(holder, key, hydra.utils.to_absolute_path(getattr(holder, key)))
+    for holder in (cc.dataset, cc.file):
+        if holder.path:
+            holder.path = hydra.utils.to_absolute_path(holder.path)
     rc = check_settings(cc)
-    fo = read_output_file(cc.file.path) if cc.source == "file" else None
-    base_prompts = fo.prompts if fo else load_dataset_prompts(rc.dataset)
-    prompts = fo.prompts if fo else expand_repeats(base_prompts, cc.repeats)  # one per output
-    if fo is not None:
-        cc.repeats = fo.repeats  # the file's own samples per prompt
-    client = None
-    if cc.source == "endpoint":
-        e = cc.endpoint
-        client = EndpointClient(e.url, api=e.api, model=e.model, api_key=e.api_key, timeout_s=e.timeout_s, extra=e.extra)
-        cc.endpoint.model = client.served_model()  # the server is up and serves the model, before any weight loads
+    src = open_source(cc, rc)
     tokenizer = load_tokenizer(rc)
-    check_prompt_tokens(base_prompts, tokenizer, "file.path" if fo else "dataset")
-    job_dir, sweep_dir, overrides, _ = job_dirs()
-    chash = config_hash(identity(cc, prompts, fo.sha256 if fo else None))
-    uri = tracking_uri(rc) if cc.tracking.backend == "mlflow" else None
-    tracker = make_tracker(cc.tracking.backend, uri, cc.tracking.experiment)
-    resume = find_resume(tracker, chash, prompts, {"method"}, samples=CHECK_FILE) if client else None
+    check_prompt_tokens(src.prompts, tokenizer, "file.path" if src.file else "dataset")
+    job_dir = job_dirs()[0]
+    chash = config_hash(identity(cc, src.outputs, src.file.sha256 if src.file else None))
+    tracker = make_tracker(cc.tracking.backend, tracking_uri(rc) if cc.tracking.backend == "mlflow" else None,
+                           cc.tracking.experiment)
+    resume = find_resume(tracker, chash, src.outputs, {"method"}, samples=CHECK_FILE) if src.client else None
     write_job_file(job_dir, chash)
-    resolved = OmegaConf.to_container(OmegaConf.structured(cc), resolve=True)
-    resolved["endpoint"].pop("api_key", None)
-    (job_dir / "config_resolved.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(resolved)))
-    compat_report = apply_compat(rc)
     device = resolve_device(rc.device)
-    env = environment(device, compat_report)
-    run = tracker.start(run_name=f"check-{cc.model.name}-{cc.source}", params=flatten(resolved),
-                        tags={"mlflow.source.name": "ddtree.check", "ddtree.role": "check", "job_dir": str(job_dir),
-                              "git_commit": git_commit(REPO_ROOT), "overrides": " ".join(overrides),
-                              "ddtree.check.source": cc.source, "ddtree.check.from": cc.endpoint.url or cc.file.path,
-                              "ddtree.model": cc.model.name, "torch_version": env["versions"]["torch"],
-                              "transformers_version": env["versions"]["transformers"], **cc.tags},
-                        config_hash=chash, sweep_dir=sweep_dir,
-                        sweep_name=f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None)
+    env = environment(device, apply_compat(rc))
+    run = start_tracking(cc, tracker, chash, job_dir, env)
     if resume is not None and resume.done:
-        print(f"resuming: {len(resume.done)} of {len(prompts)} outputs were gathered by {resume.job_dir}", flush=True)
+        print(f"resuming: {len(resume.done)} of {len(src.outputs)} outputs were gathered by {resume.job_dir}",
+              flush=True)
         tracker.supersede(resume.run_id, getattr(run, "run_id", None))
         if run is not None:
             run.set_tags({TAG_RESUMED_FROM: resume.run_id})
-    files = [job_dir / "config_resolved.yaml", job_dir / CHECK_FILE]
     try:
         t_load = time.perf_counter()
         target, _ = load_target(rc, device)
@@ -587,44 +635,24 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
         stops = stop_token_ids(tokenizer, target)
         vocab = target.get_input_embeddings().weight.shape[0]
         with (job_dir / CHECK_FILE).open("w", encoding="utf-8") as out:
-            if client is not None:
-                g = gather_endpoint(cc, rc, client, base_prompts, tokenizer, stops, vocab, out,
+            if src.client is not None:
+                g = gather_endpoint(cc, rc, src.client, src.prompts, tokenizer, stops, vocab, out,
                                     resume.done if resume else {})
             else:
-                g = gather_file(cc, fo, tokenizer, stops, vocab, out)
+                g = gather_file(cc, src.file, tokenizer, stops, vocab, out)
         if g.error is not None and not g.records:
             raise g.error
-        summary = judge(cc, rc, target, tokenizer, prompts, g, stops, job_dir)
+        summary = judge(cc, rc, target, tokenizer, src.outputs, g, stops, job_dir)
         summary.update(load_s=load_s, config_hash=chash, **{k: env[k] for k in ("versions", "device", "device_name")})
-        (job_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-        print(format_table(summary), flush=True)
-        print(summary_line(summary), flush=True)
-        print(f"results: {job_dir}", flush=True)
-        if run is not None:
-            run.log_metrics(numeric_metrics({k: summary[k] for k in ("validation", "tokens_per_s", "tau",
-                                                                     "latency_s_mean", "match_rate", "outputs",
-                                                                     "server_acceptance", "sampling")
-                                             if summary.get(k) is not None}))
-            run.log_artifacts([*files, job_dir / SUMMARY])
-        if g.error is not None:  # the server failed mid-dataset: what was checked is kept; a rerun resumes
-            raise ConfigError(g.error.setting, f"{g.error.problem} (after {len({r['id'] for r in g.records})} of "
-                              f"{len(prompts)} outputs; they are kept in {job_dir / CHECK_FILE}, "
-                              "and a rerun of the same check resumes)", g.error.fix)
-        if run is not None:
-            run.end("FINISHED")
-        if summary["validation"]["first_suspects"]:
-            s = summary["validation"]["first_suspects"][0]
-            print(f"first suspect: prompt {s['id']} turn {s['turn']}: {s['reason']}", flush=True)
-        if summary["validation"]["suspect"] and cc.validation.strict:
-            raise SuspectOutputs(f"validation.strict: {summary['validation']['suspect']} of "
-                                 f"{summary['validation']['checked']} outputs are suspect — see check.jsonl")
+        finish(cc, summary, g, src, run, job_dir)
         return summary
     except SuspectOutputs:
         raise
     except BaseException as e:  # the run says FAILED (KILLED on Ctrl-C), with what was gathered
         if run is not None:
-            from ddtree.pipeline.job import JobFiles, record_failure
+            from ddtree.pipeline.job import JobFiles
 
+            _, sweep_dir, overrides, _ = job_dirs()
             record_failure(run, JobFiles(job_dir, sweep_dir, overrides, None, job_dir / CHECK_FILE), e)
         raise
 
