@@ -206,6 +206,68 @@ def sign_flip_pvalue(differences: Sequence[float], rounds: int = 20000, seed: in
     return (hits + 1) / (rounds + 1)
 
 
+def chi_square_pvalue(observed: Sequence[float], expected: Sequence[float]) -> tuple[float, int, float | None]:
+    """(statistic, degrees of freedom, upper-tail p-value) of Pearson's goodness-of-fit test, no scipy.
+
+    The caller pools bins so every expected count is large enough (>= 5 is the usual rule)."""
+    stat = float(sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True) if e > 0))
+    dof = sum(1 for e in expected if e > 0) - 1
+    return stat, dof, (gamma_upper_regularized(dof / 2, stat / 2) if dof > 0 else None)
+
+
+def gamma_upper_regularized(a: float, x: float) -> float:
+    """Q(a, x) = Gamma(a, x) / Gamma(a): a series below a + 1, a continued fraction above (Numerical Recipes 6.2)."""
+    if x <= 0:
+        return 1.0
+    log_front = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:  # P(a, x) by its series
+        term = total = 1.0 / a
+        n = a
+        while abs(term) > abs(total) * 1e-15:
+            n += 1
+            term *= x / n
+            total += term
+        return max(0.0, 1.0 - total * math.exp(log_front))
+    tiny = 1e-300  # Q(a, x) by Lentz's continued fraction
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return min(1.0, math.exp(log_front) * h)
+
+
+def token_logprobs(logits: torch.Tensor, output_ids: Sequence[int], temperature: float = 0.0) -> torch.Tensor:
+    """[N]: the target log-probability of each emitted token at its position (at the temperature; 1 for greedy)."""
+    out = _ids(output_ids)
+    rows = logits[: len(out)]
+    t = temperature if temperature > 0 else 1.0
+    emitted = torch.tensor(out, dtype=torch.long, device=rows.device)
+    return torch.log_softmax(rows.float() / t, dim=-1).gather(-1, emitted[:, None])[:, 0]
+
+
+def sampled_pit(logits: torch.Tensor, output_ids: Sequence[int], temperature: float,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """[N] randomized probability-integral transforms of sampled tokens: F(x-) + U p(x) under the target's
+    distribution at each position. Tokens drawn from that distribution give i.i.d. Uniform(0, 1) values
+    (each position conditionally on its prefix), whatever the prefixes were."""
+    out = _ids(output_ids)
+    probs = torch.softmax(logits[: len(out)].double() / temperature, dim=-1)
+    emitted = torch.tensor(out, dtype=torch.long, device=probs.device)
+    below = torch.cumsum(probs, dim=-1).gather(-1, emitted[:, None])[:, 0] - probs.gather(-1, emitted[:, None])[:, 0]
+    u = torch.rand(len(out), generator=generator, dtype=torch.float64)
+    return (below.cpu() + u * probs.gather(-1, emitted[:, None])[:, 0].cpu()).clamp(0.0, 1.0)
+
+
 class Validator:
     """Checks outputs of one target under one run's settings; holds the (calibrated) tolerance."""
 
@@ -258,8 +320,7 @@ class Validator:
             magnitude = torch.maximum(best_logit.abs(), own.abs())
             allowed = self.tolerance.allowed(magnitude)
             steps = self.tolerance.in_steps(margin, magnitude)
-            t = self.temperature if self.temperature > 0 else 1.0
-            logprob = torch.log_softmax(rows / t, dim=-1).gather(-1, emitted[:, None])[:, 0]
+            logprob = token_logprobs(rows, out, self.temperature)
             check.mean_logprob, check.min_logprob = _f(logprob.mean()), _f(logprob.min())
             check.worst_margin_steps = _f(steps.max())
             if self.temperature > 0:

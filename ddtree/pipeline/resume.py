@@ -64,8 +64,9 @@ def finished_prompts(samples: Path, prompts: list[Prompt], roles: set[str]) -> d
     return done
 
 
-def find_resume(tracker: Any, config_hash: str, prompts: list[Prompt], roles: set[str]) -> Resume | None:
-    """The unfinished run of this config whose finished prompts can be reused, if there is one."""
+def find_resume(tracker: Any, config_hash: str, prompts: list[Prompt], roles: set[str],
+                samples: str = "samples.jsonl") -> Resume | None:
+    """The unfinished run of this config whose finished prompts (in its job dir's `samples` file) can be reused."""
     old = tracker.unfinished_run(config_hash)
     if old is None or not old["tags"].get("job_dir"):
         return None
@@ -79,4 +80,4 @@ def find_resume(tracker: Any, config_hash: str, prompts: list[Prompt], roles: se
     if (marker.get("host") == socket.gethostname() and marker.get("pid") != os.getpid()
             and isinstance(marker.get("pid"), int) and _alive(marker["pid"])):
         return None  # that job is still running
-    return Resume(old["run_id"], job_dir, finished_prompts(job_dir / "samples.jsonl", prompts, roles))
+    return Resume(old["run_id"], job_dir, finished_prompts(job_dir / samples, prompts, roles))
