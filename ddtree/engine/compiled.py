@@ -93,23 +93,27 @@ def auto_compiles(binding) -> bool:
     return binding.device.type == "cuda" and os.environ.get("DDTREE_COMPILE") not in OFF
 
 
-def static_round_for(binding, method: str, setting: str, backend: str | None = None) -> StaticRound | None:
-    """The engine's StaticRound under compile=`setting`, or None for the eager path (auto: with the reason logged;
-    true: a target it cannot run is refused). backend: torch.compile's backend (None: inductor; tests trace with
-    "eager" or "aot_eager" to check graphs without the code generation)."""
+def static_round_for(binding, method: str, setting: str,
+                     backend: str | None = None) -> tuple[StaticRound | None, str | None]:
+    """(the engine's StaticRound under compile=`setting`, or None for the eager path; why the eager one runs, in
+    words, or None). auto logs the reason where the target is on CUDA; true refuses a target it cannot run.
+    backend: torch.compile's backend (None: DDTREE_COMPILE_BACKEND, else inductor; "eager" or "aot_eager" trace the
+    same graphs without the code generation: tests)."""
     setting = compile_setting(setting)
     if setting == "false":
-        return None
-    if setting == "auto" and not auto_compiles(binding):
-        return None  # a CPU compile costs far more than it saves (docs/compile.md); DDTREE_COMPILE=0: auto is off
+        return None, "compile=false"
+    if setting == "auto" and not auto_compiles(binding):  # a CPU compile costs far more than it saves
+        why = ("DDTREE_COMPILE turns compile=auto off" if binding.device.type == "cuda"
+               else f"compile=auto compiles on CUDA only (here {binding.device.type}; docs/compile.md)")
+        return None, why
     reason = why_not_static(binding, method)
     if reason is not None:
         if setting == "true":
             raise ConfigError("compile", f"the compiled round cannot run here: {reason}",
                               "use compile=auto (eager where it cannot run) or compile=false")
         log.info("compile=auto: the eager round runs: %s", reason)
-        return None
-    return StaticRound(binding, backend=backend)
+        return None, f"compile=auto: {reason}"
+    return StaticRound(binding, backend=backend or os.environ.get("DDTREE_COMPILE_BACKEND") or None), None
 
 
 def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
@@ -202,7 +206,7 @@ class StaticRound:
 
     def attach(self, proposer) -> str | None:
         """Compile `proposer`'s drafter forward too (a DFlash drafter block: DFlash, DDTree; MTP's head: StaticMTP);
-        returns why not, or None. DDTree's tree build is compiled as well (`tree`)."""
+        returns why it drafts eagerly, or None (compiled, or nothing to draft). DDTree's tree build is compiled as well (`tree`)."""
         if hasattr(proposer, "tree_tensors"):
             proposer.tree_tensors = self.tree
         if hasattr(proposer, "static_head"):  # method=mtp: the target's own head
@@ -214,7 +218,7 @@ class StaticRound:
             return reason
         drafter = getattr(proposer, "drafter", None)
         if not hasattr(proposer, "static_draft") or drafter is None:
-            return "no DFlash drafter"
+            return None  # nothing of the proposer's to compile (AR; DDTree's tree build is attached above)
         if drafter.attn_implementation not in ("eager", "sdpa"):
             return f"the drafter's attention is {drafter.attn_implementation}"
         if drafter.device != self.device:
@@ -376,7 +380,7 @@ class StaticRound:
             k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
             x_last = x.index_select(-2, last)
             y_path = y.index_select(-2, torch.cat([index.new_zeros(1), index + 1]))
-            weights = (y_path @ x_last.transpose(-1, -2)).exp()  # (..., N + 1, 1): exp(c_a), the path's weights
+            weights = gdn.path_weights(y_path, x_last)  # (..., N + 1, 1): exp(c_a), the path's weights
             on_path = (torch.arange(n, device=path.device) < count).view(n, 1)
             added = (k_path * torch.where(on_path, weights[..., 1:, :], 0.0)).transpose(-1, -2) @ d_path
             rec.copy_(rec.to(added.dtype) * weights[..., :1, :] + added)

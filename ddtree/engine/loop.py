@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
-from ddtree.engine.compiled import static_round_for
+from ddtree.engine.compiled import auto_compiles, static_round_for
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, MTPProposer, Proposer, StageTimer
@@ -102,11 +102,22 @@ class Engine:
         self.tree_max = max(budget or 1, getattr(proposer, "block_size", 1) or 1, getattr(proposer, "max_nodes", 1)) + 1
         if not isinstance(proposer, ARProposer):
             TargetSession(target, binding=self.binding).check_method(method)
-        # the compiled round (ddtree.engine.compiled), or None: the eager one
+        # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
-        self.static = static_round_for(self.binding, "custom proposer" if custom else method, compile, compile_backend)
+        self.static, self.round_note = static_round_for(self.binding, "custom proposer" if custom else method, compile,
+                                                        compile_backend)
+        # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
+        self.round_fallback = self.round_note is not None and (
+            compile == "true" or (compile == "auto" and auto_compiles(self.binding)))
         if self.static is not None:  # the drafter's forward and DDTree's tree build compiled too, where they can be
-            self.static.attach(proposer)
+            eager_draft = self.static.attach(proposer)
+            if eager_draft is not None:
+                self.round_note, self.round_fallback = f"the draft runs eagerly: {eager_draft}", True
+
+    @property
+    def round(self) -> str:
+        """"compiled" (the target's side of a round runs as graphs: ddtree.engine.compiled) or "eager"."""
+        return "eager" if self.static is None else "compiled"
 
     def generate(self, input_ids: torch.Tensor, *, temperature: float = 0.0, max_new_tokens: int = 256,
                  stop_token_ids: Iterable[int] | None = None,
@@ -117,20 +128,27 @@ class Engine:
         check_generate_args(temperature, max_new_tokens, input_ids)
         self.binding.ensure()
         if self.static is None or self.compile != "auto":
-            return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+            return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
         # compile=auto never fails where the eager round runs: a compiled generation that raises (a compiler or
         # CUDA-graph failure on this machine) is logged and run again eagerly, the sampler's state as it was
         state = generator.get_state() if generator is not None else None
         try:
-            return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+            return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
         except Exception as err:  # noqa: BLE001 (any failure of the compiled round: the eager one is the reference)
-            log.warning("compile=auto: the compiled round failed (%s: %s); this engine runs the eager round from now "
-                        "on (compile=false skips the attempt)", type(err).__name__, (str(err).splitlines() or [""])[0][:300])
+            why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            log.warning("compile=auto: the compiled round failed (%s); this engine runs the eager round from now "
+                        "on (compile=false skips the attempt)", why)
             self.static.detach(self.proposer)
             self.static = None
+            self.round_note, self.round_fallback = f"compile=auto: the compiled round failed ({why})", True
             if state is not None:
                 generator.set_state(state)
-        return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+        return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
+
+    def _noted(self, result: GenerationResult) -> GenerationResult:
+        """`result` with the round that made it (compiled or eager), why (what) ran eagerly, and whether a fallback."""
+        result.round, result.round_note, result.round_fallback = self.round, self.round_note, self.round_fallback
+        return result
 
     def close(self) -> None:
         """Restore the target as it was before this engine (attention implementation, hooked forwards). Idempotent."""
