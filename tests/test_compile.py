@@ -320,7 +320,9 @@ def test_compile_settings_and_refusals():
     target, drafter = _pair("qwen3")
     with pytest.raises(ConfigError, match="compile: unknown value 'maybe'"):
         ddtree.Engine(target, drafter, method="ddtree", budget=4, compile="maybe")
-    assert ddtree.Engine(target, drafter, method="ddtree", budget=4).static is None  # auto on a CPU: eager
+    auto = ddtree.Engine(target, drafter, method="ddtree", budget=4)
+    assert auto.static is None and auto.round == "eager" and not auto.round_fallback  # auto on a CPU: eager
+    assert auto.round_note.startswith("compile=auto compiles on CUDA only")
     assert ddtree.Engine(target, drafter, method="ddtree", budget=4, compile=False).static is None
     assert ddtree.Engine(target, drafter, method="dflash", compile=True).static is not None
     moe = tiny_model("qwen3_5_moe_text", seed=1, vocab_size=VOCAB)
@@ -351,6 +353,9 @@ def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, c
         res = engine.generate(ids, max_new_tokens=NEW)
     assert res.output_ids == hf_greedy(target, ids, NEW)
     assert engine.static is None and "the compiled round failed (BackendCompilerFailed" in caplog.text
+    # the result says so (summary.json and the sweep table read it): never a silent fallback
+    assert (res.round, res.round_fallback) == ("eager", True)
+    assert res.round_note.startswith("compile=auto: the compiled round failed (BackendCompilerFailed")
     sampled = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="auto", compile_backend=broken)
     eager = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="false")
     draws = [e.generate(ids, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(5)).output_ids

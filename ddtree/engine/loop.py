@@ -10,7 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
-from ddtree.engine.compiled import auto_compiles, static_round_for
+from ddtree.engine import compiled
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, MTPProposer, Proposer, StageTimer
@@ -104,11 +104,11 @@ class Engine:
             TargetSession(target, binding=self.binding).check_method(method)
         # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
-        self.static, self.round_note = static_round_for(self.binding, "custom proposer" if custom else method, compile,
-                                                        compile_backend)
+        self.static, self.round_note = compiled.static_round_for(self.binding, "custom proposer" if custom else method,
+                                                                 compile, compile_backend)
         # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
         self.round_fallback = self.round_note is not None and (
-            compile == "true" or (compile == "auto" and auto_compiles(self.binding)))
+            compile == "true" or (compile == "auto" and compiled.auto_compiles(self.binding)))
         if self.static is not None:  # the drafter's forward and DDTree's tree build compiled too, where they can be
             eager_draft = self.static.attach(proposer)
             if eager_draft is not None:
