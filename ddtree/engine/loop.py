@@ -224,10 +224,11 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     done = out[0] in stops or len(out) >= max_new_tokens
     if out[0] in stops:
         result.stopped_by = "stop_token"
+    path = None
     while not done:
         state = DecodeState(root=root, start=session.length, prompt_len=input_ids.shape[1], generated=out,
                             new_context=feats, temperature=temperature, generator=generator, timer=timer,
-                            input_ids=input_ids)
+                            input_ids=input_ids, path=path)
         tree = proposer.propose(state)
         # greedy on a CPU lean target: the head (and last layer) only on the walked rows (TargetSession.lazy_head)
         lazy = temperature <= 0 and engine.static is None and session.lazy_head(tree)
@@ -247,7 +248,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
             session.commit(tree, w.path, w.path_list)
             if feats is not None and not lazy and not getattr(session, "keeps_features", False):
                 feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
-            new, root = w.tokens, w.next_root
+            new, root, path = w.tokens, w.next_root, w.path
             if rec is not None:  # no host read: ddtree.engine.diagnostics
                 rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)
         timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
