@@ -422,6 +422,21 @@ def test_inductor_compiled_methods_equal_hf_greedy(model_type, dynamo_clean):
         assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
 
 
+def test_the_capacity_returns_to_what_a_prompt_needs(dynamo_clean):
+    """The fixed KV capacity follows each generation's bucket: a long generation's 1,024 rows do not stay for the
+    short ones after it (attention reads every row), and the short generation after the shrink is HF greedy's."""
+    target, drafter = _pair("qwen3_5_text")
+    engine = _engine(target, drafter, "dflash")
+    ids = _prompts((7,))[0]
+    engine.static.session(600).prefill(ids)
+    big = engine.static.state
+    assert big.capacity == 1024
+    res = engine.generate(ids, max_new_tokens=NEW)
+    assert engine.static.state.capacity == capacity_bucket(7 + NEW + 9) == 256 and engine.static.state is not big
+    assert engine.static.draft.kv.shape[-2] == 256
+    assert res.output_ids == hf_greedy(target, ids, NEW)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 64)])
 def test_traced_methods_on_both_families_and_a_longer_generation(method, budget, dynamo_clean):

@@ -242,13 +242,15 @@ class StaticRound:
 
     # ------------------------------------------------------------------------------------------- buffers
     def _state_for(self, cache, needed: int) -> StaticState:
-        """The buffers (kept while they hold `needed` rows and match the cache's shapes), else new ones."""
+        """The buffers of `needed` rows' capacity bucket (kept while a generation needs that bucket), else new ones: a
+        long generation's capacity does not stay with the short ones after it (attention reads every row)."""
         attn = [cache.layers[i] for i in self.attn_layers]
         linear = [i for i, layer in enumerate(self.layers) if layer.linear]
         st = self.state
-        if st is not None and st.capacity >= needed:
-            return st
         capacity = capacity_bucket(needed)
+        if st is not None and st.capacity == capacity:
+            return st
+        self.state = st = None  # (a larger capacity's buffers freed first: the new ones may be smaller)
         kv = conv = rec = None
         if attn:
             k = attn[0].keys
@@ -507,7 +509,8 @@ class StaticDraft:
         """After the eager first round: its cache (`cache.length` context rows) into the fixed buffers."""
         k0 = cache.keys[0]
         capacity = capacity_bucket(needed + 2 * self.q)
-        if self.kv is None or self.kv.shape[-2] < capacity or self.kv.dtype != k0.dtype:
+        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
+            self.kv = None
             layers = len(cache.keys)
             self.kv = torch.zeros(layers, 2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
             self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
@@ -638,7 +641,8 @@ class StaticMTP:
         rows = cache.get_seq_length()
         k0 = layer.keys
         capacity = capacity_bucket(needed + 2 * (self.steps + 1) + self.steps * self.k)
-        if self.kv is None or self.kv.shape[-2] < capacity or self.kv.dtype != k0.dtype:
+        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
+            self.kv = None
             self.kv = torch.zeros(2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
             self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
             for t in (self.kv, self.length):
