@@ -219,7 +219,7 @@ def _meta_buffers(n: int, kernel: int, device: torch.device) -> _MetaBuffers:
                         torch.arange(kernel - 1, -1, -1, device=device),
                         kernel + torch.arange(kernel, device=device) * (kernel + n),
                         torch.arange(0, n * kernel, kernel, device=device), torch.zeros((), device=device),
-                        torch.tensor(float("-inf"), device=device), {})
+                        torch.full((), float("-inf"), device=device), {})  # (a fill: no copy from the host)
 
 
 def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:

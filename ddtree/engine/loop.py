@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine import compiled
+from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import check_method_args, get_method
 from ddtree.engine.proposers import ARProposer, DecodeState, DrafterBlock, MTPProposer, Proposer, StageTimer

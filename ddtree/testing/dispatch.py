@@ -46,7 +46,21 @@ NO_KERNEL = frozenset({"detach", "detach_", "resolve_conj", "resolve_neg", "lift
 DEVICE_FUSED = frozenset({"rms_norm"})
 
 
-def _is_sync(name: str, func, args, kwargs, host_born: weakref.WeakSet) -> bool:
+class _HostBorn:
+    """CPU tensors made from Python data, by identity (a WeakSet compares tensors with `==`: an op, and a read)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t, lambda _, key=id(t): self._refs.pop(key, None))
+
+    def __contains__(self, t) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
+def _is_sync(name: str, func, args, kwargs, host_born: _HostBorn) -> bool:
     if name in SYNC_OPS:
         return True
     if name == "copy_" and isinstance(args[1], torch.Tensor) and args[1] in host_born and args[0] not in host_born:
@@ -113,7 +127,7 @@ class DispatchCount(TorchDispatchMode):
         self.stage = "other"
         self._stages = stages
         self._stack = contextlib.ExitStack()
-        self._host_born: weakref.WeakSet = weakref.WeakSet()  # CPU tensors made from Python data (no device given)
+        self._host_born = _HostBorn()  # CPU tensors made from Python data (no device given)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -214,22 +228,25 @@ class DispatchCount(TorchDispatchMode):
 
         stack.callback(setattr, FusedOp, "__call__", fused_call)
         FusedOp.__call__ = counted_fused
-        for attr in ("tolist", "numpy"):
-            real = getattr(torch.Tensor, attr)
-            stack.callback(setattr, torch.Tensor, attr, real)
-            setattr(torch.Tensor, attr, self._host_read(attr, real))
-        for attr in ("tensor", "as_tensor", "from_numpy"):
-            real = getattr(torch, attr)
-            stack.callback(setattr, torch, attr, real)
-            setattr(torch, attr, self._from_data(attr, real))
-        stack.callback(setattr, torch.Tensor, "to", torch.Tensor.to)
-        torch.Tensor.to = self._moved(torch.Tensor.to)
+        swaps = [(torch.Tensor, attr, self._host_read(attr, getattr(torch.Tensor, attr))) for attr in ("tolist", "numpy")]
+        swaps += [(torch, attr, self._from_data(attr, getattr(torch, attr))) for attr in ("tensor", "as_tensor", "from_numpy")]
+        swaps.append((torch.Tensor, "to", self._moved(torch.Tensor.to)))
+        swaps = [(owner, attr, getattr(owner, attr), new) for owner, attr, new in swaps]
+        for owner, attr, real, new in swaps:
+            stack.callback(setattr, owner, attr, real)
+            setattr(owner, attr, new)
         run_graph = compiled.StaticRound._run
 
         def counted_graph(static, graph, *a):  # a compiled region: counted as one call, its ops not dispatched here
             counter.graphs[counter.stage] += 1
-            with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
-                return run_graph(static, graph, *a)
+            for owner, attr, real, _ in swaps:  # the real functions: a graph guards on what it traced (torch.tensor)
+                setattr(owner, attr, real)
+            try:
+                with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
+                    return run_graph(static, graph, *a)
+            finally:
+                for owner, attr, _, new in swaps:
+                    setattr(owner, attr, new)
 
         stack.callback(setattr, compiled.StaticRound, "_run", run_graph)
         compiled.StaticRound._run = counted_graph
