@@ -191,7 +191,8 @@ class DispatchCount(TorchDispatchMode):
             if self._paused or isinstance(data, torch.Tensor):  # (as_tensor of a tensor: a `.to`, dispatched)
                 return t
             if k.get("device") is not None:
-                self._sync(f"{name}(data, device=)")
+                if t.numel():  # (no bytes, no copy: transformers' caches start from `torch.tensor([], device=d)`)
+                    self._sync(f"{name}(data, device=)")
             elif t.device.type == "cpu":
                 self._host_born.add(t)
             return t
@@ -201,7 +202,7 @@ class DispatchCount(TorchDispatchMode):
         """Tensor.to counted where a host tensor of Python data goes to a device (a no-op, undispatched, on a CPU)."""
         def to(t: torch.Tensor, *a, **k):
             out = real(t, *a, **k)
-            if out is t and not self._paused and t in self._host_born:
+            if out is t and not self._paused and t.numel() and t in self._host_born:
                 dev = k.get("device", next((x for x in a if isinstance(x, torch.device | str)), None))
                 if dev is not None:
                     self._sync("to(device) of host data")
