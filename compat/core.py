@@ -28,7 +28,7 @@ import importlib
 import importlib.metadata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import ModuleType
+from types import FunctionType, ModuleType
 from typing import Any
 
 import wrapt
@@ -145,8 +145,13 @@ class Patcher:
         self.active = active or (lambda: self._live[0])
 
     def wrap(self, owner: Any, name: str, wrapper: Callable) -> Any:
-        """Wrap `owner.name` with a wrapt wrapper `wrapper(wrapped, instance, args, kwargs)`.
+        """Wrap `owner.name` with a wrapt-style wrapper `wrapper(wrapped, instance, args, kwargs)`.
 
+        A module's plain function gets a plain function in its place (`functools.wraps`: signature, name and
+        `__wrapped__` kept), which torch.compile traces like any Python function; a wrapt proxy there is a function
+        to dynamo's guards but not to their C checks ("FuncDefaultsGuardAccessor: Not a function"), so a graph that
+        calls one (the DFlash drafter's attention function) fails to compile. Methods and other attributes get a
+        wrapt proxy (it binds `instance`).
         When `owner.name` is already this patch's wrapper (a `from x import f` copy of a patched `f`),
         it is left as is and revert sets it back to the original function.
         """
@@ -163,7 +168,11 @@ class Patcher:
                 return wrapper(wrapped, instance, args, kwargs)
             return wrapped(*args, **kwargs)
 
-        proxy = wrapt.wrap_function_wrapper(owner, name, gated)
+        if isinstance(owner, ModuleType) and type(current) is FunctionType:
+            proxy = _plain_wrapper(current, gated)
+            setattr(owner, name, proxy)
+        else:
+            proxy = wrapt.wrap_function_wrapper(owner, name, gated)
         proxy._self_compat_patch = self.patch_id
         self._undo.append(functools.partial(_restore_attr, owner, name, own))
         return proxy
@@ -187,6 +196,16 @@ class Patcher:
         self._live[0] = False
         while self._undo:
             self._undo.pop()()
+
+
+def _plain_wrapper(original: FunctionType, gated: Callable) -> FunctionType:
+    """A plain function calling `gated(original, None, args, kwargs)`, dressed as `original`."""
+
+    @functools.wraps(original)
+    def patched(*args, **kwargs):
+        return gated(original, None, args, kwargs)
+
+    return patched
 
 
 def _restore_attr(owner: Any, name: str, own: Any) -> None:

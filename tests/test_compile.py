@@ -121,7 +121,10 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
                 res = engine.generate(prompts[1], max_new_tokens=NEW)
     assert max(accepted) > 2  # multi-token commits ran (paths through the tree, not only the root)
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
-    assert c.total(c.syncs, exclude=()) == res.rounds + 2, dict(c.sync_names)  # + the prefill's token, the records
+    assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)  # + the prefill's token, the records
+    # the prefill itself: transformers' linear-attention cache moving a host counter to the device once per GDN
+    # layer (host-to-device copies, counted: ddtree.testing.dispatch)
+    assert c.syncs["prefill"] == target.config.layer_types.count("linear_attention"), dict(c.sync_names)
     assert c.syncs["commit"] == res.rounds and c.syncs["verify"] == 0
     assert c.graphs["verify"] == c.graphs["commit"] == c.graphs["tree"] == res.rounds
     assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
@@ -199,7 +202,8 @@ def test_mtp_through_the_compiled_round_is_lossless_without_recompile_one_read(d
                 with DispatchCount() as c:
                     res = engine.generate(prompts[1], max_new_tokens=new)
                 counts.append((c, res.rounds))
-    assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)  # + the prefill's token
+    assert c.total(c.syncs) == res.rounds + 1, dict(c.sync_names)  # + the prefill's token
+    assert c.syncs["prefill"] == target.config.layer_types.count("linear_attention")  # the cache's copies
     assert c.syncs["commit"] == res.rounds and c.syncs["draft"] == c.syncs["tree"] == 0
     assert c.graphs["verify"] == c.graphs["commit"] == res.rounds and c.graphs["draft"] == res.rounds - 1
     (short, r0), (long, r1) = counts
@@ -320,7 +324,9 @@ def test_compile_settings_and_refusals():
     target, drafter = _pair("qwen3")
     with pytest.raises(ConfigError, match="compile: unknown value 'maybe'"):
         ddtree.Engine(target, drafter, method="ddtree", budget=4, compile="maybe")
-    assert ddtree.Engine(target, drafter, method="ddtree", budget=4).static is None  # auto on a CPU: eager
+    auto = ddtree.Engine(target, drafter, method="ddtree", budget=4)
+    assert auto.static is None and auto.round == "eager" and not auto.round_fallback  # auto on a CPU: eager
+    assert auto.round_note.startswith("compile=auto compiles on CUDA only")
     assert ddtree.Engine(target, drafter, method="ddtree", budget=4, compile=False).static is None
     assert ddtree.Engine(target, drafter, method="dflash", compile=True).static is not None
     moe = tiny_model("qwen3_5_moe_text", seed=1, vocab_size=VOCAB)
@@ -351,6 +357,9 @@ def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, c
         res = engine.generate(ids, max_new_tokens=NEW)
     assert res.output_ids == hf_greedy(target, ids, NEW)
     assert engine.static is None and "the compiled round failed (BackendCompilerFailed" in caplog.text
+    # the result says so (summary.json and the sweep table read it): never a silent fallback
+    assert (res.round, res.round_fallback) == ("eager", True)
+    assert res.round_note.startswith("compile=auto: the compiled round failed (BackendCompilerFailed")
     sampled = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="auto", compile_backend=broken)
     eager = ddtree.Engine(target, drafter, method="ddtree", budget=8, compile="false")
     draws = [e.generate(ids, max_new_tokens=8, temperature=1.0, generator=torch.Generator().manual_seed(5)).output_ids
@@ -415,6 +424,21 @@ def test_inductor_compiled_methods_equal_hf_greedy(model_type, dynamo_clean):
                                         budget=budget, max_new_tokens=NEW, compile="false")
                 assert res.output_ids == eager.output_ids
         assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+
+
+def test_the_capacity_returns_to_what_a_prompt_needs(dynamo_clean):
+    """The fixed KV capacity follows each generation's bucket: a long generation's 1,024 rows do not stay for the
+    short ones after it (attention reads every row), and the short generation after the shrink is HF greedy's."""
+    target, drafter = _pair("qwen3_5_text")
+    engine = _engine(target, drafter, "dflash")
+    ids = _prompts((7,))[0]
+    engine.static.session(600).prefill(ids)
+    big = engine.static.state
+    assert big.capacity == 1024
+    res = engine.generate(ids, max_new_tokens=NEW)
+    assert engine.static.state.capacity == capacity_bucket(7 + NEW + 9) == 256 and engine.static.state is not big
+    assert engine.static.draft.kv.shape[-2] == 256
+    assert res.output_ids == hf_greedy(target, ids, NEW)
 
 
 @pytest.mark.slow

@@ -202,7 +202,7 @@ def test_a_cuda_round_reads_the_device_once_and_times_stages_with_events(monkeyp
     with DispatchCount() as c:
         res = engine.generate(ids, max_new_tokens=NEW)
     assert not syncs
-    assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
+    assert c.total(c.syncs) == res.rounds + 1, dict(c.sync_names)  # the prefill's copies apart
     assert all(res.stage_seconds[s] > 0 for s in ("draft", "tree", "verify", "commit")), res.stage_seconds
     sync_res = ddtree.Engine(target, drafter, method="ddtree", budget=16, sync_timing=True).generate(
         ids, max_new_tokens=NEW)
@@ -269,7 +269,7 @@ def test_mtp_through_the_compiled_round_on_cuda_with_cuda_graphs():
             engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=topk, budget=budget, compile="true")
             assert engine.static.draft is not None
             res, c = _compiled_on_cuda(engine, target, prompts, topk)
-            assert c.total(c.syncs, exclude=()) == res.rounds + 1, dict(c.sync_names)
+            assert c.total(c.syncs) == res.rounds + 1, dict(c.sync_names)  # the prefill's copies apart
             assert c.graphs["verify"] == c.graphs["commit"] == res.rounds and c.graphs["draft"] == res.rounds - 1
     finally:
         torch._dynamo.reset()

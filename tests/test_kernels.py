@@ -84,25 +84,100 @@ def test_row_stride_reads_views_without_copies():
 
 
 def test_a_timed_kernel_runs_only_where_it_was_faster(monkeypatch):
-    """timed=True: after the first-call check, each new set of argument shapes times both implementations and keeps
-    the faster (the timer stubbed here: CUDA events need a GPU)."""
+    """timed=True: after the first-call check, each new set of argument shapes and integer arguments (a loop bound)
+    times both implementations, each from a drained queue, alternating, TIMING_REPEATS times, and keeps the faster by
+    the medians: the real selection code (FusedOp._cuda, kernels.compare) with the clock stubbed (CUDA events need a
+    GPU): each timing returns the next of a scripted list, and the queue's drains are recorded."""
+    from ddtree.engine import kernels
+
     monkeypatch.setattr("ddtree.engine.kernels._has_triton", lambda: True)
-    ran = []
-    op = FusedOp("timed_demo(Tensor x) -> Tensor", lambda x: ran.append("composite") or x + 1,
-                 lambda x: ran.append("kernel") or x + 1, timed=True)
-    speed = {"kernel": 5.0, "composite": 3.0}  # us: the kernel is slower on small inputs, faster on large
-    monkeypatch.setattr("ddtree.engine.kernels._micros",
-                        lambda fn, args: speed["kernel" if fn is op.launch else "composite"] * args[0].numel())
-    small, large = torch.zeros(2), torch.zeros(8)
-    op._cuda(small)  # the first call: the check
-    assert op.state == "triton"
+    ran, events = [], []
+    op = FusedOp("timed_demo(Tensor x, int steps) -> Tensor", lambda x, steps: ran.append("composite") or x + 1,
+                 lambda x, steps: ran.append("kernel") or x + 1, timed=True)
+    script: dict[str, list[float]] = {}
+
+    def elapsed(fn, args, runs):
+        side = "kernel" if fn is op.launch else "composite"
+        events.append(side)
+        return script[side].pop(0)
+
+    monkeypatch.setattr(kernels, "_drain", lambda: events.append("drain"))
+    monkeypatch.setattr(kernels, "_elapsed_us", elapsed)
+    n = kernels.TIMING_REPEATS
+    x = torch.zeros(4)
+    op._cuda(x, 3)  # the first call: the check
+    assert op.state == "triton" and not op.timings
+    # the kernel is faster in the median, slower in the mean (one outlier): the median decides
+    script.update(kernel=[1.0] * (n - 1) + [1000.0], composite=[2.0] * n)
     ran.clear()
-    op._cuda(small)
-    assert op.faster[((2,),)] is False and ran[-1] == "composite"
-    speed.update(kernel=1.0)
-    op._cuda(large)
-    assert op.faster[((8,),)] is True and ran[-1] == "kernel"
-    assert op.timings[((8,),)] == (8.0, 24.0)
+    op._cuda(x, 3)
+    assert events == ["drain", "kernel", "drain", "composite"] * n  # each side from a drained queue, alternating
+    assert op.timings[((4,), 3)] == (1.0, 2.0) and op.faster[((4,), 3)] is True and ran[-1] == "kernel"
+    # another loop bound is another key: timed again (the composite faster there)
+    script.update(kernel=[5.0] * n, composite=[2.0] * n)
+    op._cuda(x, 9)
+    assert op.faster[((4,), 9)] is False and ran[-1] == "composite"
     ran.clear()
-    op._cuda(small)
-    assert ran == ["composite"]  # decided once per shape
+    events.clear()
+    op._cuda(x, 3)
+    op._cuda(x, 9)
+    assert ran == ["kernel", "composite"] and not events  # decided once per key
+
+
+def test_the_first_call_check_is_per_dtype_and_tile(monkeypatch):
+    """A kernel is checked against the composite at each dtype and tile it first meets (the GDN solve first runs at
+    one node: its 128-node tile must be checked too), not once per op: a kernel wrong only on large tiles, or only in
+    bf16, is caught there and the composite runs for that key alone."""
+    from ddtree.engine.kernels import check_key
+
+    monkeypatch.setattr("ddtree.engine.kernels._has_triton", lambda: True)
+    checks = []
+
+    def kernel(x):
+        checks.append((x.dtype, x.shape[0]))
+        return x + (2 if x.shape[0] > 64 or x.dtype == torch.bfloat16 else 1)  # wrong on big tiles and in bf16
+
+    op = FusedOp("tile_demo(Tensor x) -> Tensor", lambda x: x + 1, kernel)
+    small, big = torch.zeros(2), torch.zeros(65)
+    assert torch.equal(op._cuda(small), small + 1) and op.checked == {check_key((small,)): True}
+    op._cuda(torch.zeros(13))  # the same tile (16): no second check
+    assert len(op.checked) == 1 and checks == [(torch.float32, 2), (torch.float32, 13)]
+    assert torch.equal(op._cuda(big), big + 1)  # 128: checked, disagrees, the composite runs there
+    assert op.checked[check_key((big,))] is False and op.state == "composite"
+    assert torch.equal(op._cuda(torch.zeros(100)), torch.ones(100))  # (the same tile: the composite, unchecked)
+    half = torch.zeros(1, dtype=torch.bfloat16)
+    assert torch.equal(op._cuda(half), half + 1) and op.checked[check_key((half,))] is False
+    checks.clear()
+    assert torch.equal(op._cuda(small), small + 1) and checks == [(torch.float32, 2)]  # float32, tile 16: the kernel
+    assert check_key((small, None, 16, 1.0)) != check_key((small, small, 16, 1.0)) != check_key((small, small, 1, 1.0))
+
+
+def test_a_launch_runs_under_its_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device: each launch (check, timing, run) is made under the first tensor's
+    device (`torch.cuda.device`), or a device map across GPUs would launch on the wrong one."""
+    from ddtree.engine import kernels
+
+    monkeypatch.setattr(kernels, "_has_triton", lambda: True)
+    guarded, entered = [], []
+
+    class Guard:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.pop()
+
+    class OnDevice:  # what _on_device reads of a CUDA tensor
+        is_cuda, device = True, torch.device("cuda", 1)
+
+    monkeypatch.setattr(torch.cuda, "device", Guard)
+    assert kernels._on_device(OnDevice()).device == torch.device("cuda", 1)
+    monkeypatch.setattr(kernels, "_on_device", lambda t: Guard(t.device))
+    op = FusedOp("device_demo(Tensor x) -> Tensor", lambda x: x + 1, lambda x: guarded.append(list(entered)) or x + 1)
+    x = torch.zeros(3)
+    op._cuda(x)
+    op._cuda(x)
+    assert guarded == [[x.device], [x.device]]  # the check's launch and the run's, each inside the guard

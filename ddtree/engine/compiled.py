@@ -93,23 +93,27 @@ def auto_compiles(binding) -> bool:
     return binding.device.type == "cuda" and os.environ.get("DDTREE_COMPILE") not in OFF
 
 
-def static_round_for(binding, unfit: str | None, setting: str, backend: str | None = None) -> StaticRound | None:
-    """The engine's StaticRound under compile=`setting`, or None for the eager path (auto: with the reason logged;
-    true: a target it cannot run is refused). unfit: as why_not_static's. backend: torch.compile's backend (None: inductor; tests trace with
-    "eager" or "aot_eager" to check graphs without the code generation)."""
+def static_round_for(binding, unfit: str | None, setting: str,
+                     backend: str | None = None) -> tuple[StaticRound | None, str | None]:
+    """(the engine's StaticRound under compile=`setting`, or None for the eager path; why the eager one runs, in
+    words, or None). unfit: as why_not_static's. auto logs the reason where the target is on CUDA; true refuses a
+    target it cannot run. backend: torch.compile's backend (None: DDTREE_COMPILE_BACKEND, else inductor; "eager" or
+    "aot_eager" trace the same graphs without the code generation: tests)."""
     setting = compile_setting(setting)
     if setting == "false":
-        return None
-    if setting == "auto" and not auto_compiles(binding):
-        return None  # a CPU compile costs far more than it saves (docs/compile.md); DDTREE_COMPILE=0: auto is off
+        return None, "compile=false"
+    if setting == "auto" and not auto_compiles(binding):  # a CPU compile costs far more than it saves
+        why = ("DDTREE_COMPILE turns compile=auto off" if binding.device.type == "cuda"
+               else f"compile=auto compiles on CUDA only (here {binding.device.type}; docs/compile.md)")
+        return None, why
     reason = why_not_static(binding, unfit)
     if reason is not None:
         if setting == "true":
             raise ConfigError("compile", f"the compiled round cannot run here: {reason}",
                               "use compile=auto (eager where it cannot run) or compile=false")
         log.info("compile=auto: the eager round runs: %s", reason)
-        return None
-    return StaticRound(binding, backend=backend)
+        return None, f"compile=auto: {reason}"
+    return StaticRound(binding, backend=backend or os.environ.get("DDTREE_COMPILE_BACKEND") or None), None
 
 
 def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
@@ -203,7 +207,7 @@ class StaticRound:
     def attach(self, proposer) -> str | None:
         """Compile what `proposer` declares (ddtree.engine.proposers.Proposer): its best-first tree build (`tree`,
         as `tree_tensors`) and its drafter's static form (`static_form` "dflash": StaticDraft; "mtp": StaticMTP,
-        as `static_draft`); returns why its drafter drafts eagerly, or None."""
+        as `static_draft`); returns why its drafter drafts eagerly, or None (compiled, or nothing to draft)."""
         if proposer.best_first:
             proposer.tree_tensors = self.tree
         if proposer.static_form == "mtp":  # the target's own head
@@ -214,7 +218,8 @@ class StaticRound:
                 log.info("the MTP head drafts eagerly (its verification compiled): %s", reason)
             return reason
         if proposer.static_form != "dflash":
-            return "no compiled draft form"
+            # nothing of the proposer's to compile (AR), or a proposer with no compiled form that drafts
+            return None if proposer.max_nodes <= 1 else "no compiled draft form"
         drafter = proposer.drafter
         if drafter.attn_implementation not in ("eager", "sdpa"):
             return f"the drafter's attention is {drafter.attn_implementation}"
@@ -237,13 +242,15 @@ class StaticRound:
 
     # ------------------------------------------------------------------------------------------- buffers
     def _state_for(self, cache, needed: int) -> StaticState:
-        """The buffers (kept while they hold `needed` rows and match the cache's shapes), else new ones."""
+        """The buffers of `needed` rows' capacity bucket (kept while a generation needs that bucket), else new ones: a
+        long generation's capacity does not stay with the short ones after it (attention reads every row)."""
         attn = [cache.layers[i] for i in self.attn_layers]
         linear = [i for i, layer in enumerate(self.layers) if layer.linear]
         st = self.state
-        if st is not None and st.capacity >= needed:
-            return st
         capacity = capacity_bucket(needed)
+        if st is not None and st.capacity == capacity:
+            return st
+        self.state = st = None  # (a larger capacity's buffers freed first: the new ones may be smaller)
         kv = conv = rec = None
         if attn:
             k = attn[0].keys
@@ -375,7 +382,7 @@ class StaticRound:
             k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
             x_last = x.index_select(-2, last)
             y_path = y.index_select(-2, torch.cat([index.new_zeros(1), index + 1]))
-            weights = (y_path @ x_last.transpose(-1, -2)).exp()  # (..., N + 1, 1): exp(c_a), the path's weights
+            weights = gdn.path_weights(y_path, x_last)  # (..., N + 1, 1): exp(c_a), the path's weights
             on_path = (torch.arange(n, device=path.device) < count).view(n, 1)
             added = (k_path * torch.where(on_path, weights[..., 1:, :], 0.0)).transpose(-1, -2) @ d_path
             rec.copy_(rec.to(added.dtype) * weights[..., :1, :] + added)
@@ -502,7 +509,8 @@ class StaticDraft:
         """After the eager first round: its cache (`cache.length` context rows) into the fixed buffers."""
         k0 = cache.keys[0]
         capacity = capacity_bucket(needed + 2 * self.q)
-        if self.kv is None or self.kv.shape[-2] < capacity or self.kv.dtype != k0.dtype:
+        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
+            self.kv = None
             layers = len(cache.keys)
             self.kv = torch.zeros(layers, 2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
             self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
@@ -633,7 +641,8 @@ class StaticMTP:
         rows = cache.get_seq_length()
         k0 = layer.keys
         capacity = capacity_bucket(needed + 2 * (self.steps + 1) + self.steps * self.k)
-        if self.kv is None or self.kv.shape[-2] < capacity or self.kv.dtype != k0.dtype:
+        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
+            self.kv = None
             self.kv = torch.zeros(2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
             self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
             for t in (self.kv, self.length):

@@ -30,8 +30,10 @@ so a node's output and the committed state need only (k_j, d_j) of its ancestors
 c_a - c_j + log beta_j and c_a, plus S_0 (the cache's state, never overwritten during verification).
 Both come out of one small matmul: with s = the path sums of softplus(a + dt) and A = exp(A_log) (g = -A *
 softplus), X_i = (s_i, A, 1) and Y_j = (-A, s_j, log beta_j) give X_i . Y_j = c_i - c_j + log beta_j, and the
-virtual node j = 0 (Y_0 = (-A, 0, 0)) gives c_i. One baddbmm adds the ancestor mask (0 / -inf) and one exp
-gives E = [exp(c_i) | exp(c_i - c_j) beta_j masked]. Two ways to get d for every node:
+virtual node j = 0 (Y_0 = (-A, 0, 0)) gives c_i. X . Y (three products, elementwise) plus the ancestor mask
+(0 / -inf) and one exp give E = [exp(c_i) | exp(c_i - c_j) beta_j masked]. No float32 matmul rounds the path sums
+(hundreds) before that difference: the map's matmul is exact under TF32 and bf16 precision too
+(`kernels.gdn.exact_sign_mm`), X . Y and the commit's weights are elementwise. Two ways to get d for every node:
 
 * ``"chunk"``: one chunk holding the whole tree, whose causal masks are ancestor masks:
   (I + (K K^T * E)) d = v - exp(c) (K S_0), strictly lower triangular in flat order (parents first), so a
@@ -217,7 +219,7 @@ def _meta_buffers(n: int, kernel: int, device: torch.device) -> _MetaBuffers:
                         torch.arange(kernel - 1, -1, -1, device=device),
                         kernel + torch.arange(kernel, device=device) * (kernel + n),
                         torch.arange(0, n * kernel, kernel, device=device), torch.zeros((), device=device),
-                        torch.tensor(float("-inf"), device=device), {})
+                        torch.full((), float("-inf"), device=device), {})  # (a fill: no copy from the host)
 
 
 def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:
@@ -420,8 +422,6 @@ class _Views:
     value: torch.Tensor  # (B, Hv, T, dv) of conv
     gates: torch.Tensor  # (B Hv, 2T + 2)
     xy: torch.Tensor  # (B Hv, 6T + 3)
-    x: torch.Tensor  # (B Hv, T, 3)
-    y_t: torch.Tensor  # (B Hv, 3, T + 1)
     start: torch.Tensor  # (B, Hv, T, 1): exp(c_i)
     ancestry: torch.Tensor  # (B, Hv, 1, T, T): exp(c_i - c_j) beta_j on ancestors
     gram: torch.Tensor  # (B, Hv, 2, T, T)
@@ -467,7 +467,6 @@ def _make_views(module, bufs: LayerBuffers) -> _Views:
         keys=keys, keys3=keys.view(bsz * hv, 2 * n, dk), k_t=keys.view(bsz * hv, 2 * n, dk)[:, n:].transpose(1, 2),
         value=conv[..., 2 * hk * dk:].view(bsz, n, hv, dv).transpose(1, 2),
         gates=bufs.gates.view(bsz * hv, -1), xy=xy,
-        x=xy[:, :3 * n].view(-1, n, 3), y_t=xy[:, 3 * n:].view(-1, n + 1, 3).transpose(1, 2),
         start=decays[..., :1], ancestry=decays[..., 1:].unsqueeze(2),
         gram=gram, gram3=bufs.gram.view(bsz * hv, 2 * n, n), gram_q=bufs.gram.view(bsz * hv, 2 * n, n)[:, :n],
         gram_k=gram[:, :, 1], from_state=bufs.from_state.view(bsz * hv, 2 * n, dv),
@@ -600,8 +599,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         kgdn.decays(ab, consts.zero, meta.decay_map, meta.decay_mask, bufs.gates, bufs.xy, bufs.decays)
     else:
         v.ab.copy_(torch.logaddexp(ab.view(bsz, n, 2, -1), consts.zero))  # (dynamo refuses a strided out=)
-        torch.mm(v.gates, meta.decay_map, out=v.xy)
-        torch.baddbmm(meta.decay_mask, v.x, v.y_t, out=bufs.decays).exp_()
+        kgdn.decay_products(v.gates, meta.decay_map, meta.decay_mask, v.xy, bufs.decays)
 
     # causal conv over each node's own ancestors, reaching into the prefix's conv state: every tap times every row of
     # [conv-state tail, inputs] (the table), then per node the sum of its window's K table rows, one per tap (a
@@ -925,9 +923,15 @@ def _path_states(keys: torch.Tensor, deltas: torch.Tensor, xy: torch.Tensor, ind
             y_index = torch.cat([index.new_zeros(1), index + 1])
         k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
         x_last, y_path = x.index_select(-2, index[-1:]), y.index_select(-2, y_index)
-    weights = (y_path @ x_last.transpose(-1, -2)).exp_()  # (..., L + 1, 1): exp(c_a), then the path's weights
+    weights = path_weights(y_path, x_last)  # (..., L + 1, 1): exp(c_a), then the path's weights
     added = (k_path * weights[..., 1:, :]).transpose(-1, -2) @ d_path
     return added, weights[..., :1, :]
+
+
+def path_weights(y_path: torch.Tensor, x_last: torch.Tensor) -> torch.Tensor:
+    """exp(Y_j . X_a) (..., L + 1, 1) for the path's Y rows (..., L + 1, 3) and its last node's X (..., 1, 3): the
+    three products summed elementwise (a matmul under TF32 would round the path sums first: kgdn.exact_sign_mm)."""
+    return (y_path * x_last).sum(-1, keepdim=True).exp_()
 
 
 def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_path: list[int] | None = None) -> None:

@@ -9,8 +9,8 @@ from collections.abc import Iterable
 import torch
 from transformers import PreTrainedModel
 
+from ddtree.engine import compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
-from ddtree.engine.compiled import static_round_for
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import DFLASH, DraftSettings, check_method_args, check_target_supported, get_method
 from ddtree.engine.proposers import DecodeState, Proposer, StageTimer
@@ -93,12 +93,22 @@ class Engine:
         self.tree_max = proposer.max_nodes + 1
         if proposer.max_nodes > 1:  # it drafts: the target must verify its trees exactly
             TargetSession(target, binding=self.binding).check_method(method)
-        # the compiled round (ddtree.engine.compiled), or None: the eager one
+        # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
         unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")
-        self.static = static_round_for(self.binding, unfit, compile, compile_backend)
+        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile, compile_backend)
+        # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
+        self.round_fallback = self.round_note is not None and (
+            compile == "true" or (compile == "auto" and compiled.auto_compiles(self.binding)))
         if self.static is not None:  # the drafter's forward and DDTree's tree build compiled too, where they can be
-            self.static.attach(proposer)
+            eager_draft = self.static.attach(proposer)
+            if eager_draft is not None:
+                self.round_note, self.round_fallback = f"the draft runs eagerly: {eager_draft}", True
+
+    @property
+    def round(self) -> str:
+        """"compiled" (the target's side of a round runs as graphs: ddtree.engine.compiled) or "eager"."""
+        return "eager" if self.static is None else "compiled"
 
     def generate(self, input_ids: torch.Tensor, *, temperature: float = 0.0, max_new_tokens: int = 256,
                  stop_token_ids: Iterable[int] | None = None,
@@ -109,20 +119,27 @@ class Engine:
         check_generate_args(temperature, max_new_tokens, input_ids)
         self.binding.ensure()
         if self.static is None or self.compile != "auto":
-            return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+            return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
         # compile=auto never fails where the eager round runs: a compiled generation that raises (a compiler or
         # CUDA-graph failure on this machine) is logged and run again eagerly, the sampler's state as it was
         state = generator.get_state() if generator is not None else None
         try:
-            return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+            return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
         except Exception as err:  # noqa: BLE001 (any failure of the compiled round: the eager one is the reference)
-            log.warning("compile=auto: the compiled round failed (%s: %s); this engine runs the eager round from now "
-                        "on (compile=false skips the attempt)", type(err).__name__, (str(err).splitlines() or [""])[0][:300])
+            why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+            log.warning("compile=auto: the compiled round failed (%s); this engine runs the eager round from now "
+                        "on (compile=false skips the attempt)", why)
             self.static.detach(self.proposer)
             self.static = None
+            self.round_note, self.round_fallback = f"compile=auto: the compiled round failed ({why})", True
             if state is not None:
                 generator.set_state(state)
-        return _generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+        return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
+
+    def _noted(self, result: GenerationResult) -> GenerationResult:
+        """`result` with the round that made it (compiled or eager), why (what) ran eagerly, and whether a fallback."""
+        result.round, result.round_note, result.round_fallback = self.round, self.round_note, self.round_fallback
+        return result
 
     def close(self) -> None:
         """Restore the target as it was before this engine (attention implementation, hooked forwards). Idempotent."""
@@ -194,10 +211,11 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     done = out[0] in stops or len(out) >= max_new_tokens
     if out[0] in stops:
         result.stopped_by = "stop_token"
+    path = None
     while not done:
         state = DecodeState(root=root, start=session.length, prompt_len=input_ids.shape[1], generated=out,
                             new_context=feats, temperature=temperature, generator=generator, timer=timer,
-                            input_ids=input_ids)
+                            input_ids=input_ids, path=path)
         tree = proposer.propose(state)
         # greedy on a CPU lean target: the head (and last layer) only on the walked rows (TargetSession.lazy_head)
         lazy = temperature <= 0 and engine.static is None and session.lazy_head(tree)
@@ -217,7 +235,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
             session.commit(tree, w.path, w.path_list)
             if feats is not None and not lazy and not getattr(session, "keeps_features", False):
                 feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
-            new, root = w.tokens, w.next_root
+            new, root, path = w.tokens, w.next_root, w.path
             if rec is not None:  # no host read: ddtree.engine.diagnostics
                 rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)
         timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)

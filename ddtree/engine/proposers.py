@@ -93,6 +93,7 @@ class DecodeState:
     generator: torch.Generator | None
     timer: StageTimer = field(repr=False, default=None)
     input_ids: torch.Tensor | None = None  # [1, P] the prompt (a proposer reading every committed token needs it)
+    path: torch.Tensor | None = None  # the last round's accepted path (flat indices into its tree, root first)
 
 
 class Proposer:
@@ -274,6 +275,7 @@ class MTPProposer(Proposer):
         self.max_nodes = (steps if topk == 1 else budget) + 1  # the chain ignores the budget
         self.cache = None
         self.ctx_len = 0
+        self._tokens = None
         # static_draft: the compiled head (ddtree.engine.compiled.StaticMTP), set by an Engine with compile on: it
         # takes over from a generation's second round (the first reads the prompt eagerly), drafting as the eager head
         self._capacity = 0
@@ -283,6 +285,7 @@ class MTPProposer(Proposer):
         self.cache = self.head.new_cache()
         self.ctx_len = 0
         self._capacity = capacity
+        self._tokens = None  # the last tree's tokens
         if self.static_draft is not None:
             self.static_draft.reset()
 
@@ -299,6 +302,9 @@ class MTPProposer(Proposer):
         assert self.ctx_len + c == state.start, "the MTP head must read every committed position"
         if self.ctx_len == 0:  # the prompt: position p reads token p + 1 (the root after the last one)
             ids = torch.cat([state.input_ids[0, 1:], state.root.reshape(1)])
+        elif state.path is not None and self._tokens is not None:  # the last path after its root, then the new root:
+            # on the device (the host's list of them would be copied up: a sync)
+            ids = torch.cat([self._tokens.index_select(0, state.path[1:]), state.root.reshape(1)])
         else:
             ids = torch.tensor(state.generated[-c:], dtype=torch.long, device=dev)
         pos = torch.arange(self.ctx_len, state.start, device=dev)
@@ -321,6 +327,11 @@ class MTPProposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
+        tree = self._propose(state)
+        self._tokens = tree.tokens  # the next round reads the accepted ones (_read_context)
+        return tree
+
+    def _propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
             static = self.static_draft
             if static is not None and static.ready:  # the context arrived through the target's commit graph

@@ -30,6 +30,11 @@ class GenerationResult:
     temperature: float = 0.0
     # per-round drafter ranks and node agreement (ddtree.engine.diagnostics), where recorded; else None
     diagnosis: dict | None = None
+    # which round made it: "compiled" (ddtree.engine.compiled) or "eager"; why (what) ran eagerly, or None; and
+    # whether that was a fallback (compile=true, or auto on CUDA, asked for the compiled round)
+    round: str = "eager"
+    round_note: str | None = None
+    round_fallback: bool = False
 
     @property
     def rounds(self) -> int:

@@ -106,6 +106,18 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def round_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Which round made these generations ("compiled", "eager", or both: "compiled+eager"), why (what) ran
+    eagerly, and whether that was a fallback from the compiled round the setting asked for; None without records
+    (records from before the field say nothing)."""
+    kinds = sorted({r["round"] for r in records if r.get("round")})
+    if not kinds:
+        return None
+    notes = list(dict.fromkeys(r["round_note"] for r in records if r.get("round_note")))
+    return {"ran": "+".join(kinds), "why": "; ".join(notes) or None,
+            "fallback": any(r.get("round_fallback") for r in records)}
+
+
 def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
     meth = [r for r in records if r["role"] == "method"]
     spec = METHODS[rc.method]
@@ -135,6 +147,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "decode_s_mean": m["decode_s_mean"], "stage_seconds_mean": m["stage_seconds_mean"],
         "stage_ms_per_round": m["stage_ms_per_round"],
         "baseline": {k: b[k] for k in ("tau", "tokens_per_s", "new_tokens", "ttft_s_mean", "decode_s_mean")} if base else None,
+        "compile": rc.compile, "round": round_summary(meth), "baseline_round": round_summary(base),
         **extra,
     }
 
@@ -354,6 +367,9 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     if run is not None:
         if summary["baseline_reused_from"]:
             run.set_tags({"baseline_reused_from": summary["baseline_reused_from"]})
+        if summary["round"]:  # which round ran, and why (what) ran eagerly
+            run.set_tags({"ddtree.round": summary["round"]["ran"], "ddtree.round_fallback": summary["round"]["fallback"],
+                          **({"ddtree.round_note": summary["round"]["why"][:500]} if summary["round"]["why"] else {})})
         run.log_metrics(numeric_metrics(summary))
         run.log_artifacts([*files.config_artifacts, files.samples, files.summary, files.histogram,
                            *([files.log_file] if files.log_file else [])])

@@ -33,6 +33,18 @@ def method_cell(s: dict[str, Any]) -> str:
     return f"{s['method']} {m['steps']}" + (f"x{m['topk']}" if m.get("topk", 1) > 1 else "")
 
 
+def round_cell(s: dict[str, Any]) -> str:
+    """The round that ran: 'compiled', 'eager' (or both), starred where it fell back from the compiled one."""
+    r = s.get("round")
+    return "-" if not r else r["ran"] + ("*" if r.get("fallback") else "")
+
+
+def row_note(s: dict[str, Any]) -> str:
+    """Why a job did not run, or why its round fell back (never silent)."""
+    r = s.get("round") or {}
+    return s.get("note") or (f"*{r['why']}" if r.get("fallback") else "")
+
+
 def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: list[str] | None = None) -> str:
     """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches; a column for
     each of `settings` (read from a row's "settings"), and a note for rows that did not run."""
@@ -41,21 +53,21 @@ def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: lis
 
     rows_in = [summaries] if isinstance(summaries, dict) else summaries
     extra = list(settings or [])
-    notes = any(s.get("note") for s in rows_in)
+    notes = any(row_note(s) for s in rows_in)
     head = ("model", "method", "budget", *extra, "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup", "match",
-            "verdicts", *(["note"] if notes else []))
+            "verdicts", "round", *(["note"] if notes else []))
     rows = [head]
     for s in rows_in:
         vals = [str(s.get("settings", {}).get(k, "-")) for k in extra]
         if s.get("num_prompts") is None:  # a job that did not run
-            rows.append((s["model"], s["method"], f(s.get("budget"), "d"), *vals, *["-"] * 8, s.get("note") or ""))
+            rows.append((s["model"], s["method"], f(s.get("budget"), "d"), *vals, *["-"] * 9, row_note(s)))
             continue
         n = s["num_prompts"]
         match = "-" if s["match_rate"] is None else f"{round(s['match_rate'] * n)}/{n}"
         rows.append((s["model"], method_cell(s), f(s["budget"], "d"), *vals, f(s["block_size"], "d"), str(n),
                      f(s["tau"]), f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"),
-                     f(s["speedup"], ".2f", "x"), match, verdict_cell(s.get("validation")),
-                     *([s.get("note") or ""] if notes else [])))
+                     f(s["speedup"], ".2f", "x"), match, verdict_cell(s.get("validation")), round_cell(s),
+                     *([row_note(s)] if notes else [])))
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(line, w, strict=True)).rstrip() for line in rows)
 

@@ -12,13 +12,20 @@ Host syncs are the reads that make the host wait for the device on a GPU:
 * a copy to the CPU from another device (`_to_copy` / `copy_`), which is how `.tolist()`, `.cpu()` and `.numpy()`
   read a CUDA tensor;
 * on CPU tensors (where that copy is no op): `Tensor.tolist` and `Tensor.numpy` themselves, counted by wrapping them
-  while the mode is active, so a CPU run counts the reads a CUDA run would make.
+  while the mode is active, so a CPU run counts the reads a CUDA run would make;
+* host-to-device copies, which wait too (a copy from pageable host memory returns once the data has left it, behind
+  the work queued before): a copy from a CPU tensor to another device (`_to_copy` / `copy_`); and, counted at the
+  Python call because a CPU run shows no transfer: a tensor made from Python data with an explicit `device=`
+  (`torch.tensor(list, device=d)`, `torch.as_tensor`: on CUDA the data is copied to the device there), and a tensor
+  made from Python data on the host (no device) then moved (`.to(device)`) or copied into another tensor (`copy_`).
+  A host tensor that stays on the host (the CPU walk's) is no transfer.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -39,9 +46,25 @@ NO_KERNEL = frozenset({"detach", "detach_", "resolve_conj", "resolve_neg", "lift
 DEVICE_FUSED = frozenset({"rms_norm"})
 
 
-def _is_sync(name: str, func, args, kwargs) -> bool:
+class _HostBorn:
+    """CPU tensors made from Python data, by identity (a WeakSet compares tensors with `==`: an op, and a read)."""
+
+    def __init__(self):
+        self._refs: dict[int, weakref.ref] = {}
+
+    def add(self, t: torch.Tensor) -> None:
+        self._refs[id(t)] = weakref.ref(t, lambda _, key=id(t): self._refs.pop(key, None))
+
+    def __contains__(self, t) -> bool:
+        ref = self._refs.get(id(t))
+        return ref is not None and ref() is t
+
+
+def _is_sync(name: str, func, args, kwargs, host_born: _HostBorn) -> bool:
     if name in SYNC_OPS:
         return True
+    if name == "copy_" and isinstance(args[1], torch.Tensor) and args[1] in host_born and args[0] not in host_born:
+        return True  # Python data copied into a (device) tensor: a host-to-device copy on CUDA
     if name == "repeat_interleave":
         return func._overloadname in ("Tensor", "self_Tensor") and kwargs.get("output_size") is None
     if name == "index" and len(args) > 1:
@@ -49,8 +72,10 @@ def _is_sync(name: str, func, args, kwargs) -> bool:
     if name in ("_to_copy", "copy_"):
         src = args[1] if name == "copy_" else args[0]
         dst_dev = args[0].device if name == "copy_" else kwargs.get("device")
-        return (isinstance(src, torch.Tensor) and src.device.type not in ("cpu", "meta")
-                and dst_dev is not None and torch.device(dst_dev).type == "cpu")
+        if not isinstance(src, torch.Tensor) or dst_dev is None:
+            return False
+        kinds = {src.device.type, torch.device(dst_dev).type}
+        return "cpu" in kinds and len(kinds) == 2 and "meta" not in kinds  # device->host or host->device
     return False
 
 
@@ -102,6 +127,7 @@ class DispatchCount(TorchDispatchMode):
         self.stage = "other"
         self._stages = stages
         self._stack = contextlib.ExitStack()
+        self._host_born = _HostBorn()  # CPU tensors made from Python data (no device given)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -115,9 +141,8 @@ class DispatchCount(TorchDispatchMode):
             return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self._book(name, kernel=not (func.is_view or name in NO_KERNEL))
-        if _is_sync(name, func, args, kwargs):
-            self.syncs[self.stage] += 1
-            self.sync_names[name] += 1
+        if _is_sync(name, func, args, kwargs, self._host_born):
+            self._sync(name)
         out = func(*args, **kwargs)
         self._record(name, out)
         return out
@@ -148,13 +173,41 @@ class DispatchCount(TorchDispatchMode):
         finally:
             self._paused -= 1
 
+    def _sync(self, name: str) -> None:
+        self.syncs[self.stage] += 1
+        self.sync_names[name] += 1
+
     def _host_read(self, name: str, real):
         def read(t: torch.Tensor, *a, **k):
             if t.device.type == "cpu" and not self._paused:  # a CUDA tensor's read shows up as its copy to the CPU
-                self.syncs[self.stage] += 1
-                self.sync_names[name] += 1
+                self._sync(name)
             return real(t, *a, **k)
         return read
+
+    def _from_data(self, name: str, real):
+        """torch.tensor / as_tensor / from_numpy counted where a CUDA run copies Python data to the device."""
+        def make(data, *a, **k):
+            t = real(data, *a, **k)
+            if self._paused or isinstance(data, torch.Tensor):  # (as_tensor of a tensor: a `.to`, dispatched)
+                return t
+            if k.get("device") is not None:
+                if t.numel():  # (no bytes, no copy: transformers' caches start from `torch.tensor([], device=d)`)
+                    self._sync(f"{name}(data, device=)")
+            elif t.device.type == "cpu":
+                self._host_born.add(t)
+            return t
+        return make
+
+    def _moved(self, real):
+        """Tensor.to counted where a host tensor of Python data goes to a device (a no-op, undispatched, on a CPU)."""
+        def to(t: torch.Tensor, *a, **k):
+            out = real(t, *a, **k)
+            if out is t and not self._paused and t.numel() and t in self._host_born:
+                dev = k.get("device", next((x for x in a if isinstance(x, torch.device | str)), None))
+                if dev is not None:
+                    self._sync("to(device) of host data")
+            return out
+        return to
 
     @contextlib.contextmanager
     def _booking(self) -> Iterator[None]:
@@ -176,16 +229,25 @@ class DispatchCount(TorchDispatchMode):
 
         stack.callback(setattr, FusedOp, "__call__", fused_call)
         FusedOp.__call__ = counted_fused
-        for attr in ("tolist", "numpy"):
-            real = getattr(torch.Tensor, attr)
-            stack.callback(setattr, torch.Tensor, attr, real)
-            setattr(torch.Tensor, attr, self._host_read(attr, real))
+        swaps = [(torch.Tensor, attr, self._host_read(attr, getattr(torch.Tensor, attr))) for attr in ("tolist", "numpy")]
+        swaps += [(torch, attr, self._from_data(attr, getattr(torch, attr))) for attr in ("tensor", "as_tensor", "from_numpy")]
+        swaps.append((torch.Tensor, "to", self._moved(torch.Tensor.to)))
+        swaps = [(owner, attr, getattr(owner, attr), new) for owner, attr, new in swaps]
+        for owner, attr, real, new in swaps:
+            stack.callback(setattr, owner, attr, real)
+            setattr(owner, attr, new)
         run_graph = compiled.StaticRound._run
 
         def counted_graph(static, graph, *a):  # a compiled region: counted as one call, its ops not dispatched here
             counter.graphs[counter.stage] += 1
-            with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
-                return run_graph(static, graph, *a)
+            for owner, attr, real, _ in swaps:  # the real functions: a graph guards on what it traced (torch.tensor)
+                setattr(owner, attr, real)
+            try:
+                with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
+                    return run_graph(static, graph, *a)
+            finally:
+                for owner, attr, _, new in swaps:
+                    setattr(owner, attr, new)
 
         stack.callback(setattr, compiled.StaticRound, "_run", run_graph)
         compiled.StaticRound._run = counted_graph

@@ -5,10 +5,14 @@ each aten op is one launch, and an RMSNorm in the model's float32 arithmetic on 
 `FusedOp` is called like a function by the engine on every device, and each device has one implementation:
 
 * CPU: the composite, the exact torch ops the engine ran before (bitwise, tested).
-* CUDA: a Triton kernel, one launch. It is checked once per process against the composite on its first call (the
-  kernels were validated with Triton's interpreter, `TRITON_INTERPRET=1`, on a CPU); a kernel that fails to build or
-  disagrees logs one WARNING and the composite runs from then on. DDTREE_KERNELS=strict raises there instead
-  (bench/device_all.sh: a GPU check must not pass on the fallback); DDTREE_KERNELS=composite never runs a kernel.
+* CUDA: a Triton kernel, one launch, under the tensors' device (`torch.cuda.device`: a device map across GPUs). It
+  is checked against the composite on its first call with each dtype and tile (`check_key`: the argument dtypes,
+  every dimension's power-of-two bucket, which the launchers' tiles derive from, and which optional arguments are
+  given), so a tile first used late (the GDN solve's 128-node one after its 1-node one) is checked before it is
+  trusted (the kernels were validated with Triton's interpreter, `TRITON_INTERPRET=1`, on a CPU); a kernel that fails
+  to build or disagrees logs one WARNING and the composite runs for that key from then on. DDTREE_KERNELS=strict
+  raises there instead (bench/device_all.sh: a GPU check must not pass on the fallback); DDTREE_KERNELS=composite
+  never runs a kernel.
 
 The choice is made in Python on the first tensor argument's device, not by registering an op with torch's
 dispatcher: a dispatcher op with a Python kernel costs ~8 us of host time a call here (argument boxing both ways),
@@ -20,8 +24,10 @@ CUDA implementation is the composite.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import statistics
 from collections.abc import Callable, Sequence
 
 import torch
@@ -52,8 +58,11 @@ class FusedOp:
     (tests).
 
     timed=True: a kernel whose speed against the composite is not obvious (a sequential loop replacing library
-    kernels): on the first CUDA call with each set of argument shapes, after the check, both are timed (CUDA events,
-    a few runs on copies) and the faster one runs for those shapes from then on (logged at INFO, `timings`)."""
+    kernels): on the first CUDA call with each set of argument shapes and integer arguments (a loop bound), after the
+    check, both are timed (`compare`: each from a drained queue, alternating, the median of TIMING_REPEATS) and the
+    faster one runs for that key from then on (logged at INFO, `timings`).
+    `checked`: check_key -> whether the kernel passed its check there (False: the composite runs for that key);
+    `state`: "unchecked", "triton" (every key checked so far passed) or "composite" (some key, or the op, fell back)."""
 
     registry: dict[str, FusedOp] = {}
 
@@ -64,8 +73,9 @@ class FusedOp:
         self.name, self.schema, self.composite, self.launch = name, schema, composite, launch
         self.mutated, self.atol, self.rtol, self.timed = tuple(mutated), atol, rtol, timed
         self.state = "unchecked"  # -> "triton" (checked on its first CUDA call) or "composite"
-        self.faster: dict[tuple, bool] = {}  # timed: argument shapes -> whether the kernel was faster there
-        self.timings: dict[tuple, tuple[float, float]] = {}  # timed: shapes -> (kernel us, composite us)
+        self.checked: dict[tuple, bool] = {}  # check_key -> passed its first-call check there
+        self.faster: dict[tuple, bool] = {}  # timed: argument shapes and ints -> whether the kernel was faster there
+        self.timings: dict[tuple, tuple[float, float]] = {}  # timed: that key -> (kernel us, composite us), medians
         self.op = self
         FusedOp.registry[name] = self
 
@@ -81,60 +91,71 @@ class FusedOp:
         return self.launch(*args)
 
     def _cuda(self, *args):
-        if self.state == "triton":
-            if self.timed:
-                key = tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else None for a in args)
-                faster = self.faster.get(key)
-                if faster is None:
-                    faster = self._timed(key, args)
-                if not faster:
-                    return self.composite(*args)
-            try:
-                return self.launch(*args)
-            except Exception as exc:  # noqa: BLE001 -- a shape the first call did not see failed to build: a
-                # compile error raises before the launch, nothing written
-                self._fail(f"the Triton kernel failed on a new shape ({type(exc).__name__}: "
-                           f"{str(exc).splitlines()[0] if str(exc) else ''})")
-                return self.composite(*args)
-        if self.state == "composite" or self.launch is None or _setting() == "composite" or not _has_triton():
+        if self.launch is None or _setting() == "composite" or not _has_triton():
             self.state = "composite"
             return self.composite(*args)
-        return self._first_call(args)
+        key = check_key(args)
+        passed = self.checked.get(key)
+        if passed is None:
+            return self._first_call(key, args)
+        if not passed:
+            return self.composite(*args)
+        if self.timed:
+            shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor)
+                           else a if isinstance(a, int) and not isinstance(a, bool) else None for a in args)
+            faster = self.faster.get(shapes)
+            if faster is None:
+                faster = self._timed(key, shapes, args)
+            if not faster:
+                return self.composite(*args)
+        try:
+            with _on_device(args[0]):
+                return self.launch(*args)
+        except Exception as exc:  # noqa: BLE001 -- a shape the first call did not see failed to build: a
+            # compile error raises before the launch, nothing written
+            self._fail(key, f"the Triton kernel failed on a new shape ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''})")
+            return self.composite(*args)
 
-    def _timed(self, key: tuple, args) -> bool:
-        """Times the kernel and the composite on copies of what they write (after a warm-up run each); records and
-        returns whether the kernel was faster."""
+    def _timed(self, key: tuple, shapes: tuple, args) -> bool:
+        """Times the kernel and the composite on copies of what they write (`compare`); records and returns whether
+        the kernel was faster."""
         trial = list(args)
         for i in self.mutated:
             trial[i] = args[i].clone()
-
         try:
-            kernel, composite = _micros(self.launch, trial), _micros(self.composite, trial)
+            with _on_device(args[0]):
+                kernel, composite = compare(self.launch, self.composite, trial)
         except Exception as exc:  # noqa: BLE001 -- as in _cuda: a shape that fails to build
-            self._fail(f"the Triton kernel failed on a new shape ({type(exc).__name__})")
+            self._fail(key, f"the Triton kernel failed on a new shape ({type(exc).__name__})")
             return False
-        self.timings[key], self.faster[key] = (kernel, composite), kernel < composite
-        log.info("ddtree::%s at %s: Triton %.1f us, composite %.1f us: %s runs", self.name,
-                 [k for k in key if k is not None], kernel, composite, "Triton" if kernel < composite else "composite")
+        self.timings[shapes], self.faster[shapes] = (kernel, composite), kernel < composite
+        log.info("ddtree::%s at %s: Triton %.1f us, composite %.1f us (medians of %d): %s runs", self.name,
+                 [k for k in shapes if k is not None], kernel, composite, TIMING_REPEATS,
+                 "Triton" if kernel < composite else "composite")
         return kernel < composite
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, key: tuple, message: str) -> None:
         if _setting() == "strict":
             raise RuntimeError(f"ddtree::{self.name}: {message} (DDTREE_KERNELS=strict)")
-        log.warning("ddtree::%s: %s; running the composite ops", self.name, message)
+        log.warning("ddtree::%s: %s; running the composite ops for %s", self.name, message, _describe(key))
+        self.checked[key] = False
         self.state = "composite"
 
-    def _first_call(self, args):
-        """The Triton kernel's first CUDA call: built, run on copies of what it writes, compared with the composite
-        (which writes the real outputs); from then on the kernel alone, or the composite where it failed."""
+    def _first_call(self, key: tuple, args):
+        """The Triton kernel's first CUDA call with this dtype and tile (`key`): built, run on copies of what it
+        writes, compared with the composite (which writes the real outputs); from then on the kernel alone there, or
+        the composite where it failed."""
         try:
             trial = list(args)
             for i in self.mutated:
                 trial[i] = args[i].clone()
-            got = self.launch(*trial)
+            with _on_device(args[0]):
+                got = self.launch(*trial)
             got = [trial[i] for i in self.mutated] if self.mutated else got
         except Exception as exc:  # noqa: BLE001 -- a kernel that cannot build or run here: the composite runs
-            self._fail(f"the Triton kernel failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+            self._fail(key, f"the Triton kernel failed ({type(exc).__name__}: "
+                            f"{str(exc).splitlines()[0] if str(exc) else ''})")
             return self.composite(*args)
         want = self.composite(*args)
         ref = [args[i] for i in self.mutated] if self.mutated else want
@@ -142,15 +163,56 @@ class FusedOp:
             for a, b in zip(_tensors(got), _tensors(ref), strict=True):
                 torch.testing.assert_close(a, b, atol=self.atol, rtol=self.rtol, equal_nan=True)
         except AssertionError as exc:
-            self._fail(f"the Triton kernel disagrees with the composite ({str(exc).splitlines()[0]})")
+            self._fail(key, f"the Triton kernel disagrees with the composite ({str(exc).splitlines()[0]})")
             return want
-        self.state = "triton"
+        self.checked[key] = True
+        if self.state != "composite":
+            self.state = "triton"
         return want
 
 
-def _micros(fn: Callable, args: list, runs: int = 5) -> float:
-    """fn(*args)'s mean CUDA time over `runs` after one warm-up run, in microseconds (CUDA events)."""
-    fn(*args)
+def _bucket(d: int) -> int:
+    """A dimension's bucket: 0 and 1 as they are, else the next power of two, at least 16 (the launchers' tiles)."""
+    return d if d <= 1 else max(16, 1 << (d - 1).bit_length())
+
+
+def check_key(args) -> tuple:
+    """What a fused op's first-call check is keyed by: each tensor's dtype and its dimensions' power-of-two buckets
+    (the tiles and grids derive from them), which optional arguments are given (None), and for an integer whether
+    it is 1 or a multiple of 16 (what Triton specialises a kernel on)."""
+    def part(a):
+        if isinstance(a, torch.Tensor):
+            return a.dtype, tuple(_bucket(d) for d in a.shape)
+        if isinstance(a, bool) or a is None:
+            return a
+        if isinstance(a, int):
+            return "int", a == 1, a % 16 == 0
+        return type(a).__name__
+    return tuple(part(a) for a in args)
+
+
+def _describe(key: tuple) -> str:
+    return ", ".join(f"{k[0]} {list(k[1])}" for k in key if isinstance(k, tuple) and isinstance(k[0], torch.dtype))
+
+
+def _on_device(t: torch.Tensor):
+    """The launch's device guard: Triton launches on the current CUDA device, which need not be the tensors' (a device
+    map across GPUs)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+# the `timed` choice: each side TIMING_REPEATS times from a drained queue, TIMING_RUNS calls each, the medians
+TIMING_REPEATS = 7
+TIMING_RUNS = 3
+
+
+def _drain() -> None:
+    """Wait for the device's queue to empty: a side is timed from the same idle start as the other."""
+    torch.cuda.synchronize()
+
+
+def _elapsed_us(fn: Callable, args: list, runs: int) -> float:
+    """Microseconds a call of fn(*args), over `runs` calls between two CUDA events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(runs):
@@ -158,6 +220,19 @@ def _micros(fn: Callable, args: list, runs: int = 5) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1000.0 / runs
+
+
+def compare(kernel: Callable, composite: Callable, args: list) -> tuple[float, float]:
+    """(kernel us, composite us) a call: after a warm-up call of each, TIMING_REPEATS rounds that time the kernel
+    then the composite, each from a drained queue (`_drain`); the medians."""
+    kernel(*args)
+    composite(*args)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(TIMING_REPEATS):
+        for side, fn in zip(times, (kernel, composite), strict=True):
+            _drain()
+            side.append(_elapsed_us(fn, args, TIMING_RUNS))
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _tensors(x) -> list[torch.Tensor]:

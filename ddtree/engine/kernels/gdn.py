@@ -3,7 +3,8 @@ eager only: a compiled graph fuses the composites itself).
 
 * `gdn_decays(ab, zero, decay_map, decay_mask, gates!, xy!, decays!)`: softplus of [a + dt, -b] into the decay map's
   input `gates` (a float32 `logaddexp(x, 0)`), X and Y = gates @ decay_map into `xy`, and
-  E = exp(X . Y + decay_mask) into `decays` (4 ops: logaddexp, mm, baddbmm, exp_).
+  E = exp(X . Y + decay_mask) into `decays` (the composite: logaddexp, the map's mm exact under any float32 matmul
+  precision (`exact_sign_mm`), X . Y elementwise, exp_: `decay_products`).
 * `gdn_conv(past, mixed, taps, bias, index, offsets, extended!, table!, out!)`: the causal conv over each node's own
   ancestors: [past; mixed] into `extended` (what the commit reads), then per node i and channel c
   silu(bias_c + sum_k taps[k, c] * rows[window[i, k], c]) in float32 into `out` (5 ops: cat, the tap-scaled table,
@@ -46,10 +47,32 @@ def _decays(ab: torch.Tensor, zero: torch.Tensor, decay_map: torch.Tensor, decay
     bsz, hv = gates.shape[0], gates.shape[1]
     n = decay_mask.shape[0]
     torch.logaddexp(ab.view(bsz, n, 2, hv), zero, out=gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1))
-    flat = xy.view(bsz * hv, -1)
-    torch.mm(gates.view(bsz * hv, -1), decay_map, out=flat)
-    torch.baddbmm(decay_mask, flat[:, :3 * n].view(-1, n, 3), flat[:, 3 * n:].view(-1, n + 1, 3).transpose(1, 2),
-                  out=decays).exp_()
+    decay_products(gates.view(bsz * hv, -1), decay_map, decay_mask, xy.view(bsz * hv, -1), decays)
+
+
+def exact_sign_mm(a: torch.Tensor, signs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """a @ signs into `out`, float32, exact to float32 summation under any float32 matmul precision a user sets, for
+    `signs` of 0 and +-1 entries (the GDN decay map): TF32 and bf16 matmuls round their inputs to 10 and 7 mantissa
+    bits, which would move path sums of hundreds by ~0.1 (the exponents of E). `a` is split into three parts of 8
+    significant bits each (what both read exactly), their products with 0 / +-1 are exact, the sums float32; one mm
+    over the three stacked, then their sum."""
+    hi = (a.view(torch.int32) & -65536).view(torch.float32)  # the top 8 significant bits (16 low bits cleared)
+    rest = a - hi  # exact: what the low 16 bits held
+    mid = (rest.view(torch.int32) & -65536).view(torch.float32)
+    parts = torch.mm(torch.stack([hi, mid, rest - mid]).view(3 * a.shape[0], -1), signs).view(3, *out.shape)
+    return torch.add(parts[0] + parts[1], parts[2], out=out)
+
+
+def decay_products(gates: torch.Tensor, decay_map: torch.Tensor, decay_mask: torch.Tensor, xy: torch.Tensor,
+                   decays: torch.Tensor) -> None:
+    """X and Y = gates @ decay_map into xy (B Hv, 6T + 3), and E = exp(X . Y + decay_mask) into decays (B Hv, T, T + 1):
+    the map by `exact_sign_mm`, X . Y (three terms) elementwise, so that no float32 matmul precision rounds the path
+    sums before their difference c_i - c_j is taken (the eager composite and the compiled round: one home)."""
+    n = decay_mask.shape[0]
+    exact_sign_mm(gates, decay_map, xy)
+    x, y = xy[:, :3 * n].view(-1, n, 1, 3), xy[:, 3 * n:].view(-1, 1, n + 1, 3)
+    torch.addcmul(decay_mask, x[..., 0], y[..., 0], out=decays)
+    decays.addcmul_(x[..., 1], y[..., 1]).addcmul_(x[..., 2], y[..., 2]).exp_()
 
 
 def _conv(past: torch.Tensor, mixed: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
