@@ -215,6 +215,8 @@ class StaticRound:
         drafter = getattr(proposer, "drafter", None)
         if not hasattr(proposer, "static_draft") or drafter is None:
             return "no DFlash drafter"
+        if getattr(drafter, "candidate_selector", None) is not None:  # its logits and selector: not in StaticDraft
+            return "a DFlash2 drafter drafts eagerly"
         if drafter.attn_implementation not in ("eager", "sdpa"):
             return f"the drafter's attention is {drafter.attn_implementation}"
         if drafter.device != self.device:

@@ -150,6 +150,10 @@ class DrafterBlock:
                            torch.zeros(1, dtype=torch.long, device=device))
         return self._block
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's float32 logits of its final hidden states (DFlash: the target's head)."""
+        return self.lm_head(hidden).float()
+
     @torch.inference_mode()
     def draft_logits(self, state: DecodeState) -> torch.Tensor:
         static = self.static_draft
@@ -169,7 +173,8 @@ class DrafterBlock:
         hidden = self.drafter(self.embed(block), ctx, ctx_pos, offsets + state.start, cache=self.cache)
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
-        logits = self.lm_head(hidden[0, 1:]).float()
+        self.last_hidden = hidden[0, 1:]  # the rows drafting positions 1.. (a DFlash2 selector reads them)
+        logits = self.head_logits(self.last_hidden)
         self.last_logits = logits if logits.device == dev else logits.to(dev)
         if static is not None:
             static.load(self.cache, self._capacity)

@@ -1,0 +1,123 @@
+"""Proposers over a DFlash2 drafter's candidate selector (ddtree.engine.drafter.dflash2): the chain the serving
+engines draft (method=dflash) and DDTree's two scorings (method=ddtree scoring=marginal|pair).
+
+* chain: the selector's walk from the anchor: at each position the candidate maximising S_t(prev, .) (T = 0), or
+  a sample of softmax(S_t(prev, .) / T) over the candidates (T > 0); the token taken is the next predecessor.
+* marginal: today's DDTree best-first tree over the per-position distributions (the drafter's logits with its
+  multiplier and soft cap).
+* pair: a best-first tree whose children know their parent: a child b of a node with token a at position t scores
+  log_softmax over position t's candidates of S_t(a, .), its path's score the sum along the path.
+
+Every tree is verified by the loop as any other (the target's choice after each node, the deepest consistent
+path): lossless whatever the proposal.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+
+from ddtree.engine.checks import check_budget
+from ddtree.engine.proposers import DDTreeProposer, DecodeState, DrafterBlock
+from ddtree.engine.tree import DraftTree, chain_tree, tree_from_parents
+
+
+class _SelectorHead:
+    """Mixin for a DrafterBlock over a DFlash2 drafter: its logits carry the drafter's multiplier and soft cap."""
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.drafter.head_logits(self.lm_head, hidden)
+
+    def candidates(self, state: DecodeState):
+        """This round's selector inputs (ddtree.engine.drafter.dflash2.Candidates), on the root's device."""
+        logits = self.draft_logits(state)
+        hidden = self.last_hidden.to(logits.device)
+        return self.drafter.candidates(logits, hidden)
+
+
+class DFlash2ChainProposer(_SelectorHead, DrafterBlock):
+    """method=dflash over a DFlash2 drafter: the selector's walk from the anchor (argmax at T = 0, a sample of the
+    softmax over the candidates at T > 0)."""
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        with state.timer.stage("draft"):
+            cand = self.candidates(state)
+        with state.timer.stage("tree"):
+            return chain_tree(state.root, selector_walk(cand, state.root, state.temperature, state.generator))
+
+
+class DFlash2MarginalProposer(_SelectorHead, DDTreeProposer):
+    """method=ddtree scoring=marginal over a DFlash2 drafter: DDTree over its per-position distributions."""
+
+
+class PairTreeProposer(_SelectorHead, DrafterBlock):
+    """method=ddtree scoring=pair: the best-first `budget` nodes under the selector's conditional scores."""
+
+    def __init__(self, target, drafter, budget: int, block_size: int | None = None):
+        super().__init__(target, drafter, block_size)
+        check_budget(budget)
+        self.budget = budget
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftTree:
+        with state.timer.stage("draft"):
+            cand = self.candidates(state)
+        with state.timer.stage("tree"):
+            return pair_tree(state.root, pair_logprobs(cand, state.root), cand.ids, self.budget)
+
+
+def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """The selector's chain [L] from the anchor `root`, on the device (no host read)."""
+    prev, toks = root.reshape(()), []
+    for t in range(cand.ids.shape[0]):
+        s = cand.scores(t, prev)
+        if temperature > 0:
+            i = torch.multinomial(torch.softmax(s / temperature, dim=-1), 1, generator=generator)[0]
+        else:
+            i = s.argmax()
+        prev = cand.ids[t, i]
+        toks.append(prev)
+    return torch.stack(toks)
+
+
+def pair_logprobs(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first [k], trans [L - 1, k, k]): the root's children's log-probabilities over position 0's candidates, and
+    trans[t - 1, i, j] = log_softmax_j S_t(ids[t - 1, i], ids[t, j]) (a parent at position t - 1 is one of its
+    candidates)."""
+    first = torch.log_softmax(cand.scores(0, root.reshape(())), dim=-1)
+    ctx = cand.pred[cand.ids[:-1]] * cand.proj[1:, None, :]  # [L - 1, k, r]: P[a] * W h_t
+    trans = cand.unary[1:, None, :] + ctx @ cand.succ[1:].transpose(1, 2)
+    return first, torch.log_softmax(trans, dim=-1)
+
+
+def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
+              budget: int) -> DraftTree:
+    """The best-first tree of `budget` nodes under pair scores (one host read): a node is (position t, candidate i),
+    its children the candidates of position t + 1 scored by trans[t, i]. Nodes in selection order (best first; equal
+    scores: the one found first), so parents precede children."""
+    first, trans = logprobs
+    L, k = ids.shape
+    # one host read: the scores and the candidates' tokens (ids < 2**53: exact in float64)
+    host = torch.cat([root.reshape(1).double(), first.double(), trans.double().reshape(-1), ids.double().reshape(-1)])
+    values = host.tolist()
+    root_tok, first_l = int(values[0]), values[1: 1 + k]
+    trans_l = values[1 + k: 1 + k + (L - 1) * k * k]
+    ids_l = [int(v) for v in values[1 + k + (L - 1) * k * k:]]
+    heap = [(-first_l[i], i, 0, i, 0) for i in range(k)]  # (-score, order found, position, candidate, parent)
+    heapq.heapify(heap)
+    found = k
+    tokens, parents = [root_tok], [-1]
+    while heap and len(tokens) <= budget:
+        neg, _, t, i, parent = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(ids_l[t * k + i])
+        parents.append(parent)
+        if t + 1 < L:
+            row = (t * k + i) * k
+            for j in range(k):
+                heapq.heappush(heap, (neg - trans_l[row + j], found, t + 1, j, node))
+                found += 1
+    return tree_from_parents(tokens, parents, device=root.device)
