@@ -117,7 +117,7 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
         if method not in ctx.engines:
             ctx.engines[method] = Engine(target, m.drafter if drafts or own_head else None, method=method, budget=rc.budget,
                                          tune_host_allocator=rc.host_allocator, record=rc.record_rounds, compile=rc.compile,
-                                         **kw)
+                                         scoring=rc.scoring if drafts else None, **kw)
         generate = ctx.engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
@@ -185,6 +185,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "temperature": rc.temperature, "model": rc.model.name,
         "drafter": "mtp head" if METHODS[rc.method].own_head else rc.drafter.name_or_path or rc.drafter.kind,
         **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if METHODS[rc.method].own_head else {}),
+        **({"scoring": rc.scoring} if rc.method == "ddtree" else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
@@ -294,6 +295,7 @@ def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 def run_name(rc: RunConfig) -> str:
     name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, rc.mtp.topk) else "")
+    name += "-pair" if rc.method == "ddtree" and rc.scoring == "pair" else ""
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 

@@ -18,7 +18,6 @@ Tensors beyond DFlash's:
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,13 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.engine.checks import DFLASH2_KEYS, check_dflash2_fields, dflash2_fields
 from ddtree.engine.drafter.model import DFlashConfig, DFlashDecoderLayer, DFlashDrafter
 from ddtree.errors import ConfigError
 
 ARCHITECTURE = "DFlash2DraftModel"
-# the DFlash2 keys of dflash_config (the public configs put them there; some readers accept them at the top level)
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
-                "final_logit_softcapping")
 
 
 @dataclass
@@ -52,42 +49,19 @@ class DFlash2Config(DFlashConfig):
 
     def _validate(self) -> None:
         super()._validate()
-        fix = "fix dflash_config in the drafter's config.json"
-        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            value = getattr(self, name)
-            if value is None:
-                raise ConfigError(f"drafter.dflash_config.{name}", "missing from a DFlash2 drafter's config.json", fix)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"drafter.dflash_config.{name}", f"must be a positive integer, got {value!r}", fix)
-        if self.hidden_size % self.conv_group_size:
-            raise ConfigError("drafter.dflash_config.conv_group_size",
-                              f"{self.conv_group_size} does not divide hidden_size {self.hidden_size}", fix)
-        if self.conv_kernel_size > self.block_size:
-            raise ConfigError("drafter.dflash_config.conv_kernel_size",
-                              f"{self.conv_kernel_size} taps exceed the block of {self.block_size}", fix)
-        if not isinstance(self.vocab_size, int) or self.vocab_size < 1:
-            raise ConfigError("drafter.vocab_size", f"a DFlash2 drafter needs its vocab_size (the selector's "
-                              f"codebooks' rows), got {self.vocab_size!r}", "fix the drafter's config.json")
-        if self.selector_top_k > self.vocab_size:
-            raise ConfigError("drafter.dflash_config.selector_top_k",
-                              f"{self.selector_top_k} candidates exceed the vocabulary of {self.vocab_size}", fix)
-        for name in ("output_multiplier", "final_logit_softcapping"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or (name == "final_logit_softcapping" and value <= 0)):
-                raise ConfigError(f"drafter.dflash_config.{name}", f"must be a finite number"
-                                  f"{' > 0' if name == 'final_logit_softcapping' else ''} or absent, got {value!r}", fix)
+        check_dflash2_fields({k: getattr(self, k) for k in DFLASH2_KEYS}, hidden_size=self.hidden_size,
+                             block_size=self.block_size, vocab_size=self.vocab_size)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DFlash2Config:
         """From a public DFlash2 config.json dict: the DFlash2 keys read from dflash_config first, then the top level."""
         rest = copy.deepcopy(raw)
-        inner = rest.get("dflash_config") or {}
-        for key in DFLASH2_KEYS:  # moved to the top level, where DFlashConfig.from_dict reads this class's fields
-            value = inner.pop(key, None) if isinstance(inner, dict) else None
-            if value is not None:
-                rest[key] = value
-        return super().from_dict(rest)
+        fields = dflash2_fields(rest)
+        if isinstance(rest.get("dflash_config"), dict):
+            for key in DFLASH2_KEYS:
+                rest["dflash_config"].pop(key, None)
+        # at the top level, where DFlashConfig.from_dict reads this class's fields
+        return super().from_dict({**rest, **{k: v for k, v in fields.items() if v is not None}})
 
     def to_dict(self) -> dict[str, Any]:
         """The public DFlash2 config.json dict (the DFlash2 keys in dflash_config)."""
