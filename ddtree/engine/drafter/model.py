@@ -471,13 +471,14 @@ def _checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict[str, Any])
                           f"repository ({type(e).__name__})", "pass a DFlash drafter directory or hub id") from e
 
 
-def _declares_dflash2(config_path: Path) -> bool:
-    """Whether a drafter's config.json names the DFlash2 architecture (an unreadable one: DFlashConfig says why)."""
+def _architectures(config_path: Path) -> list[str]:
+    """The architectures a drafter's config.json names (none for an unreadable one: DFlashConfig says why)."""
     try:
         raw = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(raw, dict) and "DFlash2DraftModel" in (raw.get("architectures") or ())
+        return []
+    found = raw.get("architectures") if isinstance(raw, dict) else None
+    return list(found) if isinstance(found, list) else []
 
 
 def _load_weights(directory: Path, device: str) -> dict[str, torch.Tensor]:
@@ -624,10 +625,9 @@ class DFlashDrafter(nn.Module):
                                   "pass only dtype")
             dtype = dtype if dtype is not None else torch_dtype
         directory = _checkpoint_dir(name_or_path, hub_kwargs)
-        if cls is DFlashDrafter and _declares_dflash2(directory / CONFIG_NAME):
-            from ddtree.engine.drafter.dflash2 import DFlash2Drafter
-
-            cls = DFlash2Drafter  # a DFlash2 checkpoint (architectures: DFlash2DraftModel) loads as one
+        # a checkpoint declaring a subclass's architecture (DFlash2DraftModel: ddtree.engine.drafter.dflash2) loads as one
+        cls = next((sub for sub in cls.__subclasses__() if sub.ARCHITECTURE in _architectures(directory / CONFIG_NAME)),
+                   cls)
         config = cls.config_class.from_json_file(directory / CONFIG_NAME)
         state = _load_weights(directory, str(device) if device is not None else "cpu")
         dtype = _resolve_dtype(dtype, config, state)
