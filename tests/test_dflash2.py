@@ -18,6 +18,7 @@ from ddtree.errors import ConfigError
 from ddtree.testing.dflash2 import (
     conv_reference,
     pair_paths_reference,
+    pair_score,
     save_random_dflash2,
     walk_reference,
 )
@@ -136,6 +137,17 @@ def test_selector_walk_and_pair_tree_match_references(saved, target):
         for budget in (1, 6, 25, 84):
             tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, budget)
             assert set(tree_paths(tree)) == pair_paths_reference(short, logits, hidden, 5 + seed, budget)
+    # the diagnosis's flags: a node is top-1 iff it is its parent's best child under S_t(parent's token, .)
+    logits, hidden = _block(short, target, 9)
+    cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
+    flags: list[bool] = []
+    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 30, flags)
+    toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    ids = cand.ids.tolist()
+    want = [True] + [toks[i] == max(ids[deps[i] - 1], key=lambda b: pair_score(short, logits, hidden, deps[i] - 1,
+                                                                               toks[pars[i]], b))
+                     for i in range(1, len(toks))]
+    assert flags == want and not all(want)
     # the pair scores matter: some walk leaves the per-position argmax chain
     chains = [(selector_walk(c, torch.tensor(5)).tolist(), c.ids[:, 0].tolist())
               for c in (drafter.candidates(*_block(drafter, target, s)) for s in range(5))]
@@ -251,3 +263,28 @@ def test_cli_refuses_in_one_line(cli, tmp_path, saved, args, expected):
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+
+
+def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
+    """The node table of a pair-scored round: a node is on the drafter's path when every ancestor is its parent's best
+    child under pair scores, and top-1 when it is one itself (not the marginal argmax of its depth)."""
+    from ddtree.engine.diagnostics import NODE_COLUMNS, RoundRecorder
+    from ddtree.engine.tree import walk
+
+    short = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=7, selector_top_k=4, selector_rank=8)
+    logits, hidden = _block(short, target, 4)
+    cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
+    flags: list[bool] = []
+    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 20, flags)
+    toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    choice = torch.tensor([toks[i] if i < len(toks) else 0 for i in range(1, len(toks) + 1)])  # follows some nodes
+    rec = RoundRecorder()
+    w = walk(tree, choice)
+    rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice, torch.tensor(flags))
+    table = [[0] * NODE_COLUMNS for _ in range(logits.shape[0] + 1)]
+    for i in range(1, len(toks)):
+        on, j = True, pars[i]
+        while j > 0:
+            on, j = on and flags[j], pars[j]
+        table[deps[i]][(0 if on else 4) + 2 * flags[i] + (toks[i] == int(choice[pars[i]]))] += 1
+    assert rec.finish()["nodes"] == table

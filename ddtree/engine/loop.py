@@ -236,7 +236,8 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                 feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
             new, root = w.tokens, w.next_root
             if rec is not None:  # no host read: ddtree.engine.diagnostics
-                rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)
+                rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice,
+                          getattr(proposer, "last_top1", None))
         timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)

@@ -59,13 +59,18 @@ class PairTreeProposer(_SelectorHead, DrafterBlock):
         super().__init__(target, drafter, block_size)
         check_budget(budget)
         self.budget = budget
+        self.last_top1: torch.Tensor | None = None  # the latest tree's per-node "best child of its parent" flags
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
             cand = self.candidates(state)
         with state.timer.stage("tree"):
-            return pair_tree(state.root, pair_logprobs(cand, state.root), cand.ids, self.budget)
+            top1: list[bool] = []
+            tree = pair_tree(state.root, pair_logprobs(cand, state.root), cand.ids, self.budget, top1)
+            # the diagnosis's top-1 of each node (ddtree.engine.diagnostics): its parent's best child under pair scores
+            self.last_top1 = torch.tensor(top1, device=tree.tokens.device)
+            return tree
 
 
 def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0,
@@ -94,10 +99,11 @@ def pair_logprobs(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
-              budget: int) -> DraftTree:
+              budget: int, top1: list[bool] | None = None) -> DraftTree:
     """The best-first tree of `budget` nodes under pair scores (one host read): a node is (position t, candidate i),
     its children the candidates of position t + 1 scored by trans[t, i]. Nodes in selection order (best first; equal
-    scores: the one found first), so parents precede children."""
+    scores: the one found first), so parents precede children. top1: a list to fill with, per node, whether it is
+    its parent's best child (the root: True)."""
     first, trans = logprobs
     L, k = ids.shape
     # one host read: the scores and the candidates' tokens (ids < 2**53: exact in float64)
@@ -107,17 +113,24 @@ def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], i
     trans_l = values[1 + k: 1 + k + (L - 1) * k * k]
     ids_l = [int(v) for v in values[1 + k + (L - 1) * k * k:]]
     heap = [(-first_l[i], i, 0, i, 0) for i in range(k)]  # (-score, order found, position, candidate, parent)
+    cand_of = [-1]  # each node's candidate index at its position
     heapq.heapify(heap)
     found = k
-    tokens, parents = [root_tok], [-1]
+    tokens, parents, best = [root_tok], [-1], [True]
     while heap and len(tokens) <= budget:
         neg, _, t, i, parent = heapq.heappop(heap)
         node = len(tokens)
         tokens.append(ids_l[t * k + i])
         parents.append(parent)
+        if top1 is not None:  # its parent's row of scores (the root's: first), the first best on ties
+            row = first_l if t == 0 else trans_l[((t - 1) * k + cand_of[parent]) * k:((t - 1) * k + cand_of[parent] + 1) * k]
+            best.append(i == row.index(max(row)))
+        cand_of.append(i)
         if t + 1 < L:
             row = (t * k + i) * k
             for j in range(k):
                 heapq.heappush(heap, (neg - trans_l[row + j], found, t + 1, j, node))
                 found += 1
+    if top1 is not None:
+        top1[:] = best
     return tree_from_parents(tokens, parents, device=root.device)
