@@ -109,15 +109,19 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         super().__init__(config, qwen3_config, layer_idx)
         self.attention_conv = GroupedCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
         self.mlp_conv = GroupedCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+        self.block_size = config.block_size
 
     def forward(self, x, context, rope, cache, mask, attend, first: int = 0):
+        # one block (a round: its rows, possibly fewer than the trained block), or blocks side by side (training)
+        q = x.shape[1]
+        block = self.block_size if q > self.block_size and q % self.block_size == 0 else q
         h = self.input_layernorm(x)
         dyn = self.attention_conv.corrections(h)
-        h = self.self_attn(self.attention_conv(h, dyn, 0), context, rope, cache, mask, attend, first)
-        x = x + self.attention_conv(h, dyn, 1)
+        h = self.self_attn(self.attention_conv(h, dyn, 0, block), context, rope, cache, mask, attend, first)
+        x = x + self.attention_conv(h, dyn, 1, block)
         h = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.corrections(h)
-        return x + self.mlp_conv(self._mlp(self.mlp_conv(h, dyn, 0)), dyn, 1)
+        return x + self.mlp_conv(self._mlp(self.mlp_conv(h, dyn, 0, block)), dyn, 1, block)
 
 
 class CandidateSelector(nn.Module):
