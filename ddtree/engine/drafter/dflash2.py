@@ -194,24 +194,26 @@ class DFlash2Drafter(DFlashDrafter):
 
     @classmethod
     def random_for_target(cls, target_config: Any, *, conv_kernel_size: int = 4, conv_group_size: int | None = None,
-                          selector_rank: int = 16, selector_top_k: int = 8, seed: int = 0,
+                          selector_rank: int = 16, selector_top_k: int = 8, seed: int = 0, perturb: bool = True,
                           **kwargs: Any) -> DFlash2Drafter:
-        """A randomly initialised DFlash2 drafter sized for a target (tests): convolutions away from the identity and
-        codebooks large enough that the pair scores reorder candidates."""
+        """A randomly initialised DFlash2 drafter sized for a target. perturb (tests): convolutions away from the
+        identity and codebooks large enough that the pair scores reorder candidates; else (training's start) identity
+        convolutions and codebooks of std 0.02 (the pair term near zero)."""
         hidden = target_config.get_text_config().hidden_size
         model = super().random_for_target(
             target_config, seed=seed, conv_kernel_size=conv_kernel_size,
             conv_group_size=conv_group_size or max(1, hidden // 8), selector_rank=selector_rank,
             selector_top_k=selector_top_k, **kwargs)
         generator = torch.Generator().manual_seed(seed + 1)
+        std = 1.0 if perturb else 0.02
         with torch.no_grad():
             for module in model.modules():
-                if isinstance(module, GroupedCausalConv):
+                if isinstance(module, GroupedCausalConv) and perturb:
                     module.base_kernel.add_(torch.randn(module.base_kernel.shape, generator=generator) * 0.2)
             sel = model.candidate_selector
             for p in (sel.predecessor_codebook, sel.successor_codebook):
-                p.normal_(0.0, 1.0, generator=generator)
-            sel.hidden_projection.weight.normal_(0.0, 1.0, generator=generator)
+                p.normal_(0.0, std, generator=generator)
+            sel.hidden_projection.weight.normal_(0.0, std, generator=generator)
         return model.eval()
 
 
