@@ -75,27 +75,31 @@ class PairTreeProposer(_SelectorHead, DrafterBlock):
 
 def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0,
                   generator: torch.Generator | None = None) -> torch.Tensor:
-    """The selector's chain [L] from the anchor `root`, on the device (no host read)."""
-    prev, toks = root.reshape(()), []
+    """The selector's chain [L] from the anchor `root`, on the device (no host read): every pair score of the block
+    first (pair_scores: a few batched ops), then per position one row read and its argmax (or a sample)."""
+    first, trans = pair_scores(cand, root)
+    picks = []
     for t in range(cand.ids.shape[0]):
-        s = cand.scores(t, prev)
+        s = first if t == 0 else trans[t - 1, picks[-1]]
         if temperature > 0:
-            i = torch.multinomial(torch.softmax(s / temperature, dim=-1), 1, generator=generator)[0]
+            picks.append(torch.multinomial(torch.softmax(s / temperature, dim=-1), 1, generator=generator)[0])
         else:
-            i = s.argmax()
-        prev = cand.ids[t, i]
-        toks.append(prev)
-    return torch.stack(toks)
+            picks.append(s.argmax())
+    return cand.ids.gather(1, torch.stack(picks)[:, None])[:, 0]
+
+
+def pair_scores(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first [k], trans [L - 1, k, k]): S_0(root, .) over position 0's candidates, and
+    trans[t - 1, i, j] = S_t(ids[t - 1, i], ids[t, j]) (a parent at position t - 1 is one of its candidates)."""
+    first = cand.scores(0, root.reshape(()))
+    ctx = cand.pred[cand.ids[:-1]] * cand.proj[1:, None, :]  # [L - 1, k, r]: P[a] * W h_t
+    return first, cand.unary[1:, None, :] + ctx @ cand.succ[1:].transpose(1, 2)
 
 
 def pair_logprobs(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first [k], trans [L - 1, k, k]): the root's children's log-probabilities over position 0's candidates, and
-    trans[t - 1, i, j] = log_softmax_j S_t(ids[t - 1, i], ids[t, j]) (a parent at position t - 1 is one of its
-    candidates)."""
-    first = torch.log_softmax(cand.scores(0, root.reshape(())), dim=-1)
-    ctx = cand.pred[cand.ids[:-1]] * cand.proj[1:, None, :]  # [L - 1, k, r]: P[a] * W h_t
-    trans = cand.unary[1:, None, :] + ctx @ cand.succ[1:].transpose(1, 2)
-    return first, torch.log_softmax(trans, dim=-1)
+    """pair_scores as log-probabilities over each position's candidates (log_softmax along the last dimension)."""
+    first, trans = pair_scores(cand, root)
+    return torch.log_softmax(first, dim=-1), torch.log_softmax(trans, dim=-1)
 
 
 def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
