@@ -39,7 +39,7 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
             return [f"model={option}"], None
         if option == "none":
             return ["method=ar"], None
-        if option == "pretrained":  # needs a checkpoint: refused without one, accepted with a fitting one
+        if option in ("pretrained", "dflash2"):  # needs a checkpoint: refused without one, accepted with a fitting one
             return [], "drafter.name_or_path"
         return ["model=tiny_qwen3"], None  # drafter=tiny: a random drafter, for the tiny random models
     if (group, option) == ("attention", "flex_attention"):

@@ -8,17 +8,18 @@ import pytest
 import torch
 from train_support import MASK, _direct_features, _records, _target
 
-from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.drafter import DFlash2Drafter, DFlashDrafter
 from ddtree.train.features import Sample
 from ddtree.train.objective import IGNORE, block_loss, drafter_hidden, make_batch, valid_anchors
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_blocks_mirror_the_engine_call():
+@pytest.mark.parametrize("kind", [DFlashDrafter, DFlash2Drafter])  # DFlash2: its convolutions stay in each block
+def test_blocks_mirror_the_engine_call(kind):
     """All anchors in one masked forward == one drafter call per anchor, fed as the engine feeds it."""
     target = _target()
-    drafter = DFlashDrafter.random_for_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 3],
+    drafter = kind.random_for_target(target.config, num_layers=2, block_size=4, target_layer_ids=[1, 3],
                                               mask_token_id=MASK, seed=3)
     records = _records(3, seed=2)
     with torch.no_grad():

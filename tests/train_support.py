@@ -46,13 +46,14 @@ def _direct_features(model, ids: list[int], layer_ids: list[int]) -> torch.Tenso
     return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[0]
 
 
-def _train(tmp_path: Path, target, steps: int, **optim) -> tuple[DFlashDrafter, dict, list[float]]:
+def _train(tmp_path: Path, target, steps: int, drafter: DFlashDrafter | None = None,
+           **optim) -> tuple[DFlashDrafter, dict, list[float]]:
     feats = tmp_path / "features"
     if not (feats / "manifest.json").exists():
         extract_features(target, _records(48, seed=5, pattern=True), [1, 3], feats, shard_size=16,
                          dtype=torch.float32, log=lambda _: None)
-    drafter = DFlashDrafter.random_for_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3],
-                                              mask_token_id=MASK, seed=0)
+    drafter = drafter or DFlashDrafter.random_for_target(target.config, num_layers=1, block_size=4,
+                                                         target_layer_ids=[1, 3], mask_token_id=MASK, seed=0)
     losses: list[float] = []
 
     def log(msg: str) -> None:

@@ -125,3 +125,45 @@ def check_tree_memory(text_config: dict[str, Any], budget: int, dtype_bytes: int
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
+
+
+# DFlash2 drafters (ddtree.engine.drafter.dflash2): the config.json keys beyond DFlash's, in dflash_config (z-lab's
+# configs) or at the top level (some exports); checked here too so config validation reads them without torch
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+                "final_logit_softcapping")
+
+
+def dflash2_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The DFlash2 keys of a config.json dict (dflash_config's first, then the top level; None where absent)."""
+    inner = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
+    return {k: inner[k] if inner.get(k) is not None else raw.get(k) for k in DFLASH2_KEYS}
+
+
+def check_dflash2_fields(fields: dict[str, Any], *, hidden_size: Any, block_size: Any, vocab_size: Any) -> None:
+    """The convolution and selector settings of a DFlash2 drafter; one ConfigError naming the first wrong one."""
+    fix = "fix dflash_config in the drafter's config.json"
+    for name in DFLASH2_KEYS[:4]:
+        value = fields.get(name)
+        if value is None:
+            raise ConfigError(f"drafter.dflash_config.{name}", "missing from a DFlash2 drafter's config.json", fix)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"drafter.dflash_config.{name}", f"must be a positive integer, got {value!r}", fix)
+    if isinstance(hidden_size, int) and hidden_size % fields["conv_group_size"]:
+        raise ConfigError("drafter.dflash_config.conv_group_size",
+                          f"{fields['conv_group_size']} does not divide hidden_size {hidden_size}", fix)
+    if isinstance(block_size, int) and fields["conv_kernel_size"] > block_size:
+        raise ConfigError("drafter.dflash_config.conv_kernel_size",
+                          f"{fields['conv_kernel_size']} taps exceed the block of {block_size}", fix)
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConfigError("drafter.vocab_size", f"a DFlash2 drafter needs its vocab_size (the selector's codebooks' "
+                          f"rows), got {vocab_size!r}", "fix the drafter's config.json")
+    if fields["selector_top_k"] > vocab_size:
+        raise ConfigError("drafter.dflash_config.selector_top_k",
+                          f"{fields['selector_top_k']} candidates exceed the vocabulary of {vocab_size}", fix)
+    for name in DFLASH2_KEYS[4:]:
+        value = fields.get(name)
+        positive = name == "final_logit_softcapping"
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or (positive and value <= 0)):
+            raise ConfigError(f"drafter.dflash_config.{name}",
+                              f"must be a finite number{' > 0' if positive else ''} or absent, got {value!r}", fix)

@@ -69,10 +69,12 @@ class RoundRecorder:
 
     @torch.inference_mode()
     def round(self, logits: torch.Tensor, tree, path: torch.Tensor, accepted: int, next_root: torch.Tensor,
-              choice: torch.Tensor | None) -> None:
+              choice: torch.Tensor | None, top1: torch.Tensor | None = None) -> None:
         """One round: the drafter's `logits` [L, V], the verified `tree`, the accepted `path` (flat indices, on the
         device), its accepted depth, the target's token after it, and the target's choice after every node (None
-        where the round did not compute it: a CPU's lazy head; the node table then skips the round)."""
+        where the round did not compute it: a CPU's lazy head; the node table then skips the round). top1: per node,
+        whether it is the drafter's choice after its parent, where that depends on the parent (a DFlash2 selector's
+        pair scores: ddtree.engine.selector); None: the drafter's top-1 at the node's depth."""
         L, V = logits.shape
         self._vocab = V
         m = min(accepted + 1, L)
@@ -100,17 +102,20 @@ class RoundRecorder:
         if not tree.is_chain:
             self._tree = max(self._tree, len(tree) - 1)
         if not tree.is_chain and choice is not None:
-            self._count_nodes(logits, tree, choice)
+            self._count_nodes(logits, tree, choice, top1)
 
-    def _count_nodes(self, logits: torch.Tensor, tree, choice: torch.Tensor) -> None:
+    def _count_nodes(self, logits: torch.Tensor, tree, choice: torch.Tensor, given: torch.Tensor | None) -> None:
         L = logits.shape[0]
         dev = tree.tokens.device
         chosen = _on(choice, dev)
         depth = tree.depths
-        # the drafter's top-1 at each node's depth: row d - 1 for depth d >= 1; the root (depth 0) reads its own token,
-        # so it counts as a top-1 (as the chain above every node starts there)
-        top1 = torch.cat([tree.tokens[:1], _on(logits.argmax(-1), dev)])  # [L + 1]
-        is_top1 = tree.tokens == top1[depth]
+        if given is not None:
+            is_top1 = _on(given, dev)
+        else:
+            # the drafter's top-1 at each node's depth: row d - 1 for depth d >= 1; the root (depth 0) reads its own
+            # token, so it counts as a top-1 (as the chain above every node starts there)
+            top1 = torch.cat([tree.tokens[:1], _on(logits.argmax(-1), dev)])  # [L + 1]
+            is_top1 = tree.tokens == top1[depth]
         aidx = tree.ancestor_index()  # [n, bound + 1], column 0 the node itself, the root past the top
         on_chain_above = is_top1[aidx[:, 1:]].all(1) if aidx.shape[1] > 1 else torch.ones_like(is_top1)
         agreed = tree.tokens == chosen[tree.parents.clamp(min=0)]

@@ -48,12 +48,14 @@ def _walk_asking_head(tree, ask) -> tuple:
 
 
 def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
-                  steps: int | None = None, topk: int | None = None) -> Proposer:
+                  steps: int | None = None, topk: int | None = None, scoring: str | None = None) -> Proposer:
     """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares.
-    steps, topk: method=mtp's draft depth and branching (ignored by the others)."""
+    steps, topk: method=mtp's draft depth and branching (ignored by the others); scoring: method=ddtree's node
+    scores (marginal, or pair over a DFlash2 drafter's selector; ignored by the others)."""
     m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
                           steps=steps, topk=topk)
-    return m.make_proposer(target, drafter, DraftSettings(budget=budget, block_size=block_size, steps=steps, topk=topk))
+    return m.make_proposer(target, drafter, DraftSettings(budget=budget, block_size=block_size, steps=steps,
+                                                        topk=topk, scoring=scoring))
 
 
 class Engine:
@@ -72,7 +74,7 @@ class Engine:
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
                  tree_attention: str = "auto", tune_host_allocator: bool | None = None,
                  record: bool = True, steps: int | None = None, topk: int | None = None,
-                 compile: str | bool = "auto", compile_backend: str | None = None):
+                 compile: str | bool = "auto", compile_backend: str | None = None, scoring: str | None = None):
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
@@ -83,7 +85,7 @@ class Engine:
         if proposer is None:
             if drafter is not None and self.spec.drafter_kind == DFLASH:
                 drafter.check_compatible(target)
-            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk)
+            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk, scoring)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
@@ -159,7 +161,7 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
              sync_timing: bool = False, tree_attention: str = "auto", record: bool = True, steps: int | None = None,
-             topk: int | None = None, compile: str | bool = "auto") -> GenerationResult:
+             topk: int | None = None, compile: str | bool = "auto", scoring: str | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -178,11 +180,13 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     eager from then on where a compiled generation fails: logged, the generation rerun),
     "true" (compiled on any device; a target it cannot run is refused) or "false" (eager). Build an `Engine` to
     keep the compiled graphs across generations.
+    scoring: method=ddtree's node scores: "marginal" (default: the drafter's per-position distributions) or "pair"
+    (a DFlash2 drafter's candidate selector: each child scored given its parent; ddtree.engine.selector).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
                 sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
-                compile=compile) as engine:  # one call: the model is left as it was found
+                compile=compile, scoring=scoring) as engine:  # one call: the model is left as it was found
         return engine.generate(input_ids, temperature=temperature, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids, generator=generator)
 
@@ -237,7 +241,8 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                 feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
             new, root, path = w.tokens, w.next_root, w.path
             if rec is not None:  # no host read: ddtree.engine.diagnostics
-                rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice)
+                rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice,
+                          proposer.last_top1)
         timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens
         room = max_new_tokens - len(out)

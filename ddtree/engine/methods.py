@@ -35,6 +35,7 @@ class DraftSettings:
     block_size: int | None = None  # the drafter's block (drafter_kind DFLASH; None: the drafter's own)
     steps: int | None = None  # method=mtp: draft depth (None: MTP_STEPS)
     topk: int | None = None  # method=mtp: children per expanded node (None: MTP_TOPK; > 1: a tree)
+    scoring: str | None = None  # method=ddtree: marginal or pair (a DFlash2 drafter's selector; None: marginal)
 
 
 def _ar(target, drafter, s: DraftSettings) -> Proposer:
@@ -44,15 +45,49 @@ def _ar(target, drafter, s: DraftSettings) -> Proposer:
 
 
 def _dflash(target, drafter, s: DraftSettings) -> Proposer:
+    if has_selector(drafter):  # DFlash2: the candidate selector's walk (ddtree.engine.selector)
+        from ddtree.engine.selector import DFlash2ChainProposer
+
+        return DFlash2ChainProposer(target, drafter, s.block_size)
     from ddtree.engine.proposers import DFlashProposer
 
     return DFlashProposer(target, drafter, s.block_size)
 
 
 def _ddtree(target, drafter, s: DraftSettings) -> Proposer:
+    budget = s.budget if s.budget is not None else DEFAULT_BUDGET
+    block_size, scoring = s.block_size, s.scoring
+    check_scoring(scoring, "ddtree", drafter)
+    if has_selector(drafter):  # DFlash2 (ddtree.engine.selector): its logits, and pair scores when asked
+        from ddtree.engine.selector import DFlash2MarginalProposer, PairTreeProposer
+
+        make = PairTreeProposer if scoring == "pair" else DFlash2MarginalProposer
+        return make(target, drafter, budget, block_size)
     from ddtree.engine.proposers import DDTreeProposer
 
-    return DDTreeProposer(target, drafter, s.budget if s.budget is not None else DEFAULT_BUDGET, s.block_size)
+    return DDTreeProposer(target, drafter, budget, block_size)
+
+
+SCORINGS = ("marginal", "pair")  # DDTree's node scores: per-position marginals, or a DFlash2 selector's pair scores
+DEFAULT_SCORING = "marginal"
+
+
+def has_selector(drafter) -> bool:
+    """Whether `drafter` carries a DFlash2 candidate selector (pair scores)."""
+    return getattr(drafter, "candidate_selector", None) is not None
+
+
+def check_scoring(scoring: str | None, method: str, drafter=None, *, dflash2: bool | None = None) -> None:
+    """scoring is marginal or pair; pair (read by method=ddtree) needs a DFlash2 drafter (`drafter`, or `dflash2`
+    where only its config is known)."""
+    if scoring is None:
+        return
+    if scoring not in SCORINGS:
+        raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of: {', '.join(SCORINGS)}")
+    is_dflash2 = has_selector(drafter) if dflash2 is None else dflash2
+    if scoring == "pair" and method == "ddtree" and (drafter is not None or dflash2 is not None) and not is_dflash2:
+        raise ConfigError("scoring", "pair scores come from a DFlash2 drafter's candidate selector; this drafter is "
+                          "DFlash (no selector)", "use scoring=marginal, or a DFlash2 drafter")
 
 
 def _mtp(target, drafter, s: DraftSettings) -> Proposer:

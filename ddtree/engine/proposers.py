@@ -126,6 +126,8 @@ class Proposer:
     static_form: str | None = None
     tree_tensors = None  # set by the compiled round where `best_first`
     static_draft = None  # set by the compiled round where `static_form`
+    last_top1: torch.Tensor | None = None  # per node of the latest tree: is it its parent's best child (diagnosis;
+    # None: the drafter's top-1 at its position, as marginal scores rank it)
 
     @property
     def needs_features(self) -> bool:
@@ -184,6 +186,10 @@ class DrafterBlock(Proposer):
                            torch.zeros(1, dtype=torch.long, device=device))
         return self._block
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The drafter's float32 logits of its final hidden states (DFlash: the target's head)."""
+        return self.lm_head(hidden).float()
+
     @torch.inference_mode()
     def draft_logits(self, state: DecodeState) -> torch.Tensor:
         static = self.static_draft
@@ -203,7 +209,8 @@ class DrafterBlock(Proposer):
         hidden = self.drafter(self.embed(block), ctx, ctx_pos, offsets + state.start, cache=self.cache)
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
-        logits = self.lm_head(hidden[0, 1:]).float()
+        self.last_hidden = hidden[0, 1:]  # the rows drafting positions 1.. (a DFlash2 selector reads them)
+        logits = self.head_logits(self.last_hidden)
         self.last_logits = logits if logits.device == dev else logits.to(dev)
         if static is not None:
             static.load(self.cache, self._capacity)

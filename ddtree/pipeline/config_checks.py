@@ -16,8 +16,22 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from ddtree.engine.checks import check_block_size, check_budget, check_mtp_args, compile_setting
-from ddtree.engine.methods import COMPILABLE_METHOD_NAMES, DFLASH, MTP, check_method_args, get_method
+from ddtree.engine.checks import (
+    check_block_size,
+    check_budget,
+    check_dflash2_fields,
+    check_mtp_args,
+    compile_setting,
+    dflash2_fields,
+)
+from ddtree.engine.methods import (
+    COMPILABLE_METHOD_NAMES,
+    DFLASH,
+    MTP,
+    check_method_args,
+    check_scoring,
+    get_method,
+)
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
@@ -95,6 +109,7 @@ def check_run_settings(rc: RunConfig) -> None:
     """The top-level settings: method, engine, budget, temperature, length, device."""
     method = get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
+    check_scoring(rc.scoring, rc.method)
     if method.settings == MTP:
         check_mtp_args(rc.mtp.steps, rc.mtp.topk)
     if rc.engine == "upstream" and not method.authors_code:
@@ -316,6 +331,8 @@ def target_config_dict(cfg: RunConfig) -> dict | None:
 def check_drafter_fits(cfg: RunConfig) -> None:
     """The drafter's recorded target and (if on disk) its config.json against the target's, before loading."""
     dr, model = cfg.drafter, cfg.model
+    if dr.kind == "random":  # a random drafter is DFlash (no selector)
+        check_scoring(cfg.scoring, cfg.method, dflash2=False)
     if dr.kind != "pretrained":
         return
     what = f"drafter {dr.name_or_path}"
@@ -328,6 +345,8 @@ def check_drafter_fits(cfg: RunConfig) -> None:
             raise ConfigError("drafter", f"{what} was trained for {dr.target}, not {model.name_or_path}",
                               fix + "; set drafter.target=null if the model is a copy of that target")
     dcfg = _local_config_json(dr.name_or_path, dr.revision)
+    if dcfg is not None:
+        _check_dflash2_config(cfg, dcfg)
     tcfg = target_config_dict(cfg) if dcfg is not None else None
     if not dcfg or not tcfg:
         return
@@ -343,6 +362,20 @@ def check_drafter_fits(cfg: RunConfig) -> None:
             problems.append(f"{key} {dcfg[key]} (the target's is {tcfg[key]})")
     if problems:
         raise ConfigError("drafter", f"{what} does not fit model={model.name}: it expects " + "; ".join(problems), fix)
+
+
+def _check_dflash2_config(cfg: RunConfig, dcfg: dict) -> None:
+    """A DFlash2 drafter's config.json (its convolution and selector fields) and the scoring, before any model loads."""
+    dflash2 = "DFlash2DraftModel" in (dcfg.get("architectures") or ())
+    if dflash2:
+        inner = dcfg.get("dflash_config") if isinstance(dcfg.get("dflash_config"), dict) else {}
+        check_dflash2_fields(dflash2_fields(dcfg), hidden_size=dcfg.get("hidden_size"),
+                             block_size=inner.get("block_size") or dcfg.get("block_size") or 16,
+                             vocab_size=dcfg.get("vocab_size"))
+        if cfg.engine == "upstream":
+            raise ConfigError("engine", "the DDTree authors' code drafts with DFlash, not a DFlash2 drafter",
+                              "use engine=native")
+    check_scoring(cfg.scoring, cfg.method, dflash2=dflash2)
 
 
 def check_upstream_path(path: str | None) -> None:

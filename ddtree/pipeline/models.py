@@ -136,6 +136,7 @@ def load_drafter(rc: RunConfig, target, device: str):
     if d.kind == "none":
         return None
     from ddtree.engine.drafter import DFlashDrafter
+    from ddtree.engine.methods import check_scoring
 
     if d.kind == "random":
         kw = {"target_layer_ids": list(d.target_layer_ids)} if d.target_layer_ids is not None else {}
@@ -149,6 +150,7 @@ def load_drafter(rc: RunConfig, target, device: str):
         drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
                                                 attn_implementation=rc.attention.drafter, **kw)
     drafter.check_compatible(target)
+    check_scoring(rc.scoring, rc.method, drafter)
     return drafter.eval()
 
 

@@ -70,6 +70,12 @@ class DrafterConfig:
     mask_token: str | None = "<|mask|>"  # looked up in the tokenizer; absent -> mask_token_id
     mask_token_id: int | None = None  # null and no mask_token: the last vocabulary id
     seed: int = 0
+    # dflash2: a DFlash2 drafter (convolutions and a candidate selector: docs/dflash2.md), with these settings
+    arch: str = "dflash"
+    conv_kernel_size: int = 4
+    conv_group_size: int | None = None  # null: hidden_size / 8
+    selector_rank: int = 64
+    selector_top_k: int = 8
 
 
 @dataclass
@@ -94,6 +100,7 @@ class OptimConfig:
     epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides epochs
     loss_decay: float | None = 4.0  # weight of block position k is exp(-(k-1)/loss_decay); null: uniform
+    selector_weight: float = 1.0  # DFlash2 drafters: the candidate selector's loss, times this, added
     log_every: int = 10
     save_every: int = 200  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
@@ -215,6 +222,10 @@ def validate(c: TrainConfig) -> None:
         raise ConfigError("optim.lr", f"must be > 0, got {c.optim.lr}")
     if c.optim.max_steps is None and c.optim.epochs <= 0:
         raise ConfigError("optim.epochs", f"must be > 0, got {c.optim.epochs}", "or set optim.max_steps")
+    if c.drafter.arch not in ("dflash", "dflash2"):
+        raise ConfigError("drafter.arch", f"unknown value {c.drafter.arch!r}", "use dflash or dflash2")
+    if c.optim.selector_weight < 0:
+        raise ConfigError("optim.selector_weight", f"must be >= 0, got {c.optim.selector_weight}")
     if c.optim.loss_decay is not None and c.optim.loss_decay <= 0:
         raise ConfigError("optim.loss_decay", f"must be > 0 or null, got {c.optim.loss_decay}")
     if c.tracking.backend not in ("mlflow", "none"):

@@ -156,3 +156,40 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
                  "tau_proxy": (lead.sum(-1)[real].float().mean().item() + 1.0) if real.any() else 1.0,
                  "tokens": int(valid.sum())}
     return loss, stats
+
+
+def selector_loss(drafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: BlockBatch,
+                  decay: float | None = None, lm_head_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """A DFlash2 drafter's candidate-selector loss (ours: no public DFlash2 training code could be read, see
+    docs/dflash2.md): at each labelled block position t, the candidates are the top-k of the drafter's logits
+    (detached; the label replaces the last one where it is missing), scored S_t(a, .) with a the true previous token
+    (the anchor at t = 0: teacher forcing, as the walk sees an accepted prefix), and the loss is the cross-entropy of
+    the label among them, position k weighted as block_loss weights it. Gradients reach the logits (the unary term),
+    the codebooks and the hidden projection."""
+    labels, bs = batch.labels, batch.block_size
+    B, n, _ = labels.shape
+    h = hidden.view(B, n, bs, -1)[:, :, 1:]
+    valid = labels != IGNORE
+    anchor = batch.block_ids.view(B, n, bs)[:, :, :1]
+    prev = torch.cat([anchor, labels[:, :, :-1]], dim=-1)  # the token before each position
+    valid = valid & (prev != IGNORE)
+    w = position_weights(bs, decay, hidden.device).expand_as(labels)[valid]
+    rows, tgt, before = h[valid], labels[valid], prev[valid]
+    logits = drafter.head_logits(lambda x: F.linear(x, lm_head_weight.to(x.dtype), lm_head_bias), rows)
+    sel = drafter.candidate_selector
+    k = sel.top_k
+    cands = logits.detach().topk(k, dim=-1).indices
+    hit = cands == tgt[:, None]
+    missing = ~hit.any(-1)
+    cands[missing, -1] = tgt[missing]
+    where = (cands == tgt[:, None]).float().argmax(-1)
+    unary = logits.gather(1, cands)
+    ctx = sel.predecessor_codebook[before].float() * sel.hidden_projection(rows).float()
+    scores = unary + (ctx[:, None, :] * sel.successor_codebook[cands].float()).sum(-1)
+    ce = F.cross_entropy(scores, where, reduction="none")
+    loss = (ce * w).sum() / w.sum().clamp_min(1e-9)
+    with torch.no_grad():
+        stats = {"selector_loss": loss.item(),
+                 "selector_acc": (scores.argmax(-1) == where).float().mean().item() if len(where) else 0.0,
+                 "selector_coverage": 1.0 - missing.float().mean().item() if len(where) else 0.0}
+    return loss, stats

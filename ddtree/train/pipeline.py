@@ -69,14 +69,18 @@ def mask_token_id(cfg: TrainConfig, tokenizer, vocab_size: int) -> int:
 
 
 def build_drafter(cfg: TrainConfig, target_config, tokenizer, vocab_size: int):
-    from ddtree.engine.drafter import DFlashDrafter
+    from ddtree.engine.drafter import DFlash2Drafter, DFlashDrafter
 
-    if cfg.drafter.init:
-        return DFlashDrafter.from_pretrained(cfg.drafter.init, dtype=torch.float32)
-    return DFlashDrafter.random_for_target(
-        target_config, num_layers=cfg.drafter.num_layers, block_size=cfg.drafter.block_size,
-        target_layer_ids=cfg.drafter.target_layer_ids, mask_token_id=mask_token_id(cfg, tokenizer, vocab_size),
-        seed=cfg.drafter.seed)
+    d = cfg.drafter
+    if d.init:
+        return DFlashDrafter.from_pretrained(d.init, dtype=torch.float32)  # its architecture decides the class
+    kw = dict(num_layers=d.num_layers, block_size=d.block_size, target_layer_ids=d.target_layer_ids,
+              mask_token_id=mask_token_id(cfg, tokenizer, vocab_size), seed=d.seed)
+    if d.arch == "dflash2":  # identity convolutions and a selector adding nothing yet (training's start)
+        return DFlash2Drafter.random_for_target(target_config, conv_kernel_size=d.conv_kernel_size,
+                                                conv_group_size=d.conv_group_size, selector_rank=d.selector_rank,
+                                                selector_top_k=d.selector_top_k, perturb=False, **kw)
+    return DFlashDrafter.random_for_target(target_config, **kw)
 
 
 def clear_stages(out: Path, forced: list[str]) -> None:

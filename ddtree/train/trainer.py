@@ -40,7 +40,7 @@ from ddtree.pipeline.distributed import World
 from ddtree.pipeline.tracking import NullRun
 from ddtree.train.config import OptimConfig
 from ddtree.train.features import Sample
-from ddtree.train.objective import block_loss, drafter_hidden, make_batch
+from ddtree.train.objective import block_loss, drafter_hidden, make_batch, selector_loss
 
 STATE = "trainer_state.pt"
 BEST = "best.json"
@@ -295,6 +295,10 @@ def accumulate(drafter, t: Training, target: FrozenTarget, stream, cfg: OptimCon
             hidden = drafter_hidden(drafter, target.embed_weight, batch, call=t.model)
             loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size,
                                      cfg.loss_decay, target.lm_head_bias)
+            if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: its selector's loss too
+                extra, more = selector_loss(drafter, hidden, target.lm_head_weight, batch, cfg.loss_decay,
+                                            target.lm_head_bias)
+                loss, stats = loss + cfg.selector_weight * extra, {**stats, **more}
         (loss / cfg.grad_accum).backward()
         window.add(stats)
     return m
@@ -355,8 +359,10 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
 
 def _log_step(last: dict[str, float], step: int, total: int, tracker, log: Callable[[str], None]) -> None:
     tracker.log_metrics({f"train/{k}": v for k, v in last.items()}, step=step)
+    selector = f"selector loss {last['selector_loss']:.4f} acc {last['selector_acc']:.3f} " if (
+        "selector_loss" in last) else ""  # a DFlash2 drafter's
     log(f"train: step {step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} tau~{last['tau_proxy']:.2f} "
-        f"lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
+        f"{selector}lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
 
 
 def _gather_whole(drafter, opt, whole, world: World, cfg: OptimConfig) -> dict | None:

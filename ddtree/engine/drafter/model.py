@@ -434,10 +434,13 @@ class DFlashDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: Rope,
                 cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable, first: int = 0) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend, first)
-        h, mlp = self.post_attention_layernorm(x), self.mlp
+        return x + self._mlp(self.post_attention_layernorm(x))
+
+    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp
         if self.silu:  # Qwen3MLP's down(silu(gate(h)) * up(h))
-            return x + mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
-        return x + mlp(h)
+            return mlp.down_proj(silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+        return mlp(h)
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, config: DFlashConfig,
@@ -468,6 +471,16 @@ def _checkpoint_dir(name_or_path: str | os.PathLike, hub_kwargs: dict[str, Any])
                           f"repository ({type(e).__name__})", "pass a DFlash drafter directory or hub id") from e
 
 
+def _architectures(config_path: Path) -> list[str]:
+    """The architectures a drafter's config.json names (none for an unreadable one: DFlashConfig says why)."""
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    found = raw.get("architectures") if isinstance(raw, dict) else None
+    return list(found) if isinstance(found, list) else []
+
+
 def _load_weights(directory: Path, device: str) -> dict[str, torch.Tensor]:
     index = directory / WEIGHTS_INDEX_NAME
     if index.is_file():
@@ -486,11 +499,15 @@ def _load_weights(directory: Path, device: str) -> dict[str, torch.Tensor]:
 class DFlashDrafter(nn.Module):
     """A DFlash drafter. `forward` returns the block's final hidden states; logits = target lm_head(hidden)."""
 
+    config_class = DFlashConfig
+    layer_class = DFlashDecoderLayer
+    ARCHITECTURE = "DFlashDraftModel"
+
     def __init__(self, config: DFlashConfig, attn_implementation: str = "sdpa"):
         super().__init__()
         self.config = config
         qwen3_config = config.qwen3_config()
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config, qwen3_config, i)
+        self.layers = nn.ModuleList(self.layer_class(config, qwen3_config, i)
                                     for i in range(config.num_hidden_layers))
         self.norm = _RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
@@ -608,7 +625,10 @@ class DFlashDrafter(nn.Module):
                                   "pass only dtype")
             dtype = dtype if dtype is not None else torch_dtype
         directory = _checkpoint_dir(name_or_path, hub_kwargs)
-        config = DFlashConfig.from_json_file(directory / CONFIG_NAME)
+        # a checkpoint declaring a subclass's architecture (DFlash2DraftModel: ddtree.engine.drafter.dflash2) loads as one
+        cls = next((sub for sub in cls.__subclasses__() if sub.ARCHITECTURE in _architectures(directory / CONFIG_NAME)),
+                   cls)
+        config = cls.config_class.from_json_file(directory / CONFIG_NAME)
         state = _load_weights(directory, str(device) if device is not None else "cpu")
         dtype = _resolve_dtype(dtype, config, state)
 
@@ -644,11 +664,12 @@ class DFlashDrafter(nn.Module):
     def random_for_target(cls, target_config: Any, *, num_layers: int = 1, block_size: int = 16,
                           target_layer_ids: list[int] | None = None, mask_token_id: int | None = None,
                           seed: int = 0, layer_types: list[str] | None = None, sliding_window: int | None = None,
-                          attn_implementation: str = "sdpa") -> DFlashDrafter:
-        """A randomly initialised drafter sized for a transformers target config (tests, smoke runs)."""
+                          attn_implementation: str = "sdpa", **config_extra: Any) -> DFlashDrafter:
+        """A randomly initialised drafter sized for a transformers target config (tests, smoke runs).
+        config_extra: further fields of `config_class` (DFlash2's convolution and selector)."""
         text = target_config.get_text_config()
         n_target = text.num_hidden_layers
-        config = DFlashConfig(
+        config = cls.config_class(
             hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=num_layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
@@ -662,6 +683,7 @@ class DFlashDrafter(nn.Module):
             max_position_embeddings=text.max_position_embeddings,
             attention_bias=bool(getattr(text, "attention_bias", False)),
             hidden_act=getattr(text, "hidden_act", "silu"), layer_types=layer_types, sliding_window=sliding_window,
+            **config_extra,
         )
         model = cls(config, attn_implementation=attn_implementation)
         generator = torch.Generator().manual_seed(seed)

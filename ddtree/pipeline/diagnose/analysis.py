@@ -89,6 +89,11 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
                        "predicted from its own jobs" if any(record_temperature(j.diagnosed) > 0 for j in drafting)
                        else "temperature > 0, but these records predate the tempered costs: the chain is predicted "
                        "as if greedy")
+    if any(j.summary.get("scoring") == "pair" for j in drafting):  # DFlash2 pair scores (ddtree.engine.selector)
+        pair = ("scoring=pair: the main-vs-off-path accuracy counts a node as the drafter's top-1 when it is its "
+                "parent's best child under the selector's pair scores; the predicted taus replay marginal scores "
+                "(diagnose one scoring at a time)")
+        doc["note"] = f"{doc['note']}; {pair}" if doc.get("note") else pair
     doc["verdict"] = verdict(doc, pred)
     return doc
 

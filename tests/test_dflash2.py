@@ -1,0 +1,327 @@
+"""DFlash2 drafters: the public layout loaded, malformed checkpoints refused, the convolution and the selector
+against from-scratch references, and every method over one lossless (fp32 greedy, T > 0 chi-square, the CLI)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy.stats import chisquare
+
+import ddtree
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.drafter.dflash2 import DFlash2Drafter
+from ddtree.engine.selector import pair_logprobs, pair_tree, selector_walk
+from ddtree.errors import ConfigError
+from ddtree.testing.dflash2 import (
+    conv_reference,
+    pair_paths_reference,
+    pair_score,
+    save_random_dflash2,
+    walk_reference,
+)
+from ddtree.testing.reference import hf_greedy, tree_paths
+from ddtree.testing.tiny import tiny_model
+
+H, V = 64, 128  # the tiny targets' hidden size and vocabulary (conf/model/tiny_qwen3*.yaml)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def saved(target, tmp_path_factory):
+    return save_random_dflash2(target, tmp_path_factory.mktemp("dflash2") / "drafter", seed=3)
+
+
+def test_public_layout_names_and_shapes(saved, target, tmp_path):
+    raw = json.loads((saved / "config.json").read_text())
+    assert raw["architectures"] == ["DFlash2DraftModel"] and raw["is_causal"] is False
+    dc = raw["dflash_config"]
+    assert {k: dc[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} == {
+        "conv_kernel_size": 4, "conv_group_size": 8, "selector_rank": 8, "selector_top_k": 4}
+    state = load_file(saved / "model.safetensors")
+    taps, groups, r = 4, H // 8, 8
+    expected = {
+        "layers.0.attention_conv.base_kernel": (2, taps, H),
+        "layers.0.attention_conv.kernel_projection.weight": (2 * taps * groups, H),
+        "layers.0.mlp_conv.base_kernel": (2, taps, H),
+        "layers.0.mlp_conv.kernel_projection.weight": (2 * taps * groups, H),
+        "candidate_selector.predecessor_codebook": (V, r),
+        "candidate_selector.successor_codebook": (V, r),
+        "candidate_selector.hidden_projection.weight": (r, H),
+        "fc.weight": (H, H), "hidden_norm.weight": (H,), "norm.weight": (H,),
+    }
+    assert {k: tuple(state[k].shape) for k in expected} == expected
+    loaded = DFlashDrafter.from_pretrained(saved)  # the architecture decides the class
+    assert type(loaded) is DFlash2Drafter and loaded.config.selector_top_k == 4
+    # the same forward as the drafter that was saved, and a plain DFlash checkpoint still loads as one
+    again = DFlash2Drafter.from_pretrained(saved)
+    x, ctx = torch.randn(1, 8, H), torch.randn(1, 5, H)
+    args = (x, ctx, torch.arange(5)[None], torch.arange(5, 13)[None])
+    torch.testing.assert_close(loaded(*args), again(*args), rtol=0, atol=0)
+    DFlashDrafter.random_for_target(target.config, block_size=8).save_pretrained(tmp_path / "dflash")
+    assert type(DFlashDrafter.from_pretrained(tmp_path / "dflash")) is DFlashDrafter
+
+
+def _copy(saved, tmp_path, name, config=None, drop=None, reshape=None):
+    d = tmp_path / name
+    d.mkdir()
+    raw = json.loads((saved / "config.json").read_text())
+    if config:
+        config(raw)
+    (d / "config.json").write_text(json.dumps(raw))
+    state = load_file(saved / "model.safetensors")
+    state.pop(drop, None)
+    if reshape:
+        state[reshape] = state[reshape][:, :6].contiguous()
+    save_file(state, d / "model.safetensors")
+    return d
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("missing_selector", "missing keys ['candidate_selector.successor_codebook']"),
+    ("group", "conv_group_size: 7 does not divide hidden_size 64"),
+    ("rank", "selector_rank: missing"),
+    ("codebook_rank", "candidate_selector.predecessor_codebook (128, 6) != (128, 8)"),
+    ("taps", "conv_kernel_size: 9 taps exceed the block of 8"),
+])
+def test_malformed_checkpoint_refused_in_one_line(saved, tmp_path, case, expected):
+    edit = {"group": lambda c: c["dflash_config"].update(conv_group_size=7),
+            "rank": lambda c: c["dflash_config"].pop("selector_rank"),
+            "taps": lambda c: c["dflash_config"].update(conv_kernel_size=9)}.get(case)
+    d = _copy(saved, tmp_path, case, config=edit,
+              drop="candidate_selector.successor_codebook" if case == "missing_selector" else None,
+              reshape="candidate_selector.predecessor_codebook" if case == "codebook_rank" else None)
+    with pytest.raises(ConfigError) as err:
+        DFlashDrafter.from_pretrained(d)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_convolution_matches_reference(saved):
+    drafter = DFlash2Drafter.from_pretrained(saved, dtype=torch.float64)
+    conv = drafter.layers[0].attention_conv
+    x, src = torch.randn(1, 8, H, dtype=torch.float64), torch.randn(1, 8, H, dtype=torch.float64)
+    dyn = conv.corrections(src)
+    for side in (0, 1):
+        got = conv(x, dyn, side)[0]
+        want = conv_reference(x[0], conv.base_kernel, conv.kernel_projection.weight, src[0], side, 8)
+        torch.testing.assert_close(got, want)
+    # two blocks side by side convolve apart (nothing crosses a block's start)
+    two = conv(torch.cat([x, x], 1), torch.cat([dyn, dyn], 1), 1, block=8)
+    torch.testing.assert_close(two[:, 8:], conv(x, dyn, 1))
+
+
+def _block(drafter, target, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(drafter.block_size - 1, H, generator=g)
+    logits = drafter.head_logits(target.get_output_embeddings(), hidden)
+    return logits, hidden
+
+
+@torch.no_grad()
+def test_selector_walk_and_pair_tree_match_references(saved, target):
+    drafter = DFlash2Drafter.from_pretrained(saved)
+    short = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=7, selector_top_k=4, selector_rank=8)
+    for seed in range(3):
+        logits, hidden = _block(drafter, target, seed)
+        cand = drafter.candidates(logits, hidden)
+        assert selector_walk(cand, torch.tensor(5 + seed)).tolist() == walk_reference(drafter, logits, hidden, 5 + seed)
+        # every path of a 3-deep block enumerated (84 of them)
+        logits, hidden = _block(short, target, seed)
+        cand, anchor = short.candidates(logits, hidden), torch.tensor(5 + seed)
+        for budget in (1, 6, 25, 84):
+            tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, budget)
+            assert set(tree_paths(tree)) == pair_paths_reference(short, logits, hidden, 5 + seed, budget)
+    # the diagnosis's flags: a node is top-1 iff it is its parent's best child under S_t(parent's token, .)
+    logits, hidden = _block(short, target, 9)
+    cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
+    flags: list[bool] = []
+    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 30, flags)
+    toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    ids = cand.ids.tolist()
+    want = [True] + [toks[i] == max(ids[deps[i] - 1], key=lambda b: pair_score(short, logits, hidden, deps[i] - 1,
+                                                                               toks[pars[i]], b))
+                     for i in range(1, len(toks))]
+    assert flags == want and not all(want)
+    # the pair scores matter: some walk leaves the per-position argmax chain
+    chains = [(selector_walk(c, torch.tensor(5)).tolist(), c.ids[:, 0].tolist())
+              for c in (drafter.candidates(*_block(drafter, target, s)) for s in range(5))]
+    assert any(w != m for w, m in chains)
+
+
+_PAIRS = {}
+
+
+def _pair(model_type: str, vocab: int = 16):
+    """A small-vocabulary target and a random DFlash2 drafter (drafts often accepted: trees are walked)."""
+    if (model_type, vocab) not in _PAIRS:
+        target = tiny_model(model_type, seed=3, vocab_size=vocab, num_hidden_layers=2 if model_type == "qwen3" else 4)
+        drafter = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=5, selector_top_k=4,
+                                                   selector_rank=8, mask_token_id=vocab - 1)
+        _PAIRS[model_type, vocab] = target, drafter
+    return _PAIRS[model_type, vocab]
+
+
+CASES = [("dflash", None), ("ddtree", "marginal"), ("ddtree", "pair")]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_fp32_greedy_equals_hf(model_type):
+    target, drafter = _pair(model_type)
+    accepted = 0
+    for p in range(3):
+        ids = torch.tensor([[1 + p, 5, 2, 7, 3 + p]])
+        ref = hf_greedy(target, ids, 20)
+        for method, scoring in CASES:
+            r = ddtree.generate(target, drafter, ids, method=method, budget=10, max_new_tokens=20, scoring=scoring)
+            assert r.output_ids == ref, (method, scoring, p)
+            accepted += sum(a - 1 for a in r.acceptance_lengths)
+    assert accepted > 0  # drafts were accepted: the walk went past the root
+
+
+@pytest.mark.parametrize("method,scoring", [
+    pytest.param("dflash", None, marks=pytest.mark.slow),  # ~25 s each on 2 shared cores
+    ("ddtree", "pair"),
+])
+def test_sampling_follows_target(method, scoring):
+    """T = 1: the first two tokens' joint distribution is the target's (chi-square), drafts sampled from the
+    selector's softmax over the candidates (dflash) or a pair-score tree (ddtree)."""
+    vocab, n = 12, 600
+    target, drafter = _pair("qwen3", vocab)
+    ids = torch.tensor([[1, 5, 2, 7]])
+    with torch.no_grad():
+        p1 = torch.softmax(target(ids).logits[0, -1], -1)
+        nxt = torch.cat([ids.repeat(vocab, 1), torch.arange(vocab)[:, None]], dim=1)
+        probs = (p1[:, None] * torch.softmax(target(nxt).logits[:, -1], -1)).flatten().double()
+    g = torch.Generator().manual_seed(11)
+    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
+    drafted = 0
+    for _ in range(n):
+        r = ddtree.generate(target, drafter, ids, method=method, budget=7, temperature=1.0, max_new_tokens=3,
+                            generator=g, scoring=scoring)
+        counts[r.output_ids[0] * vocab + r.output_ids[1]] += 1
+        drafted += r.acceptance_lengths[0] > 1
+    assert drafted > n // 20
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    exp = exp * (obs.sum() / exp.sum())
+    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+
+
+def test_pair_scoring_needs_a_selector():
+    target, _ = _pair("qwen3")
+    dflash = DFlashDrafter.random_for_target(target.config, block_size=4, mask_token_id=15)
+    with pytest.raises(ConfigError, match="scoring: pair scores come from a DFlash2 drafter"):
+        ddtree.Engine(target, dflash, method="ddtree", budget=4, scoring="pair")
+    with pytest.raises(ConfigError, match="scoring: unknown value 'joint'"):
+        ddtree.Engine(target, dflash, method="ddtree", budget=4, scoring="joint")
+
+
+def _cli_sweep(cli, tmp_path, model: str, drafter_dir, *extra):
+    sweep = tmp_path / "sweep"
+    proc = cli(f"model={model}", "drafter=dflash2", f"drafter.name_or_path={drafter_dir}", "dataset=tiny",
+               "dataset.max_samples=1", "max_new_tokens=8", "tracking=none", "budget=8", f"runs_dir={tmp_path / 'runs'}",
+               f"hydra.sweep.dir={sweep}", "method=dflash,ddtree", "scoring=marginal,pair", *extra, "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    return [(s["method"], s.get("scoring"), s["match_rate"]) for s in summaries]
+
+
+def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
+    got = _cli_sweep(cli, tmp_path, "tiny_qwen3", saved)
+    assert sorted(got, key=str) == sorted([("dflash", None, 1.0), ("dflash", None, 1.0), ("ddtree", "marginal", 1.0),
+                                           ("ddtree", "pair", 1.0)], key=str)
+
+
+@pytest.mark.slow  # the hybrid target through the CLI (~1 min on 2 shared cores)
+def test_cli_runs_a_dflash2_checkpoint_on_a_hybrid(cli, tmp_path):
+    d = save_random_dflash2(tiny_model("qwen3_5_text", seed=0), tmp_path / "drafter35", seed=4)
+    got = _cli_sweep(cli, tmp_path, "tiny_qwen3_5", d)
+    assert all(rate == 1.0 for *_, rate in got) and len(got) == 4
+
+
+@pytest.mark.parametrize("args,expected", [
+    pytest.param(("scoring=joint",), "error: scoring: unknown value 'joint'", marks=pytest.mark.slow),
+    (("drafter=tiny", "scoring=pair"), "error: scoring: pair scores come from a DFlash2 drafter"),
+    (("CONV7",), "error: drafter.dflash_config.conv_group_size: 7 does not divide hidden_size 64"),
+])
+def test_cli_refuses_in_one_line(cli, tmp_path, saved, args, expected):
+    if args == ("CONV7",):
+        bad = _copy(saved, tmp_path, "bad", config=lambda c: c["dflash_config"].update(conv_group_size=7))
+        args = ("drafter=dflash2", f"drafter.name_or_path={bad}")
+    elif "drafter=tiny" not in args:
+        args = ("drafter=dflash2", f"drafter.name_or_path={saved}", *args)
+    proc = cli("model=tiny_qwen3", "dataset=tiny", "method=ddtree", "tracking=none", *args,
+               f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'job'}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), proc.stderr
+
+
+def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
+    """The node table of a pair-scored round: a node is on the drafter's path when every ancestor is its parent's best
+    child under pair scores, and top-1 when it is one itself (not the marginal argmax of its depth)."""
+    from ddtree.engine.diagnostics import NODE_COLUMNS, RoundRecorder
+    from ddtree.engine.tree import walk
+
+    short = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=7, selector_top_k=4, selector_rank=8)
+    logits, hidden = _block(short, target, 4)
+    cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
+    flags: list[bool] = []
+    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 20, flags)
+    toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
+    choice = torch.tensor([toks[i] if i < len(toks) else 0 for i in range(1, len(toks) + 1)])  # follows some nodes
+    rec = RoundRecorder()
+    w = walk(tree, choice)
+    rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice, torch.tensor(flags))
+    table = [[0] * NODE_COLUMNS for _ in range(logits.shape[0] + 1)]
+    for i in range(1, len(toks)):
+        on, j = True, pars[i]
+        while j > 0:
+            on, j = on and flags[j], pars[j]
+        table[deps[i]][(0 if on else 4) + 2 * flags[i] + (toks[i] == int(choice[pars[i]]))] += 1
+    assert rec.finish()["nodes"] == table
+
+
+def test_training_fits_the_selector_and_stays_lossless(tmp_path):
+    """python -m ddtree.train's loop on a DFlash2 drafter: the selector's loss on held-out blocks falls and its
+    accuracy among the candidates rises, and the trained checkpoint decodes losslessly with every method."""
+    import copy
+    import random
+
+    from train_support import MASK, _direct_features, _records, _target, _train
+
+    from ddtree.train.features import Sample
+    from ddtree.train.objective import drafter_hidden, make_batch, selector_loss
+
+    torch.manual_seed(0)
+    target = _target()
+    start = DFlash2Drafter.random_for_target(target.config, num_layers=1, block_size=4, target_layer_ids=[1, 3],
+                                             mask_token_id=MASK, seed=0, selector_top_k=4, selector_rank=8,
+                                             perturb=False)
+    before = copy.deepcopy(start)
+    drafter, summary, losses = _train(tmp_path, target, 60, drafter=start)
+    assert losses[-1] < losses[0] and "final_selector_acc" in summary
+    with torch.no_grad():
+        samples = [Sample(torch.tensor(r["input_ids"]), _direct_features(target, r["input_ids"], [1, 3]),
+                          [tuple(r["spans"][0])]) for r in _records(8, seed=9, pattern=True)]
+        batch = make_batch(samples, 4, 6, MASK, random.Random(0))
+        embed, head = target.get_input_embeddings().weight, target.get_output_embeddings().weight
+        old = selector_loss(before, drafter_hidden(before, embed, batch), head, batch)[1]
+        new = selector_loss(drafter, drafter_hidden(drafter, embed, batch), head, batch)[1]
+    assert new["selector_loss"] < 0.8 * old["selector_loss"] and new["selector_acc"] > old["selector_acc"], (old, new)
+    drafter.save_pretrained(tmp_path / "drafter")
+    loaded = DFlashDrafter.from_pretrained(tmp_path / "drafter")
+    assert type(loaded) is DFlash2Drafter
+    prompt = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    ref = hf_greedy(target, prompt, 16)
+    for method, scoring in CASES:
+        assert ddtree.generate(target, loaded, prompt, method=method, budget=8, max_new_tokens=16,
+                               scoring=scoring).output_ids == ref
