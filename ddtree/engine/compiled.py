@@ -513,7 +513,8 @@ class StaticDraft:
     accepted path's features in `context` [1, P, F] (P = min(N, block): padded) and its length in `count`; the graph
     writes the P context rows at length .. length + P - 1, then the block's rows right behind the real ones (at
     length + count: they overwrite the padding), attends over all Cd rows under a mask (rows before the block's end,
-    the causal and window rules of each layer), and returns the block's logits [block - 1, V] (float32).
+    the causal and window rules of each layer; `grouped_attention`), and returns the block's logits [block - 1, V]
+    (float32).
     """
 
     def __init__(self, static: StaticRound, proposer):
@@ -590,7 +591,8 @@ class StaticDraft:
         key_pos = torch.arange(k_bufs[0].shape[-2], device=dev)
         delta = block_rows[:, None] - key_pos[None, :]  # [q, Cd]: query position - key position (row)
         written = (key_pos < start + q)[None, :]
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[int | None, torch.Tensor] = {}  # visible [q, Cd] per window
+        biases: dict[tuple, torch.Tensor] = {}  # grouped_bias per (window, groups)
         declared = drafter.config.is_causal
         for i, layer in enumerate(drafter.layers):
             attn = layer.self_attn
@@ -599,8 +601,7 @@ class StaticDraft:
                 visible = written & (delta >= 0) if (declared if declared is not None else window is not None) else written
                 if window is not None:
                     visible = visible & (delta.abs() < window)
-                masks[window] = torch.zeros(visible.shape, dtype=x.dtype, device=dev).masked_fill_(
-                    ~visible, torch.finfo(x.dtype).min)[None, None]
+                masks[window] = visible.expand(q, -1)
             h = layer.input_layernorm(x)
             queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
             queries = RopeTables.apply(queries, block_rope)
@@ -613,8 +614,12 @@ class StaticDraft:
                 new = new.to(buf.dtype)
                 buf.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
                 buf.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
-            out, _ = drafter._attend(attn, queries, k_buf, v_buf, masks[window], dropout=0.0,
-                                     scaling=attn.scaling, is_causal=False)
+            groups = queries.shape[1] // k_buf.shape[1]
+            if (window, groups) not in biases:
+                biases[window, groups] = grouped_bias(masks[window], groups, queries.dtype)
+            # not the drafter's own attention function (`_attend`): the model's sdpa path expands K/V per query head
+            # (a copy of every cached row, each layer) where the grouped call reads them once
+            out = grouped_attention(queries, k_buf, v_buf, biases[window, groups], attn.scaling).transpose(1, 2)
             x = x + attn.o_proj(out.reshape(1, q, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         length.add_(count)
