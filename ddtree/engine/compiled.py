@@ -53,7 +53,8 @@ from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables,
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.errors import ConfigError
 
-__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "static_round_for", "why_not_static"]
+__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "fused_sdpa_refusal", "grouped_attention",
+           "grouped_bias", "static_round_for", "why_not_static"]
 
 log = logging.getLogger("ddtree.engine.compiled")
 
@@ -173,6 +174,32 @@ def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     out = F.scaled_dot_product_attention(query.reshape(b, hkv, h // hkv * n, d), keys, values, attn_mask=bias,
                                          scale=scale)
     return out.view(b, h, n, d)
+
+
+def fused_sdpa_refusal(query, keys, values, mask, enable_gqa: bool = False) -> str | None:
+    """Why CUDA's memory-efficient SDPA kernel would refuse this masked call (the math backend then runs: K/V
+    expanded per query head, fp32 scores), in words; None where it takes it. Its rules as torch's sdp_utils checks
+    them (tensors' metadata only: runs on any device): 4-D inputs, no GQA, a last dim of stride 1 and a multiple of
+    8, half or float, a mask in the queries' dtype broadcastable to [B, H, L, S] whose rows are 16-aligned (else
+    torch pads a copy of it)."""
+    if enable_gqa or query.shape[1] != keys.shape[1]:
+        return f"grouped-query attention ({query.shape[1]} query heads over {keys.shape[1]} KV heads)"
+    if any(t.dim() != 4 for t in (query, keys, values)):
+        return "inputs not 4-D"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype}"
+    if any(t.stride(-1) != 1 for t in (query, keys, values)):
+        return "a last dim of stride != 1"
+    if query.shape[-1] % 8:
+        return f"head dim {query.shape[-1]} not a multiple of 8"
+    if mask is not None:
+        if mask.dtype != query.dtype:
+            return f"a {mask.dtype} mask (torch converts it to {query.dtype}: a copy a call)"
+        if mask.dim() != 4 or mask.shape[-2:] != (query.shape[-2], keys.shape[-2]):
+            return f"mask shape {tuple(mask.shape)} for [.., {query.shape[-2]}, {keys.shape[-2]}]"
+        if mask.shape[-1] % 16:
+            return f"mask rows of {mask.shape[-1]} (not 16-aligned: torch pads a copy)"
+    return None
 
 
 def _kv_buffers(layers: int, like: torch.Tensor, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
