@@ -40,6 +40,7 @@ can run, and nowhere else: on a CPU a compile costs tens of seconds to minutes a
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -63,6 +64,9 @@ OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=
 # graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
 # another: per torch.compile call, not dynamo's process-wide setting
 RECOMPILE_LIMIT = 64
+# torch.compile takes recompile_limit= from torch 2.12 on (pytorch#177936, March 2026): torch 2.11 (the GPU image's)
+# would raise TypeError; there dynamo's process-wide limit (8) holds, which a process's few shapes stay under
+_TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 def capacity_bucket(needed: int) -> int:
@@ -256,7 +260,9 @@ class StaticRound:
         self.kernel = self.gdn_modules[0].conv_kernel_size if self.gdn_modules else 0
         self.attn_layers = [i for i, layer in enumerate(self.layers) if not layer.linear]
         self.mrope = lean.positions != ROPE
-        opts: dict = {"fullgraph": True, "dynamic": False, "recompile_limit": RECOMPILE_LIMIT}
+        opts: dict = {"fullgraph": True, "dynamic": False}
+        if _TAKES_RECOMPILE_LIMIT:
+            opts["recompile_limit"] = RECOMPILE_LIMIT
         if backend is not None:
             opts["backend"] = backend
         elif self.device.type == "cuda":

@@ -8,10 +8,11 @@ call that compiled raises (`plan_of` runs one call and keeps the plan). Inputs m
 on a CPU with little memory (bench/bench_launches.py --compile), and a test can read the allocations of a tiny
 model's graphs in seconds instead of minutes of C++ compiling (tests/test_compile.py).
 
-Bytes per kernel are `BaseSchedulerNode.get_read_write_buffers_sizes()`: every buffer a fused node reads or writes,
-counted once per node, a buffer read through an index counted at most at its size (Inductor's own estimate; what
-torch.compile's `inductor_metrics` log prints). Extern kernels (matrix products, attention) count their inputs and
-outputs whole. The scheduler and code generation are the CPU backend's here; a CUDA compile fuses differently in
+Bytes per kernel (`_node_bytes`) start from Inductor's own account (`get_read_write_buffer_accesses`, what
+torch.compile's `inductor_metrics` log sums): every buffer a fused node reads or writes, once per node, fused
+intermediates left out; a buffer read through indices is counted at the elements the loop touches (Inductor takes
+the whole buffer) and an extern kernel's buffers (matrix products, attention) whole (Inductor caps them at 1e9
+elements). The scheduler and code generation are the CPU backend's here; a CUDA compile fuses differently in
 places (Triton), with the same buffers in and out of each extern kernel.
 """
 
@@ -31,18 +32,69 @@ _ALLOC = re.compile(r"(\w+) = empty_strided_\w+\(\(([^)]*)\), \(([^)]*)\), torch
 
 @dataclass
 class Plan:
-    """One graph's plan: its wrapper code and (kernel name, bytes read and written) per scheduled node."""
+    """One graph's plan: its wrapper code and (node name, bytes read and written, what it runs) per scheduled
+    node."""
 
     code: str
-    nodes: list[tuple[str, int]] = field(default_factory=list)
+    nodes: list[tuple[str, int, str]] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
-        return sum(b for _, b in self.nodes)
+        return sum(b for _, b, _ in self.nodes)
 
 
 class _Planned(Exception):
     pass
+
+
+def _node_bytes(node) -> int:
+    """Bytes one scheduled node reads and writes: Inductor's per-buffer count (each buffer at most its size, fused
+    intermediates left out), with two corrections where that count is a worst case, not the traffic: an extern
+    kernel's buffers at their sizes (Inductor caps them at 1e9 elements: a 27B model's lm_head), and a buffer read
+    through indices (an embedding's rows, a gather) at the elements the loop touches, not the whole buffer."""
+    from torch._inductor.dependencies import MemoryDep
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+    from torch._inductor.utils import get_dtype_size
+    from torch._inductor.virtualized import V
+
+    if isinstance(node, NopKernelSchedulerNode):
+        return 0
+    hint = V.graph.sizevars.optimization_hint
+    deps = list(node.read_writes.reads) + list(node.read_writes.writes)
+
+    def whole(name: str) -> int:
+        try:
+            return int(hint(V.graph.get_numel(name), fallback=0)) * get_dtype_size(V.graph.get_dtype(name))
+        except Exception:  # a buffer without a layout (NoneLayout)
+            return 0
+
+    if isinstance(node, ExternKernelSchedulerNode):
+        return sum(whole(name) for name in {d.name for d in deps})
+    acc = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
+    for name in acc:
+        indirect = [d for d in deps if d.name == name and isinstance(d, MemoryDep) and d.is_indirect()]
+        if indirect:
+            size = get_dtype_size(V.graph.get_dtype(name))
+            touched = sum(int(hint(sympy_product(d.size), fallback=0)) for d in indirect) * size
+            acc[name] = min(whole(name) or touched, touched)
+    return int(sum(acc.values()))
+
+
+def sympy_product(sizes):
+    from torch._inductor.utils import sympy_product as product
+
+    return product(sizes)
+
+
+def _kind(node) -> str:
+    """An extern kernel's op (aten.mm, sdpa, ...), else the fused node's origin ops."""
+    inner = getattr(node, "node", None)
+    name = getattr(inner, "python_kernel_name", None)
+    if name:
+        return str(name)
+    origins = sorted({str(o.target) for n in getattr(node, "get_nodes", lambda: [node])()
+                      for o in getattr(getattr(n, "node", None), "origins", ()) if o.op == "call_function"})
+    return "fused: " + ", ".join(origins[:6])
 
 
 def allocations(code: str) -> list[tuple[str, tuple[int, ...], str]]:
@@ -66,7 +118,7 @@ def inductor_plans() -> Iterator[list[Plan]]:
     def planned(self):
         wrapper, _ = self.codegen()
         code = getattr(wrapper, "value", wrapper)
-        nodes = [(node.get_name(), int(node.get_read_write_buffers_sizes())) for node in self.scheduler.nodes]
+        nodes = [(node.get_name(), _node_bytes(node), _kind(node)) for node in self.scheduler.nodes]
         plans.append(Plan(str(code), nodes))
         raise _Planned
 
