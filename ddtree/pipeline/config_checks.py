@@ -175,8 +175,6 @@ def check_tracking(rc: RunConfig) -> None:
     t = rc.tracking
     _choice("tracking.backend", t.backend, TRACKERS)
     if t.backend == "mlflow":
-        import importlib.util
-
         if importlib.util.find_spec("mlflow") is None:  # e.g. the GPU machine's image (bench/device_kit.sh)
             raise ConfigError("tracking.backend", "mlflow is not installed here",
                               "use tracking=none (samples.jsonl and summary.json are still written) or pip install mlflow")
