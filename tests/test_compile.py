@@ -524,3 +524,23 @@ def test_no_graph_copies_a_buffer_that_grows_with_context(hybrid, method, dynamo
                 if cap in shape:
                     assert shape[-1] == cap and shape.count(cap) == 1, (stage, name, shape)
                     assert torch.Size(shape).numel() <= groups * 5 * cap, (stage, name, shape)
+
+
+def test_grouped_attention_equals_masked_gqa_attention():
+    """grouped_attention (each KV group's queries stacked, an additive mask repeated per group member) against the
+    plain masked call with enable_gqa and against K/V expanded per head: the same outputs in float64."""
+    from ddtree.engine.compiled import grouped_attention, grouped_bias
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv, n, cap, d = 6, 2, 5, 32, 8
+    q = torch.randn(1, heads, n, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, kv, cap, d, generator=g, dtype=torch.float64) for _ in range(2))
+    visible = torch.rand(n, cap, generator=g) < 0.6
+    visible[:, 0] = True
+    out = grouped_attention(q, k, v, grouped_bias(visible, heads // kv, q.dtype), 0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.3, enable_gqa=True)
+    expanded = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), attn_mask=visible, scale=0.3)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, expanded, rtol=1e-12, atol=1e-12)
