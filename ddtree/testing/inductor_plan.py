@@ -50,9 +50,10 @@ class _Planned(Exception):
 def _node_bytes(node) -> int:
     """Bytes one scheduled node reads and writes: Inductor's per-buffer count (each buffer at most its size, fused
     intermediates left out), with two corrections where that count is a worst case, not the traffic: an extern
-    kernel's buffers at their sizes (Inductor caps them at 1e9 elements: a 27B model's lm_head), and a buffer read
-    through indices (an embedding's rows, a gather) at the elements the loop touches, not the whole buffer."""
-    from torch._inductor.dependencies import MemoryDep
+    kernel's buffers at their sizes (Inductor caps them at 1e9 elements: a 27B model's lm_head), a buffer read or
+    written through indices (an embedding's rows, a gather, `index_copy_`'s rows: Inductor takes the whole buffer) at
+    the elements the loop touches, and an ordering edge (WeakDep: a buffer written in place later) at none."""
+    from torch._inductor.dependencies import MemoryDep, StarDep, WeakDep
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.utils import get_dtype_size
     from torch._inductor.virtualized import V
@@ -60,7 +61,6 @@ def _node_bytes(node) -> int:
     if isinstance(node, NopKernelSchedulerNode):
         return 0
     hint = V.graph.sizevars.optimization_hint
-    deps = list(node.read_writes.reads) + list(node.read_writes.writes)
 
     def whole(name: str) -> int:
         try:
@@ -69,14 +69,25 @@ def _node_bytes(node) -> int:
             return 0
 
     if isinstance(node, ExternKernelSchedulerNode):
-        return sum(whole(name) for name in {d.name for d in deps})
+        return sum(whole(name) for name in {d.name for d in (*node.read_writes.reads, *node.read_writes.writes)})
     acc = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
     for name in acc:
-        indirect = [d for d in deps if d.name == name and isinstance(d, MemoryDep) and d.is_indirect()]
-        if indirect:
-            size = get_dtype_size(V.graph.get_dtype(name))
-            touched = sum(int(hint(sympy_product(d.size), fallback=0)) for d in indirect) * size
-            acc[name] = min(whole(name) or touched, touched)
+        touched, indexed = 0, False
+        for sub in node.get_nodes():
+            ranges = sub.get_ranges() if hasattr(sub, "get_ranges") else ((), ())
+            numel = int(hint(sympy_product(ranges[0]) * sympy_product(ranges[1]), fallback=0))
+            for dep in (*sub.read_writes.reads, *sub.read_writes.writes):
+                if dep.name != name:
+                    continue
+                if isinstance(dep, WeakDep):  # an ordering edge (a later write to the buffer), no access
+                    indexed = True
+                elif isinstance(dep, StarDep) or (isinstance(dep, MemoryDep) and dep.is_indirect()):
+                    indexed = True
+                    touched += numel
+                elif isinstance(dep, MemoryDep):
+                    touched += int(hint(dep.get_numel(), fallback=0))
+        if indexed:
+            acc[name] = min(acc[name], touched * get_dtype_size(V.graph.get_dtype(name)))
     return int(sum(acc.values()))
 
 
