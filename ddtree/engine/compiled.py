@@ -371,7 +371,7 @@ class StaticRound:
             rows = length + torch.arange(n, device=dev)
         meta = bufs = None
         if conv is not None:
-            meta, bufs, stacked = self._gdn_round(hidden, parents, depths, anc)
+            meta, bufs = self._gdn_round(hidden, parents, depths, anc)
         wanted = set(self.hidden_ids or ())
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
@@ -405,10 +405,15 @@ class StaticRound:
             kept[last] = hidden
         logits = self.lean.head.forward(hidden)[0]
         feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
-        return logits, feats, (stacked if conv is not None else None)
+        pending = None
+        if conv is not None:  # the commit's inputs, stacked over the GDN layers once
+            pending = tuple(torch.stack([getattr(b, name) for b in bufs])
+                            for name in ("keys", "deltas", "xy", "extended"))
+        return logits, feats, pending
 
     def _gdn_round(self, hidden: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor):
-        """The round's TreeMeta and every GDN layer's LayerBuffers, as slots of stacked buffers."""
+        """The round's TreeMeta and every GDN layer's LayerBuffers (the four the commit reads are stacked by `_verify`
+        after the layers have written them)."""
         n = hidden.shape[1]
         up = parents.clamp(min=0)
         hop = torch.arange(n, device=hidden.device)
@@ -420,17 +425,16 @@ class StaticRound:
         meta = gdn.TreeMeta(conv_index, decay_map, decay_mask, depths, up, n - 1)
         module = self.gdn_modules[0]
         channels = module.conv1d.weight.shape[0]
-        count = len(self.gdn_modules)
-        stacked = {}
-        for name, shape in gdn._buffer_shapes(module, hidden.shape[0], n, channels).items():
-            dtype = hidden.dtype if name in gdn._MODEL_DTYPE else torch.float32  # as gdn.new_buffers lays them out
-            stacked[name] = torch.empty(1 if name == "out" else count, *shape, dtype=dtype, device=hidden.device)
+        shapes = gdn._buffer_shapes(module, hidden.shape[0], n, channels)
         bufs = []
-        for g, consts in enumerate(self.consts):
-            b = gdn.LayerBuffers(**{name: buf[0 if name == "out" else g] for name, buf in stacked.items()})
+        for consts in self.consts:  # buffers of its own per layer: writes into slots of a stacked buffer made
+            # Inductor copy the whole stack at every layer (G^2 slots a round); the commit's four are stacked once
+            b = gdn.LayerBuffers(**{name: torch.empty(shape, device=hidden.device, dtype=hidden.dtype
+                                                      if name in gdn._MODEL_DTYPE else torch.float32)
+                                    for name, shape in shapes.items()})  # as gdn.new_buffers lays them out
             gdn._fill_gates(b.gates, consts)
             bufs.append(b)
-        return meta, bufs, (stacked["keys"], stacked["deltas"], stacked["xy"], stacked["extended"])
+        return meta, bufs
 
     def _commit(self, path: torch.Tensor, length: torch.Tensor, keys: list | None, values: list | None,
                 conv: torch.Tensor | None, rec: torch.Tensor | None, pending: tuple | None,
