@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all run bench docs lint toy toy-pure clean
+.PHONY: install test test-slow test-all run bench docs lint toy toy-pure clean device-kit
 
 $(STAMP): pyproject.toml setup.py ddtree/engine/_hosttree.c
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_overhead.py
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_engines.py --out runs/bench_engines.md
 	OMP_NUM_THREADS=1 $(PY) bench/bench_launches.py --out runs/bench_launches.json
+
+# the wheels the GPU machine's image lacks, for its Python 3.12, in .kit/ (docs/gpu.md: one `device` run)
+device-kit: $(STAMP)
+	PYTHON=$(PY) bench/device_kit.sh
 
 # regenerate the generated pages: README's model/method table, docs/benchmarks.md (from docs/bench/*.json), paper tables
 docs: $(STAMP)

@@ -281,6 +281,87 @@ def build(name: str, a):
     return real, target, drafter
 
 
+# ----- bytes per compiled round ---------------------------------------------------------------------------------
+
+def _empty_model(build_fn):
+    """A model built on the meta device and given memory never written (`to_empty`): real dims at no RSS."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = build_fn()
+    finally:
+        torch.set_default_dtype(default)
+    for module in model.modules():  # RoPE modules that keep their frequencies through casts: real ones (tiny)
+        for key, buf in list(module.named_buffers(recurse=False)):
+            if buf.is_meta:
+                setattr(module, key, torch.ones(buf.shape, dtype=buf.dtype))
+    return model.to_empty(device="cpu").eval()
+
+
+def round_bytes(name: str, a) -> list[dict]:
+    """Bytes a compiled DDTree-`a.bytes_budget` round's generated code reads and writes, by stage, at the real dims:
+    Inductor's own count per fused kernel (ddtree.testing.inductor_plan: the plan of each graph, its kernels not
+    built, on memory never written). The target's graphs are planned at one period of the layer pattern (Qwen3.6:
+    3 GDN + 1 attention) and at two; the real depth is then exact from their difference,
+    b(P) + (L / P - 1) (b(2P) - b(P)). Next to it the floor: the weights read once (the target without its
+    embedding table, the drafter's layers and fc, the lm_head again for the drafter's block), the KV rows of the
+    context read once (target and drafter), the GDN states read and written, the round's logits written (and the
+    drafter's read by the tree build)."""
+    from ddtree.engine import host
+    from ddtree.engine.compiled import capacity_bucket
+    from ddtree.testing.inductor_plan import round_plans
+
+    real = real_config(name)
+    types = list(getattr(real, "layer_types", None) or ["full_attention"] * real.num_hidden_layers)
+    period = next((p for p in range(1, len(types) + 1) if len(types) % p == 0
+                   and types == types[:p] * (len(types) // p)), len(types))
+    dims = real_dims(name)
+    budget, block = a.bytes_budget, 16
+    n = budget + 1
+    rows: list[dict] = []
+    measured: dict[tuple[int, int], dict[str, int]] = {}
+    for layers in (period, 2 * period):
+        kw = real.to_dict()
+        for k in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+            kw.pop(k, None)
+        kw.update(num_hidden_layers=layers, layer_types=types[:layers])
+        cfg = AutoConfig.for_model(real.model_type, **kw)
+        target = _empty_model(lambda cfg=cfg: AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa"))
+        feature_ids = [min(i, layers - 1) for i in (1, 1, 2, 2, 3)]  # 5 features as the real drafter's (layers < 64)
+        drafter = _empty_model(lambda cfg=cfg, ids=feature_ids: DFlashDrafter.random_for_target(
+            cfg, num_layers=5, block_size=block, target_layer_ids=ids, seed=1))
+        with host.device_path():
+            engine = ddtree.Engine(target, drafter, method="ddtree", budget=budget, compile="true")
+            for ctx in a.bytes_contexts:
+                t0 = time.perf_counter()
+                cap = capacity_bucket(ctx + a.bytes_new + n)
+                plans = round_plans(engine, cap, capacity_bucket(ctx + a.bytes_new + n + 2 * block))
+                measured[layers, ctx] = {stage: p.bytes for stage, p in plans.items()}
+                print(f"  bytes: {layers} layers, context {ctx} (capacity {cap}): "
+                      + ", ".join(f"{k} {v / 1e9:.3f} GB" for k, v in measured[layers, ctx].items())
+                      + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
+        del engine, target, drafter
+    scale = len(types) // period - 1
+    for ctx in a.bytes_contexts:
+        one, two = measured[period, ctx], measured[2 * period, ctx]
+        stages = {stage: one[stage] + (scale * (two[stage] - one[stage]) if stage in ("verify", "commit") else 0)
+                  for stage in one}
+        weights = 2 * (dims["params"] + dims["drafter"] + dims["head"])
+        kv = ctx * (dims["attn_layers"] * dims["kv_row"] + 5 * dims["drafter_kv_row"])
+        states = 2 * dims["gdn_layers"] * dims["gdn_state"]
+        acts = n * real.vocab_size * 2 + 2 * (block - 1) * real.vocab_size * 4
+        floor = weights + kv + states + acts
+        total = sum(stages.values())
+        rows.append(dict(context=ctx, capacity=capacity_bucket(ctx + a.bytes_new + n), stages=stages, total=total,
+                         floor=floor, floor_parts=dict(weights=weights, kv=kv, gdn_states=states, activations=acts),
+                         ratio=total / floor))
+        print(f"  bytes per round at {ctx} context: " + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in stages.items())
+              + f" = {total / 1e9:.2f} GB; floor {floor / 1e9:.2f} GB (weights {weights / 1e9:.2f}, KV {kv / 1e9:.2f},"
+              f" GDN states {states / 1e9:.2f}, logits {acts / 1e9:.2f}): {total / floor:.3f}x", flush=True)
+    return rows
+
+
 # ----- the drafter at long context ------------------------------------------------------------------------------
 
 def drafter_context(a) -> list[dict]:
@@ -392,6 +473,12 @@ def main() -> None:
                          "counts outside the graphs, without minutes of code generation on a CPU)")
     ap.add_argument("--graph-us", type=float, default=30.0,
                     help="host cost of one compiled-graph call (a CUDA graph replay and its Python guards)")
+    ap.add_argument("--bytes-contexts", default="4096,32768",
+                    help="--compile: bytes per DDTree round (Inductor's plan at the real dims) at these contexts; '' "
+                         "to skip")
+    ap.add_argument("--bytes-budget", type=int, default=64)
+    ap.add_argument("--bytes-new", type=int, default=512, help="max_new_tokens the capacity is sized for")
+    ap.add_argument("--bytes-only", action="store_true", help="only the bytes per round (--compile)")
     ap.add_argument("--code", default=None, help="import ddtree from this directory (read before the imports)")
     ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_launches.json"), help="'-' for none")
     a = ap.parse_args()
@@ -400,9 +487,14 @@ def main() -> None:
     a.drafter_contexts = [int(x) for x in a.drafter_contexts.split(",") if x]
     if a.table_context not in a.contexts:
         a.contexts.append(a.table_context)
+    a.bytes_contexts = [int(x) for x in a.bytes_contexts.split(",") if x] if a.compile else []
 
     results = {}
-    for name in a.structures.split(","):
+    bytes_rows = {}
+    for name in a.structures.split(",") if a.bytes_contexts else ():
+        print(f"{name}: bytes per compiled DDTree-{a.bytes_budget} round (Inductor's plan at the real dims)", flush=True)
+        bytes_rows[name] = round_bytes(name, a)
+    for name in a.structures.split(",") if not a.bytes_only else ():
         real, target, drafter = build(name, a)
         dims = real_dims(name)
         ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
@@ -465,6 +557,12 @@ def main() -> None:
         rec.table(f"{name}: predicted round ms (ceiling ms) by context", ["method", *(f"{c // 1024}k" for c in a.contexts)],
                   [[r["method"], *(f"{r['predicted'][str(c)]['round_ms']:.1f} ({r['predicted'][str(c)]['ceiling_ms']:.1f})"
                                    for c in a.contexts)] for r in rows])
+    for name, brows in bytes_rows.items():
+        stages = list(brows[0]["stages"])
+        rec.table(f"{name}: bytes per compiled DDTree-{a.bytes_budget} round (GB; Inductor's plan at the real dims)",
+                  ["context", "capacity", *stages, "total", "floor", "total / floor"],
+                  [[r["context"], r["capacity"], *(round(r["stages"][s] / 1e9, 3) for s in stages),
+                    round(r["total"] / 1e9, 2), round(r["floor"] / 1e9, 2), round(r["ratio"], 3)] for r in brows])
     fused = fused_ops_seen()
     if fused:  # on CUDA: which implementation each fused op ran, and the timed ones' measurements
         print("fused ops (ddtree.engine.kernels): " + "; ".join(f"{r[0]} {r[1]}" + (f" ({r[2]})" if r[2] else "")

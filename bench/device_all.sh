@@ -1,128 +1,102 @@
 #!/usr/bin/env bash
-# Every CUDA path in one call, under 8 minutes on one GPU, written to one Markdown file:
-#   1. the lossless and verdict tests on CUDA (pytest -m gpu over tests/: fp32/bf16, sdpa/flash, split/dense, the fused
-#      ops' Triton kernels (DDTREE_KERNELS=strict: one that fails its first-call check fails the run), the CUDA
-#      kernels, the fused norm, one host read a round with CUDA-event stage timing),
-#   2. bench/device_forward.py (target forward per backend and tree size, a Qwen3-8B-shaped random model),
-#   3. bench/bench_launches.py (ops, syncs and real kernel launches per round on Qwen3.6-27B's and Qwen3-8B's layer
-#      structure at tiny width, the predicted H200 round; JSON next to OUT.md as OUT.launches.json),
-#   4. bench/bench_engines.py (native vs the authors' code vs transformers' DFlash, interleaved),
-#   5. device_forward's flex_attention row (compiled first, so last and alone),
-#   6. the compiled round (compile=true: inductor with CUDA graphs, docs/compile.md): its CUDA test, then
-#      bench_launches --compile on the Qwen3.6-27B structure (ops outside the graphs, graph calls, CUDA launches).
-#      It runs first (the riskiest, never yet run on a GPU); the report keeps the numbering above.
-#   Steps 1-5 run the eager round (DDTREE_COMPILE=0 keeps compile=auto off: the grid would compile every shape).
+# Every CUDA check in one `device` call (10 minutes at most): a preflight (<= 60 s), then steps by priority within
+# 480 s in all, each written under OUTDIR as it runs (a call killed at its limit returns what is there).
 #
-#   bench/device_all.sh [OUT.md]                     # default runs/device_all.md
-#   DDTREE_UPSTREAM=runs/ddtree-upstream bench/device_all.sh   # with the authors' checkout (never committed)
-#   DEVICE_STEPS="compiled" bench/device_all.sh runs/device_compiled.md   # some steps only (default: all six)
+#   bench/device_all.sh OUTDIR          # on the GPU machine: OUTDIR=$OUT (docs/gpu.md: the one call)
+#   DEVICE_STEPS="preflight compiled_tests" bench/device_all.sh OUTDIR   # some steps only
+#   DEVICE_BUDGET_S=480 (the steps' total after the preflight), PREFLIGHT_S=60
 #
-# Each step has its own time limit (STEP_S_TESTS, STEP_S_FORWARD, STEP_S_LAUNCHES, STEP_S_ENGINES, STEP_S_FLEX,
-# STEP_S_COMPILED_TESTS, STEP_S_COMPILED_LAUNCHES seconds)
-# so a slow step
-# cannot eat the others; a failed or timed-out step is recorded in the file and the next one still runs.
-# The exit status is the tests' (0 = every CUDA test passed). Without a CUDA device it says so and exits 0.
+# The image (torch 2.11, triton 3.6, Python 3.12, transformers 5.17, no hydra/omegaconf/mlflow, no index) gets the
+# kit when .kit/ holds it (`make device-kit`; the call carries .kit): pip install --no-index --no-deps into a folder
+# of its own on PYTHONPATH, ahead of the image's site-packages (transformers 5.22 over 5.17). No MLflow there: a CLI
+# run needs tracking=none.
+#
+# Steps, in this order (the first that matter most; cold compiles after the eager steps, flex last):
+#   preflight          bench/device_preflight.py: versions and where each came from, fp32 matmul precision, torch's
+#                      SDPA choice for the compiled verify's attention, one tiny compiled round vs HF greedy
+#   tests              pytest -m gpu (eager: lossless fp32, bf16 verdicts, fused ops' Triton kernels under
+#                      DDTREE_KERNELS=strict, CUDA kernels, one host read a round)
+#   launches           bench_launches.py on CUDA (Qwen3.6-27B structure, eager): ops, syncs, real kernel launches
+#   compiled_tests     pytest -m gpu -k compiled_round (inductor + CUDA graphs: lossless, no recompile, 1 read)
+#   compiled_launches  bench_launches.py --compile on CUDA (ops outside graphs, graph calls, CUDA launches)
+#   forward            device_forward.py: the target forward per attention backend and tree size
+#   engines            bench_engines.py: native vs the authors' code (toy pairs)
+#   flex               device_forward.py's flex_attention row (compiles its kernel)
+# Under OUTDIR (8 files at most come back from a call): status.txt (a line per step: exit, seconds, limit),
+# steps.log (every step's output, appended as it runs), preflight.json, launches.json, compiled_launches.json,
+# engines.md. Exit: the preflight's and the tests' status (0 = all passed). Without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_MD=${1:-runs/device_all.md}
+OUTDIR=${1:?usage: bench/device_all.sh OUTDIR}
+mkdir -p "$OUTDIR"
+OUTDIR=$(cd "$OUTDIR" && pwd)
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ] && .venv/bin/python -c "import torch" 2>/dev/null; then PY=.venv/bin/python; else PY=python3; fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-# a fused op whose Triton kernel fails or disagrees on its first CUDA call raises here (never the silent fallback)
-export DDTREE_KERNELS=${DDTREE_KERNELS:-strict}
-mkdir -p "$(dirname "$OUT_MD")"
-LOG_DIR=$(mktemp -d)
-
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "device_all: no CUDA device visible to $PY (torch.cuda.is_available() is False): nothing to run"
+  echo "device_all: no CUDA device visible to $PY (torch.cuda.is_available() is False or torch absent): nothing to run" \
+    | tee "$OUTDIR/status.txt"
   exit 0
 fi
+if ls .kit/*.whl >/dev/null 2>&1; then  # the carried wheels, ahead of the image's packages
+  KIT_DIR=${KIT_DIR:-/tmp/ddtree-kit}
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KIT_DIR" .kit/*.whl \
+    || { echo "device_all: the kit did not install" | tee "$OUTDIR/status.txt"; exit 1; }
+  export PYTHONPATH="$PWD:$KIT_DIR${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "device_all: no .kit/ (make device-kit; carry .kit): the image's packages only"
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export DDTREE_KERNELS=${DDTREE_KERNELS:-strict}  # a fused op's kernel that fails its first-call check fails the run
+STEPS=" ${DEVICE_STEPS:-preflight tests launches compiled_tests compiled_launches forward engines flex} "
+BUDGET=${DEVICE_BUDGET_S:-480}
+T0=$SECONDS
+: >"$OUTDIR/status.txt"
+: >"$OUTDIR/steps.log"
 
-STEPS=" ${DEVICE_STEPS:-tests forward launches engines flex compiled} "
-step() {  # step NAME SECONDS CMD... : run with a limit, log to $LOG_DIR/NAME.log, echo the status
+step() {  # step NAME LIMIT CMD...: within its limit and what is left of the budget; output appended to steps.log
   local name=$1 limit=$2; shift 2
-  case "$STEPS" in *" ${name%%_*} "*) ;; *) echo "(step $name not selected)" >"$LOG_DIR/$name.log"; return 0 ;; esac
-  local t0=$SECONDS
-  timeout --signal=INT --kill-after=15 "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1
+  case "$STEPS" in *" $name "*) ;; *) return 0 ;; esac
+  local left=$((BUDGET - (SECONDS - T0)))
+  if [ "$name" != preflight ]; then
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 20 ]; then
+      echo "$name: skipped (${left} s of the ${BUDGET} s budget left)" | tee -a "$OUTDIR/status.txt"
+      return 0
+    fi
+  fi
+  echo "===== $name (limit $limit s) $(date -u +%T)" >>"$OUTDIR/steps.log"
+  local t=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" >>"$OUTDIR/steps.log" 2>&1
   local rc=$?
-  echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$LOG_DIR/status"
+  echo "$name: exit $rc after $((SECONDS - t)) s (limit $limit s)" | tee -a "$OUTDIR/status.txt"
   return $rc
 }
 
-# limits add up to 520 s for steps 1-5 and 300 s for step 6, plus start-up: run them as two calls where a call is
-# limited to 10 minutes (DEVICE_STEPS="compiled tests", then DEVICE_STEPS="forward launches engines flex")
-# the compiled round first: never run on a GPU before, the riskiest and the one compile=auto picks there
-step compiled_tests "${STEP_S_COMPILED_TESTS:-150}" "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs \
-  -p no:cacheprovider -k compiled_round
-COMPILED_RC=$?
-step compiled_launches "${STEP_S_COMPILED_LAUNCHES:-150}" "$PY" bench/bench_launches.py --device cuda --compile \
-  --structures qwen3_6_27b --methods ddtree:64,dflash,ar --rounds 4 --drafter-contexts '' \
-  --out "${OUT_MD%.md}.compiled_launches.json"
-export DDTREE_COMPILE=0
-step tests "${STEP_S_TESTS:-150}" "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider -k "not compiled_round"
+step preflight "${PREFLIGHT_S:-60}" "$PY" bench/device_preflight.py --out "$OUTDIR/preflight.json"
+RC=$?
+T0=$SECONDS  # the steps' budget starts after the preflight
+export DDTREE_COMPILE=0  # the eager steps: compile=auto stays eager (the grid would compile every shape)
+step tests 150 "$PY" -m pytest -q -m gpu tests -rs -p no:cacheprovider -k "not compiled_round"
 TESTS_RC=$?
-step forward "${STEP_S_FORWARD:-80}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 \
-  --repeats 5 --warmup 2 --backends sdpa/dense,sdpa/split,flash_attention_2/split,flash_attention_3/split
-step launches "${STEP_S_LAUNCHES:-120}" "$PY" bench/bench_launches.py --device cuda --rounds 4 \
-  --out "${OUT_MD%.md}.launches.json"
-step engines "${STEP_S_ENGINES:-120}" "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 \
-  --pairs toy,toy_pure --prompts 16 --passes 3 --out "$LOG_DIR/engines.md"
-# flex compiles its kernel first (tens of seconds): last, alone, so a slow compile costs only its own figures
-step flex "${STEP_S_FLEX:-50}" "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
+step launches 90 "$PY" bench/bench_launches.py --device cuda --rounds 4 --structures qwen3_6_27b \
+  --methods ar,dflash,ddtree:16,ddtree:64,mtp --drafter-contexts '' --out "$OUTDIR/launches.json"
+unset DDTREE_COMPILE
+step compiled_tests 100 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider -k compiled_round
+COMPILED_RC=$?
+step compiled_launches 90 "$PY" bench/bench_launches.py --device cuda --compile --structures qwen3_6_27b \
+  --methods ddtree:64,dflash,ar --rounds 4 --drafter-contexts '' --bytes-contexts '' \
+  --out "$OUTDIR/compiled_launches.json"
+export DDTREE_COMPILE=0
+step forward 60 "$PY" bench/device_forward.py --prefix 4096 --tokens 1,16,64,256 --repeats 5 --warmup 2 \
+  --backends sdpa/dense,sdpa/split,flash_attention_2/split,flash_attention_3/split
+step engines 120 "$PY" bench/bench_engines.py --device cuda --dtype bfloat16 --pairs toy,toy_pure --prompts 16 \
+  --passes 3 --out "$OUTDIR/engines.md"
+step flex 50 "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats 3 --warmup 2 \
   --backends sdpa/split,flex_attention/split
-[ "$TESTS_RC" -eq 0 ] && TESTS_RC=$COMPILED_RC
-
-{
-  echo "# device_all: $("$PY" -c "import torch; print(torch.cuda.get_device_name(), '| torch', torch.__version__, '| CUDA', torch.version.cuda)")"
-  echo
-  echo "$(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
-  echo
-  echo '```'
-  cat "$LOG_DIR/status"
-  echo '```'
-  echo
-  echo "## 1. CUDA tests (pytest -m gpu)"
-  echo
-  echo '```'
-  tail -n 40 "$LOG_DIR/tests.log"
-  echo '```'
-  echo
-  echo "## 2. Target forward per backend (bench/device_forward.py)"
-  echo
-  echo '```'
-  cat "$LOG_DIR/forward.log"
-  echo '```'
-  echo
-  echo "## 2a. Launches, syncs and the predicted H200 round (bench/bench_launches.py)"
-  echo
-  echo '```'
-  grep -v "falling back" "$LOG_DIR/launches.log"
-  echo '```'
-  echo
-  echo "## 2b. flex_attention (compiled) against sdpa/split"
-  echo
-  echo '```'
-  cat "$LOG_DIR/flex.log"
-  echo '```'
-  echo
-  echo "## 2c. The compiled round (compile=true, CUDA graphs): tests and bench_launches --compile"
-  echo
-  echo '```'
-  tail -n 30 "$LOG_DIR/compiled_tests.log"
-  grep -v "falling back" "$LOG_DIR/compiled_launches.log"
-  echo '```'
-  echo
-  if [ -s "$LOG_DIR/engines.md" ]; then
-    cat "$LOG_DIR/engines.md"
-  else
-    echo "## 3. Engines side by side: no table (see the log)"
-    echo
-    echo '```'
-    tail -n 40 "$LOG_DIR/engines.log"
-    echo '```'
-  fi
-} >"$OUT_MD"
-echo "device_all: wrote $OUT_MD"
-exit $TESTS_RC
+echo "device_all: $((SECONDS - T0)) s after the preflight; $OUTDIR: $(ls "$OUTDIR" | tr '\n' ' ')"
+[ "$RC" -eq 0 ] && RC=$TESTS_RC
+[ "$RC" -eq 0 ] && RC=$COMPILED_RC
+exit "$RC"

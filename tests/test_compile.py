@@ -469,3 +469,102 @@ def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, dyna
                 for e in (engine, eager)]
         assert runs[0].output_ids == runs[1].output_ids
         assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
+
+
+def _graph_sdpa_calls(gm) -> list:
+    """(query, keys, values, mask, enable_gqa) example values of every SDPA call in a dynamo FX graph."""
+    calls = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.nn.functional.scaled_dot_product_attention:
+            val = [a.meta["example_value"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+            mask = node.kwargs.get("attn_mask")
+            mask = mask.meta["example_value"] if isinstance(mask, torch.fx.Node) else mask
+            calls.append((*val[:3], mask, bool(node.kwargs.get("enable_gqa", False))))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["ddtree", "mtp"])
+def test_attention_in_the_graphs_is_a_call_the_fused_kernels_take(method, dynamo_clean):
+    """Every SDPA call in the compiled round's graphs (verify, the drafter or the MTP head) on a GQA hybrid (4 query
+    heads over 2 KV heads), read from dynamo's graphs: a mask, no enable_gqa, the KV group's queries stacked, a mask
+    in the queries' dtype with 16-aligned rows (`fused_sdpa_refusal`: CUDA's memory-efficient kernel takes it; a
+    masked enable_gqa call falls to the math backend there). The rule itself refuses the call of before."""
+    from ddtree.engine.compiled import fused_sdpa_refusal
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    target, drafter = _pair("qwen3_5_text")
+    ids = _prompts((9,))[0]
+    with host.device_path():
+        if method == "mtp":
+            from ddtree.engine.drafter.mtp import MTPHead
+
+            head = MTPHead.random_for_target(target, seed=0)
+            engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=1, compile="true", compile_backend=backend)
+        else:
+            engine = _engine(target, drafter, method, backend=backend)
+        res = engine.generate(ids, max_new_tokens=12)
+    assert res.output_ids == hf_greedy(target, ids, 12)
+    calls = [c for gm in graphs for c in _graph_sdpa_calls(gm)]
+    assert len(calls) >= 2, len(calls)  # the target's attention layers and the drafter's / head's
+    for q, k, v, mask, gqa in calls:
+        assert mask is not None and not gqa and q.shape[1] == k.shape[1]
+        assert fused_sdpa_refusal(q, k, v, mask, gqa) is None, fused_sdpa_refusal(q, k, v, mask, gqa)
+    q = torch.empty(1, 4, 9, 16)
+    k = torch.empty(1, 2, 256, 16)
+    assert "grouped-query" in fused_sdpa_refusal(q, k, k, torch.ones(1, 1, 9, 256, dtype=torch.bool), True)
+    assert "mask" in fused_sdpa_refusal(k[:, :, :9], k, k, torch.ones(1, 1, 9, 256, dtype=torch.bool))
+
+
+@pytest.mark.slow  # Inductor plans each graph: over a minute here even without GDN layers
+@pytest.mark.parametrize("hybrid,method", [(False, "dflash"), (True, "ddtree")])
+def test_no_graph_copies_a_buffer_that_grows_with_context(hybrid, method, dynamo_clean):
+    """Inductor's own plan of every graph of the compiled round on tiny targets (ddtree.testing.inductor_plan:
+    the code Inductor generates, its kernels not built; the hybrid's GDN graphs take a minute to plan here: slow):
+    the key and value buffers are written in place. No
+    temporary has a capacity (target 512, drafter 1024) as anything but its last dim (a KV buffer's rows are
+    (.., C, d): the stacked buffer of before was copied whole, (2, 1, Hkv, C, d) a layer, and the drafter's sdpa
+    path expanded its K/V to (1, H, Cd, d)); the context-sized ones left are masks, at most (heads / KV heads) x N
+    rows of C."""
+    from ddtree.testing.inductor_plan import allocations, round_plans
+
+    kinds = {} if hybrid else {"layer_types": ["full_attention"] * 2}  # the fast case: no GDN layer to plan
+    target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=VOCAB, num_hidden_layers=2,
+                        **kinds)
+    drafter = DFlashDrafter.random_for_target(target.config, num_layers=1, block_size=4, seed=3)
+    with host.device_path():
+        engine = _engine(target, drafter, method, budget=4, backend=None)
+        plans = round_plans(engine, 512, 1024)
+    assert set(plans) == {"verify", "commit", "draft", "tree"} - ({"tree"} if method == "dflash" else set())
+    groups = target.config.num_attention_heads // target.config.num_key_value_heads
+    for stage, plan in plans.items():
+        assert plan.bytes > 0 and plan.nodes
+        for name, shape, _ in allocations(plan.code):
+            for cap in (512, 1024):
+                if cap in shape:
+                    assert shape[-1] == cap and shape.count(cap) == 1, (stage, name, shape)
+                    assert torch.Size(shape).numel() <= groups * 5 * cap, (stage, name, shape)
+
+
+def test_grouped_attention_equals_masked_gqa_attention():
+    """grouped_attention (each KV group's queries stacked, an additive mask repeated per group member) against the
+    plain masked call with enable_gqa and against K/V expanded per head: the same outputs in float64."""
+    from ddtree.engine.compiled import grouped_attention, grouped_bias
+
+    g = torch.Generator().manual_seed(0)
+    heads, kv, n, cap, d = 6, 2, 5, 32, 8
+    q = torch.randn(1, heads, n, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, kv, cap, d, generator=g, dtype=torch.float64) for _ in range(2))
+    visible = torch.rand(n, cap, generator=g) < 0.6
+    visible[:, 0] = True
+    out = grouped_attention(q, k, v, grouped_bias(visible, heads // kv, q.dtype), 0.3)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=0.3, enable_gqa=True)
+    expanded = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1), attn_mask=visible, scale=0.3)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, expanded, rtol=1e-12, atol=1e-12)

@@ -171,6 +171,17 @@ def test_attention_refusals_name_the_fix(monkeypatch, compose):
         V.validate(compose("device=cpu", "attention=flash_attention_2", "method=dflash"))
 
 
+def test_tracking_without_mlflow_names_tracking_none(monkeypatch, compose):
+    """Where mlflow is not installed (the GPU machine's image: bench/device_kit.sh carries no mlflow), the default
+    tracking=mlflow stops before model work with one line naming tracking=none; tracking=none runs."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(V.importlib.util, "find_spec", lambda n, *a: None if n == "mlflow" else real(n, *a))
+    with pytest.raises(ConfigError, match="use tracking=none") as e:
+        V.validate(compose("device=cpu"))
+    assert e.value.setting == "tracking.backend" and "\n" not in str(e.value)
+    V.validate(compose("device=cpu", "tracking=none"))
+
+
 def _drafter_dir(tmp_path: Path, **fields) -> Path:
     d = tmp_path / "drafter"
     d.mkdir()

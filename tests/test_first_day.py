@@ -225,3 +225,17 @@ def test_sweep_runs_dflash_once_and_its_table_shows_what_varies(cli, tmp_path):
     assert table[0].split()[:4] == ["model", "method", "budget", "attention.target"] and table[0].endswith("note")
     assert len(table) == 9 and sum("skipped: same job as" in row for row in table) == 2
     assert {row.split()[3] for row in table[1:]} == {"sdpa", "eager"}
+
+
+def test_device_all_without_cuda_says_so_and_exits_0(tmp_path):
+    """bench/device_all.sh on a machine without CUDA (this one): one line saying so, exit 0, the line under OUTDIR."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["bash", str(root / "bench" / "device_all.sh"), str(tmp_path / "out")], capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "no CUDA device" in out.stdout
+    assert "no CUDA device" in (tmp_path / "out" / "status.txt").read_text()

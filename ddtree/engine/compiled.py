@@ -6,14 +6,17 @@ A GPU at batch 1 is bound by kernel launches: the eager verification dispatches 
 
 * **verify** (`StaticRound._verify`): token ids [1, N], the tree's parents, depths and ancestor matrix, and the
   cache's length as a device tensor. Every full-attention layer writes its N new keys and values at rows
-  length .. length + N - 1 of a fixed-capacity buffer (`index_copy_`, offsets on the device) and attends over
-  all C rows under a boolean mask (the committed rows, plus the node's ancestors among the new ones); every
+  length .. length + N - 1 of its own fixed-capacity key and value buffers (`index_copy_`, offsets on the device:
+  Inductor writes a buffer of its own in place, where a view of one stacked buffer made it copy the whole
+  buffer) and attends over all C rows under an additive mask (the committed rows, plus the node's ancestors among
+  the new ones), each KV group's queries stacked along the sequence (`grouped_attention`: no `enable_gqa` with a
+  mask, which on CUDA only SDPA's math backend takes); every
   Gated DeltaNet layer runs `gdn.tree_layer` on its fixed-size conv and recurrent states, its tree metadata built
   inside the graph (`gdn.meta_tensors`). No Python-side state is read inside, no host sync.
 * **commit** (`StaticRound._commit`): the accepted path padded to N with -1 (its count is read on the device):
-  the GDN states move to prefix + path (`gdn._path_states`' arithmetic with the padding masked), the length grows;
-  the attention rows are moved by two eager ops after it (a gather and a copy over the whole buffer: in one
-  kernel the reads and writes of overlapping rows would race).
+  the GDN states move to prefix + path (`gdn._path_states`' arithmetic with the padding masked), every attention
+  layer's accepted rows move to length .. (a gather of N rows into a temporary, then a copy into place: the reads
+  and writes of overlapping rows never share a kernel), the length grows.
 
 N is the round's node count (AR 1, DFlash the block, DDTree the tree size, MTP its chain or tree: fixed per
 setting) and C the capacity: a power of two
@@ -37,6 +40,7 @@ can run, and nowhere else: on a CPU a compile costs tens of seconds to minutes a
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -50,7 +54,8 @@ from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables,
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.errors import ConfigError
 
-__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "static_round_for", "why_not_static"]
+__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "fused_sdpa_refusal", "grouped_attention",
+           "grouped_bias", "static_round_for", "why_not_static"]
 
 log = logging.getLogger("ddtree.engine.compiled")
 
@@ -59,6 +64,9 @@ OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=
 # graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
 # another: per torch.compile call, not dynamo's process-wide setting
 RECOMPILE_LIMIT = 64
+# torch.compile takes recompile_limit= from torch 2.12 on (pytorch#177936, March 2026): torch 2.11 (the GPU image's)
+# would raise TypeError; there dynamo's process-wide limit (8) holds, which a process's few shapes stay under
+_TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
 def capacity_bucket(needed: int) -> int:
@@ -154,15 +162,83 @@ def _owned(out):
     return out
 
 
-class StaticState:
-    """The fixed buffers of one capacity: keys and values of every attention layer [A, 2, 1, Hkv, C, d], the GDN
-    conv [G, 1, channels, K] and recurrent [G, 1, Hv, dk, dv] states, the length [1] (long). Static addresses
-    (CUDA graphs replay on them); kept by the StaticRound across generations."""
+def grouped_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [1, 1, groups * n, C] (0 seen, dtype's min hidden) of `grouped_attention` from visible
+    [n, C] (bool): rows follow the stacked queries, group member j then node i. In the queries' dtype, C a multiple
+    of 16 (the capacities are): the memory-efficient kernel takes it as it is (no padded copy)."""
+    zero = torch.zeros((), dtype=dtype, device=visible.device)
+    bias = zero.where(visible, torch.finfo(dtype).min)
+    return (bias.repeat(groups, 1) if groups > 1 else bias)[None, None]
 
-    def __init__(self, capacity: int, kv: torch.Tensor | None, conv: torch.Tensor | None, rec: torch.Tensor | None,
-                 length: torch.Tensor):
-        self.capacity, self.kv, self.conv, self.rec, self.length = capacity, kv, conv, rec, length
-        for t in (kv, conv, rec, length):
+
+def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """SDPA with a mask under grouped-query attention, as the eager split path runs it: each KV group's queries
+    stacked along the sequence. query [1, H, n, d], keys and values [1, Hkv, C, d], bias `grouped_bias`'s
+    [1, 1, (H / Hkv) n, C]; returns [1, H, n, d]. Without `enable_gqa`: on CUDA flash refuses a mask and the
+    memory-efficient kernel GQA, so a masked GQA call falls to the math backend (K/V expanded, fp32 scores)."""
+    b, h, n, d = query.shape
+    hkv = keys.shape[1]
+    out = F.scaled_dot_product_attention(query.reshape(b, hkv, h // hkv * n, d), keys, values, attn_mask=bias,
+                                         scale=scale)
+    return out.view(b, h, n, d)
+
+
+def fused_sdpa_refusal(query, keys, values, mask, enable_gqa: bool = False) -> str | None:
+    """Why CUDA's memory-efficient SDPA kernel would refuse this masked call (the math backend then runs: K/V
+    expanded per query head, fp32 scores), in words; None where it takes it. Its rules as torch's sdp_utils checks
+    them (tensors' metadata only: runs on any device): 4-D inputs, no GQA, a last dim of stride 1 and a multiple of
+    8, half or float, a mask in the queries' dtype broadcastable to [B, H, L, S] whose rows are 16-aligned (else
+    torch pads a copy of it)."""
+    if enable_gqa or query.shape[1] != keys.shape[1]:
+        return f"grouped-query attention ({query.shape[1]} query heads over {keys.shape[1]} KV heads)"
+    if any(t.dim() != 4 for t in (query, keys, values)):
+        return "inputs not 4-D"
+    if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"dtype {query.dtype}"
+    if any(t.stride(-1) != 1 for t in (query, keys, values)):
+        return "a last dim of stride != 1"
+    if query.shape[-1] % 8:
+        return f"head dim {query.shape[-1]} not a multiple of 8"
+    if mask is not None:
+        if mask.dtype != query.dtype:
+            return f"a {mask.dtype} mask (torch converts it to {query.dtype}: a copy a call)"
+        if mask.dim() != 4 or mask.shape[-2:] != (query.shape[-2], keys.shape[-2]):
+            return f"mask shape {tuple(mask.shape)} for [.., {query.shape[-2]}, {keys.shape[-2]}]"
+        if mask.shape[-1] % 16:
+            return f"mask rows of {mask.shape[-1]} (not 16-aligned: torch pads a copy)"
+    return None
+
+
+def _kv_buffers(layers: int, like: torch.Tensor, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(keys, values): one [1, Hkv, capacity, d] buffer each per layer, shaped and typed as `like`'s rows; static
+    addresses. A buffer of its own per layer: Inductor writes rows into it in place (a view of a stacked buffer was
+    copied whole, verify and commit)."""
+    def one() -> torch.Tensor:
+        t = torch.zeros(*like.shape[:-2], capacity, like.shape[-1], dtype=like.dtype, device=like.device)
+        torch._dynamo.mark_static_address(t)
+        return t
+
+    return [one() for _ in range(layers)], [one() for _ in range(layers)]
+
+
+def _move_rows(src: torch.Tensor, dst: torch.Tensor, *buffers: list[torch.Tensor]) -> None:
+    """Rows `src` of every buffer to rows `dst` (dim -2), in place: a gather of the rows, then the copy."""
+    for group in buffers:
+        for t in group:
+            t.index_copy_(-2, dst, t.index_select(-2, src))
+
+
+class StaticState:
+    """The fixed buffers of one capacity: the keys and the values of every attention layer (`_kv_buffers`: one
+    [1, Hkv, C, d] buffer each), the GDN conv [G, 1, channels, K] and recurrent [G, 1, Hv, dk, dv] states, the
+    length [1] (long). Static addresses (CUDA graphs replay on them); kept by the StaticRound across generations."""
+
+    def __init__(self, capacity: int, keys: list | None, values: list | None, conv: torch.Tensor | None,
+                 rec: torch.Tensor | None, length: torch.Tensor):
+        self.capacity, self.keys, self.values, self.conv, self.rec, self.length = (capacity, keys, values, conv, rec,
+                                                                                 length)
+        for t in (conv, rec, length):
             if t is not None:
                 torch._dynamo.mark_static_address(t)
 
@@ -188,7 +264,9 @@ class StaticRound:
         self.kernel = self.gdn_modules[0].conv_kernel_size if self.gdn_modules else 0
         self.attn_layers = [i for i, layer in enumerate(self.layers) if not layer.linear]
         self.mrope = lean.positions != ROPE
-        opts: dict = {"fullgraph": True, "dynamic": False, "recompile_limit": RECOMPILE_LIMIT}
+        opts: dict = {"fullgraph": True, "dynamic": False}
+        if _TAKES_RECOMPILE_LIMIT:
+            opts["recompile_limit"] = RECOMPILE_LIMIT
         if backend is not None:
             opts["backend"] = backend
         elif self.device.type == "cuda":
@@ -251,15 +329,15 @@ class StaticRound:
         if st is not None and st.capacity == capacity:
             return st
         self.state = st = None  # (a larger capacity's buffers freed first: the new ones may be smaller)
-        kv = conv = rec = None
+        keys = values = conv = rec = None
         if attn:
-            k = attn[0].keys
-            kv = torch.zeros(len(attn), 2, *k.shape[:-2], capacity, k.shape[-1], dtype=k.dtype, device=k.device)
+            keys, values = _kv_buffers(len(attn), attn[0].keys, capacity)
         if linear:
             c0, r0 = cache.get_conv_state(linear[0], state_idx=0), cache.get_recurrent_state(linear[0], state_idx=0)
             conv = torch.zeros(len(linear), *c0.shape[:-1], self.kernel, dtype=c0.dtype, device=c0.device)
             rec = torch.zeros(len(linear), *r0.shape, dtype=r0.dtype, device=r0.device)
-        self.state = StaticState(capacity, kv, conv, rec, torch.zeros(1, dtype=torch.long, device=self.device))
+        self.state = StaticState(capacity, keys, values, conv, rec,
+                                 torch.zeros(1, dtype=torch.long, device=self.device))
         return self.state
 
     @torch.inference_mode()
@@ -268,8 +346,8 @@ class StaticRound:
         st = self._state_for(cache, needed)
         for a, i in enumerate(self.attn_layers):
             layer = cache.layers[i]
-            st.kv[a, 0, ..., :length, :].copy_(layer.keys[..., :length, :])
-            st.kv[a, 1, ..., :length, :].copy_(layer.values[..., :length, :])
+            st.keys[a][..., :length, :].copy_(layer.keys[..., :length, :])
+            st.values[a][..., :length, :].copy_(layer.values[..., :length, :])
         for g, i in enumerate(i for i, layer in enumerate(self.layers) if layer.linear):
             st.conv[g].copy_(cache.get_conv_state(i, state_idx=0)[..., -self.kernel:])
             st.rec[g].copy_(cache.get_recurrent_state(i, state_idx=0))
@@ -278,9 +356,11 @@ class StaticRound:
 
     # ------------------------------------------------------------------------------------------- the graphs
     def _verify(self, ids: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor,
-                length: torch.Tensor, kv: torch.Tensor | None, conv: torch.Tensor | None, rec: torch.Tensor | None):
+                length: torch.Tensor, keys: list | None, values: list | None, conv: torch.Tensor | None,
+                rec: torch.Tensor | None):
         """(logits [N, V], features [1, N, F] or None, the GDN layers' stacked (keys, deltas, xy, extended) or
-        None). Writes the N new rows of every attention layer into `kv`; reads the GDN states, writes none."""
+        None). Writes the N new rows of every attention layer into its `keys` and `values` buffers; reads the GDN
+        states, writes none."""
         n = ids.shape[1]
         dev = ids.device
         base = self.lean.base
@@ -288,15 +368,16 @@ class StaticRound:
         hidden = base.embed_tokens.forward(ids)
         rope_ids = positions[None].expand(3, *positions.shape) if self.mrope else positions
         rope = base.rotary_emb.forward(hidden, rope_ids)
-        mask = rows = None
-        if kv is not None:
-            rel = torch.arange(kv.shape[-2], device=dev) - length  # each cache row's place after the committed ones
+        visible = rows = None
+        biases: dict[int, torch.Tensor] = {}  # grouped_bias per group size, built once a round
+        if keys is not None:
+            rel = torch.arange(keys[0].shape[-2], device=dev) - length  # each cache row's place after the committed
             tree_cols = anc.index_select(1, rel.clamp(0, n - 1)) & (rel >= 0) & (rel < n)
-            mask = ((rel < 0) | tree_cols).view(1, 1, n, -1)
+            visible = (rel < 0) | tree_cols  # [N, C]
             rows = length + torch.arange(n, device=dev)
         meta = bufs = None
         if conv is not None:
-            meta, bufs, stacked = self._gdn_round(hidden, parents, depths, anc)
+            meta, bufs = self._gdn_round(hidden, parents, depths, anc)
         wanted = set(self.hidden_ids or ())
         kept = {0: hidden} if 0 in wanted else {}
         last = len(self.layers)
@@ -310,10 +391,13 @@ class StaticRound:
                 query, gate = layer._queries(h)
                 key, value = layer._keys_values(h)
                 query, key = layer.rotary(query, key, *rope)
-                slot = kv[a]
-                slot.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(slot.dtype))
-                out = F.scaled_dot_product_attention(query, slot[0], slot[1], attn_mask=mask, scale=layer.attn.scaling,
-                                                     enable_gqa=query.shape[1] != slot.shape[2])
+                k_buf, v_buf = keys[a], values[a]
+                k_buf.index_copy_(-2, rows, key.to(k_buf.dtype))
+                v_buf.index_copy_(-2, rows, value.to(v_buf.dtype))
+                groups = query.shape[1] // k_buf.shape[1]
+                if groups not in biases:
+                    biases[groups] = grouped_bias(visible, groups, query.dtype)
+                out = grouped_attention(query, k_buf, v_buf, biases[groups], layer.attn.scaling)
                 out = out.transpose(1, 2)  # [1, N, heads, d], as the gate (LeanLayer._queries)
                 if gate is not None:
                     out = out * torch.sigmoid(gate)
@@ -327,10 +411,15 @@ class StaticRound:
             kept[last] = hidden
         logits = self.lean.head.forward(hidden)[0]
         feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
-        return logits, feats, (stacked if conv is not None else None)
+        pending = None
+        if conv is not None:  # the commit's inputs, stacked over the GDN layers once
+            pending = tuple(torch.stack([getattr(b, name) for b in bufs])
+                            for name in ("keys", "deltas", "xy", "extended"))
+        return logits, feats, pending
 
     def _gdn_round(self, hidden: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor):
-        """The round's TreeMeta and every GDN layer's LayerBuffers, as slots of stacked buffers."""
+        """The round's TreeMeta and every GDN layer's LayerBuffers (the four the commit reads are stacked by `_verify`
+        after the layers have written them)."""
         n = hidden.shape[1]
         up = parents.clamp(min=0)
         hop = torch.arange(n, device=hidden.device)
@@ -342,24 +431,25 @@ class StaticRound:
         meta = gdn.TreeMeta(conv_index, decay_map, decay_mask, depths, up, n - 1)
         module = self.gdn_modules[0]
         channels = module.conv1d.weight.shape[0]
-        count = len(self.gdn_modules)
-        stacked = {}
-        for name, shape in gdn._buffer_shapes(module, hidden.shape[0], n, channels).items():
-            dtype = hidden.dtype if name in gdn._MODEL_DTYPE else torch.float32  # as gdn.new_buffers lays them out
-            stacked[name] = torch.empty(1 if name == "out" else count, *shape, dtype=dtype, device=hidden.device)
+        shapes = gdn._buffer_shapes(module, hidden.shape[0], n, channels)
         bufs = []
-        for g, consts in enumerate(self.consts):
-            b = gdn.LayerBuffers(**{name: buf[0 if name == "out" else g] for name, buf in stacked.items()})
+        for consts in self.consts:  # buffers of its own per layer: writes into slots of a stacked buffer made
+            # Inductor copy the whole stack at every layer (G^2 slots a round); the commit's four are stacked once
+            b = gdn.LayerBuffers(**{name: torch.empty(shape, device=hidden.device, dtype=hidden.dtype
+                                                      if name in gdn._MODEL_DTYPE else torch.float32)
+                                    for name, shape in shapes.items()})  # as gdn.new_buffers lays them out
             gdn._fill_gates(b.gates, consts)
             bufs.append(b)
-        return meta, bufs, (stacked["keys"], stacked["deltas"], stacked["xy"], stacked["extended"])
+        return meta, bufs
 
-    def _commit(self, path: torch.Tensor, length: torch.Tensor, conv: torch.Tensor | None,
-                rec: torch.Tensor | None, pending: tuple | None, feats: torch.Tensor | None = None,
+    def _commit(self, path: torch.Tensor, length: torch.Tensor, keys: list | None, values: list | None,
+                conv: torch.Tensor | None, rec: torch.Tensor | None, pending: tuple | None,
+                feats: torch.Tensor | None = None,
                 context: torch.Tensor | None = None, context_count: torch.Tensor | None = None,
                 tokens: torch.Tensor | None = None, path_tokens: torch.Tensor | None = None):
-        """Move the GDN states to prefix + path and the length past it; returns (the attention rows to keep:
-        absolute sources, their destinations). path: [N] flat indices root first, padded with -1.
+        """Move the GDN states to prefix + path, every attention layer's path rows behind the committed ones
+        (`_move_rows`: padding rows copy row `length`, behind the real ones) and the length past it.
+        path: [N] flat indices root first, padded with -1.
         feats, context, context_count: the verification's features, and the compiled drafter's buffers that receive
         the path's rows (padded) and its length (StaticDraft, StaticMTP); tokens, path_tokens: the tree's tokens
         and the buffer that receives the path's (StaticMTP: the head reads each row with the token after it)."""
@@ -371,7 +461,8 @@ class StaticRound:
             context_count.copy_(count)
         if path_tokens is not None:
             path_tokens.copy_(tokens.index_select(0, index[: path_tokens.shape[0]]))
-        src, dst = length + index, length + torch.arange(n, device=path.device)
+        if keys is not None:
+            _move_rows(length + index, length + torch.arange(n, device=path.device), keys, values)
         if conv is not None:
             keys, deltas, xy, extended = pending
             keys = keys.flatten(2, 3).flatten(3, 4)  # (G, B, Hv, 2T, dk)
@@ -391,7 +482,6 @@ class StaticRound:
             kept = extended.index_select(2, order.index_select(0, count + torch.arange(k, device=path.device)))
             conv.copy_(kept.transpose(-1, -2))
         length.add_(count)
-        return src, dst
 
     # ------------------------------------------------------------------------------------------- a round
     def _run(self, graph, *args):
@@ -408,16 +498,14 @@ class StaticRound:
 
     def verify(self, st: StaticState, tree: DraftTree):
         return self._run(self.verify_graph, tree.tokens.view(1, -1), tree.parents, tree.depths, tree.ancestor_matrix(),
-                                 st.length, st.kv, st.conv, st.rec)
+                                 st.length, st.keys, st.values, st.conv, st.rec)
 
     def commit(self, st: StaticState, path: torch.Tensor, n: int, pending, feats: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> None:
         padded = F.pad(path.to(st.length.device), (0, n - path.shape[0]), value=-1)
         draft = self.draft if self.draft is not None and feats is not None else None
         io = draft.commit_io(n, feats, tokens) if draft is not None else ()
-        src, dst = self._run(self.commit_graph, padded, st.length, st.conv, st.rec, pending, *io)
-        if st.kv is not None:  # every attention layer's rows in one gather and one copy (eager: see the docstring)
-            st.kv.index_copy_(-2, dst, st.kv.index_select(-2, src))
+        self._run(self.commit_graph, padded, st.length, st.keys, st.values, st.conv, st.rec, pending, *io)
 
 
 class StaticSession:
@@ -464,11 +552,12 @@ class StaticDraft:
 
     The first round runs the eager forward (the prompt's features: any length), whose cache `load` copies into fixed
     buffers: keys and values of every drafter layer [layers, 2, 1, Hkv, Cd, d] (row r holds position r, as in
-    `DrafterCache`) and the context length [1] on the device. Each later round, the target's commit graph leaves the
+    `DrafterCache`; one buffer each per layer: `_kv_buffers`) and the context length [1] on the device. Each later round, the target's commit graph leaves the
     accepted path's features in `context` [1, P, F] (P = min(N, block): padded) and its length in `count`; the graph
     writes the P context rows at length .. length + P - 1, then the block's rows right behind the real ones (at
     length + count: they overwrite the padding), attends over all Cd rows under a mask (rows before the block's end,
-    the causal and window rules of each layer), and returns the block's logits [block - 1, V] (float32).
+    the causal and window rules of each layer; `grouped_attention`), and returns the block's logits [block - 1, V]
+    (float32).
     """
 
     def __init__(self, static: StaticRound, proposer):
@@ -476,7 +565,8 @@ class StaticDraft:
         self.drafter, self.embed, self.lm_head = proposer.drafter, proposer.embed, proposer.lm_head
         self.q = proposer.block_size
         self.graph = torch.compile(self._draft, **static.options)
-        self.kv: torch.Tensor | None = None
+        self.keys: list[torch.Tensor] | None = None
+        self.values: list[torch.Tensor] | None = None
         self.length = self.context = self.count = self.mask_ids = None
         self.ready = False  # the eager first round has been loaded this generation
 
@@ -509,27 +599,27 @@ class StaticDraft:
         """After the eager first round: its cache (`cache.length` context rows) into the fixed buffers."""
         k0 = cache.keys[0]
         capacity = capacity_bucket(needed + 2 * self.q)
-        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
-            self.kv = None
-            layers = len(cache.keys)
-            self.kv = torch.zeros(layers, 2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
+        if self.keys is None or self.keys[0].shape[-2] != capacity or self.keys[0].dtype != k0.dtype:  # (its bucket: grows, shrinks)
+            self.keys = self.values = None
+            self.keys, self.values = _kv_buffers(len(cache.keys), k0, capacity)
             self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
             self.mask_ids = torch.full((self.q - 1,), self.drafter.mask_token_id, dtype=torch.long, device=k0.device)
-            for t in (self.kv, self.length, self.mask_ids):
+            for t in (self.length, self.mask_ids):
                 torch._dynamo.mark_static_address(t)
         rows = cache.length
         for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            self.kv[i, 0, ..., :rows, :].copy_(k[..., :rows, :])
-            self.kv[i, 1, ..., :rows, :].copy_(v[..., :rows, :])
+            self.keys[i][..., :rows, :].copy_(k[..., :rows, :])
+            self.values[i][..., :rows, :].copy_(v[..., :rows, :])
         self.length.fill_(rows)
         self.ready = True
 
     def logits(self, root: torch.Tensor) -> torch.Tensor:
         """The block's logits [block - 1, V] after `root` (the round's drafter forward: one graph call)."""
-        return self.static._run(self.graph, root, self.context, self.count, self.length, self.kv, self.mask_ids)
+        return self.static._run(self.graph, root, self.context, self.count, self.length, self.keys, self.values,
+                                self.mask_ids)
 
     def _draft(self, root: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor, length: torch.Tensor,
-               kv: torch.Tensor, mask_ids: torch.Tensor) -> torch.Tensor:
+               k_bufs: list, v_bufs: list, mask_ids: torch.Tensor) -> torch.Tensor:
         drafter, q = self.drafter, self.q
         dev = ctx.device
         rows_ctx = ctx.shape[1]
@@ -542,10 +632,11 @@ class StaticDraft:
         cos, sin = drafter.rotary_emb(x, torch.cat([ctx_rows, block_rows]).view(1, -1))
         rope = drafter._rope.tables(cos, sin, drafter.config.head_dim)  # built in the graph (RopeTables)
         block_rope = (rope[0][:, :, -q:], rope[1][:, :, -q:], rope[2])
-        key_pos = torch.arange(kv.shape[-2], device=dev)
+        key_pos = torch.arange(k_bufs[0].shape[-2], device=dev)
         delta = block_rows[:, None] - key_pos[None, :]  # [q, Cd]: query position - key position (row)
         written = (key_pos < start + q)[None, :]
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: dict[int | None, torch.Tensor] = {}  # visible [q, Cd] per window
+        biases: dict[tuple, torch.Tensor] = {}  # grouped_bias per (window, groups)
         declared = drafter.config.is_causal
         for i, layer in enumerate(drafter.layers):
             attn = layer.self_attn
@@ -554,8 +645,7 @@ class StaticDraft:
                 visible = written & (delta >= 0) if (declared if declared is not None else window is not None) else written
                 if window is not None:
                     visible = visible & (delta.abs() < window)
-                masks[window] = torch.zeros(visible.shape, dtype=x.dtype, device=dev).masked_fill_(
-                    ~visible, torch.finfo(x.dtype).min)[None, None]
+                masks[window] = visible.expand(q, -1)
             h = layer.input_layernorm(x)
             queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
             queries = RopeTables.apply(queries, block_rope)
@@ -563,12 +653,17 @@ class StaticDraft:
             n = fresh.shape[1]
             keys = RopeTables.apply(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2), rope)
             values = attn.v_proj(fresh).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            slot = kv[i]
-            new = torch.stack([keys, values]).to(slot.dtype)
-            slot.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
-            slot.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
-            out, _ = drafter._attend(attn, queries, slot[0], slot[1], masks[window], dropout=0.0,
-                                     scaling=attn.scaling, is_causal=False)
+            k_buf, v_buf = k_bufs[i], v_bufs[i]
+            for buf, new in ((k_buf, keys), (v_buf, values)):
+                new = new.to(buf.dtype)
+                buf.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
+                buf.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
+            groups = queries.shape[1] // k_buf.shape[1]
+            if (window, groups) not in biases:
+                biases[window, groups] = grouped_bias(masks[window], groups, queries.dtype)
+            # not the drafter's own attention function (`_attend`): the model's sdpa path expands K/V per query head
+            # (a copy of every cached row, each layer) where the grouped call reads them once
+            out = grouped_attention(queries, k_buf, v_buf, biases[window, groups], attn.scaling).transpose(1, 2)
             x = x + attn.o_proj(out.reshape(1, q, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         length.add_(count)
@@ -671,8 +766,8 @@ class StaticMTP:
         key, value = layer._keys_values(h)
         query, key = layer.rotary(query, key, *rope)
         kv.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(kv.dtype))
-        out = F.scaled_dot_product_attention(query, kv[0], kv[1], attn_mask=visible.view(1, 1, q, -1),
-                                             scale=layer.attn.scaling, enable_gqa=query.shape[1] != kv.shape[2])
+        bias = grouped_bias(visible.view(q, -1), query.shape[1] // kv.shape[2], query.dtype)
+        out = grouped_attention(query, kv[0], kv[1], bias, layer.attn.scaling)
         out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
         if gate is not None:
             out = out * torch.sigmoid(gate)

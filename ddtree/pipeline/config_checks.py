@@ -207,6 +207,9 @@ def check_tracking(rc: RunConfig) -> None:
     t = rc.tracking
     _choice("tracking.backend", t.backend, TRACKERS)
     if t.backend == "mlflow":
+        if importlib.util.find_spec("mlflow") is None:  # e.g. the GPU machine's image (bench/device_kit.sh)
+            raise ConfigError("tracking.backend", "mlflow is not installed here",
+                              "use tracking=none (samples.jsonl and summary.json are still written) or pip install mlflow")
         uri = tracking_uri(rc)
         scheme = uri.split(":", 1)[0] if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:", uri) else ""
         if scheme in ("", "file") and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() != "true":
