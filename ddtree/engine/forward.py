@@ -22,6 +22,7 @@ attention or MLP of any other class runs its own forward.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -223,6 +224,17 @@ class RopeTables:
         return x * cos + x.index_select(-1, perm) * sin
 
 
+def _plain_function(fn):
+    """`fn`, or the function a `kernels` hub wrapper calls: with the `kernels` package installed, transformers'
+    `use_kernelized_func` turns a modeling module's `apply_rotary_pos_emb` into an nn.Module (`Func`) whose forward
+    calls the function unless a model was kernelized (`use_kernels=True`, which the engine never sets)."""
+    if isinstance(fn, torch.nn.Module):
+        for cell in getattr(type(fn).forward, "__closure__", None) or ():
+            if inspect.isfunction(cell.cell_contents):
+                return cell.cell_contents
+    return fn
+
+
 class LeanLayer:
     """One decoder layer's forward, step for step, without the submodule calls (see the module docstring).
     rope_tables: the model's shared RopeTables (LeanForward passes one), or None for the module's own RoPE."""
@@ -242,7 +254,7 @@ class LeanLayer:
             # RopeTables
             self.norm_parts = (None if None in norms else (_norm_parts(norms[0]), _norm_parts(norms[1])))
             modeling = sys.modules[type(attn).__module__]
-            self.rotary, self.eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
+            self.rotary, self.eager = _plain_function(modeling.apply_rotary_pos_emb), modeling.eager_attention_forward
             # the module's RoPE in fewer ops (RopeTables) where its formula is the one checked
             known = getattr(self.rotary, "__module__", None) in _ROPE_MODULES
             self.rope_tables = rope_tables if known and self.rotary.__name__ == "apply_rotary_pos_emb" else None
