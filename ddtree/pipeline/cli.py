@@ -11,6 +11,7 @@ where possible; DDTREE_TRACEBACK=1 shows the traceback instead. The job itself i
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -30,6 +31,38 @@ from ddtree.pipeline.schema import CONF_DIR
 # (ddtree's defaults: a GPU per job); Hydra 1.3 then validates them against the plugin's schema, and says so
 warnings.filterwarnings("ignore", message=r"\s*'hydra/launcher/\w+' is validated against ConfigStore schema",
                         category=UserWarning)
+
+
+
+# log records of libraries that are noise on every run, dropped from the console and the job log (logging filters on
+# their loggers; every other record passes): (logger, a fragment of the message, noise only without a CUDA device)
+LIBRARY_NOISE = (
+    # torch's pytree registry, on each Enum torchao registers: transformers imports torchao (where it is installed)
+    # with its quantizers, i.e. on every model load, quantized or not
+    ("torch.utils._pytree", "is an Enum subclass and is now natively supported", False),
+    # torchao's CUDA extensions, which a CPU build of torch cannot load
+    ("torchao", "Failed to load ", True),
+    # transformers' hub kernels (causal_conv1d, flash-linear-attention: CUDA packages) falling back to their PyTorch
+    # reference, the only implementation without a GPU; on one the packages would speed up the upstream GDN prefill
+    ("transformers.integrations.hub_kernels", "is falling back to its reference PyTorch implementation", True),
+)
+
+
+def _quiet_library_noise() -> None:
+    for name, fragment, without_cuda in LIBRARY_NOISE:
+        def keep(record: logging.LogRecord, fragment=fragment, without_cuda=without_cuda) -> bool:
+            if fragment not in str(record.msg):
+                return True
+            if without_cuda:
+                import torch
+
+                return torch.cuda.is_available()
+            return False
+
+        logging.getLogger(name).addFilter(keep)
+
+
+_quiet_library_noise()
 
 USER_ERROR_EXIT = 2
 # conf/hydra/launcher/*.yaml: the plugin module each needs -> how to install it
