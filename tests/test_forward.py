@@ -274,3 +274,24 @@ def test_a_cpu_sdpa_generation_never_takes_the_plain_model_call(model_type, monk
     for method in ("ar", "dflash", "ddtree"):
         for prompt, ref in zip(prompts, refs, strict=True):
             assert ddtree.generate(model, drafter, prompt, method=method, budget=6, max_new_tokens=9).output_ids == ref
+
+
+def test_the_loader_keeps_transformers_hub_kernels_off(tmp_path):
+    """From 5.25 `from_pretrained` kernelizes a model wherever the `kernels` package is installed (hub kernels swapped
+    into its norms, RoPE and GDN ops on a GPU): the pipeline's loader turns that off, so the model's own forward
+    computes what the lean forward does; and the lean layer reads the plain RoPE function through its hub wrapper."""
+    import transformers.models.qwen3.modeling_qwen3 as modeling
+
+    from ddtree.engine.forward import _plain_function
+    from ddtree.pipeline.models import load_checkpoint
+    from ddtree.testing.tokenizer import tiny_tokenizer
+
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer(model.config.vocab_size).save_pretrained(tmp_path)
+    loaded, _ = load_checkpoint(str(tmp_path), device="cpu", dtype=torch.float32, attn_implementation="eager")
+    assert loaded.use_kernels is False
+    rotary = _plain_function(modeling.apply_rotary_pos_emb)
+    assert not isinstance(rotary, torch.nn.Module) and rotary.__name__ == "apply_rotary_pos_emb"
+    layer = LeanLayer(loaded.model.layers[0])
+    assert layer.rotary is rotary

@@ -202,6 +202,11 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
                 leaf = max(range(n), key=lambda i: (int(tree.depths[i]), rng.random()))
                 path = torch.nonzero(tree.ancestor_matrix()[leaf]).flatten()
                 sess.commit(tree, path, path.tolist())
+                # every layer counts the committed tokens (transformers >= 5.25 counts a GDN layer's tokens, and a
+                # hybrid cache's get_seq_length reads its first layer: here a GDN one)
+                counts = [getattr(layer, "cumulative_length_linear", None) for layer in sess.cache.layers]
+                assert int(sess.cache.get_seq_length()) == sess.length and all(
+                    int(c) == sess.length for c in counts if c is not None), (mode, sess.length, counts)
                 states[mode].append([(layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
                                      for layer in sess.cache.layers if hasattr(layer, "recurrent_states")])
             if mode == "stacked":

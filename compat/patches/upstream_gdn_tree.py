@@ -67,7 +67,7 @@ class _Session:
         if cache is None or ids is None or not hasattr(cache, "layers"):
             return None
         self._own(cache)
-        past, size = cache.get_seq_length(), ids.shape[-1]
+        past, size = _attention_length(cache), ids.shape[-1]
         if past == 0 or size == 1:  # the prefill, or one token (AR): a plain forward is exact
             return None
         if self.verified is not None:
@@ -101,7 +101,7 @@ class _Session:
         """Their `cache.crop(n)`: keep the first n tokens (4.x); a negative n drops -n (5.x)."""
         from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-        current = cache.get_seq_length()
+        current = _attention_length(cache)
         keep = max(0, min(current, length if length > 0 else current + length))
         if self.verified is not None and self.verified[0] is cache:  # a chain: its first tokens are accepted
             _, past, size = self.verified
@@ -124,6 +124,18 @@ class _Session:
         for cache in self.caches:
             cache.__dict__.pop("crop", None)
         self.caches.clear()
+
+
+def _attention_length(cache) -> int:
+    """The tokens in the cache's attention layers (committed, plus a verified draft not yet cropped). Up to 5.24
+    `get_seq_length` read the first attention layer of a hybrid cache; from 5.25 it reads layer 0, and a linear-attention
+    layer there counts only what its states hold (a verification leaves them untouched; the commit counts the path)."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    for i, layer in enumerate(cache.layers):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            return int(cache.get_seq_length(i))
+    return int(cache.get_seq_length())
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("ddtree_upstream_gdn", default=None)

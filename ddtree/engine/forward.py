@@ -227,7 +227,8 @@ class RopeTables:
 def _plain_function(fn):
     """`fn`, or the function a `kernels` hub wrapper calls: with the `kernels` package installed, transformers'
     `use_kernelized_func` turns a modeling module's `apply_rotary_pos_emb` into an nn.Module (`Func`) whose forward
-    calls the function unless a model was kernelized (`use_kernels=True`, which the engine never sets)."""
+    calls the function, or a hub kernel inside the forward of a kernelized model (`use_kernels`: on by default in
+    `from_pretrained` from 5.25; the pipeline's loader turns it off). The lean forward computes the function itself."""
     if isinstance(fn, torch.nn.Module):
         for cell in getattr(type(fn).forward, "__closure__", None) or ():
             if inspect.isfunction(cell.cell_contents):

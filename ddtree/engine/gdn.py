@@ -849,6 +849,7 @@ def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None,
     s = s.add_(key.unsqueeze(-1) * delta.unsqueeze(-2))
     core = (query.unsqueeze(-2) @ s).squeeze(-2)  # (B, Hv, dv)
     state.copy_(s)
+    _count_tokens([cache.layers[layer]], 1)
     core = core.to(hidden_states.dtype)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(bsz, 1, -1))
@@ -972,6 +973,19 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
             continue
         with torch.no_grad(), torch.inference_mode(inference):
             _commit_group(cache, group, index, host_path)
+    # a layer with no state yet was given the path through update_conv_state, which counted its tokens
+    _count_tokens([cache.layers[i] for i, rec in pending.items() if rec.conv_ref is not None], index.shape[0])
+
+
+def _count_tokens(layers: list, n: int) -> None:
+    """Advance the token count of linear-attention cache layers whose states were written directly by `n` tokens.
+    transformers >= 5.25 counts a layer's tokens (`cumulative_length_linear`, a 0-d tensor; what a hybrid cache's
+    `get_seq_length` returns when its first layer is a linear one) in `update_conv_state` and its decode step; older
+    versions have no count. One op for all the layers."""
+    counters = [c for c in (getattr(layer, "cumulative_length_linear", None) for layer in layers) if c is not None]
+    if counters:
+        with torch.inference_mode():  # (a count made on the device under inference mode is an inference tensor)
+            torch._foreach_add_(counters, n)
 
 
 def _commit_group(cache, group: list[tuple[int, _Pending]], index: torch.Tensor, host_path: list[int] | None) -> None:

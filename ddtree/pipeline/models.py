@@ -95,14 +95,19 @@ def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implemen
                     device_map: Any = None, max_memory: dict | None = None,
                     setting: str = "model.name_or_path") -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a transformers checkpoint: the one loader of runs and training.
-    device_map (accelerate's) places the layers; without one the whole model goes to `device`."""
+    device_map (accelerate's) places the layers; without one the whole model goes to `device`.
+    use_kernels=False: from 5.25, where the `kernels` package is installed, transformers kernelizes a loaded model by
+    default, swapping hub kernels (downloaded, some remote code) into RMSNorm, activations, RoPE and GDN ops on a GPU.
+    The engine's lean forward does those steps itself, so the model's own forward (prefill, references) would no longer
+    compute what the lean one does (a bf16 verdict's "exact" lost)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"max_memory": max_memory} if max_memory else {}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
-            trust_remote_code=trust_remote_code, device_map=device_map if device_map is not None else device, **kw)
+            trust_remote_code=trust_remote_code, device_map=device_map if device_map is not None else device,
+            use_kernels=False, **kw)
         tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, revision=revision,
                                             trust_remote_code=trust_remote_code)
     except OSError as e:

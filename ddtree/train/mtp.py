@@ -235,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     from ddtree.train.data import SEQUENCES, generate_sequences, read_sequences
 
     t0 = time.perf_counter()
-    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32).eval()
+    # use_kernels=False: as load_checkpoint (transformers >= 5.25 kernelizes by default)
+    target = AutoModelForCausalLM.from_pretrained(a.target, dtype=torch.float32, use_kernels=False).eval()
     target.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(a.target)
     work = Path(a.work)
