@@ -34,6 +34,7 @@ from ddtree.pipeline.schema import (
     tracking_uri,
 )
 
+AUTO = "auto"  # attention=auto: chosen per target and device before any weight loads (preflight.resolve_attention)
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 # backends that need a package beyond torch: backend -> (importable module, pip name)
 ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
@@ -160,12 +161,13 @@ def check_drafter(rc: RunConfig) -> None:
 def check_attention_settings(rc: RunConfig) -> None:
     """attention.target (and attention.drafter when the method drafts) for this method, device and dtype."""
     dtype = _model_dtype(rc)
-    check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
-                    device=rc.device, dtype=dtype)
-    if get_method(rc.method).needs_drafter:
+    if rc.attention.target != AUTO:
+        check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
+                        device=rc.device, dtype=dtype)
+    if get_method(rc.method).needs_drafter and rc.attention.drafter != AUTO:
         check_attention("attention.drafter", rc.attention.drafter, method=rc.method, for_target=False,
                         device=rc.device, dtype=rc.drafter.dtype or dtype)
-    if rc.engine == "upstream" and get_method(rc.method).verifies_tree and (
+    if rc.engine == "upstream" and get_method(rc.method).verifies_tree and rc.attention.target != AUTO and (
             split_attention().get(rc.attention.target, rc.attention.target) not in ("eager", "sdpa")):
         raise ConfigError("attention.target", f"engine=upstream verifies the tree with the authors' dense 4-D mask, "
                           f"which '{rc.attention.target}' cannot take", "use attention=sdpa (or eager)")

@@ -40,7 +40,7 @@ from ddtree.pipeline.models import (
     target_context,
 )
 from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
-from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, keep_last, preflight
+from ddtree.pipeline.preflight import attention_line, check_prompt_lengths, check_prompt_tokens, keep_last, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import Resume, find_resume, write_job_file
 from ddtree.pipeline.schema import (
@@ -474,6 +474,7 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
     write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
     print(format_table(summary), flush=True)
+    print(f"attention: {summary['attention']['line']}", flush=True)
     print(f"results: {files.job_dir}", flush=True)
     if run is not None:
         if summary["baseline_reused_from"]:
@@ -548,7 +549,9 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
             return None
         records, reused_from = generated
         checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
+        attention = {"target": rc.attention.target, "drafter": rc.attention.drafter, "line": attention_line(rc)}
         summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
+                                                            "attention": attention,
                                                             "validation": checked,
                                                             **({"auto_budget": auto} if auto else {})}, run)
         if auto and world.is_main:

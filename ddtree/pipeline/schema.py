@@ -79,8 +79,8 @@ class MTPConfig:
 
 @dataclass
 class AttentionConfig:
-    target: str = "sdpa"
-    drafter: str = "sdpa"
+    target: str = "auto"  # auto: per target family and device (ddtree.pipeline.preflight.auto_attention)
+    drafter: str = "auto"
 
 
 @dataclass

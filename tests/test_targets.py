@@ -1,0 +1,118 @@
+"""The targets users run: every family a published DFlash drafter serves, attention=auto, quantized checkpoints.
+
+Each family is a tiny random model of its real transformers class (ddtree.engine.families: sliding windows of 8,
+shorter than a prompt plus a tree; gpt-oss with learned sinks of a real spread), on the backend attention=auto picks
+for it on this device; every method equals HF greedy decoding in fp32, and in bf16 no output is suspect. A quantized
+target is checked against HF greedy of the same quantized model (docs/targets.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.families import FAMILIES, family
+from ddtree.engine.output_check import ValidationRule, Validator
+from ddtree.pipeline.preflight import auto_attention, flat_config
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_config, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# the families a published DFlash drafter serves (transformers 5.25 has no `kimi_k2` type: Kimi-K2's text model is a
+# deepseek_v3, and kimi_k25 is a multimodal wrapper of one)
+SERVED = ("gpt_oss", "gemma3_text", "gemma4_text", "qwen3_moe", "minimax_m2", "deepseek_v3", "laguna", "glm4_moe")
+METHODS = (("ar", None), ("dflash", None), ("ddtree", 16), ("ddtree", 64))
+
+
+def _auto(name: str) -> str:
+    return auto_attention(flat_config(tiny_config(name).to_dict()), "cpu", "float32")
+
+
+def _pair(name: str, vocab: int, dtype=torch.float32, seed: int = 2):
+    target = tiny_model(name, seed=seed, attn_implementation=_auto(name), vocab_size=vocab, dtype=dtype)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1, num_layers=1).to(dtype)
+    return target, drafter
+
+
+def _prompts(vocab: int, lengths) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (1, n), generator=g) for n in lengths]
+
+
+def test_the_served_families_are_table_rows_with_their_traits():
+    for name in SERVED:
+        row = family(name)
+        assert name in FAMILIES and row.traits and "ddtree" in row.methods, name
+    assert family("gpt_oss").sinks and sum(r.sinks for r in FAMILIES.values()) == 1
+    windows = {n: tiny_config(n) for n in SERVED if family(n).sliding_every}
+    assert set(windows) == {"gpt_oss", "gemma3_text", "gemma4_text", "laguna"}
+    for name, cfg in windows.items():  # both layer kinds, and a window shorter than a prompt plus a tree
+        assert {"sliding_attention", "full_attention"} <= set(cfg.layer_types) and cfg.sliding_window == 8, name
+
+
+def test_attention_auto_takes_sdpa_where_the_class_does_and_eager_for_sinks():
+    assert {n: _auto(n) for n in SERVED} == {n: ("eager" if n == "gpt_oss" else "sdpa") for n in SERVED}
+    assert _auto("qwen3") == "sdpa" and auto_attention(None, "cpu", "float32") == "sdpa"
+    # on CUDA without a flash kernel that takes sinks (none installed here) gpt-oss stays on eager
+    assert auto_attention(flat_config(tiny_config("gpt_oss").to_dict()), "cuda", "bfloat16") == "eager"
+    sinks = [p for n, p in tiny_model("gpt_oss").named_parameters() if n.endswith("sinks")]
+    assert sinks and all(p.abs().max() > 0.5 for p in sinks)  # real sinks, not ~0
+
+
+@pytest.mark.parametrize("name", SERVED)
+def test_served_family_every_method_equals_hf_greedy(name):
+    """The fp32 grid's fast row: a prompt longer than the window, 20 tokens, every method and budget."""
+    target, drafter = _pair(name, vocab=64)
+    for ids in _prompts(64, (11,)):
+        ref = hf_greedy(target, ids, 20)
+        for method, budget in METHODS:
+            out = ddtree.generate(target, drafter, ids, method=method, budget=budget, max_new_tokens=20)
+            assert out.output_ids == ref, (name, method, budget)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("vocab", [12, 128])
+def test_served_family_grid_fp32(name, vocab):
+    """The fp32 lossless grid: 3 prompt lengths around the window, two vocabularies (12: deep acceptances)."""
+    target, drafter = _pair(name, vocab=vocab)
+    deepest = 0
+    for ids in _prompts(vocab, (1, 6, 19)):
+        ref = hf_greedy(target, ids, 32)
+        for method, budget in (*METHODS, ("ddtree", 4)):
+            out = ddtree.generate(target, drafter, ids, method=method, budget=budget, max_new_tokens=32)
+            assert out.output_ids == ref, (name, vocab, method, budget, ids.shape[1])
+            deepest = max(deepest, max(out.acceptance_lengths, default=1))
+    if vocab == 12:
+        assert deepest >= 3  # trees accepted deeper than the window's edge moves
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SERVED)
+def test_served_family_bf16_verdicts(name):
+    """bf16: exact equality is no test (ties); every output is exact or a tie, none suspect (docs/validation.md)."""
+    target, drafter = _pair(name, vocab=300, dtype=torch.bfloat16, seed=1)
+    prompts = _prompts(300, (5, 13, 21))
+    base = [hf_greedy(target, p, 40) for p in prompts]
+    v = Validator(target, max_new_tokens=40, rule=ValidationRule(calibration_outputs=2))
+    v.calibrate(zip(prompts, base, strict=True))
+    for method, budget in (("dflash", None), ("ddtree", 32)):
+        for p, b in zip(prompts, base, strict=True):
+            out = ddtree.generate(target, drafter, p, method=method, budget=budget, max_new_tokens=40).output_ids
+            assert v.verdict(p, out, b).verdict in ("exact", "tie"), (name, method)
+
+
+def test_gpt_oss_runs_through_the_cli_with_the_default_attention(cli, small, tmp_path):
+    """No attention override: attention=auto picks eager for gpt-oss (sdpa is refused by its class) and says so."""
+    job = tmp_path / "job"
+    proc = cli(*small, "model.tiny.model_type=gpt_oss", "model.name=tiny_gpt_oss", "budget=16", "tracking=none",
+               f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "attention: target eager, drafter sdpa (auto: target, drafter)" in proc.stdout
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["match_rate"] == 1.0 and summary["attention"]["target"] == "eager"
