@@ -116,3 +116,80 @@ def test_gpt_oss_runs_through_the_cli_with_the_default_attention(cli, small, tmp
     assert "attention: target eager, drafter sdpa (auto: target, drafter)" in proc.stdout
     summary = json.loads((job / "summary.json").read_text())
     assert summary["match_rate"] == 1.0 and summary["attention"]["target"] == "eager"
+
+
+# ---------------------------------------------------------------- quantized targets
+
+TOY = "assets/toy"
+QUANTIZED = {"torchao_int8": "int8", "quanto_int8": "quanto_int8"}
+
+
+def _toy_quantized(preset: str):
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.pipeline.quantization import transformers_config
+
+    root = Path(__file__).resolve().parents[1] / TOY
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.float32,
+                                                  quantization_config=transformers_config("t", preset)).eval()
+    return target, DFlashDrafter.from_pretrained(root / "drafter"), root
+
+
+@pytest.mark.parametrize("backend", ["torchao_int8", pytest.param("quanto_int8", marks=pytest.mark.slow)])
+def test_quantized_toy_target_every_method_equals_hf_greedy_of_itself(backend):
+    """torchao int8 weight-only (tensor-subclass weights in nn.Linear) and quanto int8 (QLinear): the engine calls
+    every quantized projection (the tree-exact GDN included) and each method equals HF greedy of the same model."""
+    pytest.importorskip("torchao" if backend.startswith("torchao") else "optimum.quanto")
+    from transformers import AutoTokenizer
+
+    from ddtree.engine.gdn import layer_consts
+    from ddtree.engine.weights import plain_linear
+    from ddtree.pipeline.prompts import encode, read_jsonl
+
+    target, drafter, root = _toy_quantized(QUANTIZED[backend])
+    gdn = target.model.layers[0].linear_attn
+    assert not plain_linear(gdn.in_proj_a) and layer_consts(gdn).ab_weight is None  # called, not concatenated
+    tok = AutoTokenizer.from_pretrained(root / "target")
+    for prompt in read_jsonl(root / "prompts.jsonl")[:2]:
+        ids = torch.tensor([encode(tok, [{"role": "user", "content": prompt.turns[0]}], chat_template=True)])
+        ref = hf_greedy(target, ids, 32)
+        for method, budget in (*METHODS, ("mtp", None)):
+            out = ddtree.generate(target, None if method == "mtp" else drafter, ids, method=method, budget=budget,
+                                  max_new_tokens=32)
+            assert out.output_ids == ref, (backend, method, budget)
+            assert method in ("ar",) or out.tau > 1.5, (backend, method, out.tau)  # the trained pair still drafts
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (("model.quantization=fp8",), "runs on cuda only"),
+    (("model.quantization=nf4",), "runs on cuda only"),
+    (("model.quantization=int3",), "unknown quantization preset 'int3'"),
+    (("model.quantization={quant_method:hqq,nbits:4}",), "pip install hqq"),
+    (("model.quantization={quant_method:quanto,weights:int9}",), "transformers cannot build a quanto config"),
+    (("model.quantization={weights:int8}",), "a mapping with quant_method"),
+    (("drafter.quantization=nf4", "method=dflash"), "cannot quantize"),
+])
+def test_quantization_settings_are_refused_before_model_work(overrides, problem, compose):
+    from ddtree.errors import ConfigError
+    from ddtree.pipeline.config_checks import validate
+
+    pytest.importorskip("torchao")
+    with pytest.raises(ConfigError, match=problem) as e:
+        validate(compose("device=cpu", *overrides))
+    assert e.value.setting.endswith(".quantization") and "\n" not in str(e.value)
+    validate(compose("device=cpu", "model.quantization=int8", "drafter.quantization=quanto_int8"))
+
+
+def test_a_quantized_tiny_target_runs_through_the_cli(cli, small, tmp_path):
+    pytest.importorskip("torchao")
+    job = tmp_path / "job"
+    proc = cli(*small, "model=tiny_qwen3_5", "model.quantization=int8", "budget=16", "tracking=none",
+               f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quantization: target int8, drafter its own precision" in proc.stdout
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["match_rate"] == 1.0 and summary["quantization"] == {"target": "int8", "drafter": None}
+    bad = cli(*small, "model.quantization=fp8", "tracking=none", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert bad.returncode == 2 and "model.quantization" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -133,6 +133,11 @@ def check_model(rc: RunConfig) -> None:
     if m.tiny is not None and m.tiny.vocab_size < 16:
         raise ConfigError("model.tiny.vocab_size", f"must be >= 16, got {m.tiny.vocab_size}")
     check_device_map(m.device_map)
+    if m.quantization is not None:
+        from ddtree.pipeline.models import resolve_device
+        from ddtree.pipeline.quantization import check_quantization
+
+        check_quantization("model.quantization", m.quantization, resolve_device(rc.device))
 
 
 def check_drafter(rc: RunConfig) -> None:
@@ -152,6 +157,11 @@ def check_drafter(rc: RunConfig) -> None:
     budget = rc.auto.calibration_budget if rc.budget == "auto" else rc.budget
     method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=budget, block_size=d.block_size,
                                drafter_fix=_drafter_fix(m.name, m.tiny is not None))
+    if method.needs_drafter and d.quantization is not None:
+        from ddtree.pipeline.models import resolve_device
+        from ddtree.pipeline.quantization import check_quantization
+
+        check_quantization("drafter.quantization", d.quantization, resolve_device(rc.device), drafter=True)
     if method.needs_drafter:
         if d.kind == "random" and m.tiny is None:
             raise ConfigError("drafter", f"a random drafter on the real model {m.name} measures nothing",

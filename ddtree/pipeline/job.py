@@ -40,7 +40,13 @@ from ddtree.pipeline.models import (
     target_context,
 )
 from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
-from ddtree.pipeline.preflight import attention_line, check_prompt_lengths, check_prompt_tokens, keep_last, preflight
+from ddtree.pipeline.preflight import (
+    attention_line,
+    check_prompt_lengths,
+    check_prompt_tokens,
+    keep_last,
+    preflight,
+)
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import Resume, find_resume, write_job_file
 from ddtree.pipeline.schema import (
@@ -460,6 +466,14 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     return records, min(reused) if reused else None
 
 
+def quantization_labels(rc: RunConfig) -> dict[str, str | None]:
+    """What ran quantized (None: as loaded): the summary's, the diagnosis's and the run tags' record."""
+    from ddtree.pipeline.quantization import label
+
+    drafts = METHODS[rc.method].needs_drafter
+    return {"target": label(rc.model.quantization), "drafter": label(rc.drafter.quantization) if drafts else None}
+
+
 def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig, files: JobFiles,
            extra: dict[str, Any], run) -> dict[str, Any]:
     """summary.json, the histogram and the table; the tracked run gets the metrics and files and ends."""
@@ -475,6 +489,9 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
     print(format_table(summary), flush=True)
     print(f"attention: {summary['attention']['line']}", flush=True)
+    if any(summary["quantization"].values()):
+        q = summary["quantization"]
+        print(f"quantization: target {q['target'] or 'none'}, drafter {q['drafter'] or 'its own precision'}", flush=True)
     print(f"results: {files.job_dir}", flush=True)
     if run is not None:
         if summary["baseline_reused_from"]:
@@ -552,6 +569,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
         attention = {"target": rc.attention.target, "drafter": rc.attention.drafter, "line": attention_line(rc)}
         summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
                                                             "attention": attention,
+                                                            "quantization": quantization_labels(rc),
                                                             "validation": checked,
                                                             **({"auto_budget": auto} if auto else {})}, run)
         if auto and world.is_main:

@@ -83,22 +83,46 @@ def load_target(rc: RunConfig, device: str):
         model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
                            dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
                            num_hidden_layers=t.num_hidden_layers)
+        if m.quantization is not None:  # as a published checkpoint would be: saved, then loaded quantized
+            model = quantized_copy(model, m.quantization, rc.attention.target)
         model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
         return model.eval(), load_tokenizer(rc)
     return load_checkpoint(m.name_or_path, device=device, dtype=torch_dtype(m.dtype, tiny=False),
                            attn_implementation=rc.attention.target, tokenizer=m.tokenizer, revision=m.revision,
-                           trust_remote_code=m.trust_remote_code, device_map=m.device_map, max_memory=max_memory)
+                           trust_remote_code=m.trust_remote_code, device_map=m.device_map, max_memory=max_memory,
+                           quantization=m.quantization)
+
+
+def quantized_copy(model, quantization: Any, attn_implementation: str):
+    """A model built in code, saved and loaded back under `quantization` (what from_pretrained does to a checkpoint)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.pipeline.quantization import transformers_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        device = next(model.parameters()).device
+        return AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=model.dtype, attn_implementation=attn_implementation, device_map=device,
+            quantization_config=transformers_config("model.quantization", quantization)).eval()
 
 
 def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implementation: str,
                     tokenizer: str | None = None, revision: str | None = None, trust_remote_code: bool = False,
                     device_map: Any = None, max_memory: dict | None = None,
-                    setting: str = "model.name_or_path") -> tuple[Any, Any]:
+                    setting: str = "model.name_or_path", quantization: Any = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a transformers checkpoint: the one loader of runs and training.
-    device_map (accelerate's) places the layers; without one the whole model goes to `device`."""
+    device_map (accelerate's) places the layers; without one the whole model goes to `device`. quantization: a
+    preset or mapping (ddtree.pipeline.quantization), applied by transformers at load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"max_memory": max_memory} if max_memory else {}
+    if quantization is not None:
+        from ddtree.pipeline.quantization import transformers_config
+
+        kw["quantization_config"] = transformers_config("model.quantization", quantization)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
@@ -149,6 +173,10 @@ def load_drafter(rc: RunConfig, target, device: str):
         drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
                                                 attn_implementation=rc.attention.drafter, **kw)
     drafter.check_compatible(target)
+    if d.quantization is not None:
+        from ddtree.pipeline.quantization import quantize_module
+
+        quantize_module(drafter, "drafter.quantization", d.quantization)
     return drafter.eval()
 
 

@@ -199,7 +199,6 @@ def model_class(cfg: dict[str, Any]) -> type | None:
 def check_attention_supported(cfg: dict[str, Any], backend: str, setting: str = "attention.target") -> None:
     """Refuse a backend the target's model class does not take (transformers would raise after loading)."""
     from ddtree.engine.attention import base_backend
-
     from ddtree.engine.families import family
 
     base = base_backend(backend)

@@ -52,6 +52,9 @@ class ModelConfig:
     # null: the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module: device}:
     # accelerate splits its layers over the GPUs (see ddtree.pipeline.distributed)
     device_map: Any = None
+    # null: as the checkpoint is; a preset (int8, int4, quanto_int8, fp8, nf4, ...) or a transformers quantization
+    # config as a mapping (ddtree.pipeline.quantization, docs/targets.md)
+    quantization: Any = None
 
 
 @dataclass
@@ -62,6 +65,7 @@ class DrafterConfig:
     block_size: int | None = None  # override; null: the checkpoint's (random: 16)
     dtype: str | None = None  # null: model.dtype
     revision: str | None = None
+    quantization: Any = None  # null: its own precision; int8 / quanto_int8 or a torchao/quanto mapping
     # random drafters only
     num_layers: int = 1
     seed: int = 0
