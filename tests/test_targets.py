@@ -92,8 +92,15 @@ def test_served_family_grid_fp32(name, vocab):
         assert deepest >= 3  # trees accepted deeper than the window's edge moves
 
 
+# gpt-oss in bf16: DDTree's split tree attention merges the sink in float32, its eager module rounds the softmax over
+# [logits, sink] to bf16; a tiny 4-expert MoE turns that into a suspect (1 of 6 outputs; 0 with the sinks zeroed, and
+# the fp32 grid is exact). Known gap, docs/targets.md: strict, so the fix flips it.
+_BF16_GAPS = {"gpt_oss": "split attention's float32 sink merge vs the eager module's bf16 softmax (docs/targets.md)"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SERVED)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=_BF16_GAPS[n], strict=True))
+                                  if n in _BF16_GAPS else n for n in SERVED])
 def test_served_family_bf16_verdicts(name):
     """bf16: exact equality is no test (ties); every output is exact or a tie, none suspect (docs/validation.md)."""
     target, drafter = _pair(name, vocab=300, dtype=torch.bfloat16, seed=1)
@@ -193,3 +200,22 @@ def test_a_quantized_tiny_target_runs_through_the_cli(cli, small, tmp_path):
     assert summary["match_rate"] == 1.0 and summary["quantization"] == {"target": "int8", "drafter": None}
     bad = cli(*small, "model.quantization=fp8", "tracking=none", f"hydra.run.dir={tmp_path / 'bad'}")
     assert bad.returncode == 2 and "model.quantization" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_diagnosis_shows_a_quantized_job_beside_the_unquantized_one(cli, small, tmp_path):
+    """A sweep over model.quantization: diagnosis.md puts the quantized job's tau next to the unquantized one's."""
+    pytest.importorskip("torchao")
+    sweep = tmp_path / "sweep"
+    proc = cli(*small, "max_new_tokens=10", "budget=4", "tracking=none", "model.quantization=null,int8",
+               f"hydra.sweep.dir={sweep}",
+               "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import subprocess
+    import sys
+
+    diag = subprocess.run([sys.executable, "-m", "ddtree.diagnose", str(sweep)], capture_output=True, text=True,
+                          timeout=300)
+    assert diag.returncode == 0, diag.stderr[-2000:]
+    doc = json.loads((sweep / "diagnosis.json").read_text())
+    assert [(q["quantization"], q["unquantized"]) for q in doc["quantized"]] == [("target int8", "0")]
+    assert "Quantized: 1 (target int8) tau" in (sweep / "diagnosis.md").read_text()

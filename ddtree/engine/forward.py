@@ -246,7 +246,9 @@ class LeanLayer:
             self.rotary, self.eager = modeling.apply_rotary_pos_emb, modeling.eager_attention_forward
             # the module's RoPE in fewer ops (RopeTables) where its formula is the one checked
             known = getattr(self.rotary, "__module__", None) in _ROPE_MODULES
-            self.rope_tables = rope_tables if known and self.rotary.__name__ == "apply_rotary_pos_emb" else None
+            # (with the `kernels` package installed the name is a hub-kernel wrapper module, no __name__: its own call)
+            self.rope_tables = (rope_tables if known and getattr(self.rotary, "__name__", None) == "apply_rotary_pos_emb"
+                                else None)
             # what each class passes its attention function besides dropout and scaling
             self.extra = {"sliding_window": attn.sliding_window} if type(attn).__name__ == "Qwen3Attention" else {}
         mlp = layer.mlp
