@@ -21,6 +21,7 @@ from ddtree.engine.methods import check_method_args, check_mtp_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
+from ddtree.pipeline.preflight import ATTENTION_PACKAGES, AUTO
 from ddtree.pipeline.schema import (
     CONF_DIR,
     DRAFTER_KINDS,
@@ -34,11 +35,7 @@ from ddtree.pipeline.schema import (
     tracking_uri,
 )
 
-AUTO = "auto"  # attention=auto: chosen per target and device before any weight loads (preflight.resolve_attention)
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
-# backends that need a package beyond torch: backend -> (importable module, pip name)
-ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
-                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 

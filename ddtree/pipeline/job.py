@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.engine.result import STAGES
 from ddtree.errors import ConfigError
-from ddtree.pipeline.config_checks import validate
+from ddtree.pipeline.config_checks import check_attention_settings, validate
 from ddtree.pipeline.datasets import dataset_label, load_dataset_prompts
 from ddtree.pipeline.models import (
     MODELS,
@@ -311,6 +311,7 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
     rc = validate(rc)
     prompts = load_dataset_prompts(rc.dataset)
     facts = preflight(rc)  # every source there, before the store opens or a weight loads
+    check_attention_settings(rc)  # attention=auto's choice (preflight makes it), checked as an explicit setting is
     if facts is not None:  # the tokenizer is on disk: the prompts as the job will encode them
         tokenizer, setting = load_tokenizer(rc), "dataset.path" if rc.dataset.path else "dataset"
         check_prompt_tokens(prompts, tokenizer, setting)

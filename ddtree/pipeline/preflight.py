@@ -18,9 +18,12 @@ from typing import Any
 
 from ddtree.engine.methods import get_method
 from ddtree.errors import ConfigError
-from ddtree.pipeline.config_checks import ATTENTION_PACKAGES
 from ddtree.pipeline.prompts import Prompt
 
+AUTO = "auto"  # attention=auto: chosen per target and device before any weight loads (resolve_attention)
+# backends that need a package beyond torch: backend -> (importable module, pip name)
+ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 HUB_TIMEOUT_S = 10.0  # one HEAD request per source: a dead network fails fast, not after minutes
 
@@ -248,25 +251,25 @@ def auto_attention(cfg: dict[str, Any] | None, device: str, dtype: str) -> str:
     return "eager"
 
 
-def resolve_attention(rc, cfg: dict[str, Any] | None) -> None:
+def resolve_attention(rc, cfg: dict[str, Any] | None) -> bool:
     """Replace attention.target/drafter=auto by the backend chosen for this target and device (recorded in rc.tags
-    as `ddtree.attention`, printed in the run's summary), then check the chosen ones as explicit settings are."""
-    from ddtree.pipeline.config_checks import AUTO, _model_dtype, check_attention_settings
+    as `ddtree.attention_auto`, printed in the run's summary); whether any was. The caller checks the chosen ones as
+    explicit settings are (config_checks.check_attention_settings)."""
     from ddtree.pipeline.models import resolve_device
 
     a = rc.attention
     if AUTO not in (a.target, a.drafter):
-        return
+        return False
     auto = [k for k in ("target", "drafter") if getattr(a, k) == AUTO]
     if a.target == AUTO:
-        dtype = _model_dtype(rc)
+        dtype = rc.model.dtype if rc.model.dtype != "auto" else "float32" if rc.model.tiny is not None else "auto"
         if dtype == "auto" and cfg:
             dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
         a.target = auto_attention(cfg, resolve_device(rc.device), dtype)
     if a.drafter == AUTO:
         a.drafter = "sdpa"  # the DFlash drafter's (and the MTP head's) fastest: one fused kernel on every device
     rc.tags = {**rc.tags, "ddtree.attention_auto": ", ".join(auto)}
-    check_attention_settings(rc)
+    return True
 
 
 def attention_line(rc) -> str:
@@ -320,7 +323,7 @@ def preflight(rc) -> TargetFacts | None:
             mtp_tensor_map(m.name_or_path, m.revision)
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
-    resolve_attention(rc, cfg)
+    resolve_attention(rc, cfg)  # (the caller checks the chosen backends: ddtree.pipeline.job.configure)
     if cfg:  # what the target's class and the device's memory take, from its config (no weights)
         check_attention_supported(cfg, rc.attention.target)
         check_tree_fits(cfg, rc)
