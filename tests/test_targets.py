@@ -117,15 +117,21 @@ def test_gpt_oss_bf16_tree_verification_keeps_the_modules_sink_arithmetic():
     assert out == ref
 
 
+def _cli_job(cli, small, tmp_path, *overrides: str):
+    """(stdout, summary.json) of one small job through `python -m ddtree.run`, with AR's outputs all matched."""
+    job = tmp_path / "job"
+    proc = cli(*small, *overrides, "budget=16", "tracking=none", f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["match_rate"] == 1.0
+    return proc.stdout, summary
+
+
 def test_gpt_oss_runs_through_the_cli_with_the_default_attention(cli, small, tmp_path):
     """No attention override: attention=auto picks eager for gpt-oss (sdpa is refused by its class) and says so."""
-    job = tmp_path / "job"
-    proc = cli(*small, "model.tiny.model_type=gpt_oss", "model.name=tiny_gpt_oss", "budget=16", "tracking=none",
-               f"hydra.run.dir={job}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "attention: target eager, drafter sdpa (auto: target, drafter)" in proc.stdout
-    summary = json.loads((job / "summary.json").read_text())
-    assert summary["match_rate"] == 1.0 and summary["attention"]["target"] == "eager"
+    out, summary = _cli_job(cli, small, tmp_path, "model.tiny.model_type=gpt_oss", "model.name=tiny_gpt_oss")
+    assert "attention: target eager, drafter sdpa (auto: target, drafter)" in out
+    assert summary["attention"]["target"] == "eager"
 
 
 # ---------------------------------------------------------------- quantized targets
@@ -172,6 +178,31 @@ def test_quantized_toy_target_every_method_equals_hf_greedy_of_itself(backend):
             assert method in ("ar",) or out.tau > 1.5, (backend, method, out.tau)  # the trained pair still drafts
 
 
+@pytest.mark.slow
+def test_quantized_toy_target_in_bf16_has_no_suspect_output():
+    """torchao int8 weights, bf16 activations: every DFlash and DDTree output exact or a tie under the verdicts."""
+    pytest.importorskip("torchao")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ddtree.pipeline.prompts import encode, read_jsonl
+    from ddtree.pipeline.quantization import transformers_config
+
+    _, drafter, root = _toy_quantized("int8")
+    target = AutoModelForCausalLM.from_pretrained(root / "target", dtype=torch.bfloat16,
+                                                  quantization_config=transformers_config("t", "int8")).eval()
+    drafter = drafter.to(torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained(root / "target")
+    prompts = [torch.tensor([encode(tok, [{"role": "user", "content": p.turns[0]}], chat_template=True)])
+               for p in read_jsonl(root / "prompts.jsonl")[:3]]
+    base = [hf_greedy(target, p, 48) for p in prompts]
+    v = Validator(target, max_new_tokens=48, rule=ValidationRule(calibration_outputs=2))
+    v.calibrate(zip(prompts, base, strict=True))
+    for method, budget in (("dflash", None), ("ddtree", 16)):
+        for p, b in zip(prompts, base, strict=True):
+            out = ddtree.generate(target, drafter, p, method=method, budget=budget, max_new_tokens=48).output_ids
+            assert v.verdict(p, out, b).verdict in ("exact", "tie"), method
+
+
 @pytest.mark.parametrize("overrides,problem", [
     (("model.quantization=fp8",), "runs on cuda only"),
     (("model.quantization=nf4",), "runs on cuda only"),
@@ -194,13 +225,9 @@ def test_quantization_settings_are_refused_before_model_work(overrides, problem,
 
 def test_a_quantized_tiny_target_runs_through_the_cli(cli, small, tmp_path):
     pytest.importorskip("torchao")
-    job = tmp_path / "job"
-    proc = cli(*small, "model=tiny_qwen3_5", "model.quantization=int8", "budget=16", "tracking=none",
-               f"hydra.run.dir={job}")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "quantization: target int8, drafter its own precision" in proc.stdout
-    summary = json.loads((job / "summary.json").read_text())
-    assert summary["match_rate"] == 1.0 and summary["quantization"] == {"target": "int8", "drafter": None}
+    out, summary = _cli_job(cli, small, tmp_path, "model=tiny_qwen3_5", "model.quantization=int8")
+    assert "quantization: target int8, drafter its own precision" in out
+    assert summary["quantization"] == {"target": "int8", "drafter": None}
     bad = cli(*small, "model.quantization=fp8", "tracking=none", f"hydra.run.dir={tmp_path / 'bad'}")
     assert bad.returncode == 2 and "model.quantization" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
