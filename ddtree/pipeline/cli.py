@@ -11,6 +11,7 @@ where possible; DDTREE_TRACEBACK=1 shows the traceback instead. The job itself i
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -25,6 +26,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
 from ddtree.pipeline.schema import CONF_DIR
+
+# torchao (model.quantization's backend, test extra), which transformers imports wherever it is installed, logs the
+# CUDA-only extensions a CPU build cannot load and torch's deprecation of its Enum registrations on every start: not
+# the user's to act on, and they would break the one-line errors below
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 # conf/hydra/launcher/{submitit_slurm,submitit_local,ray}.yaml shadow the plugins' own configs on purpose
 # (ddtree's defaults: a GPU per job); Hydra 1.3 then validates them against the plugin's schema, and says so

@@ -21,8 +21,9 @@ from ddtree.engine.methods import check_method_args, check_mtp_args, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
-from ddtree.pipeline.preflight import ATTENTION_PACKAGES, AUTO
+from ddtree.pipeline.preflight import ATTENTION_PACKAGES
 from ddtree.pipeline.schema import (
+    AUTO,
     CONF_DIR,
     DRAFTER_KINDS,
     DTYPES,

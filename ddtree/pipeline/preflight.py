@@ -19,8 +19,8 @@ from typing import Any
 from ddtree.engine.methods import get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.prompts import Prompt
+from ddtree.pipeline.schema import AUTO
 
-AUTO = "auto"  # attention=auto: chosen per target and device before any weight loads (resolve_attention)
 # backends that need a package beyond torch: backend -> (importable module, pip name)
 ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
                       "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}

@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_KINDS = ("none", "pretrained", "random")
 DATASETS = ("tiny", "jsonl")
 TRACKERS = ("mlflow", "none")
+AUTO = "auto"  # attention=auto: chosen per target and device (ddtree.pipeline.preflight.resolve_attention)
 ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.upstream.engine)
 
 
