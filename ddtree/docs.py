@@ -57,20 +57,32 @@ def _kind(row: Family) -> str:
     return "attention"
 
 
+def _auto_attention(row: Family) -> str:
+    """What attention=auto picks for the family (ddtree.pipeline.preflight.auto_attention), from its class's flags."""
+    from ddtree.pipeline.preflight import auto_attention
+
+    if row.recurrent:
+        return "sdpa, else eager"  # (recurrent families: whatever their class takes; no tree to verify)
+    cpu = auto_attention({"model_type": row.model_type}, "cpu", "float32")
+    return f"{cpu} (CUDA: flash with sinks)" if row.sinks else cpu
+
+
 def models_markdown() -> str:
     """The model-family table (rows alike in everything shown share a line), then the method table."""
     groups: dict[tuple, list[str]] = {}
     for row in FAMILIES.values():
-        key = (family_methods(row.model_type), _kind(row), row.embedding_access == "nested", row.lean is not None)
+        kind = _kind(row) + (f" ({row.traits})" if row.traits else "")
+        key = (family_methods(row.model_type), kind, row.embedding_access == "nested", row.lean is not None,
+               _auto_attention(row))
         groups.setdefault(key, []).append(row.model_type)
-    lines = ["| `model_type` | methods | layers | multimodal wrapper | lean forward |",
-             "| --- | --- | --- | --- | --- |"]
-    for (methods, kind, nested, lean), types in groups.items():
+    lines = ["| `model_type` | methods | layers | wrapper | lean forward | `attention=auto` |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for (methods, kind, nested, lean, auto), types in groups.items():
         lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
-                     f"{'yes' if nested else '–'} | {'yes' if lean else '–'} |")
+                     f"{'yes' if nested else '–'} | {'yes' if lean else '–'} | {auto} |")
     every = ", ".join(family_methods(""))  # an unknown model_type: every method but the own-head ones
-    lines.append(f"| any other | {every} | attention (DFlash and DDTree refused when its cache has "
-                 "linear-attention layers) | – | – |")
+    lines.append(f"| any other | {every} | attention (tree methods refused on a cache with "
+                 "linear-attention layers) | – | – | sdpa, else eager |")
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
     drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
               "tree": "a best-first tree of `budget` nodes"}

@@ -38,7 +38,7 @@ def test_gdn_rows_are_the_classes_the_gdn_module_wraps():
     assert len(gdn.TARGETS) == len(families.gdn_classes())
 
 
-@pytest.mark.parametrize("name", [n for n, r in FAMILIES.items() if r.tiny and n.endswith(("_text", "_next"))])
+@pytest.mark.parametrize("name", [n for n, r in FAMILIES.items() if r.hybrid_every and r.embedding_access != NESTED])
 def test_tiny_hybrids_have_the_table_gdn_class_and_linear_cache_layers(name):
     model = tiny_model(name, num_hidden_layers=4)
     row = family(model_type(model))

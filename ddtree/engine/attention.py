@@ -260,6 +260,10 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     window = kwargs.get("sliding_window")
     pos0 = ctx.past - kp
     lo, hi, lo0 = window_bounds(kp, ctx.past, pos0, window, ctx.depth_bound)
+    sinks = kwargs.get("s_aux")
+    if base == "eager" and sinks is not None and getattr(module, "sinks", None) is sinks:  # its eager reads them
+        out = _eager_whole(ctx, module, query, key, value, scale, (lo, hi, lo0, window, kp))
+        return out if gate is None else gate_output(out, gate)
     # a key/value group's queries share keys and (in part a) have no mask: stack them along the sequence
     qp = query.reshape(B, hkv, g * n, D)
     parts = []
@@ -294,6 +298,26 @@ def _split_verify(ctx: TreeVerification, base: str, module, query, key, value, k
     # a view of a merge in the parts' [B, kv, g * n, D] layout, a copy of one in CUDA flash's [B, g * n, kv, D])
     out = out.reshape(B, H, n, D).transpose(1, 2).to(query.dtype, memory_format=torch.contiguous_format)
     return out if gate is None else gate_output(out, gate)
+
+
+def _eager_whole(ctx: TreeVerification, module, query, key, value, scale: float, bounds: tuple) -> torch.Tensor:
+    """Eager with attention sinks (gpt-oss): the module's own eager function over the keys any node sees, under one
+    additive mask. Its softmax over [logits, sink] runs in the model's dtype, which a float32 merge of parts does not
+    reproduce in bf16 (a tiny MoE turned the difference into a suspect output); eager builds the [n, keys] scores
+    anyway, so the one mask costs that much again, not more."""
+    lo, hi, lo0, window, kp = bounds
+    n = query.shape[2]
+
+    def build_mask():
+        vis = _tree_visibility(ctx, lo, hi, lo0, window).to(query.device)  # [band, tree] columns
+        band = max(hi - lo, 0)
+        ok = torch.cat([vis[:, :band], vis.new_ones(n, kp - max(hi, lo)), vis[:, band:]], dim=1)
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        return zero.where(ok, torch.finfo(query.dtype).min)[None, None]
+
+    mask = ctx.memo(("whole", lo, hi, lo0, window, kp, query.dtype, query.device), build_mask)
+    out, _ = _model_eager(module)(module, query, key[:, :, lo:], value[:, :, lo:], mask, scaling=scale, dropout=0.0)
+    return out
 
 
 def _model_eager(module) -> Callable:

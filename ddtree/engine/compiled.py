@@ -52,6 +52,7 @@ from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables, lean_norm
 from ddtree.engine.tree import DraftTree, best_first_tensors
+from ddtree.engine.weights import plain
 from ddtree.errors import ConfigError
 
 __all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "fused_sdpa_refusal", "grouped_attention",
@@ -132,7 +133,7 @@ def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tupl
 def _frozen_norm(norm: torch.nn.Module):
     """lean_norm(norm) without its weight-version check (a host read of attributes dynamo cannot trace): the
     centred norm's (1 + w) is built once here. The arithmetic is lean_norm's."""
-    if type(norm).__name__ not in _NORMS_CENTERED:
+    if type(norm).__name__ not in _NORMS_CENTERED or not plain(norm.weight):
         return lean_norm(norm)
     with torch.no_grad():
         scale = 1.0 + norm.weight.detach().float()

@@ -31,6 +31,11 @@ MROPE_TEXT = "mrope_text"  # the rotary table takes them 3 times ([3, B, T], tex
 _HYBRID_TINY = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4)
 _MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# families a published DFlash drafter serves (docs/targets.md): windows of 8, shorter than a prompt plus a tree
+_WINDOW = dict(sliding_window=8)
+_ROUTED = dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1,
+               first_k_dense_replace=1)
+_LOCAL_EXPERTS = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32)
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,9 @@ class Family:
     wrapper_class: str | None = None  # "module:Class" of the nesting wrapper model, when NESTED
     tiny: Mapping[str, Any] = field(default_factory=dict)  # config overrides a tiny test model needs
     hybrid_every: int = 0  # tiny hybrids: every n-th layer is full attention, the others linear (0: no GDN)
+    sliding_every: int = 0  # tiny models: every n-th layer is full attention, the others sliding-window ones
+    traits: str = ""  # what its layers have beyond plain attention (the support table's column)
+    sinks: bool = False  # learned attention sinks: a flash kernel that drops them (transformers: silently) is refused
     lean: str | None = None  # ROPE / MROPE_TEXT: LeanForward reproduces its base model's forward bitwise
     # the family's own MTP head (ddtree.engine.drafter.mtp): "module:Class" of its decoder layer and RMSNorm;
     # mtp_mrope: its rotary table takes the positions 3 times (text-only M-RoPE) where `lean` does not say so
@@ -80,6 +88,20 @@ _ROWS: tuple[Family, ...] = (
     Family("qwen3", lean=ROPE),
     Family("llama", lean=ROPE),
     Family("gemma2"),
+    # families a published DFlash drafter serves (tests/test_targets.py: the fp32 grid and a bf16 verdict row each)
+    Family("gpt_oss", tiny={**_LOCAL_EXPERTS, **_WINDOW}, sliding_every=2, sinks=True,
+           traits="sliding 1/2, sinks, MoE"),
+    Family("gemma3_text", tiny={**_WINDOW, "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+           sliding_every=3, traits="sliding 5/6"),
+    Family("gemma4_text", tiny={**_WINDOW, "final_logit_softcapping": 30.0, "hidden_size_per_layer_input": 16},
+           sliding_every=3, traits="sliding 5/6, per-layer inputs"),
+    Family("qwen3_moe", tiny=_MOE_TINY, traits="MoE"),
+    Family("minimax_m2", tiny=_LOCAL_EXPERTS, traits="MoE"),
+    Family("deepseek_v3", tiny={**_ROUTED, "q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                "qk_nope_head_dim": 8, "v_head_dim": 16, "head_dim": 8, "num_key_value_heads": 4},
+           traits="MLA, MoE"),
+    Family("laguna", tiny={**_MOE_TINY, **_WINDOW}, sliding_every=2, traits="sliding, MoE"),
+    Family("glm4_moe", tiny=_ROUTED, traits="MoE, partial RoPE"),
     Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4, lean=MROPE_TEXT,
            **_MTP_QWEN3_5),
     Family("qwen3_5", gdn_class=_QWEN3_5_GDN, embedding_access=NESTED, tiny=_HYBRID_TINY, hybrid_every=4,

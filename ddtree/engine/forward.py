@@ -37,6 +37,7 @@ from ddtree.engine.kernels import fused
 from ddtree.engine.kernels import norm as kernel_norm
 from ddtree.engine.kernels.attention import gate_output, silu_mul
 from ddtree.engine.kernels.rope import norm_rope
+from ddtree.engine.weights import plain, plain_linear
 
 __all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_add_norm", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
 
@@ -68,7 +69,7 @@ def _norm_parts(norm: torch.nn.Module) -> tuple[Callable[[], torch.Tensor], floa
     A centred norm's weight is 1 + w in float32, rebuilt when w changes (its identity and version: host attributes,
     no op, no sync)."""
     name = type(norm).__name__
-    if name not in _NORMS_SCALED | _NORMS_CENTERED:
+    if name not in _NORMS_SCALED | _NORMS_CENTERED or not plain(norm.weight):
         return None
     weight = norm.weight
     if name in _NORMS_SCALED:
@@ -157,7 +158,7 @@ def rope_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Te
 
 
 def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    if type(module) is not torch.nn.Linear:
+    if not plain_linear(module):  # a quantized projection computes with its own kernels (ddtree.engine.weights)
         return module.forward
     weight, bias = module.weight, module.bias
     return lambda x: F.linear(x, weight, bias)
@@ -258,7 +259,9 @@ class LeanLayer:
             self.rotary, self.eager = _plain_function(modeling.apply_rotary_pos_emb), modeling.eager_attention_forward
             # the module's RoPE in fewer ops (RopeTables) where its formula is the one checked
             known = getattr(self.rotary, "__module__", None) in _ROPE_MODULES
-            self.rope_tables = rope_tables if known and self.rotary.__name__ == "apply_rotary_pos_emb" else None
+            # (with the `kernels` package installed the name is a hub-kernel wrapper module, no __name__: its own call)
+            self.rope_tables = (rope_tables if known and getattr(self.rotary, "__name__", None) == "apply_rotary_pos_emb"
+                                else None)
             # what each class passes its attention function besides dropout and scaling
             self.extra = {"sliding_window": attn.sliding_window} if type(attn).__name__ == "Qwen3Attention" else {}
         mlp = layer.mlp

@@ -52,7 +52,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from transformers.activations import ACT2FN
 
 from ddtree.engine import verification
@@ -61,6 +60,7 @@ from ddtree.engine.host import host_branch
 from ddtree.engine.kernels import gdn as kgdn
 from ddtree.engine.verification import GDN_METHODS as METHODS  # noqa: F401 (re-exported: callers name gdn.METHODS)
 from ddtree.engine.verification import TreeVerification, tree_verification
+from ddtree.engine.weights import plain, plain_linear
 
 # Verified (tests/test_gdn_tree.py passes) on 5.21.0, 5.21.1, 5.22.0, 5.23.0 and 5.24.0. 5.20 has no
 # Cache.get_conv_state; 5.21-5.23 call the cache argument `cache_params`, 5.24 renames it `cache` and
@@ -326,16 +326,21 @@ class LayerConsts:
     norm_eps: float
 
 
-def _plain_linear(layer) -> bool:
-    return type(layer) is nn.Linear and layer.bias is None and not hasattr(layer, "_hf_hook")
+def _bias_free(layer) -> bool:
+    """A plain bias-free Linear whose weight may be concatenated (a quantized one is called: ddtree.engine.weights)."""
+    return plain_linear(layer) and layer.bias is None
 
 
 def layer_consts(module) -> LayerConsts:
     """The LayerConsts of a GDN module (a handful of small ops: once per cache in the engine)."""
     weight = module.conv1d.weight
     bias = module.conv1d.bias
+    for name, tensor in (("conv1d.weight", weight), ("conv1d.bias", bias), ("norm.weight", module.norm.weight)):
+        if not plain(tensor):  # no backend quantizes these today; computing on packed values would be silently wrong
+            raise NotImplementedError(f"the tree-exact GDN reads {name} directly and it is quantized "
+                                      f"({type(tensor).__name__}); keep the GDN conv and norm unquantized")
     ab_weight = ab_bias = None
-    if not hasattr(module, "in_proj_qkvz") and _plain_linear(module.in_proj_a) and _plain_linear(module.in_proj_b):
+    if not hasattr(module, "in_proj_qkvz") and _bias_free(module.in_proj_a) and _bias_free(module.in_proj_b):
         wa, wb = module.in_proj_a.weight, module.in_proj_b.weight
         ab_weight = torch.cat([wa, -wb])
         ab_bias = torch.cat([module.dt_bias.to(wa.dtype), torch.zeros_like(module.dt_bias, dtype=wa.dtype)])

@@ -35,7 +35,9 @@ from ddtree.engine.methods import (
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
 from ddtree.pipeline.distributed import check_device_map
+from ddtree.pipeline.preflight import ATTENTION_PACKAGES
 from ddtree.pipeline.schema import (
+    AUTO,
     CONF_DIR,
     DRAFTER_KINDS,
     DTYPES,
@@ -50,9 +52,6 @@ from ddtree.pipeline.schema import (
 )
 
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
-# backends that need a package beyond torch: backend -> (importable module, pip name)
-ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
-                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
 DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 
@@ -164,6 +163,11 @@ def check_model(rc: RunConfig) -> None:
     if m.tiny is not None and m.tiny.vocab_size < 16:
         raise ConfigError("model.tiny.vocab_size", f"must be >= 16, got {m.tiny.vocab_size}")
     check_device_map(m.device_map)
+    if m.quantization is not None:
+        from ddtree.pipeline.models import resolve_device
+        from ddtree.pipeline.quantization import check_quantization
+
+        check_quantization("model.quantization", m.quantization, resolve_device(rc.device))
 
 
 def check_drafter(rc: RunConfig) -> None:
@@ -183,6 +187,11 @@ def check_drafter(rc: RunConfig) -> None:
     budget = rc.auto.calibration_budget if rc.budget == "auto" else rc.budget
     method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=budget, block_size=d.block_size,
                                drafter_fix=_drafter_fix(m.name, m.tiny is not None))
+    if method.drafter_kind == DFLASH and d.quantization is not None:
+        from ddtree.pipeline.models import resolve_device
+        from ddtree.pipeline.quantization import check_quantization
+
+        check_quantization("drafter.quantization", d.quantization, resolve_device(rc.device), drafter=True)
     if method.drafter_kind == DFLASH:
         if d.kind == "random" and m.tiny is None:
             raise ConfigError("drafter", f"a random drafter on the real model {m.name} measures nothing",
@@ -192,12 +201,13 @@ def check_drafter(rc: RunConfig) -> None:
 def check_attention_settings(rc: RunConfig) -> None:
     """attention.target (and attention.drafter when the method drafts) for this method, device and dtype."""
     dtype = _model_dtype(rc)
-    check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
-                    device=rc.device, dtype=dtype)
-    if get_method(rc.method).drafter_kind == DFLASH:
+    if rc.attention.target != AUTO:
+        check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
+                        device=rc.device, dtype=dtype)
+    if get_method(rc.method).drafter_kind == DFLASH and rc.attention.drafter != AUTO:
         check_attention("attention.drafter", rc.attention.drafter, method=rc.method, for_target=False,
                         device=rc.device, dtype=rc.drafter.dtype or dtype)
-    if rc.engine == "upstream" and get_method(rc.method).verifies_tree and (
+    if rc.engine == "upstream" and get_method(rc.method).verifies_tree and rc.attention.target != AUTO and (
             split_attention().get(rc.attention.target, rc.attention.target) not in ("eager", "sdpa")):
         raise ConfigError("attention.target", f"engine=upstream verifies the tree with the authors' dense 4-D mask, "
                           f"which '{rc.attention.target}' cannot take", "use attention=sdpa (or eager)")

@@ -20,11 +20,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ddtree.engine.methods import BASELINE, METHODS, MTP, OWN_HEAD, reads_budget
+from ddtree.engine.methods import BASELINE, DFLASH, METHODS, MTP, OWN_HEAD, reads_budget
 from ddtree.engine.result import STAGES
 from ddtree.pipeline import distributed as D
 from ddtree.pipeline.autobudget import choose_budget, outcome, outcome_line
-from ddtree.pipeline.config_checks import validate
+from ddtree.pipeline.config_checks import check_attention_settings, validate
 from ddtree.pipeline.console import Progress, library_bars_off_outside_a_terminal
 from ddtree.pipeline.conversation import (
     SAMPLES,
@@ -46,7 +46,7 @@ from ddtree.pipeline.models import (
     resolve_device,
 )
 from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
-from ddtree.pipeline.preflight import check_prompt_lengths, check_prompt_tokens, preflight
+from ddtree.pipeline.preflight import attention_line, check_prompt_lengths, check_prompt_tokens, preflight
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import find_resume, write_job_file
 from ddtree.pipeline.schema import (
@@ -202,6 +202,7 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
     rc = validate(rc)
     prompts = load_dataset_prompts(rc.dataset)
     facts = preflight(rc)  # every source there, before the store opens or a weight loads
+    check_attention_settings(rc)  # attention=auto's choice (preflight makes it), checked as an explicit setting is
     if facts is not None:  # the tokenizer is on disk: the prompts as the job will encode them
         tokenizer, setting = load_tokenizer(rc), "dataset.path" if rc.dataset.path else "dataset"
         check_prompt_tokens(prompts, tokenizer, setting)
@@ -353,6 +354,14 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     return records, min(reused) if reused else None
 
 
+def quantization_labels(rc: RunConfig) -> dict[str, str | None]:
+    """What ran quantized (None: as loaded): the summary's, the diagnosis's and the run tags' record."""
+    from ddtree.pipeline.quantization import label
+
+    drafts = METHODS[rc.method].drafter_kind == DFLASH
+    return {"target": label(rc.model.quantization), "drafter": label(rc.drafter.quantization) if drafts else None}
+
+
 def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig, files: JobFiles,
            extra: dict[str, Any], run) -> dict[str, Any]:
     """summary.json, the histogram and the table; the tracked run gets the metrics and files and ends."""
@@ -365,6 +374,10 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     lengths = [a for r in records if r["role"] == "method" for a in r["acceptance_lengths"]]
     write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
     print(format_table(summary), flush=True)
+    print(f"attention: {summary['attention']['line']}", flush=True)
+    if any(summary["quantization"].values()):
+        q = summary["quantization"]
+        print(f"quantization: target {q['target'] or 'none'}, drafter {q['drafter'] or 'its own precision'}", flush=True)
     print(f"results: {files.job_dir}", flush=True)
     if run is not None:
         if summary["baseline_reused_from"]:
@@ -439,7 +452,10 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
             return None
         records, reused_from = generated
         checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
+        attention = {"target": rc.attention.target, "drafter": rc.attention.drafter, "line": attention_line(rc)}
         summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
+                                                            "attention": attention,
+                                                            "quantization": quantization_labels(rc),
                                                             "validation": checked,
                                                             **({"auto_budget": auto} if auto else {})}, run)
         if auto and world.is_main:

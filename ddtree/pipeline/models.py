@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from ddtree.engine.methods import DFLASH, METHODS, OWN_HEAD
 from ddtree.errors import ConfigError
-from ddtree.pipeline.schema import RunConfig
+from ddtree.pipeline.schema import AUTO, RunConfig
 
 
 @dataclass
@@ -74,28 +74,51 @@ def load_target(rc: RunConfig, device: str):
     max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
     from ddtree.engine import attention
 
-    if rc.attention.target in attention.SPLIT_IMPLEMENTATIONS:  # a tree implementation by name: registered first
+    # attention=auto not resolved by a job's preflight (a direct call): transformers' own choice, sdpa where the
+    # class takes it, else eager (what preflight picks off CUDA)
+    attn = None if rc.attention.target == AUTO else rc.attention.target
+    if attn in attention.SPLIT_IMPLEMENTATIONS:  # a tree implementation by name: registered first
         attention.register()
     if m.tiny is not None:
         from ddtree.testing.tiny import tiny_model
 
         t = m.tiny
-        model = tiny_model(t.model_type, seed=t.seed, attn_implementation=rc.attention.target,
+        model = tiny_model(t.model_type, seed=t.seed, attn_implementation=attn,
                            dtype=torch_dtype(m.dtype, tiny=True), vocab_size=t.vocab_size,
                            num_hidden_layers=t.num_hidden_layers)
+        if m.quantization is not None:  # as a published checkpoint would be: saved, then loaded quantized
+            model = quantized_copy(model, m.quantization, attn)
         model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
         return model.eval(), load_tokenizer(rc)
     return load_checkpoint(m.name_or_path, device=device, dtype=torch_dtype(m.dtype, tiny=False),
-                           attn_implementation=rc.attention.target, tokenizer=m.tokenizer, revision=m.revision,
-                           trust_remote_code=m.trust_remote_code, device_map=m.device_map, max_memory=max_memory)
+                           attn_implementation=attn, tokenizer=m.tokenizer, revision=m.revision,
+                           trust_remote_code=m.trust_remote_code, device_map=m.device_map, max_memory=max_memory,
+                           quantization=m.quantization)
+
+
+def quantized_copy(model, quantization: Any, attn_implementation: str | None):
+    """A model built in code, saved and loaded back under `quantization` (what from_pretrained does to a checkpoint)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.pipeline.quantization import transformers_config
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        device = next(model.parameters()).device
+        return AutoModelForCausalLM.from_pretrained(
+            tmp, dtype=model.dtype, attn_implementation=attn_implementation, device_map=device,
+            quantization_config=transformers_config("model.quantization", quantization)).eval()
 
 
 def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implementation: str,
                     tokenizer: str | None = None, revision: str | None = None, trust_remote_code: bool = False,
                     device_map: Any = None, max_memory: dict | None = None,
-                    setting: str = "model.name_or_path") -> tuple[Any, Any]:
+                    setting: str = "model.name_or_path", quantization: Any = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a transformers checkpoint: the one loader of runs and training.
-    device_map (accelerate's) places the layers; without one the whole model goes to `device`.
+    device_map (accelerate's) places the layers; without one the whole model goes to `device`. quantization: a
+    preset or mapping (ddtree.pipeline.quantization), applied by transformers at load.
     use_kernels=False: from 5.25, where the `kernels` package is installed, transformers kernelizes a loaded model by
     default, swapping hub kernels (downloaded, some remote code) into RMSNorm, activations, RoPE and GDN ops on a GPU.
     The engine's lean forward does those steps itself, so the model's own forward (prefill, references) would no longer
@@ -103,6 +126,10 @@ def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implemen
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"max_memory": max_memory} if max_memory else {}
+    if quantization is not None:
+        from ddtree.pipeline.quantization import transformers_config
+
+        kw["quantization_config"] = transformers_config("model.quantization", quantization)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             name_or_path, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
@@ -143,19 +170,24 @@ def load_drafter(rc: RunConfig, target, device: str):
     from ddtree.engine.drafter import DFlashDrafter
     from ddtree.engine.methods import check_scoring
 
+    attn = "sdpa" if rc.attention.drafter == AUTO else rc.attention.drafter  # (auto, not resolved by preflight)
     if d.kind == "random":
         kw = {"target_layer_ids": list(d.target_layer_ids)} if d.target_layer_ids is not None else {}
         drafter = DFlashDrafter.random_for_target(target.config, num_layers=d.num_layers,
                                                   block_size=d.block_size or 16, seed=d.seed,
-                                                  attn_implementation=rc.attention.drafter, **kw)
+                                                  attn_implementation=attn, **kw)
         drafter = drafter.to(device=device, dtype=target.dtype)
     else:
         dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
         kw = {"revision": d.revision} if d.revision else {}
         drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
-                                                attn_implementation=rc.attention.drafter, **kw)
+                                                attn_implementation=attn, **kw)
     drafter.check_compatible(target)
     check_scoring(rc.scoring, rc.method, drafter)
+    if d.quantization is not None:
+        from ddtree.pipeline.quantization import quantize_module
+
+        quantize_module(drafter, "drafter.quantization", d.quantization)
     return drafter.eval()
 
 

@@ -9,6 +9,7 @@ names the setting and the fix. Nothing here downloads weights: a hub repo is loo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -18,7 +19,11 @@ from typing import Any
 from ddtree.engine.methods import DFLASH, OWN_HEAD, check_target_supported, get_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.prompts import Prompt
+from ddtree.pipeline.schema import AUTO
 
+# backends that need a package beyond torch: backend -> (importable module, pip name)
+ATTENTION_PACKAGES = {"flash_attention_2": ("flash_attn", "flash-attn"),
+                      "flash_attention_3": ("flash_attn_interface", "flash-attn-3")}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 HUB_TIMEOUT_S = 10.0  # one HEAD request per source: a dead network fails fast, not after minutes
 
@@ -191,8 +196,13 @@ def model_class(cfg: dict[str, Any]) -> type | None:
 def check_attention_supported(cfg: dict[str, Any], backend: str, setting: str = "attention.target") -> None:
     """Refuse a backend the target's model class does not take (transformers would raise after loading)."""
     from ddtree.engine.attention import base_backend
+    from ddtree.engine.families import family
 
     base = base_backend(backend)
+    mtype = str(cfg.get("text_model_type") or cfg.get("model_type"))
+    if base in ATTENTION_PACKAGES and family(mtype).sinks and not _flash_takes_sinks(base):
+        raise ConfigError(setting, f"'{mtype}' attends to learned sinks, which the installed {base} kernel does not "
+                          "take (transformers would drop them: a wrong output)", "use attention=auto (eager here)")
     flag = ATTENTION_FLAGS.get(base)
     cls = model_class(cfg) if flag else None
     if cls is None or getattr(cls, flag, True):
@@ -201,6 +211,65 @@ def check_attention_supported(cfg: dict[str, Any], backend: str, setting: str = 
     raise ConfigError(setting, f"{cls.__name__} (model_type '{cfg.get('model_type')}') does not take the '{base}' "
                       "attention backend", f"use attention={'sdpa' if 'sdpa' in takes else 'eager'} (it takes: "
                       f"{', '.join(takes)})")
+
+
+def _flash_takes_sinks(base: str) -> bool:
+    """Whether the installed flash kernel of `base` takes attention sinks: transformers passes them only to a kernel
+    whose signature has `s_aux` or `learnable_sink`, and drops them silently otherwise."""
+    import importlib
+    import inspect
+
+    module = ATTENTION_PACKAGES.get(base, (None,))[0]
+    try:
+        fn = importlib.import_module(module).flash_attn_func if module else None
+        params = inspect.signature(fn).parameters if fn is not None else {}
+    except Exception:  # noqa: BLE001 (not installed, or a wheel that does not import: no sinks here)
+        return False
+    return "s_aux" in params or "learnable_sink" in params
+
+
+def auto_attention(cfg: dict[str, Any] | None, device: str, dtype: str) -> str:
+    """attention=auto: the fastest backend the target's class takes on `device` that keeps every output exact.
+    sdpa where the class takes it (eager: one more launch per attention); a class without sdpa (gpt-oss: its sinks)
+    gets a flash kernel that takes sinks on CUDA in half precision, else eager."""
+    from ddtree.engine.families import family
+
+    cls = model_class(cfg) if cfg else None
+    if cls is None or getattr(cls, "_supports_sdpa", True):
+        return "sdpa"
+    sinks = family(str(cfg.get("text_model_type") or cfg.get("model_type"))).sinks
+    if device.startswith("cuda") and dtype not in ("float32", "auto") and getattr(cls, "_supports_flash_attn", False):
+        for base in ("flash_attention_3", "flash_attention_2"):
+            if (not sinks or _flash_takes_sinks(base)) and importlib.util.find_spec(ATTENTION_PACKAGES[base][0]):
+                return base
+    return "eager"
+
+
+def resolve_attention(rc, cfg: dict[str, Any] | None) -> bool:
+    """Replace attention.target/drafter=auto by the backend chosen for this target and device (recorded in rc.tags
+    as `ddtree.attention_auto`, printed in the run's summary); whether any was. The caller checks the chosen ones as
+    explicit settings are (config_checks.check_attention_settings)."""
+    from ddtree.pipeline.models import resolve_device
+
+    a = rc.attention
+    if AUTO not in (a.target, a.drafter):
+        return False
+    auto = [k for k in ("target", "drafter") if getattr(a, k) == AUTO]
+    if a.target == AUTO:
+        dtype = rc.model.dtype if rc.model.dtype != "auto" else "float32" if rc.model.tiny is not None else "auto"
+        if dtype == "auto" and cfg:
+            dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+        a.target = auto_attention(cfg, resolve_device(rc.device), dtype)
+    if a.drafter == AUTO:
+        a.drafter = "sdpa"  # the DFlash drafter's (and the MTP head's) fastest: one fused kernel on every device
+    rc.tags = {**rc.tags, "ddtree.attention_auto": ", ".join(auto)}
+    return True
+
+
+def attention_line(rc) -> str:
+    """The run summary's line: the backends that ran, and which of them attention=auto chose."""
+    auto = rc.tags.get("ddtree.attention_auto")
+    return f"target {rc.attention.target}, drafter {rc.attention.drafter}" + (f" (auto: {auto})" if auto else "")
 
 
 def check_tree_fits(cfg: dict[str, Any], rc) -> None:
@@ -247,6 +316,7 @@ def preflight(rc) -> TargetFacts | None:
             mtp_tensor_map(m.name_or_path, m.revision)
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
+    resolve_attention(rc, cfg)  # (the caller checks the chosen backends: ddtree.pipeline.job.configure)
     if cfg:  # what the target's class and the device's memory take, from its config (no weights)
         check_attention_supported(cfg, rc.attention.target)
         check_tree_fits(cfg, rc)

@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DRAFTER_KINDS = ("none", "pretrained", "random")
 DATASETS = ("tiny", "jsonl")
 TRACKERS = ("mlflow", "none")
+AUTO = "auto"  # attention=auto: chosen per target and device (ddtree.pipeline.preflight.resolve_attention)
 ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.upstream.engine)
 
 
@@ -52,6 +53,9 @@ class ModelConfig:
     # null: the whole model on `device`; auto | balanced | balanced_low_0 | sequential | {module: device}:
     # accelerate splits its layers over the GPUs (see ddtree.pipeline.distributed)
     device_map: Any = None
+    # null: as the checkpoint is; a preset (int8, int4, quanto_int8, fp8, nf4, ...) or a transformers quantization
+    # config as a mapping (ddtree.pipeline.quantization, docs/targets.md)
+    quantization: Any = None
 
 
 @dataclass
@@ -62,6 +66,7 @@ class DrafterConfig:
     block_size: int | None = None  # override; null: the checkpoint's (random: 16)
     dtype: str | None = None  # null: model.dtype
     revision: str | None = None
+    quantization: Any = None  # null: its own precision; int8 / quanto_int8 or a torchao/quanto mapping
     # random drafters only
     num_layers: int = 1
     seed: int = 0
@@ -79,8 +84,8 @@ class MTPConfig:
 
 @dataclass
 class AttentionConfig:
-    target: str = "sdpa"
-    drafter: str = "sdpa"
+    target: str = "auto"  # auto: per target family and device (ddtree.pipeline.preflight.auto_attention)
+    drafter: str = "auto"
 
 
 @dataclass

@@ -20,6 +20,11 @@ def tiny_config(model_type: str = "qwen3", vocab_size: int = 128, num_hidden_lay
     if row.hybrid_every:  # hybrid: linear-attention (GDN) layers, every n-th one full attention
         kw["layer_types"] = [("full_attention" if (i + 1) % row.hybrid_every == 0 else "linear_attention")
                              for i in range(num_hidden_layers)]
+    elif row.sliding_every:  # sliding-window layers, every n-th one full attention
+        kw["layer_types"] = [("full_attention" if (i + 1) % row.sliding_every == 0 else "sliding_attention")
+                             for i in range(num_hidden_layers)]
+    if "vocab_size_per_layer_input" in AutoConfig.for_model(model_type).to_dict():  # Gemma 4's per-layer inputs
+        kw["vocab_size_per_layer_input"] = kw["vocab_size"]
     kw.update(overrides)
     return AutoConfig.for_model(model_type, **kw)
 
@@ -40,4 +45,15 @@ def tiny_model(model_type: str = "qwen3", seed: int = 0, attn_implementation: st
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     if slow_decay:
         slow_decay_(model)
+    real_sinks_(model)
     return model.eval()
+
+
+def real_sinks_(model: PreTrainedModel, std: float = 1.0) -> PreTrainedModel:
+    """Attention sinks (gpt-oss) of a real model's spread: initialised near 0 they barely move a row's weights."""
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if name.endswith("sinks"):
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model

@@ -673,7 +673,7 @@ class DFlashDrafter(nn.Module):
             hidden_size=text.hidden_size, intermediate_size=text.intermediate_size, num_hidden_layers=num_layers,
             num_attention_heads=text.num_attention_heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or text.num_attention_heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+            head_dim=_global_attr(text, "head_dim") or text.hidden_size // text.num_attention_heads,
             target_layer_ids=(list(target_layer_ids) if target_layer_ids is not None
                               else evenly_spaced_layer_ids(n_target, num_layers)),
             mask_token_id=text.vocab_size - 1 if mask_token_id is None else mask_token_id,
@@ -694,3 +694,10 @@ class DFlashDrafter(nn.Module):
                     if module.bias is not None:
                         module.bias.zero_()
         return model.eval()
+
+
+def _global_attr(config: Any, name: str) -> Any:
+    """`config.<name>`, or its global value where it is per layer (Gemma 4's head_dim: reading it raises there)."""
+    if name in (getattr(config, "per_layer_attributes", None) or ()):
+        return config.to_dict().get(name)
+    return getattr(config, name, None)

@@ -33,6 +33,22 @@ def suspect_jobs(jobs: list[JobData]) -> list[str]:
     return out
 
 
+def _quantization(j: JobData) -> str | None:
+    q = j.summary.get("quantization") or {}
+    parts = [f"{k} {v}" for k, v in q.items() if v]
+    return ", ".join(parts) or None
+
+
+def quantized_pairs(jobs: list[JobData]) -> list[dict[str, Any]]:
+    """Each quantized job beside an unquantized one of the same model, method, budget and temperature (users see
+    acceptance collapse when a drafter or target is quantized: the line that shows it)."""
+    key = lambda j: (j.summary.get("model"), j.method, j.budget, j.summary.get("temperature"))  # noqa: E731
+    plain = {key(j): j for j in jobs if _quantization(j) is None and j.tau is not None}
+    return [{"name": j.name, "quantization": _quantization(j), "tau": j.tau, "unquantized": plain[key(j)].name,
+             "unquantized_tau": plain[key(j)].tau}
+            for j in jobs if _quantization(j) and j.tau is not None and key(j) in plain]
+
+
 def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything diagnosis.md and diagnosis.json say, from the jobs of one drafter-target pair."""
     drafting = [j for j in jobs if j.diagnosed]
@@ -40,7 +56,7 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
     doc: dict[str, Any] = {"jobs": [{"name": j.name, "method": j.method, "budget": j.budget, "tau": j.tau,
                                      "round_ms": round_ms(j), "speedup": j.summary.get("speedup"),
                                      "rounds": sum(len(d["depth"]) for d in j.diagnosed)} for j in jobs],
-                           "suspect": suspect_jobs(jobs)}
+                           "suspect": suspect_jobs(jobs), "quantized": quantized_pairs(jobs)}
     if not drafting:
         doc["verdict"] = ("no diagnosis: no DFlash or DDTree job here recorded its rounds (method=ar, engine=upstream, "
                           "or runs older than the recording)")

@@ -51,6 +51,9 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
         t = f" (T={m['temperature']:g})" if m.get("temperature") else ""
         lines.append(f"| {m['name']} | {m['method']}{t} | {m['budget']} | {m['measured']:.2f} | {fmt(m['accepted'])} | "
                      f"{fmt(m['predicted'])} | {100 * m['error']:+.1f} % |")
+    for q in doc.get("quantized", []):
+        lines += ["", f"Quantized: {q['name']} ({q['quantization']}) tau {q['tau']:.2f}, against {q['unquantized_tau']:.2f} "
+                  f"unquantized ({q['unquantized']})."]
     lines += ["", "| budget | " + " | ".join(str(b) for b in doc["predicted"]) + " |",
               "| --- |" + " ---: |" * len(doc["predicted"]),
               "| predicted tau | " + " | ".join(f"{v:.2f}" for v in doc["predicted"].values()) + " |",
