@@ -24,7 +24,6 @@ from typing import Any
 import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
 from ddtree.pipeline.check_sources import (
@@ -46,9 +45,8 @@ from ddtree.pipeline.schema import (
     RunConfig,
     TrackingConfig,
     ValidationConfig,
-    first_line,
     flatten,
-    refuse_unknown_keys,
+    structured,
     tracking_uri,
 )
 
@@ -108,18 +106,7 @@ NON_IDENTITY = ("runs_dir", "tracking", "tags", "validation", "baseline", "devic
 
 
 def to_check_config(cfg: DictConfig | CheckConfig) -> CheckConfig:
-    if isinstance(cfg, CheckConfig):
-        return cfg
-    try:
-        node = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
-        cc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(CheckConfig), node))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
-        if type(e).__name__ == "MissingMandatoryValue":
-            raise ConfigError(key, "is required but not set", f"pass {key}=<value>") from None
-        raise ConfigError(key, first_line(getattr(e, "msg", None) or str(e))) from None
-    refuse_unknown_keys(cc, cli="ddtree.check")
-    return cc
+    return cfg if isinstance(cfg, CheckConfig) else structured(cfg, CheckConfig, cli="ddtree.check")
 
 
 def run_config(cc: CheckConfig) -> RunConfig:

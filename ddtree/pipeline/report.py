@@ -30,8 +30,7 @@ from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import DictConfig
 
 from ddtree.engine.methods import BASELINE, METHODS
 from ddtree.errors import ConfigError
@@ -39,7 +38,7 @@ from ddtree.pipeline.console import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
 from ddtree.pipeline.plotting import pyplot, save
 from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown, reference_model
-from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT  # noqa: F401  (registers the repo_root resolver)
+from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT, structured  # noqa: F401  (REPO_ROOT: registers the repo_root resolver)
 from ddtree.pipeline.sweep_table import method_cell, verdict_cell
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
@@ -627,12 +626,7 @@ def make_report(rc: ReportConfig) -> dict[str, Any]:
 
 
 def to_report_config(cfg: DictConfig) -> ReportConfig:
-    try:
-        node = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ReportConfig), node))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
-        raise ConfigError(key, str(getattr(e, "msg", None) or e).splitlines()[0]) from None
+    return structured(cfg, ReportConfig, refuse_unknown=False)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="report", version_base="1.3")

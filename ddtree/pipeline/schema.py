@@ -237,22 +237,27 @@ def first_line(text: str) -> str:
     return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), str(text))
 
 
-def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
-    """The composed DictConfig as a RunConfig; missing or mistyped values become ConfigError."""
-    if isinstance(cfg, RunConfig):
-        return cfg
+def structured(cfg: DictConfig | dict, schema: type, cli: str = "ddtree.run", refuse_unknown: bool = True) -> Any:
+    """A composed DictConfig (Hydra's own `hydra` node left out) as an instance of the dataclass `schema`: missing
+    or mistyped values become one ConfigError; with refuse_unknown, so do settings the schema does not have."""
+    if isinstance(cfg, dict):
+        cfg = OmegaConf.create(cfg)
     try:
         node = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
-        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), node)
-        rc = OmegaConf.to_object(merged)
+        obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), node))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "config"
-        msg = first_line(getattr(e, "msg", None) or str(e))
         if type(e).__name__ == "MissingMandatoryValue":
             raise ConfigError(key, "is required but not set", f"pass {key}=<value>") from None
-        raise ConfigError(key, msg) from None
-    refuse_unknown_keys(rc)
-    return rc
+        raise ConfigError(key, first_line(getattr(e, "msg", None) or str(e))) from None
+    if refuse_unknown:
+        refuse_unknown_keys(obj, cli=cli)
+    return obj
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The composed DictConfig as a RunConfig; missing or mistyped values become ConfigError."""
+    return cfg if isinstance(cfg, RunConfig) else structured(cfg, RunConfig)
 
 
 def refuse_unknown_keys(obj: Any, prefix: str = "", cli: str = "ddtree.run") -> None:

@@ -10,13 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.engine.methods import DRAFTER_METHOD_NAMES, METHOD_NAMES
 from ddtree.errors import ConfigError
 from ddtree.paths import DATA_ROOT
 from ddtree.pipeline.schema import TrackingConfig as RunTrackingConfig
-from ddtree.pipeline.schema import refuse_unknown_keys
+from ddtree.pipeline.schema import structured
 
 REPO_ROOT = DATA_ROOT  # the checkout, or an installed package's ddtree/_data
 STAGES = ("data", "extract", "train", "eval")
@@ -156,10 +155,6 @@ def register() -> None:
         OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
 
 
-def _first_line(text: str) -> str:
-    return next((ln.strip() for ln in str(text).splitlines() if ln.strip()), str(text))
-
-
 def to_train_config(cfg: DictConfig | dict | TrainConfig) -> TrainConfig:
     """A composed DictConfig (or plain dict) as a validated TrainConfig."""
     if isinstance(cfg, TrainConfig):
@@ -167,15 +162,7 @@ def to_train_config(cfg: DictConfig | dict | TrainConfig) -> TrainConfig:
         return cfg
     if isinstance(cfg, dict):
         cfg = OmegaConf.create(cfg)
-    try:
-        node = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
-        tc = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainConfig), node))
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "config"
-        if type(e).__name__ == "MissingMandatoryValue":
-            raise ConfigError(key, "is required but not set", f"pass {key}=<value>") from None
-        raise ConfigError(key, _first_line(getattr(e, "msg", None) or str(e))) from None
-    refuse_unknown_keys(tc, cli="ddtree.train")
+    tc = structured(cfg, TrainConfig, cli="ddtree.train")
     validate(tc)
     return tc
 
