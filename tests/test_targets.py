@@ -93,19 +93,24 @@ def test_served_family_grid_fp32(name, vocab):
         assert deepest >= 3  # trees accepted deeper than the window's edge moves
 
 
+def _assert_no_suspect(target, drafter, prompts, new: int, budget: int, label: str) -> None:
+    """bf16: every DFlash and DDTree output exact or a tie against HF greedy under the verdicts (docs/validation.md)."""
+    base = [hf_greedy(target, p, new) for p in prompts]
+    v = Validator(target, max_new_tokens=new, rule=ValidationRule(calibration_outputs=2))
+    v.calibrate(zip(prompts, base, strict=True))
+    for method, b_ in (("dflash", None), ("ddtree", budget)):
+        for p, b in zip(prompts, base, strict=True):
+            out = ddtree.generate(target, drafter, p, method=method, budget=b_, max_new_tokens=new).output_ids
+            assert v.verdict(p, out, b).verdict in ("exact", "tie"), (label, method)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", SERVED)
 def test_served_family_bf16_verdicts(name):
     """bf16: exact equality is no test (ties); every output is exact or a tie, none suspect (docs/validation.md)."""
     target, drafter = _pair(name, vocab=300, dtype=torch.bfloat16, seed=1)
     prompts = _prompts(300, (5, 13, 21))
-    base = [hf_greedy(target, p, 40) for p in prompts]
-    v = Validator(target, max_new_tokens=40, rule=ValidationRule(calibration_outputs=2))
-    v.calibrate(zip(prompts, base, strict=True))
-    for method, budget in (("dflash", None), ("ddtree", 32)):
-        for p, b in zip(prompts, base, strict=True):
-            out = ddtree.generate(target, drafter, p, method=method, budget=budget, max_new_tokens=40).output_ids
-            assert v.verdict(p, out, b).verdict in ("exact", "tie"), (name, method)
+    _assert_no_suspect(target, drafter, prompts, 40, 32, name)
 
 
 def test_gpt_oss_bf16_tree_verification_keeps_the_modules_sink_arithmetic():
@@ -195,13 +200,7 @@ def test_quantized_toy_target_in_bf16_has_no_suspect_output():
     tok = AutoTokenizer.from_pretrained(root / "target")
     prompts = [torch.tensor([encode(tok, [{"role": "user", "content": p.turns[0]}], chat_template=True)])
                for p in read_jsonl(root / "prompts.jsonl")[:3]]
-    base = [hf_greedy(target, p, 48) for p in prompts]
-    v = Validator(target, max_new_tokens=48, rule=ValidationRule(calibration_outputs=2))
-    v.calibrate(zip(prompts, base, strict=True))
-    for method, budget in (("dflash", None), ("ddtree", 16)):
-        for p, b in zip(prompts, base, strict=True):
-            out = ddtree.generate(target, drafter, p, method=method, budget=budget, max_new_tokens=48).output_ids
-            assert v.verdict(p, out, b).verdict in ("exact", "tie"), method
+    _assert_no_suspect(target, drafter, prompts, 48, 16, "int8")
 
 
 @pytest.mark.parametrize("overrides,problem", [
