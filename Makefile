@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml setup.py ddtree/engine/_hosttree.c
 
 install: $(STAMP)
 
+# two workers, one file each at a time (module fixtures built once): the tests run one thread each (conftest)
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
