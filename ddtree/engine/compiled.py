@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +50,7 @@ from ddtree.engine import gdn
 from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables, lean_norm
+from ddtree.engine.options import current
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.engine.weights import plain
 from ddtree.errors import ConfigError
@@ -61,7 +61,6 @@ __all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "
 log = logging.getLogger("ddtree.engine.compiled")
 
 MIN_CAPACITY = 256
-OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=auto eager on CUDA too
 # graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
 # another: per torch.compile call, not dynamo's process-wide setting
 RECOMPILE_LIMIT = 64
@@ -98,21 +97,22 @@ def why_not_static(binding, unfit: str | None) -> str | None:
 
 
 def auto_compiles(binding) -> bool:
-    """Whether compile=auto compiles for this target: on a CUDA device, unless DDTREE_COMPILE turns it off."""
-    return binding.device.type == "cuda" and os.environ.get("DDTREE_COMPILE") not in OFF
+    """Whether compile=auto compiles for this target: on a CUDA device, unless the engine's options turn it off
+    (`auto_compile=False`, DDTREE_COMPILE=0 outside an engine's call)."""
+    return binding.device.type == "cuda" and current().auto_compile
 
 
 def static_round_for(binding, unfit: str | None, setting: str,
                      backend: str | None = None) -> tuple[StaticRound | None, str | None]:
     """(the engine's StaticRound under compile=`setting`, or None for the eager path; why the eager one runs, in
     words, or None). unfit: as why_not_static's. auto logs the reason where the target is on CUDA; true refuses a
-    target it cannot run. backend: torch.compile's backend (None: DDTREE_COMPILE_BACKEND, else inductor; "eager" or
+    target it cannot run. backend: torch.compile's backend (None: the engine's options', else inductor; "eager" or
     "aot_eager" trace the same graphs without the code generation: tests)."""
     setting = compile_setting(setting)
     if setting == "false":
         return None, "compile=false"
     if setting == "auto" and not auto_compiles(binding):  # a CPU compile costs far more than it saves
-        why = ("DDTREE_COMPILE turns compile=auto off" if binding.device.type == "cuda"
+        why = ("auto_compile=False (DDTREE_COMPILE=0) turns compile=auto off" if binding.device.type == "cuda"
                else f"compile=auto compiles on CUDA only (here {binding.device.type}; docs/compile.md)")
         return None, why
     reason = why_not_static(binding, unfit)
@@ -122,7 +122,7 @@ def static_round_for(binding, unfit: str | None, setting: str,
                               "use compile=auto (eager where it cannot run) or compile=false")
         log.info("compile=auto: the eager round runs: %s", reason)
         return None, f"compile=auto: {reason}"
-    return StaticRound(binding, backend=backend or os.environ.get("DDTREE_COMPILE_BACKEND") or None), None
+    return StaticRound(binding, backend=backend or current().compile_backend), None
 
 
 def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
