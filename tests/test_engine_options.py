@@ -58,3 +58,39 @@ def test_options_fall_back_to_the_scope_then_the_environment(monkeypatch):
         EngineOptions.resolve(device_path="nonsense")
     with pytest.raises(ValueError, match="kernels='fast'"):
         EngineOptions.resolve(kernels="fast")
+
+
+def test_closing_the_last_engine_restores_the_gdn_classes():
+    """The GDN class patch is held by each engine on a hybrid: it stays while one is open and the classes get their
+    own forwards back when the last one closes (or when a one-call generate returns); a patch installed before the
+    first engine (someone else's) is left in place."""
+    import gc
+
+    from ddtree.engine import gdn
+
+    gc.collect()  # bindings other tests left behind let go when collected
+    assert gdn.holders() == 0
+    if gdn.is_installed():
+        gdn.uninstall()
+    originals = {cls: cls.__dict__["forward"] for cls in gdn.target_classes()}
+    assert originals
+    model = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12)
+    ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(1))
+    first = ddtree.Engine(model, method="ar", budget=None)
+    second = ddtree.Engine(model, method="ar", budget=None)
+    assert gdn.is_installed() and gdn.holders() == 2
+    assert all(cls.__dict__["forward"] is not f for cls, f in originals.items())
+    first.close()
+    first.close()  # idempotent: one release per engine
+    assert gdn.is_installed() and gdn.holders() == 1
+    assert second.generate(ids, max_new_tokens=3).output_ids == hf_greedy(model, ids, 3)
+    second.close()
+    assert not gdn.is_installed() and gdn.holders() == 0
+    assert all(cls.__dict__["forward"] is f for cls, f in originals.items())
+    ddtree.generate(model, None, ids, method="ar", budget=None, max_new_tokens=2)
+    assert not gdn.is_installed()
+    gdn.install()  # installed by someone else first: theirs to undo
+    with ddtree.Engine(model, method="ar", budget=None):
+        pass
+    assert gdn.is_installed()
+    gdn.uninstall()

@@ -47,6 +47,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -133,6 +134,44 @@ def is_installed() -> bool:
     from compat.patches import gdn_tree_forward
 
     return any(e["id"] == gdn_tree_forward.ID and e["status"] == "applied" for e in registry.report())
+
+
+# The patch is held by the engines' target bindings: the first hold installs it, the last release (Engine.close(), or
+# a binding garbage-collected) restores the classes, unless it was installed before the first hold (by a test, the
+# authors' loops or the user: theirs to undo).
+_HOLDERS: set[int] = set()
+_KEYS = itertools.count()
+_OWNED = [False]  # whether the holders installed it (and so uninstall it when the last lets go)
+
+
+def hold() -> int:
+    """Install the patch for one holder until `release(key)` of the key returned (see above)."""
+    if not _HOLDERS:
+        _OWNED[0] = False
+    ensure_installed()
+    key = next(_KEYS)
+    _HOLDERS.add(key)
+    return key
+
+
+def ensure_installed() -> None:
+    """Installed again where something (another holder's owner, compat.revert()) took it away; idempotent."""
+    if not is_installed():
+        install()
+        _OWNED[0] = True
+
+
+def release(key: int) -> None:
+    """One holder lets go; the last one restores the GDN classes' forwards where the holders installed them."""
+    _HOLDERS.discard(key)
+    if not _HOLDERS and _OWNED[0]:
+        _OWNED[0] = False
+        uninstall()
+
+
+def holders() -> int:
+    """How many bindings hold the patch now."""
+    return len(_HOLDERS)
 
 
 
