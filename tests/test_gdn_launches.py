@@ -74,14 +74,14 @@ def test_ops_per_gdn_layer(model_type, dtype, monkeypatch):
             whole = _counter()
             with whole:
                 layer(hidden, cache=cache)
-            real_norm, real_project = gdn._gated_norm, gdn._projections
+            real_norm, real_project = gdn.layer._gated_norm, gdn.layer._projections
 
             def counted_norm(*args):
                 with norm:
                     return real_norm(*args)
 
-            monkeypatch.setattr(gdn, "_gated_norm", paused(counted_norm))
-            monkeypatch.setattr(gdn, "_projections", paused(real_project))
+            monkeypatch.setattr(gdn.layer, "_gated_norm", paused(counted_norm))
+            monkeypatch.setattr(gdn.layer, "_projections", paused(real_project))
             monkeypatch.setattr(layer.out_proj, "forward", paused(layer.out_proj.forward))
             with counter:
                 layer(hidden, cache=cache)
