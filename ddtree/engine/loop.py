@@ -114,7 +114,7 @@ class Engine:
                                      tune_allocator=self.options.tune_host_allocator)
         self.tree_max = proposer.max_nodes + 1
         if proposer.max_nodes > 1:  # it drafts: the target must verify its trees exactly
-            TargetSession(target, binding=self.binding).check_method(method)
+            TargetSession(target, binding=self.binding).check_method(self.spec)
         # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
         unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")

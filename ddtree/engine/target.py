@@ -12,7 +12,6 @@ from ddtree.engine import attention, gdn, verification
 from ddtree.engine.families import family, model_type
 from ddtree.engine.forward import LazyTail, lean_forward_for
 from ddtree.engine.host import allocator_wanted, host_branch, tune_host_allocator
-from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
@@ -406,10 +405,12 @@ class TargetSession:
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
         self._mask_zero = self._mask_dirty = 0  # columns [:zero) are 0 in every row; [zero:dirty) may be stale
 
-    def check_method(self, method: str) -> None:
-        """Refuse a multi-token method when the cache holds linear-attention state no patch verifies exactly."""
+    def check_method(self, spec) -> None:
+        """Refuse a multi-token method (spec: its row of the methods table, ddtree.engine.methods.Method) when the
+        cache holds linear-attention state no patch verifies exactly."""
+        method = spec.name
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
-        if get_method(method).verifies_tree and getattr(text_config, "attn_logit_softcapping", None):
+        if spec.verifies_tree and getattr(text_config, "attn_logit_softcapping", None):
             raise ConfigError("method", f"{method} on a '{self.mtype}' target is not supported: its soft-capped "
                               "attention logits cannot be verified as a tree", "use method=dflash or method=ar")
         if self.gdn or not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.cache.layers):
