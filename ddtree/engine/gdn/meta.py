@@ -96,22 +96,12 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store:
         kept = _meta_buffers(n, kernel, device)
         if store is not None:
             store[key] = kept
-    # the conv window, oldest first: hop h back from node i is its h-th ancestor's input while it is in the tree
-    # (K + ancestor: rows K.. of [K conv-state columns ++ T tree inputs]), else conv-state column K - (h - depth);
-    # k (K + T) more for the table's slice of tap k (kept.taps: K + k (K + T))
     width = aidx.shape[1]
     hops = kept.hops
     clamped = kept.clamped.get(width)
     if clamped is None:
         clamped = kept.clamped[width] = hops.clamp(max=width - 1)
-    ancestor = aidx[:, clamped]  # (T, K)
-    past = hops - depth[:, None]  # > 0: that many tokens before the root
-    torch.where(past <= 0, kept.taps + ancestor, kept.taps - past, out=kept.window)
-    # the tree's entries of the decay map (X_i's s_i: node i's path sums; Y_j's s_j) and of the ancestor mask
-    anc_t = anc.t()
-    kept.x_ancestors.copy_(anc_t)
-    kept.y_ancestors.copy_(anc_t)
-    torch.where(anc, kept.zero, kept.hidden, out=kept.mask_tree)
+    _write_meta(kept, aidx[:, clamped], depth, anc)
     if ctx.gdn_method == "recurrent":  # (what only the recurrent method reads)
         depths, parents = depth, draft.parents.clamp(min=0).to(device)
     else:
@@ -119,23 +109,33 @@ def _build_meta(ctx: TreeVerification, kernel: int, device: torch.device, store:
     return TreeMeta(kept.conv_index, kept.decay_map, kept.decay_mask, depths, parents, ctx.depth_bound, kept.offsets)
 
 
+def _write_meta(kept: _MetaBuffers, ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> None:
+    """The tree's entries of TreeMeta, written into `kept`: ancestor (T, K) node i's ancestors hop K - 1 .. 0 back
+    (oldest first; the root repeats past it); depth (T,); anc (T, T) bool: j is i or an ancestor of i."""
+    # the conv window, oldest first: hop h back from node i is its h-th ancestor's input while it is in the tree
+    # (K + ancestor: rows K.. of [K conv-state columns ++ T tree inputs]), else conv-state column K - (h - depth);
+    # k (K + T) more for the table's slice of tap k (kept.taps: K + k (K + T))
+    past = kept.hops - depth[:, None]  # > 0: that many tokens before the root
+    torch.where(past <= 0, kept.taps + ancestor, kept.taps - past, out=kept.window)
+    # the tree's entries of the decay map (X_i's s_i: node i's path sums; Y_j's s_j) and of the ancestor mask
+    anc_t = anc.t()
+    kept.x_ancestors.copy_(anc_t)
+    kept.y_ancestors.copy_(anc_t)
+    if torch.compiler.is_compiling():  # (dynamo takes no out= into a strided view: the same values, one copy more)
+        kept.mask_tree.copy_(torch.where(anc, kept.zero, kept.hidden))
+    else:
+        torch.where(anc, kept.zero, kept.hidden, out=kept.mask_tree)
+
+
 def meta_tensors(ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """TreeMeta's (conv_index, decay_map, decay_mask) from the tree's tensors alone, freshly allocated (fixed shapes,
-    no host read: the compiled round builds them inside its graph; the eager round rewrites kept buffers,
-    `_build_meta`). ancestor (T, K): node i's h-th ancestor (the root repeats past it); depth (T,); anc (T, T) bool:
-    j is i or an ancestor of i."""
+    """TreeMeta's (conv_index, decay_map, decay_mask) from the tree's tensors alone, in fresh buffers (fixed shapes,
+    no host read: the compiled round builds them inside its graph; the eager round rewrites kept ones,
+    `_build_meta`; both through `_write_meta`). ancestor (T, K): node i's h-th ancestor (the root repeats past it);
+    depth (T,); anc (T, T) bool: j is i or an ancestor of i."""
     n, kernel = ancestor.shape
-    device = anc.device
-    hops = torch.arange(kernel, device=device)
-    past = hops[None, :] - depth[:, None]  # > 0: that many tokens before the root
-    window = torch.where(past <= 0, kernel + ancestor, kernel - past).flip(1) + torch.arange(
-        kernel, device=device) * (kernel + n)  # (the table's slice of tap k: see TreeMeta)
-    decay_map, decay_mask = _decay_map_consts(n, device)
-    anc_t = anc.float().t()
-    decay_map[:n, 0:3 * n:3] = anc_t  # X_i's s_i
-    decay_map[:n, 3 * n + 4::3] = anc_t  # Y_j's s_j
-    decay_mask[:, 1:].masked_fill_(~anc, float("-inf"))
-    return window.reshape(-1), decay_map, decay_mask
+    kept = _meta_buffers(n, kernel, anc.device)
+    _write_meta(kept, ancestor.flip(1), depth, anc)
+    return kept.conv_index, kept.decay_map, kept.decay_mask
 
 
 def _token_meta(cache, ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
