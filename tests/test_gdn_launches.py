@@ -154,7 +154,7 @@ def test_one_verification_context_serves_the_attention_and_the_gdn(monkeypatch):
     model = _model("qwen3_5_text", torch.float32)
     session = TargetSession(model, tree_attention="split")
     seen: dict[str, list] = {"attention": [], "gdn": []}
-    for name, module in (("attention", attention), ("gdn", gdn)):
+    for name, module in (("attention", attention), ("gdn", gdn.forward)):
         real = module._active_tree
 
         def spy(_real=real, _name=name):
