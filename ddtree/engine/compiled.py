@@ -25,8 +25,10 @@ lengths reuse the same graphs (no recompile). The prefill stays eager (the usual
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
-DFlash drafter's forward from a generation's second round (`StaticDraft`), or MTP's head, its context read and its
-chain or tree drafting in one graph, from the second round too (`StaticMTP`). The round then reads the device once, in
+DFlash drafter's forward from a generation's second round (`StaticDraft`, ddtree.engine.drafter.model_static), or
+MTP's head, its context read and its chain or tree drafting in one graph, from the second round too (`StaticMTP`,
+ddtree.engine.drafter.mtp_static): each drafter's static form lives next to its model, and `StaticRound.attach`
+builds the one a proposer declares (`Proposer.static_form`). The round then reads the device once, in
 the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
