@@ -478,8 +478,8 @@ def test_single_step_equals_the_upstream_decode_step(patched, model_type):
     prompt = torch.arange(PROMPT_LEN)[None]
     ours, ref = _prefill(model, prompt), _prefill(model, prompt)
     calls = []
-    original = tree_gdn.step._step_forward
-    tree_gdn.step._step_forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = tree_gdn.forward._step_forward
+    tree_gdn.forward._step_forward = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
         for i, tok in enumerate((3, 50, 7, 7, 101)):
             pos = torch.tensor([[PROMPT_LEN + i]])
@@ -491,7 +491,7 @@ def test_single_step_equals_the_upstream_decode_step(patched, model_type):
                 torch.testing.assert_close(c1, c2, atol=TOL, rtol=0)
                 torch.testing.assert_close(r1, r2, atol=TOL, rtol=0)
     finally:
-        tree_gdn.step._step_forward = original
+        tree_gdn.forward._step_forward = original
     assert len(calls) == 5 * len(_linear_states(ours))
 
 
@@ -506,9 +506,9 @@ def test_single_step_leaves_what_it_cannot_do_to_the_upstream_forward(patched):
     assert torch.equal(two, _forward(model, torch.tensor([[4, 5]]), b))
     layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
     x = torch.randn(1, 1, model.config.hidden_size)
-    assert tree_gdn.step._step_forward(layer, x, a, attention_mask=torch.ones(1, 1)) is None
-    assert tree_gdn.step._step_forward(layer, x, None) is None
-    assert tree_gdn.step._step_forward(layer, torch.randn(1, 2, model.config.hidden_size), a) is None
+    assert tree_gdn.forward._step_forward(layer, x, a, attention_mask=torch.ones(1, 1)) is None
+    assert tree_gdn.forward._step_forward(layer, x, None) is None
+    assert tree_gdn.forward._step_forward(layer, torch.randn(1, 2, model.config.hidden_size), a) is None
 
 
 # --------------------------------------------------------------------------- patch mechanics
