@@ -134,7 +134,7 @@ def gdn_tree_off(monkeypatch):
     rollback happens); restored afterwards."""
     from ddtree.engine import gdn
 
-    monkeypatch.setattr(gdn, "_active_tree", lambda: None)
+    monkeypatch.setattr(gdn.forward, "_active_tree", lambda: None)
     monkeypatch.setattr(gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
     gdn.uninstall()
     try:

@@ -98,7 +98,7 @@ TARGET_PINS = {
     "transformers.integrations.flex_attention:flex_attention_forward": _ATTN_FLEX,
     "transformers.modeling_utils:AttentionInterface._global_mapping['sdpa']": _ATTN_SDPA,
     "transformers.modeling_utils:AttentionInterface._global_mapping['flex_attention']": _ATTN_FLEX,
-    # ddtree/engine/gdn.py (engine code, not a compat row; pinned here like every transformers target)
+    # ddtree/engine/gdn/ (engine code, not a compat row; pinned here like every transformers target)
     "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5GatedDeltaNet.forward": _GDN_FORWARD,
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeGatedDeltaNet.forward": _GDN_FORWARD,
     "transformers.models.qwen3_next.modeling_qwen3_next:Qwen3NextGatedDeltaNet.forward": _GDN_FORWARD,

@@ -156,8 +156,8 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
-# the one engine module that imports compat: gdn.install() applies the engine's own row (gdn-tree-forward)
-ENGINE_COMPAT_IMPORTS = {("ddtree/engine/gdn.py", "compat"), ("ddtree/engine/gdn.py", "compat.patches")}
+# the one engine module that imports compat: gdn/patch.py, whose install() applies the engine's own row (gdn-tree-forward)
+ENGINE_COMPAT_IMPORTS = {("ddtree/engine/gdn/patch.py", "compat"), ("ddtree/engine/gdn/patch.py", "compat.patches")}
 
 
 def test_the_engine_imports_no_pipeline_hydra_mlflow_or_compat():

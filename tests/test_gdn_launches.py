@@ -74,14 +74,14 @@ def test_ops_per_gdn_layer(model_type, dtype, monkeypatch):
             whole = _counter()
             with whole:
                 layer(hidden, cache=cache)
-            real_norm, real_project = gdn._gated_norm, gdn._projections
+            real_norm, real_project = gdn.layer._gated_norm, gdn.layer._projections
 
             def counted_norm(*args):
                 with norm:
                     return real_norm(*args)
 
-            monkeypatch.setattr(gdn, "_gated_norm", paused(counted_norm))
-            monkeypatch.setattr(gdn, "_projections", paused(real_project))
+            monkeypatch.setattr(gdn.layer, "_gated_norm", paused(counted_norm))
+            monkeypatch.setattr(gdn.layer, "_projections", paused(real_project))
             monkeypatch.setattr(layer.out_proj, "forward", paused(layer.out_proj.forward))
             with counter:
                 layer(hidden, cache=cache)
@@ -154,7 +154,7 @@ def test_one_verification_context_serves_the_attention_and_the_gdn(monkeypatch):
     model = _model("qwen3_5_text", torch.float32)
     session = TargetSession(model, tree_attention="split")
     seen: dict[str, list] = {"attention": [], "gdn": []}
-    for name, module in (("attention", attention), ("gdn", gdn)):
+    for name, module in (("attention", attention), ("gdn", gdn.forward)):
         real = module._active_tree
 
         def spy(_real=real, _name=name):

@@ -288,7 +288,7 @@ def test_the_layer_norms_are_the_modules_formulas(model_type, dtype):
     core = bufs.core.copy_(torch.randn(1, hv, n, dv, generator=g) * 3)
     core[0, 0] *= 1e-5  # mean(o^2) ~ 1e-10 / dk < eps
     z = (torch.randn(1, n, hv * dv, generator=g) * 2).to(dtype)
-    got = tree_gdn._gated_norm(core, z, consts, bufs, tree_gdn._views(layer, bufs))
+    got = tree_gdn.layer._gated_norm(core, z, consts, bufs, tree_gdn.buffers._views(layer, bufs))
     o = (core.double() / dk ** 0.5).transpose(1, 2)  # (B, T, Hv, dv)
     exact = (layer.norm.weight.double() * o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + layer.norm.variance_epsilon)
              * torch.nn.functional.silu(z.double()).unflatten(-1, (hv, dv))).flatten(2)
@@ -365,7 +365,7 @@ def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type
         _verify(model, work, tokens, parents, past)
         pending = work.__dict__[tree_gdn._PENDING_ATTR]
         assert all(rec.slot is None for rec in pending.values())  # outside inference mode: no shared buffers
-        groups = tree_gdn._commit_groups(work, pending)
+        groups = tree_gdn.commit._commit_groups(work, pending)
         linear = sum(isinstance(layer, LinearAttentionLayer) for layer in work.layers)
         assert len(groups) == 1 and len(groups[0]) == linear >= 2  # every GDN layer at once
         for node in range(len(parents)):
@@ -374,13 +374,13 @@ def test_the_stacked_commit_equals_the_layer_by_layer_commit(patched, model_type
             tree_gdn.commit_linear_states(stacked, path)
             tree_gdn.commit_linear_states(hosted, path, path.tolist())  # the conv rows built on the host
             with monkeypatch.context() as m:
-                m.setattr(tree_gdn, "_commit_groups", alone)
+                m.setattr(tree_gdn.commit, "_commit_groups", alone)
                 tree_gdn.commit_linear_states(single, path)
             shared = copy.deepcopy(cache)
             with torch.inference_mode():
                 _verify(model, shared, tokens, parents, past)
                 recs = [rec for _, rec in sorted(shared.__dict__[tree_gdn._PENDING_ATTR].items())]
-                assert tree_gdn._shared_buffers(recs) is not None
+                assert tree_gdn.commit._shared_buffers(recs) is not None
                 tree_gdn.commit_linear_states(shared, path, path.tolist())
             for got in (stacked, hosted, shared):
                 for (c, r), (c1, r1) in zip(_linear_states(got), _linear_states(single), strict=True):
@@ -397,8 +397,8 @@ def test_the_commit_groups_are_worked_out_again_when_a_state_or_the_tree_size_ch
     def groups(parents):
         _verify(model, cache, torch.arange(len(parents))[None] % VOCAB, parents, PROMPT_LEN)
         pending = cache.__dict__[tree_gdn._PENDING_ATTR]
-        got = [[i for i, _ in g] for g in tree_gdn._cached_groups(cache, pending)]
-        assert got == [[i for i, _ in g] for g in tree_gdn._commit_groups(cache, pending)]
+        got = [[i for i, _ in g] for g in tree_gdn.commit._cached_groups(cache, pending)]
+        assert got == [[i for i, _ in g] for g in tree_gdn.commit._commit_groups(cache, pending)]
         del cache.__dict__[tree_gdn._PENDING_ATTR]
         for layer in cache.layers:  # the attention layers drop the tree again (the GDN states were left untouched)
             if not isinstance(layer, LinearAttentionLayer):
@@ -478,8 +478,8 @@ def test_single_step_equals_the_upstream_decode_step(patched, model_type):
     prompt = torch.arange(PROMPT_LEN)[None]
     ours, ref = _prefill(model, prompt), _prefill(model, prompt)
     calls = []
-    original = tree_gdn._step_forward
-    tree_gdn._step_forward = lambda *a, **k: calls.append(1) or original(*a, **k)
+    original = tree_gdn.forward._step_forward
+    tree_gdn.forward._step_forward = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
         for i, tok in enumerate((3, 50, 7, 7, 101)):
             pos = torch.tensor([[PROMPT_LEN + i]])
@@ -491,7 +491,7 @@ def test_single_step_equals_the_upstream_decode_step(patched, model_type):
                 torch.testing.assert_close(c1, c2, atol=TOL, rtol=0)
                 torch.testing.assert_close(r1, r2, atol=TOL, rtol=0)
     finally:
-        tree_gdn._step_forward = original
+        tree_gdn.forward._step_forward = original
     assert len(calls) == 5 * len(_linear_states(ours))
 
 
@@ -506,9 +506,9 @@ def test_single_step_leaves_what_it_cannot_do_to_the_upstream_forward(patched):
     assert torch.equal(two, _forward(model, torch.tensor([[4, 5]]), b))
     layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
     x = torch.randn(1, 1, model.config.hidden_size)
-    assert tree_gdn._step_forward(layer, x, a, attention_mask=torch.ones(1, 1)) is None
-    assert tree_gdn._step_forward(layer, x, None) is None
-    assert tree_gdn._step_forward(layer, torch.randn(1, 2, model.config.hidden_size), a) is None
+    assert tree_gdn.forward._step_forward(layer, x, a, attention_mask=torch.ones(1, 1)) is None
+    assert tree_gdn.forward._step_forward(layer, x, None) is None
+    assert tree_gdn.forward._step_forward(layer, torch.randn(1, 2, model.config.hidden_size), a) is None
 
 
 # --------------------------------------------------------------------------- patch mechanics

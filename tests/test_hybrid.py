@@ -175,8 +175,8 @@ def test_an_engine_checks_its_settings_when_built():
 @pytest.mark.parametrize("prompt_len", [5, 70])  # a chain prefill (committed by the GDN commit), an upstream one
 def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
     """After a group's first commit its layers' conv and recurrent states become views of one stacked tensor each
-    (gdn._adopt_states) and later commits update them in one op each; the verification writes every layer's keys,
-    d, decay exponents and conv inputs into slots of shared buffers (gdn._shared_layer) the commit gathers in one op each:
+    (gdn.commit._adopt_states) and later commits update them in one op each; the verification writes every layer's keys,
+    d, decay exponents and conv inputs into slots of shared buffers (gdn.buffers._shared_layer) the commit gathers in one op each:
     bitwise the same states, round after round, as each layer alone from its own tensors."""
     import random
 
@@ -190,9 +190,9 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
         rng = random.Random(4)
         with monkeypatch.context() as m:
             if mode.startswith("alone"):
-                m.setattr(tree_gdn, "_adopt_states", lambda cache, layer_ids: None)
+                m.setattr(tree_gdn.commit, "_adopt_states", lambda cache, layer_ids: None)
             if mode in ("stacked, own tensors", "alone"):
-                m.setattr(tree_gdn, "_shared_layer", lambda *a: None)
+                m.setattr(tree_gdn.forward, "_shared_layer", lambda *a: None)
             sess = TargetSession(target, capacity=256)
             sess.prefill(ids)
             states[mode] = []
@@ -210,7 +210,7 @@ def test_stacked_gdn_states_commit_as_the_layers_alone(prompt_len, monkeypatch):
                 states[mode].append([(layer.conv_states[0].clone(), layer.recurrent_states[0].clone())
                                      for layer in sess.cache.layers if hasattr(layer, "recurrent_states")])
             if mode == "stacked":
-                found = sess.cache.__dict__[tree_gdn._STATES_ATTR]
+                found = sess.cache.__dict__[tree_gdn.commit._STATES_ATTR]
                 linear = [layer for layer in sess.cache.layers if hasattr(layer, "recurrent_states")]
                 assert len(found[0]) == len(linear) >= 2
                 assert all(layer.conv_states[0] is conv and layer.recurrent_states[0] is rec  # still the views

@@ -124,7 +124,7 @@ ROUND_OPS = {("qwen3", "ar"): {"verify": 180, "commit": 5},
              ("qwen3_5_text", "ar"): {"verify": 100, "commit": 37},
              ("qwen3_5_text", "dflash"): {"draft": 69, "tree": 6, "verify": 126, "commit": 67},
              ("qwen3_5_text", "ddtree"): {"draft": 69, "tree": 15, "verify": 118, "commit": 111}}
-# (a hybrid's commit: +1 op from transformers 5.25, the GDN layers' token counts advanced together (gdn._count_tokens),
+# (a hybrid's commit: +1 op from transformers 5.25, the GDN layers' token counts advanced together (gdn.commit._count_tokens),
 # which its get_seq_length of a cache whose first layer is linear reads)
 # (commit holds the diagnosis records: their format 2, the row sketches, added 8-11 ops a round; a gated attention
 # layer's gate is copied contiguous before its sigmoid, as the module does: +1 op, bitwise on AVX-512 CPUs. Then the
@@ -183,7 +183,7 @@ def test_the_device_path_takes_no_cpu_branch(monkeypatch):
 
     called = []
     for owner, name in ((tree, "_best_first_host"), (tree, "host_walk"),
-                        (gdn, "_step_forward"), (target.TargetSession, "_dense_mask")):
+                        (gdn.forward, "_step_forward"), (target.TargetSession, "_dense_mask")):
         real = getattr(owner, name)
         monkeypatch.setattr(owner, name, lambda *a, _real=real, _name=name, **k: called.append(_name) or _real(*a, **k))
     model = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12)

@@ -43,7 +43,7 @@ def test_the_emulation_rounds_to_ten_mantissa_bits():
 def _chain_decays(n: int, heads: int, gen: torch.Generator):
     """A chain of n nodes (every node its predecessors' descendant) with gates of hundreds: (ab, A, the decay map
     and mask, buffers)."""
-    meta = tree_gdn._meta_buffers(n, 4, torch.device("cpu"))
+    meta = tree_gdn.meta._meta_buffers(n, 4, torch.device("cpu"))
     anc = torch.ones(n, n, dtype=torch.bool).tril_()
     meta.x_ancestors.copy_(anc.t())
     meta.y_ancestors.copy_(anc.t())

@@ -25,8 +25,10 @@ lengths reuse the same graphs (no recompile). The prefill stays eager (the usual
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
-DFlash drafter's forward from a generation's second round (`StaticDraft`), or MTP's head, its context read and its
-chain or tree drafting in one graph, from the second round too (`StaticMTP`). The round then reads the device once, in
+DFlash drafter's forward from a generation's second round (`StaticDraft`, ddtree.engine.drafter.model_static), or
+MTP's head, its context read and its chain or tree drafting in one graph, from the second round too (`StaticMTP`,
+ddtree.engine.drafter.mtp_static): each drafter's static form lives next to its model, and `StaticRound.attach`
+builds the one a proposer declares (`Proposer.static_form`). The round then reads the device once, in
 the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
@@ -42,7 +44,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,8 @@ import torch.nn.functional as F
 from ddtree.engine import gdn
 from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
-from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables, lean_norm
+from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
+from ddtree.engine.options import current
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.engine.weights import plain
 from ddtree.errors import ConfigError
@@ -61,7 +63,6 @@ __all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "
 log = logging.getLogger("ddtree.engine.compiled")
 
 MIN_CAPACITY = 256
-OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=auto eager on CUDA too
 # graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
 # another: per torch.compile call, not dynamo's process-wide setting
 RECOMPILE_LIMIT = 64
@@ -98,21 +99,22 @@ def why_not_static(binding, unfit: str | None) -> str | None:
 
 
 def auto_compiles(binding) -> bool:
-    """Whether compile=auto compiles for this target: on a CUDA device, unless DDTREE_COMPILE turns it off."""
-    return binding.device.type == "cuda" and os.environ.get("DDTREE_COMPILE") not in OFF
+    """Whether compile=auto compiles for this target: on a CUDA device, unless the engine's options turn it off
+    (`auto_compile=False`, DDTREE_COMPILE=0 outside an engine's call)."""
+    return binding.device.type == "cuda" and current().auto_compile
 
 
 def static_round_for(binding, unfit: str | None, setting: str,
                      backend: str | None = None) -> tuple[StaticRound | None, str | None]:
     """(the engine's StaticRound under compile=`setting`, or None for the eager path; why the eager one runs, in
     words, or None). unfit: as why_not_static's. auto logs the reason where the target is on CUDA; true refuses a
-    target it cannot run. backend: torch.compile's backend (None: DDTREE_COMPILE_BACKEND, else inductor; "eager" or
+    target it cannot run. backend: torch.compile's backend (None: the engine's options', else inductor; "eager" or
     "aot_eager" trace the same graphs without the code generation: tests)."""
     setting = compile_setting(setting)
     if setting == "false":
         return None, "compile=false"
     if setting == "auto" and not auto_compiles(binding):  # a CPU compile costs far more than it saves
-        why = ("DDTREE_COMPILE turns compile=auto off" if binding.device.type == "cuda"
+        why = ("auto_compile=False (DDTREE_COMPILE=0) turns compile=auto off" if binding.device.type == "cuda"
                else f"compile=auto compiles on CUDA only (here {binding.device.type}; docs/compile.md)")
         return None, why
     reason = why_not_static(binding, unfit)
@@ -122,7 +124,7 @@ def static_round_for(binding, unfit: str | None, setting: str,
                               "use compile=auto (eager where it cannot run) or compile=false")
         log.info("compile=auto: the eager round runs: %s", reason)
         return None, f"compile=auto: {reason}"
-    return StaticRound(binding, backend=backend or os.environ.get("DDTREE_COMPILE_BACKEND") or None), None
+    return StaticRound(binding, backend=backend or current().compile_backend), None
 
 
 def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
@@ -281,31 +283,26 @@ class StaticRound:
         self.commit_graph = torch.compile(self._commit, **opts)
         self.state: StaticState | None = None
         # the compiled drafter forward or MTP head, where the proposer's can run (attach)
-        self.draft: StaticDraft | StaticMTP | None = None
+        self.draft = None
 
     def attach(self, proposer) -> str | None:
         """Compile what `proposer` declares (ddtree.engine.proposers.Proposer): its best-first tree build (`tree`,
-        as `tree_tensors`) and its drafter's static form (`static_form` "dflash": StaticDraft; "mtp": StaticMTP,
-        as `static_draft`); returns why its drafter drafts eagerly, or None (compiled, or nothing to draft)."""
+        as `tree_tensors`) and its drafter's static form (`static_form`: a class next to its model, e.g.
+        ddtree.engine.drafter.model_static.StaticDraft, built as `static_form(self, proposer)` where its
+        `why_not(self, proposer)` finds nothing, as `static_draft`); returns why its drafter drafts eagerly, or None
+        (compiled, or nothing to draft)."""
         if proposer.best_first:
             proposer.tree_tensors = self.tree
-        if proposer.static_form == "mtp":  # the target's own head
-            reason = why_not_static_head(proposer.head, self.device)
-            if reason is None:
-                self.draft = proposer.static_draft = StaticMTP(self, proposer)
-            else:
-                log.info("the MTP head drafts eagerly (its verification compiled): %s", reason)
-            return reason
-        if proposer.static_form != "dflash":
+        form = proposer.static_form
+        if form is None:
             # nothing of the proposer's to compile (AR), or a proposer with no compiled form that drafts
             return None if proposer.max_nodes <= 1 else "no compiled draft form"
-        drafter = proposer.drafter
-        if drafter.attn_implementation not in ("eager", "sdpa"):
-            return f"the drafter's attention is {drafter.attn_implementation}"
-        if drafter.device != self.device:
-            return "the drafter is on another device"
-        self.draft = proposer.static_draft = StaticDraft(self, proposer)
-        return None
+        reason = form.why_not(self, proposer)
+        if reason is None:
+            self.draft = proposer.static_draft = form(self, proposer)
+        else:
+            log.info("the drafter drafts eagerly (its verification compiled): %s", reason)
+        return reason
 
     def detach(self, proposer) -> None:
         """Undo `attach`: the proposer drafts and builds its tree eagerly again (compile=auto's fallback)."""
@@ -546,275 +543,3 @@ class StaticSession:
         self.static.commit(self.state, accepted, self._n, self._pending, self._feats, tree.tokens)
         self._pending = self._feats = None
         self.length += accepted.shape[0]
-
-
-class StaticDraft:
-    """The DFlash drafter's forward as one fixed-shape graph (`_draft`), from a generation's second round on.
-
-    The first round runs the eager forward (the prompt's features: any length), whose cache `load` copies into fixed
-    buffers: keys and values of every drafter layer [layers, 2, 1, Hkv, Cd, d] (row r holds position r, as in
-    `DrafterCache`; one buffer each per layer: `_kv_buffers`) and the context length [1] on the device. Each later round, the target's commit graph leaves the
-    accepted path's features in `context` [1, P, F] (P = min(N, block): padded) and its length in `count`; the graph
-    writes the P context rows at length .. length + P - 1, then the block's rows right behind the real ones (at
-    length + count: they overwrite the padding), attends over all Cd rows under a mask (rows before the block's end,
-    the causal and window rules of each layer; `grouped_attention`), and returns the block's logits [block - 1, V]
-    (float32).
-    """
-
-    def __init__(self, static: StaticRound, proposer):
-        self.static, self.proposer = static, proposer
-        self.drafter, self.embed, self.lm_head = proposer.drafter, proposer.embed, proposer.lm_head
-        self.q = proposer.block_size
-        self.graph = torch.compile(self._draft, **static.options)
-        self.keys: list[torch.Tensor] | None = None
-        self.values: list[torch.Tensor] | None = None
-        self.length = self.context = self.count = self.mask_ids = None
-        self.ready = False  # the eager first round has been loaded this generation
-
-    def reset(self) -> None:
-        self.ready = False
-
-    def commit_io(self, n: int, feats: torch.Tensor, tokens: torch.Tensor) -> tuple:
-        """The commit graph's extra arguments: the features and the buffers that receive the path's."""
-        return (feats, *self.context_for(n))
-
-    def context_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(context [1, P, F], count [1]) buffers for a tree of n nodes (P = min(n, block size))."""
-        rows = min(n, self.q)
-        if self.context is None or self.context.shape[1] != rows:
-            return self._context_buffers(rows)
-        return self.context, self.count
-
-    def _context_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        width = len(self.drafter.target_layer_ids) * self.drafter.config.hidden_size
-        dev = self.drafter.device
-        with torch.inference_mode():
-            self.context = torch.zeros(1, rows, width, dtype=self.drafter.dtype, device=dev)
-            self.count = torch.ones(1, dtype=torch.long, device=dev)
-        for t in (self.context, self.count):
-            torch._dynamo.mark_static_address(t)
-        return self.context, self.count
-
-    @torch.inference_mode()
-    def load(self, cache, needed: int) -> None:
-        """After the eager first round: its cache (`cache.length` context rows) into the fixed buffers."""
-        k0 = cache.keys[0]
-        capacity = capacity_bucket(needed + 2 * self.q)
-        if self.keys is None or self.keys[0].shape[-2] != capacity or self.keys[0].dtype != k0.dtype:  # (its bucket: grows, shrinks)
-            self.keys = self.values = None
-            self.keys, self.values = _kv_buffers(len(cache.keys), k0, capacity)
-            self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
-            self.mask_ids = torch.full((self.q - 1,), self.drafter.mask_token_id, dtype=torch.long, device=k0.device)
-            for t in (self.length, self.mask_ids):
-                torch._dynamo.mark_static_address(t)
-        rows = cache.length
-        for i, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-            self.keys[i][..., :rows, :].copy_(k[..., :rows, :])
-            self.values[i][..., :rows, :].copy_(v[..., :rows, :])
-        self.length.fill_(rows)
-        self.ready = True
-
-    def logits(self, root: torch.Tensor) -> torch.Tensor:
-        """The block's logits [block - 1, V] after `root` (the round's drafter forward: one graph call)."""
-        return self.static._run(self.graph, root, self.context, self.count, self.length, self.keys, self.values,
-                                self.mask_ids)
-
-    def _draft(self, root: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor, length: torch.Tensor,
-               k_bufs: list, v_bufs: list, mask_ids: torch.Tensor) -> torch.Tensor:
-        drafter, q = self.drafter, self.q
-        dev = ctx.device
-        rows_ctx = ctx.shape[1]
-        start = length + count  # the root's position: the block follows the real context rows
-        ids = torch.cat([root.reshape(1).to(mask_ids.dtype), mask_ids]).view(1, q)
-        x = self.embed(ids)
-        context = drafter.hidden_norm(drafter.fc(ctx))
-        ctx_rows = length + torch.arange(rows_ctx, device=dev)
-        block_rows = start + torch.arange(q, device=dev)
-        cos, sin = drafter.rotary_emb(x, torch.cat([ctx_rows, block_rows]).view(1, -1))
-        rope = drafter._rope.tables(cos, sin, drafter.config.head_dim)  # built in the graph (RopeTables)
-        block_rope = (rope[0][:, :, -q:], rope[1][:, :, -q:], rope[2])
-        key_pos = torch.arange(k_bufs[0].shape[-2], device=dev)
-        delta = block_rows[:, None] - key_pos[None, :]  # [q, Cd]: query position - key position (row)
-        written = (key_pos < start + q)[None, :]
-        masks: dict[int | None, torch.Tensor] = {}  # visible [q, Cd] per window
-        biases: dict[tuple, torch.Tensor] = {}  # grouped_bias per (window, groups)
-        declared = drafter.config.is_causal
-        for i, layer in enumerate(drafter.layers):
-            attn = layer.self_attn
-            window = attn.sliding_window
-            if window not in masks:
-                visible = written & (delta >= 0) if (declared if declared is not None else window is not None) else written
-                if window is not None:
-                    visible = visible & (delta.abs() < window)
-                masks[window] = visible.expand(q, -1)
-            h = layer.input_layernorm(x)
-            queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
-            queries = RopeTables.apply(queries, block_rope)
-            fresh = torch.cat([context, h], dim=1)
-            n = fresh.shape[1]
-            keys = RopeTables.apply(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2), rope)
-            values = attn.v_proj(fresh).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            k_buf, v_buf = k_bufs[i], v_bufs[i]
-            for buf, new in ((k_buf, keys), (v_buf, values)):
-                new = new.to(buf.dtype)
-                buf.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
-                buf.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
-            groups = queries.shape[1] // k_buf.shape[1]
-            if (window, groups) not in biases:
-                biases[window, groups] = grouped_bias(masks[window], groups, queries.dtype)
-            # not the drafter's own attention function (`_attend`): the model's sdpa path expands K/V per query head
-            # (a copy of every cached row, each layer) where the grouped call reads them once
-            out = grouped_attention(queries, k_buf, v_buf, biases[window, groups], attn.scaling).transpose(1, 2)
-            x = x + attn.o_proj(out.reshape(1, q, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        length.add_(count)
-        return self.lm_head(drafter.norm(x)[0, 1:]).float()
-
-
-def why_not_static_head(head, device: torch.device) -> str | None:
-    """Why method=mtp's head cannot draft as a graph (StaticMTP), in words; None where it can."""
-    layer = head.layers[0]
-    impl = head.config._attn_implementation
-    if impl not in ("eager", "sdpa"):
-        return f"the MTP head's attention is {impl}"
-    if head.fc.weight.device != device:
-        return "the MTP head is on another device"
-    if not LeanLayer.supports(layer):
-        return f"the MTP head's layer ({type(layer).__name__}) is not a layer the lean forward drives"
-    if type(layer.mlp).__name__ not in _MLPS:
-        return f"the MTP head's MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
-    return None
-
-
-class StaticMTP:
-    """method=mtp's head (ddtree.engine.drafter.mtp.MTPHead) as one fixed-shape graph a round (`_draft`): it reads
-    the tokens committed since the last round, then drafts the chain (greedy) or the EAGLE tree (mtp_expand, the
-    eager proposer's code), from a generation's second round on.
-
-    The first round runs the eager head (the prompt: any length), whose cache `load` copies into a fixed buffer:
-    keys and values [2, 1, Hkv, Cd, d], row r holding position r of the committed context (as the head's
-    DynamicCache lays it out) and the context length [1] on the device. Each later round the target's commit graph
-    leaves the accepted path's features in `context` [1, P, H] (P = min(N, steps + 1): padded), its tokens in
-    `path_tokens` [P] and its length in `count`; the graph reads row i of the path with the token after it (the next
-    path token, the new root after the last), writing rows length .. length + P - 1 (causal: padding rows are never
-    seen by real ones), then the drafts behind the real rows, as the eager head's cache holds them after the context
-    (chain step s at row start + s - 1; tree step s's k entries at start + (s - 1) k ..), each query attending over
-    all Cd rows under a mask (the committed rows, its ancestors' entries and its own). Rows past the committed ones
-    are never read before being written again: no crop. The chain at T > 0 samples with the generation's generator:
-    it stays eager (its verification compiled).
-    """
-
-    def __init__(self, static: StaticRound, proposer):
-        self.static, self.proposer, self.head = static, proposer, proposer.head
-        self.steps, self.k, self.budget = proposer.steps, proposer.topk, proposer.budget
-        with torch.inference_mode():
-            self.layer = _FrozenLayer(self.head.layers[0])
-        self.graph = torch.compile(self._draft, **static.options)
-        self.kv: torch.Tensor | None = None
-        self.length = self.context = self.count = self.path_tokens = None
-        self.ready = False
-
-    def reset(self) -> None:
-        self.ready = False
-
-    def commit_io(self, n: int, feats: torch.Tensor, tokens: torch.Tensor) -> tuple:
-        """The commit graph's extra arguments: the features, the tree's tokens and the buffers receiving the path's."""
-        rows = min(n, self.steps + 1)  # a path is at most steps + 1 nodes deep
-        if self.context is None or self.context.shape[1] != rows:
-            dev = self.head.fc.weight.device
-            with torch.inference_mode():
-                self.context = torch.zeros(1, rows, feats.shape[-1], dtype=feats.dtype, device=dev)
-                self.path_tokens = torch.zeros(rows, dtype=torch.long, device=dev)
-                self.count = torch.ones(1, dtype=torch.long, device=dev)
-            for t in (self.context, self.path_tokens, self.count):
-                torch._dynamo.mark_static_address(t)
-        return feats, self.context, self.count, tokens, self.path_tokens
-
-    @torch.inference_mode()
-    def load(self, cache, needed: int) -> None:
-        """After the eager first round: its cache (the committed rows: its drafts cropped) into the fixed buffer."""
-        layer = cache.layers[0]
-        rows = cache.get_seq_length()
-        k0 = layer.keys
-        capacity = capacity_bucket(needed + 2 * (self.steps + 1) + self.steps * self.k)
-        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
-            self.kv = None
-            self.kv = torch.zeros(2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
-            self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
-            for t in (self.kv, self.length):
-                torch._dynamo.mark_static_address(t)
-        self.kv[0, ..., :rows, :].copy_(k0[..., :rows, :])
-        self.kv[1, ..., :rows, :].copy_(layer.values[..., :rows, :])
-        self.length.fill_(rows)
-        self.ready = True
-
-    def draft(self, root: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The round's draft tree after `root`, root first (one graph call): the chain's (tokens, parents, depths,
-        ancestor matrix), or the tree's (tokens, parents, depths, scores, ancestor index, ancestor matrix)."""
-        return self.static._run(self.graph, root, self.context, self.count, self.path_tokens, self.length, self.kv)
-
-    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """MTPHead.forward over a fixed buffer: ids [1, q], hidden [1, q, H], positions and rows [q], visible
-        [q, Cd] (bool); writes the q keys and values at `rows`; returns [1, q, H] after mtp.norm."""
-        head, layer = self.head, self.layer
-        q = ids.shape[1]
-        x = head.fc(torch.cat([head.pre_fc_norm_embedding(head.embed(ids)), head.pre_fc_norm_hidden(hidden)], dim=-1))
-        pos = positions.view(1, q)
-        rope = head._borrowed[2](x, pos[None].expand(3, 1, q) if head._mrope else pos)
-        h = layer.norm1(x)
-        query, gate = layer._queries(h)
-        key, value = layer._keys_values(h)
-        query, key = layer.rotary(query, key, *rope)
-        kv.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(kv.dtype))
-        bias = grouped_bias(visible.view(q, -1), query.shape[1] // kv.shape[2], query.dtype)
-        out = grouped_attention(query, kv[0], kv[1], bias, layer.attn.scaling)
-        out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        x = layer._feed_forward(x + layer.o(out.reshape(1, q, -1)))
-        return head.norm(x)
-
-    def _draft(self, root: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor, path_tokens: torch.Tensor,
-               length: torch.Tensor, kv: torch.Tensor):
-        from ddtree.engine.proposers import mtp_expand, mtp_tree_tensors
-        from ddtree.engine.tree import _ancestor_index, _ancestor_matrix
-
-        head = self.head
-        dev = ctx.device
-        p = ctx.shape[1]
-        ar = torch.arange(p, device=dev)
-        # row i of the path reads the token after it: the next path token, the new root after the last one
-        ids = torch.where(ar == count - 1, root.reshape(1).to(path_tokens.dtype), path_tokens.roll(-1))
-        rows = length + ar
-        key_pos = torch.arange(kv.shape[-2], device=dev)
-        out = self._step(ids.view(1, p), ctx.to(head.dtype), rows, rows, key_pos[None, :] <= rows[:, None], kv)
-        start = length + count  # the root's position: the drafts follow the committed rows
-        hidden = out[0].index_select(0, count - 1)  # [1, H]: the root's row
-        logits = head.logits(hidden[0]).float()
-        length.add_(count)
-        committed = key_pos < start  # [Cd]
-        if self.k == 1:  # the chain (greedy): token s sits at start + s, the head reads it one before
-            toks = [logits.argmax(-1).view(1)]
-            for s in range(1, self.steps):
-                here = start + s - 1
-                hidden = self._step(toks[-1].view(1, 1), hidden.view(1, 1, -1), here, here,
-                                    (key_pos <= here)[None], kv)[0]
-                toks.append(head.logits(hidden[0]).float().argmax(-1).view(1))
-            ar = torch.arange(self.steps + 1, device=dev)  # chain_tree's, with its ancestor matrix
-            anc = torch.ones(self.steps + 1, self.steps + 1, dtype=torch.bool, device=dev).tril_()
-            return torch.cat([root.reshape(1).long(), *toks]), ar - 1, ar, anc
-        k = self.k
-
-        def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
-            entries = start + (s - 1) * k + torch.arange(k, device=dev)  # where the eager head's cache puts them
-            vis = torch.zeros(k, kv.shape[-2], dtype=torch.bool, device=dev)
-            vis.scatter_(1, torch.cat([f_anc, entries[:, None]], 1), True)
-            vis = vis | committed[None, :]
-            here = (start + s - 1).expand(k)
-            return self._step(f_tok[None], f_src[None], here, entries, vis, kv)[0], entries
-
-        pool = mtp_expand(head, logits, hidden[0], k, self.steps, step)
-        tokens, parents, depths, scores = mtp_tree_tensors(root, *pool, self.budget)
-        aidx = _ancestor_index(parents, self.steps)
-        return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)

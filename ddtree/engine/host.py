@@ -23,12 +23,16 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Iterator
 
 import torch
+
+from ddtree.engine.options import HOST_BRANCHES as HOST_BRANCHES  # re-exported: the names device_path takes
+from ddtree.engine.options import current, parse_branches, scoped
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +54,8 @@ def _user_settings() -> list[str]:
 
 
 def allocator_wanted(setting: bool | None) -> bool:
-    """Whether an engine tunes the allocator: its setting, else DDTREE_HOST_MALLOC=1 (unset: no)."""
-    if setting is not None:
-        return setting
-    return os.environ.get("DDTREE_HOST_MALLOC", "").strip().lower() in ("1", "true", "yes", "on")
+    """Whether an engine tunes the allocator: its setting, else the options in scope (DDTREE_HOST_MALLOC=1)."""
+    return setting if setting is not None else current().tune_host_allocator
 
 
 def tune_host_allocator() -> str:
@@ -89,47 +91,24 @@ def _tune() -> str:
 
 
 # ---- CPU-only branches of the engine, and the switch that turns them off ---------------------------------------
-# The engine takes one code path on every device, except where a branch below measured a gain on the CPU toy pair
-# (docs/gpu.md lists each with its gain). `host_branch(name, device)` is the one place that decides; the test suite
-# and bench/bench_launches.py run the path a CUDA device takes on the CPU with `device_path()` (or the whole process
-# with DDTREE_DEVICE_PATH=1, or a comma list of branch names to turn off only those).
-HOST_BRANCHES = {
-    "host_tree": "the best-first tree built on the host (C extension, heap) and walked on its host arrays",
-    "dense_attention": "a dense tree mask for small trees, and the chain prefill of short prompts on a hybrid",
-    "lazy_head": "a greedy round's head (and last layer) only for the rows the walk reads",
-    "gdn_step": "one cached token through a GDN layer as a K-tap dot product and one fused update",
-}
-
-
-def _parse_off(value: str) -> frozenset[str]:
-    value = value.strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return frozenset()
-    if value in ("1", "true", "yes", "on", "all"):
-        return frozenset(HOST_BRANCHES)
-    names = frozenset(n.strip() for n in value.split(",") if n.strip())
-    unknown = names - set(HOST_BRANCHES)
-    if unknown:
-        raise ValueError(f"DDTREE_DEVICE_PATH: unknown branch {sorted(unknown)}; known: {sorted(HOST_BRANCHES)}")
-    return names
-
-
-_OFF: frozenset[str] = _parse_off(os.environ.get("DDTREE_DEVICE_PATH", ""))
+# The engine takes one code path on every device, except where a branch of HOST_BRANCHES measured a gain on the CPU
+# toy pair (docs/gpu.md lists each with its gain). `host_branch(name, device)` is the one place that decides, from
+# the options in scope (ddtree.engine.options: an Engine's `device_path=`, else a `device_path()` block, else
+# DDTREE_DEVICE_PATH=1 or a comma list of branch names); the test suite and bench/bench_launches.py run the path a
+# CUDA device takes on the CPU with `device_path()`.
+_parse_off = parse_branches
 
 
 def host_branch(name: str, device: torch.device) -> bool:
     """Whether the CPU-only branch `name` (HOST_BRANCHES) runs for tensors on `device`."""
-    return device.type == "cpu" and name not in _OFF
+    return device.type == "cpu" and name not in current().device_path
 
 
 @contextlib.contextmanager
 def device_path(*names: str) -> Iterator[None]:
     """Inside: the named CPU-only branches (all without names) are off, so a CPU run takes a CUDA run's code.
-    Engines and sessions read some of them when built: build them inside too."""
-    global _OFF
-    off = _parse_off(",".join(names) if names else "all")
-    before, _OFF = _OFF, _OFF | off
-    try:
+    An Engine resolves its options when built (`Engine(device_path=...)` overrides): build it inside too."""
+    off = parse_branches(",".join(names) if names else "all")
+    options = current()
+    with scoped(dataclasses.replace(options, device_path=options.device_path | off)):
         yield
-    finally:
-        _OFF = before

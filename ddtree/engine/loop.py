@@ -13,6 +13,7 @@ from ddtree.engine import compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import DFLASH, DraftSettings, check_method_args, check_target_supported, get_method
+from ddtree.engine.options import EngineOptions, scoped
 from ddtree.engine.proposers import DecodeState, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
@@ -66,7 +67,14 @@ class Engine:
     It drives the models as they are when it is built: after hooking, patching or moving one, build a new Engine.
     Arguments as `generate()`'s; compile_backend: torch.compile's backend for the compiled round (None: inductor;
     "eager"/"aot_eager" trace without generating code: tests); tune_host_allocator: set glibc's malloc thresholds for the whole process on a CPU
-    target (faster verification; ddtree.engine.host), None: only with DDTREE_HOST_MALLOC=1.
+    target (faster verification; ddtree.engine.host). device_path: the CPU-only branches turned off (True: all of
+    them, a CPU run then takes a CUDA run's code; or names of ddtree.engine.host.HOST_BRANCHES); kernels: the fused
+    ops' setting ("auto", "strict", "composite"); flex_compile: compiled flex attention (None: on CUDA only);
+    auto_compile: whether compile="auto" compiles on CUDA. Each option left at None is the environment's
+    (DDTREE_HOST_MALLOC, DDTREE_DEVICE_PATH, DDTREE_KERNELS, DDTREE_FLEX_COMPILE, DDTREE_COMPILE,
+    DDTREE_COMPILE_BACKEND) or an enclosing `ddtree.engine.host.device_path()` block's, resolved once here into
+    `options` (ddtree.engine.options.EngineOptions), which the engine's own calls run under: two engines in one
+    process each keep theirs.
     `close()` (or leaving a `with Engine(...) as engine:` block) restores what it changed on the target.
     """
 
@@ -74,8 +82,20 @@ class Engine:
                  block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
                  tree_attention: str = "auto", tune_host_allocator: bool | None = None,
                  record: bool = True, steps: int | None = None, topk: int | None = None,
-                 compile: str | bool = "auto", compile_backend: str | None = None, scoring: str | None = None):
+                 compile: str | bool = "auto", compile_backend: str | None = None, scoring: str | None = None,
+                 device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
+                 flex_compile: bool | None = None, auto_compile: bool | None = None):
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
+        self.options = EngineOptions.resolve(device_path=device_path, kernels=kernels, flex_compile=flex_compile,
+                                             auto_compile=auto_compile, compile_backend=compile_backend,
+                                             tune_host_allocator=tune_host_allocator)
+        self.binding = None
+        with scoped(self.options):
+            self._build(target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention,
+                        record, steps, topk, compile, scoring)
+
+    def _build(self, target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention, record,
+               steps, topk, compile, scoring) -> None:
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
@@ -91,14 +111,15 @@ class Engine:
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
         # the Proposer contract (ddtree.engine.proposers.Proposer): what it reads, how big its trees get, what compiles
         self.binding = TargetBinding(target, proposer.feature_layers, tree_attention=tree_attention,
-                                     tune_allocator=tune_host_allocator)
+                                     tune_allocator=self.options.tune_host_allocator)
         self.tree_max = proposer.max_nodes + 1
         if proposer.max_nodes > 1:  # it drafts: the target must verify its trees exactly
-            TargetSession(target, binding=self.binding).check_method(method)
+            TargetSession(target, binding=self.binding).check_method(self.spec)
         # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
         unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")
-        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile, compile_backend)
+        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile,
+                                                                 self.options.compile_backend)
         # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
         self.round_fallback = self.round_note is not None and (
             compile == "true" or (compile == "auto" and compiled.auto_compiles(self.binding)))
@@ -119,6 +140,10 @@ class Engine:
         if self.binding is None:
             raise RuntimeError("Engine.generate after close(): build a new Engine")
         check_generate_args(temperature, max_new_tokens, input_ids)
+        with scoped(self.options):  # this engine's options, whatever the caller's scope or environment
+            return self._generate_scoped(input_ids, temperature, max_new_tokens, stop_token_ids, generator)
+
+    def _generate_scoped(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator) -> GenerationResult:
         self.binding.ensure()
         if self.static is None or self.compile != "auto":
             return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))

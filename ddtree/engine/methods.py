@@ -85,7 +85,8 @@ def check_scoring(scoring: str | None, method: str, drafter=None, *, dflash2: bo
     if scoring not in SCORINGS:
         raise ConfigError("scoring", f"unknown value {scoring!r}", f"use one of: {', '.join(SCORINGS)}")
     is_dflash2 = has_selector(drafter) if dflash2 is None else dflash2
-    if scoring == "pair" and method == "ddtree" and (drafter is not None or dflash2 is not None) and not is_dflash2:
+    reads = method in METHODS and METHODS[method].reads_scoring
+    if scoring == "pair" and reads and (drafter is not None or dflash2 is not None) and not is_dflash2:
         raise ConfigError("scoring", "pair scores come from a DFlash2 drafter's candidate selector; this drafter is "
                           "DFlash (no selector)", "use scoring=marginal, or a DFlash2 drafter")
 
@@ -108,6 +109,8 @@ class Method:
     compilable: the compiled round (ddtree.engine.compiled) runs it (one node count per engine).
     authors_code: the DDTree authors' code (engine=upstream, ddtree.upstream) has it.
     settings: the config group of settings it alone reads (method=mtp: mtp.steps, mtp.topk), or None.
+    reads_scoring: its tree's node scores are a setting (scoring=marginal|pair: DDTree's best-first tree).
+    auto_budget: budget=auto calibrates its budget (ddtree.pipeline.autobudget: a best-first tree of the drafter's).
     """
 
     name: str
@@ -119,6 +122,8 @@ class Method:
     compilable: bool = True
     authors_code: bool = True
     settings: str | None = None
+    reads_scoring: bool = False
+    auto_budget: bool = False
 
     @property
     def verifies_tree(self) -> bool:
@@ -145,7 +150,8 @@ class Method:
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ar", _ar, drafter_kind=None, tree="root", reads_budget=False),
     Method("dflash", _dflash, drafter_kind=DFLASH, tree="chain", reads_budget=False),
-    Method("ddtree", _ddtree, drafter_kind=DFLASH, tree="tree", reads_budget=True),
+    Method("ddtree", _ddtree, drafter_kind=DFLASH, tree="tree", reads_budget=True, reads_scoring=True,
+           auto_budget=True),
     # a chain of `steps` tokens (topk 1) or an EAGLE-style tree (topk > 1, the `budget` best nodes)
     Method(MTP, _mtp, drafter_kind=OWN_HEAD, tree="tree", reads_budget=True, budget_when_branching=True,
            authors_code=False, settings="mtp"),
@@ -155,6 +161,12 @@ METHOD_NAMES = tuple(METHODS)
 DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.drafter_kind != OWN_HEAD)
 COMPILABLE_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.compilable)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
+
+
+def drafter_method(tree: str) -> str:
+    """The method drafting with a DFlash drafter that verifies `tree` ("chain": DFlash, "tree": DDTree): the pair a
+    report and a diagnosis compare."""
+    return next(name for name, m in METHODS.items() if m.drafter_kind == DFLASH and m.tree == tree)
 
 
 def reads_budget(name: str | None, topk: int | None = None) -> bool:

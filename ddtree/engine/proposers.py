@@ -10,7 +10,9 @@ import torch
 from transformers import PreTrainedModel
 
 from ddtree.engine.checks import check_block_size, check_budget, check_mtp_args
-from ddtree.engine.drafter.mtp import MTPHead
+from ddtree.engine.drafter.model_static import StaticDraft
+from ddtree.engine.drafter.mtp import MTPHead, mtp_expand, mtp_tree_tensors
+from ddtree.engine.drafter.mtp_static import StaticMTP
 from ddtree.engine.host import host_branch
 from ddtree.engine.result import STAGES
 from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_of_tensors
@@ -113,7 +115,8 @@ class Proposer:
     best_first: its tree is the best-first tree over `last_logits` with `budget` nodes: under compile it builds it with
       the compiled round's graph, `tree_tensors` (root, logits, budget) -> best_first_tensors' outputs.
     static_form: the compiled form of its drafter the compiled round attaches under compile, as `static_draft`:
-      "dflash" (a StaticDraft of its `drafter`), "mtp" (a StaticMTP of its `head`) or None (it drafts eagerly).
+      a class next to its drafter's model (ddtree.engine.drafter.model_static.StaticDraft of its `drafter`,
+      ddtree.engine.drafter.mtp_static.StaticMTP of its `head`) or None (it drafts eagerly).
     """
 
     feature_layers: list[int] | None = None
@@ -123,7 +126,7 @@ class Proposer:
     diagnoses: bool = False
     last_logits: torch.Tensor | None = None
     best_first: bool = False
-    static_form: str | None = None
+    static_form: type | None = None
     tree_tensors = None  # set by the compiled round where `best_first`
     static_draft = None  # set by the compiled round where `static_form`
     last_top1: torch.Tensor | None = None  # per node of the latest tree: is it its parent's best child (diagnosis;
@@ -152,7 +155,7 @@ class DrafterBlock(Proposer):
 
     compilable = True
     diagnoses = True
-    static_form = "dflash"
+    static_form = StaticDraft
 
     def __init__(self, target: PreTrainedModel, drafter, block_size: int | None = None):
         self.target, self.drafter = target, drafter
@@ -165,7 +168,7 @@ class DrafterBlock(Proposer):
         self.cache = None
         self.ctx_len = 0
         self.last_logits: torch.Tensor | None = None  # the latest round's [L, V] (ddtree.engine.diagnostics reads it)
-        # static_draft: the compiled drafter forward (ddtree.engine.compiled.StaticDraft), set by an Engine with compile
+        # static_draft: the compiled drafter forward (ddtree.engine.drafter.model_static.StaticDraft), set by an Engine with compile
         # on: it takes over from the second round of a generation (the first reads the prompt's features eagerly)
         self._capacity = 0
 
@@ -266,7 +269,7 @@ class MTPProposer(Proposer):
     """
 
     compilable = True
-    static_form = "mtp"
+    static_form = StaticMTP
 
     def __init__(self, target: PreTrainedModel, head=None, *, steps: int, topk: int = 1, budget: int = 64):
         check_mtp_args(steps, topk)
@@ -283,7 +286,7 @@ class MTPProposer(Proposer):
         self.cache = None
         self.ctx_len = 0
         self._tokens = None
-        # static_draft: the compiled head (ddtree.engine.compiled.StaticMTP), set by an Engine with compile on: it
+        # static_draft: the compiled head (ddtree.engine.drafter.mtp_static.StaticMTP), set by an Engine with compile on: it
         # takes over from a generation's second round (the first reads the prompt eagerly), drafting as the eager head
         self._capacity = 0
 
@@ -392,59 +395,3 @@ class MTPProposer(Proposer):
         with state.timer.stage("tree"):
             tokens, parents, depths, scores = mtp_tree_tensors(state.root, *pool, self.budget)
             return DraftTree(tokens, parents, depths, scores=scores, depth_bound=self.steps)
-
-
-def mtp_expand(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, steps: int, step) -> tuple:
-    """MTP's EAGLE-style expansion, every step's frontier k nodes of one depth (the eager proposer's and the compiled
-    head's: ddtree.engine.compiled.StaticMTP). logits [V] and hidden [H]: the head's guess after the root and the
-    output that made it. step(s, f_tok [k], f_src [k, H], f_anc [k, s - 1]) runs the head on the frontier at depth s
-    (its token, the output that predicted it, its ancestors' cache entries) and returns (outputs [k, H], the
-    entries it wrote [k]). Returns the pool (toks, scores, parents, depths: one tensor / int per depth).
-
-    The pool holds every drafted node in creation order (k at depth 1, then k * k children per step); a frontier
-    node carries its token, cumulative score, pool index, the head output that predicted it (its input when
-    expanded) and the head-cache entries of its ancestors (the entries its query may see). Ties between equal
-    scores go to the earlier node (stable sorts), on every device."""
-    dev = logits.device
-    vals, idx = torch.log_softmax(logits, -1).topk(k)
-    toks, scores, parents, depths = [idx], [vals], [torch.full((k,), -1, dtype=torch.long, device=dev)], [1]
-    f_tok, f_score, f_pool = idx, vals, torch.arange(k, device=dev)
-    f_src = hidden.expand(k, -1)
-    f_anc = torch.zeros(k, 0, dtype=torch.long, device=dev)  # [k, depth - 1]: the ancestors' cache entries
-    size = k
-    child = torch.arange(k * k, device=dev) // k  # candidate c's parent, as a row of the frontier
-    for s in range(1, steps):  # the frontier is at depth s; token s sits at start + s, read one before
-        out, entries = step(s, f_tok, f_src, f_anc)
-        lv, li = torch.log_softmax(head.logits(out).float(), -1).topk(k)  # [k, k]
-        c_tok, c_score = li.reshape(-1), (f_score[:, None] + lv).reshape(-1)
-        toks.append(c_tok)
-        scores.append(c_score)
-        parents.append(f_pool[child])
-        depths.append(s + 1)
-        sel = torch.sort(-c_score, stable=True).indices[:k].sort().values  # the k best, in creation order
-        f_tok, f_score, f_pool = c_tok[sel], c_score[sel], size + sel
-        f_anc = torch.cat([f_anc, entries[:, None]], 1)[child[sel]]
-        f_src = out[child[sel]]
-        size += k * k
-    return toks, scores, parents, depths
-
-
-def mtp_tree_tensors(root: torch.Tensor, toks: list, scores: list, parents: list, depths: list,
-                     budget: int) -> tuple[torch.Tensor, ...]:
-    """(tokens, parents, depths, scores) of the `budget` best nodes of an mtp_expand pool, root first: fixed shapes
-    (min(budget, pool) + 1 nodes), no host read."""
-    # cumulative log-probabilities never grow along a path: the best nodes (ties: the earlier) are closed
-    # under ancestors; flat order = creation order puts parents first
-    dev = root.device
-    tok, score, parent = torch.cat(toks), torch.cat(scores), torch.cat(parents)
-    depth = torch.cat([torch.full((n.shape[0],), d, dtype=torch.long, device=dev)
-                       for n, d in zip(toks, depths, strict=True)])
-    size = tok.shape[0]
-    n = min(budget, size)
-    keep = torch.sort(-score, stable=True).indices[:n].sort().values
-    flat = torch.zeros(size, dtype=torch.long, device=dev)
-    flat[keep] = torch.arange(1, n + 1, device=dev)
-    kp = parent[keep]
-    zero, none = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), -1, dtype=torch.long, device=dev)
-    return (torch.cat([root.reshape(1).long(), tok[keep]]), torch.cat([none, torch.where(kp >= 0, flat[kp.clamp(min=0)], 0)]),
-            torch.cat([zero, depth[keep]]), torch.cat([zero.float(), score[keep]]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
@@ -10,7 +12,6 @@ from ddtree.engine import attention, gdn, verification
 from ddtree.engine.families import family, model_type
 from ddtree.engine.forward import LazyTail, lean_forward_for
 from ddtree.engine.host import allocator_wanted, host_branch, tune_host_allocator
-from ddtree.engine.methods import get_method
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
@@ -309,7 +310,8 @@ class TargetBinding:
 
     It describes the model as it is when built: a hook, a compat patch or a device move made later needs a new one.
     What it changes on the model (its attention implementation, the forwards accelerate's hooks call) `restore()`
-    puts back; the GDN class patch is process-wide (the compat row gdn-tree-forward: compat.revert() undoes it).
+    puts back; the GDN class patch (the compat row gdn-tree-forward) is process-wide: held by every binding of a
+    hybrid, restored when the last one is restored or collected (ddtree.engine.gdn.hold).
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
@@ -345,8 +347,10 @@ class TargetBinding:
         self.chain_as_tree = self.split and dense_ok and not sliding and family(self.mtype).lean is not None
         self.gdn = family(self.mtype).gdn
         self.rebound: list[tuple[object, object]] = []
-        if self.gdn:
-            gdn.install()  # idempotent; inert outside a tree_verification context
+        self._gdn_hold = None
+        if self.gdn:  # held until restore() (or this binding is collected); inert outside a tree_verification context
+            self._gdn_hold = weakref.finalize(self, gdn.release, gdn.hold())
+            self._gdn_hold.atexit = False
             self.rebound = _rebind_hooked_forwards(model, tuple(gdn.target_classes()))
 
     def ensure(self) -> None:
@@ -354,8 +358,8 @@ class TargetBinding:
         engine's restore() or a compat.revert() may have taken them away). Cheap: two checks when nothing changed."""
         if self.split and self.model.config._attn_implementation not in attention.SPLIT_IMPLEMENTATIONS:
             attention.use_tree_attention(self.model)
-        if self.gdn and not gdn.is_installed():
-            gdn.install()
+        if self.gdn:
+            gdn.ensure_installed()
 
     def restore(self) -> None:
         """Put back what binding changed on the model: its attention implementation (unless another engine had
@@ -367,6 +371,8 @@ class TargetBinding:
         for module, forward in reversed(self.rebound):
             module._old_forward = forward
         self.rebound = []
+        if self._gdn_hold is not None:
+            self._gdn_hold()  # the last binding to let go restores the GDN classes (ddtree.engine.gdn.hold)
 
 
 class TargetSession:
@@ -399,10 +405,12 @@ class TargetSession:
         self._mask: torch.Tensor | None = None  # the dense path's preallocated mask buffer
         self._mask_zero = self._mask_dirty = 0  # columns [:zero) are 0 in every row; [zero:dirty) may be stale
 
-    def check_method(self, method: str) -> None:
-        """Refuse a multi-token method when the cache holds linear-attention state no patch verifies exactly."""
+    def check_method(self, spec) -> None:
+        """Refuse a multi-token method (spec: its row of the methods table, ddtree.engine.methods.Method) when the
+        cache holds linear-attention state no patch verifies exactly."""
+        method = spec.name
         text_config = getattr(self.model.config, "text_config", None) or self.model.config
-        if get_method(method).verifies_tree and getattr(text_config, "attn_logit_softcapping", None):
+        if spec.verifies_tree and getattr(text_config, "attn_logit_softcapping", None):
             raise ConfigError("method", f"{method} on a '{self.mtype}' target is not supported: its soft-capped "
                               "attention logits cannot be verified as a tree", "use method=dflash or method=ar")
         if self.gdn or not any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.cache.layers):

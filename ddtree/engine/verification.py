@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ddtree.engine.options import current
 from ddtree.engine.tree import DraftTree
 
 GDN_METHODS = ("chunk", "recurrent")
@@ -90,13 +91,10 @@ _ACTIVE: contextvars.ContextVar[TreeVerification | None] = contextvars.ContextVa
 
 
 def _default_flex_compile(device: torch.device) -> bool:
-    """Compiled flex on CUDA; on CPU the eager reference (a compile costs minutes there) unless asked."""
-    import os
-
-    env = os.environ.get("DDTREE_FLEX_COMPILE")
-    if env is not None:
-        return env not in ("0", "false", "False", "")
-    return device.type == "cuda"
+    """Compiled flex on CUDA; on CPU the eager reference (a compile costs minutes there) unless asked (the engine's
+    `flex_compile=` option, DDTREE_FLEX_COMPILE outside an engine's call)."""
+    asked = current().flex_compile
+    return asked if asked is not None else device.type == "cuda"
 
 
 def _draft_of(tree: DraftTree | torch.Tensor | Sequence[int]) -> tuple[DraftTree, list[int] | None]:

@@ -25,6 +25,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from ddtree.engine.methods import BASELINE
 from ddtree.errors import ConfigError
 from ddtree.pipeline.check_sources import (
     FileOutputs,
@@ -112,7 +113,7 @@ def to_check_config(cfg: DictConfig | CheckConfig) -> CheckConfig:
 def run_config(cc: CheckConfig) -> RunConfig:
     """The run settings the shared pieces read (target loading, prompts, the verdict rule): plain AR decoding."""
     return RunConfig(model=cc.model, dataset=cc.dataset, attention=cc.attention, compat=cc.compat,
-                     tracking=cc.tracking, validation=cc.validation, method="ar", baseline=False,
+                     tracking=cc.tracking, validation=cc.validation, method=BASELINE, baseline=False,
                      temperature=cc.temperature, max_new_tokens=cc.max_new_tokens, seed=cc.seed, device=cc.device,
                      runs_dir=cc.runs_dir, tags=cc.tags)
 
@@ -203,7 +204,7 @@ def find_baseline(cc: CheckConfig, prompt_ids: set[str]) -> tuple[str | None, di
                 r = json.loads(line)
             except ValueError:
                 continue
-            ar = r.get("role") == "baseline" or (r.get("role") == "method" and r.get("method") == "ar")
+            ar = r.get("role") == "baseline" or (r.get("role") == "method" and r.get("method") == BASELINE)
             if ar and str(r.get("id")) in prompt_ids and "output_ids" in r:
                 recs.setdefault((str(r["id"]), int(r["turn"])), r)
         if recs:

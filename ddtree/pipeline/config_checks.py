@@ -27,6 +27,7 @@ from ddtree.engine.checks import (
 from ddtree.engine.methods import (
     COMPILABLE_METHOD_NAMES,
     DFLASH,
+    METHODS,
     MTP,
     check_method_args,
     check_scoring,
@@ -89,9 +90,10 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
 def check_auto(rc: RunConfig) -> None:
     """budget=auto's settings (ddtree.pipeline.autobudget), before model work."""
     a = rc.auto
-    if rc.method != "ddtree":
+    if not get_method(rc.method).auto_budget:
+        names = " or ".join(f"method={n}" for n, m in METHODS.items() if m.auto_budget)
         raise ConfigError("budget", f"budget=auto picks a DDTree budget, but method={rc.method}",
-                          "use method=ddtree, or a number")
+                          f"use {names}, or a number")
     if rc.engine != "native":
         raise ConfigError("budget", "budget=auto needs the native engine (it reads the per-round records)",
                           "use engine=native, or a number")

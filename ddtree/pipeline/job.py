@@ -139,7 +139,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "temperature": rc.temperature, "model": rc.model.name,
         "drafter": "mtp head" if spec.drafter_kind == OWN_HEAD else rc.drafter.name_or_path or rc.drafter.kind,
         **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if spec.settings == MTP else {}),
-        **({"scoring": rc.scoring} if rc.method == "ddtree" else {}),
+        **({"scoring": rc.scoring} if spec.reads_scoring else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
@@ -190,7 +190,8 @@ def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 def run_name(rc: RunConfig) -> str:
     name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, rc.mtp.topk) else "")
-    name += "-pair" if rc.method == "ddtree" and rc.scoring == "pair" else ""
+    m = METHODS.get(rc.method)
+    name += "-pair" if m is not None and m.reads_scoring and rc.scoring == "pair" else ""
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 

@@ -32,7 +32,7 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from ddtree.engine.methods import BASELINE, METHODS
+from ddtree.engine.methods import BASELINE, METHODS, drafter_method
 from ddtree.errors import ConfigError
 from ddtree.pipeline.console import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
@@ -310,7 +310,8 @@ def select(store: Store, rc: ReportConfig) -> Selection:
                 continue
             newest[slot] = j
             sel.used.append(j)
-    sel.used.sort(key=lambda j: (dataset_rank(j.dataset), j.model, j.temperature, j.method != "dflash",
+    chain = drafter_method("chain")
+    sel.used.sort(key=lambda j: (dataset_rank(j.dataset), j.model, j.temperature, j.method != chain,
                                  j.budget or 0))
     return sel
 
@@ -352,14 +353,22 @@ def per_generation(job: Job) -> dict[str, float | None] | None:
             "speedup": (sum(base) / len(base)) / (sum(mt) / len(mt)) if base and mt else None}
 
 
+def _compared_job(c: dict[str, Any], key: str):
+    """The job behind a cell's "dflash" (the DFlash chain) or "ddtree_best" (the DDTree tree at its best budget)."""
+    if key == "dflash":
+        return c["_jobs"].get((drafter_method("chain"), None))
+    return c["_jobs"].get((drafter_method("tree"), (c[key] or {}).get("budget")))
+
+
 def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = True) -> list[dict[str, Any]]:
     cells: dict[tuple, dict[str, Any]] = {}
+    chain = drafter_method("chain")
     for job in sel.used:
         c = cells.setdefault(job.cell, {"dataset": job.dataset, "title": job.title, "model": job.model,
                                         "temperature": job.temperature, "dflash": None, "ddtree_best": None,
                                         "ddtree": [], "_jobs": {}})
         c["_jobs"][(job.method, job.budget)] = job
-        if job.method == "dflash":
+        if job.method == chain:
             c["dflash"] = _entry(job)
         elif METHODS[job.method].settings:  # method=mtp: its own settings (steps, topk) name its best shape
             c.setdefault("mtp", []).append({**_entry(job), "shape": method_cell(
@@ -379,7 +388,7 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
             e = c[key]
             if e is None:
                 continue
-            job = c["_jobs"][("dflash", None) if key == "dflash" else ("ddtree", e["budget"])]
+            job = _compared_job(c, key)
             if samples and store is not None:
                 store.load_samples(job)
             e["per_generation"] = per_generation(job)
@@ -506,7 +515,7 @@ def acceptance_histograms(cells: list[dict[str, Any]], out: Path) -> list[Path]:
     for c in cells:
         series = []
         for key, label in (("dflash", "DFlash"), ("ddtree_best", "DDTree")):
-            job = c["_jobs"].get(("dflash", None) if key == "dflash" else ("ddtree", (c[key] or {}).get("budget")))
+            job = _compared_job(c, key)
             if c[key] is None or job is None or not job.samples:
                 continue
             lengths = [a for r in job.samples if r.get("role") == "method" for a in r.get("acceptance_lengths", [])]

@@ -32,6 +32,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ddtree.engine.options import KERNEL_SETTINGS, current
+
 __all__ = ["FusedOp", "fused", "triton_interpreting"]
 
 log = logging.getLogger("ddtree.engine")
@@ -242,14 +244,12 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 _TRITON: list = []
-SETTINGS = ("auto", "strict", "composite")
+SETTINGS = KERNEL_SETTINGS
 
 
 def _setting() -> str:
-    value = os.environ.get("DDTREE_KERNELS", "auto") or "auto"
-    if value not in SETTINGS:
-        raise ValueError(f"DDTREE_KERNELS={value!r}: use one of {', '.join(SETTINGS)}")
-    return value
+    """The engine's `kernels=` option (ddtree.engine.options: DDTREE_KERNELS outside an engine's call)."""
+    return current().kernels
 
 
 def _has_triton() -> bool:

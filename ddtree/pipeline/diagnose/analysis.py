@@ -7,6 +7,7 @@ import math
 from collections import defaultdict
 from typing import Any
 
+from ddtree.engine.methods import drafter_method
 from ddtree.pipeline.diagnose.cost import cost_curve, interpolate_cost, round_ms
 from ddtree.pipeline.diagnose.model import chain_tau, predict_taus, replay_taus, replayable
 from ddtree.pipeline.diagnose.records import JobData
@@ -179,8 +180,9 @@ def model_curves(jobs: list[JobData], L: int, budgets: tuple[int, ...] = BUDGETS
     catches the drafter's near misses), so the rounds of each start in different places; on the toy pair a chain
     predicted from tree rounds is ~16 % optimistic (docs/diagnosis.md), while trees predicted from chain rounds
     and trees from trees stay within ~7 %."""
-    chains = [d for j in jobs if j.method == "dflash" for d in j.diagnosed]
-    trees = [d for j in jobs if j.method != "dflash" for d in j.diagnosed]
+    chain = drafter_method("chain")
+    chains = [d for j in jobs if j.method == chain for d in j.diagnosed]
+    trees = [d for j in jobs if j.method != chain for d in j.diagnosed]
     chain_src, tree_src = (chains or trees), (trees or chains)
     c_pred, c_ind = predicted_curves(collect(chain_src, L), budgets, chain_src)
     t_pred, t_ind = (c_pred, c_ind) if tree_src is chain_src else predicted_curves(collect(tree_src, L), budgets,

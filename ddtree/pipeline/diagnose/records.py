@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree.engine.methods import DFLASH, METHODS
 from ddtree.errors import ConfigError
 
 
@@ -28,9 +29,10 @@ class JobData:
     @property
     def tree_budget(self) -> int | None:
         """The budget on the predicted curve: 1 for a chain, the node budget for a tree, None for AR."""
-        if self.method == "dflash":
-            return 1
-        return self.budget if self.method == "ddtree" else None
+        m = METHODS.get(self.method)
+        if m is None or m.drafter_kind != DFLASH:  # the curve is a DFlash drafter's: its chain and its trees
+            return None
+        return 1 if m.tree == "chain" else self.budget
 
     @property
     def diagnosed(self) -> list[dict[str, Any]]:

@@ -1,0 +1,96 @@
+"""Engine options are resolved once per Engine (ddtree.engine.options): two engines in one process with different
+options each take the path they were built for, call after call, and each still equals HF greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ddtree
+from ddtree.engine import host, tree
+from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.options import EngineOptions, current
+from ddtree.testing.reference import hf_greedy
+from ddtree.testing.tiny import tiny_model
+
+
+def test_two_engines_with_different_options_each_take_their_own_path(monkeypatch):
+    """One engine on the CPU's host branches, one on a CUDA run's path (device_path=True), generate calls
+    interleaved: the C tree build runs in the first engine's calls only (counted), and both outputs equal HF
+    greedy. The environment (DDTREE_DEVICE_PATH set after they are built) changes neither."""
+    built = []
+    real = tree._best_first_host
+    monkeypatch.setattr(tree, "_best_first_host", lambda *a, **k: built.append(1) or real(*a, **k))
+    model = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=8, seed=3)
+    ids = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(1))
+    want = hf_greedy(model, ids, 14)
+    cpu = ddtree.Engine(model, drafter, method="ddtree", budget=24)
+    gpu_like = ddtree.Engine(model, drafter, method="ddtree", budget=24, device_path=True)
+    assert cpu.options.device_path == frozenset() and gpu_like.options.device_path == frozenset(host.HOST_BRANCHES)
+    monkeypatch.setenv("DDTREE_DEVICE_PATH", "1")  # read when an engine is built, not by one already built
+    for engine, takes_host_tree in ((cpu, True), (gpu_like, False), (cpu, True), (gpu_like, False)):
+        built.clear()
+        out = engine.generate(ids, max_new_tokens=14).output_ids
+        assert out == want
+        assert bool(built) == takes_host_tree, (engine.options, len(built))
+    assert not host.host_branch("host_tree", torch.device("cpu"))  # outside the engines: the environment's
+    cpu.close(), gpu_like.close()
+
+
+def test_options_fall_back_to_the_scope_then_the_environment(monkeypatch):
+    for k in ("DDTREE_DEVICE_PATH", "DDTREE_KERNELS", "DDTREE_FLEX_COMPILE", "DDTREE_COMPILE", "DDTREE_COMPILE_BACKEND",
+              "DDTREE_HOST_MALLOC"):
+        monkeypatch.delenv(k, raising=False)
+    assert current() == EngineOptions()
+    monkeypatch.setenv("DDTREE_KERNELS", "composite")
+    monkeypatch.setenv("DDTREE_COMPILE", "0")
+    monkeypatch.setenv("DDTREE_DEVICE_PATH", "host_tree")
+    monkeypatch.setenv("DDTREE_FLEX_COMPILE", "1")
+    env = EngineOptions.from_env()
+    assert (env.kernels, env.auto_compile, env.device_path, env.flex_compile) == ("composite", False,
+                                                                                 {"host_tree"}, True)
+    with host.device_path("gdn_step"):
+        inner = EngineOptions.resolve(kernels="strict")
+    assert inner.device_path == {"host_tree", "gdn_step"} and inner.kernels == "strict"
+    assert EngineOptions.resolve(device_path=False).device_path == frozenset()  # an argument beats the environment
+    with pytest.raises(ValueError, match="device_path: unknown branch"):
+        EngineOptions.resolve(device_path="nonsense")
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        EngineOptions.resolve(kernels="fast")
+
+
+def test_closing_the_last_engine_restores_the_gdn_classes():
+    """The GDN class patch is held by each engine on a hybrid: it stays while one is open and the classes get their
+    own forwards back when the last one closes (or when a one-call generate returns); a patch installed before the
+    first engine (someone else's) is left in place."""
+    import gc
+
+    from ddtree.engine import gdn
+
+    gc.collect()  # bindings other tests left behind let go when collected
+    assert gdn.holders() == 0
+    if gdn.is_installed():
+        gdn.uninstall()
+    originals = {cls: cls.__dict__["forward"] for cls in gdn.target_classes()}
+    assert originals
+    model = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12)
+    ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(1))
+    first = ddtree.Engine(model, method="ar", budget=None)
+    second = ddtree.Engine(model, method="ar", budget=None)
+    assert gdn.is_installed() and gdn.holders() == 2
+    assert all(cls.__dict__["forward"] is not f for cls, f in originals.items())
+    first.close()
+    first.close()  # idempotent: one release per engine
+    assert gdn.is_installed() and gdn.holders() == 1
+    assert second.generate(ids, max_new_tokens=3).output_ids == hf_greedy(model, ids, 3)
+    second.close()
+    assert not gdn.is_installed() and gdn.holders() == 0
+    assert all(cls.__dict__["forward"] is f for cls, f in originals.items())
+    ddtree.generate(model, None, ids, method="ar", budget=None, max_new_tokens=2)
+    assert not gdn.is_installed()
+    gdn.install()  # installed by someone else first: theirs to undo
+    with ddtree.Engine(model, method="ar", budget=None):
+        pass
+    assert gdn.is_installed()
+    gdn.uninstall()
