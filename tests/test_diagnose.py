@@ -407,8 +407,7 @@ def test_chain_rounds_that_never_reach_the_last_position_are_diagnosed():
     prop = RankScriptedProposer(ref, 64, probs, None, seed=5)
     dg = Engine(target, None, method="dflash", proposer=prop).generate(p, max_new_tokens=40).diagnosis
     assert max(len(r) for r in dg["ranks"]) < len(probs) == len(dg["rows"][0])  # the case: no round reached it
-    depths = [a for a in dg["depth"]]
-    job = D.JobData("c", "dflash", None, {"tau": 1 + sum(depths) / len(depths), "temperature": 0.0},
+    job = D.JobData("c", "dflash", None, {"tau": 1 + sum(dg["depth"]) / len(dg["depth"]), "temperature": 0.0},
                     [{"diagnosis": dg}])
     doc = D.diagnose([job])
     assert doc["drafter_positions"] == len(probs)
