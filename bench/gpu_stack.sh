@@ -20,11 +20,12 @@ if [ ! -f "$STAMP" ] || [ bench/gpu_stack.txt -nt "$STAMP" ] || [ pyproject.toml
   command -v "$BASE" >/dev/null || { echo "gpu_stack: $BASE not found (the image runs Python 3.12; set GPU_STACK_PYTHON)" >&2; exit 2; }
   [ -x "$PY" ] || "$BASE" -m venv "$VENV"
   reqs=$VENV/requirements.txt
-  # pyproject's dependencies and test extra, less what the kit brings; hydra-submitit-launcher without its hydra-core
+  # pyproject's dependencies and test extra, less what the kit brings (transformers: the image's 5.17 stays under the
+  # kit's); hydra-submitit-launcher without its hydra-core
   "$PY" - "$reqs" <<'PY'
 import sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-kit = ("hydra-core", "omegaconf", "hydra-submitit-launcher")
+kit = ("hydra-core", "omegaconf", "transformers", "hydra-submitit-launcher")
 reqs = [r for r in project["dependencies"] + project["optional-dependencies"]["test"] if not r.startswith(kit)]
 open(sys.argv[1], "w").write("\n".join(reqs + ["submitit"]) + "\n")
 PY
