@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all run bench docs lint toy toy-pure clean device-kit
+.PHONY: install test test-slow test-all test-gpu-stack run bench docs lint toy toy-pure clean device-kit
 
 $(STAMP): pyproject.toml setup.py ddtree/engine/_hosttree.c
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: $(STAMP)
 # the wheels the GPU machine's image lacks, for its Python 3.12, in .kit/ (docs/gpu.md: one `device` run)
 device-kit: $(STAMP)
 	PYTHON=$(PY) bench/device_kit.sh
+
+# the fast suite on the GPU machine's stack, on this CPU: Python 3.12, torch 2.11.0 and triton 3.6.0 (PyPI's CUDA build),
+# transformers 5.17 with the kit (.kit/: hydra-core, omegaconf, antlr4, transformers 5.22) on PYTHONPATH as
+# bench/device_all.sh puts it; a venv of its own, .venv-gpu-stack (~4.6 GB, ~2.2 GB downloaded). Not in CI (docs/gpu.md).
+# PYTEST_ARGS: some tests only, e.g. PYTEST_ARGS="tests/test_launches.py -k once"
+test-gpu-stack:
+	bench/gpu_stack.sh $(PYTEST_ARGS)
 
 # regenerate the generated pages: README's model/method table, docs/benchmarks.md (from docs/bench/*.json), paper tables
 docs: $(STAMP)

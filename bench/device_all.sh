@@ -39,15 +39,14 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
     | tee "$OUTDIR/status.txt"
   exit 0
 fi
-if ls .kit/*.whl >/dev/null 2>&1; then  # the carried wheels, ahead of the image's packages
-  KIT_DIR=${KIT_DIR:-/tmp/ddtree-kit}
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$KIT_DIR" .kit/*.whl \
-    || { echo "device_all: the kit did not install" | tee "$OUTDIR/status.txt"; exit 1; }
-  export PYTHONPATH="$PWD:$KIT_DIR${PYTHONPATH:+:$PYTHONPATH}"
-else
-  echo "device_all: no .kit/ (make device-kit; carry .kit): the image's packages only"
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
+. bench/kit_env.sh  # the carried wheels, ahead of the image's packages (make test-gpu-stack puts them there the same way)
+kit_env "$PY" "${KIT_DIR:-/tmp/ddtree-kit}"
+case $? in
+  0) ;;
+  1) echo "device_all: no .kit/ (make device-kit; carry .kit): the image's packages only"
+     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" ;;
+  *) echo "device_all: the kit did not install" | tee "$OUTDIR/status.txt"; exit 1 ;;
+esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export DDTREE_KERNELS=${DDTREE_KERNELS:-strict}  # a fused op's kernel that fails its first-call check fails the run
 STEPS=" ${DEVICE_STEPS:-preflight tests launches compiled_tests compiled_launches forward engines flex} "

@@ -4,8 +4,9 @@
 # 5.17, huggingface_hub 1.33, tokenizers 0.23.2, safetensors 0.8.0, PyYAML, packaging, typer, regex; no hydra-core,
 # omegaconf, antlr4 or mlflow, and no package index. Carried:
 #   hydra-core 1.3.2, omegaconf 2.3.0, antlr4-python3-runtime 4.9.3 (PyPI has only its sdist: a pure-Python wheel
-#   built here), transformers 5.22.0 (the GDN cache API needs >= 5.21; 5.25 would need huggingface_hub >= 2.4 and
-#   `kernels`, which the image lacks: 5.22 needs hub >= 1.31, tokenizers >= 0.23.1, safetensors >= 0.8, all there).
+#   built here), transformers 5.24.0 (the engine calls models with `cache=` and selects hidden states by index, as
+#   transformers has since 5.24: on 5.22 neither works; 5.25 would need huggingface_hub >= 2.4 and `kernels`, which the
+#   image lacks: 5.24 needs hub >= 1.31, tokenizers >= 0.23.1, safetensors >= 0.8, all there).
 # Not carried: mlflow (run with tracking=none there: with tracking=mlflow and no mlflow the run stops with one line
 # naming tracking=none) and datasets (the toy and synthetic prompts need neither).
 # On the device: python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .kit/*.whl
@@ -17,7 +18,7 @@ PY=${PYTHON:-python3}
 rm -rf "$KIT"
 mkdir -p "$KIT"
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$KIT" \
-  hydra-core==1.3.2 omegaconf==2.3.0 transformers==5.22.0
+  hydra-core==1.3.2 omegaconf==2.3.0 transformers==5.24.0
 "$PY" -m pip wheel -q --no-deps -w "$KIT" antlr4-python3-runtime==4.9.3
 size=$(du -sm "$KIT" | cut -f1)
 ls -1 "$KIT"

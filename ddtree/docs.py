@@ -213,6 +213,9 @@ def stale_pages(root: Path = ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ddtree.pipeline.console import quiet_library_noise
+
+    quiet_library_noise()  # torchao's and torch's import noise, as the CLIs filter it (the model table loads transformers)
     args = sys.argv[1:] if argv is None else argv
     if args and args[0] == "--check":
         stale = stale_pages()

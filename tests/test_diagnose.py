@@ -396,6 +396,24 @@ def test_jobs_at_different_temperatures_are_predicted_apart(uncalibrated_runs):
     assert "(T=1)" in md and "| t1 (12) |" in md
 
 
+def test_chain_rounds_that_never_reach_the_last_position_are_diagnosed():
+    """A DFlash-only sweep: chain rounds carry no per-depth node counts, so the statistics' depth came from the deepest
+    accepted path; where no round reached the drafter's last position, the replay's continuation below the known path
+    read past the tables (an IndexError in `continuation`). The statistics cover every position the rounds drafted."""
+    target = tiny_model("qwen3", seed=0, vocab_size=64)
+    p = torch.tensor([[4, 5, 9, 11]])
+    ref = Engine(target, None, method="ar").generate(p, max_new_tokens=50).output_ids
+    probs = [[0.3, 0.3, 0.2]] * 8  # a weak top-1: a chain of 8 accepted is ~1 in 15,000
+    prop = RankScriptedProposer(ref, 64, probs, None, seed=5)
+    dg = Engine(target, None, method="dflash", proposer=prop).generate(p, max_new_tokens=40).diagnosis
+    assert max(len(r) for r in dg["ranks"]) < len(probs) == len(dg["rows"][0])  # the case: no round reached it
+    job = D.JobData("c", "dflash", None, {"tau": 1 + sum(dg["depth"]) / len(dg["depth"]), "temperature": 0.0},
+                    [{"diagnosis": dg}])
+    doc = D.diagnose([job])
+    assert doc["drafter_positions"] == len(probs)
+    assert all(math.isfinite(t) and t >= 1 for t in doc["predicted"].values()), doc["predicted"]
+
+
 def test_recording_off_records_nothing():
     target = tiny_model("qwen3", seed=0, vocab_size=64)
     p = torch.tensor([[3, 5, 7]])

@@ -8,7 +8,9 @@ import ast
 import glob
 import importlib.util
 import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,6 +34,21 @@ def test_readme_is_a_product_page_of_at_most_12_kb():
 def test_generated_pages_equal_their_sources():
     stale = [str(p.relative_to(ROOT)) for p in docs.stale_pages()]
     assert not stale, f"out of date: {stale}; run `make docs`"
+
+
+def test_make_docs_prints_no_library_noise():
+    """`python -m ddtree.docs` loads transformers (the attention column), which imports torchao where it is installed:
+    its import noise is filtered as every CLI filters it (ddtree.pipeline.console.LIBRARY_NOISE)."""
+    import torch
+
+    from ddtree.pipeline.console import LIBRARY_NOISE
+
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    r = subprocess.run([sys.executable, "-m", "ddtree.docs", "--check"], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    noise = [f for _, f, without_cuda in LIBRARY_NOISE if not (without_cuda and torch.cuda.is_available())]
+    assert not [line for line in r.stderr.splitlines() if any(f in line for f in noise)], r.stderr
 
 
 def test_readme_model_table_is_the_family_and_method_tables():

@@ -48,12 +48,6 @@ def test_the_counter_sees_each_kind_of_host_read():
     assert "make" not in torch.tensor.__qualname__ and "to" == torch.Tensor.to.__name__  # unwrapped after
 
 
-def _lazy_cache_copies(target) -> int:
-    """Host-to-device copies of the prefill that are transformers' own: its linear-attention cache layer moves a host
-    counter to the device when it first sees a state (`.to(device)`), once per GDN layer a generation."""
-    return (getattr(target.config, "layer_types", None) or []).count("linear_attention")
-
-
 CASES = [("qwen3", "ar", None), ("qwen3", "dflash", None), ("qwen3", "ddtree", 16), ("qwen3_5_text", "ar", None),
          ("qwen3_5_text", "dflash", None), ("qwen3_5_text", "ddtree", 64)]
 
@@ -81,7 +75,7 @@ def test_a_round_reads_the_device_once(model_type, method, budget):
     # the prefill's first token (read in the loop), one a round, the diagnosis records' one per generation
     assert c.total(c.syncs) == res.rounds + 1 + (method != "ar"), dict(c.sync_names)
     assert c.syncs["commit"] == res.rounds  # the walk's read, booked where it happens
-    assert c.syncs["prefill"] == _lazy_cache_copies(target), dict(c.sync_names)
+    assert c.syncs["prefill"] == 0, dict(c.sync_names)  # the GDN layers' cache counters made on the device
     if method != "ar":
         assert c.ops["draft"] > 0 and c.ops["tree"] > 0
     assert c.ops["verify"] > 0 and c.ops["prefill"] > 0
@@ -109,7 +103,7 @@ def test_an_mtp_round_reads_the_device_once(topk, budget):
         assert c.layer_calls[("verify", kind)] == types.count(kind) * res.rounds
         assert (c.layer_ops[("verify", kind)] > 0) == (kind in types)
     assert c.total(c.syncs) == res.rounds + 1, dict(c.sync_names)  # + the prefill's token, read in the loop
-    assert c.syncs["prefill"] == _lazy_cache_copies(target), dict(c.sync_names)
+    assert c.syncs["prefill"] == 0, dict(c.sync_names)  # the GDN layers' cache counters made on the device
     assert c.syncs["draft"] == c.syncs["tree"] == 0
 
 

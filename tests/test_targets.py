@@ -65,6 +65,25 @@ def test_attention_auto_takes_sdpa_where_the_class_does_and_eager_for_sinks():
     assert sinks and all(p.abs().max() > 0.5 for p in sinks)  # real sinks, not ~0
 
 
+def test_the_attention_line_names_the_backends_that_run():
+    """The drafter's backend is printed for a DFlash drafter; the MTP head has no setting of its own (the target's
+    backend where its layer runs it, else sdpa); AR has no drafter."""
+    from ddtree.pipeline.preflight import attention_backends, attention_line
+    from ddtree.pipeline.schema import RunConfig
+
+    cases = {("dflash", "sdpa"): ("target sdpa, drafter eager (auto: target, drafter)", "eager"),
+             ("mtp", "sdpa"): ("target sdpa, MTP head sdpa (auto: target)", "sdpa"),
+             ("mtp", "eager"): ("target eager, MTP head eager (auto: target)", "eager"),
+             ("mtp", "flash_attention_2"): ("target flash_attention_2, MTP head sdpa (auto: target)", "sdpa"),
+             ("ar", "sdpa"): ("target sdpa (auto: target)", None)}
+    for (method, target), (line, drafter) in cases.items():
+        rc = RunConfig(method=method)
+        rc.attention.target, rc.attention.drafter = target, "eager"
+        rc.tags = {"ddtree.attention_auto": "target, drafter"}
+        assert attention_line(rc) == line
+        assert attention_backends(rc) == {"target": target, "drafter": drafter}
+
+
 @pytest.mark.parametrize("name", SERVED)
 def test_served_family_every_method_equals_hf_greedy(name):
     """The fp32 grid's fast row: a prompt longer than the window, 20 tokens, every method and budget."""

@@ -272,6 +272,16 @@ def new_cache(model: PreTrainedModel, capacity: int = 0, full_sliding: bool = Fa
     arena = KVArena(capacity, len(kv)) if len(kv) > 1 else None
     for slot, i in enumerate(kv):
         cache.layers[i] = PreallocatedLayer(capacity, arena, slot)
+    # transformers' linear-attention layers (after 5.22) keep a token counter made on the host and moved to the device
+    # when they first see a state: a host-to-device copy per GDN layer in every prefill. Made on the device here (views
+    # of one buffer), their `.to(device)` finds it there.
+    counted = [layer for layer in cache.layers
+               if isinstance(getattr(layer, "cumulative_length_linear", None), torch.Tensor)]
+    if counted:
+        counters = torch.zeros(len(counted), dtype=counted[0].cumulative_length_linear.dtype,
+                               device=model.get_input_embeddings().weight.device)
+        for j, layer in enumerate(counted):
+            layer.cumulative_length_linear = counters[j]
     return cache
 
 

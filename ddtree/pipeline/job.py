@@ -46,7 +46,13 @@ from ddtree.pipeline.models import (
     resolve_device,
 )
 from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
-from ddtree.pipeline.preflight import attention_line, check_prompt_lengths, check_prompt_tokens, preflight
+from ddtree.pipeline.preflight import (
+    attention_backends,
+    attention_line,
+    check_prompt_lengths,
+    check_prompt_tokens,
+    preflight,
+)
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.resume import find_resume, write_job_file
 from ddtree.pipeline.schema import (
@@ -453,7 +459,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
             return None
         records, reused_from = generated
         checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
-        attention = {"target": rc.attention.target, "drafter": rc.attention.drafter, "line": attention_line(rc)}
+        attention = {**attention_backends(rc), "line": attention_line(rc)}
         summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
                                                             "attention": attention,
                                                             "quantization": quantization_labels(rc),

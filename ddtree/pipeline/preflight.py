@@ -266,10 +266,28 @@ def resolve_attention(rc, cfg: dict[str, Any] | None) -> bool:
     return True
 
 
+def attention_backends(rc) -> dict[str, str | None]:
+    """The attention backends this job runs: the target's, and its drafter's (a DFlash drafter: attention.drafter; the
+    MTP head: the target's where the head's layer takes it, else sdpa; AR: None)."""
+    from ddtree.engine.drafter.mtp import head_attention
+
+    kind = get_method(rc.method).drafter_kind
+    drafter = {DFLASH: rc.attention.drafter, OWN_HEAD: head_attention(rc.attention.target)}.get(kind)
+    return {"target": rc.attention.target, "drafter": drafter}
+
+
 def attention_line(rc) -> str:
-    """The run summary's line: the backends that ran, and which of them attention=auto chose."""
-    auto = rc.tags.get("ddtree.attention_auto")
-    return f"target {rc.attention.target}, drafter {rc.attention.drafter}" + (f" (auto: {auto})" if auto else "")
+    """The run summary's line: the backends that ran, and which of the settings attention=auto chose."""
+    kind = get_method(rc.method).drafter_kind
+    ran = attention_backends(rc)
+    line = f"target {ran['target']}"
+    if kind == DFLASH:
+        line += f", drafter {ran['drafter']}"
+    elif kind == OWN_HEAD:
+        line += f", MTP head {ran['drafter']}"  # no setting of its own: the target's backend where it runs it
+    used = ("target", "drafter") if kind == DFLASH else ("target",)
+    auto = [k for k in (rc.tags.get("ddtree.attention_auto") or "").split(", ") if k in used]
+    return line + (f" (auto: {', '.join(auto)})" if auto else "")
 
 
 def check_tree_fits(cfg: dict[str, Any], rc) -> None:

@@ -128,6 +128,12 @@ def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def head_attention(target_attention: str) -> str:
+    """The MTP head's attention backend: the target's where the head's layer runs it (eager, sdpa), else sdpa. The
+    head has no setting of its own (attention.drafter is the DFlash drafter's)."""
+    return target_attention if target_attention in ("eager", "sdpa") else "sdpa"
+
+
 def mtp_layer_config(target_config, attn_implementation: str = "sdpa"):
     """The target's text config for one full-attention layer (index 0), as the serving engines build the MTP layer."""
     cfg = copy.deepcopy(_text_config(target_config))
@@ -135,7 +141,7 @@ def mtp_layer_config(target_config, attn_implementation: str = "sdpa"):
     cfg.layer_types = ["full_attention"]
     if hasattr(cfg, "full_attention_interval"):
         cfg.full_attention_interval = 1
-    cfg._attn_implementation = attn_implementation if attn_implementation in ("eager", "sdpa") else "sdpa"
+    cfg._attn_implementation = head_attention(attn_implementation)
     return cfg
 
 

@@ -59,9 +59,10 @@ class RankStats:
 
 def collect(diagnoses: list[dict[str, Any]], L: int | None = None) -> RankStats:
     """RankStats of per-generation records (GenerationResult.diagnosis)."""
-    if L is None:
+    if L is None:  # the drafter's positions: its rows (a chain's rounds record no nodes), else the deepest path
         L = max((len(r) for dg in diagnoses for r in dg["ranks"]), default=1)
-        L = max([L] + [len(dg.get("nodes", [])) - 1 for dg in diagnoses])
+        L = max([L] + [len(dg.get("nodes") or []) - 1 for dg in diagnoses]
+                + [len(w) for dg in diagnoses for w in dg.get("rows") or []])
     st = RankStats.empty(L)
     for dg in diagnoses:
         if dg.get("vocab"):
