@@ -135,13 +135,13 @@ def test_selector_walk_and_pair_tree_match_references(saved, target):
         logits, hidden = _block(short, target, seed)
         cand, anchor = short.candidates(logits, hidden), torch.tensor(5 + seed)
         for budget in (1, 6, 25, 84):
-            tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, budget)
+            tree, _ = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, budget)
             assert set(tree_paths(tree)) == pair_paths_reference(short, logits, hidden, 5 + seed, budget)
     # the diagnosis's flags: a node is top-1 iff it is its parent's best child under S_t(parent's token, .)
     logits, hidden = _block(short, target, 9)
     cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
-    flags: list[bool] = []
-    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 30, flags)
+    tree, flags = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 30)
+    flags = flags.tolist()
     toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     ids = cand.ids.tolist()
     want = [True] + [toks[i] == max(ids[deps[i] - 1], key=lambda b: pair_score(short, logits, hidden, deps[i] - 1,
@@ -215,6 +215,27 @@ def test_sampling_follows_target(method, scoring):
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("method,scoring", CASES)
+def test_a_dflash2_round_reads_the_device_once(method, scoring):
+    """On the path a CUDA run takes (ddtree.engine.host.device_path): the walk, the marginal tree and the pair tree
+    draft and build on the device: no host read and no host-to-device copy in a round's draft and tree stages; one
+    read a round (the walk's), the prefill's token and the diagnosis records' one per generation
+    (tests/test_launches.py is the DFlash drafter's version)."""
+    from ddtree.engine import host
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter = _pair("qwen3")
+    ids = torch.tensor([[1, 5, 2, 7, 3]])
+    with host.device_path():
+        engine = ddtree.Engine(target, drafter, method=method, budget=10, scoring=scoring)
+        engine.generate(ids, max_new_tokens=4)  # first-call work
+        with torch.no_grad(), DispatchCount() as c:
+            res = engine.generate(ids, max_new_tokens=16)
+    assert res.rounds >= 3
+    assert c.syncs["draft"] == c.syncs["tree"] == 0, dict(c.sync_names)
+    assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)
+
+
 def test_pair_scoring_needs_a_selector():
     target, _ = _pair("qwen3")
     dflash = DFlashDrafter.random_for_target(target.config, block_size=4, mask_token_id=15)
@@ -274,13 +295,13 @@ def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
     short = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=7, selector_top_k=4, selector_rank=8)
     logits, hidden = _block(short, target, 4)
     cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
-    flags: list[bool] = []
-    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 20, flags)
+    tree, top1 = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 20)
+    flags = top1.tolist()
     toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     choice = torch.tensor([toks[i] if i < len(toks) else 0 for i in range(1, len(toks) + 1)])  # follows some nodes
     rec = RoundRecorder()
     w = walk(tree, choice)
-    rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice, torch.tensor(flags))
+    rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice, top1)
     table = [[0] * NODE_COLUMNS for _ in range(logits.shape[0] + 1)]
     for i in range(1, len(toks)):
         on, j = True, pars[i]
