@@ -256,9 +256,20 @@ def _cli_sweep(cli, tmp_path, model: str, drafter_dir, *extra):
 
 
 def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
+    """Both methods and both scorings through `python -m ddtree.run`, lossless; the diagnosis of the sweep takes the
+    chain's and the pair tree's records (pair scores) apart from the marginal tree's."""
+    from ddtree.pipeline.diagnose.analysis import diagnose
+    from ddtree.pipeline.diagnose.records import load_jobs
+
     got = _cli_sweep(cli, tmp_path, "tiny_qwen3", saved)
     assert sorted(got, key=str) == sorted([("dflash", None, 1.0), ("dflash", None, 1.0), ("ddtree", "marginal", 1.0),
                                            ("ddtree", "pair", 1.0)], key=str)
+    doc = diagnose(load_jobs(tmp_path / "sweep"))
+    parts = doc["by_scoring"]
+    assert sorted(parts) == ["marginal", "pair"]
+    assert sorted(m["method"] for m in parts["pair"]["measured"]) == ["ddtree", "dflash", "dflash"]  # (scoring=both)
+    assert [m["method"] for m in parts["marginal"]["measured"]] == ["ddtree"]
+    assert parts["pair"]["predicted"] != parts["marginal"]["predicted"]
 
 
 @pytest.mark.slow  # the hybrid target through the CLI (~1 min on 2 shared cores)
@@ -309,6 +320,44 @@ def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
             on, j = on and flags[j], pars[j]
         table[deps[i]][(0 if on else 4) + 2 * flags[i] + (toks[i] == int(choice[pars[i]]))] += 1
     assert rec.finish()["nodes"] == table
+
+
+@torch.no_grad()
+def test_diagnosis_records_pair_rows_along_the_target_path(target):
+    """The rows a pair-scored round records (selector.path_pair_rows): row t is log_softmax over position t's candidates
+    of S_t(a, .), a the target's token before it (the anchor at t = 0) as far as the path is known, then the previous
+    position's best marginal candidate; against float64 sums of the formula (testing.dflash2.pair_score)."""
+    import math
+
+    from ddtree.engine.selector import PAIR_FLOOR, path_pair_rows
+    from ddtree.engine.tree import walk
+    from ddtree.testing.dflash2 import candidates_of
+
+    short = DFlash2Drafter.random_for_target(target.config, block_size=5, seed=7, selector_top_k=4, selector_rank=8)
+    logits, hidden = _block(short, target, 2)
+    cand, anchor = short.candidates(logits, hidden), 3
+    tree, _ = pair_tree(torch.tensor(anchor), pair_logprobs(cand, torch.tensor(anchor)), cand.ids, 20)
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    deep = max(range(len(toks)), key=lambda i: (tree.depths[i], -i))  # a node two deep or more: its path is taken
+    path = [deep]
+    while path[-1] > 0:
+        path.append(pars[path[-1]])
+    path = path[::-1]
+    choice = torch.zeros(len(toks), dtype=torch.long)
+    for a, b in zip(path, path[1:], strict=False):
+        choice[a] = toks[b]
+    w = walk(tree, choice)
+    accepted = len(w.path_list) - 1
+    assert w.path_list == path and accepted >= 2
+    rows = path_pair_rows(cand, tree, w.path, accepted, V)
+    cands = candidates_of(logits, 4)
+    prev = [anchor] + [toks[i] for i in path[1:]]
+    for t in range(logits.shape[0]):
+        a = prev[t] if t < len(prev) else cands[t - 1][0]
+        s = {b: pair_score(short, logits, hidden, t, a, b) for b in cands[t]}
+        norm = math.log(sum(math.exp(v) for v in s.values()))
+        want = [s[b] - norm if b in s else PAIR_FLOOR for b in range(V)]
+        assert rows[t].tolist() == pytest.approx(want, abs=1e-4), t
 
 
 def test_training_fits_the_selector_and_stays_lossless(tmp_path):

@@ -39,7 +39,39 @@ class _SelectorHead:
         return self.drafter.candidates(logits, hidden)
 
 
-class DFlash2ChainProposer(_SelectorHead, DrafterBlock):
+PAIR_FLOOR = -50.0  # a recorded pair row's log-probability of a token outside its candidates (e^-50: never drafted)
+
+
+class _PairRecord(_SelectorHead):
+    """Mixin for the proposers that draft by pair scores (the chain, the pair tree): the diagnosis records the pair rows
+    given the target's path, not the marginal logits (`record_logits`)."""
+
+    record_scores = "pair"
+    last_cand = None  # the latest round's Candidates
+
+    def candidates(self, state: DecodeState):
+        self.last_cand = super().candidates(state)
+        return self.last_cand
+
+    @torch.inference_mode()
+    def record_logits(self, tree: DraftTree, path: torch.Tensor, accepted: int) -> torch.Tensor:
+        return path_pair_rows(self.last_cand, tree, path, accepted, self.last_logits.shape[-1])
+
+
+def path_pair_rows(cand, tree: DraftTree, path: torch.Tensor, accepted: int, vocab: int) -> torch.Tensor:
+    """[L, V] log-probabilities of each position under pair scores given the target's path: row t is log_softmax over
+    position t's candidates of S_t(a_t, .), a_t the path's token at depth t (the root for t = 0) as far as the path is
+    known (depth min(accepted, L - 1)), past it the previous position's best marginal candidate; PAIR_FLOOR outside the
+    candidates. On the device, no host read (the diagnosis's rows, ddtree.engine.diagnostics)."""
+    L, k = cand.ids.shape
+    m = min(accepted + 1, L)
+    prev = torch.cat([tree.tokens[path[:m]], cand.ids[m - 1:L - 1, 0]])  # [L]
+    ctx = cand.pred[prev] * cand.proj  # [L, r]
+    rows = torch.log_softmax(cand.unary + torch.bmm(cand.succ, ctx[:, :, None])[:, :, 0], dim=-1)
+    return torch.full((L, vocab), PAIR_FLOOR, device=rows.device).scatter_(1, cand.ids, rows)
+
+
+class DFlash2ChainProposer(_PairRecord, DrafterBlock):
     """method=dflash over a DFlash2 drafter: the selector's walk from the anchor (argmax at T = 0, a sample of the
     softmax over the candidates at T > 0)."""
 
@@ -55,7 +87,7 @@ class DFlash2MarginalProposer(_SelectorHead, DDTreeProposer):
     """method=ddtree scoring=marginal over a DFlash2 drafter: DDTree over its per-position distributions."""
 
 
-class PairTreeProposer(_SelectorHead, DrafterBlock):
+class PairTreeProposer(_PairRecord, DrafterBlock):
     """method=ddtree scoring=pair: the best-first `budget` nodes under the selector's conditional scores."""
 
     def __init__(self, target, drafter, budget: int, block_size: int | None = None):
