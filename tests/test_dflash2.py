@@ -272,6 +272,18 @@ def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
     assert parts["pair"]["predicted"] != parts["marginal"]["predicted"]
 
 
+def test_cli_runs_the_toy_dflash2_drafter(cli, tmp_path):
+    """The shipped toy DFlash2 drafter (drafter=toy_dflash2, the toy hybrid target) through `python -m ddtree.run`:
+    its chain and its pair-scored tree, equal to AR on a toy prompt, drafts accepted."""
+    sweep = tmp_path / "sweep"
+    proc = cli("experiment=toy_dflash2", "dataset.max_samples=1", "max_new_tokens=24", "tracking=none", "budget=8",
+               "scoring=pair", "method=dflash,ddtree", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert sorted((s["method"], s["match_rate"]) for s in summaries) == [("ddtree", 1.0), ("dflash", 1.0)]
+    assert all(s["tau"] > 2 for s in summaries), [s["tau"] for s in summaries]
+
+
 @pytest.mark.slow  # the hybrid target through the CLI (~1 min on 2 shared cores)
 def test_cli_runs_a_dflash2_checkpoint_on_a_hybrid(cli, tmp_path):
     d = save_random_dflash2(tiny_model("qwen3_5_text", seed=0), tmp_path / "drafter35", seed=4)
@@ -324,14 +336,12 @@ def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
 
 @torch.no_grad()
 def test_diagnosis_records_pair_rows_along_the_target_path(target):
-    """The rows a pair-scored round records (selector.path_pair_rows): row t is log_softmax over position t's candidates
-    of S_t(a, .), a the target's token before it (the anchor at t = 0) as far as the path is known, then the previous
-    position's best marginal candidate; against float64 sums of the formula (testing.dflash2.pair_score)."""
-    import math
-
+    """The rows a pair-scored round records (selector.path_pair_rows): row t is log p_t(. | a) at its candidates, a the
+    target's token before it (the anchor at t = 0) as far as the path is known, then the previous position's best
+    marginal candidate; against float64 sums of the formula token by token (testing.dflash2.pair_logprob)."""
     from ddtree.engine.selector import PAIR_FLOOR, path_pair_rows
     from ddtree.engine.tree import walk
-    from ddtree.testing.dflash2 import candidates_of
+    from ddtree.testing.dflash2 import candidates_of, pair_logprob
 
     short = DFlash2Drafter.random_for_target(target.config, block_size=5, seed=7, selector_top_k=4, selector_rank=8)
     logits, hidden = _block(short, target, 2)
@@ -354,9 +364,7 @@ def test_diagnosis_records_pair_rows_along_the_target_path(target):
     prev = [anchor] + [toks[i] for i in path[1:]]
     for t in range(logits.shape[0]):
         a = prev[t] if t < len(prev) else cands[t - 1][0]
-        s = {b: pair_score(short, logits, hidden, t, a, b) for b in cands[t]}
-        norm = math.log(sum(math.exp(v) for v in s.values()))
-        want = [s[b] - norm if b in s else PAIR_FLOOR for b in range(V)]
+        want = [pair_logprob(short, logits, hidden, t, a, b) if b in cands[t] else PAIR_FLOOR for b in range(V)]
         assert rows[t].tolist() == pytest.approx(want, abs=1e-4), t
 
 
