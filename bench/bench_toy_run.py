@@ -38,7 +38,7 @@ def run_once(out: Path, extra: list[str], experiment: str = "toy") -> list[dict]
     """One `make run`-like job or sweep into `out`; every job's summary.json, with its job dir as "dir"."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     cmd = [sys.executable, "-m", "ddtree.run", f"experiment={experiment}", "force=true", "tracking=none",
-           f"hydra.sweep.dir={out}", "-m", *extra]
+           f"hydra.sweep.dir={out}", *extra, "-m"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -52,7 +52,8 @@ def dflash2_runs(out: Path) -> list[dict]:
     from ddtree.pipeline.diagnose.records import load_jobs
 
     jobs = (run_once(out / "dflash", ["method=dflash"])
-            + [s | {"drafter2": True} for s in run_once(out / "dflash2_chain", ["method=dflash"], "toy_dflash2")]
+            + [s | {"drafter2": True} for s in run_once(out / "dflash2_chain", ["method=dflash", "scoring=marginal"],
+                                                        "toy_dflash2")]
             + [s | {"drafter2": True} for s in run_once(out / "dflash2_trees", [], "toy_dflash2")])
     for s in jobs:
         acc = diagnose(load_jobs(Path(s["dir"]))).get("accuracy") or {}
