@@ -201,13 +201,13 @@ def dflash2_markdown(rec: dict) -> str:
     """docs/dflash2.md's toy table: the DFlash2 table of the toy-run record, with where it came from."""
     table = next((t for t in rec["tables"] if t["title"] == DFLASH2_TABLE), None)
     if table is None:
-        return (f"(no DFlash2 table in [`docs/bench/{RESULTS_RECORD}`](bench/{RESULTS_RECORD}) yet: "
+        return (f"(no DFlash2 table in `docs/bench/{RESULTS_RECORD}` yet: "
                 "`OMP_NUM_THREADS=1 python bench/bench_toy_run.py --runs 3 --dflash2-only`, then `make docs`)")
     runs = max((c["n"] for r in table["rows"] for c in r if isinstance(c, dict) and "n" in c), default=1)
     spread = f"speedup: median (min–max) of {runs} runs" if runs > 1 else "one run"
     note = f" Machine: {table['note']}." if table.get("note") else ""
-    return (f"{render_table(table)}\n\n{spread}, from [`docs/bench/{RESULTS_RECORD}`](bench/{RESULTS_RECORD}) "
-            f"(its second table; `bench/bench_toy_run.py`).{note}")
+    return (f"{render_table(table)}\n\n{spread}, from `docs/bench/{RESULTS_RECORD}` (its second table; "
+            f"`bench/bench_toy_run.py`).{note}")
 
 
 # ---------------------------------------------------------------- all pages
