@@ -51,10 +51,8 @@ def dflash2_runs(out: Path) -> list[dict]:
     from ddtree.pipeline.diagnose.analysis import diagnose
     from ddtree.pipeline.diagnose.records import load_jobs
 
-    jobs = (run_once(out / "dflash", ["method=dflash"])
-            + [s | {"drafter2": True} for s in run_once(out / "dflash2_chain", ["method=dflash", "scoring=marginal"],
-                                                        "toy_dflash2")]
-            + [s | {"drafter2": True} for s in run_once(out / "dflash2_trees", [], "toy_dflash2")])
+    jobs = (run_once(out / "dflash", ["method=dflash"])  # make run's lines: its DFlash job, its DFlash2 sweep
+            + [s | {"drafter2": True} for s in run_once(out / "dflash2", ["method=dflash,ddtree"], "toy_dflash2")])
     for s in jobs:
         acc = diagnose(load_jobs(Path(s["dir"]))).get("accuracy") or {}
         s["on_path"], s["off_path"] = ((acc.get(k) or {}).get("rate") for k in ("main", "off"))
