@@ -37,6 +37,8 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
     if group == "drafter":
         if option in models:
             return [f"model={option}"], None
+        if option == "toy_dflash2":  # the toy target's second drafter
+            return ["model=toy"], None
         if option == "none":
             return ["method=ar"], None
         if option in ("pretrained", "dflash2"):  # needs a checkpoint: refused without one, accepted with a fitting one
