@@ -32,6 +32,7 @@ run: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy method=dflash force=true
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy method=mtp force=true
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy force=true -m
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy_dflash2 method=dflash,ddtree force=true -m
 
 # each script prints its table and writes its record under docs/bench/ (bench/README.md)
 bench: $(STAMP)

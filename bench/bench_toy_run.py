@@ -1,9 +1,16 @@
 """The toy jobs `make run` runs, N times: per method and budget, tau, the speedup over AR (median and range of the N
-runs) and the outputs' verdicts. Its record (docs/bench/bench_toy_run.json) is the README's result table (`make
-docs`); each run is one `python -m ddtree.run experiment=toy method=mtp,dflash,ddtree -m` process (the budget sweep
-of the experiment; DFlash and MTP ignore the budget and run once), offline, with tracking off.
+runs) and the outputs' verdicts. Its record (docs/bench/bench_toy_run.json): the first table is the README's result
+table (`make docs`); each run is one `python -m ddtree.run experiment=toy method=mtp,dflash,ddtree -m` process (the
+budget sweep of the experiment; DFlash and MTP ignore the budget and run once), offline, with tracking off.
+
+The second table, DFlash2 (docs/dflash2.md's toy table, `make docs`): on the same prompts, the toy DFlash drafter's
+chain beside the toy DFlash2 drafter's chain and its DDTree trees under both scorings at DFLASH2_BUDGET
+(`experiment=toy_dflash2`, as `make run` runs them), with the diagnosis's top-1 accuracy on and off the drafter's own
+path (pair trees and the DFlash2 chain: under pair scores; python -m ddtree.diagnose).
 
     OMP_NUM_THREADS=1 python bench/bench_toy_run.py --runs 3
+    OMP_NUM_THREADS=1 python bench/bench_toy_run.py --runs 3 --dflash2-only   # the DFlash2 table alone, written into
+                                                                             # the record beside the others
 """
 
 from __future__ import annotations
@@ -19,19 +26,62 @@ from pathlib import Path
 
 from _common import ROOT, Record, Spread, add_json_arg, params
 
+from ddtree.docs import DFLASH2_TABLE
+
 METHODS = "mtp,dflash,ddtree"
 LABELS = {"ar": "AR", "dflash": "DFlash", "ddtree": "DDTree", "mtp": "MTP"}
+DFLASH2_TITLE = DFLASH2_TABLE  # (ddtree.docs renders it into docs/dflash2.md)
+DFLASH2_BUDGET = 32  # conf/experiment/toy_dflash2.yaml's
 
 
-def run_once(out: Path, extra: list[str]) -> list[dict]:
-    """One `make run`-like sweep into `out`; every job's summary.json."""
+def run_once(out: Path, extra: list[str], experiment: str = "toy") -> list[dict]:
+    """One `make run`-like job or sweep into `out`; every job's summary.json, with its job dir as "dir"."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "ddtree.run", "experiment=toy", f"method={METHODS}", "force=true", "tracking=none",
-           f"hydra.sweep.dir={out}", "-m", *extra]
+    cmd = [sys.executable, "-m", "ddtree.run", f"experiment={experiment}", "force=true", "tracking=none",
+           f"hydra.sweep.dir={out}", *extra, "-m"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*/summary.json"))]
+    return [json.loads(p.read_text()) | {"dir": str(p.parent)} for p in sorted(out.glob("*/summary.json"))]
+
+
+def dflash2_runs(out: Path) -> list[dict]:
+    """The DFlash2 table's jobs: the toy DFlash drafter's chain (experiment=toy), the DFlash2 chain and its trees under
+    both scorings (experiment=toy_dflash2), each job's accuracy on and off the drafter's path from its diagnosis."""
+    from ddtree.pipeline.diagnose.analysis import diagnose
+    from ddtree.pipeline.diagnose.records import load_jobs
+
+    jobs = (run_once(out / "dflash", ["method=dflash"])  # make run's lines: its DFlash job, its DFlash2 sweep
+            + [s | {"drafter2": True} for s in run_once(out / "dflash2", ["method=dflash,ddtree"], "toy_dflash2")])
+    for s in jobs:
+        acc = diagnose(load_jobs(Path(s["dir"]))).get("accuracy") or {}
+        s["on_path"], s["off_path"] = ((acc.get(k) or {}).get("rate") for k in ("main", "off"))
+    return jobs
+
+
+def dflash2_rows(runs: list[list[dict]]) -> list[list]:
+    """One row per (drafter, method, scoring): tau, accuracy on and off the path (deterministic: the first run's),
+    the speedup's spread, the outputs' verdicts."""
+    by_key: dict[tuple, list[dict]] = {}
+    for summaries in runs:
+        for s in summaries:
+            key = (bool(s.get("drafter2")), s["method"], s.get("scoring") if s["method"] == "ddtree" else None)
+            by_key.setdefault(key, []).append(s)
+    rows = []
+    for (two, method, scoring), ss in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1] != "dflash",
+                                                                              kv[0][2] or "")):
+        speed = [s["speedup"] for s in ss if s.get("speedup")]
+        rows.append(["toy DFlash2" if two else "toy DFlash", f"{LABELS[method]}" + (f", {scoring}" if scoring else ""),
+                     ss[0].get("budget") if method == "ddtree" else None, Spread.of([s["tau"] for s in ss]).cell(),
+                     ss[0]["on_path"], ss[0]["off_path"], Spread.of(speed).cell() if speed else None,
+                     "; ".join(sorted({outputs(s) for s in ss}))])
+    return rows
+
+
+DFLASH2_COLUMNS = ["drafter", "method", "budget", "tau", "on-path accuracy", "off-path accuracy", "speedup over AR",
+                   "outputs"]
+DFLASH2_FORMATS = {"tau": "{:.2f}", "on-path accuracy": "{:.0%}", "off-path accuracy": "{:.0%}",
+                   "speedup over AR": "{:.2f}x"}
 
 
 def label(s: dict) -> str:
@@ -69,23 +119,51 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=3, help="how many times to run the jobs (the spread is over them)")
     ap.add_argument("--note", default="", help="a line on the machine's state (e.g. 'shared with other jobs')")
+    ap.add_argument("--dflash2-only", action="store_true",
+                    help="run the DFlash2 table's jobs alone and write that table into the existing record (its "
+                         "other tables and their provenance kept; this table's in its note)")
     add_json_arg(ap, "bench_toy_run")
     a = ap.parse_args()
-    runs, seconds = [], []
+    runs, runs2, seconds = [], [], []
     with tempfile.TemporaryDirectory(prefix="bench_toy_run_") as tmp:
         for i in range(a.runs):
             t0 = time.perf_counter()
-            runs.append(run_once(Path(tmp) / f"run{i}", []))
+            if not a.dflash2_only:
+                runs.append(run_once(Path(tmp) / f"run{i}", [f"method={METHODS}"]))
+            runs2.append(dflash2_runs(Path(tmp) / f"dflash2_{i}"))
             seconds.append(time.perf_counter() - t0)
-            print(f"# run {i + 1}/{a.runs}: {len(runs[-1])} jobs in {seconds[-1]:.0f} s", flush=True)
-    rows = table_rows(runs)
+            print(f"# run {i + 1}/{a.runs}: {len(runs[-1]) if runs else 0} + {len(runs2[-1])} jobs in "
+                  f"{seconds[-1]:.0f} s", flush=True)
+    rows2 = dflash2_rows(runs2)
     rec = Record("bench_toy_run", "make run on the toy pair: tau and speedup over AR",
                  description="The jobs `make run` runs (the toy pair's 16 held-out prompts, 128 new tokens, each job "
                              "against its AR baseline on the same prompts), run N times; tau is deterministic, the "
-                             "speedup is the median with the range over the runs. This is the README's result table.",
+                             "speedup is the median with the range over the runs. The first table is the README's "
+                             "result table, the second docs/dflash2.md's (accuracy: the drafter's top-1 right at depths "
+                             ">= 2 of the accepted paths, on its own path and off it, from the job's diagnosis).",
                  params=params(a, seconds_per_run=[round(s) for s in seconds]))
-    rec.table("Speedup over AR on the toy pair (`make run`)", ["method", "budget", "tau", "speedup over AR", "outputs"],
-              rows, {"tau": "{:.2f}", "speedup over AR": "{:.2f}x"}, note=a.note)
+    note2 = a.note
+    if a.dflash2_only:
+        prov = rec.as_dict()
+        note2 = (f"{a.note}; " if a.note else "") + (
+            f"recorded alone (--dflash2-only, {a.runs} runs, {[round(s) for s in seconds]} s each): commit "
+            f"{prov['commit']}, {prov['date']}, {prov['machine']}")
+    rec.table(DFLASH2_TITLE, DFLASH2_COLUMNS, rows2, DFLASH2_FORMATS, note=note2)
+    for row in rows2:
+        print(" | ".join(str(c) for c in row))
+    if a.dflash2_only:
+        if a.json and a.json != "-":
+            path = Path(a.json)
+            old = json.loads(path.read_text())
+            old["tables"] = [t for t in old["tables"] if t["title"] != DFLASH2_TITLE] + rec.tables
+            path.write_text(json.dumps(old, indent=1, ensure_ascii=False) + "\n")
+            print(f"# record: {path} (the DFlash2 table replaced; make docs renders it)")
+        return
+    rows = table_rows(runs)
+    rec.tables.insert(0, {"title": "Speedup over AR on the toy pair (`make run`)",
+                          "columns": ["method", "budget", "tau", "speedup over AR", "outputs"],
+                          "rows": [list(r) for r in rows],
+                          "formats": {"tau": "{:.2f}", "speedup over AR": "{:.2f}x"}} | ({"note": a.note} if a.note else {}))
     for row in rows:
         print(" | ".join(str(c) for c in row))
     rec.write(a.json)

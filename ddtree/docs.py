@@ -10,6 +10,8 @@ Generated, each from its one source:
                                             bench/bench_toy_run.py)
   docs/benchmarks.md                        every benchmark record under docs/bench/*.json (written by bench/)
   docs/paper.md, between the `paper-reference` markers   the paper's figures (docs/paper_reference.yaml)
+  docs/dflash2.md, between the `dflash2-toy` markers     the DFlash2 toy table (the second table of
+                                                         docs/bench/bench_toy_run.json)
 """
 
 from __future__ import annotations
@@ -192,19 +194,37 @@ def results_markdown(rec: dict) -> str:
             f"[benchmarks.md](docs/benchmarks.md)).")
 
 
+DFLASH2_TABLE = "DFlash and DFlash2 on the toy pair (`make run`'s DFlash2 jobs)"  # bench/bench_toy_run.py writes it
+
+
+def dflash2_markdown(rec: dict) -> str:
+    """docs/dflash2.md's toy table: the DFlash2 table of the toy-run record, with where it came from."""
+    table = next((t for t in rec["tables"] if t["title"] == DFLASH2_TABLE), None)
+    if table is None:
+        return (f"(no DFlash2 table in `docs/bench/{RESULTS_RECORD}` yet: "
+                "`OMP_NUM_THREADS=1 python bench/bench_toy_run.py --runs 3 --dflash2-only`, then `make docs`)")
+    runs = max((c["n"] for r in table["rows"] for c in r if isinstance(c, dict) and "n" in c), default=1)
+    spread = f"speedup: median (min–max) of {runs} runs" if runs > 1 else "one run"
+    note = f" Machine: {table['note']}." if table.get("note") else ""
+    return (f"{render_table(table)}\n\n{spread}, from `docs/bench/{RESULTS_RECORD}` (its second table; "
+            f"`bench/bench_toy_run.py`).{note}")
+
+
 # ---------------------------------------------------------------- all pages
 
 def generated_pages(root: Path = ROOT) -> dict[Path, str]:
     """Every generated page's full text as `make docs` would write it (nothing is written)."""
     from ddtree.pipeline.reference import DEFAULT_REFERENCE, all_models_markdown, load_reference
 
-    readme, paper = root / "README.md", root / "docs" / "paper.md"
+    readme, paper, dflash2 = root / "README.md", root / "docs" / "paper.md", root / "docs" / "dflash2.md"
     return {
         readme: replace_block(replace_block(readme.read_text(), "models", models_markdown()), "results",
                               results_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
         root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
         paper: replace_block(paper.read_text(), "paper-reference",
                              all_models_markdown(load_reference(DEFAULT_REFERENCE))),
+        dflash2: replace_block(dflash2.read_text(), "dflash2-toy",
+                               dflash2_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
     }
 
 

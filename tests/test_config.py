@@ -37,6 +37,8 @@ def _context(group: str, option: str, tmp_path: Path, prompt_file: Path) -> tupl
     if group == "drafter":
         if option in models:
             return [f"model={option}"], None
+        if option == "toy_dflash2":  # the toy target's second drafter
+            return ["model=toy"], None
         if option == "none":
             return ["method=ar"], None
         if option in ("pretrained", "dflash2"):  # needs a checkpoint: refused without one, accepted with a fitting one
@@ -207,6 +209,10 @@ def test_identity_ignores_outputs_force_and_tracking(compose):
                                             "tracking.uri=sqlite:////tmp/other.db", "tracking=none")))
     c = C.identity_dict(V.validate(compose("device=cpu", "budget=16")))
     assert a == b and a != c and "hydra" not in a
+    # the scoring is DDTree's alone: a DFlash job's identity ignores it (a scoring sweep runs DFlash once)
+    ident = lambda *o: C.identity_dict(V.validate(compose("device=cpu", "experiment=toy_dflash2", *o)))  # noqa: E731
+    assert ident("method=dflash", "scoring=pair") == ident("method=dflash")
+    assert ident("method=ddtree", "scoring=pair") != ident("method=ddtree")
 
 
 def test_jsonl_prompts(tmp_path, prompt_file):

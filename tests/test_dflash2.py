@@ -135,13 +135,13 @@ def test_selector_walk_and_pair_tree_match_references(saved, target):
         logits, hidden = _block(short, target, seed)
         cand, anchor = short.candidates(logits, hidden), torch.tensor(5 + seed)
         for budget in (1, 6, 25, 84):
-            tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, budget)
+            tree, _ = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, budget)
             assert set(tree_paths(tree)) == pair_paths_reference(short, logits, hidden, 5 + seed, budget)
     # the diagnosis's flags: a node is top-1 iff it is its parent's best child under S_t(parent's token, .)
     logits, hidden = _block(short, target, 9)
     cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
-    flags: list[bool] = []
-    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 30, flags)
+    tree, flags = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 30)
+    flags = flags.tolist()
     toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     ids = cand.ids.tolist()
     want = [True] + [toks[i] == max(ids[deps[i] - 1], key=lambda b: pair_score(short, logits, hidden, deps[i] - 1,
@@ -215,6 +215,27 @@ def test_sampling_follows_target(method, scoring):
     assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
 
 
+@pytest.mark.parametrize("method,scoring", CASES)
+def test_a_dflash2_round_reads_the_device_once(method, scoring):
+    """On the path a CUDA run takes (ddtree.engine.host.device_path): the walk, the marginal tree and the pair tree
+    draft and build on the device: no host read and no host-to-device copy in a round's draft and tree stages; one
+    read a round (the walk's), the prefill's token and the diagnosis records' one per generation
+    (tests/test_launches.py is the DFlash drafter's version)."""
+    from ddtree.engine import host
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter = _pair("qwen3")
+    ids = torch.tensor([[1, 5, 2, 7, 3]])
+    with host.device_path():
+        engine = ddtree.Engine(target, drafter, method=method, budget=10, scoring=scoring)
+        engine.generate(ids, max_new_tokens=4)  # first-call work
+        with torch.no_grad(), DispatchCount() as c:
+            res = engine.generate(ids, max_new_tokens=16)
+    assert res.rounds >= 3
+    assert c.syncs["draft"] == c.syncs["tree"] == 0, dict(c.sync_names)
+    assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)
+
+
 def test_pair_scoring_needs_a_selector():
     target, _ = _pair("qwen3")
     dflash = DFlashDrafter.random_for_target(target.config, block_size=4, mask_token_id=15)
@@ -235,16 +256,40 @@ def _cli_sweep(cli, tmp_path, model: str, drafter_dir, *extra):
 
 
 def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
+    """Both methods and both scorings through `python -m ddtree.run`, lossless; the diagnosis of the sweep takes the
+    chain's and the pair tree's records (pair scores) apart from the marginal tree's."""
+    from ddtree.pipeline.diagnose.analysis import diagnose
+    from ddtree.pipeline.diagnose.records import load_jobs
+
     got = _cli_sweep(cli, tmp_path, "tiny_qwen3", saved)
-    assert sorted(got, key=str) == sorted([("dflash", None, 1.0), ("dflash", None, 1.0), ("ddtree", "marginal", 1.0),
+    # (the scoring is DDTree's alone: the sweep's second DFlash job is skipped as the same config)
+    assert sorted(got, key=str) == sorted([("dflash", None, 1.0), ("ddtree", "marginal", 1.0),
                                            ("ddtree", "pair", 1.0)], key=str)
+    doc = diagnose(load_jobs(tmp_path / "sweep"))
+    parts = doc["by_scoring"]
+    assert sorted(parts) == ["marginal", "pair"]
+    assert sorted(m["method"] for m in parts["pair"]["measured"]) == ["ddtree", "dflash"]  # the chain: pair scores
+    assert [m["method"] for m in parts["marginal"]["measured"]] == ["ddtree"]
+    assert parts["pair"]["predicted"] != parts["marginal"]["predicted"]
+
+
+def test_cli_runs_the_toy_dflash2_drafter(cli, tmp_path):
+    """The shipped toy DFlash2 drafter (drafter=toy_dflash2, the toy hybrid target) through `python -m ddtree.run`:
+    its chain and its pair-scored tree, equal to AR on a toy prompt, drafts accepted."""
+    sweep = tmp_path / "sweep"
+    proc = cli("experiment=toy_dflash2", "dataset.max_samples=1", "max_new_tokens=24", "tracking=none", "budget=8",
+               "scoring=pair", "method=dflash,ddtree", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert sorted((s["method"], s["match_rate"]) for s in summaries) == [("ddtree", 1.0), ("dflash", 1.0)]
+    assert all(s["tau"] > 2 for s in summaries), [s["tau"] for s in summaries]
 
 
 @pytest.mark.slow  # the hybrid target through the CLI (~1 min on 2 shared cores)
 def test_cli_runs_a_dflash2_checkpoint_on_a_hybrid(cli, tmp_path):
     d = save_random_dflash2(tiny_model("qwen3_5_text", seed=0), tmp_path / "drafter35", seed=4)
     got = _cli_sweep(cli, tmp_path, "tiny_qwen3_5", d)
-    assert all(rate == 1.0 for *_, rate in got) and len(got) == 4
+    assert all(rate == 1.0 for *_, rate in got) and len(got) == 3  # the chain once, DDTree under both scorings
 
 
 @pytest.mark.parametrize("args,expected", [
@@ -274,13 +319,13 @@ def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
     short = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=7, selector_top_k=4, selector_rank=8)
     logits, hidden = _block(short, target, 4)
     cand, anchor = short.candidates(logits, hidden), torch.tensor(3)
-    flags: list[bool] = []
-    tree = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 20, flags)
+    tree, top1 = pair_tree(anchor, pair_logprobs(cand, anchor), cand.ids, 20)
+    flags = top1.tolist()
     toks, pars, deps = tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist()
     choice = torch.tensor([toks[i] if i < len(toks) else 0 for i in range(1, len(toks) + 1)])  # follows some nodes
     rec = RoundRecorder()
     w = walk(tree, choice)
-    rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice, torch.tensor(flags))
+    rec.round(logits, tree, w.path, len(w.path_list) - 1, w.next_root, choice, top1)
     table = [[0] * NODE_COLUMNS for _ in range(logits.shape[0] + 1)]
     for i in range(1, len(toks)):
         on, j = True, pars[i]
@@ -288,6 +333,40 @@ def test_diagnosis_counts_pair_trees_by_their_own_top1(saved, target):
             on, j = on and flags[j], pars[j]
         table[deps[i]][(0 if on else 4) + 2 * flags[i] + (toks[i] == int(choice[pars[i]]))] += 1
     assert rec.finish()["nodes"] == table
+
+
+@torch.no_grad()
+def test_diagnosis_records_pair_rows_along_the_target_path(target):
+    """The rows a pair-scored round records (selector.path_pair_rows): row t is log p_t(. | a) at its candidates, a the
+    target's token before it (the anchor at t = 0) as far as the path is known, then the previous position's best
+    marginal candidate; against float64 sums of the formula token by token (testing.dflash2.pair_logprob)."""
+    from ddtree.engine.selector import PAIR_FLOOR, path_pair_rows
+    from ddtree.engine.tree import walk
+    from ddtree.testing.dflash2 import candidates_of, pair_logprob
+
+    short = DFlash2Drafter.random_for_target(target.config, block_size=5, seed=7, selector_top_k=4, selector_rank=8)
+    logits, hidden = _block(short, target, 2)
+    cand, anchor = short.candidates(logits, hidden), 3
+    tree, _ = pair_tree(torch.tensor(anchor), pair_logprobs(cand, torch.tensor(anchor)), cand.ids, 20)
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    deep = max(range(len(toks)), key=lambda i: (tree.depths[i], -i))  # a node two deep or more: its path is taken
+    path = [deep]
+    while path[-1] > 0:
+        path.append(pars[path[-1]])
+    path = path[::-1]
+    choice = torch.zeros(len(toks), dtype=torch.long)
+    for a, b in zip(path, path[1:], strict=False):
+        choice[a] = toks[b]
+    w = walk(tree, choice)
+    accepted = len(w.path_list) - 1
+    assert w.path_list == path and accepted >= 2
+    rows = path_pair_rows(cand, tree, w.path, accepted, V)
+    cands = candidates_of(logits, 4)
+    prev = [anchor] + [toks[i] for i in path[1:]]
+    for t in range(logits.shape[0]):
+        a = prev[t] if t < len(prev) else cands[t - 1][0]
+        want = [pair_logprob(short, logits, hidden, t, a, b) if b in cands[t] else PAIR_FLOOR for b in range(V)]
+        assert rows[t].tolist() == pytest.approx(want, abs=1e-4), t
 
 
 def test_training_fits_the_selector_and_stays_lossless(tmp_path):

@@ -5,7 +5,8 @@
     python toy/build.py --arch qwen3 --name toy_pure   # the pure-attention pair, in assets/toy_pure
 
 Steps: corpus -> tokenizer -> target pretraining -> `python -m ddtree.train experiment=toy`
-(the target answers the train prompts, features, drafter training, evaluation) -> assets/toy.
+(the target answers the train prompts, features, drafter training, evaluation) -> the DFlash2 drafter
+(`experiment=toy_dflash2` on the same answers and features) -> the MTP head -> assets/toy.
 """
 
 from __future__ import annotations
@@ -66,6 +67,15 @@ def main(argv: list[str] | None = None) -> None:
           f"data.prompts={data / 'train_prompts.jsonl'}", f"eval.prompts={data / 'prompts.jsonl'}",
           f"tracking={args.tracking}", *([f"threads={args.threads}"] if args.threads else []), *train_overrides],
          timings)
+    if args.arch == "qwen3_5_text":  # the DFlash2 drafter (docs/dflash2.md), on the DFlash drafter's answers and features
+        train2 = work / "train2"
+        for part in ("data", "features"):  # the same target, prompts and layers: the same files
+            if (train / part).exists() and not (train2 / part).exists():
+                shutil.copytree(train / part, train2 / part)
+        step("drafter2", train2 / "eval.json",
+             [py, "-m", "ddtree.train", "experiment=toy_dflash2", f"out_dir={train2}", f"target.name_or_path={target}",
+              f"data.prompts={data / 'train_prompts.jsonl'}", f"eval.prompts={data / 'prompts.jsonl'}",
+              f"tracking={args.tracking}", *([f"threads={args.threads}"] if args.threads else [])], timings)
     if args.arch == "qwen3_5_text":  # the family's own MTP head, beside the target's weights (docs/mtp.md)
         step("mtp", target / "model-mtp.safetensors",
              [py, "-m", "ddtree.train.mtp", "--target", str(target), "--drafter", str(train / "drafter"),
@@ -81,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
             if (target / name).exists():
                 shutil.copy2(target / name, assets / "target" / name)
         shutil.copytree(train / "drafter", assets / "drafter")
+        if (work / "train2" / "drafter").exists():
+            shutil.copytree(work / "train2" / "drafter", assets / "drafter2")
+            shutil.copy2(work / "train2" / "eval.json", assets / "eval2.json")
         for name in ("prompts.jsonl", "train_prompts.jsonl"):
             shutil.copy2(data / name, assets / name)
         shutil.copy2(train / "eval.json", assets / "eval.json")

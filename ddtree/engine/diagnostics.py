@@ -1,8 +1,8 @@
 """Per-round records for the diagnosis (`python -m ddtree.diagnose`): where the target's tokens sat in the drafter's
 distributions, and how often the drafter's top-1 agreed with the target on and off its own top-1 chain.
 
-What a round adds (DFlash, DDTree and any proposer exposing `last_logits`, the drafter's [L, V] logits of the round;
-row d drafts depth d + 1):
+What a round adds (DFlash, DDTree and any proposer exposing `last_logits`, the drafter's [L, V] logits of the round,
+or the rows its `record_logits` gives; row d drafts depth d + 1):
 
 * `vocab`: the drafter's vocabulary size (the ranks past RANK_CAP spread over it in the model);
 * `depth`: the accepted depth a (draft tokens the target accepted, before any stop or max_new_tokens cut);
@@ -17,6 +17,9 @@ row d drafts depth d + 1):
   nat: where a flat row goes past the sketch;
 * at temperature T > 0, `tcosts`: the path's tokens' costs under the drafter's distribution at T (what a DFlash chain
   sampling at T draws them with), and `temperature`;
+* `scores` (only where not "marginal"): what the rows score: "pair", a DFlash2 selector's log-softmax over each
+  position's candidates given the target's previous token (its chain and pair trees: the proposer's `record_logits`,
+  ddtree.engine.selector.path_pair_rows), where the marginal rows are the drafter's per-position distributions;
 * `tree`: the largest verified tree's nodes besides the root (the budget run; None for a chain);
 * `need`: for a round whose tree carries its best-first scores (DDTree), for each accepted node, the smallest budget
   whose best-first tree holds it (its place in the best-first order, 1-based); None for a chain;
@@ -56,10 +59,12 @@ def _on(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None)
 class RoundRecorder:
     """Collects one generation's per-round diagnosis on the device; `finish()` returns it as plain lists."""
 
-    def __init__(self, temperature: float = 0.0) -> None:
+    def __init__(self, temperature: float = 0.0, scores: str = "marginal") -> None:
         """temperature > 0: also record the path's tokens' costs under the drafter's tempered distribution (`tcosts`:
-        what a DFlash chain sampling at that temperature draws them with)."""
+        what a DFlash chain sampling at that temperature draws them with). scores: what the rows score ("pair": a
+        DFlash2 selector's pair scores given the target's path, ddtree.engine.selector; the record says so)."""
         self._temperature = float(temperature)
+        self._scores = scores
         self._depths: list[int] = []
         self._parts: list[torch.Tensor] = []  # per round, flat: [m, 2] (rank, cost), [L, S] row costs, tree scores, path
         self._shape: list[tuple[int, ...]] = []  # per round: m, L, sketch points, tree scores kept (0: none), depth
@@ -171,6 +176,8 @@ class RoundRecorder:
                "need": need}
         if self._temperature > 0:
             out.update(temperature=self._temperature, tcosts=tcosts)
+        if self._scores != "marginal":
+            out["scores"] = self._scores
         if self._nodes is not None:
             out["nodes"] = [[round(v) for v in nodes[j: j + NODE_COLUMNS]] for j in range(0, len(nodes), NODE_COLUMNS)]
         return out

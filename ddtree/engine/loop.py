@@ -229,7 +229,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
     proposer.reset(capacity)
     result = GenerationResult(output_ids=[], method=method, prompt_len=input_ids.shape[1], temperature=temperature,
                               budget=budget if spec.reads_budget else None, block_size=proposer.block_size)
-    rec = RoundRecorder(temperature) if engine.record and proposer.diagnoses else None
+    rec = RoundRecorder(temperature, proposer.record_scores) if engine.record and proposer.diagnoses else None
 
     t0 = time.perf_counter()
     logits, feats = session.prefill(input_ids)
@@ -266,7 +266,7 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                 feats = feats[:, w.path]  # (the compiled round hands them to the compiled drafter in its commit)
             new, root, path = w.tokens, w.next_root, w.path
             if rec is not None:  # no host read: ddtree.engine.diagnostics
-                rec.round(proposer.last_logits, tree, w.path, len(w.path_list) - 1, root, choice,
+                rec.round(proposer.record_logits(tree, w.path, len(w.path_list) - 1), tree, w.path, len(w.path_list) - 1, root, choice,
                           proposer.last_top1)
         timer.move("commit", "verify", head_s)  # the walked rows' last layer and head: target forward work (CPU only)
         # stop at (and including) a stop token; never past max_new_tokens

@@ -131,6 +131,8 @@ class Proposer:
     static_draft = None  # set by the compiled round where `static_form`
     last_top1: torch.Tensor | None = None  # per node of the latest tree: is it its parent's best child (diagnosis;
     # None: the drafter's top-1 at its position, as marginal scores rank it)
+    record_scores = "marginal"  # what `record_logits` rows score: "marginal" (per position) or "pair" (a DFlash2
+    # selector's, given the previous token of the target's path)
 
     @property
     def needs_features(self) -> bool:
@@ -141,6 +143,11 @@ class Proposer:
 
     def propose(self, state: DecodeState) -> DraftTree:
         raise NotImplementedError
+
+    def record_logits(self, tree: DraftTree, path: torch.Tensor, accepted: int) -> torch.Tensor | None:
+        """The rows the diagnosis records for the latest round ([L, V], row d drafting depth d + 1), given its accepted
+        path (flat indices on the device) and depth: `last_logits`, the per-position scores the tree was ranked by."""
+        return self.last_logits
 
 
 class ARProposer(Proposer):

@@ -6,7 +6,8 @@ engines draft (method=dflash) and DDTree's two scorings (method=ddtree scoring=m
 * marginal: today's DDTree best-first tree over the per-position distributions (the drafter's logits with its
   multiplier and soft cap).
 * pair: a best-first tree whose children know their parent: a child b of a node with token a at position t scores
-  log_softmax over position t's candidates of S_t(a, .), its path's score the sum along the path.
+  log p_t(b | a), the drafter's distribution with position t's candidates' logits replaced by S_t(a, .)
+  (pair_logprobs), its path's score the sum along the path.
 
 Every tree is verified by the loop as any other (the target's choice after each node, the deepest consistent
 path): lossless whatever the proposal.
@@ -14,13 +15,14 @@ path): lossless whatever the proposal.
 
 from __future__ import annotations
 
-import heapq
+import functools
+import math
 
 import torch
 
 from ddtree.engine.checks import check_budget
 from ddtree.engine.proposers import DDTreeProposer, DecodeState, DrafterBlock
-from ddtree.engine.tree import DraftTree, chain_tree, tree_from_parents
+from ddtree.engine.tree import DraftTree, chain_tree
 
 
 class _SelectorHead:
@@ -38,7 +40,41 @@ class _SelectorHead:
         return self.drafter.candidates(logits, hidden)
 
 
-class DFlash2ChainProposer(_SelectorHead, DrafterBlock):
+PAIR_FLOOR = -50.0  # a recorded pair row's log-probability of a token outside its candidates (e^-50: never drafted)
+
+
+class _PairRecord(_SelectorHead):
+    """Mixin for the proposers that draft by pair scores (the chain, the pair tree): the diagnosis records the pair rows
+    given the target's path, not the marginal logits (`record_logits`)."""
+
+    record_scores = "pair"
+    last_cand = None  # the latest round's Candidates
+
+    def candidates(self, state: DecodeState):
+        self.last_cand = super().candidates(state)
+        return self.last_cand
+
+    @torch.inference_mode()
+    def record_logits(self, tree: DraftTree, path: torch.Tensor, accepted: int) -> torch.Tensor:
+        return path_pair_rows(self.last_cand, tree, path, accepted, self.last_logits.shape[-1])
+
+
+def path_pair_rows(cand, tree: DraftTree, path: torch.Tensor, accepted: int, vocab: int) -> torch.Tensor:
+    """[L, V] log-probabilities of each position under pair scores given the target's path: row t holds, at position
+    t's candidates, log p_t(. | a_t) as pair_logprobs scores them, a_t the path's token at depth t (the root for t = 0)
+    as far as the path is known (depth min(accepted, L - 1)), past it the previous position's best marginal
+    candidate; PAIR_FLOOR outside the candidates (a pair tree never drafts them). On the device, no host read (the
+    diagnosis's rows, ddtree.engine.diagnostics)."""
+    L, k = cand.ids.shape
+    m = min(accepted + 1, L)
+    prev = torch.cat([tree.tokens[path[:m]], cand.ids[m - 1:L - 1, 0]])  # [L]
+    ctx = cand.pred[prev] * cand.proj  # [L, r]
+    scores = cand.unary + torch.bmm(cand.succ, ctx[:, :, None])[:, :, 0]
+    rows = scores - torch.logaddexp(scores.logsumexp(-1), cand.rest)[:, None]
+    return torch.full((L, vocab), PAIR_FLOOR, device=rows.device).scatter_(1, cand.ids, rows)
+
+
+class DFlash2ChainProposer(_PairRecord, DrafterBlock):
     """method=dflash over a DFlash2 drafter: the selector's walk from the anchor (argmax at T = 0, a sample of the
     softmax over the candidates at T > 0)."""
 
@@ -54,7 +90,7 @@ class DFlash2MarginalProposer(_SelectorHead, DDTreeProposer):
     """method=ddtree scoring=marginal over a DFlash2 drafter: DDTree over its per-position distributions."""
 
 
-class PairTreeProposer(_SelectorHead, DrafterBlock):
+class PairTreeProposer(_PairRecord, DrafterBlock):
     """method=ddtree scoring=pair: the best-first `budget` nodes under the selector's conditional scores."""
 
     def __init__(self, target, drafter, budget: int, block_size: int | None = None):
@@ -68,10 +104,9 @@ class PairTreeProposer(_SelectorHead, DrafterBlock):
         with state.timer.stage("draft"):
             cand = self.candidates(state)
         with state.timer.stage("tree"):
-            top1: list[bool] = []
-            tree = pair_tree(state.root, pair_logprobs(cand, state.root), cand.ids, self.budget, top1)
             # the diagnosis's top-1 of each node (ddtree.engine.diagnostics): its parent's best child under pair scores
-            self.last_top1 = torch.tensor(top1, device=tree.tokens.device)
+            lp = pair_logprobs(cand, state.root)
+            tree, self.last_top1 = pair_tree(state.root, lp, cand.ids, self.budget)
             return tree
 
 
@@ -82,7 +117,8 @@ def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0,
     first, trans = pair_scores(cand, root)
     picks = []
     for t in range(cand.ids.shape[0]):
-        s = first if t == 0 else trans[t - 1, picks[-1]]
+        # (index_select, not trans[t - 1, pick]: a 0-d tensor as a Python index is read on the host)
+        s = first if t == 0 else trans[t - 1].index_select(0, picks[-1].reshape(1))[0]
         if temperature > 0:
             picks.append(torch.multinomial(torch.softmax(s / temperature, dim=-1), 1, generator=generator)[0])
         else:
@@ -93,50 +129,79 @@ def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0,
 def pair_scores(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(first [k], trans [L - 1, k, k]): S_0(root, .) over position 0's candidates, and
     trans[t - 1, i, j] = S_t(ids[t - 1, i], ids[t, j]) (a parent at position t - 1 is one of its candidates)."""
-    first = cand.scores(0, root.reshape(()))
+    first = cand.scores(0, root.reshape(1).long())[0]  # (a 1-element index: a 0-d one is read on the host)
     ctx = cand.pred[cand.ids[:-1]] * cand.proj[1:, None, :]  # [L - 1, k, r]: P[a] * W h_t
     return first, cand.unary[1:, None, :] + ctx @ cand.succ[1:].transpose(1, 2)
 
 
 def pair_logprobs(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pair_scores as log-probabilities over each position's candidates (log_softmax along the last dimension)."""
+    """pair_scores as log-probabilities of the drafter's distribution with the candidates' logits replaced by their
+    pair scores: log p_t(b | a) = S_t(a, b) - log(sum_c exp S_t(a, c) + sum of exp logit_t(v) over the other tokens v)
+    (`cand.rest`: the log of that last sum). The mass beyond the candidates stays in the normaliser, so a position whose
+    candidates are unsure costs as much as under marginal scores (normalising over the candidates alone made deep
+    nodes look surer than they are: tau 7.51 against 7.90 at budget 16 on the toy pair, docs/dflash2.md)."""
     first, trans = pair_scores(cand, root)
-    return torch.log_softmax(first, dim=-1), torch.log_softmax(trans, dim=-1)
+    z0 = torch.logaddexp(first.logsumexp(-1), cand.rest[0])
+    zt = torch.logaddexp(trans.logsumexp(-1), cand.rest[1:, None])  # [L - 1, k]
+    return first - z0, trans - zt[:, :, None]
+
+
+@functools.lru_cache(maxsize=64)
+def _beam_layout(widths: tuple[int, ...], k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """pair_tree's constants per list entry (the root first, then the beams), made on the device once per shape:
+    depth, the previous beam's offset (where a local parent index points in the list), the entry's row in the
+    flattened ids ((depth - 1) * k), its parent's row of best children (0: the first row; 1 + (depth - 2) * k), and
+    whether that row depends on the parent's candidate (depth >= 2)."""
+    def per_entry(values):
+        return torch.cat([torch.full((w,), v, dtype=torch.long, device=device) for w, v in zip(widths, values, strict=True)])
+
+    starts = [1 + sum(widths[:t]) for t in range(len(widths))]
+    depth = list(range(1, len(widths) + 1))
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return (torch.cat([zero, per_entry(depth)]), per_entry([0] + starts[:-1]), per_entry([(d - 1) * k for d in depth]),
+            per_entry([0 if d == 1 else 1 + (d - 2) * k for d in depth]), per_entry([int(d >= 2) for d in depth]))
 
 
 def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
-              budget: int, top1: list[bool] | None = None) -> DraftTree:
-    """The best-first tree of `budget` nodes under pair scores (one host read): a node is (position t, candidate i),
-    its children the candidates of position t + 1 scored by trans[t, i]. Nodes in selection order (best first; equal
-    scores: the one found first), so parents precede children. top1: a list to fill with, per node, whether it is
-    its parent's best child (the root: True)."""
+              budget: int) -> tuple[DraftTree, torch.Tensor]:
+    """(tree, top1): the best-first tree of `budget` nodes under pair scores, built on the scores' device without a
+    host read or a host-to-device copy (shapes fixed by budget, L and k), and per node whether it is its parent's
+    best child (the root: True; ties: the better-ranked candidate, as argmax).
+
+    A node is (position t, candidate i); its children are position t + 1's candidates, costing -trans[t, i]. Depth by
+    depth a beam (five ops: the rows of the beam's candidates, the pairs' costs, a stable sort, parent and child): the
+    best `budget` paths of the depth (every node the tree selects at a depth is among them: any other has `budget`
+    better ones there, whose ancestors cost no more). Then one stable sort of the root and all beams, depth-major on
+    equal costs, keeps the first 1 + budget: best first, so parents precede children (a child costs at least its
+    parent, and on a tie the shallower comes first). scores: the paths' summed log-probabilities."""
     first, trans = logprobs
     L, k = ids.shape
-    # one host read: the scores and the candidates' tokens (ids < 2**53: exact in float64)
-    host = torch.cat([root.reshape(1).double(), first.double(), trans.double().reshape(-1), ids.double().reshape(-1)])
-    values = host.tolist()
-    root_tok, first_l = int(values[0]), values[1: 1 + k]
-    trans_l = values[1 + k: 1 + k + (L - 1) * k * k]
-    ids_l = [int(v) for v in values[1 + k + (L - 1) * k * k:]]
-    heap = [(-first_l[i], i, 0, i, 0) for i in range(k)]  # (-score, order found, position, candidate, parent)
-    cand_of = [-1]  # each node's candidate index at its position
-    heapq.heapify(heap)
-    found = k
-    tokens, parents, best = [root_tok], [-1], [True]
-    while heap and len(tokens) <= budget:
-        neg, _, t, i, parent = heapq.heappop(heap)
-        node = len(tokens)
-        tokens.append(ids_l[t * k + i])
-        parents.append(parent)
-        if top1 is not None:  # its parent's row of scores (the root's: first), the first best on ties
-            row = first_l if t == 0 else trans_l[((t - 1) * k + cand_of[parent]) * k:((t - 1) * k + cand_of[parent] + 1) * k]
-            best.append(i == row.index(max(row)))
-        cand_of.append(i)
-        if t + 1 < L:
-            row = (t * k + i) * k
-            for j in range(k):
-                heapq.heappush(heap, (neg - trans_l[row + j], found, t + 1, j, node))
-                found += 1
-    if top1 is not None:
-        top1[:] = best
-    return tree_from_parents(tokens, parents, device=root.device)
+    dev = first.device
+    # costs >= +0.0 (x + 0.0 turns -0.0 into +0.0, which a radix sort would put first); NaN: no candidate
+    c0 = torch.nan_to_num(first.float(), nan=-math.inf).neg().clamp(min=0.0) + 0.0
+    ct = torch.nan_to_num(trans.float(), nan=-math.inf).neg().clamp(min=0.0) + 0.0
+    cost, cand = c0.sort(stable=True)
+    cost, cand = cost[:budget], cand[:budget]
+    costs, cands, parents = [cost], [cand], [torch.zeros_like(cand)]
+    for t in range(1, L):
+        cost, idx = (cost[:, None] + ct[t - 1].index_select(0, cand)).reshape(-1).sort(stable=True)
+        cost, idx = cost[:budget], idx[:budget]
+        parents.append(idx.div(k, rounding_mode="floor"))
+        cand = idx.remainder(k)
+        costs.append(cost)
+        cands.append(cand)
+    depth, offset, row, best_row, by_parent = _beam_layout(tuple(c.shape[0] for c in cands), k, dev)
+    n = 1 + min(budget, depth.shape[0] - 1)
+    cand_all = torch.cat(cands)
+    parent_all = torch.cat(parents).add_(offset)  # each entry's parent's place in the list (the root: 0)
+    tok_all = torch.cat([root.reshape(1).long(), ids.reshape(-1)[row + cand_all]])
+    # an entry is its parent's best child: position 0's best, or the best of its parent's candidate's row
+    best = torch.cat([first.argmax().reshape(1), trans.argmax(-1).reshape(-1)])
+    pc = torch.cat([cand_all[:1], cand_all])[parent_all]  # (the root's slot: unused, by_parent is 0 there)
+    top_all = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), cand_all == best[best_row + by_parent * pc]])
+    all_cost = torch.cat([torch.zeros(1, device=dev), *costs])
+    sel = all_cost.sort(stable=True).indices[:n]
+    place = torch.zeros(depth.shape[0], dtype=torch.long, device=dev).index_copy_(0, sel, torch.arange(n, device=dev))
+    parent_of = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), place[parent_all]])
+    tree = DraftTree(tok_all[sel], parent_of[sel], depth[sel], scores=all_cost[sel].neg(), depth_bound=min(L, budget))
+    return tree, top_all[sel]

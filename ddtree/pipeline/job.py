@@ -258,7 +258,8 @@ def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool
     if first is None:
         return False
     if world.is_main:
-        why = f"method={rc.method} ignores the budget" if not reads_budget(rc.method, rc.mtp.topk) else "same config"
+        why = (f"method={rc.method} ignores the budget" + (" and the scoring" if rc.method != "ddtree" else "")
+               if not reads_budget(rc.method, rc.mtp.topk) else "same config")
         note = f"skipped: same job as {Path(first).name} ({why})"
         files.job_dir.joinpath(SKIPPED).write_text(json.dumps(
             {"model": rc.model.name, "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk)

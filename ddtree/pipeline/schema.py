@@ -293,6 +293,8 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     method = METHODS.get(d.get("method"))
     if not reads_budget(d.get("method"), (d.get("mtp") or {}).get("topk")):  # a budget sweep runs DFlash once
         d.pop("budget", None)
+    if "scoring" in d and d.get("method") != "ddtree":  # DDTree's alone: a scoring sweep runs DFlash once
+        d["scoring"] = "marginal"
     for group in {m.settings for m in METHODS.values() if m.settings}:  # a method's own settings matter to it alone
         if method is None or method.settings != group:
             d.pop(group, None)

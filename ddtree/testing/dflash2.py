@@ -45,6 +45,16 @@ def pair_score(drafter: DFlash2Drafter, logits: torch.Tensor, hidden: torch.Tens
     return float(logits[t, b]) + float((sel.predecessor_codebook[a].double() * wh * sel.successor_codebook[b].double()).sum())
 
 
+def pair_logprob(drafter: DFlash2Drafter, logits: torch.Tensor, hidden: torch.Tensor, t: int, a: int, b: int) -> float:
+    """log p_t(b | a): exp S_t(a, b) over the sum of exp S_t(a, c) for the candidates c and exp logit_t(v) for every
+    other token v, in float64, token by token."""
+    cands = candidates_of(logits, drafter.config.selector_top_k)[t]
+    terms = [pair_score(drafter, logits, hidden, t, a, c) for c in cands]
+    terms += [float(logits[t, v]) for v in range(logits.shape[1]) if v not in cands]
+    m = max(terms)
+    return pair_score(drafter, logits, hidden, t, a, b) - m - math.log(sum(math.exp(s - m) for s in terms))
+
+
 def candidates_of(logits: torch.Tensor, k: int) -> list[list[int]]:
     """Each position's k best tokens (ties: the lower id)."""
     return [sorted(range(logits.shape[1]), key=lambda v: (-float(row[v]), v))[:k] for row in logits]
@@ -61,14 +71,12 @@ def walk_reference(drafter: DFlash2Drafter, logits: torch.Tensor, hidden: torch.
 
 def pair_paths_reference(drafter: DFlash2Drafter, logits: torch.Tensor, hidden: torch.Tensor, anchor: int,
                          budget: int) -> set[tuple[int, ...]]:
-    """The `budget` best token paths (every prefix of every candidate path enumerated) under the sum of
-    log_softmax-over-candidates pair scores: the node set a best-first pair tree must select."""
+    """The `budget` best token paths (every prefix of every candidate path enumerated) under the sum of pair
+    log-probabilities: the node set a best-first pair tree must select."""
     cands = candidates_of(logits, drafter.config.selector_top_k)
 
     def logp(t: int, a: int, b: int) -> float:
-        scores = [pair_score(drafter, logits, hidden, t, a, c) for c in cands[t]]
-        m = max(scores)
-        return pair_score(drafter, logits, hidden, t, a, b) - m - math.log(sum(math.exp(s - m) for s in scores))
+        return pair_logprob(drafter, logits, hidden, t, a, b)
 
     scored = {}
     for depth in range(1, len(cands) + 1):

@@ -140,13 +140,14 @@ class Candidates:
     """One block's selector inputs, float32: position t = 0..L-1 drafts the token after the anchor's t-th successor.
 
     unary [L, k] the candidates' logits (descending), ids [L, k] their tokens, proj [L, r] W h_t,
-    succ [L, k, r] Q of the candidates."""
+    succ [L, k, r] Q of the candidates, rest [L] the other tokens' mass (pair scores' normaliser)."""
 
     unary: torch.Tensor
     ids: torch.Tensor
     proj: torch.Tensor
     succ: torch.Tensor
     pred: torch.Tensor  # the predecessor codebook [V, r] (float32 view or copy)
+    rest: torch.Tensor  # [L] log of sum exp(logit) over the tokens that are not candidates (-inf: none)
 
     def scores(self, t: int, prev: torch.Tensor) -> torch.Tensor:
         """S_t(prev, .) over position t's candidates: [k] for a scalar prev, [n, k] for n predecessors."""
@@ -190,7 +191,9 @@ class DFlash2Drafter(DFlashDrafter):
         unary, ids = logits.topk(sel.top_k, dim=-1)  # sorted: the best candidate first
         proj = sel.hidden_projection(hidden).float()
         succ = sel.successor_codebook[ids].float()
-        return Candidates(unary, ids, proj, succ, sel.predecessor_codebook.float())
+        whole = logits.logsumexp(-1)
+        rest = whole + torch.log1p(-torch.exp(unary.logsumexp(-1) - whole).clamp(max=1.0))
+        return Candidates(unary, ids, proj, succ, sel.predecessor_codebook.float(), rest)
 
     @classmethod
     def random_for_target(cls, target_config: Any, *, conv_kernel_size: int = 4, conv_group_size: int | None = None,

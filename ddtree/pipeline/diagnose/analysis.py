@@ -50,14 +50,34 @@ def quantized_pairs(jobs: list[JobData]) -> list[dict[str, Any]]:
             for j in jobs if _quantization(j) and j.tau is not None and key(j) in plain]
 
 
+def _job_rows(jobs: list[JobData]) -> list[dict[str, Any]]:
+    return [{"name": j.name, "method": j.method, "budget": j.budget, "tau": j.tau, "round_ms": round_ms(j),
+             "speedup": j.summary.get("speedup"), "rounds": sum(len(d["depth"]) for d in j.diagnosed)} for j in jobs]
+
+
+def record_scores(j: JobData) -> str | None:
+    """What a job's recorded rows score: "marginal" (per position), "pair" (a DFlash2 selector's pair scores given the
+    target's path: its chain and pair trees), None: no records."""
+    return (j.diagnosed[0].get("scores") or "marginal") if j.diagnosed else None
+
+
 def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Everything diagnosis.md and diagnosis.json say, from the jobs of one drafter-target pair."""
+    """Everything diagnosis.md and diagnosis.json say, from the jobs of one drafter-target pair. Jobs recorded under
+    different scores (a DFlash2 drafter's marginal and pair jobs) are diagnosed apart: the document is the marginal
+    jobs', and `by_scoring` holds each scoring's accuracy on and off the drafter's path and its predicted taus."""
+    kinds = sorted({record_scores(j) for j in jobs if j.diagnosed})
+    if len(kinds) > 1:
+        parts = {k: diagnose([j for j in jobs if record_scores(j) in (None, k)], cost) for k in kinds}
+        doc = dict(parts[kinds[0]])
+        doc["jobs"] = _job_rows(jobs)
+        doc["by_scoring"] = {k: {key: parts[k].get(key) for key in ("rounds", "accuracy", "predicted", "measured",
+                                                                    "verdict")} for k in kinds}
+        note = f"diagnosed apart by scoring ({', '.join(kinds)}); the sections below are the {kinds[0]} jobs'"
+        doc["note"] = f"{doc['note']}; {note}" if doc.get("note") else note
+        return doc
     drafting = [j for j in jobs if j.diagnosed]
     temps = {j.summary.get("temperature") for j in drafting}
-    doc: dict[str, Any] = {"jobs": [{"name": j.name, "method": j.method, "budget": j.budget, "tau": j.tau,
-                                     "round_ms": round_ms(j), "speedup": j.summary.get("speedup"),
-                                     "rounds": sum(len(d["depth"]) for d in j.diagnosed)} for j in jobs],
-                           "suspect": suspect_jobs(jobs), "quantized": quantized_pairs(jobs)}
+    doc: dict[str, Any] = {"jobs": _job_rows(jobs), "suspect": suspect_jobs(jobs), "quantized": quantized_pairs(jobs)}
     if not drafting:
         doc["verdict"] = ("no diagnosis: no DFlash or DDTree job here recorded its rounds (method=ar, engine=upstream, "
                           "or runs older than the recording)")
@@ -106,10 +126,10 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
                        "predicted from its own jobs" if any(record_temperature(j.diagnosed) > 0 for j in drafting)
                        else "temperature > 0, but these records predate the tempered costs: the chain is predicted "
                        "as if greedy")
-    if any(j.summary.get("scoring") == "pair" for j in drafting):  # DFlash2 pair scores (ddtree.engine.selector)
-        pair = ("scoring=pair: the main-vs-off-path accuracy counts a node as the drafter's top-1 when it is its "
-                "parent's best child under the selector's pair scores; the predicted taus replay marginal scores "
-                "(diagnose one scoring at a time)")
+    if kinds == ["pair"]:  # DFlash2 pair scores (ddtree.engine.selector)
+        pair = ("pair scores: each row is the selector's log-softmax over its position's candidates given the target's "
+                "previous token (the tree replay treats every branch's rows as the path's); a node counts as the "
+                "drafter's top-1 when it is its parent's best child under them")
         doc["note"] = f"{doc['note']}; {pair}" if doc.get("note") else pair
     doc["verdict"] = verdict(doc, pred)
     return doc

@@ -84,6 +84,17 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
         for name, cb in cals:
             lines.append(f"| {name} ({cb}) | " + " | ".join(
                 f"{100 * cell[(name, b)]['error']:+.0f} %" if (name, b) in cell else "-" for b in cols) + " |")
+    if doc.get("by_scoring"):
+        lines += ["", f"{h} By scoring", "", "Each scoring's jobs diagnosed on their own records (pair: the selector's "
+                  "scores given the target's path): the drafter's top-1 right on and off its own path (depths >= 2 of "
+                  "the accepted paths), and the predicted tau by budget.", ""]
+        budgets = list(next(iter(doc["by_scoring"].values()))["predicted"] or {})
+        lines += ["| scoring | rounds | on its path | off it | " + " | ".join(f"tau @ {b}" for b in budgets) + " |",
+                  "| --- | ---: | ---: | ---: |" + " ---: |" * len(budgets)]
+        for k, part in doc["by_scoring"].items():
+            acc, pred = part["accuracy"], part["predicted"] or {}
+            lines.append(f"| {k} | {part['rounds']} | {pct(acc['main']['rate'])} | {pct(acc['off']['rate'])} | "
+                         + " | ".join(fmt(pred.get(b)) for b in budgets) + " |")
     a = doc["accuracy"]
     lines += ["", f"{h} The drafter on and off its top-1 chain", "",
               "The drafter's top-1 is the target's token, at depths >= 2 of the accepted paths (95 % Wilson intervals):",
