@@ -335,7 +335,7 @@ def test_compile_settings_and_refusals():
     eager_attn = tiny_model("qwen3", seed=1, vocab_size=VOCAB, attn_implementation="flex_attention")
     with pytest.raises(ConfigError, match="compile: .*lean forward"):
         ddtree.Engine(eager_attn, None, method="ar", compile="true")
-    assert capacity_bucket(1) == 256 and capacity_bucket(257) == 512 and capacity_bucket(512) == 512
+    assert capacity_bucket(1) == 256 and capacity_bucket(257) == 512 and capacity_bucket(512) == 512  # (test_capacity)
 
 
 def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, caplog, dynamo_clean):

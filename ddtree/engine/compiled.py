@@ -19,9 +19,9 @@ A GPU at batch 1 is bound by kernel launches: the eager verification dispatches 
   and writes of overlapping rows never share a kernel), the length grows.
 
 N is the round's node count (AR 1, DFlash the block, DDTree the tree size, MTP its chain or tree: fixed per
-setting) and C the capacity: a power of two
->= prompt + max_new_tokens + N (at least 256), kept for later generations while it suffices, so prompts of other
-lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
+setting) and C the capacity: `ddtree.engine.capacity.capacity_bucket` of prompt + max_new_tokens + N (a power
+of two up to 4,096 rows, then steps of 4,096 or 1/16 octave), kept for later generations while it suffices, so
+prompts of other lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.engine import gdn
+from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, RopeTables, lean_norm
@@ -60,7 +61,6 @@ __all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "
 
 log = logging.getLogger("ddtree.engine.compiled")
 
-MIN_CAPACITY = 256
 OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=auto eager on CUDA too
 # graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
 # another: per torch.compile call, not dynamo's process-wide setting
@@ -68,11 +68,6 @@ RECOMPILE_LIMIT = 64
 # torch.compile takes recompile_limit= from torch 2.12 on (pytorch#177936, March 2026): torch 2.11 (the GPU image's)
 # would raise TypeError; there dynamo's process-wide limit (8) holds, which a process's few shapes stay under
 _TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
-
-
-def capacity_bucket(needed: int) -> int:
-    """The KV capacity for `needed` rows: the next power of two, at least MIN_CAPACITY."""
-    return max(MIN_CAPACITY, 1 << max(0, needed - 1).bit_length())
 
 
 def why_not_static(binding, unfit: str | None) -> str | None:
