@@ -568,3 +568,17 @@ def test_grouped_attention_equals_masked_gqa_attention():
     assert out.shape == q.shape
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, expanded, rtol=1e-12, atol=1e-12)
+
+
+def test_the_plan_counts_an_extern_kernels_view_not_its_whole_buffer(dynamo_clean):
+    """A matrix product reading one slot of a stacked buffer (a GDN layer's recurrent state) is counted at the slot's
+    bytes, not the stack's (Inductor's dependency is the whole buffer): what the kernel reads."""
+    from ddtree.testing.inductor_plan import plan_of
+
+    def f(stack, a):
+        return torch.bmm(a, stack[1]) * 2
+
+    stack, a = torch.empty(3, 8, 16, 16), torch.empty(8, 20, 16)
+    plan = plan_of(torch.compile(f, fullgraph=True, dynamic=False), stack, a)
+    mm = [b for _, b, kind in plan.nodes if "bmm" in kind]
+    assert mm == [4 * (8 * 20 * 16 + 8 * 16 * 16 + 8 * 20 * 16)], plan.nodes  # a, the slot, the output
