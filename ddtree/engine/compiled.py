@@ -218,6 +218,20 @@ def _kv_buffers(layers: int, like: torch.Tensor, capacity: int) -> tuple[list[to
     return [one() for _ in range(layers)], [one() for _ in range(layers)]
 
 
+def _stack_pending(bufs: list) -> tuple[torch.Tensor, ...]:
+    """What the commit graph reads of the GDN layers' LayerBuffers, stacked over the layers once: the k rows of each
+    key head (G, B, Hk, T, dk: `keys` holds [q; k] rows per value head, the commit reads k once per key head), then
+    deltas, xy and extended whole."""
+    return (torch.stack([b.keys[:, :, 0, 1] for b in bufs]),
+            *(torch.stack([getattr(b, name) for b in bufs]) for name in ("deltas", "xy", "extended")))
+
+
+def pending_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """One GDN layer's shapes of `_stack_pending`'s four, from `gdn._buffer_shapes`'."""
+    bsz, hk, _, _, n, dk = shapes["keys"]
+    return {"keys": (bsz, hk, n, dk), **{name: shapes[name] for name in ("deltas", "xy", "extended")}}
+
+
 def _move_rows(src: torch.Tensor, dst: torch.Tensor, *buffers: list[torch.Tensor]) -> None:
     """Rows `src` of every buffer to rows `dst` (dim -2), in place: a gather of the rows, then the copy."""
     for group in buffers:
@@ -409,8 +423,7 @@ class StaticRound:
         feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
         pending = None
         if conv is not None:  # the commit's inputs, stacked over the GDN layers once
-            pending = tuple(torch.stack([getattr(b, name) for b in bufs])
-                            for name in ("keys", "deltas", "xy", "extended"))
+            pending = _stack_pending(bufs)
         return logits, feats, pending
 
     def _gdn_round(self, hidden: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor):
@@ -461,12 +474,12 @@ class StaticRound:
             _move_rows(length + index, length + torch.arange(n, device=path.device), keys, values)
         if conv is not None:
             keys, deltas, xy, extended = pending
-            keys = keys.flatten(2, 3).flatten(3, 4)  # (G, B, Hv, 2T, dk)
-            k_rows = keys[..., n:, :]
             x = xy[..., : 3 * n].unflatten(-1, (n, 3))
             y = xy[..., 3 * n:].unflatten(-1, (n + 1, 3))
             last = index.gather(0, count - 1)
-            k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
+            d_path = deltas.index_select(-2, index)  # k_path: each key head's rows, per value head (G, B, Hv, N, dk)
+            k_path = keys.index_select(-2, index).unsqueeze(3).expand(
+                -1, -1, -1, deltas.shape[2] // keys.shape[2], -1, -1).flatten(2, 3)
             x_last = x.index_select(-2, last)
             y_path = y.index_select(-2, torch.cat([index.new_zeros(1), index + 1]))
             weights = gdn.path_weights(y_path, x_last)  # (..., N + 1, 1): exp(c_a), the path's weights

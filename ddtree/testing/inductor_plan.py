@@ -191,6 +191,7 @@ def round_plans(engine, capacity: int, draft_capacity: int | None = None) -> dic
     "verify", "commit"}, those the method has. Inputs are fresh `torch.empty` buffers of the shapes a round passes
     (their values are never read)."""
     from ddtree.engine import gdn
+    from ddtree.engine.compiled import pending_shapes
 
     static = engine.static
     model, dev = static.model, static.device
@@ -222,10 +223,10 @@ def round_plans(engine, capacity: int, draft_capacity: int | None = None) -> dic
         conv = torch.empty(count, 1, channels, static.kernel, dtype=dtype, device=dev)
         rec = torch.empty(count, 1, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32,
                           device=dev)
-        shapes = gdn._buffer_shapes(module, 1, n, channels)
-        pending = tuple(torch.empty(count, *shapes[name], device=dev,
+        shapes = pending_shapes(gdn._buffer_shapes(module, 1, n, channels))
+        pending = tuple(torch.empty(count, *shape, device=dev,
                                     dtype=dtype if name in gdn._MODEL_DTYPE else torch.float32)
-                        for name in ("keys", "deltas", "xy", "extended"))
+                        for name, shape in shapes.items())
     plans = {"verify": plan_of(static.verify_graph, ids, parents, depths, anc, length, keys, values, conv, rec)}
     draft = static.draft
     io: tuple = ()
