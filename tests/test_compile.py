@@ -582,3 +582,22 @@ def test_the_plan_counts_an_extern_kernels_view_not_its_whole_buffer(dynamo_clea
     plan = plan_of(torch.compile(f, fullgraph=True, dynamic=False), stack, a)
     mm = [b for _, b, kind in plan.nodes if "bmm" in kind]
     assert mm == [4 * (8 * 20 * 16 + 8 * 16 * 16 + 8 * 20 * 16)], plan.nodes  # a, the slot, the output
+
+
+def test_on_a_torch_without_recompile_limit_the_round_lifts_dynamos_own(monkeypatch, dynamo_clean):
+    """torch 2.11 (the GPU image's) takes no `torch.compile(recompile_limit=)`: dynamo's own limit (8 graphs a
+    function; 1 here) would make a fullgraph region raise at its next shape (a new capacity, node count or model). The
+    round lifts it to RECOMPILE_LIMIT for its own calls only: a second capacity compiles, outputs HF greedy's, and
+    dynamo's setting is what it was after."""
+    from ddtree.engine import compiled
+
+    monkeypatch.setattr(compiled, "_TAKES_RECOMPILE_LIMIT", False)
+    target, _ = _pair("qwen3")
+    engine = _engine(target, None, "ar")
+    assert "recompile_limit" not in engine.static.options
+    ids = _prompts((7,))[0]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for new in (NEW, 260):  # capacities 256, then 512
+            assert engine.generate(ids, max_new_tokens=new).output_ids == hf_greedy(target, ids, new)
+            assert engine.static is not None and engine.static.state.capacity == (256 if new == NEW else 512)
+        assert torch._dynamo.config.recompile_limit == 1

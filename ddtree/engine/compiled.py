@@ -66,7 +66,8 @@ OFF = ("0", "false", "False", "off")  # DDTREE_COMPILE values that keep compile=
 # another: per torch.compile call, not dynamo's process-wide setting
 RECOMPILE_LIMIT = 64
 # torch.compile takes recompile_limit= from torch 2.12 on (pytorch#177936, March 2026): torch 2.11 (the GPU image's)
-# would raise TypeError; there dynamo's process-wide limit (8) holds, which a process's few shapes stay under
+# would raise TypeError; there `_run` lifts dynamo's own limit (8 a function, which a fullgraph region raises past:
+# capacities x node counts x models reach it) to RECOMPILE_LIMIT around each graph call, not process-wide
 _TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
 
 
@@ -498,7 +499,11 @@ class StaticRound:
         its tensor outputs are cloned: the draft's logits feed the tree build, the tree the verification, the
         verification the walk and the commit, and the diagnosis reads the draft and the tree after the commit, while
         torch frees (and reports as overwritten) a graph's outputs as soon as another compiled function runs."""
-        out = graph(*args)
+        if _TAKES_RECOMPILE_LIMIT:
+            out = graph(*args)
+        else:  # (torch 2.11: RECOMPILE_LIMIT for this call only, not dynamo's 8 a function: capacities x node counts)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                out = graph(*args)
         return _owned(out) if self.cudagraphs else out
 
     def tree(self, root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
