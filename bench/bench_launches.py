@@ -534,11 +534,19 @@ def main() -> None:
         del target, drafter
     drafter_rows = drafter_context(a) if a.drafter_contexts else []
 
-    rec = Record("bench_launches", "What a decoding round asks of a GPU (ops, syncs, predicted H200 round)",
-                 "Per steady-state round, counted on this machine at tiny width with the real layer structure; "
-                 f"{a.path} path, {a.dtype}. Predicted ms and tok/s from the cost model in `bench/bench_launches.py` "
-                 f"(bandwidth {a.bandwidth / 1e12:.1f} TB/s, {a.launch_us:g} us a kernel op, {a.dispatch_us:g} us a "
-                 f"view, {a.sync_us:g} us a sync; tau: the toy pair's) at {a.table_context} tokens of context.",
+    title, what = ("What a decoding round asks of a GPU (ops, syncs, predicted H200 round)",
+                   "Per steady-state round, counted on this machine at tiny width with the real layer structure; "
+                   f"{a.path} path, {a.dtype}. Predicted ms and tok/s from the cost model in `bench/bench_launches.py` "
+                   f"(bandwidth {a.bandwidth / 1e12:.1f} TB/s, {a.launch_us:g} us a kernel op, {a.dispatch_us:g} us a "
+                   f"view, {a.sync_us:g} us a sync; tau: the toy pair's) at {a.table_context} tokens of context.")
+    if a.bytes_only:
+        title, what = (f"Bytes per compiled DDTree-{a.bytes_budget} round at the real dims (Inductor's plan)",
+                       "What the compiled round's generated code reads and writes, by stage, counted from Inductor's "
+                       "plan of each graph at the structure's real dims (ddtree.testing.inductor_plan; the depth from "
+                       "one and two periods of the layer pattern), at each context with the KV capacity the engine "
+                       "allocates for it (context + --bytes-new + the tree); floor: the weights, the context's KV rows, "
+                       "the GDN states read and written, the logits (docs/gpu.md).")
+    rec = Record("bench_launches", title, what,
                  params=params(argparse.Namespace(**{k: v for k, v in vars(a).items() if k not in ("torch_dtype", "out")}),
                                cost_model=dict(bandwidth=a.bandwidth, peak_flops=a.peak_flops, mfu=a.mfu,
                                                   launch_us=a.launch_us, dispatch_us=a.dispatch_us, sync_us=a.sync_us,

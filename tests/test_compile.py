@@ -334,7 +334,7 @@ def test_compile_settings_and_refusals():
     eager_attn = tiny_model("qwen3", seed=1, vocab_size=VOCAB, attn_implementation="flex_attention")
     with pytest.raises(ConfigError, match="compile: .*lean forward"):
         ddtree.Engine(eager_attn, None, method="ar", compile="true")
-    assert capacity_bucket(1) == 256 and capacity_bucket(257) == 512 and capacity_bucket(512) == 512
+    assert capacity_bucket(1) == 256 and capacity_bucket(257) == 512 and capacity_bucket(512) == 512  # (test_capacity)
 
 
 def test_auto_falls_back_to_the_eager_round_where_compiling_fails(monkeypatch, caplog, dynamo_clean):
@@ -567,3 +567,36 @@ def test_grouped_attention_equals_masked_gqa_attention():
     assert out.shape == q.shape
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(out, expanded, rtol=1e-12, atol=1e-12)
+
+
+def test_the_plan_counts_an_extern_kernels_view_not_its_whole_buffer(dynamo_clean):
+    """A matrix product reading one slot of a stacked buffer (a GDN layer's recurrent state) is counted at the slot's
+    bytes, not the stack's (Inductor's dependency is the whole buffer): what the kernel reads."""
+    from ddtree.testing.inductor_plan import plan_of
+
+    def f(stack, a):
+        return torch.bmm(a, stack[1]) * 2
+
+    stack, a = torch.empty(3, 8, 16, 16), torch.empty(8, 20, 16)
+    plan = plan_of(torch.compile(f, fullgraph=True, dynamic=False), stack, a)
+    mm = [b for _, b, kind in plan.nodes if "bmm" in kind]
+    assert mm == [4 * (8 * 20 * 16 + 8 * 16 * 16 + 8 * 20 * 16)], plan.nodes  # a, the slot, the output
+
+
+def test_on_a_torch_without_recompile_limit_the_round_lifts_dynamos_own(monkeypatch, dynamo_clean):
+    """torch 2.11 (the GPU image's) takes no `torch.compile(recompile_limit=)`: dynamo's own limit (8 graphs a
+    function; 1 here) would make a fullgraph region raise at its next shape (a new capacity, node count or model). The
+    round lifts it to RECOMPILE_LIMIT for its own calls only: a second capacity compiles, outputs HF greedy's, and
+    dynamo's setting is what it was after."""
+    from ddtree.engine import compiled
+
+    monkeypatch.setattr(compiled, "_TAKES_RECOMPILE_LIMIT", False)
+    target, _ = _pair("qwen3")
+    engine = _engine(target, None, "ar")
+    assert "recompile_limit" not in engine.static.options
+    ids = _prompts((7,))[0]
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for new in (NEW, 260):  # capacities 256, then 512
+            assert engine.generate(ids, max_new_tokens=new).output_ids == hf_greedy(target, ids, new)
+            assert engine.static is not None and engine.static.state.capacity == (256 if new == NEW else 512)
+        assert torch._dynamo.config.recompile_limit == 1

@@ -19,9 +19,9 @@ A GPU at batch 1 is bound by kernel launches: the eager verification dispatches 
   and writes of overlapping rows never share a kernel), the length grows.
 
 N is the round's node count (AR 1, DFlash the block, DDTree the tree size, MTP its chain or tree: fixed per
-setting) and C the capacity: a power of two
->= prompt + max_new_tokens + N (at least 256), kept for later generations while it suffices, so prompts of other
-lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
+setting) and C the capacity: `ddtree.engine.capacity.capacity_bucket` of prompt + max_new_tokens + N (a power
+of two up to 4,096 rows, then steps of 4,096 or 1/16 octave), kept for later generations while it suffices, so
+prompts of other lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.engine import gdn
+from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
@@ -62,18 +63,13 @@ __all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "
 
 log = logging.getLogger("ddtree.engine.compiled")
 
-MIN_CAPACITY = 256
 # graphs a region may hold (node counts x capacities x dtypes x models in one process) before it refuses to compile
 # another: per torch.compile call, not dynamo's process-wide setting
 RECOMPILE_LIMIT = 64
 # torch.compile takes recompile_limit= from torch 2.12 on (pytorch#177936, March 2026): torch 2.11 (the GPU image's)
-# would raise TypeError; there dynamo's process-wide limit (8) holds, which a process's few shapes stay under
+# would raise TypeError; there `_run` lifts dynamo's own limit (8 a function, which a fullgraph region raises past:
+# capacities x node counts x models reach it) to RECOMPILE_LIMIT around each graph call, not process-wide
 _TAKES_RECOMPILE_LIMIT = "recompile_limit" in inspect.signature(torch.compile).parameters
-
-
-def capacity_bucket(needed: int) -> int:
-    """The KV capacity for `needed` rows: the next power of two, at least MIN_CAPACITY."""
-    return max(MIN_CAPACITY, 1 << max(0, needed - 1).bit_length())
 
 
 def why_not_static(binding, unfit: str | None) -> str | None:
@@ -223,6 +219,20 @@ def _kv_buffers(layers: int, like: torch.Tensor, capacity: int) -> tuple[list[to
         return t
 
     return [one() for _ in range(layers)], [one() for _ in range(layers)]
+
+
+def _stack_pending(bufs: list) -> tuple[torch.Tensor, ...]:
+    """What the commit graph reads of the GDN layers' LayerBuffers, stacked over the layers once: the k rows of each
+    key head (G, B, Hk, T, dk: `keys` holds [q; k] rows per value head, the commit reads k once per key head), then
+    deltas, xy and extended whole."""
+    return (torch.stack([b.keys[:, :, 0, 1] for b in bufs]),
+            *(torch.stack([getattr(b, name) for b in bufs]) for name in ("deltas", "xy", "extended")))
+
+
+def pending_shapes(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """One GDN layer's shapes of `_stack_pending`'s four, from `gdn._buffer_shapes`'."""
+    bsz, hk, _, _, n, dk = shapes["keys"]
+    return {"keys": (bsz, hk, n, dk), **{name: shapes[name] for name in ("deltas", "xy", "extended")}}
 
 
 def _move_rows(src: torch.Tensor, dst: torch.Tensor, *buffers: list[torch.Tensor]) -> None:
@@ -411,8 +421,7 @@ class StaticRound:
         feats = torch.cat([kept[i] for i in self.hidden_ids], dim=-1) if self.hidden_ids else None
         pending = None
         if conv is not None:  # the commit's inputs, stacked over the GDN layers once
-            pending = tuple(torch.stack([getattr(b, name) for b in bufs])
-                            for name in ("keys", "deltas", "xy", "extended"))
+            pending = _stack_pending(bufs)
         return logits, feats, pending
 
     def _gdn_round(self, hidden: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, anc: torch.Tensor):
@@ -463,12 +472,12 @@ class StaticRound:
             _move_rows(length + index, length + torch.arange(n, device=path.device), keys, values)
         if conv is not None:
             keys, deltas, xy, extended = pending
-            keys = keys.flatten(2, 3).flatten(3, 4)  # (G, B, Hv, 2T, dk)
-            k_rows = keys[..., n:, :]
             x = xy[..., : 3 * n].unflatten(-1, (n, 3))
             y = xy[..., 3 * n:].unflatten(-1, (n + 1, 3))
             last = index.gather(0, count - 1)
-            k_path, d_path = k_rows.index_select(-2, index), deltas.index_select(-2, index)
+            d_path = deltas.index_select(-2, index)  # k_path: each key head's rows, per value head (G, B, Hv, N, dk)
+            k_path = keys.index_select(-2, index).unsqueeze(3).expand(
+                -1, -1, -1, deltas.shape[2] // keys.shape[2], -1, -1).flatten(2, 3)
             x_last = x.index_select(-2, last)
             y_path = y.index_select(-2, torch.cat([index.new_zeros(1), index + 1]))
             weights = gdn.path_weights(y_path, x_last)  # (..., N + 1, 1): exp(c_a), the path's weights
@@ -487,7 +496,11 @@ class StaticRound:
         its tensor outputs are cloned: the draft's logits feed the tree build, the tree the verification, the
         verification the walk and the commit, and the diagnosis reads the draft and the tree after the commit, while
         torch frees (and reports as overwritten) a graph's outputs as soon as another compiled function runs."""
-        out = graph(*args)
+        if _TAKES_RECOMPILE_LIMIT:
+            out = graph(*args)
+        else:  # (torch 2.11: RECOMPILE_LIMIT for this call only, not dynamo's 8 a function: capacities x node counts)
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                out = graph(*args)
         return _owned(out) if self.cudagraphs else out
 
     def tree(self, root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:

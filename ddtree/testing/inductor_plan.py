@@ -12,7 +12,7 @@ Bytes per kernel (`_node_bytes`) start from Inductor's own account (`get_read_wr
 torch.compile's `inductor_metrics` log sums): every buffer a fused node reads or writes, once per node, fused
 intermediates left out; a buffer read through indices is counted at the elements the loop touches (Inductor takes
 the whole buffer) and an extern kernel's buffers (matrix products, attention) whole (Inductor caps them at 1e9
-elements). The scheduler and code generation are the CPU backend's here; a CUDA compile fuses differently in
+elements), or at the view it reads where an input is a view of a larger buffer (one layer's slot of a stacked state). The scheduler and code generation are the CPU backend's here; a CUDA compile fuses differently in
 places (Triton), with the same buffers in and out of each extern kernel.
 """
 
@@ -49,10 +49,11 @@ class _Planned(Exception):
 
 def _node_bytes(node) -> int:
     """Bytes one scheduled node reads and writes: Inductor's per-buffer count (each buffer at most its size, fused
-    intermediates left out), with two corrections where that count is a worst case, not the traffic: an extern
-    kernel's buffers at their sizes (Inductor caps them at 1e9 elements: a 27B model's lm_head), a buffer read or
-    written through indices (an embedding's rows, a gather, `index_copy_`'s rows: Inductor takes the whole buffer) at
-    the elements the loop touches, and an ordering edge (WeakDep: a buffer written in place later) at none."""
+    intermediates left out), with corrections where that count is a worst case, not the traffic: an extern kernel's
+    buffers at their sizes (Inductor caps them at 1e9 elements: a 27B model's lm_head), an extern kernel's input read
+    through a view of a larger buffer at the view's size (`_viewed`), a buffer read or written through indices (an
+    embedding's rows, a gather, `index_copy_`'s rows: Inductor takes the whole buffer) at the elements the loop
+    touches, and an ordering edge (WeakDep: a buffer written in place later) at none."""
     from torch._inductor.dependencies import MemoryDep, StarDep, WeakDep
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
     from torch._inductor.utils import get_dtype_size
@@ -69,7 +70,9 @@ def _node_bytes(node) -> int:
             return 0
 
     if isinstance(node, ExternKernelSchedulerNode):
-        return sum(whole(name) for name in {d.name for d in (*node.read_writes.reads, *node.read_writes.writes)})
+        viewed = _viewed(node)
+        return sum(min(whole(name), viewed.get(name, whole(name)))
+                   for name in {d.name for d in (*node.read_writes.reads, *node.read_writes.writes)})
     acc = node.get_read_write_buffer_accesses(include_reads=True, include_writes=True)
     for name in acc:
         touched, indexed = 0, False
@@ -89,6 +92,31 @@ def _node_bytes(node) -> int:
         if indexed:
             acc[name] = min(acc[name], touched * get_dtype_size(V.graph.get_dtype(name)))
     return int(sum(acc.values()))
+
+
+def _viewed(node) -> dict[str, int]:
+    """An extern kernel's inputs read through views of a larger buffer (`reinterpret_tensor`: a GDN layer's slot of the
+    stacked recurrent state, the k rows of a [q; k] buffer): buffer -> bytes of the largest such view. The kernel reads
+    the view, not the buffer (Inductor's dependency is the whole buffer)."""
+    from torch._inductor.ir import ReinterpretView
+    from torch._inductor.utils import get_dtype_size
+    from torch._inductor.virtualized import V
+
+    hint = V.graph.sizevars.optimization_hint
+    out: dict[str, int] = {}
+    for inp in getattr(node.node, "inputs", ()) or ():
+        if not isinstance(inp, ReinterpretView):  # (read whole too, if it is a buffer)
+            name = getattr(inp, "get_name", lambda: None)()
+            if name is not None:
+                out[name] = 1 << 62
+        else:
+            try:
+                size = int(hint(sympy_product(inp.get_size()), fallback=0)) * get_dtype_size(inp.get_dtype())
+            except Exception:  # a view without a static size
+                continue
+            name = inp.get_name()
+            out[name] = max(out.get(name, 0), size)
+    return out
 
 
 def sympy_product(sizes):
@@ -163,6 +191,7 @@ def round_plans(engine, capacity: int, draft_capacity: int | None = None) -> dic
     "verify", "commit"}, those the method has. Inputs are fresh `torch.empty` buffers of the shapes a round passes
     (their values are never read)."""
     from ddtree.engine import gdn
+    from ddtree.engine.compiled import pending_shapes
 
     static = engine.static
     model, dev = static.model, static.device
@@ -194,10 +223,10 @@ def round_plans(engine, capacity: int, draft_capacity: int | None = None) -> dic
         conv = torch.empty(count, 1, channels, static.kernel, dtype=dtype, device=dev)
         rec = torch.empty(count, 1, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32,
                           device=dev)
-        shapes = gdn._buffer_shapes(module, 1, n, channels)
-        pending = tuple(torch.empty(count, *shapes[name], device=dev,
+        shapes = pending_shapes(gdn._buffer_shapes(module, 1, n, channels))
+        pending = tuple(torch.empty(count, *shape, device=dev,
                                     dtype=dtype if name in gdn._MODEL_DTYPE else torch.float32)
-                        for name in ("keys", "deltas", "xy", "extended"))
+                        for name, shape in shapes.items())
     plans = {"verify": plan_of(static.verify_graph, ids, parents, depths, anc, length, keys, values, conv, rec)}
     draft = static.draft
     io: tuple = ()

@@ -92,10 +92,12 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
 
     # q and k l2-normalised: x / sqrt(|x|^2 + eps) = rms_norm(x, eps / dk) * dk^-1/2, then copied per value head as
     # [q rows; k rows]; q's dk^-1/2 is not applied (see _gated_norm)
+    keys3, k_t = v.keys3, v.k_t
     if not compiling:
         kgdn.qk_norm(v.qk, consts.qk_weight, consts.qk_eps, v.qk_rows)
-    else:
-        v.qk_rows.copy_(F.rms_norm(v.qk, (v.qk.shape[-1],), consts.qk_weight, consts.qk_eps))
+    else:  # the rows per value head made once, contiguous, for both products (a copy into the permuted view was
+        # materialized once per reader); bufs.keys a copy of it (the commit reads its k rows)
+        keys3, k_t = _compiled_keys(v, consts, bufs)
     qk = v.keys
 
     state0 = recurrent_state if recurrent_state is None or recurrent_state.dtype == f32 else recurrent_state.to(f32)
@@ -107,12 +109,12 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         core = bufs.core
     else:
         # (batched matmuls as bmm on 3-d views: matmul's out= computes into a temporary and copies)
-        torch.bmm(v.keys3, v.k_t, out=v.gram3)
+        torch.bmm(keys3, k_t, out=v.gram3)
         v.gram.mul_(v.ancestry)
         if state0 is None:
             rhs = v.value
         else:
-            torch.bmm(v.keys3, _state3(state0, v), out=v.from_state)  # (B Hv, 2T, dv)
+            torch.bmm(keys3, _state3(state0, v), out=v.from_state)  # (B Hv, 2T, dv)
             # the right side written where d goes: the solve then runs in place (no copy of it into its out=)
             rhs = torch.addcmul(v.value, v.start, v.state_k, value=-1, out=bufs.deltas)
         torch.linalg.solve_triangular(v.gram_k, rhs, upper=False, unitriangular=True, out=bufs.deltas)
@@ -121,6 +123,17 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         if state0 is not None:
             core.addcmul_(v.start, v.state_q)
     return module.out_proj(_gated_norm(core, z, consts, bufs, v))
+
+
+def _compiled_keys(v: _Views, consts: LayerConsts, bufs: LayerBuffers) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compiled round's q/k rows: (keys3 (B Hv, 2T, dk) contiguous, its k rows transposed (B Hv, dk, T)), the
+    normalised rows repeated per value head as `_Views.qk_rows` lays them into bufs.keys (also written: the commit
+    and the recurrent method read it). The same values as the eager `kgdn.qk_norm`'s."""
+    rows = F.rms_norm(v.qk, (v.qk.shape[-1],), consts.qk_weight, consts.qk_eps).expand(v.qk_rows.shape)
+    keys3 = rows.permute(0, 3, 4, 2, 1, 5).reshape(v.keys3.shape)  # (B, Hk, Hv/Hk, 2, T, dk) flat
+    bufs.keys.copy_(keys3.view(bufs.keys.shape))
+    n = keys3.shape[1] // 2
+    return keys3, keys3[:, n:].transpose(1, 2)
 
 
 def _past(conv_state: torch.Tensor | None, kernel: int, mixed: torch.Tensor, v: _Views) -> torch.Tensor:
