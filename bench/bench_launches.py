@@ -62,7 +62,7 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import ddtree  # noqa: E402
 from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
-from ddtree.engine.drafter.model import evenly_spaced_layer_ids  # noqa: E402
+from ddtree.engine.drafter.config import evenly_spaced_layer_ids  # noqa: E402
 from ddtree.engine.families import model_type  # noqa: E402
 from ddtree.engine.methods import supports  # noqa: E402
 
