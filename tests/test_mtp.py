@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from sampling_support import assert_first_two_tokens_follow, exact_joint
 from transformers import AutoModelForCausalLM
 
 import ddtree
@@ -197,25 +197,10 @@ def test_first_two_tokens_follow_target(topk, budget):
     """T > 0 on the hybrid: the first two tokens are distributed as the target's exact joint (chi-square)."""
     target, head = pair("qwen3_5_text", vocab_size=V)
     ids = torch.tensor([[1, 5, 2, 7]])
-    with torch.no_grad():
-        p1 = torch.softmax(target(ids).logits[0, -1] / T, -1)
-        nxt = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
-        probs = (p1[:, None] * torch.softmax(target(nxt).logits[:, -1] / T, -1)).flatten().double()
+    probs = exact_joint(target, ids, T)
     engine = Engine(target, head, method="mtp", steps=2, topk=topk, budget=budget)
     g = torch.Generator().manual_seed(11)
-    counts = torch.zeros(V * V, dtype=torch.float64)
-    drafted = 0
-    for _ in range(N):
-        r = engine.generate(ids, temperature=T, max_new_tokens=3, generator=g)
-        counts[r.output_ids[0] * V + r.output_ids[1]] += 1
-        drafted += r.acceptance_lengths[0] > 1
-    assert drafted > N // 20
-    expected = probs * N
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    exp = exp * (obs.sum() / exp.sum())
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    assert_first_two_tokens_follow(lambda: engine.generate(ids, temperature=T, max_new_tokens=3, generator=g), probs, N)
 
 
 # ---------------------------------------------------------------- through the CLI (python -m ddtree.run)

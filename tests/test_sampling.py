@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from sampling_support import assert_first_two_tokens_follow, exact_joint
 
 import ddtree
 from ddtree.engine.drafter import DFlashDrafter
@@ -27,14 +27,6 @@ def pair(model_type: str = "qwen3"):
 
 
 @torch.no_grad()
-def exact_joint(target, ids: torch.Tensor) -> torch.Tensor:
-    """p(t1, t2) = p(t1) p(t2 | t1), from plain forwards."""
-    p1 = torch.softmax(target(ids).logits[0, -1] / T, -1)
-    nxt = torch.cat([ids.repeat(V, 1), torch.arange(V)[:, None]], dim=1)
-    p2 = torch.softmax(target(nxt).logits[:, -1] / T, -1)
-    return p1[:, None] * p2
-
-
 @pytest.mark.parametrize("model_type,method,budget,path", [
     ("qwen3", "dflash", None, "cpu"), ("qwen3", "ddtree", 7, "cpu"),
     pytest.param("qwen3", "ddtree", 40, "cpu", marks=pytest.mark.slow),  # a 41-node tree (make test-slow)
@@ -54,19 +46,8 @@ def test_first_two_tokens_follow_target(model_type, method, budget, path):
 def _first_two_tokens_follow_target(model_type, method, budget):
     target, drafter = pair(model_type)
     ids = torch.tensor([[1, 5, 2, 7]])
-    probs = exact_joint(target, ids).flatten().double()
+    probs = exact_joint(target, ids, T)
     g = torch.Generator().manual_seed(11)
-    counts = torch.zeros(V * V, dtype=torch.float64)
-    drafted = 0
-    for _ in range(N):
-        r = ddtree.generate(target, drafter, ids, method=method, budget=budget, temperature=T,
-                            max_new_tokens=3, generator=g)  # 3: round one is not cut short
-        counts[r.output_ids[0] * V + r.output_ids[1]] += 1
-        drafted += r.acceptance_lengths[0] > 1
-    assert drafted > N // 20  # the second token often came from the draft, so the tree path is tested
-    expected = probs * N
-    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
-    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
-    exp = exp * (obs.sum() / exp.sum())  # float rounding of the exact probabilities
-    assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-3
+    assert_first_two_tokens_follow(  # max_new_tokens=3: round one is not cut short
+        lambda: ddtree.generate(target, drafter, ids, method=method, budget=budget, temperature=T, max_new_tokens=3,
+                                generator=g), probs, N)
