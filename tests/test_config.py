@@ -212,7 +212,7 @@ def test_identity_ignores_outputs_force_and_tracking(compose):
     # the scoring is DDTree's alone: a DFlash job's identity ignores it (a scoring sweep runs DFlash once)
     ident = lambda *o: C.identity_dict(V.validate(compose("device=cpu", "experiment=toy_dflash2", *o)))  # noqa: E731
     assert ident("method=dflash", "scoring=pair") == ident("method=dflash")
-    assert ident("method=ddtree", "scoring=pair") != ident("method=ddtree")
+    assert ident("method=ddtree", "scoring=pair") != ident("method=ddtree", "scoring=marginal")
 
 
 def test_jsonl_prompts(tmp_path, prompt_file):

@@ -222,6 +222,33 @@ def test_a_dflash2_round_reads_the_device_once(method, scoring):
     assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)
 
 
+def test_auto_scoring_is_pair_for_a_dflash2_drafter_and_marginal_for_dflash():
+    """scoring=auto (None, the default): DDTree over a DFlash2 drafter builds pair trees, over a DFlash one marginal
+    trees; the pipeline resolves it from the drafter's config.json before loading (the job's identity says which)."""
+    from ddtree.engine.methods import resolve_scoring
+    from ddtree.engine.proposers import DDTreeProposer
+    from ddtree.engine.selector import PairTreeProposer
+    from ddtree.pipeline.preflight import resolve_auto_scoring
+    from ddtree.pipeline.schema import RunConfig
+
+    target, drafter = _pair("qwen3")
+    dflash = DFlashDrafter.random_for_target(target.config, block_size=4, mask_token_id=15)
+    for scoring in (None, "auto"):
+        with ddtree.Engine(target, drafter, method="ddtree", budget=4, scoring=scoring) as e:
+            assert type(e.proposer) is PairTreeProposer
+        with ddtree.Engine(target, dflash, method="ddtree", budget=4, scoring=scoring) as e:
+            assert type(e.proposer) is DDTreeProposer
+    assert [resolve_scoring(s, True) for s in ("auto", "marginal", "pair")] == ["pair", "marginal", "pair"]
+    assert [resolve_scoring(s, False) for s in ("auto", "marginal")] == ["marginal", "marginal"]
+    for method, config, expected in [("ddtree", {"architectures": ["DFlash2DraftModel"]}, "pair"),
+                                     ("ddtree", {"architectures": ["DFlashDraftModel"]}, "marginal"),
+                                     ("ddtree", None, "auto"),  # not on disk: resolved when the drafter loads
+                                     ("dflash", {"architectures": ["DFlash2DraftModel"]}, "auto")]:  # not DDTree
+        rc = RunConfig(method=method)
+        resolve_auto_scoring(rc, config)
+        assert rc.scoring == expected, (method, config)
+
+
 def test_pair_scoring_needs_a_selector():
     target, _ = _pair("qwen3")
     dflash = DFlashDrafter.random_for_target(target.config, block_size=4, mask_token_id=15)
@@ -260,14 +287,17 @@ def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
 
 
 def test_cli_runs_the_toy_dflash2_drafter(cli, tmp_path):
-    """The shipped toy DFlash2 drafter (drafter=toy_dflash2, the toy hybrid target) through `python -m ddtree.run`:
-    its chain and its pair-scored tree, equal to AR on a toy prompt, drafts accepted."""
+    """The shipped toy DFlash2 drafter (drafter=toy_dflash2, the toy hybrid target) through `python -m ddtree.run`
+    with the default scoring (auto: pair for a DFlash2 drafter, recorded as pair): its chain and its pair-scored tree,
+    equal to AR on a toy prompt, drafts accepted."""
     sweep = tmp_path / "sweep"
-    proc = cli("experiment=toy_dflash2", "dataset.max_samples=1", "max_new_tokens=24", "tracking=none", "budget=8",
-               "scoring=pair", "method=dflash,ddtree", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}", "-m")
+    proc = cli("model=toy", "drafter=toy_dflash2", "dataset.max_samples=1", "max_new_tokens=24", "tracking=none",
+               "budget=8", "method=dflash,ddtree", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}", "-m")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
-    assert sorted((s["method"], s["match_rate"]) for s in summaries) == [("ddtree", 1.0), ("dflash", 1.0)]
+    assert sorted((s["method"], s.get("scoring"), s["match_rate"]) for s in summaries) == [
+        ("ddtree", "pair", 1.0), ("dflash", None, 1.0)]
+    assert "toy-ddtree-b8-pair:" in proc.stderr, proc.stderr[-2000:]  # the job is named as it ran
     assert all(s["tau"] > 2 for s in summaries), [s["tau"] for s in summaries]
 
 

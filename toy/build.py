@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     threads = ["--threads", str(args.threads)] if args.threads else []
 
-    step("corpus", data / "train_prompts.jsonl", [py, "toy/corpus.py", "--out", str(data)], timings)
+    step("corpus", data / "eval_prompts.jsonl", [py, "toy/corpus.py", "--out", str(data)], timings)
     step("tokenizer", tok / "tokenizer.json", [py, "toy/tokenizer.py", "--data", str(data), "--out", str(tok)],
          timings)
     step("target", target / "model.safetensors",
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         if (work / "train2" / "drafter").exists():
             shutil.copytree(work / "train2" / "drafter", assets / "drafter2")
             shutil.copy2(work / "train2" / "eval.json", assets / "eval2.json")
-        for name in ("prompts.jsonl", "train_prompts.jsonl"):
+        for name in ("prompts.jsonl", "train_prompts.jsonl", "eval_prompts.jsonl"):
             shutil.copy2(data / name, assets / name)
         shutil.copy2(train / "eval.json", assets / "eval.json")
         (assets / "build.json").write_text(json.dumps({"arch": args.arch, "seconds": timings}, indent=1) + "\n")

@@ -160,8 +160,12 @@ def make_example(rng: random.Random, table: dict) -> tuple[str, str, str]:
 
 
 def build(num_train: int = 24000, num_valid: int = 400, num_prompts: int = 48, num_train_prompts: int = 4000,
-          seed: int = 0) -> dict:
-    """Train/valid conversations and held-out prompts; no held-out prompt text appears in train or valid."""
+          seed: int = 0, num_eval_prompts: int = 256) -> dict:
+    """Train/valid conversations and held-out prompts; no held-out prompt text appears in train or valid.
+
+    eval_prompts: `num_eval_prompts` distinct prompts in the training mix of categories (TASKS' weights) that are
+    neither held-out prompts nor train prompts (the drafters' data): a larger evaluation set for the drafters (the
+    target was trained on some of their texts; on this corpus the long categories have few distinct prompts)."""
     table = animal_table(seed)
 
     def conv(i: int, split: str, cat: str, q: str, a: str) -> dict:
@@ -193,7 +197,16 @@ def build(num_train: int = 24000, num_valid: int = 400, num_prompts: int = 48, n
         distinct.setdefault(q, cat)
     train_prompts = [{"id": f"tp-{i:05d}", "category": cat, "turns": [q]}
                      for i, (q, cat) in enumerate(distinct.items()) if i < num_train_prompts]
-    return {"train": train, "valid": valid, "prompts": prompts, "train_prompts": train_prompts}
+    seen = held | {r["turns"][0] for r in train_prompts}
+    eval_rng = random.Random(seed + 2_000_003)
+    eval_prompts: list[dict] = []
+    while len(eval_prompts) < num_eval_prompts:
+        cat, q, a = make_example(eval_rng, table)
+        if q not in seen:
+            seen.add(q)
+            eval_prompts.append({"id": f"ev-{len(eval_prompts):03d}", "category": cat, "turns": [q], "reference": a})
+    return {"train": train, "valid": valid, "prompts": prompts, "train_prompts": train_prompts,
+            "eval_prompts": eval_prompts}
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -210,14 +223,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-valid", type=int, default=400)
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--num-train-prompts", type=int, default=4000)
+    p.add_argument("--num-eval-prompts", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    data = build(args.num_train, args.num_valid, args.num_prompts, args.num_train_prompts, args.seed)
+    data = build(args.num_train, args.num_valid, args.num_prompts, args.num_train_prompts, args.seed,
+                 args.num_eval_prompts)
     out = Path(args.out)
     for split, rows in data.items():
         write_jsonl(out / f"{split}.jsonl", rows)
     print(f"corpus: {len(data['train'])} train, {len(data['valid'])} valid, {len(data['prompts'])} held-out prompts, "
-          f"{len(data['train_prompts'])} train prompts -> {out}")
+          f"{len(data['train_prompts'])} train prompts, {len(data['eval_prompts'])} eval prompts -> {out}")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,14 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"  # a DFlash2 checkpoint's config.json `architectures` entry
+
+
+def is_dflash2_config(config: dict) -> bool:
+    """Whether a drafter's config.json (as a dict) is a DFlash2 drafter's (read before any weight loads)."""
+    return DFLASH2_ARCHITECTURE in (config.get("architectures") or ())
+
+
 # DFlash2 drafters (ddtree.engine.drafter.dflash2): the config.json keys beyond DFlash's, in dflash_config (z-lab's
 # configs) or at the top level (some exports); checked here too so config validation reads them without torch
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",

@@ -205,8 +205,9 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     eager from then on where a compiled generation fails: logged, the generation rerun),
     "true" (compiled on any device; a target it cannot run is refused) or "false" (eager). Build an `Engine` to
     keep the compiled graphs across generations.
-    scoring: method=ddtree's node scores: "marginal" (default: the drafter's per-position distributions) or "pair"
-    (a DFlash2 drafter's candidate selector: each child scored given its parent; ddtree.engine.selector).
+    scoring: method=ddtree's node scores: "marginal" (the drafter's per-position distributions), "pair" (a DFlash2
+    drafter's candidate selector: each child scored given its parent; ddtree.engine.selector) or "auto" (None, the
+    default: pair for a DFlash2 drafter, marginal for a DFlash one).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,

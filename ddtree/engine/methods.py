@@ -35,7 +35,7 @@ class DraftSettings:
     block_size: int | None = None  # the drafter's block (drafter_kind DFLASH; None: the drafter's own)
     steps: int | None = None  # method=mtp: draft depth (None: MTP_STEPS)
     topk: int | None = None  # method=mtp: children per expanded node (None: MTP_TOPK; > 1: a tree)
-    scoring: str | None = None  # method=ddtree: marginal or pair (a DFlash2 drafter's selector; None: marginal)
+    scoring: str | None = None  # method=ddtree: auto, marginal or pair (None: auto; resolve_scoring)
 
 
 def _ar(target, drafter, s: DraftSettings) -> Proposer:
@@ -56,8 +56,9 @@ def _dflash(target, drafter, s: DraftSettings) -> Proposer:
 
 def _ddtree(target, drafter, s: DraftSettings) -> Proposer:
     budget = s.budget if s.budget is not None else DEFAULT_BUDGET
-    block_size, scoring = s.block_size, s.scoring
-    check_scoring(scoring, "ddtree", drafter)
+    block_size = s.block_size
+    check_scoring(s.scoring, "ddtree", drafter)
+    scoring = resolve_scoring(s.scoring, has_selector(drafter))
     if has_selector(drafter):  # DFlash2 (ddtree.engine.selector): its logits, and pair scores when asked
         from ddtree.engine.selector import DFlash2MarginalProposer, PairTreeProposer
 
@@ -68,8 +69,18 @@ def _ddtree(target, drafter, s: DraftSettings) -> Proposer:
     return DDTreeProposer(target, drafter, budget, block_size)
 
 
-SCORINGS = ("marginal", "pair")  # DDTree's node scores: per-position marginals, or a DFlash2 selector's pair scores
-DEFAULT_SCORING = "marginal"
+# DDTree's node scores: per-position marginals, or a DFlash2 selector's pair scores; auto: pair where the drafter has a
+# selector (DFlash2), marginal otherwise (docs/dflash2.md: on the toy's 256 unseen prompts pair's tau is 1.08x marginal's)
+SCORINGS = ("auto", "marginal", "pair")
+AUTO_SCORING = "auto"
+
+
+def resolve_scoring(scoring: str | None, dflash2: bool) -> str:
+    """The scoring a DDTree over a drafter runs: `scoring` itself, or for auto (None) pair where the drafter is DFlash2
+    (it has a candidate selector) and marginal where it is DFlash."""
+    if scoring is None or scoring == AUTO_SCORING:
+        return "pair" if dflash2 else "marginal"
+    return scoring
 
 
 def has_selector(drafter) -> bool:

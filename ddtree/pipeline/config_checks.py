@@ -23,6 +23,7 @@ from ddtree.engine.checks import (
     check_mtp_args,
     compile_setting,
     dflash2_fields,
+    is_dflash2_config,
 )
 from ddtree.engine.methods import (
     COMPILABLE_METHOD_NAMES,
@@ -381,7 +382,7 @@ def check_drafter_fits(cfg: RunConfig) -> None:
 
 def _check_dflash2_config(cfg: RunConfig, dcfg: dict) -> None:
     """A DFlash2 drafter's config.json (its convolution and selector fields) and the scoring, before any model loads."""
-    dflash2 = "DFlash2DraftModel" in (dcfg.get("architectures") or ())
+    dflash2 = is_dflash2_config(dcfg)
     if dflash2:
         inner = dcfg.get("dflash_config") if isinstance(dcfg.get("dflash_config"), dict) else {}
         check_dflash2_fields(dflash2_fields(dcfg), hidden_size=dcfg.get("hidden_size"),

@@ -168,7 +168,7 @@ def load_drafter(rc: RunConfig, target, device: str):
     if d.kind == "none":
         return None
     from ddtree.engine.drafter import DFlashDrafter
-    from ddtree.engine.methods import check_scoring
+    from ddtree.engine.methods import check_scoring, get_method, has_selector, resolve_scoring
 
     attn = "sdpa" if rc.attention.drafter == AUTO else rc.attention.drafter  # (auto, not resolved by preflight)
     if d.kind == "random":
@@ -184,6 +184,8 @@ def load_drafter(rc: RunConfig, target, device: str):
                                                 attn_implementation=attn, **kw)
     drafter.check_compatible(target)
     check_scoring(rc.scoring, rc.method, drafter)
+    if get_method(rc.method).reads_scoring:  # auto, where preflight could not read the drafter's config.json
+        rc.scoring = resolve_scoring(rc.scoring, has_selector(drafter))
     if d.quantization is not None:
         from ddtree.pipeline.quantization import quantize_module
 

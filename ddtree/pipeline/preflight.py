@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.methods import DFLASH, OWN_HEAD, check_target_supported, get_method
+from ddtree.engine.checks import is_dflash2_config
+from ddtree.engine.methods import (
+    AUTO_SCORING,
+    DFLASH,
+    OWN_HEAD,
+    check_target_supported,
+    get_method,
+    resolve_scoring,
+)
 from ddtree.errors import ConfigError
 from ddtree.pipeline.prompts import Prompt
 from ddtree.pipeline.schema import AUTO
@@ -340,8 +348,19 @@ def preflight(rc) -> TargetFacts | None:
         check_tree_fits(cfg, rc)
     d = rc.drafter
     if get_method(rc.method).drafter_kind == DFLASH and d.kind == "pretrained":
-        check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
+        src = check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
+        resolve_auto_scoring(rc, read_config(src))
+    elif d.kind == "random":  # a random drafter is DFlash
+        resolve_auto_scoring(rc, {})
     return facts
+
+
+def resolve_auto_scoring(rc, drafter_config: dict | None) -> None:
+    """scoring=auto as the job will run it, where the drafter's config.json is on disk (the job's identity and name
+    then say which scoring ran): pair for a DFlash2 drafter, marginal for a DFlash one. Without the file (a hub drafter
+    not yet cached) it stays auto until the drafter loads (ddtree.pipeline.models.load_drafter)."""
+    if rc.scoring == AUTO_SCORING and get_method(rc.method).reads_scoring and drafter_config is not None:
+        rc.scoring = resolve_scoring(AUTO_SCORING, is_dflash2_config(drafter_config))
 
 
 def check_prompt_lengths(prompts: list[Prompt], lengths: list[int], max_new_tokens: int, context: int | None,

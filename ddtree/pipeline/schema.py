@@ -181,7 +181,7 @@ class RunConfig:
     method: str = "ddtree"  # set by the `method` group
     budget: Any = 64  # DDTree node budget (excluding the root), or "auto" (ddtree.pipeline.autobudget)
     auto: AutoBudgetConfig = field(default_factory=AutoBudgetConfig)
-    scoring: str = "marginal"  # method=ddtree's node scores: marginal | pair (a DFlash2 drafter's selector)
+    scoring: str = "auto"  # method=ddtree's node scores: auto | marginal | pair (a DFlash2 drafter's selector)
     temperature: float = 0.0
     max_new_tokens: int = 256
     seed: int = 0

@@ -45,6 +45,17 @@ def row_note(s: dict[str, Any]) -> str:
     return s.get("note") or (f"*{r['why']}" if r.get("fallback") else "")
 
 
+RECORDED = ("scoring",)  # settings a summary records as the job ran them (auto resolved; absent where ignored)
+
+
+def setting_cell(s: dict[str, Any], key: str) -> str:
+    """A row's value of a varying setting: as the job ran it where its summary records it (scoring=auto as pair or
+    marginal; "-" for a method that ignores it), else the job's override."""
+    if key in RECORDED:
+        return str(s.get(key, "-"))
+    return str(s.get("settings", {}).get(key, "-"))
+
+
 def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: list[str] | None = None) -> str:
     """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches; a column for
     each of `settings` (read from a row's "settings"), and a note for rows that did not run."""
@@ -58,7 +69,7 @@ def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: lis
             "verdicts", "round", *(["note"] if notes else []))
     rows = [head]
     for s in rows_in:
-        vals = [str(s.get("settings", {}).get(k, "-")) for k in extra]
+        vals = [setting_cell(s, k) for k in extra]
         if s.get("num_prompts") is None:  # a job that did not run
             rows.append((s["model"], s["method"], f(s.get("budget"), "d"), *vals, *["-"] * 9, row_note(s)))
             continue

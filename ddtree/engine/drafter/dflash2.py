@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.engine.checks import DFLASH2_KEYS, check_dflash2_fields, dflash2_fields
+from ddtree.engine.checks import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, check_dflash2_fields, dflash2_fields
 from ddtree.engine.drafter.config import DFlashConfig
 from ddtree.engine.drafter.model import DFlashDecoderLayer, DFlashDrafter
 from ddtree.errors import ConfigError
 
-ARCHITECTURE = "DFlash2DraftModel"
+ARCHITECTURE = DFLASH2_ARCHITECTURE
 
 
 @dataclass
