@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # measure the checkout this file sits in, not whichever ddtree is installed
     sys.path.insert(0, str(ROOT))
 
+from ddtree.noise import quiet_library_noise  # noqa: E402
+
+quiet_library_noise()  # torchao's and torch's import noise (transformers imports torchao), as the CLIs drop it
+
 import torch  # noqa: E402
 
 # benchmarks measure what `python -m ddtree.run` runs: on a CPU target its engines tune glibc's malloc thresholds

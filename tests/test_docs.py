@@ -38,10 +38,10 @@ def test_generated_pages_equal_their_sources():
 
 def test_make_docs_prints_no_library_noise():
     """`python -m ddtree.docs` loads transformers (the attention column), which imports torchao where it is installed:
-    its import noise is filtered as every CLI filters it (ddtree.pipeline.console.LIBRARY_NOISE)."""
+    its import noise is filtered as every CLI filters it (ddtree.noise.LIBRARY_NOISE)."""
     import torch
 
-    from ddtree.pipeline.console import LIBRARY_NOISE
+    from ddtree.noise import LIBRARY_NOISE
 
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     r = subprocess.run([sys.executable, "-m", "ddtree.docs", "--check"], cwd=ROOT, capture_output=True, text=True,

@@ -4,7 +4,6 @@ where each bar frame would become a line of its own."""
 
 from __future__ import annotations
 
-import logging
 import os
 import re
 import sys
@@ -15,41 +14,10 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf.errors import OmegaConfBaseException
 
 from ddtree.errors import ConfigError
+from ddtree.noise import quiet_library_noise
 
 USER_ERROR_EXIT = 2
 
-# log records of libraries that are noise on every run, dropped from the console and the job log (logging filters on
-# their loggers; every other record passes): (logger, a fragment of the message, noise only without a CUDA device)
-LIBRARY_NOISE = (
-    # torch's pytree registry, on each Enum torchao registers: transformers imports torchao (where it is installed)
-    # with its quantizers, i.e. on every model load, quantized or not
-    ("torch.utils._pytree", "is an Enum subclass and is now natively supported", False),
-    # torchao's CUDA extensions, which a CPU build of torch cannot load
-    ("torchao", "Failed to load ", True),
-    # transformers' hub kernels (causal_conv1d, flash-linear-attention: CUDA packages) falling back to their PyTorch
-    # reference, the only implementation without a GPU; on one the packages would speed up the upstream GDN prefill
-    ("transformers.integrations.hub_kernels", "is falling back to its reference PyTorch implementation", True),
-)
-
-
-def quiet_library_noise() -> None:
-    """Filter LIBRARY_NOISE's records (once per process: the CLIs call it as they start)."""
-    for name, fragment, without_cuda in LIBRARY_NOISE:
-        log = logging.getLogger(name)
-        if any(getattr(f, "ddtree_noise", False) for f in log.filters):
-            continue
-
-        def keep(record: logging.LogRecord, fragment=fragment, without_cuda=without_cuda) -> bool:
-            if fragment not in str(record.msg):
-                return True
-            if without_cuda:
-                import torch
-
-                return torch.cuda.is_available()
-            return False
-
-        keep.ddtree_noise = True
-        log.addFilter(keep)
 # conf/hydra/launcher/*.yaml: the plugin module each needs -> how to install it
 LAUNCHER_PACKAGES = {"hydra_plugins.hydra_submitit_launcher": "pip install 'ddtree[cluster]' (hydra-submitit-launcher)",
                      "hydra_plugins.hydra_ray_launcher": "pip install hydra-ray-launcher"}
