@@ -195,19 +195,22 @@ def results_markdown(rec: dict) -> str:
 
 
 DFLASH2_TABLE = "DFlash and DFlash2 on the toy pair (`make run`'s DFlash2 jobs)"  # bench/bench_toy_run.py writes it
+DFLASH2_SWEEP_TABLE = "DDTree over the toy DFlash2 drafter: tau by budget and scoring (toy_eval)"  # and this one
 
 
 def dflash2_markdown(rec: dict) -> str:
-    """docs/dflash2.md's toy table: the DFlash2 table of the toy-run record, with where it came from."""
+    """docs/dflash2.md's toy tables: the DFlash2 tables of the toy-run record, with where they came from."""
     table = next((t for t in rec["tables"] if t["title"] == DFLASH2_TABLE), None)
+    sweep = next((t for t in rec["tables"] if t["title"] == DFLASH2_SWEEP_TABLE), None)
     if table is None:
         return (f"(no DFlash2 table in `docs/bench/{RESULTS_RECORD}` yet: "
                 "`OMP_NUM_THREADS=1 python bench/bench_toy_run.py --runs 3 --dflash2-only`, then `make docs`)")
     runs = max((c["n"] for r in table["rows"] for c in r if isinstance(c, dict) and "n" in c), default=1)
     spread = f"speedup: median (min–max) of {runs} runs" if runs > 1 else "one run"
     note = f" Machine: {table['note']}." if table.get("note") else ""
-    return (f"{render_table(table)}\n\n{spread}, from `docs/bench/{RESULTS_RECORD}` (its second table; "
-            f"`bench/bench_toy_run.py`).{note}")
+    by_budget = (f"\n\n{sweep['title']}:\n\n{render_table(sweep)}") if sweep is not None else ""
+    return (f"{render_table(table)}\n\n{spread}, from `docs/bench/{RESULTS_RECORD}` (its DFlash2 tables; "
+            f"`bench/bench_toy_run.py`).{note}{by_budget}")
 
 
 # ---------------------------------------------------------------- all pages
@@ -233,7 +236,7 @@ def stale_pages(root: Path = ROOT) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ddtree.pipeline.console import quiet_library_noise
+    from ddtree.noise import quiet_library_noise
 
     quiet_library_noise()  # torchao's and torch's import noise, as the CLIs filter it (the model table loads transformers)
     args = sys.argv[1:] if argv is None else argv
