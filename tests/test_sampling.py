@@ -95,3 +95,27 @@ def test_rejection_rule_samples_the_target_and_accepts_sum_of_min(rule):
     expected, matched = torch.minimum(P[0], Q[0]).sum().item(), (P[0] * Q[0]).sum().item()
     assert abs(accepted - expected) < 4 * (expected * (1 - expected) / n) ** 0.5, (accepted, expected)
     assert expected > matched + 0.3, (expected, matched)  # 0.60 against 0.20 here
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_sampled_chains_follow_target_by_rejection(kind):
+    """T = 1, the DFlash chain and the DFlash2 selector's chain, verified by rejection against their draft rows: the
+    first two tokens follow the target's joint (chi-square). A 6-token vocabulary and the target's head scaled x4
+    (its rows peaked where the drafter's are not; shared with the DFlash drafter) give every joint cell enough draws
+    that a residual drawn from p instead of max(0, p - q), or a draft row of the wrong position, fails this test."""
+    from ddtree.engine.drafter.dflash2 import DFlash2Drafter
+
+    vocab, n = 6, 1000
+    target = tiny_model("qwen3", seed=3, vocab_size=vocab, num_hidden_layers=2)
+    target.lm_head.weight.mul_(4.0)
+    if kind == "dflash":
+        drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=5, mask_token_id=vocab - 1)
+    else:
+        drafter = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=5, selector_top_k=3,
+                                                   selector_rank=8, mask_token_id=vocab - 1)
+    ids = torch.tensor([[1, 3, 2, 4]])
+    engine = ddtree.Engine(target, drafter, method="dflash")
+    g = torch.Generator().manual_seed(11)
+    assert_first_two_tokens_follow(lambda: engine.generate(ids, temperature=1.0, max_new_tokens=3, generator=g),
+                                   exact_joint(target, ids), n)
