@@ -457,8 +457,8 @@ def test_traced_methods_on_both_families_and_a_longer_generation(method, budget,
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["ddtree", "dflash"])
 def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, dynamo_clean):
-    """T > 0: the compiled round feeds the same distributions to the same sampler (ddtree.engine.loop._choose, the
-    walk): with equal generator seeds the draws are the eager engine's (a draw could differ only where a uniform
+    """T > 0: the compiled round feeds the same distributions to the same sampler (ddtree.engine.loop._choose and the
+    walk; a sampled chain's ddtree.engine.tree.rejection_walk): with equal generator seeds the draws are the eager engine's (a draw could differ only where a uniform
     falls within rounding of a boundary), so the chi-square suites of the eager round speak for it too."""
     target, drafter = _pair("qwen3_5_text")
     engine = _engine(target, drafter, method)

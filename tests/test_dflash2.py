@@ -201,22 +201,23 @@ def test_sampling_follows_target(method, scoring):
                                 generator=g, scoring=scoring), probs, n)
 
 
-@pytest.mark.parametrize("method,scoring", CASES)
-def test_a_dflash2_round_reads_the_device_once(method, scoring):
+@pytest.mark.parametrize("method,scoring,temperature", [*((m, s, 0.0) for m, s in CASES), ("dflash", None, 1.0)])
+def test_a_dflash2_round_reads_the_device_once(method, scoring, temperature):
     """On the path a CUDA run takes (ddtree.engine.host.device_path): the walk, the marginal tree and the pair tree
     draft and build on the device: no host read and no host-to-device copy in a round's draft and tree stages; one
-    read a round (the walk's), the prefill's token and the diagnosis records' one per generation
-    (tests/test_launches.py is the DFlash drafter's version)."""
+    read a round (the walk's; at T > 0 the chain's rejection walk), the prefill's token and the diagnosis records' one
+    per generation (tests/test_launches.py is the DFlash drafter's version)."""
     from ddtree.engine import host
     from ddtree.testing.dispatch import DispatchCount
 
     target, drafter = _pair("qwen3")
     ids = torch.tensor([[1, 5, 2, 7, 3]])
+    g = torch.Generator().manual_seed(0)
     with host.device_path():
         engine = ddtree.Engine(target, drafter, method=method, budget=10, scoring=scoring)
-        engine.generate(ids, max_new_tokens=4)  # first-call work
+        engine.generate(ids, max_new_tokens=4, temperature=temperature, generator=g)  # first-call work
         with torch.no_grad(), DispatchCount() as c:
-            res = engine.generate(ids, max_new_tokens=16)
+            res = engine.generate(ids, max_new_tokens=16, temperature=temperature, generator=g)
     assert res.rounds >= 3
     assert c.syncs["draft"] == c.syncs["tree"] == 0, dict(c.sync_names)
     assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)
@@ -299,6 +300,22 @@ def test_cli_runs_the_toy_dflash2_drafter(cli, tmp_path):
         ("ddtree", "pair", 1.0), ("dflash", None, 1.0)]
     assert "toy-ddtree-b8-pair:" in proc.stderr, proc.stderr[-2000:]  # the job is named as it ran
     assert all(s["tau"] > 2 for s in summaries), [s["tau"] for s in summaries]
+
+
+def test_cli_samples_the_toy_dflash2_chain(cli, tmp_path):
+    """T = 1 through `python -m ddtree.run`: the toy DFlash2 chain sampled and verified by rejection against the
+    selector's rows; drafts accepted, every output gets the pipeline's T > 0 verdict (ok: each token probable under
+    the target) next to its AR baseline's."""
+    job = tmp_path / "job"
+    proc = cli("experiment=toy_dflash2", "method=dflash", "temperature=1", "dataset.max_samples=2", "max_new_tokens=24",
+               "tracking=none", f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((job / "summary.json").read_text())
+    assert summary["method"] == "dflash" and summary["tau"] > 1.5, summary["tau"]
+    v = summary["validation"]
+    assert v["checked"] == 2 and v["ok"] == 2 and v["suspect"] == 0, v
+    samples = [json.loads(line) for line in (job / "samples.jsonl").read_text().splitlines()]
+    assert {r["validation"]["verdict"] for r in samples} == {"ok"} and {r["role"] for r in samples} == {"method", "baseline"}
 
 
 @pytest.mark.slow  # the hybrid target through the CLI (~1 min on 2 shared cores)

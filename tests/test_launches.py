@@ -52,19 +52,21 @@ CASES = [("qwen3", "ar", None), ("qwen3", "dflash", None), ("qwen3", "ddtree", 1
          ("qwen3_5_text", "dflash", None), ("qwen3_5_text", "ddtree", 64)]
 
 
-@pytest.mark.parametrize("model_type,method,budget", CASES)
-def test_a_round_reads_the_device_once(model_type, method, budget):
+@pytest.mark.parametrize("model_type,method,budget,temperature", [
+    *((*case, 0.0) for case in CASES), ("qwen3", "dflash", None, 1.0)])  # T > 0: the sampled chain's rejection walk
+def test_a_round_reads_the_device_once(model_type, method, budget, temperature):
     """On the path a CUDA run takes: the prefill's first token, then one read a round (the walk's), whatever the
     stage timer does (CUDA events there, never a synchronize: tests/test_gpu.py), and where the proposer drafts
     one read per generation for the diagnosis records (ddtree.engine.diagnostics)."""
     target = tiny_model(model_type, seed=6, attn_implementation="sdpa", vocab_size=12)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
     ids = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(0)
     with host.device_path():
         engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget)
-        engine.generate(ids, max_new_tokens=4)  # first-call work
+        engine.generate(ids, max_new_tokens=4, temperature=temperature, generator=g)  # first-call work
         with DispatchCount(layers=True) as c:
-            res = engine.generate(ids, max_new_tokens=20)
+            res = engine.generate(ids, max_new_tokens=20, temperature=temperature, generator=g)
     assert res.rounds >= 3
     # every verification op booked under one decoder layer kind or outside them; each lean layer once a round
     assert sum(v for (stage, _), v in c.layer_ops.items() if stage == "verify") == c.ops["verify"]
@@ -81,8 +83,8 @@ def test_a_round_reads_the_device_once(model_type, method, budget):
     assert c.ops["verify"] > 0 and c.ops["prefill"] > 0
 
 
-@pytest.mark.parametrize("topk,budget", [(1, None), (3, 10)])
-def test_an_mtp_round_reads_the_device_once(topk, budget):
+@pytest.mark.parametrize("topk,budget,temperature", [(1, None, 0.0), (3, 10, 0.0), (1, None, 1.0)])
+def test_an_mtp_round_reads_the_device_once(topk, budget, temperature):
     """method=mtp, its chain and its EAGLE tree: the head's expansion stays on the device (top-k, frontier and the
     kept nodes by stable sorts), so a round reads once, at the walk."""
     from ddtree.engine.drafter.mtp import MTPHead
@@ -92,9 +94,10 @@ def test_an_mtp_round_reads_the_device_once(topk, budget):
     ids = torch.randint(0, 12, (1, 9), generator=torch.Generator().manual_seed(1))
     with host.device_path():
         engine = ddtree.Engine(target, head, method="mtp", steps=3, topk=topk, budget=budget or 64)
-        engine.generate(ids, max_new_tokens=4)
+        g = torch.Generator().manual_seed(0)
+        engine.generate(ids, max_new_tokens=4, temperature=temperature, generator=g)
         with DispatchCount(layers=True) as c:
-            res = engine.generate(ids, max_new_tokens=20)
+            res = engine.generate(ids, max_new_tokens=20, temperature=temperature, generator=g)
     assert res.rounds >= 3
     # every verification op booked under one decoder layer kind or outside them; each lean layer once a round
     assert sum(v for (stage, _), v in c.layer_ops.items() if stage == "verify") == c.ops["verify"]

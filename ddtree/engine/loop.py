@@ -17,7 +17,7 @@ from ddtree.engine.options import EngineOptions, scoped
 from ddtree.engine.proposers import DecodeState, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
-from ddtree.engine.tree import host_walk, walk
+from ddtree.engine.tree import host_walk, rejection_walk, walk
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
 
@@ -259,6 +259,8 @@ def _generate(engine: Engine, input_ids: torch.Tensor, temperature: float, max_n
                 t_feats = time.perf_counter()
                 feats = verified.features(w.path_list)  # before the commit moves the cache rows it reads
                 head_s += time.perf_counter() - t_feats
+            elif temperature > 0 and tree.draft_probs is not None:  # a sampled chain: speculative sampling
+                w = rejection_walk(tree, verified, temperature, generator)  # the round's one host read
             else:
                 choice = _choose(verified, temperature, generator)
                 w = walk(tree, choice)  # the round's one host read

@@ -227,19 +227,25 @@ class DrafterBlock(Proposer):
         return self.last_logits
 
 
+def sample_rows(logits: torch.Tensor, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(tokens, draft probabilities) of a chain's rows `logits` [..., V]: the argmax and None at T = 0, else one sample
+    of each row's softmax(logits / T) and those softmax rows (what the loop verifies the chain against by rejection:
+    ddtree.engine.tree.rejection_walk)."""
+    if state.temperature <= 0:
+        return logits.argmax(-1), None
+    probs = torch.softmax(logits / state.temperature, dim=-1)
+    return torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=state.generator).reshape(
+        probs.shape[:-1]), probs
+
+
 class DFlashProposer(DrafterBlock):
-    """A chain of the drafter's choices (argmax at T = 0, a sample at T > 0)."""
+    """A chain of the drafter's choices (argmax at T = 0; at T > 0 a sample, verified by rejection against its row)."""
 
     def propose(self, state: DecodeState) -> DraftTree:
         with state.timer.stage("draft"):
             logits = self.draft_logits(state)
         with state.timer.stage("tree"):
-            if state.temperature > 0:
-                probs = torch.softmax(logits / state.temperature, dim=-1)
-                toks = torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
-            else:
-                toks = logits.argmax(-1)
-            return chain_tree(state.root, toks)
+            return chain_tree(state.root, *sample_rows(logits, state))
 
 
 class DDTreeProposer(DrafterBlock):
@@ -365,22 +371,18 @@ class MTPProposer(Proposer):
                 static.load(self.cache, self._capacity)
             return tree
 
-    def _pick(self, logits: torch.Tensor, state: DecodeState) -> torch.Tensor:
-        if state.temperature > 0:
-            probs = torch.softmax(logits / state.temperature, dim=-1)
-            return torch.multinomial(probs, 1, generator=state.generator).squeeze(-1)
-        return logits.argmax(-1)
-
     def _chain(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
+        """topk = 1: argmax at T = 0; at T > 0 a sample of each step's softmax, verified by rejection against it."""
         head, dev = self.head, state.root.device
-        toks = [self._pick(logits, state)]
+        picks = [sample_rows(logits, state)]
         for s in range(1, self.steps):  # token s sits at start + s; the head runs one before it
             pos = torch.full((1, 1), state.start + s - 1, dtype=torch.long, device=dev)
-            hidden = head(head.embed(toks[-1].reshape(1, 1)), hidden, pos, None, self.cache)
-            toks.append(self._pick(head.logits(hidden[0, 0]).float().to(dev), state))
+            hidden = head(head.embed(picks[-1][0].reshape(1, 1)), hidden, pos, None, self.cache)
+            picks.append(sample_rows(head.logits(hidden[0, 0]).float().to(dev), state))
         self._drop_drafts()
         with state.timer.stage("tree"):
-            return chain_tree(state.root, torch.stack(toks))
+            toks, probs = zip(*picks, strict=True)
+            return chain_tree(state.root, torch.stack(toks), None if probs[0] is None else torch.stack(probs))
 
     def _tree(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
         """EAGLE-style expansion on the device, without a host read (mtp_expand): the head's entries of each step

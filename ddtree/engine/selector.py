@@ -10,7 +10,8 @@ engines draft (method=dflash) and DDTree's two scorings (method=ddtree scoring=m
   (pair_logprobs), its path's score the sum along the path.
 
 Every tree is verified by the loop as any other (the target's choice after each node, the deepest consistent
-path): lossless whatever the proposal.
+path): lossless whatever the proposal. The chain sampled at T > 0 carries its draft rows and is verified by
+speculative sampling instead (ddtree.engine.tree.rejection_walk), as the serving engines verify it.
 """
 
 from __future__ import annotations
@@ -83,7 +84,11 @@ class DFlash2ChainProposer(_PairRecord, DrafterBlock):
         with state.timer.stage("draft"):
             cand = self.candidates(state)
         with state.timer.stage("tree"):
-            return chain_tree(state.root, selector_walk(cand, state.root, state.temperature, state.generator))
+            if state.temperature <= 0:
+                return chain_tree(state.root, selector_walk(cand, state.root))
+            # a sample of the selector's softmax at each position, verified by rejection against it (the loop)
+            return chain_tree(state.root, *selector_walk(cand, state.root, state.temperature, state.generator,
+                                                         draft_probs=True))
 
 
 class DFlash2MarginalProposer(_SelectorHead, DDTreeProposer):
@@ -110,20 +115,28 @@ class PairTreeProposer(_PairRecord, DrafterBlock):
             return tree
 
 
-def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None, *,
+                  draft_probs: bool = False):
     """The selector's chain [L] from the anchor `root`, on the device (no host read): every pair score of the block
-    first (pair_scores: a few batched ops), then per position one row read and its argmax (or a sample)."""
+    first (pair_scores: a few batched ops), then per position one row read and its argmax (or a sample of
+    softmax(S_t(prev, .) / T) over the candidates). draft_probs (T > 0): (chain, q [L, V]), q_t those softmax rows
+    scattered into the vocabulary, 0 outside position t's candidates (what the chain is verified against by
+    rejection: ddtree.engine.tree.rejection_walk)."""
     first, trans = pair_scores(cand, root)
-    picks = []
+    picks, rows = [], []
     for t in range(cand.ids.shape[0]):
         # (index_select, not trans[t - 1, pick]: a 0-d tensor as a Python index is read on the host)
         s = first if t == 0 else trans[t - 1].index_select(0, picks[-1].reshape(1))[0]
         if temperature > 0:
-            picks.append(torch.multinomial(torch.softmax(s / temperature, dim=-1), 1, generator=generator)[0])
+            rows.append(torch.softmax(s / temperature, dim=-1))
+            picks.append(torch.multinomial(rows[-1], 1, generator=generator)[0])
         else:
             picks.append(s.argmax())
-    return cand.ids.gather(1, torch.stack(picks)[:, None])[:, 0]
+    chain = cand.ids.gather(1, torch.stack(picks)[:, None])[:, 0]
+    if not draft_probs:
+        return chain
+    q = torch.zeros(cand.ids.shape[0], cand.pred.shape[0], device=chain.device)
+    return chain, q.scatter_(1, cand.ids, torch.stack(rows))
 
 
 def pair_scores(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

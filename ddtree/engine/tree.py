@@ -41,6 +41,9 @@ class DraftTree:
     # where the tree was built on the host (a CPU's C build): (tokens, first child, next sibling) as lists (-1: none;
     # children in flat order), the host walk's index
     _host: tuple[list[int], list[int], list[int]] | None = field(default=None, repr=False)
+    # a chain whose tokens were sampled (T > 0): draft_probs[i] the distribution node i + 1's token was drawn from
+    # ([L, V] on the device; 0 where it could not be drawn), which the loop verifies by rejection (`rejection_walk`)
+    draft_probs: torch.Tensor | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -81,12 +84,13 @@ def root_tree(root: torch.Tensor) -> DraftTree:
     return DraftTree(root.reshape(1).long(), torch.full_like(z, -1), z, is_chain=True, depth_bound=0)
 
 
-def chain_tree(root: torch.Tensor, tokens: torch.Tensor) -> DraftTree:
-    """root followed by `tokens` in a line (DFlash)."""
+def chain_tree(root: torch.Tensor, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """root followed by `tokens` in a line (DFlash). draft_probs: [L, V], the rows `tokens` were sampled from (a
+    chain drafted at T > 0: verified by `rejection_walk`), or None (verified by the target's choices: `walk`)."""
     toks = torch.cat([root.reshape(1).long(), tokens.reshape(-1).long()])
     n = toks.shape[0]
     ar = torch.arange(n, device=toks.device)
-    return DraftTree(toks, ar - 1, ar, is_chain=True, depth_bound=n - 1)
+    return DraftTree(toks, ar - 1, ar, is_chain=True, depth_bound=n - 1, draft_probs=draft_probs)
 
 
 def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor,
@@ -261,6 +265,36 @@ def walk(tree: DraftTree, choice: torch.Tensor) -> Walk:
     path_list = host[: 1 + d][::-1]
     tokens = host[m: m + 1 + d][::-1][1:] + [host[-1]]
     return Walk(up[: d + 1].flip(0), path_list, tokens, choice[e])
+
+
+def rejection_walk(tree: DraftTree, logits: torch.Tensor, temperature: float,
+                   generator: torch.Generator | None = None) -> Walk:
+    """Speculative sampling of a sampled chain (`tree.draft_probs` set): the round's tokens follow the target's
+    distribution p = softmax(logits / temperature) (`logits` [L + 1, V]: row i the target's after node i).
+
+    Drafted token x_i, drawn from q_i = draft_probs[i - 1], is accepted while u_i < p_{i-1}(x_i) / q_i(x_i) (u_i
+    uniform; as u_i q_i(x_i) < p_{i-1}(x_i)); at the first rejection, after k accepted tokens, the next token is a
+    sample of norm(max(0, p_k - q_{k+1})), and after the whole chain one of p_L (q_{L+1} = 0: the same formula).
+    Each drafted token is accepted with probability sum_x min(p, q), where a match with an independent target sample
+    (`walk`) has sum_x p q. On the device with one host read (the accepted length, the chain's tokens and the next
+    token), nothing copied to it. `ddtree.testing.reference.rejection_reference` is the slow obvious rule."""
+    q = tree.draft_probs
+    L = q.shape[0]
+    p = torch.softmax(logits.float() / temperature, dim=-1)  # as the loop's _choose
+    drafted = tree.tokens[1:, None]
+    u = torch.rand(L, generator=generator, device=p.device)
+    ok = u * q.gather(1, drafted)[:, 0] < p[:-1].gather(1, drafted)[:, 0]
+    k = ok.long().cumprod(0).sum().view(1)  # accepted drafts (1-d: a 0-d index tensor would be read on the host)
+    left = torch.nn.functional.pad(q, (0, 0, 0, 1)).index_select(0, k)  # q_{k+1} (zeros past the chain)
+    pk = p.index_select(0, k)
+    residual = (pk - left).clamp_(min=0.0)
+    # p_k <= q_{k+1} everywhere means p_k = q_{k+1}: no rejection in exact arithmetic, a rounding one draws from p_k
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, pk)
+    nxt = torch.multinomial(residual, 1, generator=generator).view(1)
+    n = L + 1
+    host = torch.cat([k, tree.tokens[1:], nxt]).tolist()
+    a = host[0]
+    return Walk(torch.arange(a + 1, device=p.device), list(range(a + 1)), host[1: a + 1] + [host[n]], nxt[0])
 
 
 def host_walk(tree: DraftTree, ask) -> Walk:

@@ -98,6 +98,22 @@ def walk_reference(tree: DraftTree, choice: torch.Tensor) -> tuple[list[int], li
     return path, [tokens[i] for i in path[1:]] + [want[path[-1]]]
 
 
+def rejection_reference(drafted: list[int], p_rows: list[list[float]], q_rows: list[list[float]],
+                        rng: random.Random) -> list[int]:
+    """Speculative sampling of a sampled chain, slowly and obviously (Leviathan et al. 2023; Chen et al. 2023): the
+    round's new tokens. drafted[i] was drawn from q_rows[i]; p_rows[i] is the target's distribution after the chain's
+    first i drafts (len(drafted) + 1 rows). Accept drafted[i] with probability min(1, p(x) / q(x)); at the first
+    rejection draw from max(0, p - q) normalised and stop; after the whole chain draw one more from the last p."""
+    out = []
+    for x, p, q in zip(drafted, p_rows, q_rows, strict=False):
+        if rng.random() < p[x] / q[x]:
+            out.append(x)
+            continue
+        residual = [max(0.0, a - b) for a, b in zip(p, q, strict=True)]
+        return out + rng.choices(range(len(p)), weights=residual)
+    return out + rng.choices(range(len(p_rows[-1])), weights=p_rows[len(drafted)])
+
+
 def tree_paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
     parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
     scores = tree.scores.tolist() if tree.scores is not None else [0.0] * len(tokens)
