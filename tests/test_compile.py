@@ -526,14 +526,17 @@ def test_traced_methods_on_both_families_and_a_longer_generation(method, budget,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ddtree", "dflash"])
-def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, dynamo_clean):
+@pytest.mark.parametrize("method,scoring,dflash2", [("ddtree", None, False), ("dflash", None, False),
+                                                    ("dflash", None, True), ("ddtree", "pair", True)],
+                         ids=["ddtree", "dflash", "dflash2-chain", "dflash2-pair"])
+def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, scoring, dflash2, dynamo_clean):
     """T > 0: the compiled round feeds the same distributions to the same sampler (ddtree.engine.loop._choose, the
     walk): with equal generator seeds the draws are the eager engine's (a draw could differ only where a uniform
-    falls within rounding of a boundary), so the chi-square suites of the eager round speak for it too."""
-    target, drafter = _pair("qwen3_5_text")
-    engine = _engine(target, drafter, method)
-    eager = ddtree.Engine(target, drafter, method=method, budget=16, compile="false")
+    falls within rounding of a boundary), so the chi-square suites of the eager round speak for it too. A DFlash2
+    drafter: its chain's walk samples eagerly after the compiled forward; its pair tree is compiled at any T."""
+    target, drafter = (_dflash2_pair if dflash2 else _pair)("qwen3_5_text")
+    engine = _engine(target, drafter, method, scoring=scoring)
+    eager = ddtree.Engine(target, drafter, method=method, budget=16, scoring=scoring, compile="false")
     for seed, ids in enumerate(_prompts((6, 19))):
         runs = [e.generate(ids, max_new_tokens=NEW, temperature=0.8, generator=torch.Generator().manual_seed(seed))
                 for e in (engine, eager)]

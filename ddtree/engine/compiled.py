@@ -25,11 +25,12 @@ prompts of other lengths reuse the same graphs (no recompile). The prefill stays
 is copied into the static buffers once per generation.
 
 Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`; a DFlash2
-drafter's selector walk or pair tree, the proposer's `tree_graph`) and the DFlash (or DFlash2) drafter's forward from a generation's second round (`StaticDraft`, ddtree.engine.drafter.model_static), or
-MTP's head, its context read and its chain or tree drafting in one graph, from the second round too (`StaticMTP`,
+drafter's selector walk or pair tree, the proposer's `tree_graph`) and the DFlash (or DFlash2) drafter's forward
+from a generation's second round (`StaticDraft`, ddtree.engine.drafter.model_static), or MTP's head, its context
+read and its chain or tree drafting in one graph, from the second round too (`StaticMTP`,
 ddtree.engine.drafter.mtp_static): each drafter's static form lives next to its model, and `StaticRound.attach`
-builds the one a proposer declares (`Proposer.static_form`). The round then reads the device once, in
-the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
+builds the one a proposer declares (`Proposer.static_form`). The round then reads the device once, in the walk, as
+the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
 Where it runs: a target the lean forward runs (a family whose table row names its positions, eager/sdpa, no

@@ -210,9 +210,9 @@ def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], i
 
 def pair_tree_tensors(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
                       budget: int) -> tuple[torch.Tensor, ...]:
-    """(tokens, parents, depths, scores, top1): the best-first tree of `budget` nodes under pair scores, built on the scores' device without a
-    host read or a host-to-device copy (shapes fixed by budget, L and k), and per node whether it is its parent's
-    best child (the root: True; ties: the better-ranked candidate, as argmax).
+    """(tokens, parents, depths, scores, top1): the best-first tree of `budget` nodes under pair scores, built on the
+    scores' device without a host read or a host-to-device copy (shapes fixed by budget, L and k), and per node
+    whether it is its parent's best child (the root: True; ties: the better-ranked candidate, as argmax).
 
     A node is (position t, candidate i); its children are position t + 1's candidates, costing -trans[t, i]. Depth by
     depth a beam (five ops: the rows of the beam's candidates, the pairs' costs, a stable sort, parent and child): the
