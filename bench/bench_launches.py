@@ -8,7 +8,9 @@ H200 round time from a stated cost model, for a target structure given by a hub-
 
 Each structure (bench/configs/<name>.json: the real layer count and layer types) is built at tiny width (hidden 64)
 with a random 5-layer DFlash drafter reading target layers 1/16/31/46/61 (evenly spaced on a shallower target),
-block 16, bf16, sdpa. Per method, a warm-up generation, then two greedy generations of the same prompt, one
+block 16, bf16, sdpa; `dflash2`, `dflash2_marginal:B`, `dflash2_pair:B` (not in the default --methods): a random
+DFlash2 drafter of the same dims (ddtree.engine.drafter.dflash2: rank-16 top-8 selector), its chain and DDTree under
+each scoring. Per method, a warm-up generation, then two greedy generations of the same prompt, one
 --rounds rounds longer than the other, under `ddtree.testing.dispatch.DispatchCount`: their difference divided by
 the extra rounds is one steady-state round (the prefill and the first rounds cancel out). --path device (default)
 runs a CPU on the branches a CUDA run takes (`ddtree.engine.host.device_path`); --path host keeps the CPU-only ones.
@@ -81,6 +83,11 @@ DRAFTER_IDS = {64: [1, 16, 31, 46, 61]}  # Qwen3.6-27B's public DFlash drafter
 TAU = {"ar": 1.0, "dflash": 5.70, "ddtree:16": 6.29, "ddtree:64": 7.51, "ddtree:256": 7.6, "mtp": 2.96,
        "mtp_tree:16": 3.35}
 MTP = {"mtp": dict(steps=3, topk=1), "mtp_tree": dict(steps=3, topk=4)}  # method=mtp: a chain, an EAGLE-style tree
+# a random DFlash2 drafter of the DFlash one's dims (conv taps 4, groups of hidden / 8, selector rank 16, top-8): its
+# chain (method=dflash) and DDTree under each scoring; tau the toy DFlash2 drafter's (docs/dflash2.md)
+DFLASH2 = {"dflash2": ("dflash", None), "dflash2_marginal": ("ddtree", "marginal"), "dflash2_pair": ("ddtree", "pair")}
+TAU.update({"dflash2": 7.00, "dflash2_marginal:16": 7.70, "dflash2_marginal:32": 8.56, "dflash2_pair:16": 7.90,
+            "dflash2_pair:32": 8.56})
 LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
 
@@ -221,6 +228,9 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
 
             head = MTPHead.random_for_target(target, seed=0).to(device=ids.device, dtype=target.dtype)
             engine = ddtree.Engine(target, head, method="mtp", budget=budget, **MTP[method], **kw)
+        elif method in DFLASH2:
+            base, scoring = DFLASH2[method]
+            engine = ddtree.Engine(target, dflash2_like(target, drafter), method=base, budget=budget, scoring=scoring, **kw)
         else:
             engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget, **kw)
         engine.generate(ids, max_new_tokens=4)  # warm-up: lazy buffers, the allocator, kernel choices
@@ -256,6 +266,7 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         t = time.perf_counter()
         timed = engine.generate(ids, max_new_tokens=new)
         wall = (time.perf_counter() - t) / max(1, timed.rounds)
+    method = DFLASH2.get(method, (method,))[0]
     nodes = 1 if method == "ar" else (budget + 1 if method == "ddtree" else drafter.block_size)
     if method in MTP:  # the verified chain (steps + 1) or tree (the budget's nodes + 1), not the drafter's block
         nodes = engine.proposer.max_nodes
@@ -279,6 +290,19 @@ def build(name: str, a):
     drafter = DFlashDrafter.random_for_target(cfg, num_layers=5, block_size=16, target_layer_ids=ids, seed=1)
     drafter.to(a.device, a.torch_dtype)
     return real, target, drafter
+
+
+def dflash2_like(target, drafter):
+    """A random DFlash2 drafter for `target` with `drafter`'s layers, target layers and block (built once)."""
+    from ddtree.engine.drafter.dflash2 import DFlash2Drafter
+
+    if getattr(drafter, "_dflash2", None) is None:
+        c = drafter.config
+        twin = DFlash2Drafter.random_for_target(target.config, num_layers=c.num_hidden_layers,
+                                                block_size=c.block_size, target_layer_ids=list(drafter.target_layer_ids),
+                                                seed=1)
+        drafter._dflash2 = twin.to(drafter.device, drafter.dtype)
+    return drafter._dflash2
 
 
 # ----- bytes per compiled round ---------------------------------------------------------------------------------
@@ -511,7 +535,8 @@ def main() -> None:
             r["predicted"] = {}
             for ctx in a.contexts:
                 p = predict(dims, r["total_ops"], r["total_kernel_ops"], r["total_syncs"], r["nodes"],
-                            drafter.block_size, method in ("dflash", "ddtree"), ctx, a, r["graph_calls"] or 0.0)
+                            drafter.block_size, DFLASH2.get(method, (method,))[0] in ("dflash", "ddtree"), ctx, a,
+                            r["graph_calls"] or 0.0)
                 tau = TAU.get(spec, 1.0)
                 p.update(tau=tau, tok_s=tau / p["round_ms"] * 1e3, ceiling_tok_s=tau / p["ceiling_ms"] * 1e3)
                 r["predicted"][str(ctx)] = p

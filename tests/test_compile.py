@@ -17,6 +17,7 @@ import ddtree
 from ddtree.engine import host
 from ddtree.engine.compiled import StaticRound, capacity_bucket
 from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.drafter.dflash2 import DFlash2Drafter
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import tree_from_parents
 from ddtree.errors import ConfigError
@@ -128,6 +129,76 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
     assert c.graphs["verify"] == c.graphs["commit"] == c.graphs["tree"] == res.rounds
     assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
     assert c.ops["verify"] <= 2 * res.rounds  # the tree's tensors handed over: views only, no op of the forward
+
+
+DFLASH2_CASES = [("dflash", None), ("ddtree", "marginal"), ("ddtree", "pair")]
+
+
+def _dflash2_pair(model_type: str):
+    """A tiny target and a random DFlash2 drafter (convolutions off the identity, pair scores that reorder)."""
+    target = tiny_model(model_type, seed=6, vocab_size=VOCAB)
+    return target, DFlash2Drafter.random_for_target(target.config, block_size=8, seed=3, selector_top_k=4,
+                                                    selector_rank=8)
+
+
+def test_a_dflash2_drafter_drafts_in_the_compiled_round(dynamo_clean):
+    """A DFlash2 drafter (ddtree.engine.drafter.dflash2) in the compiled round, traced by dynamo on the tiny hybrid:
+    its forward with the convolutions (StaticDraft, from the second round) and the selector's walk, the marginal tree
+    or the pair tree as graphs. The chain and both scorings equal HF greedy and the eager engine (the same drafts:
+    acceptance lengths; the same diagnosis records), each round calls one graph a stage and reads the host once, no
+    recompile after the first generation, and the result says the round was compiled with nothing eager. Outputs are
+    overwritten at the next compiled call as under CUDA graphs (`_pool_backend`): the round reads the clones."""
+    target, drafter = _dflash2_pair("qwen3_5_text")
+    prompts = _prompts((5, 17))
+    for method, scoring in DFLASH2_CASES:
+        torch._dynamo.reset()
+        counters.clear()
+        with host.device_path():  # the branches a CUDA run takes (the device tree build)
+            engine = _engine(target, drafter, method, budget=10, backend=_pool_backend(), scoring=scoring)
+            engine.static.cudagraphs = True
+            eager = ddtree.Engine(target, drafter, method=method, budget=10, scoring=scoring, compile="false")
+            engine.generate(prompts[0], max_new_tokens=4)  # warm-up: the graphs are traced here
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for ids in prompts:
+                    res = engine.generate(ids, max_new_tokens=NEW)
+                    assert res.output_ids == hf_greedy(target, ids, NEW), (method, scoring)
+                    ref = eager.generate(ids, max_new_tokens=NEW)
+                    assert res.acceptance_lengths == ref.acceptance_lengths, (method, scoring)
+                    assert _same_records(res.diagnosis, ref.diagnosis), (method, scoring)
+                    assert (res.round, res.round_note, res.round_fallback) == ("compiled", None, False)
+                with DispatchCount() as c:
+                    res = engine.generate(prompts[1], max_new_tokens=NEW)
+        assert graphs == 4 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+        assert max(res.acceptance_lengths) > 1, (method, scoring)  # drafts accepted: paths through the tree
+        assert c.graphs["tree"] == c.graphs["verify"] == c.graphs["commit"] == res.rounds, (method, scoring)
+        assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
+        assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)  # the walk's, the prefill's token, the records
+
+
+@pytest.mark.slow  # inductor: about a minute a graph on this CPU
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_inductor_compiled_dflash2_methods_equal_hf_greedy(model_type, dynamo_clean):
+    """compile=true as a user runs it (inductor) with a DFlash2 drafter: the chain and both scorings equal HF greedy
+    and the eager engine, without a recompile or a graph break, the round compiled."""
+    target, drafter = _dflash2_pair(model_type)
+    prompts = _prompts((5, 23))
+    for method, scoring in DFLASH2_CASES:
+        with host.device_path():
+            engine = _engine(target, drafter, method, budget=10, backend=None, scoring=scoring)
+            engine.generate(prompts[0], max_new_tokens=4)
+            graphs = counters["stats"]["unique_graphs"]
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for ids in prompts:
+                    res = engine.generate(ids, max_new_tokens=NEW)
+                    assert res.output_ids == hf_greedy(target, ids, NEW), (method, scoring, ids.shape)
+                    ref = ddtree.generate(target, drafter, ids, method=method, budget=10, scoring=scoring,
+                                          max_new_tokens=NEW, compile="false")
+                    assert res.acceptance_lengths == ref.acceptance_lengths, (method, scoring)
+                    assert (res.round, res.round_note) == ("compiled", None)
+        assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+        torch._dynamo.reset()
+        counters.clear()
 
 
 @pytest.mark.slow
@@ -455,14 +526,17 @@ def test_traced_methods_on_both_families_and_a_longer_generation(method, budget,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["ddtree", "dflash"])
-def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, dynamo_clean):
+@pytest.mark.parametrize("method,scoring,dflash2", [("ddtree", None, False), ("dflash", None, False),
+                                                    ("dflash", None, True), ("ddtree", "pair", True)],
+                         ids=["ddtree", "dflash", "dflash2-chain", "dflash2-pair"])
+def test_sampling_through_the_compiled_round_draws_as_the_eager_one(method, scoring, dflash2, dynamo_clean):
     """T > 0: the compiled round feeds the same distributions to the same sampler (ddtree.engine.loop._choose and the
     walk; a sampled chain's ddtree.engine.tree.rejection_walk): with equal generator seeds the draws are the eager engine's (a draw could differ only where a uniform
-    falls within rounding of a boundary), so the chi-square suites of the eager round speak for it too."""
-    target, drafter = _pair("qwen3_5_text")
-    engine = _engine(target, drafter, method)
-    eager = ddtree.Engine(target, drafter, method=method, budget=16, compile="false")
+    falls within rounding of a boundary), so the chi-square suites of the eager round speak for it too. A DFlash2
+    drafter: its chain's walk samples eagerly after the compiled forward; its pair tree is compiled at any T."""
+    target, drafter = (_dflash2_pair if dflash2 else _pair)("qwen3_5_text")
+    engine = _engine(target, drafter, method, scoring=scoring)
+    eager = ddtree.Engine(target, drafter, method=method, budget=16, scoring=scoring, compile="false")
     for seed, ids in enumerate(_prompts((6, 19))):
         runs = [e.generate(ids, max_new_tokens=NEW, temperature=0.8, generator=torch.Generator().manual_seed(seed))
                 for e in (engine, eager)]

@@ -287,6 +287,17 @@ def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
     assert parts["pair"]["predicted"] != parts["marginal"]["predicted"]
 
 
+def test_cli_compiles_a_dflash2_round(cli, tmp_path, saved, monkeypatch):
+    """compile=true through `python -m ddtree.run` (compat on; the graphs traced by dynamo: DDTREE_COMPILE_BACKEND=eager,
+    tests/test_compile.py has inductor's): the chain and both scorings lossless, each job's round compiled with
+    nothing eager (the drafter's forward, the walk and the trees in the compiled round)."""
+    monkeypatch.setenv("DDTREE_COMPILE_BACKEND", "eager")
+    got = _cli_sweep(cli, tmp_path, "tiny_qwen3", saved, "compile=true")
+    assert len(got) == 3 and all(rate == 1.0 for *_, rate in got), got
+    for path in (tmp_path / "sweep").glob("*/summary.json"):
+        assert json.loads(path.read_text())["round"] == {"ran": "compiled", "why": None, "fallback": False}
+
+
 def test_cli_runs_the_toy_dflash2_drafter(cli, tmp_path):
     """The shipped toy DFlash2 drafter (drafter=toy_dflash2, the toy hybrid target) through `python -m ddtree.run`
     with the default scoring (auto: pair for a DFlash2 drafter, recorded as pair): its chain and its pair-scored tree,

@@ -24,12 +24,13 @@ of two up to 4,096 rows, then steps of 4,096 or 1/16 octave), kept for later gen
 prompts of other lengths reuse the same graphs (no recompile). The prefill stays eager (the usual `TargetSession`), and its cache
 is copied into the static buffers once per generation.
 
-Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`) and the
-DFlash drafter's forward from a generation's second round (`StaticDraft`, ddtree.engine.drafter.model_static), or
-MTP's head, its context read and its chain or tree drafting in one graph, from the second round too (`StaticMTP`,
+Two more graphs where the method has them: DDTree's tree build (`best_first_tensors`, `StaticRound.tree`; a DFlash2
+drafter's selector walk or pair tree, the proposer's `tree_graph`) and the DFlash (or DFlash2) drafter's forward
+from a generation's second round (`StaticDraft`, ddtree.engine.drafter.model_static), or MTP's head, its context
+read and its chain or tree drafting in one graph, from the second round too (`StaticMTP`,
 ddtree.engine.drafter.mtp_static): each drafter's static form lives next to its model, and `StaticRound.attach`
-builds the one a proposer declares (`Proposer.static_form`). The round then reads the device once, in
-the walk, as the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
+builds the one a proposer declares (`Proposer.static_form`). The round then reads the device once, in the walk, as
+the eager one does. Decoder layers are driven as `ddtree.engine.forward.LeanLayer` drives them (the model's own submodules,
 step for step), so logits equal the eager engine's to rounding (greedy tokens equal: tests/test_compile.py).
 
 Where it runs: a target the lean forward runs (a family whose table row names its positions, eager/sdpa, no
@@ -297,12 +298,15 @@ class StaticRound:
 
     def attach(self, proposer) -> str | None:
         """Compile what `proposer` declares (ddtree.engine.proposers.Proposer): its best-first tree build (`tree`,
-        as `tree_tensors`) and its drafter's static form (`static_form`: a class next to its model, e.g.
+        as `tree_tensors`) or its own (`tree_graph`, one graph, as `tree_tensors`) and its drafter's static form (`static_form`: a class next to its model, e.g.
         ddtree.engine.drafter.model_static.StaticDraft, built as `static_form(self, proposer)` where its
         `why_not(self, proposer)` finds nothing, as `static_draft`); returns why its drafter drafts eagerly, or None
         (compiled, or nothing to draft)."""
         if proposer.best_first:
             proposer.tree_tensors = self.tree
+        elif proposer.tree_graph is not None:  # a tree build of the proposer's own, as one graph
+            graph = torch.compile(proposer.tree_graph, **self.options)
+            proposer.tree_tensors = lambda *args: self._run(graph, *args)  # (`_run` looked up at each call: a seam)
         form = proposer.static_form
         if form is None:
             # nothing of the proposer's to compile (AR), or a proposer with no compiled form that drafts
@@ -316,7 +320,7 @@ class StaticRound:
 
     def detach(self, proposer) -> None:
         """Undo `attach`: the proposer drafts and builds its tree eagerly again (compile=auto's fallback)."""
-        if proposer.tree_tensors == self.tree:
+        if proposer.tree_tensors == self.tree or proposer.tree_graph is not None:
             proposer.tree_tensors = None
         if proposer.static_draft is self.draft:
             proposer.static_draft = None

@@ -117,6 +117,9 @@ class Proposer:
     static_form: the compiled form of its drafter the compiled round attaches under compile, as `static_draft`:
       a class next to its drafter's model (ddtree.engine.drafter.model_static.StaticDraft of its `drafter`,
       ddtree.engine.drafter.mtp_static.StaticMTP of its `head`) or None (it drafts eagerly).
+    tree_graph: a tree build of its own (not best_first's) as a function of tensors to tensors (fixed shapes, no host
+      read; e.g. a DFlash2 selector's walk, ddtree.engine.selector): under compile the round compiles it as one graph
+      and hands it back as `tree_tensors` (same arguments); None: none.
     """
 
     feature_layers: list[int] | None = None
@@ -127,7 +130,8 @@ class Proposer:
     last_logits: torch.Tensor | None = None
     best_first: bool = False
     static_form: type | None = None
-    tree_tensors = None  # set by the compiled round where `best_first`
+    tree_graph = None
+    tree_tensors = None  # set by the compiled round where `best_first` or `tree_graph`
     static_draft = None  # set by the compiled round where `static_form`
     last_top1: torch.Tensor | None = None  # per node of the latest tree: is it its parent's best child (diagnosis;
     # None: the drafter's top-1 at its position, as marginal scores rank it)
@@ -163,6 +167,7 @@ class DrafterBlock(Proposer):
     compilable = True
     diagnoses = True
     static_form = StaticDraft
+    draft_hidden = False  # its rounds read `last_hidden` (the block's final hidden rows): the compiled forward's too
 
     def __init__(self, target: PreTrainedModel, drafter, block_size: int | None = None):
         self.target, self.drafter = target, drafter
@@ -205,8 +210,11 @@ class DrafterBlock(Proposer):
         static = self.static_draft
         if static is not None and static.ready:  # the context arrived through the target's commit graph
             self.ctx_len = state.start
-            self.last_logits = static.logits(state.root)
-            return self.last_logits
+            out = static.logits(state.root)
+            if self.draft_hidden:
+                out, self.last_hidden = out
+            self.last_logits = out
+            return out
         dev = state.root.device
         ctx = state.new_context
         c = 0 if ctx is None else ctx.shape[1]

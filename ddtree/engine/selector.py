@@ -22,14 +22,20 @@ import math
 import torch
 
 from ddtree.engine.checks import check_budget
+from ddtree.engine.drafter.dflash2 import Candidates
 from ddtree.engine.proposers import DDTreeProposer, DecodeState, DrafterBlock
-from ddtree.engine.tree import DraftTree, chain_tree
+from ddtree.engine.tree import (
+    DraftTree,
+    _ancestor_index,
+    _ancestor_matrix,
+    chain_tensors,
+    chain_tree,
+    tree_of_tensors,
+)
 
 
 class _SelectorHead:
     """Mixin for a DrafterBlock over a DFlash2 drafter: its logits carry the drafter's multiplier and soft cap."""
-
-    static_form = None  # its convolutions and selector are not in the compiled drafter (StaticDraft): it drafts eagerly
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.drafter.head_logits(self.lm_head, hidden)
@@ -49,15 +55,28 @@ class _PairRecord(_SelectorHead):
     given the target's path, not the marginal logits (`record_logits`)."""
 
     record_scores = "pair"
-    last_cand = None  # the latest round's Candidates
+    draft_hidden = True  # the selector reads the block's final hidden rows (the compiled drafter returns them)
+    last_cand = None  # the latest round's Candidates (from a compiled tree: their `outputs()`, rebuilt when recorded)
 
     def candidates(self, state: DecodeState):
         self.last_cand = super().candidates(state)
         return self.last_cand
 
+    def compiled_tree(self, state: DecodeState):
+        """The round's draft (the compiled drafter's, from the second round) and its tree's tensors from the compiled
+        round's graph of `tree_graph` (`tree_tensors`); the candidates kept for the diagnosis."""
+        with state.timer.stage("draft"):
+            logits = self.draft_logits(state)
+        with state.timer.stage("tree"):
+            out, self.last_cand = self.tree_tensors(state.root, logits, self.last_hidden.to(logits.device))
+            return out
+
     @torch.inference_mode()
     def record_logits(self, tree: DraftTree, path: torch.Tensor, accepted: int) -> torch.Tensor:
-        return path_pair_rows(self.last_cand, tree, path, accepted, self.last_logits.shape[-1])
+        cand = self.last_cand
+        if isinstance(cand, tuple):
+            cand = Candidates.of_outputs(cand, self.drafter.candidate_selector.predecessor_codebook.float())
+        return path_pair_rows(cand, tree, path, accepted, self.last_logits.shape[-1])
 
 
 def path_pair_rows(cand, tree: DraftTree, path: torch.Tensor, accepted: int, vocab: int) -> torch.Tensor:
@@ -81,6 +100,9 @@ class DFlash2ChainProposer(_PairRecord, DrafterBlock):
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
+        if self.tree_tensors is not None and state.temperature <= 0:  # (a sampled walk stays eager)
+            tokens, parents, depths, anc = self.compiled_tree(state)
+            return DraftTree(tokens, parents, depths, is_chain=True, depth_bound=len(tokens) - 1, _anc=anc)
         with state.timer.stage("draft"):
             cand = self.candidates(state)
         with state.timer.stage("tree"):
@@ -89,6 +111,11 @@ class DFlash2ChainProposer(_PairRecord, DrafterBlock):
             # a sample of the selector's softmax at each position, verified by rejection against it (the loop)
             return chain_tree(state.root, *selector_walk(cand, state.root, state.temperature, state.generator,
                                                          draft_probs=True))
+
+    def tree_graph(self, root: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor):
+        """The greedy walk's chain (chain_tensors) and the candidates' outputs: the compiled round's graph."""
+        cand = self.drafter.candidates(logits, hidden)
+        return chain_tensors(root, selector_walk(cand, root)), cand.outputs()
 
 
 class DFlash2MarginalProposer(_SelectorHead, DDTreeProposer):
@@ -102,10 +129,14 @@ class PairTreeProposer(_PairRecord, DrafterBlock):
         super().__init__(target, drafter, block_size)
         check_budget(budget)
         self.budget = budget
+        self.max_nodes = max(self.block_size, budget + 1)
         self.last_top1: torch.Tensor | None = None  # the latest tree's per-node "best child of its parent" flags
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
+        if self.tree_tensors is not None:
+            tree, self.last_top1 = self.compiled_tree(state)
+            return tree_of_tensors(*tree)
         with state.timer.stage("draft"):
             cand = self.candidates(state)
         with state.timer.stage("tree"):
@@ -113,6 +144,14 @@ class PairTreeProposer(_PairRecord, DrafterBlock):
             lp = pair_logprobs(cand, state.root)
             tree, self.last_top1 = pair_tree(state.root, lp, cand.ids, self.budget)
             return tree
+
+    def tree_graph(self, root: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor):
+        """(the pair tree's tensors as tree_of_tensors takes them, its top-1 flags), the candidates' outputs: the
+        compiled round's graph."""
+        cand = self.drafter.candidates(logits, hidden)
+        *tree, top1 = pair_tree_tensors(root, pair_logprobs(cand, root), cand.ids, self.budget)
+        aidx = _ancestor_index(tree[1], min(cand.ids.shape[0], self.budget))
+        return ((*tree, aidx, _ancestor_matrix(aidx)), top1), cand.outputs()
 
 
 def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None, *,
@@ -177,9 +216,16 @@ def _beam_layout(widths: tuple[int, ...], k: int, device: torch.device) -> tuple
 
 def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
               budget: int) -> tuple[DraftTree, torch.Tensor]:
-    """(tree, top1): the best-first tree of `budget` nodes under pair scores, built on the scores' device without a
-    host read or a host-to-device copy (shapes fixed by budget, L and k), and per node whether it is its parent's
-    best child (the root: True; ties: the better-ranked candidate, as argmax).
+    """(tree, top1): pair_tree_tensors' tree, and its top-1 flags."""
+    tokens, parents, depths, scores, top1 = pair_tree_tensors(root, logprobs, ids, budget)
+    return DraftTree(tokens, parents, depths, scores=scores, depth_bound=min(ids.shape[0], budget)), top1
+
+
+def pair_tree_tensors(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
+                      budget: int) -> tuple[torch.Tensor, ...]:
+    """(tokens, parents, depths, scores, top1): the best-first tree of `budget` nodes under pair scores, built on the
+    scores' device without a host read or a host-to-device copy (shapes fixed by budget, L and k), and per node
+    whether it is its parent's best child (the root: True; ties: the better-ranked candidate, as argmax).
 
     A node is (position t, candidate i); its children are position t + 1's candidates, costing -trans[t, i]. Depth by
     depth a beam (five ops: the rows of the beam's candidates, the pairs' costs, a stable sort, parent and child): the
@@ -203,7 +249,8 @@ def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], i
         cand = idx.remainder(k)
         costs.append(cost)
         cands.append(cand)
-    depth, offset, row, best_row, by_parent = _beam_layout(tuple(c.shape[0] for c in cands), k, dev)
+    layout = _beam_layout.__wrapped__ if torch.compiler.is_compiling() else _beam_layout  # (a graph: its constants)
+    depth, offset, row, best_row, by_parent = layout(tuple(c.shape[0] for c in cands), k, dev)
     n = 1 + min(budget, depth.shape[0] - 1)
     cand_all = torch.cat(cands)
     parent_all = torch.cat(parents).add_(offset)  # each entry's parent's place in the list (the root: 0)
@@ -216,5 +263,4 @@ def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], i
     sel = all_cost.sort(stable=True).indices[:n]
     place = torch.zeros(depth.shape[0], dtype=torch.long, device=dev).index_copy_(0, sel, torch.arange(n, device=dev))
     parent_of = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), place[parent_all]])
-    tree = DraftTree(tok_all[sel], parent_of[sel], depth[sel], scores=all_cost[sel].neg(), depth_bound=min(L, budget))
-    return tree, top_all[sel]
+    return tok_all[sel], parent_of[sel], depth[sel], all_cost[sel].neg(), top_all[sel]

@@ -93,6 +93,15 @@ def chain_tree(root: torch.Tensor, tokens: torch.Tensor, draft_probs: torch.Tens
     return DraftTree(toks, ar - 1, ar, is_chain=True, depth_bound=n - 1, draft_probs=draft_probs)
 
 
+def chain_tensors(root: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """chain_tree's (tokens, parents, depths) and its ancestor matrix, as a compiled graph returns them (MTP's chain,
+    a DFlash2 selector's walk): `DraftTree(*t[:3], is_chain=True, depth_bound=n - 1, _anc=t[3])`."""
+    toks = torch.cat([root.reshape(1).long(), tokens.reshape(-1).long()])
+    n = toks.shape[0]
+    ar = torch.arange(n, device=toks.device)
+    return toks, ar - 1, ar, torch.ones(n, n, dtype=torch.bool, device=toks.device).tril_()
+
+
 def tree_from_parents(tokens: list[int] | torch.Tensor, parents: list[int] | torch.Tensor,
                       device: torch.device | str | None = None) -> DraftTree:
     """Build a tree from explicit lists (scripted proposers, tests). Validates the structure."""

@@ -112,14 +112,13 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         self.mlp_conv = GroupedCausalConv(config.hidden_size, config.conv_kernel_size, config.conv_group_size)
         self.block_size = config.block_size
 
-    def forward(self, x, context, rope, cache, mask, attend, first: int = 0):
+    def around(self, x, attention):
         # one block (a round: its rows, possibly fewer than the trained block), or blocks side by side (training)
         q = x.shape[1]
         block = self.block_size if q > self.block_size and q % self.block_size == 0 else q
         h = self.input_layernorm(x)
         dyn = self.attention_conv.corrections(h)
-        h = self.self_attn(self.attention_conv(h, dyn, 0, block), context, rope, cache, mask, attend, first)
-        x = x + self.attention_conv(h, dyn, 1, block)
+        x = x + self.attention_conv(attention(self.attention_conv(h, dyn, 0, block)), dyn, 1, block)
         h = self.post_attention_layernorm(x)
         dyn = self.mlp_conv.corrections(h)
         return x + self.mlp_conv(self._mlp(self.mlp_conv(h, dyn, 0, block)), dyn, 1, block)
@@ -149,6 +148,15 @@ class Candidates:
     succ: torch.Tensor
     pred: torch.Tensor  # the predecessor codebook [V, r] (float32 view or copy)
     rest: torch.Tensor  # [L] log of sum exp(logit) over the tokens that are not candidates (-inf: none)
+
+    def outputs(self) -> tuple[torch.Tensor, ...]:
+        """Every field but the codebook (a parameter), as a compiled graph returns them (`of_outputs` undoes it)."""
+        return self.unary, self.ids, self.proj, self.succ, self.rest
+
+    @classmethod
+    def of_outputs(cls, outputs: tuple[torch.Tensor, ...], pred: torch.Tensor) -> Candidates:
+        unary, ids, proj, succ, rest = outputs
+        return cls(unary, ids, proj, succ, pred, rest)
 
     def scores(self, t: int, prev: torch.Tensor) -> torch.Tensor:
         """S_t(prev, .) over position t's candidates: [k] for a scalar prev, [n, k] for n predecessors."""

@@ -243,7 +243,13 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None, rope: Rope,
                 cache: DrafterCache | None, mask: torch.Tensor | None, attend: Callable, first: int = 0) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), context, rope, cache, mask, attend, first)
+        return self.around(x, lambda h: self.self_attn(h, context, rope, cache, mask, attend, first))
+
+    def around(self, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The layer around its attention, given as a function of the attention's input (the block's rows, normed)
+        to its output projection's: `self_attn` here, the compiled drafter's own in ddtree.engine.drafter.model_static
+        (a DFlash2 layer adds its convolutions around both sublayers)."""
+        x = x + attention(self.input_layernorm(x))
         return x + self._mlp(self.post_attention_layernorm(x))
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:

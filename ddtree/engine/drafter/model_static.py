@@ -19,13 +19,15 @@ class StaticDraft:
     writes the P context rows at length .. length + P - 1, then the block's rows right behind the real ones (at
     length + count: they overwrite the padding), attends over all Cd rows under a mask (rows before the block's end,
     the causal and window rules of each layer; `grouped_attention`), and returns the block's logits [block - 1, V]
-    (float32).
+    (float32; the proposer's `head_logits`). Each layer runs as its class lays it out (`around`, with this graph's
+    attention): a DFlash2 layer's convolutions run inside the graph (ddtree.engine.drafter.dflash2).
     """
 
     def __init__(self, static: StaticRound, proposer):
         self.static, self.proposer = static, proposer
         self.drafter, self.embed, self.lm_head = proposer.drafter, proposer.embed, proposer.lm_head
         self.q = proposer.block_size
+        self.hidden = proposer.draft_hidden  # the graph returns the block's final hidden rows too (a DFlash2 selector)
         self.graph = torch.compile(self._draft, **static.options)
         self.keys: list[torch.Tensor] | None = None
         self.values: list[torch.Tensor] | None = None
@@ -85,8 +87,9 @@ class StaticDraft:
         self.length.fill_(rows)
         self.ready = True
 
-    def logits(self, root: torch.Tensor) -> torch.Tensor:
-        """The block's logits [block - 1, V] after `root` (the round's drafter forward: one graph call)."""
+    def logits(self, root: torch.Tensor):
+        """The block's logits [block - 1, V] after `root` (the round's drafter forward: one graph call); with
+        `hidden` (the proposer's `draft_hidden`), (logits, the final hidden rows drafting them [block - 1, H])."""
         return self.static._run(self.graph, root, self.context, self.count, self.length, self.keys, self.values,
                                 self.mask_ids)
 
@@ -118,25 +121,29 @@ class StaticDraft:
                 if window is not None:
                     visible = visible & (delta.abs() < window)
                 masks[window] = visible.expand(q, -1)
-            h = layer.input_layernorm(x)
-            queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
-            queries = RopeTables.apply(queries, block_rope)
-            fresh = torch.cat([context, h], dim=1)
-            n = fresh.shape[1]
-            keys = RopeTables.apply(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2), rope)
-            values = attn.v_proj(fresh).view(1, n, -1, attn.head_dim).transpose(1, 2)
-            k_buf, v_buf = k_bufs[i], v_bufs[i]
-            for buf, new in ((k_buf, keys), (v_buf, values)):
-                new = new.to(buf.dtype)
-                buf.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
-                buf.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
-            groups = queries.shape[1] // k_buf.shape[1]
-            if (window, groups) not in biases:
-                biases[window, groups] = grouped_bias(masks[window], groups, queries.dtype)
-            # not the drafter's own attention function (`_attend`): the model's sdpa path expands K/V per query head
-            # (a copy of every cached row, each layer) where the grouped call reads them once
-            out = grouped_attention(queries, k_buf, v_buf, biases[window, groups], attn.scaling).transpose(1, 2)
-            x = x + attn.o_proj(out.reshape(1, q, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+            def attention(h, attn=attn, window=window, k_buf=k_bufs[i], v_buf=v_bufs[i]):
+                queries = attn.q_norm(attn.q_proj(h).view(1, q, -1, attn.head_dim)).transpose(1, 2)
+                queries = RopeTables.apply(queries, block_rope)
+                fresh = torch.cat([context, h], dim=1)
+                n = fresh.shape[1]
+                keys = RopeTables.apply(attn.k_norm(attn.k_proj(fresh).view(1, n, -1, attn.head_dim)).transpose(1, 2),
+                                        rope)
+                values = attn.v_proj(fresh).view(1, n, -1, attn.head_dim).transpose(1, 2)
+                for buf, new in ((k_buf, keys), (v_buf, values)):
+                    new = new.to(buf.dtype)
+                    buf.index_copy_(-2, ctx_rows, new[..., :rows_ctx, :])
+                    buf.index_copy_(-2, block_rows, new[..., rows_ctx:, :])
+                groups = queries.shape[1] // k_buf.shape[1]
+                if (window, groups) not in biases:
+                    biases[window, groups] = grouped_bias(masks[window], groups, queries.dtype)
+                # not the drafter's own attention function (`_attend`): the model's sdpa path expands K/V per query
+                # head (a copy of every cached row, each layer) where the grouped call reads them once
+                out = grouped_attention(queries, k_buf, v_buf, biases[window, groups], attn.scaling).transpose(1, 2)
+                return attn.o_proj(out.reshape(1, q, -1))
+
+            x = layer.around(x, attention)  # the layer's own structure (a DFlash2 layer: its convolutions too)
         length.add_(count)
-        return self.lm_head(drafter.norm(x)[0, 1:]).float()
+        hidden = drafter.norm(x)[0, 1:]
+        logits = self.proposer.head_logits(hidden)  # float32 (a DFlash2 drafter: its multiplier and soft cap)
+        return (logits, hidden) if self.hidden else logits

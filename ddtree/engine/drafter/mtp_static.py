@@ -8,7 +8,7 @@ import torch
 from ddtree.engine.compiled import StaticRound, _FrozenLayer, capacity_bucket, grouped_attention, grouped_bias
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.forward import _MLPS, LeanLayer
-from ddtree.engine.tree import _ancestor_index, _ancestor_matrix
+from ddtree.engine.tree import _ancestor_index, _ancestor_matrix, chain_tensors
 
 
 def why_not_static_head(head, device: torch.device) -> str | None:
@@ -142,9 +142,7 @@ class StaticMTP:
                 hidden = self._step(toks[-1].view(1, 1), hidden.view(1, 1, -1), here, here,
                                     (key_pos <= here)[None], kv)[0]
                 toks.append(head.logits(hidden[0]).float().argmax(-1).view(1))
-            ar = torch.arange(self.steps + 1, device=dev)  # chain_tree's, with its ancestor matrix
-            anc = torch.ones(self.steps + 1, self.steps + 1, dtype=torch.bool, device=dev).tril_()
-            return torch.cat([root.reshape(1).long(), *toks]), ar - 1, ar, anc
+            return chain_tensors(root, torch.cat(toks))  # chain_tree's, with its ancestor matrix
         k = self.k
 
         def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
