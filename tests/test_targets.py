@@ -251,6 +251,42 @@ def test_a_quantized_tiny_target_runs_through_the_cli(cli, small, tmp_path):
     assert bad.returncode == 2 and "model.quantization" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
+RUN_ON_CPU = {"int8", "quanto_int8"}  # the presets run through the CLI on a CPU by the tests here
+
+
+def test_every_preset_runs_on_the_cpu_or_is_refused_in_one_line(compose):
+    """The presets the docs list: each one either is refused on a CPU in one line before model work (and why), or is
+    one a CLI test here runs on a CPU (RUN_ON_CPU); a new preset that validates must join that set."""
+    from ddtree.errors import ConfigError
+    from ddtree.pipeline.config_checks import validate
+    from ddtree.pipeline.quantization import PRESETS
+
+    pytest.importorskip("torchao")
+    pytest.importorskip("optimum.quanto")
+    accepted = set()
+    for preset in PRESETS:
+        try:
+            validate(compose("device=cpu", f"model.quantization={preset}"))
+            accepted.add(preset)
+        except ConfigError as e:
+            assert e.setting == "model.quantization" and "\n" not in str(e)
+    assert accepted == RUN_ON_CPU
+    with pytest.raises(ConfigError, match="inference_mode"):  # quanto int4 failed in every method, AR included
+        validate(compose("device=cpu", "model.quantization={quant_method:quanto,weights:int4}"))
+
+
+def test_quanto_int4_is_refused_through_the_cli_in_one_line(cli, small, tmp_path):
+    bad = cli(*small, "model.quantization=quanto_int4", "tracking=none", f"hydra.run.dir={tmp_path / 'bad'}")
+    assert bad.returncode == 2 and "inference_mode" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_quanto_int8_runs_through_the_cli(cli, small, tmp_path):
+    pytest.importorskip("optimum.quanto")
+    _, summary = _cli_job(cli, small, tmp_path, "model=tiny_qwen3_5", "model.quantization=quanto_int8")
+    assert summary["quantization"] == {"target": "quanto_int8", "drafter": None}
+
+
 def test_the_diagnosis_shows_a_quantized_job_beside_the_unquantized_one(cli, small, tmp_path):
     """A sweep over model.quantization: diagnosis.md puts the quantized job's tau next to the unquantized one's."""
     pytest.importorskip("torchao")

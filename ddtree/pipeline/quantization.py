@@ -61,6 +61,13 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "bnb_int8": ("bitsandbytes_8bit", {"load_in_8bit": True}),
 }
 PRESET_DEVICES = {"int4": CUDA}  # torchao's int4 weight-only kernels (tinygemm / fbgemm) run on CUDA
+# (quant_method, a mapping's items) -> why ddtree cannot run it: refused before loading, never a traceback mid-job
+UNSUPPORTED: dict[tuple[str, tuple[tuple[str, Any], ...]], str] = {
+    # optimum-quanto 0.2.7's int4 weights (QBitsTensor) raise "Cannot set version_counter for inference tensor" in
+    # their matmul under torch.inference_mode, which every forward of the engine (and of the AR baseline) runs in
+    ("quanto", (("weights", "int4"),)): "optimum-quanto's int4 weights fail under torch.inference_mode, "
+                                        "which every ddtree forward runs in",
+}
 
 
 def _method_and_mapping(setting: str, value: Any) -> tuple[str, dict[str, Any], str]:
@@ -98,6 +105,11 @@ def check_quantization(setting: str, value: Any, device: str, drafter: bool = Fa
     if drafter and not backend.in_place:
         raise ConfigError(setting, f"the DFlash drafter is ddtree's own module, which {method} cannot quantize",
                           "use drafter.quantization=int8 (torchao) or quanto_int8, or leave it unset")
+    _, mapping, _ = _method_and_mapping(setting, value)
+    for (m, items), why in UNSUPPORTED.items():
+        if m == method and all(mapping.get(k) == v for k, v in items):
+            raise ConfigError(setting, f"{name}: {why}",
+                              f"use {setting}=quanto_int8 or int8 (torchao), or int4 (torchao) on CUDA")
     devices = PRESET_DEVICES.get(name, backend.devices)
     kind = "cuda" if device.startswith("cuda") else device
     if kind not in devices:
