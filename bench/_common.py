@@ -96,7 +96,7 @@ def random_pair(n_prompts: int = 4, *, device: str = "cpu", dtype: torch.dtype =
     """A tiny random pure-attention Qwen3 (default 6 x 192, vocab 1024) and a random drafter (block 16): tau is
     about 1 (acceptance is meaningless), costs are not. No stop token."""
     from ddtree.engine.drafter import DFlashDrafter
-    from ddtree.testing.tiny import tiny_model
+    from ddtree.tiny import tiny_model
 
     cfg = dict(vocab_size=1024, hidden_size=192, intermediate_size=576, num_hidden_layers=6, num_attention_heads=6,
                num_key_value_heads=3, head_dim=32, max_position_embeddings=4096)

@@ -73,7 +73,7 @@ try:
 except ImportError:  # code from before the switch (--code): its CPU-only branches patched to a CUDA run's choices
     device_path = None
 from ddtree.testing.dispatch import DispatchCount  # noqa: E402
-from ddtree.testing.tiny import slow_decay_  # noqa: E402
+from ddtree.tiny import slow_decay_  # noqa: E402
 
 STAGES = ("draft", "tree", "verify", "commit", "other")
 TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

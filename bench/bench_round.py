@@ -28,7 +28,7 @@ import ddtree
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import best_first_tree
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 
 class ForwardClock:

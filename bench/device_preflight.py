@@ -87,7 +87,7 @@ def compiled_round() -> dict:
     import ddtree
     from ddtree.engine.drafter import DFlashDrafter
     from ddtree.testing.reference import hf_greedy
-    from ddtree.testing.tiny import tiny_model
+    from ddtree.tiny import tiny_model
 
     target = tiny_model("qwen3_5_text", seed=6, attn_implementation="sdpa", vocab_size=12).cuda()
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3).cuda()

@@ -19,7 +19,7 @@ from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.tree import chain_tree, walk
 from ddtree.pipeline import config_checks as V
 from ddtree.testing.reference import ScriptedProposer, hf_greedy, random_tree
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 D = 16
 

@@ -19,7 +19,7 @@ import compat
 from compat.core import Patcher
 from compat.patches import embedding_access, qwen3_import_shims
 from ddtree.errors import ConfigError
-from ddtree.testing.tiny import tiny_config, tiny_model
+from ddtree.tiny import tiny_config, tiny_model
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from conftest import copy_checkout
 import compat
 from compat.patches import UPSTREAM_PACKAGE
 from ddtree.errors import ConfigError
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 from ddtree.upstream.loader import UpstreamError, load_upstream
 
 FAKE = Path(__file__).resolve().parent / "compat_fixtures" / "fake_upstream"

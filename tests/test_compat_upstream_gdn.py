@@ -18,7 +18,7 @@ from conftest import copy_checkout
 import compat
 from compat.patches import upstream_gdn_tree
 from ddtree.engine import gdn as tree_gdn
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 from ddtree.upstream.loader import load_upstream
 
 STAND_IN = Path(__file__).resolve().parent / "compat_fixtures" / "upstream_checkout"

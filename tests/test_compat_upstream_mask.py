@@ -13,7 +13,7 @@ from conftest import copy_checkout
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.output_check import Validator
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 from ddtree.upstream.engine import generate_upstream, load_upstream_engine
 
 pytestmark = pytest.mark.usefixtures("clean_compat")

@@ -23,7 +23,7 @@ from ddtree.engine.tree import tree_from_parents
 from ddtree.errors import ConfigError
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 VOCAB = 12  # random drafts are accepted several deep
 NEW = 20
@@ -288,7 +288,7 @@ def test_mtp_chain_and_trees_through_the_compiled_round_equal_hf_greedy(backend,
     """A head fitted to the target (drafts accepted several deep): its chain, a tree and a tree cut by its budget
     through the compiled round equal HF greedy and the eager engine (same acceptance) on prompts of three lengths,
     without a recompile or a graph break (inductor: as compile=true runs, the chain only: a minute a graph here)."""
-    from ddtree.testing.mtp import fitted_head
+    from mtp_support import fitted_head
 
     target = tiny_model("qwen3_5_text", seed=0, vocab_size=128)
     head = fitted_head(target, seed=1)

@@ -19,7 +19,7 @@ import pytest
 
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.pipeline.sweep_table import format_table
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 COMMON = ("dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "tracking=none", "warmup=false")
 

@@ -13,7 +13,7 @@ from ddtree.errors import ConfigError
 from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import schema as C
 from ddtree.pipeline.prompts import TINY_PROMPTS, encode, load_prompts, read_jsonl
-from ddtree.testing.tokenizer import MIN_VOCAB, tiny_tokenizer
+from ddtree.tiny import MIN_VOCAB, tiny_tokenizer
 
 GROUPS = ("model", "drafter", "method", "attention", "dataset", "tracking")
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((C.CONF_DIR / g).glob("*.yaml"))]
@@ -248,7 +248,7 @@ def test_tiny_tokenizer_fits_the_tiny_vocab():
 
 def test_one_experiment_spelling_for_runs_and_training(compose):
     """experiment=NAME selects an experiment in both CLIs; the older spellings still reach the same config."""
-    from ddtree.pipeline.cli import RUN_ALIASES, TRAIN_ALIASES, spell_overrides
+    from ddtree.pipeline.console import RUN_ALIASES, TRAIN_ALIASES, spell_overrides
 
     new = compose("device=cpu", *spell_overrides(["experiment=toy"], RUN_ALIASES))
     old = compose("device=cpu", *spell_overrides(["+experiment=toy"], RUN_ALIASES))

@@ -23,7 +23,7 @@ from ddtree.testing.dflash2 import (
     walk_reference,
 )
 from ddtree.testing.reference import hf_greedy, tree_paths
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 H, V = 64, 128  # the tiny targets' hidden size and vocabulary (conf/model/tiny_qwen3*.yaml)
 

@@ -22,7 +22,7 @@ from ddtree.errors import ConfigError
 from ddtree.pipeline import diagnose as D
 from ddtree.pipeline.diagnose import analysis, model, stats, text
 from ddtree.testing.ranks import RankScriptedProposer, exact_tau
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -21,7 +21,7 @@ from ddtree.errors import ConfigError
 from ddtree.pipeline import distributed as D
 from ddtree.pipeline import models as M
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 # ---------------------------------------------------------------- ranks, shards, merge (no processes)
 

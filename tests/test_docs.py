@@ -187,6 +187,54 @@ def test_the_engine_imports_no_pipeline_hydra_mlflow_or_compat():
     assert _imports(ROOT / "ddtree" / "docs.py") >= {"ddtree.engine.families", "ddtree.engine.methods"}
 
 
+# docs/architecture.md's layers above the engine: (a folder's modules, the imports they must not make); the product
+# (every ddtree module but ddtree/testing) imports nothing of ddtree/testing
+LAYER_RULES = (
+    ("ddtree/testing", ("ddtree.pipeline", "ddtree.train", "ddtree.upstream", "ddtree.run", "ddtree.report")),
+    ("ddtree/upstream", ("ddtree.pipeline", "ddtree.train", "ddtree.testing")),
+    ("ddtree/train", ("ddtree.testing", "ddtree.upstream")),
+    ("ddtree/pipeline", ("ddtree.testing", "ddtree.train")),
+    ("ddtree/tiny.py", ("ddtree.pipeline", "ddtree.train", "ddtree.testing", "ddtree.upstream")),
+)
+# the pipeline's face to training: its shared modules whole, and of the run's loaders the two it shares
+TRAIN_MAY_IMPORT = {"ddtree.pipeline.schema", "ddtree.pipeline.prompts", "ddtree.pipeline.distributed",
+                    "ddtree.pipeline.tracking", "ddtree.pipeline.console"}
+TRAIN_MAY_IMPORT_NAMES = {"ddtree.pipeline.models": {"load_checkpoint", "resolve_device"}}
+
+
+def _imported_names(path: Path) -> set[tuple[str, str | None]]:
+    """(module, name) of every import in a file, inside functions too (name None: `import module`)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update((a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.update((node.module, a.name) for a in node.names)
+    return out
+
+
+def test_the_layers_import_only_downward():
+    """docs/architecture.md's layer table, read from every import statement: nothing imports ddtree/testing but tests
+    and benchmarks; ddtree/testing imports no layer above it; training uses the pipeline's face only."""
+    under = lambda name, prefixes: any(name == p or name.startswith(p + ".") for p in prefixes)  # noqa: E731
+    bad = []
+    for f in sorted((ROOT / "ddtree").rglob("*.py")):
+        rel = str(f.relative_to(ROOT))
+        for mod, name in _imported_names(f):
+            full = f"{mod}.{name}" if name else mod
+            if not rel.startswith("ddtree/testing/") and (under(mod, ("ddtree.testing",)) or full == "ddtree.testing"):
+                bad.append(f"{rel}: {full} (the product imports ddtree/testing)")
+            for folder, forbidden in LAYER_RULES:
+                if rel.startswith(folder) and (under(mod, forbidden) or under(full, forbidden)):
+                    bad.append(f"{rel}: {full} (upward from {folder})")
+            if rel.startswith("ddtree/train/") and under(mod, ("ddtree.pipeline",)):
+                ok = (mod in TRAIN_MAY_IMPORT or full in TRAIN_MAY_IMPORT
+                      or name in TRAIN_MAY_IMPORT_NAMES.get(mod, ()))
+                if not ok:
+                    bad.append(f"{rel}: {full} (a pipeline internal)")
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
 def test_every_test_a_page_names_exists():
     defined = set()
     for f in (ROOT / "tests").glob("test_*.py"):

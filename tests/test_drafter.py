@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from ddtree.engine.drafter import DFlashConfig, DFlashDrafter
 from ddtree.errors import ConfigError
-from ddtree.testing.tiny import tiny_config, tiny_model
+from ddtree.tiny import tiny_config, tiny_model
 
 H = 64  # tiny_config hidden size
 

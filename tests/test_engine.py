@@ -11,7 +11,7 @@ import ddtree
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import chain_tree
 from ddtree.testing.reference import ScriptedProposer, hf_greedy, random_tree, sequential_path_logits
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 PURE = ["qwen3", "llama"]
 

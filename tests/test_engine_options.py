@@ -9,9 +9,9 @@ import torch
 import ddtree
 from ddtree.engine import host, tree
 from ddtree.engine.drafter import DFlashDrafter
-from ddtree.engine.options import EngineOptions, current
+from ddtree.engine.options import EngineOptions, current, scoped
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 
 def test_two_engines_with_different_options_each_take_their_own_path(monkeypatch):
@@ -94,3 +94,24 @@ def test_closing_the_last_engine_restores_the_gdn_classes():
         pass
     assert gdn.is_installed()
     gdn.uninstall()
+
+
+def test_the_environment_is_read_once_where_the_options_are_resolved(monkeypatch):
+    """DDTREE_HOST_MALLOC=0 (which overrides a setting that asks) is read with the other variables, when the options
+    are resolved, not again when the allocator is set up; `ddtree.generate()` takes the same options as `Engine`."""
+    monkeypatch.setenv("DDTREE_HOST_MALLOC", "0")
+    off = EngineOptions.resolve(tune_host_allocator=True)
+    assert off.tune_host_allocator and off.host_malloc_off
+    monkeypatch.setenv("DDTREE_HOST_MALLOC", "1")  # later changes do not reach resolved options
+    with scoped(off):
+        assert not host.allocator_wanted(True)
+    with scoped(EngineOptions.resolve()):
+        assert host.allocator_wanted(None)
+    model = tiny_model("qwen3", seed=2, vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=4, seed=1)
+    ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(0))
+    got = ddtree.generate(model, drafter, ids, method="ddtree", budget=8, max_new_tokens=6, device_path=True,
+                          kernels="composite", tune_host_allocator=False)
+    assert got.output_ids == hf_greedy(model, ids, 6)
+    with pytest.raises(ValueError, match="kernels='fast'"):
+        ddtree.generate(model, drafter, ids, method="ddtree", budget=8, max_new_tokens=6, kernels="fast")

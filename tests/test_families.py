@@ -13,7 +13,7 @@ from ddtree.engine import families, gdn
 from ddtree.engine.families import FAMILIES, NESTED, family, model_type
 from ddtree.engine.methods import DRAFTER_METHOD_NAMES, METHOD_NAMES, check_target_supported, family_methods
 from ddtree.errors import ConfigError
-from ddtree.testing.tiny import tiny_config, tiny_model
+from ddtree.tiny import tiny_config, tiny_model
 
 
 def _load(path: str) -> type:

@@ -78,8 +78,7 @@ def test_online_hub_answers_are_one_line(tmp_path, stand_in_hub):
 def local_pair(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny hybrid target saved as a checkpoint (config, weights, tokenizer) and a drafter saved for it."""
     from ddtree.engine.drafter import DFlashDrafter
-    from ddtree.testing.tiny import slow_decay_, tiny_model
-    from ddtree.testing.tokenizer import tiny_tokenizer
+    from ddtree.tiny import slow_decay_, tiny_model, tiny_tokenizer
 
     root = tmp_path_factory.mktemp("pair")
     target = slow_decay_(tiny_model("qwen3_5_text", seed=0, attn_implementation="sdpa"))

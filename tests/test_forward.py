@@ -13,7 +13,7 @@ from ddtree.engine.forward import LeanLayer, RopeTables, lean_forward_for, lean_
 from ddtree.engine.target import TargetSession
 from ddtree.engine.tree import chain_tree, walk
 from ddtree.testing.reference import hf_greedy, random_tree
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 LEAN = sorted(name for name, row in FAMILIES.items() if row.lean)
 CASES = [(t, a, mode) for t in LEAN for a in ("eager", "sdpa") for mode in ("auto", "split", "dense")]
@@ -284,7 +284,7 @@ def test_the_loader_keeps_transformers_hub_kernels_off(tmp_path):
 
     from ddtree.engine.forward import _plain_function
     from ddtree.pipeline.models import load_checkpoint
-    from ddtree.testing.tokenizer import tiny_tokenizer
+    from ddtree.tiny import tiny_tokenizer
 
     model = tiny_model("qwen3")
     model.save_pretrained(tmp_path)

@@ -13,7 +13,7 @@ from ddtree.engine import gdn
 from ddtree.engine.tree import tree_from_parents
 from ddtree.engine.verification import tree_verification
 from ddtree.testing.dispatch import DispatchCount
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 PROMPT = 12
 # a DDTree-like 33-node tree: a main line with branches

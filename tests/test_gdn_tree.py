@@ -2,7 +2,7 @@
 
 Reference for every check: the unpatched model run on a node's root-to-node path as a plain
 sequence after the same prefix (a deep copy of the prefilled cache). Tiny hybrids keep the
-slow GDN decay of ddtree.testing.tiny so the recurrent state carries memory across the tree.
+slow GDN decay of ddtree.tiny so the recurrent state carries memory across the tree.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from ddtree.engine import gdn as tree_gdn
 from ddtree.engine.tree import DraftTree
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 MODEL_TYPES = ("qwen3_5_text", "qwen3_next", "qwen3_5_moe_text")
 ATTN = ("eager", "sdpa")

@@ -19,7 +19,7 @@ import ddtree
 from ddtree.engine import attention as A
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

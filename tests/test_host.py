@@ -46,12 +46,12 @@ def test_other_glibc_tunables_do_not_stop_it():
 @glibc
 def test_only_an_engine_that_asks_sets_it_once():
     """A library Engine leaves malloc alone unless asked (the setting, or DDTREE_HOST_MALLOC=1); the CLI asks."""
-    code = ("import ddtree\nfrom ddtree.testing.tiny import tiny_model\nt = tiny_model('qwen3', seed=0)\n"
+    code = ("import ddtree\nfrom ddtree.tiny import tiny_model\nt = tiny_model('qwen3', seed=0)\n"
             "e = ddtree.Engine(t, method='ar')\nassert not h._STATE and e.binding.host_allocator == 'untouched'\n"
             "e = ddtree.Engine(t, method='ar', tune_host_allocator=True)\nfirst = h._STATE['state']\n"
             "assert h.tune_host_allocator() is first and e.binding.host_allocator is first\nprint(first)")
     assert _state_in_child({}, code).startswith("glibc ")
-    by_env = ("import ddtree\nfrom ddtree.testing.tiny import tiny_model\n"
+    by_env = ("import ddtree\nfrom ddtree.tiny import tiny_model\n"
               "ddtree.Engine(tiny_model('qwen3', seed=0), method='ar')\nprint(h._STATE.get('state', 'unset'))")
     assert _state_in_child({"DDTREE_HOST_MALLOC": "1"}, by_env).startswith("glibc ")
     assert _state_in_child({}, by_env) == "unset"

@@ -18,7 +18,7 @@ from ddtree.engine.methods import check_target_supported
 from ddtree.engine.output_check import Validator
 from ddtree.errors import ConfigError
 from ddtree.testing.reference import ScriptedProposer, hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 HYBRIDS = ["qwen3_5_text", "qwen3_next", "qwen3_5_moe_text"]
 
@@ -83,7 +83,7 @@ def test_multimodal_wrapper_class_is_lossless():
     """Qwen3_5ForConditionalGeneration: embeddings and lm_head reached through the wrapper's accessors."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
-    from ddtree.testing.tiny import slow_decay_, tiny_config
+    from ddtree.tiny import slow_decay_, tiny_config
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16)

@@ -8,6 +8,7 @@ import torch
 
 from ddtree.engine.kernels import FusedOp
 from ddtree.engine.kernels import norm as kn
+from ddtree.engine.options import EngineOptions, scoped
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.triton import interpreter
 
@@ -67,6 +68,9 @@ def test_cuda_first_call_checks_the_kernel(monkeypatch):
     monkeypatch.setenv("DDTREE_KERNELS", "auto")
     assert torch.equal(op._cuda(x), x + 1) and op.state == "composite"
     assert torch.equal(op._cuda(x), x + 1)
+    with scoped(EngineOptions(kernels="strict")):  # a later strict engine is not given the auto engine's fall-back
+        with pytest.raises(RuntimeError, match="failed its check .* earlier in this process"):
+            op._cuda(x)
     good = FusedOp("check_demo_ok(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 1)
     assert torch.equal(good._cuda(x), x + 1) and good.state == "triton"
     good.launch = lambda x: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))  # a later shape fails

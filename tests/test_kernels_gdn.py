@@ -17,8 +17,8 @@ from ddtree.engine.tree import tree_from_parents
 from ddtree.engine.verification import tree_verification
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.reference import ScriptedProposer, hf_greedy
-from ddtree.testing.tiny import tiny_model
 from ddtree.testing.triton import interpreter
+from ddtree.tiny import tiny_model
 
 # a 9-node tree with branches (flat order, parents first); K = 4 reaches past the root for the shallow nodes
 PARENTS = [-1, 0, 1, 2, 0, 4, 1, 6, 3]

@@ -11,7 +11,7 @@ from ddtree.engine import host
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 
 def test_the_counter_sees_each_kind_of_host_read():

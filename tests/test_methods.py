@@ -9,7 +9,7 @@ import ddtree
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.output_check import Validator
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 CASES = [(t, a) for t in ("qwen3", "llama") for a in ("eager", "sdpa")]
 

@@ -1,7 +1,7 @@
 """method=mtp: the target's own MTP head as a chain and as an EAGLE-style tree, in the one engine.
 
 References: HF greedy `generate` (lossless), a from-scratch recomputation of the head's drafts (no cache, plain
-causal attention: ddtree.testing.mtp.reference_head_logits), the exact two-token joint at T > 0 (chi-square),
+causal attention: tests/mtp_support.py: reference_head_logits), the exact two-token joint at T > 0 (chi-square),
 and the checkpoint layout the serving engines load (`mtp.*` tensors beside the target's own).
 """
 
@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from mtp_support import fitted_head, reference_head_logits, save_target_with_mtp
 from sampling_support import assert_first_two_tokens_follow, exact_joint
 from transformers import AutoModelForCausalLM
 
@@ -19,9 +20,8 @@ from ddtree.engine.drafter.mtp import MTPHead, check_mtp_checkpoint, mtp_tensor_
 from ddtree.engine.loop import Engine
 from ddtree.engine.proposers import MTPProposer
 from ddtree.errors import ConfigError
-from ddtree.testing.mtp import fitted_head, reference_head_logits, save_target_with_mtp
 from ddtree.testing.reference import tree_paths
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 _PAIRS: dict = {}
 
@@ -206,7 +206,7 @@ def test_first_two_tokens_follow_target(topk, budget):
 # ---------------------------------------------------------------- through the CLI (python -m ddtree.run)
 
 def _saved(tmp_path, head: bool):
-    from ddtree.testing.tokenizer import tiny_tokenizer
+    from ddtree.tiny import tiny_tokenizer
 
     target = tiny_model("qwen3_5_text", seed=0)
     h = MTPHead.random_for_target(target, seed=2) if head else None
@@ -268,7 +268,7 @@ def test_multimodal_wrapper_as_published(tmp_path):
     hidden state (the first draft's logits equal the from-scratch head's) and stays lossless."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from ddtree.testing.tiny import tiny_config
+    from ddtree.tiny import tiny_config
 
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   spatial_merge_size=1, temporal_patch_size=1)

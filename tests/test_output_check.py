@@ -23,7 +23,7 @@ from ddtree.engine.output_check import (
     sign_flip_pvalue,
 )
 from ddtree.testing.reference import ScriptedProposer, hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 
 def _prompts(vocab: int, lengths=(3, 11, 17)) -> list[torch.Tensor]:

@@ -22,7 +22,7 @@ from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.kernels import gdn as kgdn
 from ddtree.testing.reference import hf_greedy
 from ddtree.testing.tf32 import TF32, rounded
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 
 @pytest.fixture(autouse=True)

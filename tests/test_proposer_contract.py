@@ -12,7 +12,7 @@ from ddtree.engine.proposers import Proposer
 from ddtree.engine.tree import best_first_tree, tree_of_tensors
 from ddtree.errors import ConfigError
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 VOCAB, L, BUDGET, NEW = 12, 4, 6, 16
 

@@ -12,7 +12,7 @@ from sampling_support import assert_first_two_tokens_follow, exact_joint
 
 import ddtree
 from ddtree.engine.drafter import DFlashDrafter
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 V, T, N = 12, 1.0, 1000
 

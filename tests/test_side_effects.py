@@ -13,7 +13,7 @@ import ddtree
 from ddtree.engine import gdn
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 
 def test_importing_the_engine_registers_and_patches_nothing():

@@ -20,7 +20,7 @@ from ddtree.engine.methods import family_methods
 from ddtree.engine.output_check import ValidationRule, Validator
 from ddtree.pipeline.preflight import auto_attention, flat_config
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_config, tiny_model
+from ddtree.tiny import tiny_config, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

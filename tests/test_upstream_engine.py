@@ -19,7 +19,7 @@ from ddtree.engine.drafter import DFlashDrafter
 from ddtree.errors import ConfigError
 from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import schema as C
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 from ddtree.upstream.engine import (
     UpstreamResult,
     generate_upstream,

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from ddtree.engine.drafter import DFlashDrafter
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 from ddtree.train.config import OptimConfig
 from ddtree.train.features import FeatureShards, extract_features
 from ddtree.train.trainer import FrozenTarget, train_drafter
@@ -67,7 +67,7 @@ def _train(tmp_path: Path, target, steps: int, drafter: DFlashDrafter | None = N
 
 
 def _tiny_tokenizer():
-    from ddtree.testing.tokenizer import tiny_tokenizer
+    from ddtree.tiny import tiny_tokenizer
 
     return tiny_tokenizer(VOCAB)
 

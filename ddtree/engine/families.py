@@ -27,7 +27,7 @@ NESTED = "nested"  # a multimodal wrapper nests the text model; compat's embeddi
 ROPE = "rope"  # the rotary table and the layers take the [B, T] position ids
 MROPE_TEXT = "mrope_text"  # the rotary table takes them 3 times ([3, B, T], text-only M-RoPE), the layers once
 
-# Tiny-config hints (ddtree.testing.tiny): a hybrid's linear-attention geometry, a MoE's experts.
+# Tiny-config hints (ddtree.tiny): a hybrid's linear-attention geometry, a MoE's experts.
 _HYBRID_TINY = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4)
 _MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)

@@ -54,8 +54,10 @@ def _user_settings() -> list[str]:
 
 
 def allocator_wanted(setting: bool | None) -> bool:
-    """Whether an engine tunes the allocator: its setting, else the options in scope (DDTREE_HOST_MALLOC=1)."""
-    return setting if setting is not None else current().tune_host_allocator
+    """Whether an engine tunes the allocator: its setting, else the options in scope (DDTREE_HOST_MALLOC=1); never
+    under DDTREE_HOST_MALLOC=0 (read once, with the options: EngineOptions.host_malloc_off)."""
+    options = current()
+    return bool(setting if setting is not None else options.tune_host_allocator) and not options.host_malloc_off
 
 
 def tune_host_allocator() -> str:
@@ -69,8 +71,6 @@ def tune_host_allocator() -> str:
 
 
 def _tune() -> str:
-    if os.environ.get("DDTREE_HOST_MALLOC", "1").strip().lower() in ("0", "false", "no", "off"):
-        return "untouched (DDTREE_HOST_MALLOC=0)"
     if not sys.platform.startswith("linux"):
         return f"untouched ({sys.platform}: not glibc)"
     user = _user_settings()

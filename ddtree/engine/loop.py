@@ -186,7 +186,10 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
              stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
              proposer: Proposer | None = None, block_size: int | None = None,
              sync_timing: bool = False, tree_attention: str = "auto", record: bool = True, steps: int | None = None,
-             topk: int | None = None, compile: str | bool = "auto", scoring: str | None = None) -> GenerationResult:
+             topk: int | None = None, compile: str | bool = "auto", scoring: str | None = None,
+             compile_backend: str | None = None, tune_host_allocator: bool | None = None,
+             device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
+             flex_compile: bool | None = None, auto_compile: bool | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -208,11 +211,15 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     scoring: method=ddtree's node scores: "marginal" (the drafter's per-position distributions), "pair" (a DFlash2
     drafter's candidate selector: each child scored given its parent; ddtree.engine.selector) or "auto" (None, the
     default: pair for a DFlash2 drafter, marginal for a DFlash one).
+    compile_backend, tune_host_allocator, device_path, kernels, flex_compile, auto_compile: the engine's options, as
+    `Engine` takes them (ddtree.engine.options; None: the environment's).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
     with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
                 sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
-                compile=compile, scoring=scoring) as engine:  # one call: the model is left as it was found
+                compile=compile, scoring=scoring, compile_backend=compile_backend,
+                tune_host_allocator=tune_host_allocator, device_path=device_path, kernels=kernels,
+                flex_compile=flex_compile, auto_compile=auto_compile) as engine:  # one call: the model as found
         return engine.generate(input_ids, temperature=temperature, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids, generator=generator)
 

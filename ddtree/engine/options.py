@@ -74,7 +74,8 @@ class EngineOptions:
     Triton kernel where it passed its check; strict: a failing kernel raises; composite: never a kernel).
     flex_compile: compiled flex attention (None: on CUDA only). auto_compile: compile=auto compiles on CUDA.
     compile_backend: torch.compile's backend for the compiled round (None: inductor). tune_host_allocator: set
-    glibc's malloc thresholds on a CPU target (process-wide once set: ddtree.engine.host)."""
+    glibc's malloc thresholds on a CPU target (process-wide once set: ddtree.engine.host). host_malloc_off: the
+    environment says DDTREE_HOST_MALLOC=0, which overrides a setting that asks (read here, with the rest)."""
 
     device_path: frozenset[str] = frozenset()
     kernels: str = "auto"
@@ -82,6 +83,7 @@ class EngineOptions:
     auto_compile: bool = True
     compile_backend: str | None = None
     tune_host_allocator: bool = False
+    host_malloc_off: bool = False
 
     @classmethod
     def from_env(cls) -> EngineOptions:
@@ -93,7 +95,8 @@ class EngineOptions:
                    flex_compile=None if flex is None else flex.strip().lower() not in _NO,
                    auto_compile=env("DDTREE_COMPILE", "").strip().lower() not in _NO[1:],
                    compile_backend=env("DDTREE_COMPILE_BACKEND") or None,
-                   tune_host_allocator=env("DDTREE_HOST_MALLOC", "").strip().lower() in _YES)
+                   tune_host_allocator=env("DDTREE_HOST_MALLOC", "").strip().lower() in _YES,
+                   host_malloc_off=env("DDTREE_HOST_MALLOC", "1").strip().lower() in _NO[1:])
 
     @classmethod
     def resolve(cls, *, device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,

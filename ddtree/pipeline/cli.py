@@ -19,7 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from ddtree.errors import ConfigError
-from ddtree.pipeline.console import run_cli, tracebacks_wanted, user_error
+from ddtree.pipeline.console import RUN_ALIASES, run_cli, spell_overrides, tracebacks_wanted, user_error
 from ddtree.pipeline.schema import CONF_DIR
 
 # conf/hydra/launcher/{submitit_slurm,submitit_local,ray}.yaml shadow the plugins' own configs on purpose
@@ -53,21 +53,6 @@ def _hydra_main(cfg: DictConfig) -> None:
             sys.stderr.write(f"error: {e}\n")
             raise SystemExit(STRICT_EXIT) from None
         raise
-
-
-# Both CLIs select an experiment as `experiment=NAME` (a defaults-list group, lightning-hydra-template style).
-# Older spellings keep working: `+experiment=NAME` for runs, `train/experiment=NAME` (its group) for training.
-RUN_ALIASES = {"+experiment=": "experiment="}
-TRAIN_ALIASES = {"experiment=": "train/experiment=", "+experiment=": "train/experiment="}
-
-
-def spell_overrides(argv: list[str], aliases: dict[str, str]) -> list[str]:
-    """argv with each override that starts with an alias's key respelled as its value."""
-    out = []
-    for arg in argv:
-        key = next((k for k in aliases if arg.startswith(k)), None)
-        out.append(aliases[key] + arg[len(key):] if key else arg)
-    return out
 
 
 def main() -> None:

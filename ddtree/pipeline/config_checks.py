@@ -330,7 +330,7 @@ def _local_config_json(name_or_path: str, revision: str | None = None) -> dict |
 def target_config_dict(cfg: RunConfig) -> dict | None:
     """The target's config fields without loading weights: tiny models from code, others from disk."""
     if _is_tiny(cfg):
-        from ddtree.testing.tiny import tiny_config
+        from ddtree.tiny import tiny_config
 
         t = cfg.model.tiny
         try:

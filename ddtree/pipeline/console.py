@@ -1,6 +1,6 @@
 """How every CLI of ddtree talks to its user: a mistake as one line on stderr (exit code 2; DDTREE_TRACEBACK=1 shows
 the traceback instead), and progress as bars on a terminal but one line per job elsewhere (CI, nohup, a SLURM log),
-where each bar frame would become a line of its own."""
+where each bar frame would become a line of its own; and the experiment spellings both CLIs accept."""
 
 from __future__ import annotations
 
@@ -155,3 +155,18 @@ class Progress:
             self.file.write(f"{self.desc}: {n} {self.unit}{'s' if n != 1 else ''} in "
                             f"{time.perf_counter() - t0:.1f} s{extra}\n")
             self.file.flush()
+
+
+# Both CLIs select an experiment as `experiment=NAME` (a defaults-list group, lightning-hydra-template style).
+# Older spellings keep working: `+experiment=NAME` for runs, `train/experiment=NAME` (its group) for training.
+RUN_ALIASES = {"+experiment=": "experiment="}
+TRAIN_ALIASES = {"experiment=": "train/experiment=", "+experiment=": "train/experiment="}
+
+
+def spell_overrides(argv: list[str], aliases: dict[str, str]) -> list[str]:
+    """argv with each override that starts with an alias's key respelled as its value."""
+    out = []
+    for arg in argv:
+        key = next((k for k in aliases if arg.startswith(k)), None)
+        out.append(aliases[key] + arg[len(key):] if key else arg)
+    return out

@@ -80,7 +80,7 @@ def load_target(rc: RunConfig, device: str):
     if attn in attention.SPLIT_IMPLEMENTATIONS:  # a tree implementation by name: registered first
         attention.register()
     if m.tiny is not None:
-        from ddtree.testing.tiny import tiny_model
+        from ddtree.tiny import tiny_model
 
         t = m.tiny
         model = tiny_model(t.model_type, seed=t.seed, attn_implementation=attn,
@@ -147,7 +147,7 @@ def load_tokenizer(rc: RunConfig):
     """The target's tokenizer (the tiny character tokenizer for tiny models); no weights load."""
     m = rc.model
     if m.tiny is not None:
-        from ddtree.testing.tokenizer import tiny_tokenizer
+        from ddtree.tiny import tiny_tokenizer
 
         return tiny_tokenizer(m.tiny.vocab_size)
     from transformers import AutoTokenizer

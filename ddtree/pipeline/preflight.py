@@ -325,7 +325,7 @@ def preflight(rc) -> TargetFacts | None:
     Adds the family and hybrid-or-not to rc.tags (what ran is recorded, as its config.json says)."""
     m = rc.model
     if m.tiny is not None:
-        from ddtree.testing.tiny import tiny_config
+        from ddtree.tiny import tiny_config
 
         c = tiny_config(m.tiny.model_type, vocab_size=m.tiny.vocab_size, num_hidden_layers=m.tiny.num_hidden_layers)
         cfg = flat_config(c.to_dict())

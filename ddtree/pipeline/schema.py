@@ -33,7 +33,7 @@ ENGINES = ("native", "upstream")  # upstream: the DDTree authors' code (ddtree.u
 
 @dataclass
 class TinyModelConfig:
-    """A random model built in-process with ddtree.testing.tiny.tiny_model (no download)."""
+    """A random model built in-process with ddtree.tiny.tiny_model (no download)."""
 
     model_type: str = "qwen3"
     seed: int = 0

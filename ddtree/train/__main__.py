@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from ddtree.pipeline.cli import TRAIN_ALIASES, spell_overrides
+    from ddtree.pipeline.console import TRAIN_ALIASES, spell_overrides
     from ddtree.pipeline.distributed import hydra_argv_for_rank, world_from_env
 
     sys.argv[1:] = hydra_argv_for_rank(spell_overrides(sys.argv[1:], TRAIN_ALIASES), world_from_env())  # torchrun ranks > 0: Hydra output to scratch

@@ -100,7 +100,10 @@ class FusedOp:
         passed = self.checked.get(key)
         if passed is None:
             return self._first_call(key, args)
-        if not passed:
+        if not passed:  # failed its check in this process (maybe under an engine with kernels=auto)
+            if _setting() == "strict":
+                raise RuntimeError(f"ddtree::{self.name}: the Triton kernel failed its check for {_describe(key)} "
+                                   "earlier in this process (kernels=strict)")
             return self.composite(*args)
         if self.timed:
             shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor)
