@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree.engine.families import FAMILIES, Family
-from ddtree.engine.methods import DFLASH, METHODS, OWN_HEAD, family_methods
+from ddtree.engine.methods import METHODS, family_methods
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_DIR = ROOT / "docs" / "bench"
@@ -88,13 +88,11 @@ def models_markdown() -> str:
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
     drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
               "tree": "a best-first tree of `budget` nodes"}
-    drafter = {None: "no", DFLASH: "yes", OWN_HEAD: "no (its own head)"}
     for m in METHODS.values():
-        what = drafts.get(m.tree, m.tree)
-        if m.drafter_kind == OWN_HEAD:  # method=mtp: the target's own head, as a chain or a tree
-            what = "the target's own MTP head: a chain of `mtp.steps`, or (`mtp.topk` > 1) a tree of `budget` nodes"
+        what = m.drafts or drafts.get(m.tree, m.tree)
         budget = "tree only" if m.budget_when_branching else "yes" if m.reads_budget else "no"
-        lines.append(f"| `{m.name}` | {what} | {drafter[m.drafter_kind]} | {budget} |")
+        needs = m.drafter_kind.needs if m.drafter_kind is not None else "no"
+        lines.append(f"| `{m.name}` | {what} | {needs} | {budget} |")
     return "\n".join(lines)
 
 

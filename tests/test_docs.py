@@ -235,6 +235,25 @@ def test_the_layers_import_only_downward():
     assert not bad, "\n".join(sorted(set(bad)))
 
 
+# where a drafter kind may be named: its row (ddtree/engine/drafter_kinds.py), the methods table, the kinds' own files
+# (drafters, their proposers, the DFlash2 selector), the pipeline's loader table keyed by the rows' names; and, until
+# their hooks are rows too, training's DFlash2 selector loss and the testing references
+KIND_HOMES = ("ddtree/engine/drafter_kinds.py", "ddtree/engine/methods.py", "ddtree/engine/drafter/",
+              "ddtree/engine/proposers.py", "ddtree/engine/selector.py", "ddtree/pipeline/models.py",
+              "ddtree/train/objective.py", "ddtree/train/trainer.py", "ddtree/testing/")
+KIND_BRANCH = re.compile(r"has_selector\(|candidate_selector|drafter_kind\s*[!=]=|\b(DFLASH|OWN_HEAD)\b|"
+                         r"isinstance\([^)]*(DFlashDrafter|MTPHead|DFlash2)")
+
+
+def test_nothing_outside_a_drafter_kinds_row_branches_on_the_kind():
+    """The loop, the pipeline, the diagnosis and the docs generator ask a drafter kind's row (its columns), never
+    which kind it is: adding a kind is its row and its own files (docs/architecture.md)."""
+    found = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in sorted((ROOT / "ddtree").rglob("*.py"))
+             if not str(f.relative_to(ROOT)).startswith(KIND_HOMES)
+             for i, line in enumerate(f.read_text().splitlines(), 1) if KIND_BRANCH.search(line)]
+    assert not found, "\n".join(found)
+
+
 def test_every_test_a_page_names_exists():
     defined = set()
     for f in (ROOT / "tests").glob("test_*.py"):

@@ -71,6 +71,8 @@ def tune_host_allocator() -> str:
 
 
 def _tune() -> str:
+    if current().host_malloc_off:  # DDTREE_HOST_MALLOC=0, read with the options (ddtree.engine.options)
+        return "untouched (DDTREE_HOST_MALLOC=0)"
     if not sys.platform.startswith("linux"):
         return f"untouched ({sys.platform}: not glibc)"
     user = _user_settings()

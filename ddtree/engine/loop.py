@@ -12,7 +12,7 @@ from transformers import PreTrainedModel
 from ddtree.engine import compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
-from ddtree.engine.methods import DFLASH, DraftSettings, check_method_args, check_target_supported, get_method
+from ddtree.engine.methods import DraftSettings, check_method_args, check_target_supported, get_method
 from ddtree.engine.options import EngineOptions, scoped
 from ddtree.engine.proposers import DecodeState, Proposer, StageTimer
 from ddtree.engine.result import GenerationResult
@@ -103,8 +103,8 @@ class Engine:
                               str(target.device))
         custom = proposer is not None
         if proposer is None:
-            if drafter is not None and self.spec.drafter_kind == DFLASH:
-                drafter.check_compatible(target)
+            if self.spec.drafter_kind is not None:  # its row's check of the pair (a DFlash drafter's widths, ...)
+                self.spec.drafter_kind.check(target, drafter)
             proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk, scoring)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddtree.engine.checks import MTP_STEPS, MTP_TOPK, check_block_size, check_budget, check_mtp_args
+from ddtree.engine.drafter_kinds import DFLASH, OWN_HEAD, DrafterKind
 from ddtree.engine.families import Family, check_family_has_mtp, family
 from ddtree.errors import ConfigError
 
@@ -21,10 +22,6 @@ if TYPE_CHECKING:
 
 DEFAULT_BUDGET = 64  # DDTree's node budget when a caller passes budget=None
 MTP = "mtp"  # the method drafting with the target's own multi-token-prediction head
-
-# What fills a method's drafter slot (Method.drafter_kind; None: no drafter)
-DFLASH = "dflash"  # a DFlash drafter checkpoint (drafter=<name>); its block size: the checkpoint's or drafter.block_size
-OWN_HEAD = "own_head"  # the target's own MTP head (ddtree.engine.drafter.mtp), read from the target's checkpoint
 
 
 @dataclass(frozen=True)
@@ -84,8 +81,8 @@ def resolve_scoring(scoring: str | None, dflash2: bool) -> str:
 
 
 def has_selector(drafter) -> bool:
-    """Whether `drafter` carries a DFlash2 candidate selector (pair scores)."""
-    return getattr(drafter, "candidate_selector", None) is not None
+    """Whether `drafter` carries a DFlash2 candidate selector (pair scores; the DFlash row's `pair_scores`)."""
+    return DFLASH.pair_scores(drafter)
 
 
 def check_scoring(scoring: str | None, method: str, drafter=None, *, dflash2: bool | None = None) -> None:
@@ -114,7 +111,8 @@ class Method:
     """One decoding method.
 
     make_proposer(target, drafter, DraftSettings): its proposer (ddtree.engine.proposers), after check_method_args.
-    drafter_kind: what fills its drafter slot: DFLASH, OWN_HEAD (None passed: read from the target) or None.
+    drafter_kind: what fills its drafter slot, a row of ddtree.engine.drafter_kinds (DFLASH; OWN_HEAD, None passed:
+    read from the target), or None.
     tree: the shape it verifies: root (one token), chain or tree (branching).
     reads_budget: the budget can shape its tree; budget_when_branching: only when it branches (topk > 1).
     compilable: the compiled round (ddtree.engine.compiled) runs it (one node count per engine).
@@ -122,11 +120,12 @@ class Method:
     settings: the config group of settings it alone reads (method=mtp: mtp.steps, mtp.topk), or None.
     reads_scoring: its tree's node scores are a setting (scoring=marginal|pair: DDTree's best-first tree).
     auto_budget: budget=auto calibrates its budget (ddtree.pipeline.autobudget: a best-first tree of the drafter's).
+    drafts: what it drafts, in the docs' words, where its tree shape alone does not say it (None: the shape's).
     """
 
     name: str
     make_proposer: Callable[[Any, Any, DraftSettings], Proposer]
-    drafter_kind: str | None
+    drafter_kind: DrafterKind | None
     tree: str
     reads_budget: bool
     budget_when_branching: bool = False
@@ -135,6 +134,7 @@ class Method:
     settings: str | None = None
     reads_scoring: bool = False
     auto_budget: bool = False
+    drafts: str | None = None
 
     @property
     def verifies_tree(self) -> bool:
@@ -143,8 +143,8 @@ class Method:
 
     @property
     def reads_block_size(self) -> bool:
-        """It drafts blocks of a DFlash drafter (drafter.block_size)."""
-        return self.drafter_kind == DFLASH
+        """It drafts blocks of a drafter (drafter.block_size)."""
+        return self.drafter_kind is not None and self.drafter_kind.block_size
 
     def uses_budget(self, topk: int | None = None) -> bool:
         """Whether the budget shapes its tree under these settings (MTP's chain, topk 1, ignores it)."""
@@ -155,7 +155,7 @@ class Method:
         recurrent) and, drafting with the target's own head, where the family has one."""
         if self.tree == "root":
             return True
-        return not row.recurrent and (self.drafter_kind != OWN_HEAD or row.own_head)
+        return not row.recurrent and (not self.drafter_kind.from_target or row.own_head)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -165,11 +165,12 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            auto_budget=True),
     # a chain of `steps` tokens (topk 1) or an EAGLE-style tree (topk > 1, the `budget` best nodes)
     Method(MTP, _mtp, drafter_kind=OWN_HEAD, tree="tree", reads_budget=True, budget_when_branching=True,
-           authors_code=False, settings="mtp"),
+           authors_code=False, settings="mtp",
+           drafts="the target's own MTP head: a chain of `mtp.steps`, or (`mtp.topk` > 1) a tree of `budget` nodes"),
 )}
 METHOD_NAMES = tuple(METHODS)
 # every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
-DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.drafter_kind != OWN_HEAD)
+DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if not (m.drafter_kind and m.drafter_kind.from_target))
 COMPILABLE_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.compilable)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
 
@@ -177,13 +178,20 @@ BASELINE = "ar"  # the method every other is compared with (plain target decodin
 def drafter_method(tree: str) -> str:
     """The method drafting with a DFlash drafter that verifies `tree` ("chain": DFlash, "tree": DDTree): the pair a
     report and a diagnosis compare."""
-    return next(name for name, m in METHODS.items() if m.drafter_kind == DFLASH and m.tree == tree)
+    return next(name for name, m in METHODS.items() if m.drafter_kind and m.drafter_kind.curve and m.tree == tree)
 
 
 def reads_budget(name: str | None, topk: int | None = None) -> bool:
     """Whether method `name` (None or unknown: no) reads the budget under these settings (Method.uses_budget)."""
     m = METHODS.get(name)
     return m is not None and m.uses_budget(topk)
+
+
+def loads_drafter(name: str) -> bool:
+    """Whether method `name` loads a drafter checkpoint (its drafter kind's `checkpoint`): the drafter.* settings,
+    its quantization, its memory and its source then apply."""
+    kind = get_method(name).drafter_kind
+    return kind is not None and kind.checkpoint
 
 
 def get_method(name: str) -> Method:
@@ -208,7 +216,7 @@ def check_target_supported(model_type_name: str, method: str,
     m, row = get_method(method), family(model_type_name)
     if m.runs_on(row):
         return
-    if m.drafter_kind == OWN_HEAD and not row.own_head:
+    if m.drafter_kind is not None and m.drafter_kind.from_target and not row.own_head:
         check_family_has_mtp(model_type_name)
     raise ConfigError("method", f"method={method} on a '{model_type_name}' target is not supported: its recurrent "
                       "layers cannot verify a draft tree or roll back rejected tokens exactly", fix)
@@ -223,8 +231,8 @@ def check_method_args(name: str, *, has_drafter: bool, budget: int | None, block
     method = get_method(name)
     if method.settings == MTP:
         check_mtp_args(steps, topk)
-    if method.drafter_kind == DFLASH and not has_drafter:
-        raise ConfigError("drafter", f"method={name} needs a DFlash drafter, but there is none", drafter_fix)
+    if method.drafter_kind is not None and method.drafter_kind.checkpoint and not has_drafter:
+        raise ConfigError("drafter", f"method={name} needs a drafter, but there is none", drafter_fix)
     if method.reads_budget:
         check_budget(budget)
     if method.reads_block_size:

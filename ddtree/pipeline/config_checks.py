@@ -27,12 +27,12 @@ from ddtree.engine.checks import (
 )
 from ddtree.engine.methods import (
     COMPILABLE_METHOD_NAMES,
-    DFLASH,
     METHODS,
     MTP,
     check_method_args,
     check_scoring,
     get_method,
+    loads_drafter,
 )
 from ddtree.errors import ConfigError
 from ddtree.pipeline.datasets import check_dataset
@@ -83,7 +83,7 @@ def validate(cfg: DictConfig | RunConfig) -> RunConfig:
     check_dataset(rc.dataset)  # settings and local files only: nothing is downloaded here
     check_tracking(rc)
     check_validation(rc)
-    if get_method(rc.method).drafter_kind == DFLASH:  # AR never loads a drafter, MTP reads the target's head
+    if loads_drafter(rc.method):  # AR never loads a drafter, MTP reads the target's head
         check_drafter_fits(rc)
     return rc
 
@@ -188,14 +188,14 @@ def check_drafter(rc: RunConfig) -> None:
     if d.kind == "random" and d.num_layers < 1:
         raise ConfigError("drafter.num_layers", f"must be >= 1, got {d.num_layers}")
     budget = rc.auto.calibration_budget if rc.budget == "auto" else rc.budget
-    method = check_method_args(rc.method, has_drafter=d.kind != "none", budget=budget, block_size=d.block_size,
-                               drafter_fix=_drafter_fix(m.name, m.tiny is not None))
-    if method.drafter_kind == DFLASH and d.quantization is not None:
+    check_method_args(rc.method, has_drafter=d.kind != "none", budget=budget, block_size=d.block_size,
+                      drafter_fix=_drafter_fix(m.name, m.tiny is not None))
+    if loads_drafter(rc.method) and d.quantization is not None:
         from ddtree.pipeline.models import resolve_device
         from ddtree.pipeline.quantization import check_quantization
 
         check_quantization("drafter.quantization", d.quantization, resolve_device(rc.device), drafter=True)
-    if method.drafter_kind == DFLASH:
+    if loads_drafter(rc.method):
         if d.kind == "random" and m.tiny is None:
             raise ConfigError("drafter", f"a random drafter on the real model {m.name} measures nothing",
                               f"use drafter={m.name}; drafter=tiny is for the tiny test models")
@@ -207,7 +207,8 @@ def check_attention_settings(rc: RunConfig) -> None:
     if rc.attention.target != AUTO:
         check_attention("attention.target", rc.attention.target, method=rc.method, for_target=True,
                         device=rc.device, dtype=dtype)
-    if get_method(rc.method).drafter_kind == DFLASH and rc.attention.drafter != AUTO:
+    kind = get_method(rc.method).drafter_kind
+    if kind is not None and kind.own_attention and rc.attention.drafter != AUTO:
         check_attention("attention.drafter", rc.attention.drafter, method=rc.method, for_target=False,
                         device=rc.device, dtype=rc.drafter.dtype or dtype)
     if rc.engine == "upstream" and get_method(rc.method).verifies_tree and rc.attention.target != AUTO and (

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.methods import DFLASH, METHODS, MTP
+from ddtree.engine.methods import METHODS, MTP
 from ddtree.errors import ConfigError
 from ddtree.pipeline.models import ModelCache, load_upstream, target_context
 from ddtree.pipeline.preflight import check_prompt_lengths, keep_last
@@ -117,7 +117,7 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
         if method not in ctx.engines:
             ctx.engines[method] = Engine(target, drafter, method=method, budget=rc.budget,
                                          tune_host_allocator=rc.host_allocator, record=rc.record_rounds, compile=rc.compile,
-                                         scoring=rc.scoring if spec.drafter_kind == DFLASH else None, **kw)
+                                         scoring=rc.scoring if spec.reads_scoring else None, **kw)
         generate = ctx.engines[method].generate
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):

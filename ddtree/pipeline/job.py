@@ -20,7 +20,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ddtree.engine.methods import BASELINE, DFLASH, METHODS, MTP, OWN_HEAD, reads_budget
+from ddtree.engine.methods import BASELINE, METHODS, MTP, loads_drafter, reads_budget
 from ddtree.engine.result import STAGES
 from ddtree.pipeline import distributed as D
 from ddtree.pipeline.autobudget import choose_budget, outcome, outcome_line
@@ -143,7 +143,7 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         "engine": rc.engine,
         "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk) else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name,
-        "drafter": "mtp head" if spec.drafter_kind == OWN_HEAD else rc.drafter.name_or_path or rc.drafter.kind,
+        "drafter": (spec.drafter_kind and spec.drafter_kind.summary) or rc.drafter.name_or_path or rc.drafter.kind,
         **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if spec.settings == MTP else {}),
         **({"scoring": rc.scoring} if spec.reads_scoring else {}),
         "dataset": dataset_label(rc.dataset),
@@ -366,7 +366,7 @@ def quantization_labels(rc: RunConfig) -> dict[str, str | None]:
     """What ran quantized (None: as loaded): the summary's, the diagnosis's and the run tags' record."""
     from ddtree.pipeline.quantization import label
 
-    drafts = METHODS[rc.method].drafter_kind == DFLASH
+    drafts = loads_drafter(rc.method)
     return {"target": label(rc.model.quantization), "drafter": label(rc.drafter.quantization) if drafts else None}
 
 

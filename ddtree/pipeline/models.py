@@ -9,7 +9,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddtree.engine.methods import DFLASH, METHODS, OWN_HEAD
+from ddtree.engine.drafter_kinds import DFLASH, OWN_HEAD
+from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
 from ddtree.pipeline.schema import AUTO, RunConfig
 
@@ -168,7 +169,7 @@ def load_drafter(rc: RunConfig, target, device: str):
     if d.kind == "none":
         return None
     from ddtree.engine.drafter import DFlashDrafter
-    from ddtree.engine.methods import check_scoring, get_method, has_selector, resolve_scoring
+    from ddtree.engine.methods import check_scoring, get_method, resolve_scoring
 
     attn = "sdpa" if rc.attention.drafter == AUTO else rc.attention.drafter  # (auto, not resolved by preflight)
     if d.kind == "random":
@@ -185,7 +186,7 @@ def load_drafter(rc: RunConfig, target, device: str):
     drafter.check_compatible(target)
     check_scoring(rc.scoring, rc.method, drafter)
     if get_method(rc.method).reads_scoring:  # auto, where preflight could not read the drafter's config.json
-        rc.scoring = resolve_scoring(rc.scoring, has_selector(drafter))
+        rc.scoring = resolve_scoring(rc.scoring, get_method(rc.method).drafter_kind.pair_scores(drafter))
     if d.quantization is not None:
         from ddtree.pipeline.quantization import quantize_module
 
@@ -227,7 +228,7 @@ def get_models(rc: RunConfig, device: str, cache: ModelCache):
     kind = METHODS[rc.method].drafter_kind
     if kind is None:
         return cache.target, cache.tokenizer, None
-    dkey, load = DRAFTER_SOURCES[kind](rc, cache, device, tkey)
+    dkey, load = DRAFTER_SOURCES[kind.name](rc, cache, device, tkey)
     if cache.drafter_key != dkey:
         cache.drafter = cache.drafter_key = None  # a load that fails leaves no key naming a drafter not there
         cache.drafter = load()
@@ -259,7 +260,7 @@ def _own_head_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
 
 
 # how each drafter kind of the methods table (Method.drafter_kind) is keyed and loaded into a job's drafter slot
-DRAFTER_SOURCES = {DFLASH: _dflash_source, OWN_HEAD: _own_head_source}
+DRAFTER_SOURCES = {DFLASH.name: _dflash_source, OWN_HEAD.name: _own_head_source}
 
 
 def load_upstream(rc: RunConfig):

@@ -19,10 +19,9 @@ from typing import Any
 from ddtree.engine.checks import is_dflash2_config
 from ddtree.engine.methods import (
     AUTO_SCORING,
-    DFLASH,
-    OWN_HEAD,
     check_target_supported,
     get_method,
+    loads_drafter,
     resolve_scoring,
 )
 from ddtree.errors import ConfigError
@@ -275,12 +274,10 @@ def resolve_attention(rc, cfg: dict[str, Any] | None) -> bool:
 
 
 def attention_backends(rc) -> dict[str, str | None]:
-    """The attention backends this job runs: the target's, and its drafter's (a DFlash drafter: attention.drafter; the
-    MTP head: the target's where the head's layer takes it, else sdpa; AR: None)."""
-    from ddtree.engine.drafter.mtp import head_attention
-
+    """The attention backends this job runs: the target's, and its drafter's (its kind's `attention`: a DFlash
+    drafter's is attention.drafter; the MTP head runs the target's where its layer takes it, else sdpa; AR: None)."""
     kind = get_method(rc.method).drafter_kind
-    drafter = {DFLASH: rc.attention.drafter, OWN_HEAD: head_attention(rc.attention.target)}.get(kind)
+    drafter = kind.attention(rc.attention.target, rc.attention.drafter) if kind is not None else None
     return {"target": rc.attention.target, "drafter": drafter}
 
 
@@ -289,11 +286,9 @@ def attention_line(rc) -> str:
     kind = get_method(rc.method).drafter_kind
     ran = attention_backends(rc)
     line = f"target {ran['target']}"
-    if kind == DFLASH:
-        line += f", drafter {ran['drafter']}"
-    elif kind == OWN_HEAD:
-        line += f", MTP head {ran['drafter']}"  # no setting of its own: the target's backend where it runs it
-    used = ("target", "drafter") if kind == DFLASH else ("target",)
+    if kind is not None:  # the MTP head has no setting of its own: the target's backend where it runs it
+        line += f", {kind.attention_label} {ran['drafter']}"
+    used = ("target", "drafter") if kind is not None and kind.own_attention else ("target",)
     auto = [k for k in (rc.tags.get("ddtree.attention_auto") or "").split(", ") if k in used]
     return line + (f" (auto: {', '.join(auto)})" if auto else "")
 
@@ -336,10 +331,9 @@ def preflight(rc) -> TargetFacts | None:
         check_source(tok_setting, m.tokenizer or m.name_or_path, m.revision, TOKENIZER_FILES, "a tokenizer")
         cfg = read_config(src)
         facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
-        if get_method(rc.method).drafter_kind == OWN_HEAD:  # the head's tensors, from the index or headers: no weights load
-            from ddtree.engine.drafter.mtp import mtp_tensor_map
-
-            mtp_tensor_map(m.name_or_path, m.revision)
+        kind = get_method(rc.method).drafter_kind
+        if kind is not None and kind.in_target is not None:  # e.g. the MTP head's tensors: no weights load
+            kind.in_target(m.name_or_path, m.revision)
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
     resolve_attention(rc, cfg)  # (the caller checks the chosen backends: ddtree.pipeline.job.configure)
@@ -347,7 +341,7 @@ def preflight(rc) -> TargetFacts | None:
         check_attention_supported(cfg, rc.attention.target)
         check_tree_fits(cfg, rc)
     d = rc.drafter
-    if get_method(rc.method).drafter_kind == DFLASH and d.kind == "pretrained":
+    if loads_drafter(rc.method) and d.kind == "pretrained":
         src = check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
         resolve_auto_scoring(rc, read_config(src))
     elif d.kind == "random":  # a random drafter is DFlash

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ddtree.engine.methods import BASELINE, DFLASH, DRAFTER_METHOD_NAMES, get_method
+from ddtree.engine.methods import BASELINE, DRAFTER_METHOD_NAMES, get_method, loads_drafter
 from ddtree.pipeline.prompts import encode
 from ddtree.train.data import read_prompts, stop_ids
 
@@ -45,7 +45,7 @@ def evaluate(target, drafter, tokenizer, prompts_path: str, *, max_samples: int 
                            device=dev) for p in prompts]
 
     def gen(method: str, budget: int | None, ids: torch.Tensor, n: int):
-        return ddtree.generate(target, drafter if get_method(method).drafter_kind == DFLASH else None, ids, method=method, budget=budget,
+        return ddtree.generate(target, drafter if loads_drafter(method) else None, ids, method=method, budget=budget,
                                max_new_tokens=n, stop_token_ids=stops)
 
     if warmup and inputs:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.methods import DFLASH, METHODS
+from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
 
 
@@ -30,7 +30,7 @@ class JobData:
     def tree_budget(self) -> int | None:
         """The budget on the predicted curve: 1 for a chain, the node budget for a tree, None for AR."""
         m = METHODS.get(self.method)
-        if m is None or m.drafter_kind != DFLASH:  # the curve is a DFlash drafter's: its chain and its trees
+        if m is None or m.drafter_kind is None or not m.drafter_kind.curve:  # the curve: a block drafter's chain and trees
             return None
         return 1 if m.tree == "chain" else self.budget
 

@@ -1,0 +1,92 @@
+"""The one table of drafter kinds: what can fill a method's drafter slot (Method.drafter_kind), one row each.
+
+A row says what the rest of ddtree asks of a kind, so nothing outside the row and the kind's own files branches on
+which kind it is: whether a `drafter=` checkpoint is loaded for it (its settings, quantization, memory and preflight
+checks then apply), whether it is read from the target's own checkpoint, whether `attention.drafter` is its backend,
+whether it reads `drafter.block_size`, whether its drafts can be scored pairwise, how it is checked against a target,
+its labels in the run's summary and the docs. Importing it is cheap (no torch): config validation reads it.
+The pipeline's loaders are keyed by the row's name (ddtree.pipeline.models.DRAFTER_SOURCES).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+def _no_check(target: Any, drafter: Any) -> None:
+    return None
+
+
+def _check_block_drafter(target: Any, drafter: Any) -> None:
+    """A DFlash (or DFlash2) drafter against its target: feature layers, vocabulary, widths (its own check)."""
+    if drafter is not None:
+        drafter.check_compatible(target)
+
+
+def _block_pair_scores(drafter: Any) -> bool:
+    """A DFlash2 drafter carries a candidate selector: its children can be scored given their parent."""
+    return getattr(drafter, "candidate_selector", None) is not None
+
+
+def _never(drafter: Any) -> bool:
+    return False
+
+
+def _head_tensors(name_or_path: str, revision: str | None) -> None:
+    """The MTP head's tensors are in the target's checkpoint (its index or headers: no weights load)."""
+    from ddtree.engine.drafter.mtp import mtp_tensor_map
+
+    mtp_tensor_map(name_or_path, revision)
+
+
+def _own_attention(target: str, drafter: str) -> str:
+    return drafter
+
+
+def _head_attention(target: str, drafter: str) -> str:
+    from ddtree.engine.drafter.mtp import head_attention
+
+    return head_attention(target)
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    """One kind of drafter.
+
+    checkpoint: a `drafter=` checkpoint (or random drafter) is loaded for it: the drafter.* settings, its quantization,
+    its memory and its source are checked. from_target: read from the target's own checkpoint (a family must have it).
+    own_attention: `attention.drafter` is its backend (else it runs the target's where it can: `attention`).
+    block_size: it drafts blocks of `drafter.block_size`. curve: the diagnosis predicts its chain and its trees.
+    summary: the run summary's "drafter" for it (None: the checkpoint's name). attention_label: the summary line's
+    name for its backend. needs: the docs' "needs a drafter" cell. check(target, drafter): refuse a mismatched pair
+    before a proposer is built. pair_scores(drafter): whether this drafter scores children given their parent.
+    attention(target backend, attention.drafter): the backend it runs. in_target(name_or_path, revision): where it is
+    read from the target's checkpoint, the preflight's look at it (before any weights load)."""
+
+    name: str
+    checkpoint: bool
+    from_target: bool
+    own_attention: bool
+    block_size: bool
+    curve: bool
+    summary: str | None
+    attention_label: str
+    needs: str
+    check: Callable[[Any, Any], None] = _no_check
+    pair_scores: Callable[[Any], bool] = _never
+    attention: Callable[[str, str], str] = _own_attention
+    in_target: Callable[[str, str | None], None] | None = None
+
+
+# a DFlash or DFlash2 block drafter checkpoint (drafter=<name>); its block: the checkpoint's or drafter.block_size
+DFLASH = DrafterKind("dflash", checkpoint=True, from_target=False, own_attention=True, block_size=True, curve=True,
+                     summary=None, attention_label="drafter", needs="yes", check=_check_block_drafter,
+                     pair_scores=_block_pair_scores)
+# the target's own MTP head (ddtree.engine.drafter.mtp), read from the target's checkpoint
+OWN_HEAD = DrafterKind("own_head", checkpoint=False, from_target=True, own_attention=False, block_size=False,
+                       curve=False, summary="mtp head", attention_label="MTP head", needs="no (its own head)",
+                       attention=_head_attention, in_target=_head_tensors)
+
+DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (DFLASH, OWN_HEAD)}
