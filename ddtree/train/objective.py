@@ -116,7 +116,7 @@ def drafter_hidden(drafter, embed_weight: torch.Tensor, batch: BlockBatch, call=
     """
     call = drafter if call is None else call
     dtype = drafter.dtype
-    noise = F.embedding(batch.block_ids, embed_weight).to(dtype)
+    noise = drafter.embed_block(embed_weight, batch.block_ids).to(dtype)  # as the engine embeds a block
     feats = batch.ctx_features.to(dtype)
     mask = block_mask(batch.anchors, feats.shape[1], batch.block_size, dtype)
     if _accepts_mask(drafter):
