@@ -78,17 +78,42 @@ def test_every_method_equals_hf_greedy_in_fp32(vocab):
     assert vocab != 12 or deepest >= 3
 
 
-def _drafter_inputs(drafter) -> list[torch.Tensor]:
-    """Record what the engine hands the drafter's forward as the block's embeddings (a forward pre-hook)."""
+def test_verification_reads_the_multiplied_capped_logits():
+    """The engine's target logits (prefill and a verified chain) are the wrapper's own: times output_multiplier, then
+    soft-capped; not the head's raw logits, whose argmax agrees (so greedy outputs alone would not show it)."""
+    from ddtree.engine.target import TargetSession
+    from ddtree.engine.tree import chain_tree
+
+    target = _target(64)
+    text = target.config.get_text_config()
+    ids = _prompts(64, (11,))[0]
+    with torch.inference_mode():
+        out = target(ids, output_hidden_states=True)
+        raw = target.get_output_embeddings()(out.hidden_states[-1])[0]
+    cap, mult = text.final_logit_softcapping, text.output_multiplier
+    torch.testing.assert_close(out.logits[0], torch.tanh(raw * mult / cap) * cap)
+    session = TargetSession(target)
+    last, _ = session.prefill(ids[:, :6])
+    verified, _ = session.verify(chain_tree(ids[0, 6], ids[0, 7:]))
+    torch.testing.assert_close(last, out.logits[0, 5])
+    torch.testing.assert_close(verified, out.logits[0, 6:])
+    assert not torch.allclose(verified, raw[6:], atol=1e-3)
+
+
+def _drafter_calls(drafter) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Record what the engine hands the drafter's forward as the block's embeddings, and its hidden states out."""
     seen: list[torch.Tensor] = []
+    hidden: list[torch.Tensor] = []
     drafter.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
-    return seen
+    drafter.register_forward_hook(lambda module, args, out: hidden.append(out.detach().clone()))
+    return seen, hidden
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2"])
 def test_the_drafter_sees_the_raw_rows_times_the_scale(kind):
     """The block [anchor, mask, ...] reaches the drafter as rows of the embedding matrix (not the module's normed
-    output), times input_embedding_scale; the scale changes the drafts, not the output."""
+    output), times input_embedding_scale; the scale changes the drafts (the drafter's hidden states and the records of
+    its probabilities), not the output."""
     target = _target(64)
     drafter = _drafters(target)[kind == "dflash2"]
     scaled = copy.deepcopy(drafter)
@@ -97,18 +122,18 @@ def test_the_drafter_sees_the_raw_rows_times_the_scale(kind):
     ids = _prompts(64, (11,))[0]
     ref = hf_greedy(target, ids, 12)
     method = "dflash" if kind == "dflash2" else "ddtree"
-    hidden = {}
+    hidden, records = {}, {}
     for name, d in (("plain", drafter), ("scaled", scaled)):
-        seen = _drafter_inputs(d)
+        seen, out_hidden = _drafter_calls(d)
         out = ddtree.generate(target, d, ids, method=method, budget=8, max_new_tokens=12, record=True)
         assert out.output_ids == ref and seen, name
         block = torch.tensor([[out.output_ids[0]] + [d.mask_token_id] * (d.block_size - 1)])  # the first round's
         expected = weight[block] * (2.0 if name == "scaled" else 1.0)
         torch.testing.assert_close(seen[0], expected, rtol=0, atol=0)
         assert not torch.allclose(seen[0], target.get_input_embeddings()(block))  # not the normed module's output
-        with torch.inference_mode():  # the block's rows the drafts come from
-            hidden[name] = d(seen[0], None, None, torch.arange(8)[None])
-    assert not torch.allclose(hidden["plain"], hidden["scaled"])  # the scale changes the draft
+        hidden[name], records[name] = out_hidden[0], out.diagnosis
+    assert not torch.allclose(hidden["plain"], hidden["scaled"])  # the first round's draft, same context
+    assert records["plain"] != records["scaled"]
 
 
 def test_the_scale_round_trips_and_bad_values_are_refused(tmp_path):
@@ -133,10 +158,17 @@ def test_the_scale_round_trips_and_bad_values_are_refused(tmp_path):
 
 @pytest.mark.slow  # 400 generations (~20 s on 2 shared cores)
 def test_sampling_follows_the_capped_target():
-    """T = 1: the first two tokens follow the wrapper's own logits (multiplied, soft-capped): chi-square."""
-    target = _target(12)
+    """T = 1: the first two tokens follow the wrapper's own logits (multiplied, soft-capped): chi-square. The
+    multiplier and cap are set so that the cap binds (on about half the logits) and the distribution is peaked enough
+    for the test (the real 0.196 and 20 leave a tiny random model's 144 pairs near uniform, every cell sparse)."""
+    target = tiny_model("muse_glimmer", seed=2, attn_implementation="sdpa", vocab_size=12, output_multiplier=20.0,
+                        final_logit_softcapping=2.0)
     drafter = _drafters(target)[0]
     ids = torch.tensor([[1, 5, 2, 7]])
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        raw = target.get_output_embeddings()(out.hidden_states[-1])[0, -1] * 20.0
+    assert (raw.abs() > 2.0).float().mean() > 0.3 and out.logits.abs().max() < 2.0  # the cap binds
     g = torch.Generator().manual_seed(11)
     assert_first_two_tokens_follow(
         lambda: ddtree.generate(target, drafter, ids, method="ddtree", budget=7, temperature=1.0, max_new_tokens=3,
@@ -166,10 +198,11 @@ def test_cli_runs_every_method_on_a_tiny_muse_glimmer(cli, tmp_path):
 
 
 def test_cli_runs_a_dflash2_checkpoint_on_a_tiny_muse_glimmer(cli, tmp_path):
-    """A DFlash2 checkpoint for the tiny Muse-Glimmer: its chain and DDTree under both scorings."""
+    """A DFlash2 checkpoint for the tiny Muse-Glimmer: its chain and DDTree under both scorings (the default, auto:
+    pair over a DFlash2 drafter; budget 64)."""
     d = save_random_dflash2(tiny_model("muse_glimmer", seed=0), tmp_path / "drafter2", seed=4)
     got = _sweep(cli, tmp_path, "drafter=dflash2", f"drafter.name_or_path={d}", "method=dflash,ddtree",
-                 "scoring=marginal,pair", "budget=8", "dataset.max_samples=1")
+                 "scoring=auto,marginal", "dataset.max_samples=1")
     assert sorted((s["method"], s.get("scoring")) for s in got) == [("ddtree", "marginal"), ("ddtree", "pair"),
                                                                     ("dflash", None)]
     assert all(_exact(s) for s in got), [s["validation"] for s in got]
