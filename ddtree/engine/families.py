@@ -125,7 +125,7 @@ _ROWS: tuple[Family, ...] = (
            wrapper_class="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel"),
     # image-text-to-text only (no causal-LM class): the text model through the wrapper; text layers sliding 3 of 4
     # with NoPE full-attention layers, logits times output_multiplier then soft-capped (docs/targets.md)
-    Family("muse_glimmer", embedding_access=NESTED, embeds_more=True,
+    Family("muse_glimmer", embedding_access=NESTED, embeds_more=True, traits="sliding 3/4, NoPE",
            wrapper_class="transformers.models.muse_glimmer.modeling_muse_glimmer:MuseGlimmerModel",
            tiny={**_WINDOW, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, tiny_text="muse_glimmer_text",
            tiny_outer=dict(vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
