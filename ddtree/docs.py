@@ -55,7 +55,7 @@ def _kind(row: Family) -> str:
     if row.gdn:
         return "hybrid: tree-exact Gated DeltaNet"
     if row.recurrent:
-        return "recurrent state: no exact tree verification"
+        return "recurrent: no exact tree verification"
     return "attention"
 
 

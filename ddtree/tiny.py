@@ -11,9 +11,9 @@ import math
 from functools import lru_cache
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, PreTrainedModel
 
-from ddtree.engine.families import family
+from ddtree.engine.families import auto_model_class, family
 
 _COMMON = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False)
@@ -29,9 +29,12 @@ def tiny_config(model_type: str = "qwen3", vocab_size: int = 128, num_hidden_lay
     elif row.sliding_every:  # sliding-window layers, every n-th one full attention
         kw["layer_types"] = [("full_attention" if (i + 1) % row.sliding_every == 0 else "sliding_attention")
                              for i in range(num_hidden_layers)]
-    if "vocab_size_per_layer_input" in AutoConfig.for_model(model_type).to_dict():  # Gemma 4's per-layer inputs
+    if "vocab_size_per_layer_input" in AutoConfig.for_model(row.tiny_text or model_type).to_dict():  # Gemma 4
         kw["vocab_size_per_layer_input"] = kw["vocab_size"]
     kw.update(overrides)
+    if row.tiny_text:  # a multimodal wrapper: the tiny text config inside it, a tiny vision tower beside
+        return AutoConfig.for_model(model_type, text_config=AutoConfig.for_model(row.tiny_text, **kw).to_dict(),
+                                    **row.tiny_outer)
     return AutoConfig.for_model(model_type, **kw)
 
 
@@ -48,7 +51,7 @@ def tiny_model(model_type: str = "qwen3", seed: int = 0, attn_implementation: st
                dtype: torch.dtype = torch.float32, slow_decay: bool = True, **config_overrides) -> PreTrainedModel:
     cfg = tiny_config(model_type, **config_overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
+    model = auto_model_class(model_type).from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     if slow_decay:
         slow_decay_(model)
     real_sinks_(model)

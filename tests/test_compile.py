@@ -9,6 +9,8 @@ user's `compile=true` runs, are slow here (about a minute of compiling each on t
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -174,6 +176,29 @@ def test_a_dflash2_drafter_drafts_in_the_compiled_round(dynamo_clean):
         assert c.graphs["tree"] == c.graphs["verify"] == c.graphs["commit"] == res.rounds, (method, scoring)
         assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
         assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)  # the walk's, the prefill's token, the records
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+def test_the_compiled_drafter_embeds_the_block_times_its_scale(dynamo_clean, kind):
+    """input_embedding_scale in the compiled round (StaticDraft embeds the block inside its graph): a drafter declaring
+    2.0 drafts there as the eager engine does (the same acceptance lengths and diagnosis records, which carry the
+    drafter's log-probabilities), and otherwise than the same weights unscaled."""
+    target, drafter = _dflash2_pair("qwen3")
+    if kind == "dflash":
+        drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
+    scaled = copy.deepcopy(drafter)
+    scaled.config.input_embedding_scale = 2.0
+    ids = _prompts((9,))[0]
+    records = {}
+    for name, d in (("plain", drafter), ("scaled", scaled)):
+        torch._dynamo.reset()
+        res = _engine(target, d, "ddtree", budget=10).generate(ids, max_new_tokens=NEW)
+        ref = ddtree.Engine(target, d, method="ddtree", budget=10, compile="false").generate(ids, max_new_tokens=NEW)
+        assert res.output_ids == ref.output_ids == hf_greedy(target, ids, NEW), name
+        assert res.round == "compiled" and res.acceptance_lengths == ref.acceptance_lengths, name
+        assert _same_records(res.diagnosis, ref.diagnosis), name
+        records[name] = res.diagnosis
+    assert not _same_records(records["plain"], records["scaled"])
 
 
 @pytest.mark.slow  # inductor: about a minute a graph on this CPU

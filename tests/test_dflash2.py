@@ -287,6 +287,38 @@ def test_cli_runs_a_dflash2_checkpoint_losslessly(cli, tmp_path, saved):
     assert parts["pair"]["predicted"] != parts["marginal"]["predicted"]
 
 
+def test_a_soft_cap_of_0_or_null_is_no_cap_and_a_negative_one_is_refused(saved, tmp_path):
+    """As the public code reads it (z-lab: `softcap > 0`; vLLM: `or 0.0`, then `> 0`): 0 and null leave the logits
+    as the head and the multiplier make them."""
+    head = torch.nn.Linear(H, V, bias=False)
+    hidden = torch.randn(3, H) * 50  # logits far past a cap of 1
+    for cap in (0, None, 0.0):
+        d = _copy(saved, tmp_path, f"cap{cap}", config=lambda c, cap=cap: c["dflash_config"].update(
+            final_logit_softcapping=cap, output_multiplier=0.5))
+        drafter = DFlash2Drafter.from_pretrained(d)
+        torch.testing.assert_close(drafter.head_logits(head, hidden), head(hidden).float() * 0.5)
+    d = _copy(saved, tmp_path, "cap1", config=lambda c: c["dflash_config"].update(final_logit_softcapping=1.0))
+    assert DFlash2Drafter.from_pretrained(d).head_logits(head, hidden).abs().max() <= 1.0
+    d = _copy(saved, tmp_path, "neg", config=lambda c: c["dflash_config"].update(final_logit_softcapping=-1.0))
+    with pytest.raises(ConfigError, match="final_logit_softcapping: must be a finite number >= 0 "):
+        DFlash2Drafter.from_pretrained(d)
+
+
+def test_cli_runs_checkpoints_with_soft_cap_0_and_an_input_scale(cli, tmp_path, saved):
+    """Two published-format checkpoints through `python -m ddtree.run` (default scoring): one declaring
+    `final_logit_softcapping: 0`, one `input_embedding_scale: 2.0`; both lossless (the scale changes the drafts:
+    tests/test_muse_glimmer.py)."""
+    cap0 = _copy(saved, tmp_path, "cap0", config=lambda c: c["dflash_config"].update(final_logit_softcapping=0))
+    scaled = _copy(saved, tmp_path, "scaled", config=lambda c: c["dflash_config"].update(input_embedding_scale=2.0))
+    sweep = tmp_path / "sweep"
+    proc = cli("model=tiny_qwen3", "drafter=dflash2", f"drafter.name_or_path={cap0},{scaled}", "dataset=tiny",
+               "dataset.max_samples=1", "max_new_tokens=8", "tracking=none", "budget=8", "method=dflash,ddtree",
+               f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert len(got) == 4 and all(s["match_rate"] == 1.0 and s["validation"]["suspect"] == 0 for s in got), got
+
+
 def test_cli_compiles_a_dflash2_round(cli, tmp_path, saved, monkeypatch):
     """compile=true through `python -m ddtree.run` (compat on; the graphs traced by dynamo: DDTREE_COMPILE_BACKEND=eager,
     tests/test_compile.py has inductor's): the chain and both scorings lossless, each job's round compiled with

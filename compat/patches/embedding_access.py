@@ -25,6 +25,7 @@ CLASSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeModel", ("embed_tokens",)),
     ("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel", ("embed_tokens",)),
     ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel", ("embed_tokens",)),
+    ("transformers.models.muse_glimmer.modeling_muse_glimmer", "MuseGlimmerModel", ("embed_tokens",)),
     # a wrapper whose head lives on a nested causal LM: target.lm_head -> language_model.lm_head
     (
         "transformers.models.nemotron_h_omni.modeling_nemotron_h_omni",

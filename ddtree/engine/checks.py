@@ -141,6 +141,14 @@ DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selecto
                 "final_logit_softcapping")
 
 
+def check_input_embedding_scale(value: Any) -> None:
+    """A drafter's `input_embedding_scale` (z-lab and vLLM multiply the block's embedding rows by it): finite, > 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= 0):
+        raise ConfigError("drafter.dflash_config.input_embedding_scale",
+                          f"must be a finite number > 0 or absent, got {value!r}", "fix the drafter's config.json")
+
+
 def dflash2_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """The DFlash2 keys of a config.json dict (dflash_config's first, then the top level; None where absent)."""
     inner = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
@@ -170,8 +178,9 @@ def check_dflash2_fields(fields: dict[str, Any], *, hidden_size: Any, block_size
                           f"{fields['selector_top_k']} candidates exceed the vocabulary of {vocab_size}", fix)
     for name in DFLASH2_KEYS[4:]:
         value = fields.get(name)
-        positive = name == "final_logit_softcapping"
+        cap = name == "final_logit_softcapping"  # 0 (or absent) is no cap, as the public code reads it
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                  or not math.isfinite(value) or (positive and value <= 0)):
+                                  or not math.isfinite(value) or (cap and value < 0)):
             raise ConfigError(f"drafter.dflash_config.{name}",
-                              f"must be a finite number{' > 0' if positive else ''} or absent, got {value!r}", fix)
+                              f"must be a finite number{' >= 0 (0: no cap)' if cap else ''} or absent, got {value!r}",
+                              fix)

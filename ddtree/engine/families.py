@@ -58,6 +58,12 @@ class Family:
     mtp_layer: str | None = None
     mtp_norm: str | None = None
     mtp_mrope: bool = False
+    # a multimodal wrapper's tiny test model: its text config's model_type and the wrapper's own overrides (vision)
+    tiny_text: str | None = None
+    tiny_outer: Mapping[str, Any] = field(default_factory=dict)
+    # its input embedding module does more than a lookup (Muse-Glimmer's adds a weight-less norm): the drafters read
+    # the matrix's rows as the public code does, and the authors' code, which calls the module, is refused
+    embeds_more: bool = False
 
     @property
     def gdn(self) -> bool:
@@ -117,6 +123,14 @@ _ROWS: tuple[Family, ...] = (
            wrapper_class="transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel"),
     Family("qwen3_vl_moe", embedding_access=NESTED,
            wrapper_class="transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel"),
+    # image-text-to-text only (no causal-LM class): the text model through the wrapper; text layers sliding 3 of 4
+    # with NoPE full-attention layers, logits times output_multiplier then soft-capped (docs/targets.md)
+    Family("muse_glimmer", embedding_access=NESTED, embeds_more=True, traits="sliding 3/4, NoPE",
+           wrapper_class="transformers.models.muse_glimmer.modeling_muse_glimmer:MuseGlimmerModel",
+           tiny={**_WINDOW, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}, tiny_text="muse_glimmer_text",
+           tiny_outer=dict(vision_config=dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64,
+                                              num_attention_heads=2, patch_size=4, pos_emb_height=4, pos_emb_width=4),
+                           out_hidden_size=64, projector_hidden_size=32, image_token_id=3, video_token_id=4)),
     # a wrapper whose head lives on a nested causal LM (target.lm_head -> language_model.lm_head)
     Family("nemotron_h_omni", recurrent=True, embedding_access=NESTED,
            wrapper_class="transformers.models.nemotron_h_omni.modeling_nemotron_h_omni:NemotronH_Omni_Reasoning_V3"),
@@ -137,6 +151,20 @@ def model_type(model: Any) -> str:
     cfg = model.config
     text = getattr(cfg, "text_config", None)
     return getattr(text, "model_type", None) or cfg.model_type
+
+
+def auto_model_class(model_type: str) -> Any:
+    """The transformers Auto class that builds a causal LM of `model_type`: AutoModelForCausalLM, else (a multimodal
+    wrapper with no causal-LM class, such as Muse-Glimmer's) AutoModelForImageTextToText."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT,
+    )
+
+    if model_type not in CAUSAL and model_type in IMAGE_TEXT:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 def check_family_has_mtp(mtype: str) -> None:

@@ -175,7 +175,7 @@ class DrafterBlock(Proposer):
         check_block_size(self.block_size)  # the drafter's own, when no block size is passed
         self.feature_layers = drafter.target_layer_ids
         self.max_nodes = self.block_size  # the root and a chain of block_size - 1
-        self.embed = target.get_input_embeddings()
+        self.embed = target.get_input_embeddings()  # its weight's rows: the drafter's `embed_block`
         self.lm_head = target.get_output_embeddings()
         self.cache = None
         self.ctx_len = 0
@@ -224,7 +224,8 @@ class DrafterBlock(Proposer):
         block.index_fill_(1, first, root if root.dim() == 0 else root.reshape(()))  # the mask ids behind never change
         ctx_pos = offsets[:, :c] + self.ctx_len if c <= self.block_size else (
             torch.arange(self.ctx_len, self.ctx_len + c, device=dev).unsqueeze(0))
-        hidden = self.drafter(self.embed(block), ctx, ctx_pos, offsets + state.start, cache=self.cache)
+        x = self.drafter.embed_block(self.embed.weight, block)
+        hidden = self.drafter(x, ctx, ctx_pos, offsets + state.start, cache=self.cache)
         self.ctx_len += c
         # .to(dev): under a device map lm_head returns on its own device, the tree is built on the root's
         self.last_hidden = hidden[0, 1:]  # the rows drafting positions 1.. (a DFlash2 selector reads them)

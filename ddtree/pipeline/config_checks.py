@@ -20,6 +20,7 @@ from ddtree.engine.checks import (
     check_block_size,
     check_budget,
     check_dflash2_fields,
+    check_input_embedding_scale,
     check_mtp_args,
     compile_setting,
     dflash2_fields,
@@ -335,11 +336,12 @@ def target_config_dict(cfg: RunConfig) -> dict | None:
 
         t = cfg.model.tiny
         try:
-            return tiny_config(t.model_type, vocab_size=t.vocab_size, num_hidden_layers=t.num_hidden_layers).to_dict()
+            d = tiny_config(t.model_type, vocab_size=t.vocab_size, num_hidden_layers=t.num_hidden_layers).to_dict()
         except (ValueError, KeyError) as e:
             raise ConfigError("model.tiny.model_type", f"transformers cannot build '{t.model_type}' ({first_line(e)})",
                               "use a transformers model type such as qwen3 or llama") from None
-    d = _local_config_json(cfg.model.name_or_path, cfg.model.revision)
+    else:
+        d = _local_config_json(cfg.model.name_or_path, cfg.model.revision)
     if d is not None and "text_config" in d and "num_hidden_layers" not in d:
         d = {**d, **d["text_config"]}
     return d
@@ -382,10 +384,17 @@ def check_drafter_fits(cfg: RunConfig) -> None:
 
 
 def _check_dflash2_config(cfg: RunConfig, dcfg: dict) -> None:
-    """A DFlash2 drafter's config.json (its convolution and selector fields) and the scoring, before any model loads."""
+    """A drafter's config.json (a DFlash2 one's convolution and selector fields, any one's input_embedding_scale) and
+    the scoring, before any model loads."""
+    inner = dcfg.get("dflash_config") if isinstance(dcfg.get("dflash_config"), dict) else {}
+    scale = inner.get("input_embedding_scale")
+    scale = dcfg.get("input_embedding_scale") if scale is None else scale
+    check_input_embedding_scale(scale)
+    if scale not in (None, 1) and cfg.engine == "upstream":
+        raise ConfigError("engine", f"the drafter scales its input embeddings by {scale}, which the DDTree authors' "
+                          "code does not", "use engine=native")
     dflash2 = is_dflash2_config(dcfg)
     if dflash2:
-        inner = dcfg.get("dflash_config") if isinstance(dcfg.get("dflash_config"), dict) else {}
         check_dflash2_fields(dflash2_fields(dcfg), hidden_size=dcfg.get("hidden_size"),
                              block_size=inner.get("block_size") or dcfg.get("block_size") or 16,
                              vocab_size=dcfg.get("vocab_size"))

@@ -101,14 +101,13 @@ def quantized_copy(model, quantization: Any, attn_implementation: str | None):
     """A model built in code, saved and loaded back under `quantization` (what from_pretrained does to a checkpoint)."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
+    from ddtree.engine.families import auto_model_class
     from ddtree.pipeline.quantization import transformers_config
 
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         device = next(model.parameters()).device
-        return AutoModelForCausalLM.from_pretrained(
+        return auto_model_class(model.config.model_type).from_pretrained(
             tmp, dtype=model.dtype, attn_implementation=attn_implementation, device_map=device,
             quantization_config=transformers_config("model.quantization", quantization)).eval()
 
@@ -123,8 +122,11 @@ def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implemen
     use_kernels=False: from 5.25, where the `kernels` package is installed, transformers kernelizes a loaded model by
     default, swapping hub kernels (downloaded, some remote code) into RMSNorm, activations, RoPE and GDN ops on a GPU.
     The engine's lean forward does those steps itself, so the model's own forward (prefill, references) would no longer
-    compute what the lean one does (a bf16 verdict's "exact" lost)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    compute what the lean one does (a bf16 verdict's "exact" lost). A multimodal wrapper without a causal-LM class
+    (Muse-Glimmer) loads as its image-text-to-text model, whose text path the engine drives."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ddtree.engine.families import auto_model_class
 
     kw = {"max_memory": max_memory} if max_memory else {}
     if quantization is not None:
@@ -132,8 +134,9 @@ def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implemen
 
         kw["quantization_config"] = transformers_config("model.quantization", quantization)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+        config = AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+        model = auto_model_class(config.model_type).from_pretrained(
+            name_or_path, config=config, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
             trust_remote_code=trust_remote_code, device_map=device_map if device_map is not None else device,
             use_kernels=False, **kw)
         tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, revision=revision,

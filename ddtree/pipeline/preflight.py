@@ -156,7 +156,7 @@ class TargetFacts:
 
 def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_code: bool) -> TargetFacts:
     """The family, hybrid or not, and context of a target config; refuses what cannot run `method`."""
-    from ddtree.engine.families import family
+    from ddtree.engine.families import FAMILIES, family
 
     mtype = cfg.get("text_model_type") or cfg.get("model_type")
     outer = cfg.get("model_type")
@@ -168,6 +168,12 @@ def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_co
 
         known = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
         if outer not in known and mtype not in known:
+            if outer in FAMILIES:  # a family we run, from a later transformers than this one
+                import transformers
+
+                raise ConfigError(setting, f"its config.json is a '{outer}' model, which transformers "
+                                  f"{transformers.__version__} does not have", "upgrade transformers "
+                                  "(pip install -U transformers; 5.25 has it)")
             remote = "auto_map" in cfg
             raise ConfigError(setting, f"its config.json is a '{outer}' model, which this transformers cannot load "
                               "as a causal LM", "set model.trust_remote_code=true (the repo ships its own code)"
@@ -188,11 +194,16 @@ ATTENTION_FLAGS = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_a
 
 
 def model_class(cfg: dict[str, Any]) -> type | None:
-    """The transformers class AutoModelForCausalLM builds for a config.json (None: remote code or unknown)."""
+    """The transformers class a config.json loads as (AutoModelForCausalLM's, else a wrapper's image-text-to-text one:
+    ddtree.engine.families.auto_model_class; None: remote code or unknown)."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as IMAGE_TEXT,
+    )
 
-    names = [CAUSAL.get(cfg.get("model_type")), CAUSAL.get(cfg.get("text_model_type")), *(cfg.get("architectures") or [])]
+    names = [CAUSAL.get(cfg.get("model_type")), CAUSAL.get(cfg.get("text_model_type")),
+             IMAGE_TEXT.get(cfg.get("model_type")), *(cfg.get("architectures") or [])]
     for name in names:
         cls = getattr(transformers, name, None) if isinstance(name, str) else None
         if isinstance(cls, type):
@@ -337,6 +348,8 @@ def preflight(rc) -> TargetFacts | None:
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
     resolve_attention(rc, cfg)  # (the caller checks the chosen backends: ddtree.pipeline.job.configure)
+    if cfg and rc.engine == "upstream" and get_method(rc.method).drafter_kind == DFLASH:
+        check_upstream_embeddings(cfg)
     if cfg:  # what the target's class and the device's memory take, from its config (no weights)
         check_attention_supported(cfg, rc.attention.target)
         check_tree_fits(cfg, rc)
@@ -347,6 +360,17 @@ def preflight(rc) -> TargetFacts | None:
     elif d.kind == "random":  # a random drafter is DFlash
         resolve_auto_scoring(rc, {})
     return facts
+
+
+def check_upstream_embeddings(cfg: dict[str, Any]) -> None:
+    """engine=upstream embeds the drafter's block by calling the target's embedding module: refuse a family whose
+    module does more than a lookup (its drafter would draft on inputs it never saw)."""
+    from ddtree.engine.families import family
+
+    for t in {cfg.get("model_type"), cfg.get("text_model_type")} - {None}:
+        if family(str(t)).embeds_more:
+            raise ConfigError("engine", f"the DDTree authors' code embeds the drafter's block through a '{t}' "
+                              "target's embedding module, which adds a norm the drafter never saw", "use engine=native")
 
 
 def resolve_auto_scoring(rc, drafter_config: dict | None) -> None:

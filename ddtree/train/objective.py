@@ -116,7 +116,7 @@ def drafter_hidden(drafter, embed_weight: torch.Tensor, batch: BlockBatch, call=
     """
     call = drafter if call is None else call
     dtype = drafter.dtype
-    noise = F.embedding(batch.block_ids, embed_weight).to(dtype)
+    noise = drafter.embed_block(embed_weight, batch.block_ids).to(dtype)  # as the engine embeds a block
     feats = batch.ctx_features.to(dtype)
     mask = block_mask(batch.anchors, feats.shape[1], batch.block_size, dtype)
     if _accepts_mask(drafter):
@@ -160,8 +160,8 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
 
 def selector_loss(drafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: BlockBatch,
                   decay: float | None = None, lm_head_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """A DFlash2 drafter's candidate-selector loss (ours: no public DFlash2 training code could be read, see
-    docs/dflash2.md): at each labelled block position t, the candidates are the top-k of the drafter's logits
+    """A DFlash2 drafter's candidate-selector loss (written before NeMo's recipe could be read; docs/dflash2.md says
+    where the two differ): at each labelled block position t, the candidates are the top-k of the drafter's logits
     (detached; the label replaces the last one where it is missing), scored S_t(a, .) with a the true previous token
     (the anchor at t = 0: teacher forcing, as the walk sees an accepted prefix), and the loss is the cross-entropy of
     the label among them, position k weighted as block_loss weights it. Gradients reach the logits (the unary term),

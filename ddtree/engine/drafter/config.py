@@ -1,6 +1,6 @@
 """The DFlash drafter's configuration: the public checkpoint's config.json (a Qwen3-style config with `block_size`,
 `num_target_layers`, optional `layer_types`/`sliding_window` and `dflash_config: {target_layer_ids,
-mask_token_id}`) as a validated dataclass. The model is in `ddtree.engine.drafter.model`."""
+mask_token_id}`, optionally `input_embedding_scale` there or at the top level) as a validated dataclass. The model is in `ddtree.engine.drafter.model`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
 
+from ddtree.engine.checks import check_input_embedding_scale
 from ddtree.errors import ConfigError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -66,6 +67,7 @@ class DFlashConfig:
     layer_types: list[str] | None = None  # None: every layer full attention
     sliding_window: int | None = None
     is_causal: bool | None = None  # None: sliding layers causal, full layers not (public default)
+    input_embedding_scale: float | None = None  # the block's embedding rows times this (None: 1)
     dtype: str | None = None  # the checkpoint's dtype, used by dtype="auto"
     # Keys we do not interpret (architectures, auto_map, ...), kept so a save round-trips.
     extra: dict[str, Any] = field(default_factory=dict)
@@ -120,6 +122,7 @@ class DFlashConfig:
                               "set sliding_window or make every layer full_attention")
         if self.is_causal not in (None, True, False):
             raise ConfigError("drafter.is_causal", f"must be true, false or absent, got {self.is_causal!r}")
+        check_input_embedding_scale(self.input_embedding_scale)
         if self.hidden_act not in ACT2FN:
             raise ConfigError("drafter.hidden_act", f"unknown activation {self.hidden_act!r}")
         if "rope_type" not in self.rope_parameters or "rope_theta" not in self.rope_parameters:
@@ -140,6 +143,7 @@ class DFlashConfig:
         target_layer_ids = draft_value("target_layer_ids")
         mask_token_id = draft_value("mask_token_id")
         block_size = draft_value("block_size")
+        scale = draft_value("input_embedding_scale")
         causal = dflash.pop("causal", None)
         is_causal = rest.pop("is_causal", None)
         is_causal = is_causal if is_causal is not None else causal
@@ -168,18 +172,21 @@ class DFlashConfig:
             rest["dflash_config"] = dflash
         return cls(**kwargs, target_layer_ids=target_layer_ids, mask_token_id=mask_token_id,
                    block_size=16 if block_size is None else block_size, is_causal=is_causal,
+                   input_embedding_scale=scale,
                    rope_parameters=rope_parameters, dtype=dtype or torch_dtype, extra=rest)
 
     def to_dict(self) -> dict[str, Any]:
         """The public DFlash config.json dict."""
         out = copy.deepcopy(self.extra)
         data = asdict(self)
-        for key in ("extra", "target_layer_ids", "mask_token_id", "is_causal", "dtype"):
+        for key in ("extra", "target_layer_ids", "mask_token_id", "is_causal", "dtype", "input_embedding_scale"):
             data.pop(key)
         out.update(data)
         out["rope_theta"] = self.rope_parameters["rope_theta"]  # transformers 4 readers
         out["dflash_config"] = {**out.get("dflash_config", {}),
                                 "target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if self.input_embedding_scale is not None:  # where vLLM reads it (z-lab: dflash_config, then the top level)
+            out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
         if "sliding_attention" in self.layer_types:
             # Qwen3Config-based readers drop sliding_window unless use_sliding_window is set.
             out["use_sliding_window"] = True

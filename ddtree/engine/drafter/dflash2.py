@@ -3,7 +3,8 @@ every layer and a candidate selector that scores adjacent pairs (a candidate giv
 
 The public checkpoint format (docs/dflash2.md says which public loaders each name and shape was checked against):
 `architectures: ["DFlash2DraftModel"]`, and in `dflash_config` (or at the top level) `conv_kernel_size`,
-`conv_group_size`, `selector_rank`, `selector_top_k`, optional `output_multiplier` and `final_logit_softcapping`.
+`conv_group_size`, `selector_rank`, `selector_top_k`, optional `output_multiplier` and `final_logit_softcapping`
+(0 or absent: no cap).
 Tensors beyond DFlash's:
 
 * `layers.N.attention_conv.{base_kernel [2, taps, H], kernel_projection.weight [2 * taps * (H / group), H]}` and
@@ -42,7 +43,7 @@ class DFlash2Config(DFlashConfig):
     selector_rank: int | None = None
     selector_top_k: int | None = None
     output_multiplier: float | None = None  # logits times this (None: 1)
-    final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) after the multiplier (None: off)
+    final_logit_softcapping: float | None = None  # cap * tanh(logits / cap) after the multiplier (None, 0: off)
 
     def __post_init__(self) -> None:
         self.extra["architectures"] = [ARCHITECTURE]
@@ -190,7 +191,7 @@ class DFlash2Drafter(DFlashDrafter):
         c = self.config
         if c.output_multiplier is not None and c.output_multiplier != 1:
             logits = logits * c.output_multiplier
-        if c.final_logit_softcapping is not None:
+        if c.final_logit_softcapping:  # 0 and None: no cap (the public code reads 0 as off)
             logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
         return logits
 

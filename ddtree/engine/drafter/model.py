@@ -384,6 +384,16 @@ class DFlashDrafter(nn.Module):
                               f"{self.config.mask_token_id} is outside the target's vocabulary of {vocab} tokens",
                               fix)
 
+    def embed_block(self, embedding: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The block's input embeddings as the public code makes them (z-lab, vLLM, llama.cpp): the rows of the
+        target's input embedding matrix `embedding` [V, H] (not its module, which may do more than a lookup:
+        Muse-Glimmer's adds a norm), times `input_embedding_scale` where the config sets one."""
+        if ids.device != embedding.device:  # (a device map: the target's embeddings elsewhere)
+            ids = ids.to(embedding.device)
+        rows = F.embedding(ids, embedding)
+        scale = self.config.input_embedding_scale
+        return rows if scale is None or scale == 1 else rows * scale
+
     def forward(self, noise_embedding: torch.Tensor, context_features: torch.Tensor | None,
                 context_position_ids: torch.Tensor | None, block_position_ids: torch.Tensor,
                 cache: DrafterCache | None = None) -> torch.Tensor:

@@ -100,7 +100,7 @@ class StaticDraft:
         rows_ctx = ctx.shape[1]
         start = length + count  # the root's position: the block follows the real context rows
         ids = torch.cat([root.reshape(1).to(mask_ids.dtype), mask_ids]).view(1, q)
-        x = self.embed(ids)
+        x = drafter.embed_block(self.embed.weight, ids)
         context = drafter.hidden_norm(drafter.fc(ctx))
         ctx_rows = length + torch.arange(rows_ctx, device=dev)
         block_rows = start + torch.arange(q, device=dev)
