@@ -23,7 +23,7 @@ from ddtree.engine.methods import family_methods
 from ddtree.errors import ConfigError
 from ddtree.testing.dflash2 import save_random_dflash2
 from ddtree.testing.reference import hf_greedy
-from ddtree.testing.tiny import tiny_model
+from ddtree.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -348,7 +348,7 @@ def preflight(rc) -> TargetFacts | None:
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
     resolve_attention(rc, cfg)  # (the caller checks the chosen backends: ddtree.pipeline.job.configure)
-    if cfg and rc.engine == "upstream" and get_method(rc.method).drafter_kind == DFLASH:
+    if cfg and rc.engine == "upstream" and loads_drafter(rc.method):
         check_upstream_embeddings(cfg)
     if cfg:  # what the target's class and the device's memory take, from its config (no weights)
         check_attention_supported(cfg, rc.attention.target)
