@@ -166,6 +166,9 @@ def check_model(rc: RunConfig) -> None:
     if m.tiny is not None and m.tiny.vocab_size < 16:
         raise ConfigError("model.tiny.vocab_size", f"must be >= 16, got {m.tiny.vocab_size}")
     check_device_map(m.device_map)
+    if m.tp_plan is not None and rc.engine != "native":
+        raise ConfigError("model.tp_plan", f"engine={rc.engine} runs the authors' code on one process's model",
+                          "use engine=native for a tensor-parallel target, or drop model.tp_plan")
     if m.quantization is not None:
         from ddtree.pipeline.models import resolve_device
         from ddtree.pipeline.quantization import check_quantization

@@ -288,10 +288,13 @@ def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
     return LoadedModels(target, tokenizer, drafter, device, stop_token_ids(tokenizer, target), load_s)
 
 
-def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world) -> dict[str, Any]:
+def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world, rc: RunConfig) -> dict[str, Any]:
 
     env = environment(models.device, compat_report)
     env["world_size"] = world.world_size
+    tp = D.tensor_parallel(rc.model, world)
+    if tp is not None:  # ranks = tp_size x data-parallel groups
+        env["tensor_parallel"] = {"tp_size": tp.size, "groups": tp.groups, **tp_paths(models.target)}
     where = D.placement(models.target)
     if where is not None:
         env["placement"] = where
@@ -321,6 +324,8 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
             **rc.tags}
     if "placement" in env:
         tags["devices"] = ",".join(env["placement"]["devices"])
+    if "tensor_parallel" in env:
+        tags["tp_size"] = env["tensor_parallel"]["tp_size"]
     tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
     sweep_dir = files.sweep_dir
     sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
@@ -338,7 +343,7 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     failure: BaseException | None = None
     reused_from = None
     try:
-        reused_from = _generate_shard(ctx, prompts, D.shard(prompts, world), methods, records)
+        reused_from = _generate_shard(ctx, prompts, D.shard(prompts, D.data_world(rc.model, world)), methods, records)
     except Exception as e:
         if not world.is_distributed:
             raise
@@ -355,7 +360,11 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     if errors:
         raise RuntimeError("a data-parallel rank failed: " + "; ".join(errors))
     if world.is_distributed:
-        records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
+        per_rank = [g["records"] for g in gathered]
+        tp = D.tensor_parallel(rc.model, world)
+        if tp is not None:  # every rank of a group decoded its prompts: one copy, checked equal
+            per_rank = D.first_of_each_group(per_rank, tp.size)
+        records = D.merge_in_order(per_rank, [p.id for p in prompts])
         with ctx.files.samples.open("w", encoding="utf-8") as out:
             out.writelines(json.dumps(rec) + "\n" for rec in records)
     reused = {g.get("baseline_reused_from") for g in gathered} - {None}
@@ -436,7 +445,7 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
         write_job_file(files.job_dir, chash)
     compat_report = install_compat(rc, world)
     models = load_models(rc, device, MODELS)
-    env = job_environment(models, compat_report, world)
+    env = job_environment(models, compat_report, world, rc)
     auto = None
     if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
         auto = choose_budget(models, prompts, rc, files, MODELS)
