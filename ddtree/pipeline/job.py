@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import time
@@ -288,6 +289,21 @@ def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
     return LoadedModels(target, tokenizer, drafter, device, stop_token_ids(tokenizer, target), load_s)
 
 
+def tp_paths(target) -> dict[str, Any]:
+    """What the engine runs sharded on a tensor-parallel target and what falls back, with why (ddtree.engine.sharded)."""
+    from ddtree.engine.forward import lean_forward_for
+    from ddtree.engine.sharded import paths
+
+    return paths(target, lean_forward_for(target))
+
+
+def tp_line(tp: dict[str, Any]) -> str:
+    """The run's one line on its tensor-parallel target: the layout, what ran sharded, what fell back and why."""
+    line = (f"tensor parallel: {tp['tp_size']} ranks a group x {tp['groups']} group(s); lean layers {tp['lean_layers']} "
+            f"of {tp['layers']}, {tp['sharded_projections']} projections on this rank's shards")
+    return "; ".join([line, *tp["notes"]])
+
+
 def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world, rc: RunConfig) -> dict[str, Any]:
 
     env = environment(models.device, compat_report)
@@ -392,6 +408,8 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
     print(format_table(summary), flush=True)
     print(f"attention: {summary['attention']['line']}", flush=True)
+    if summary.get("tensor_parallel"):
+        print(tp_line(summary["tensor_parallel"]), flush=True)
     if any(summary["quantization"].values()):
         q = summary["quantization"]
         print(f"quantization: target {q['target'] or 'none'}, drafter {q['drafter'] or 'its own precision'}", flush=True)
@@ -465,7 +483,12 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     try:
         ctx = JobContext(rc, models, files, MODELS, show_progress=world.is_main, resume=resume)
         generated = generate_all(ctx, prompts, world)
-        if generated is None:  # ranks > 0: rank 0 writes and records the job
+        tp = D.tensor_parallel(rc.model, world)
+        if tp is not None:  # the verdicts' target forwards are collectives: the ranks of group 0 run them together
+            generated = D.broadcast(generated, world)
+            if not world.is_main and tp.group == 0:
+                check_outputs(models, prompts, generated[0], rc, Path(os.devnull), MODELS.calibrations)
+        if generated is None or not world.is_main:  # ranks > 0: rank 0 writes and records the job
             return None
         records, reused_from = generated
         checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
