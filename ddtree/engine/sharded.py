@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["COLLECTIVE_STYLES", "gathered_linear", "group_of", "is_sharded", "linear_op", "paths", "styles",
-           "whole_weight"]
+__all__ = ["COLLECTIVE_STYLES", "gathered_linear", "group_of", "is_sharded", "linear_op", "paths", "sharded_linear",
+           "styles", "whole_weight"]
 
 # the collectives one call of each style pays
 COLLECTIVE_STYLES = {"rowwise": "all_reduce", "colwise_gather_output": "all_gather", "embedding_rowwise": "all_reduce"}
@@ -109,13 +109,15 @@ def gathered_linear(module: nn.Module | None) -> Callable[[torch.Tensor], torch.
     return None if module is None else linear_op(module, "colwise_gather_output")
 
 
+def sharded_linear(module: nn.Module) -> bool:
+    """Whether `module` is an nn.Linear whose weight is a DTensor (sharded by a tp_plan)."""
+    return type(module) is nn.Linear and isinstance(getattr(module, "weight", None), _dtensor())
+
+
 def whole_weight(module: nn.Module) -> torch.Tensor | None:
     """The whole weight of a sharded nn.Linear, gathered once (a collective every rank of the group makes, in the
     same order: the engine builds its constants layer by layer on each); None where `module` is not one."""
-    weight = getattr(module, "weight", None)
-    if type(module) is not nn.Linear or not isinstance(weight, _dtensor()):
-        return None
-    return weight.full_tensor()
+    return module.weight.full_tensor() if sharded_linear(module) else None
 
 
 def paths(model: nn.Module, lean: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.engine.sharded import gathered_linear, whole_weight
+from ddtree.engine.sharded import gathered_linear, sharded_linear, whole_weight
 from ddtree.engine.weights import plain, plain_linear
 
 L2NORM_EPS = 1e-6  # upstream's l2norm of q and k
@@ -47,7 +47,7 @@ class LayerConsts:
 def _bias_free(layer) -> bool:
     """A plain bias-free Linear whose weight may be concatenated (a quantized one is called: ddtree.engine.weights),
     or a tensor-parallel one whose whole weight is gathered once (small: a and b have a row per value head)."""
-    return (plain_linear(layer) or whole_weight(layer) is not None) and layer.bias is None
+    return (plain_linear(layer) or sharded_linear(layer)) and layer.bias is None
 
 
 def layer_consts(module) -> LayerConsts:
@@ -60,7 +60,8 @@ def layer_consts(module) -> LayerConsts:
                                       f"({type(tensor).__name__}); keep the GDN conv and norm unquantized")
     ab_weight = ab_bias = None
     if not hasattr(module, "in_proj_qkvz") and _bias_free(module.in_proj_a) and _bias_free(module.in_proj_b):
-        wa, wb = whole_weight(module.in_proj_a), whole_weight(module.in_proj_b)
+        wa, wb = (layer.weight if plain_linear(layer) else whole_weight(layer)
+                  for layer in (module.in_proj_a, module.in_proj_b))
         ab_weight = torch.cat([wa, -wb])
         ab_bias = torch.cat([module.dt_bias.to(wa.dtype), torch.zeros_like(module.dt_bias, dtype=wa.dtype)])
     dk = module.head_k_dim
