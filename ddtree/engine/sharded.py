@@ -8,7 +8,8 @@ path computes, with the same collective, without the DTensor wrapping:
 * `colwise` (q, k, v, gate, up): `F.linear(x, W_local, b_local)`: this rank's heads / columns, no collective;
 * `rowwise` (o, down): `F.linear(x_local, W_local)`, one all-reduce (sum) over the group, then the bias;
 * `colwise_gather_output` (the head, the Gated DeltaNet projections): `F.linear(x, W_local, b_local)`, one
-  all-gather over the group, concatenated along the last dimension (equal shards only; else the module's own).
+  all-gather over the group, concatenated along the last dimension (equal shards only; else the module's own); the
+  receive buffers are kept from one call to the next while the shape holds (a round's shape repeats).
 
 The sums and gathers are transformers' own (`dist.all_reduce` / the DTensor redistribute to Replicate), so a sharded
 layer is bitwise the module's; every rank of a group gets the same bytes back from a collective, so the ranks'
@@ -94,9 +95,12 @@ def linear_op(module: nn.Module, style: str | None) -> Callable[[torch.Tensor], 
         return rowwise
     size = dist.get_world_size(group)
     if style == "colwise_gather_output" and placement == Shard(0) and weight.shape[0] % size == 0:
+        parts: list[torch.Tensor] = []  # the receive buffers, kept while the shape holds: no allocation a call
+
         def gathered(x: torch.Tensor) -> torch.Tensor:
             out = F.linear(x, local_w, local_b)
-            parts = [torch.empty_like(out) for _ in range(size)]
+            if not parts or parts[0].shape != out.shape or parts[0].dtype != out.dtype:
+                parts[:] = [torch.empty_like(out) for _ in range(size)]
             dist.all_gather(parts, out, group=group)
             return torch.cat(parts, dim=-1)
         return gathered

@@ -123,6 +123,9 @@ def check_run_settings(rc: RunConfig) -> None:
     if rc.compile == "true" and rc.engine == "upstream":
         raise ConfigError("compile", "compile=true compiles the native engine's round, not the authors' code",
                           "use engine=native, or compile=auto")
+    if rc.compile == "true" and rc.model.tp_plan is not None:
+        raise ConfigError("compile", "the compiled round does not run a tensor-parallel target (model.tp_plan) yet",
+                          "use compile=auto (the eager round on each rank's shards) or drop model.tp_plan")
     if rc.compile == "true" and not method.compilable:
         raise ConfigError("compile", f"the compiled round runs {', '.join(COMPILABLE_METHOD_NAMES)}, not method={rc.method}",
                           "use compile=auto (eager where it cannot run) or compile=false")

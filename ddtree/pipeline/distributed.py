@@ -397,10 +397,14 @@ def check_tensor_parallel(model_cfg: Any, world: World, config: Mapping[str, Any
                           "drop model.tp_plan: use data-parallel ranks or model.device_map (docs/scale.md)")
     heads = config.get("num_attention_heads")
     kv = config.get("num_key_value_heads") or heads
-    for n, what in ((heads, "attention heads"), (kv, "key/value heads")):
+    linear = [(config.get(k), f"Gated DeltaNet {w} heads") for k, w in (("linear_num_key_heads", "key"),
+                                                                         ("linear_num_value_heads", "value"))]
+    for n, what in ((heads, "attention heads"), (kv, "key/value heads"), *linear):
         if isinstance(n, int) and n % size:
+            sizes = [d for d in _divisors(n, world.world_size) if d > 1]
             raise ConfigError("model.tp_size", f"{size} ranks cannot share the target's {n} {what}: each rank "
-                              "holds whole heads", f"use model.tp_size in {_divisors(n, world.world_size)}")
+                              "holds whole heads", f"use model.tp_size in {sizes}" if sizes else
+                              "drop model.tp_plan: data-parallel ranks (each the whole target) or model.device_map")
 
 
 class _GroupMesh:
