@@ -9,8 +9,9 @@ Every rank builds the same seeded target and loads it sharded over all ranks (dd
 transformers' tp_plan); each method decodes two prompts with each rank's counters on. Rank 0 writes OUT.json:
 {"world", "paths" (ddtree.engine.sharded.paths), "methods": {spec: {"exact" (equal to HF greedy, per prompt),
 "outputs", "lean_layer_calls", "model_calls" (the plain model call's), "split_attention_calls", "rounds",
-"ops_per_round", "syncs_per_round", "collectives_per_round", "collective_names"}}}; every rank's outputs are
-checked equal to rank 0's (an all-gather of the token lists).
+"ops_per_round", "syncs_per_round", "collectives_per_round", "collective_names"}}, "compiled_round" (what
+compile=true says of the target: the refusal's line where it cannot run)}; every rank's outputs are checked equal
+to rank 0's (an all-gather of the token lists).
 
 Method specs: ar, dflash, ddtree:B (a random DFlash drafter), dflash2 (a random DFlash2 drafter's chain),
 marginal:B / pair:B (DDTree over a DFlash2 drafter under each scoring), mtp (the target's own head: a chain of 3),
@@ -65,10 +66,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
+    import ddtree
     from ddtree.engine import attention
     from ddtree.engine.forward import LeanLayer, lean_forward_for
     from ddtree.engine.host import device_path
     from ddtree.engine.sharded import paths
+    from ddtree.errors import ConfigError
     from ddtree.pipeline import distributed as D
     from ddtree.pipeline.models import sharded_copy
     from ddtree.testing.dispatch import DispatchCount
@@ -122,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             "ops_per_round": per["ops"], "syncs_per_round": per["syncs"], "collectives_per_round": per["collectives"],
             "collective_names": dict(c.collective_names)}
     LeanLayer.__call__, attention._split_verify = lean_call, split_verify
+    try:  # the compiled round on a sharded target: refused with why (compile=auto: the eager round, with that note)
+        ddtree.Engine(target, None, method="ar", compile="true").close()
+        report["compiled_round"] = "compiled"
+    except ConfigError as err:
+        report["compiled_round"] = str(err)
     if world.is_distributed:  # every rank decoded the same tokens
         everyone = [None] * world.world_size
         dist.all_gather_object(everyone, {s: m["outputs"] for s, m in report["methods"].items()})
