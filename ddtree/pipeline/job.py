@@ -467,6 +467,9 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     auto = None
     if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
         auto = choose_budget(models, prompts, rc, files, MODELS)
+        if world.is_distributed:  # rank 0's choice on every rank (its timings decide): a TP group's trees must agree
+            auto = D.broadcast(auto, world)
+            rc.budget = auto["chosen"]
         if world.is_main:
             print(f"budget=auto: budget {auto['chosen']} (predicted tau {auto['predicted_tau'][auto['chosen']]:.2f}, "
                   f"speedup {auto['predicted_speedup'][auto['chosen']]:.2f}x; calibrated on "
