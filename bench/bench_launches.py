@@ -5,6 +5,8 @@ H200 round time from a stated cost model, for a target structure given by a hub-
         [--methods ar,dflash,ddtree:16,ddtree:64,ddtree:256] [--rounds 6] [--path device|host]
         [--contexts 1024,4096,16384] [--drafter-contexts 1024,4096,16384] [--out docs/bench/bench_launches.json]
         [--compile [--compile-backend eager]]   # the compiled round: ops outside its graphs, graph calls
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_launches.py --tp 2 [--structures qwen3_6_27b]
+        [--methods ar,dflash,ddtree:64] [--tp-gpus 2,4]  # tensor parallel: per-rank ops and collectives, TP1 vs TP2
 
 Each structure (bench/configs/<name>.json: the real layer count and layer types) is built at tiny width (hidden 64)
 with a random 5-layer DFlash drafter reading target layers 1/16/31/46/61 (evenly spaced on a shallower target),
@@ -39,15 +41,32 @@ Context growth: the round at 1k / 4k / 16k context (KV bytes grow; ops and syncs
 and checked to be independent of the context with --check-context), and the drafter's forward timed on this CPU
 at those contexts, with sliding-window layers (4 sliding at window 2048 + 1 full) against all-full layers.
 
+Tensor parallel (--tp N; the script starts itself under `torch.distributed.run --nproc_per_node=N`, gloo on a CPU,
+NCCL on GPUs): each rank builds the same structure, rank 0 counts it whole (TP 1), then every rank loads it sharded
+over the N ranks (transformers' tp_plan, as `model.tp_plan=auto` does: ddtree.pipeline.models.sharded_copy) and
+counts its own round; collectives (all-reduces, all-gathers) are counted apart from the ops. Its record
+(docs/bench/bench_launches_tp.json) adds the cost model's round for the real model over --tp-gpus H100s (bf16,
+--tp-bandwidth a GPU), tensor parallel against a device map:
+  TP n        device = (target weights / n + attention KV / n + GDN states + drafter) / bandwidth
+                       + collectives x --collective-us (a small NCCL all-reduce or all-gather over NVLink: the
+                       GPUs wait for each other once per sharded row-wise projection, GDN projection and head)
+              host   = this rank's ops (the counts at --tp, the same per rank for any n: one collective a projection)
+  device map  device = every byte / bandwidth (the layers run one GPU after another) + (n - 1) x --hop-us
+              host   = TP 1's ops (one process drives every GPU)
+  round = max(device, host) + syncs x --sync-us; tok/s = tau / round (the toy pair's tau, as above).
+
 Results go to --out as JSON (command, commit, machine, date, results) and to stdout as a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -216,6 +235,10 @@ def _compiled_and_launches(engine, ids, short: int, long: int, rounds: int) -> t
     return graphs, launches
 
 
+def _names(counter) -> collections.Counter:
+    return collections.Counter(getattr(counter, "collective_names", {}))
+
+
 def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
     method, budget = _method(spec)
     path = contextlib.nullcontext()
@@ -247,9 +270,11 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         if rounds <= 0:
             raise RuntimeError(f"{spec}: no extra rounds ({outs[0].rounds} vs {outs[1].rounds})")
         per = {}
-        for key in ("ops", "kernel_ops", "syncs", "graphs"):
-            long_c, short_c = getattr(runs[1], key), getattr(runs[0], key)
-            per[key] = {s: (long_c[s] - short_c[s]) / rounds for s in STAGES}
+        for key in ("ops", "kernel_ops", "syncs", "graphs", "collectives"):
+            long_c, short_c = getattr(runs[1], key, None), getattr(runs[0], key, None)
+            if long_c is None:  # --code: a DispatchCount from before collectives were counted
+                long_c = short_c = {}
+            per[key] = {s: (long_c.get(s, 0) - short_c.get(s, 0)) / rounds for s in STAGES}
         # the verification's ops by where they run: per decoder layer of each kind (lean layers), and outside them
         layers = {}
         for kind in ("linear_attention", "full_attention", "outside"):
@@ -272,7 +297,10 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
         nodes = engine.proposer.max_nodes
     return dict(method=spec, rounds=rounds, ops=per["ops"], kernel_ops=per["kernel_ops"], syncs=per["syncs"],
                 total_ops=sum(per["ops"].values()), total_kernel_ops=sum(per["kernel_ops"].values()),
-                total_syncs=sum(per["syncs"].values()), graph_calls=graphs, cuda_launches=launches, nodes=nodes,
+                total_syncs=sum(per["syncs"].values()), collectives=per["collectives"],
+                total_collectives=sum(per["collectives"].values()),
+                collective_names=dict(_names(runs[1]) - _names(runs[0])),
+                graph_calls=graphs, cuda_launches=launches, nodes=nodes,
                 verify_per_layer=layers,
                 host_ms_per_round_here=1e3 * wall,
                 sync_names=dict(runs[1].sync_names - runs[0].sync_names))
@@ -467,6 +495,122 @@ def fused_ops_seen() -> list[list[str]]:
     return rows
 
 
+# ----- tensor parallel (--tp) -------------------------------------------------------------------------------------
+
+def predict_layout(dims: dict, r: dict, layout: str, n: int, context: int, block: int, a) -> dict:
+    """The real model's round over `n` H100s (module docstring): `layout` "tp" (this rank's ops and collectives, the
+    target's weights and attention KV divided by n) or "device_map" (every byte read one GPU after another, one
+    process's ops); n = 1 is one GPU either way."""
+    drafted = DFLASH2.get(_method(r["method"])[0], (_method(r["method"])[0],))[0] in ("dflash", "ddtree")
+    target = 2 * dims["params"] + (2 * dims["head"] if drafted else 0)  # the drafter reads the (sharded) lm_head
+    drafter = 2 * dims["drafter"] if drafted else 0
+    attn_kv = dims["attn_layers"] * context * dims["kv_row"]
+    gdn = dims["gdn_layers"] * dims["gdn_state"] * 2
+    drafter_kv = sum(min(context, a.drafter_window) if i < a.drafter_sliding else context
+                     for i in range(5)) * dims["drafter_kv_row"] if drafted else 0
+    flops = 2 * dims["params"] * r["nodes"] + (2 * (dims["drafter"] + dims["head"]) * block if drafted else 0)
+    if layout == "tp":
+        per_gpu = (target + attn_kv) / n + gdn + drafter + drafter_kv
+        collectives = r["total_collectives"] if n > 1 else 0.0
+        device = max(per_gpu / a.tp_bandwidth, flops / n / (a.peak_flops * a.mfu)) + collectives * a.collective_us * 1e-6
+    else:
+        per_gpu = (target + attn_kv + gdn + drafter + drafter_kv) / n
+        collectives = 0.0
+        device = max(per_gpu * n / a.tp_bandwidth, flops / (a.peak_flops * a.mfu)) + (n - 1) * a.hop_us * 1e-6
+    host = (r["total_kernel_ops"] * a.launch_us + (r["total_ops"] - r["total_kernel_ops"]) * a.dispatch_us) * 1e-6
+    round_s = max(device, host) + r["total_syncs"] * a.sync_us * 1e-6
+    tau = TAU.get(r["method"], 1.0)
+    return dict(layout="1 GPU" if n == 1 else f"{'TP' if layout == 'tp' else 'device map'} {n}", gpus=n,
+                method=r["method"], gb_per_gpu=per_gpu / 1e9, collectives=collectives, device_ms=1e3 * device,
+                host_ms=1e3 * host, round_ms=1e3 * round_s, tau=tau, tok_s=tau / round_s)
+
+
+def under_torchrun(n: int) -> None:
+    """Start this script again under `torch.distributed.run --nproc_per_node=n` (when not already a rank)."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", __file__,
+           *sys.argv[1:]]
+    raise SystemExit(subprocess.call(cmd))
+
+
+def tp_main(a) -> None:
+    """--tp N: per-rank ops, syncs and collectives per round, TP 1 (rank 0, the whole target) against TP N (every rank
+    its shards), and the cost model's round for the real model on --tp-gpus H100s (module docstring)."""
+    import torch.distributed as dist
+
+    from ddtree.pipeline.distributed import TensorParallel, world_from_env
+    from ddtree.pipeline.models import sharded_copy
+
+    world = world_from_env()
+    cuda = a.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(world.local_rank)
+        a.device = f"cuda:{world.local_rank}"
+    dist.init_process_group("nccl" if cuda else "gloo")
+    results, predictions = {}, {}
+    for name in a.structures.split(","):
+        real, whole, drafter = build(name, a)
+        dims = real_dims(name)
+        ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
+        specs = [s for s in a.methods.split(",") if not (_method(s)[0] in MTP and not supports(model_type(whole), "mtp"))]
+        ones = [count_method(whole, drafter, spec, ids, a) for spec in specs] if world.is_main else []
+        dist.barrier()
+        sharded = sharded_copy(whole, TensorParallel(a.tp, 0, world.rank, 1), "sdpa")
+        del whole
+        tps = [count_method(sharded, drafter, spec, ids, a) for spec in specs]
+        if world.is_main:
+            results[name] = list(zip(ones, tps, strict=True))
+            predictions[name] = []
+            for one, r in results[name]:  # one GPU, then each count as a device map (TP 1's ops) and sharded
+                layouts = [(one, "tp", 1)] + [(c, layout, n) for n in a.tp_gpus
+                                              for c, layout in ((one, "device_map"), (r, "tp"))]
+                predictions[name] += [predict_layout(dims, c, layout, n, a.table_context, drafter.block_size, a)
+                                      for c, layout, n in layouts]
+            print(f"{name}: per round and rank, TP 1 against TP {a.tp} ({a.device}, {a.dtype}, {a.path} path)")
+            for one, r in results[name]:
+                print(f"  {r['method']}: ops {one['total_ops']:.0f} -> {r['total_ops']:.0f} "
+                      f"({r['total_ops'] / one['total_ops']:.2f}x), kernel ops {one['total_kernel_ops']:.0f} -> "
+                      f"{r['total_kernel_ops']:.0f}, syncs {one['total_syncs']:.1f} -> {r['total_syncs']:.1f}, "
+                      f"collectives {r['total_collectives']:.1f} ({r['collective_names']})")
+            for p in predictions[name]:
+                print(f"  {p['method']} on {p['layout']}: {p['gb_per_gpu']:.1f} GB a GPU, {p['collectives']:.0f} "
+                      f"collectives, device {p['device_ms']:.2f} ms, host {p['host_ms']:.2f} ms, round "
+                      f"{p['round_ms']:.2f} ms, {p['tok_s']:.0f} tok/s")
+        del sharded
+    dist.barrier()
+    dist.destroy_process_group()
+    if not world.is_main:
+        return
+    rec = Record("bench_launches_tp", f"Tensor parallel: ops, syncs and collectives per round and rank, TP 1 vs TP {a.tp}",
+                 f"Per steady-state round, counted on each rank at tiny width with the real layer structure, the target "
+                 f"whole (TP 1) and sharded over {a.tp} ranks (transformers' tp_plan, gloo on this CPU); {a.path} path, "
+                 f"{a.dtype}. Collectives (all-reduces and all-gathers) are counted apart from the ops. Predicted: the "
+                 f"cost model of `bench/bench_launches.py` for the real model on H100s ({a.tp_bandwidth / 1e12:.2f} "
+                 f"TB/s a GPU, {a.collective_us:g} us a collective, {a.hop_us:g} us a device-map hop, "
+                 f"{a.launch_us:g} us a kernel op, {a.sync_us:g} us a sync) at {a.table_context} tokens of context; "
+                 "TP n uses the per-rank counts at TP "
+                 f"{a.tp} (one collective a sharded projection, whatever n).",
+                 params=params(argparse.Namespace(**{k: v for k, v in vars(a).items() if k not in ("torch_dtype", "out")}),
+                               tau=TAU))
+    for name, pairs in results.items():
+        rec.table(f"{name}: per round and rank", ["method", "TP 1 ops", f"TP {a.tp} ops", "ratio", "TP 1 kernel ops",
+                                                 f"TP {a.tp} kernel ops", "TP 1 syncs", f"TP {a.tp} syncs",
+                                                 f"TP {a.tp} collectives", "collectives by name"],
+                  [[r["method"], round(one["total_ops"]), round(r["total_ops"]),
+                    round(r["total_ops"] / one["total_ops"], 2), round(one["total_kernel_ops"]),
+                    round(r["total_kernel_ops"]), round(one["total_syncs"], 1), round(r["total_syncs"], 1),
+                    round(r["total_collectives"], 1),
+                    ", ".join(f"{k} {v / r['rounds']:.1f}" for k, v in sorted(r["collective_names"].items()))]
+                   for one, r in pairs])
+        rec.table(f"{name}: predicted round of the real model on H100s ({a.table_context} tokens of context)",
+                  ["method", "layout", "GB a GPU", "collectives", "device ms", "host ms", "round ms", "tok/s"],
+                  [[p["method"], p["layout"], round(p["gb_per_gpu"], 1), round(p["collectives"]),
+                    round(p["device_ms"], 2), round(p["host_ms"], 2), round(p["round_ms"], 2), round(p["tok_s"])]
+                   for p in predictions[name]])
+    rec.write(a.out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--structures", default="qwen3_6_27b,qwen3_8b")
@@ -504,14 +648,36 @@ def main() -> None:
     ap.add_argument("--bytes-new", type=int, default=512, help="max_new_tokens the capacity is sized for")
     ap.add_argument("--bytes-only", action="store_true", help="only the bytes per round (--compile)")
     ap.add_argument("--code", default=None, help="import ddtree from this directory (read before the imports)")
-    ap.add_argument("--out", default=str(ROOT / "docs" / "bench" / "bench_launches.json"), help="'-' for none")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel: count each rank of a target sharded over N "
+                    "ranks against the whole target (starts N processes; default methods ar,dflash,ddtree:64)")
+    ap.add_argument("--tp-gpus", default="2,4", help="--tp: the GPU counts the real model's round is predicted on")
+    ap.add_argument("--tp-bandwidth", type=float, default=3.35e12, help="--tp: bytes/s a GPU (H100 SXM HBM3)")
+    ap.add_argument("--collective-us", type=float, default=12.0,
+                    help="--tp: one small all-reduce or all-gather over NVLink (NCCL, eager)")
+    ap.add_argument("--hop-us", type=float, default=10.0, help="--tp: a device map's activations to the next GPU")
+    ap.add_argument("--out", default=None, help="'-' for none (default docs/bench/bench_launches.json, "
+                    "docs/bench/bench_launches_tp.json with --tp)")
     a = ap.parse_args()
+    if a.tp > 1:
+        under_torchrun(a.tp)
+        a.out = a.out or str(ROOT / "docs" / "bench" / "bench_launches_tp.json")
+        if "--methods" not in sys.argv:
+            a.methods = "ar,dflash,ddtree:64"
+        if "--structures" not in sys.argv:
+            a.structures = "qwen3_6_27b"
+        if "--drafter-contexts" not in sys.argv:
+            a.drafter_contexts = ""
+    a.out = a.out or str(ROOT / "docs" / "bench" / "bench_launches.json")
+    a.tp_gpus = [int(x) for x in a.tp_gpus.split(",") if x]
     a.torch_dtype = getattr(torch, a.dtype)
     a.contexts = [int(x) for x in a.contexts.split(",") if x]
     a.drafter_contexts = [int(x) for x in a.drafter_contexts.split(",") if x]
     if a.table_context not in a.contexts:
         a.contexts.append(a.table_context)
     a.bytes_contexts = [int(x) for x in a.bytes_contexts.split(",") if x] if a.compile else []
+    if a.tp > 1:
+        tp_main(a)
+        return
 
     results = {}
     bytes_rows = {}

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.families import FAMILIES, Family
+from ddtree.engine.families import FAMILIES, Family, has_tp_plan
 from ddtree.engine.methods import METHODS, family_methods
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,16 +75,16 @@ def models_markdown() -> str:
     for row in FAMILIES.values():
         kind = _kind(row) + (f" ({row.traits})" if row.traits else "")
         key = (family_methods(row.model_type), kind, row.embedding_access == "nested", row.lean is not None,
-               _auto_attention(row))
+               has_tp_plan(row.model_type), _auto_attention(row))
         groups.setdefault(key, []).append(row.model_type)
-    lines = ["| `model_type` | methods | layers | wrapper | lean forward | `attention=auto` |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for (methods, kind, nested, lean, auto), types in groups.items():
+    lines = ["| `model_type` | methods | layers | wrapper | lean forward | TP plan | `attention=auto` |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for (methods, kind, nested, lean, tp, auto), types in groups.items():
         lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
-                     f"{'yes' if nested else '–'} | {'yes' if lean else '–'} | {auto} |")
+                     f"{'yes' if nested else '–'} | {'yes' if lean else '–'} | {'yes' if tp else '–'} | {auto} |")
     every = ", ".join(family_methods(""))  # an unknown model_type: every method but the own-head ones
     lines.append(f"| any other | {every} | attention (tree methods refused on a cache with "
-                 "linear-attention layers) | – | – | sdpa, else eager |")
+                 "linear-attention layers) | – | – | where shipped | sdpa, else eager |")
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]
     drafts = {"root": "nothing (the last token alone)", "chain": "a chain (one block)",
               "tree": "a best-first tree of `budget` nodes"}

@@ -55,6 +55,7 @@ from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.options import current
+from ddtree.engine.sharded import is_sharded
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.engine.weights import plain
 from ddtree.errors import ConfigError
@@ -78,6 +79,9 @@ def why_not_static(binding, unfit: str | None) -> str | None:
     where it does not declare `compilable` (one node count per engine), else None."""
     if unfit is not None:
         return f"{unfit}'s trees may vary in size (the compiled round needs a fixed node count per engine)"
+    if is_sharded(binding.model):
+        return ("the target is tensor-parallel (model.tp_plan): the compiled round does not trace its collectives "
+                "yet, so each rank runs the eager round on its shards")
     lean = binding.lean
     if lean is None:
         return ("the lean forward does not run this target (its family, attention backend, sliding-window layers, "

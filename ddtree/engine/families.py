@@ -178,3 +178,17 @@ def check_family_has_mtp(mtype: str) -> None:
 def gdn_classes() -> tuple[str, ...]:
     """"module:Class" of every Gated DeltaNet layer the table names, each once, in table order."""
     return tuple(dict.fromkeys(row.gdn_class for row in _ROWS if row.gdn_class))
+
+
+def has_tp_plan(model_type: str) -> bool:
+    """Whether transformers ships a tensor-parallel plan for the family (its config class's `base_model_tp_plan`):
+    what `from_pretrained(..., tp_plan="auto")` shards; a multimodal wrapper's, its text model's. False for a
+    model_type transformers does not know."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        config_class = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return False
+    text = (getattr(config_class, "sub_configs", None) or {}).get("text_config")
+    return bool(getattr(config_class, "base_model_tp_plan", None) or getattr(text, "base_model_tp_plan", None))

@@ -37,6 +37,7 @@ from ddtree.engine.kernels import fused
 from ddtree.engine.kernels import norm as kernel_norm
 from ddtree.engine.kernels.attention import gate_output, silu_mul
 from ddtree.engine.kernels.rope import norm_rope
+from ddtree.engine.sharded import linear_op, styles
 from ddtree.engine.weights import plain, plain_linear
 
 __all__ = ["LazyTail", "LeanForward", "LeanLayer", "RopeTables", "lean_add_norm", "lean_forward_for", "lean_norm", "lean_text_rotary", "rope_cos_sin"]
@@ -62,6 +63,13 @@ def _inert(hook: Callable) -> bool:
     """transformers' output-capturing hooks: installed by the first `output_hidden_states` call and left in place,
     they act only while that model call collects outputs, never inside a LeanForward."""
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+
+
+def _inert_pre(hook: Callable) -> bool:
+    """A tensor-parallel replicated norm's pre-hook (transformers' `replicated_with_grad_allreduce`): it only hooks
+    gradient all-reduces on parameters, when autograd is on; a forward without gradients (the engine's) is untouched."""
+    return (getattr(hook, "__module__", "").startswith("transformers.distributed")
+            and getattr(hook, "__qualname__", "").startswith("ReplicatedWithGradAllReduce."))
 
 
 def _norm_parts(norm: torch.nn.Module) -> tuple[Callable[[], torch.Tensor], float, bool] | None:
@@ -157,7 +165,13 @@ def rope_cos_sin(x: torch.Tensor, position_ids: torch.Tensor, inv_freq: torch.Te
     return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
 
-def _linear(module: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+def _linear(module: torch.nn.Module, tp: dict[int, str] | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`module.forward` as the engine runs it: F.linear on its plain weights, this rank's shard and the style's
+    collective on a tensor-parallel target (`tp`: ddtree.engine.sharded.styles), else the module's own forward."""
+    if tp and id(module) in tp:
+        sharded = linear_op(module, tp[id(module)])
+        if sharded is not None:
+            return sharded
     if not plain_linear(module):  # a quantized projection computes with its own kernels (ddtree.engine.weights)
         return module.forward
     weight, bias = module.weight, module.bias
@@ -239,9 +253,10 @@ def _plain_function(fn):
 
 class LeanLayer:
     """One decoder layer's forward, step for step, without the submodule calls (see the module docstring).
-    rope_tables: the model's shared RopeTables (LeanForward passes one), or None for the module's own RoPE."""
+    rope_tables: the model's shared RopeTables (LeanForward passes one), or None for the module's own RoPE.
+    tp: a tensor-parallel target's styles (ddtree.engine.sharded.styles): its projections run on this rank's shards."""
 
-    def __init__(self, layer: torch.nn.Module, rope_tables: RopeTables | None = None):
+    def __init__(self, layer: torch.nn.Module, rope_tables: RopeTables | None = None, tp: dict[int, str] | None = None):
         self.layer = layer
         self.norm1, self.add_norm1 = _lean_norms(layer.input_layernorm)
         self.norm2, self.add_norm2 = _lean_norms(layer.post_attention_layernorm)
@@ -249,7 +264,8 @@ class LeanLayer:
         if not self.linear:
             attn = layer.self_attn
             self.attn, self.gated = attn, _ATTENTIONS[type(attn).__name__]
-            self.q, self.k, self.v, self.o = (_linear(getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+            self.q, self.k, self.v, self.o = (_linear(getattr(attn, n), tp) for n in ("q_proj", "k_proj", "v_proj",
+                                                                                     "o_proj"))
             norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
             self.q_norm, self.k_norm = (None if m is None else lean_norm(m) for m in norms)
             # known q and k norms: each head's norm and its RoPE as one fused op (kernels.rope) where RoPE runs as
@@ -266,7 +282,7 @@ class LeanLayer:
             self.extra = {"sliding_window": attn.sliding_window} if type(attn).__name__ == "Qwen3Attention" else {}
         mlp = layer.mlp
         if type(mlp).__name__ in _MLPS:
-            gate, up, down = _linear(mlp.gate_proj), _linear(mlp.up_proj), _linear(mlp.down_proj)
+            gate, up, down = _linear(mlp.gate_proj, tp), _linear(mlp.up_proj, tp), _linear(mlp.down_proj, tp)
             if type(mlp.act_fn) is SiLUActivation:  # silu and the product: one fused op (a graph: the composite)
                 self.mlp = lambda x: down(silu_mul(gate(x), up(x)))
             else:
@@ -284,7 +300,8 @@ class LeanLayer:
         while stack:
             m = stack.pop()
             state = m.__dict__
-            if m._forward_pre_hooks or "_hf_hook" in state or not all(map(_inert, m._forward_hooks.values())):
+            if ("_hf_hook" in state or not all(map(_inert_pre, m._forward_pre_hooks.values()))
+                    or not all(map(_inert, m._forward_hooks.values()))):
                 return False
             stack.extend(c for c in state["_modules"].values() if c is not None)
         if getattr(layer, "block_type", None) == "linear_attention":
@@ -474,7 +491,9 @@ class LeanForward:
         self.linear = [t == "linear_attention" for t in types[: len(self.layers)]]
         self.positions = positions
         rope = RopeTables()  # one per model: built by its first attention layer of a forward, read by the others
-        self.lean_layers = [LeanLayer(layer, rope) if LeanLayer.supports(layer) else None for layer in self.layers]
+        tp = styles(model)  # a tensor-parallel target: each projection on this rank's shard (ddtree.engine.sharded)
+        self.lean_layers = [LeanLayer(layer, rope, tp) if LeanLayer.supports(layer) else None for layer in self.layers]
+        self.head_op = _linear(self.head, tp) if tp else None  # (None: the head's forward, looked up per call)
         self.final_norm, self.final_add_norm = _lean_norms(base.norm)
         self.text_rotary = lean_text_rotary(base.rotary_emb) if positions == MROPE_TEXT else None
         # head="lazy" can stop before the last layer: an attention layer run as a LeanLayer (see LazyTail)
@@ -518,7 +537,7 @@ class LeanForward:
         if last in wanted:
             kept[last] = hidden
         rows = hidden if logits_to_keep == 0 else hidden[:, -logits_to_keep:, :]
-        return (self.head.forward(rows) if head is True else rows), kept
+        return ((self.head_op or self.head.forward)(rows) if head is True else rows), kept
 
 
 # base model classes whose forward LeanForward reproduces (checked against transformers 5.24; tests/test_forward.py)

@@ -47,13 +47,13 @@ class WalkRows:
     """
 
     def __init__(self, lean, out, kept: dict, hidden_ids: list[int] | None):
-        self.head, self.kept, self.hidden_ids = lean.head, kept, hidden_ids
+        self.head, self.kept, self.hidden_ids = lean.head_op or lean.head.forward, kept, hidden_ids
         self.final = out.final if isinstance(out, LazyTail) else (lambda nodes: out[0][nodes])
 
     @torch.inference_mode()
     def argmax(self, nodes: list[int]) -> list[int]:
         """For host_walk: the target's token after each of `nodes`."""
-        return self.head.forward(self.final(nodes)).argmax(-1).tolist()
+        return self.head(self.final(nodes)).argmax(-1).tolist()
 
     @torch.inference_mode()
     def features(self, path: list[int]) -> torch.Tensor | None:

@@ -124,6 +124,9 @@ def check_run_settings(rc: RunConfig) -> None:
     if rc.compile == "true" and rc.engine == "upstream":
         raise ConfigError("compile", "compile=true compiles the native engine's round, not the authors' code",
                           "use engine=native, or compile=auto")
+    if rc.compile == "true" and rc.model.tp_plan is not None:
+        raise ConfigError("compile", "the compiled round does not run a tensor-parallel target (model.tp_plan) yet",
+                          "use compile=auto (the eager round on each rank's shards) or drop model.tp_plan")
     if rc.compile == "true" and not method.compilable:
         raise ConfigError("compile", f"the compiled round runs {', '.join(COMPILABLE_METHOD_NAMES)}, not method={rc.method}",
                           "use compile=auto (eager where it cannot run) or compile=false")
@@ -167,6 +170,9 @@ def check_model(rc: RunConfig) -> None:
     if m.tiny is not None and m.tiny.vocab_size < 16:
         raise ConfigError("model.tiny.vocab_size", f"must be >= 16, got {m.tiny.vocab_size}")
     check_device_map(m.device_map)
+    if m.tp_plan is not None and rc.engine != "native":
+        raise ConfigError("model.tp_plan", f"engine={rc.engine} runs the authors' code on one process's model",
+                          "use engine=native for a tensor-parallel target, or drop model.tp_plan")
     if m.quantization is not None:
         from ddtree.pipeline.models import resolve_device
         from ddtree.pipeline.quantization import check_quantization

@@ -317,3 +317,156 @@ def placement(model) -> dict[str, Any] | None:
     devices = sorted({f"cuda:{d}" if isinstance(d, int) else str(d) for d in dmap.values()})
     return {"devices": devices, "device_map": {k: (f"cuda:{v}" if isinstance(v, int) else str(v))
                                                for k, v in dmap.items()}}
+
+
+# ---------------------------------------------------------------- tensor parallel
+
+TP_PLANS = ("auto",)  # transformers' own plan of the model's family (its config's base_model_tp_plan)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place among `world = size x groups` ranks: each group of `size` contiguous ranks (one node's GPUs
+    where it fits) shards one copy of the target and decodes the same prompts; the groups split the prompts as
+    data-parallel ranks do."""
+
+    size: int  # ranks of one tensor-parallel group
+    group: int  # this rank's group: its data-parallel rank
+    rank: int  # this rank within its group
+    groups: int  # tensor-parallel groups: the data-parallel world
+
+    @property
+    def data_world(self) -> World:
+        """The data-parallel view: one 'rank' per group (prompt i goes to group i mod groups)."""
+        return World(self.group, self.groups, 0, 1)
+
+
+def tensor_parallel(model_cfg: Any, world: World) -> TensorParallel | None:
+    """The tensor-parallel layout of `model_cfg` (model.tp_plan, model.tp_size) over `world`; None without a plan.
+    Assumes check_tensor_parallel passed."""
+    if getattr(model_cfg, "tp_plan", None) is None:
+        return None
+    size = model_cfg.tp_size or world.world_size
+    return TensorParallel(size, world.rank // size, world.rank % size, world.world_size // size)
+
+
+def data_world(model_cfg: Any, world: World) -> World:
+    """The ranks prompts are split over: the world, or its tensor-parallel groups."""
+    tp = tensor_parallel(model_cfg, world)
+    return world if tp is None else tp.data_world
+
+
+def _divisors(n: int, of: int) -> list[int]:
+    return [d for d in range(1, of + 1) if of % d == 0 and n % d == 0]
+
+
+def check_tensor_parallel(model_cfg: Any, world: World, config: Mapping[str, Any] | None = None) -> None:
+    """model.tp_plan / model.tp_size against the launch and the target's config (when on disk), before loading:
+    one ConfigError naming the setting and the fix."""
+    plan, size = model_cfg.tp_plan, model_cfg.tp_size
+    if plan is None:
+        if size is not None:
+            raise ConfigError("model.tp_size", f"is {size} but model.tp_plan is null",
+                              "add model.tp_plan=auto, or drop model.tp_size")
+        return
+    if plan not in TP_PLANS:
+        raise ConfigError("model.tp_plan", f"unknown plan '{plan}'",
+                          "use model.tp_plan=auto (the plan transformers ships with the model's family), or null")
+    if model_cfg.device_map is not None:
+        raise ConfigError("model.tp_plan", "and model.device_map both split the target over GPUs",
+                          "keep one: model.tp_plan=auto (every GPU works on every layer) or model.device_map "
+                          "(the layers run one GPU after another)")
+    if model_cfg.quantization is not None:
+        raise ConfigError("model.tp_plan", "a quantized target is not sharded by ddtree's tensor parallel",
+                          "drop model.quantization, or model.tp_plan")
+    if not world.is_distributed:
+        raise ConfigError("model.tp_plan", "tensor parallel shards the target over several processes; this is one",
+                          "launch with torchrun --nproc_per_node=N -m ddtree.run ..., or drop model.tp_plan")
+    size = world.world_size if size is None else size
+    if size < 1 or world.world_size % size:
+        raise ConfigError("model.tp_size", f"{size} does not divide the job's {world.world_size} ranks",
+                          f"use one of {_divisors(world.world_size, world.world_size)} (ranks = tp_size x "
+                          "data-parallel groups)")
+    if not config:
+        return
+    from ddtree.engine.families import has_tp_plan
+
+    mtype = config.get("text_model_type") or config.get("model_type")
+    if mtype and not has_tp_plan(str(mtype)):
+        raise ConfigError("model.tp_plan", f"transformers has no tensor-parallel plan for the '{mtype}' family",
+                          "drop model.tp_plan: use data-parallel ranks or model.device_map (docs/scale.md)")
+    heads = config.get("num_attention_heads")
+    kv = config.get("num_key_value_heads") or heads
+    linear = [(config.get(k), f"Gated DeltaNet {w} heads") for k, w in (("linear_num_key_heads", "key"),
+                                                                         ("linear_num_value_heads", "value"))]
+    for n, what in ((heads, "attention heads"), (kv, "key/value heads"), *linear):
+        if isinstance(n, int) and n % size:
+            sizes = [d for d in _divisors(n, world.world_size) if d > 1]
+            raise ConfigError("model.tp_size", f"{size} ranks cannot share the target's {n} {what}: each rank "
+                              "holds whole heads", f"use model.tp_size in {sizes}" if sizes else
+                              "drop model.tp_plan: data-parallel ranks (each the whole target) or model.device_map")
+
+
+class _GroupMesh:
+    """transformers builds its tensor-parallel mesh over the whole world (tp x fsdp x pp = WORLD_SIZE); a job of
+    several tensor-parallel groups needs it over this rank's group. While loading, transformers' mesh builder is
+    replaced by one that lays the same meshes over (groups x size), the groups on transformers' `dp_replicate` axis,
+    which only FSDP reads (off here: dp_replicate_size stays 1 in the DistributedConfig)."""
+
+    def __init__(self, tp: TensorParallel):
+        self.tp = tp
+        self.module = self.original = None
+
+    def build(self, distributed_config):
+        import torch
+        from transformers.distributed.utils import TransformersDeviceMesh, _bind_local_device
+
+        device_type = torch._C._get_accelerator().type
+        device = _bind_local_device(device_type, int(os.environ.get("LOCAL_RANK", 0)))
+        groups, size = self.tp.groups, self.tp.size
+        dense = torch.distributed.init_device_mesh(device_type, (1, groups, 1, size),
+                                                   mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"))
+        expert = torch.distributed.init_device_mesh(device_type, (1, groups, size, 1),
+                                                    mesh_dim_names=("pp", "dp_replicate", "efsdp", "ep"))
+        return device, TransformersDeviceMesh(dense, expert)
+
+    def __enter__(self):
+        if self.tp.groups > 1:
+            import transformers.distributed.mixin as mixin
+
+            self.module, self.original = mixin, mixin.initialize_distributed_mesh
+            mixin.initialize_distributed_mesh = self.build
+        return self
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.initialize_distributed_mesh = self.original
+        return False
+
+
+def tp_load_kwargs(tp: TensorParallel) -> dict[str, Any]:
+    """from_pretrained's keywords for a target sharded over this rank's tensor-parallel group."""
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=tp.size, tp_plan="auto")}
+
+
+def tp_loading(tp: TensorParallel) -> _GroupMesh:
+    """The context a tensor-parallel from_pretrained runs in (see _GroupMesh)."""
+    return _GroupMesh(tp)
+
+
+def first_of_each_group(per_rank: Sequence[Sequence[dict[str, Any]]], size: int) -> list[Sequence[dict[str, Any]]]:
+    """The records of each tensor-parallel group's first rank. Every rank of a group decoded the same prompts; their
+    tokens must agree (the same gathered logits and the same seeded generator on each: docs/scale.md), else the group
+    computed different things and its result is refused."""
+    out = []
+    for first in range(0, len(per_rank), size):
+        mine = [(r["id"], r["turn"], r["role"], r["output_ids"]) for r in per_rank[first]]
+        for other in range(first + 1, first + size):
+            theirs = [(r["id"], r["turn"], r["role"], r["output_ids"]) for r in per_rank[other]]
+            if theirs != mine:
+                raise RuntimeError(f"tensor-parallel ranks {first} and {other} decoded different tokens: the ranks of "
+                                   "a group must compute the same logits (report it with the job's config)")
+        out.append(per_rank[first])
+    return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import time
@@ -288,10 +289,28 @@ def load_models(rc: RunConfig, device: str, cache: ModelCache) -> LoadedModels:
     return LoadedModels(target, tokenizer, drafter, device, stop_token_ids(tokenizer, target), load_s)
 
 
-def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world) -> dict[str, Any]:
+def tp_paths(target) -> dict[str, Any]:
+    """What the engine runs sharded on a tensor-parallel target and what falls back, with why (ddtree.engine.sharded)."""
+    from ddtree.engine.forward import lean_forward_for
+    from ddtree.engine.sharded import paths
+
+    return paths(target, lean_forward_for(target))
+
+
+def tp_line(tp: dict[str, Any]) -> str:
+    """The run's one line on its tensor-parallel target: the layout, what ran sharded, what fell back and why."""
+    line = (f"tensor parallel: {tp['tp_size']} ranks a group x {tp['groups']} group(s); lean layers {tp['lean_layers']} "
+            f"of {tp['layers']}, {tp['sharded_projections']} projections on this rank's shards")
+    return "; ".join([line, *tp["notes"]])
+
+
+def job_environment(models: LoadedModels, compat_report: list[dict[str, Any]], world, rc: RunConfig) -> dict[str, Any]:
 
     env = environment(models.device, compat_report)
     env["world_size"] = world.world_size
+    tp = D.tensor_parallel(rc.model, world)
+    if tp is not None:  # ranks = tp_size x data-parallel groups
+        env["tensor_parallel"] = {"tp_size": tp.size, "groups": tp.groups, **tp_paths(models.target)}
     where = D.placement(models.target)
     if where is not None:
         env["placement"] = where
@@ -321,6 +340,8 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
             **rc.tags}
     if "placement" in env:
         tags["devices"] = ",".join(env["placement"]["devices"])
+    if "tensor_parallel" in env:
+        tags["tp_size"] = env["tensor_parallel"]["tp_size"]
     tags["mlflow.source.git.commit"] = (tags["git_commit"] or "").removesuffix("-dirty") or None
     sweep_dir = files.sweep_dir
     sweep_name = f"sweep {sweep_dir.parent.name}/{sweep_dir.name}" if sweep_dir else None
@@ -338,7 +359,7 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     failure: BaseException | None = None
     reused_from = None
     try:
-        reused_from = _generate_shard(ctx, prompts, D.shard(prompts, world), methods, records)
+        reused_from = _generate_shard(ctx, prompts, D.shard(prompts, D.data_world(rc.model, world)), methods, records)
     except Exception as e:
         if not world.is_distributed:
             raise
@@ -355,7 +376,11 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     if errors:
         raise RuntimeError("a data-parallel rank failed: " + "; ".join(errors))
     if world.is_distributed:
-        records = D.merge_in_order([g["records"] for g in gathered], [p.id for p in prompts])
+        per_rank = [g["records"] for g in gathered]
+        tp = D.tensor_parallel(rc.model, world)
+        if tp is not None:  # every rank of a group decoded its prompts: one copy, checked equal
+            per_rank = D.first_of_each_group(per_rank, tp.size)
+        records = D.merge_in_order(per_rank, [p.id for p in prompts])
         with ctx.files.samples.open("w", encoding="utf-8") as out:
             out.writelines(json.dumps(rec) + "\n" for rec in records)
     reused = {g.get("baseline_reused_from") for g in gathered} - {None}
@@ -383,6 +408,8 @@ def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig
     write_histogram(lengths, files.histogram, f"{run_name(rc)}: tau={summary['tau'] or 0:.2f}")
     print(format_table(summary), flush=True)
     print(f"attention: {summary['attention']['line']}", flush=True)
+    if summary.get("tensor_parallel"):
+        print(tp_line(summary["tensor_parallel"]), flush=True)
     if any(summary["quantization"].values()):
         q = summary["quantization"]
         print(f"quantization: target {q['target'] or 'none'}, drafter {q['drafter'] or 'its own precision'}", flush=True)
@@ -436,10 +463,13 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
         write_job_file(files.job_dir, chash)
     compat_report = install_compat(rc, world)
     models = load_models(rc, device, MODELS)
-    env = job_environment(models, compat_report, world)
+    env = job_environment(models, compat_report, world, rc)
     auto = None
     if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
         auto = choose_budget(models, prompts, rc, files, MODELS)
+        if world.is_distributed:  # rank 0's choice on every rank (its timings decide): a TP group's trees must agree
+            auto = D.broadcast(auto, world)
+            rc.budget = auto["chosen"]
         if world.is_main:
             print(f"budget=auto: budget {auto['chosen']} (predicted tau {auto['predicted_tau'][auto['chosen']]:.2f}, "
                   f"speedup {auto['predicted_speedup'][auto['chosen']]:.2f}x; calibrated on "
@@ -456,7 +486,12 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     try:
         ctx = JobContext(rc, models, files, MODELS, show_progress=world.is_main, resume=resume)
         generated = generate_all(ctx, prompts, world)
-        if generated is None:  # ranks > 0: rank 0 writes and records the job
+        tp = D.tensor_parallel(rc.model, world)
+        if tp is not None:  # the verdicts' target forwards are collectives: the ranks of group 0 run them together
+            generated = D.broadcast(generated, world)
+            if not world.is_main and tp.group == 0:
+                check_outputs(models, prompts, generated[0], rc, Path(os.devnull), MODELS.calibrations)
+        if generated is None or not world.is_main:  # ranks > 0: rank 0 writes and records the job
             return None
         records, reused_from = generated
         checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed

@@ -69,9 +69,10 @@ def load_target(rc: RunConfig, device: str):
     With model.device_map set, accelerate places the layers (over this rank's GPUs under torchrun)
     and `device` is not used for the target; see ddtree.pipeline.distributed.input_device.
     """
-    from ddtree.pipeline.distributed import dispatch, rank_max_memory, world_from_env
+    from ddtree.pipeline.distributed import dispatch, rank_max_memory, tensor_parallel, world_from_env
 
     m = rc.model
+    tp = tensor_parallel(m, world_from_env())
     max_memory = rank_max_memory(world_from_env()) if m.device_map is not None else None
     from ddtree.engine import attention
 
@@ -89,12 +90,33 @@ def load_target(rc: RunConfig, device: str):
                            num_hidden_layers=t.num_hidden_layers)
         if m.quantization is not None:  # as a published checkpoint would be: saved, then loaded quantized
             model = quantized_copy(model, m.quantization, attn)
+        if tp is not None:  # as a published checkpoint would be: saved, then loaded sharded over the group
+            return sharded_copy(model, tp, attn), load_tokenizer(rc)
         model = dispatch(model, m.device_map, max_memory) if m.device_map is not None else model.to(device)
         return model.eval(), load_tokenizer(rc)
     return load_checkpoint(m.name_or_path, device=device, dtype=torch_dtype(m.dtype, tiny=False),
                            attn_implementation=attn, tokenizer=m.tokenizer, revision=m.revision,
                            trust_remote_code=m.trust_remote_code, device_map=m.device_map, max_memory=max_memory,
-                           quantization=m.quantization)
+                           quantization=m.quantization, tp=tp)
+
+
+def sharded_copy(model, tp, attn_implementation: str | None):
+    """A model built in code, saved and loaded back sharded over this rank's tensor-parallel group (each rank builds
+    the same seeded model and keeps its own shards)."""
+    import tempfile
+
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.pipeline.distributed import tp_load_kwargs, tp_loading
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # written by this rank itself: save_pretrained writes on rank 0 alone once a process group is up
+        model.config.save_pretrained(tmp)
+        save_model(model, f"{tmp}/model.safetensors", metadata={"format": "pt"})
+        with tp_loading(tp):
+            return AutoModelForCausalLM.from_pretrained(tmp, dtype=model.dtype, attn_implementation=attn_implementation,
+                                                        use_kernels=False, **tp_load_kwargs(tp)).eval()
 
 
 def quantized_copy(model, quantization: Any, attn_implementation: str | None):
@@ -115,7 +137,7 @@ def quantized_copy(model, quantization: Any, attn_implementation: str | None):
 def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implementation: str,
                     tokenizer: str | None = None, revision: str | None = None, trust_remote_code: bool = False,
                     device_map: Any = None, max_memory: dict | None = None,
-                    setting: str = "model.name_or_path", quantization: Any = None) -> tuple[Any, Any]:
+                    setting: str = "model.name_or_path", quantization: Any = None, tp: Any = None) -> tuple[Any, Any]:
     """(model in eval mode, tokenizer) of a transformers checkpoint: the one loader of runs and training.
     device_map (accelerate's) places the layers; without one the whole model goes to `device`. quantization: a
     preset or mapping (ddtree.pipeline.quantization), applied by transformers at load.
@@ -123,22 +145,33 @@ def load_checkpoint(name_or_path: str, *, device: str, dtype: Any, attn_implemen
     default, swapping hub kernels (downloaded, some remote code) into RMSNorm, activations, RoPE and GDN ops on a GPU.
     The engine's lean forward does those steps itself, so the model's own forward (prefill, references) would no longer
     compute what the lean one does (a bf16 verdict's "exact" lost). A multimodal wrapper without a causal-LM class
-    (Muse-Glimmer) loads as its image-text-to-text model, whose text path the engine drives."""
+    (Muse-Glimmer) loads as its image-text-to-text model, whose text path the engine drives.
+    tp: this rank's ddtree.pipeline.distributed.TensorParallel: the model sharded over its group (transformers'
+    tp_plan), on the device transformers binds (cuda:LOCAL_RANK, or the CPU)."""
+    import contextlib
+
     from transformers import AutoConfig, AutoTokenizer
 
     from ddtree.engine.families import auto_model_class
 
     kw = {"max_memory": max_memory} if max_memory else {}
+    where = contextlib.nullcontext()
+    if tp is not None:
+        from ddtree.pipeline.distributed import tp_load_kwargs, tp_loading
+
+        kw.update(tp_load_kwargs(tp))
+        where, device = tp_loading(tp), None
     if quantization is not None:
         from ddtree.pipeline.quantization import transformers_config
 
         kw["quantization_config"] = transformers_config("model.quantization", quantization)
     try:
         config = AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
-        model = auto_model_class(config.model_type).from_pretrained(
-            name_or_path, config=config, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
-            trust_remote_code=trust_remote_code, device_map=device_map if device_map is not None else device,
-            use_kernels=False, **kw)
+        with where:
+            model = auto_model_class(config.model_type).from_pretrained(
+                name_or_path, config=config, dtype=dtype, attn_implementation=attn_implementation, revision=revision,
+                trust_remote_code=trust_remote_code, device_map=device_map if device_map is not None else device,
+                use_kernels=False, **kw)
         tok = AutoTokenizer.from_pretrained(tokenizer or name_or_path, revision=revision,
                                             trust_remote_code=trust_remote_code)
     except OSError as e:

@@ -25,6 +25,7 @@ from ddtree.engine.methods import (
     resolve_scoring,
 )
 from ddtree.errors import ConfigError
+from ddtree.pipeline.distributed import check_tensor_parallel, world_from_env
 from ddtree.pipeline.prompts import Prompt
 from ddtree.pipeline.schema import AUTO
 
@@ -347,6 +348,7 @@ def preflight(rc) -> TargetFacts | None:
             kind.in_target(m.name_or_path, m.revision)
         if facts is not None:  # recorded as run tags: what the checkpoint is, read from its config
             rc.tags = {**rc.tags, "ddtree.model_type": str(facts.model_type), "ddtree.hybrid": str(facts.hybrid).lower()}
+    check_tensor_parallel(m, world_from_env(), cfg)  # the launch and the target's heads, before any weight loads
     resolve_attention(rc, cfg)  # (the caller checks the chosen backends: ddtree.pipeline.job.configure)
     if cfg and rc.engine == "upstream" and loads_drafter(rc.method):
         check_upstream_embeddings(cfg)

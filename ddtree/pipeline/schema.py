@@ -56,6 +56,10 @@ class ModelConfig:
     # null: as the checkpoint is; a preset (int8, int4, quanto_int8, fp8, nf4, ...) or a transformers quantization
     # config as a mapping (ddtree.pipeline.quantization, docs/targets.md)
     quantization: Any = None
+    # null: the whole model on each rank; auto: transformers' tensor-parallel plan, the heads and MLP columns sharded
+    # over model.tp_size ranks under torchrun (ddtree.pipeline.distributed, docs/scale.md)
+    tp_plan: str | None = None
+    tp_size: int | None = None  # ranks of one tensor-parallel group (null: every rank of the job)
 
 
 @dataclass

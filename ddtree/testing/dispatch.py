@@ -44,6 +44,8 @@ NO_KERNEL = frozenset({"detach", "detach_", "resolve_conj", "resolve_neg", "lift
 # has the input's dtype. decompose=True counts them as the one op a GPU dispatches (a strided input costs the fused
 # kernel one contiguous copy more, inside it: uncounted, as any op's internal launches are).
 DEVICE_FUSED = frozenset({"rms_norm"})
+COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional"})  # torch.distributed's ops: counted apart
+COLLECTIVE_BOOKKEEPING = frozenset({"wait_tensor", "_wrap_tensor_autograd"})  # a functional collective's wrappers
 
 
 class _HostBorn:
@@ -105,7 +107,10 @@ class DispatchCount(TorchDispatchMode):
     layers=True also books each op under the kind of decoder layer running it, as the lean forward drives it
     (`ddtree.engine.forward.LeanLayer`: "linear_attention" or "full_attention"; "outside" between layers and on
     the plain model call): `c.layer_ops[(stage, kind)]`, and `c.layer_calls[(stage, kind)]` layers run, so ops per
-    layer = their ratio."""
+    layer = their ratio.
+    Collectives (a tensor-parallel target's all-reduces and all-gathers: the `c10d` and `_c10d_functional` ops) are
+    counted apart, not as ops: `c.collectives[stage]`, `c.collective_names` (a GPU's fixed cost per layer, paid over
+    the interconnect)."""
 
     def __init__(self, stages: bool = True, decompose: bool = False, sequence: bool = False, layers: bool = False):
         super().__init__()
@@ -124,6 +129,8 @@ class DispatchCount(TorchDispatchMode):
         self.sync_names: collections.Counter[str] = collections.Counter()
         self.names: collections.Counter[str] = collections.Counter()
         self.graphs: collections.Counter[str] = collections.Counter()  # compiled-region calls (ddtree.engine.compiled)
+        self.collectives: collections.Counter[str] = collections.Counter()
+        self.collective_names: collections.Counter[str] = collections.Counter()
         self.stage = "other"
         self._stages = stages
         self._stack = contextlib.ExitStack()
@@ -140,6 +147,11 @@ class DispatchCount(TorchDispatchMode):
         if self._paused:
             return func(*args, **kwargs)
         name = func.overloadpacket.__name__
+        if func.namespace in COLLECTIVE_NAMESPACES:
+            if name not in COLLECTIVE_BOOKKEEPING:
+                self.collectives[self.stage] += 1
+                self.collective_names[name] += 1
+            return func(*args, **kwargs)
         self._book(name, kernel=not (func.is_view or name in NO_KERNEL))
         if _is_sync(name, func, args, kwargs, self._host_born):
             self._sync(name)

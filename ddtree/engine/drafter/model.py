@@ -42,6 +42,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 from ddtree.engine.drafter.config import DFlashConfig, _normalized_rope, evenly_spaced_layer_ids
 from ddtree.engine.forward import RopeTables, rope_cos_sin
 from ddtree.engine.kernels.attention import silu_mul
+from ddtree.engine.sharded import embedding_rows
 from ddtree.errors import ConfigError
 
 ATTN_IMPLEMENTATIONS: dict[str, Callable[..., tuple[torch.Tensor, Any]]] = {
@@ -390,7 +391,7 @@ class DFlashDrafter(nn.Module):
         Muse-Glimmer's adds a norm), times `input_embedding_scale` where the config sets one."""
         if ids.device != embedding.device:  # (a device map: the target's embeddings elsewhere)
             ids = ids.to(embedding.device)
-        rows = F.embedding(ids, embedding)
+        rows = embedding_rows(embedding, ids)  # (a tensor-parallel target's sharded rows: ddtree.engine.sharded)
         scale = self.config.input_embedding_scale
         return rows if scale is None or scale == 1 else rows * scale
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.engine.sharded import gathered_linear, sharded_linear, whole_weight
 from ddtree.engine.weights import plain, plain_linear
 
 L2NORM_EPS = 1e-6  # upstream's l2norm of q and k
@@ -22,6 +23,9 @@ class LayerConsts:
     dtype. The q/k l2norm and the gated norm are each one `F.rms_norm` (one fused kernel on a GPU): qk_weight (dk) =
     dk^-1/2 and qk_eps = eps / dk (x / sqrt(|x|^2 + eps) = x rsqrt(mean(x^2) + eps / dk) dk^-1/2); norm_weight (dv) = the
     gated norm's weight and norm_eps = its eps * dk (it sees core = o sqrt(dk), see `_gated_norm`).
+    On a tensor-parallel target (transformers' plan gathers the GDN projections' outputs: the layer runs whole on
+    every rank) [W_a; -W_b] is gathered whole once (2 Hv rows) and qkv_op / z_op / out_op are this rank's shard plus
+    one all-gather each (ddtree.engine.sharded); None elsewhere (the module's own projections).
     """
 
     conv_taps: torch.Tensor
@@ -35,11 +39,15 @@ class LayerConsts:
     qk_eps: float
     norm_weight: torch.Tensor
     norm_eps: float
+    qkv_op: object = None
+    z_op: object = None
+    out_op: object = None
 
 
 def _bias_free(layer) -> bool:
-    """A plain bias-free Linear whose weight may be concatenated (a quantized one is called: ddtree.engine.weights)."""
-    return plain_linear(layer) and layer.bias is None
+    """A plain bias-free Linear whose weight may be concatenated (a quantized one is called: ddtree.engine.weights),
+    or a tensor-parallel one whose whole weight is gathered once (small: a and b have a row per value head)."""
+    return (plain_linear(layer) or sharded_linear(layer)) and layer.bias is None
 
 
 def layer_consts(module) -> LayerConsts:
@@ -52,7 +60,8 @@ def layer_consts(module) -> LayerConsts:
                                       f"({type(tensor).__name__}); keep the GDN conv and norm unquantized")
     ab_weight = ab_bias = None
     if not hasattr(module, "in_proj_qkvz") and _bias_free(module.in_proj_a) and _bias_free(module.in_proj_b):
-        wa, wb = module.in_proj_a.weight, module.in_proj_b.weight
+        wa, wb = (layer.weight if plain_linear(layer) else whole_weight(layer)
+                  for layer in (module.in_proj_a, module.in_proj_b))
         ab_weight = torch.cat([wa, -wb])
         ab_bias = torch.cat([module.dt_bias.to(wa.dtype), torch.zeros_like(module.dt_bias, dtype=wa.dtype)])
     dk = module.head_k_dim
@@ -67,7 +76,9 @@ def layer_consts(module) -> LayerConsts:
         qk_weight=torch.full((dk,), dk ** -0.5, device=weight.device), qk_eps=L2NORM_EPS / dk,
         norm_weight=module.norm.weight.float(),
         # the gated norm sees o / sqrt(dk) (q's scale, not applied): eps * dk, see _gated_norm
-        norm_eps=eps * dk)
+        norm_eps=eps * dk,
+        qkv_op=gathered_linear(getattr(module, "in_proj_qkv", None)), z_op=gathered_linear(getattr(module, "in_proj_z", None)),
+        out_op=gathered_linear(module.out_proj))
 
 
 @dataclass

@@ -122,7 +122,7 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         core = bufs.core
         if state0 is not None:
             core.addcmul_(v.start, v.state_q)
-    return module.out_proj(_gated_norm(core, z, consts, bufs, v))
+    return (consts.out_op or module.out_proj)(_gated_norm(core, z, consts, bufs, v))
 
 
 def _compiled_keys(v: _Views, consts: LayerConsts, bufs: LayerBuffers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +170,8 @@ def _projections(module, hidden_states: torch.Tensor, consts: LayerConsts):
     bsz, n, _ = hidden_states.shape
     hv = module.num_v_heads
     if consts.ab_weight is not None:
-        mixed = module.in_proj_qkv(hidden_states)
-        z = module.in_proj_z(hidden_states)
+        mixed = (consts.qkv_op or module.in_proj_qkv)(hidden_states)
+        z = (consts.z_op or module.in_proj_z)(hidden_states)
         return mixed, z, F.linear(hidden_states, consts.ab_weight, consts.ab_bias)
     mixed, z, b, a = _project(module, hidden_states)
     ab = torch.stack([a.reshape(bsz, n, hv) + consts.dt_bias, -b.reshape(bsz, n, hv).float()], dim=2)
