@@ -37,12 +37,13 @@ SAMPLER_NEUTRAL: dict[str, dict[str, Any]] = {
     "openai": dict(_OPENAI_NEUTRAL),  # the standard's fields alone: transformers serve, TensorRT-LLM, others
     "vllm": {**_PENALTY_MINP, "repetition_penalty": 1.0, "top_k": -1},  # -1: every token (0 too on recent vLLM)
     "sglang": {**_PENALTY_MINP, "repetition_penalty": 1.0, "top_k": -1},
-    # llama-server (native /completion and its OpenAI API): top_k <= 0 is off, top_n_sigma < 0 is off
+    # llama-server (native /completion and its OpenAI API): top_k <= 0 is off, top_n_sigma and adaptive_target < 0 off
     "llamacpp": {**_PENALTY_MINP, "top_p": 1.0, "repeat_penalty": 1.0, "top_k": 0, "typical_p": 1.0, "dry_multiplier": 0.0,
-                 "xtc_probability": 0.0, "mirostat": 0, "top_n_sigma": -1.0, "dynatemp_range": 0.0},
-    # llama-cpp-python's server (llama_cpp.server): repeat_penalty defaults to 1.1
-    "llama-cpp-python": {**_PENALTY_MINP, "repeat_penalty": 1.0, "top_k": 0, "typical_p": 1.0, "tfs_z": 1.0,
-                         "mirostat_mode": 0},
+                 "xtc_probability": 0.0, "mirostat": 0, "top_n_sigma": -1.0, "dynatemp_range": 0.0,
+                 "adaptive_target": -1.0},
+    # llama-cpp-python's server (llama_cpp.server): repeat_penalty 1.1, top_k 40, min_p 0.05 by default; its request
+    # models take no typical_p or tfs_z (pydantic drops unknown fields)
+    "llama-cpp-python": {**_PENALTY_MINP, "repeat_penalty": 1.0, "top_k": 0, "mirostat_mode": 0},
     "none": {},  # endpoint.server=none: temperature and top_p only (what ddtree sent before)
 }
 SERVERS = ("auto", *SAMPLER_NEUTRAL)
@@ -115,7 +116,9 @@ class EndpointClient:
         except urllib.error.HTTPError as e:
             detail = _first_line(e.read().decode("utf-8", "replace")) if e.fp is not None else ""
             fix = ("check endpoint.model (GET /models lists what it serves)" if e.code == 404 and "model" in detail.lower()
-                   else "check the server's log; endpoint.extra may hold a field this server refuses" if e.code in (400, 422)
+                   else ("check the server's log; endpoint.extra may hold a field this server refuses, or the sampler "
+                         f"fields of endpoint.server={self.server} (endpoint.server=openai sends the standard's alone)")
+                   if e.code in (400, 422)
                    else "check endpoint.url and the server's log")
             raise EndpointError(setting, f"{url} answered HTTP {e.code}: {detail or e.reason}", fix) from None
         except TimeoutError:
