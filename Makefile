@@ -30,7 +30,7 @@ test-all: $(STAMP)
 
 # python -m ddtree.check against real serving engines (tests/test_check_servers.py): llama-cpp-python's server, installed
 # into .venv-servers (DDTREE_SERVERS_VENV) from the package registry; the first run builds llama.cpp from source
-# (~N min on 2 cores) and converts assets/toy_pure to GGUF f32. Not in CI. A failed install fails here (skips elsewhere).
+# (28 min on a busy 2-core machine) and converts assets/toy_pure to GGUF f32. Not in CI. A failed install fails here (skips elsewhere).
 test-servers: $(STAMP)
 	DDTREE_SERVERS_REQUIRED=1 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs -s -m servers tests/test_check_servers.py
 
