@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test test-slow test-all test-gpu-stack run bench docs lint toy toy-pure clean device-kit
+.PHONY: install test test-slow test-all test-servers test-gpu-stack run bench docs lint toy toy-pure clean device-kit
 
 $(STAMP): pyproject.toml setup.py ddtree/engine/_hosttree.c
 	$(PYTHON) -m venv $(VENV)
@@ -23,10 +23,16 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not servers"
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -m "not servers"
+
+# python -m ddtree.check against real serving engines (tests/test_check_servers.py): llama-cpp-python's server, installed
+# into .venv-servers (DDTREE_SERVERS_VENV) from the package registry; the first run builds llama.cpp from source
+# (28 min on a busy 2-core machine) and converts assets/toy_pure to GGUF f32. Not in CI. A failed install fails here (skips elsewhere).
+test-servers: $(STAMP)
+	DDTREE_SERVERS_REQUIRED=1 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -rs -s -m servers tests/test_check_servers.py
 
 run: $(STAMP)
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(PY) -m ddtree.run experiment=toy method=dflash force=true

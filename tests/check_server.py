@@ -3,8 +3,9 @@
 It speaks the OpenAI chat API over a real socket on 127.0.0.1 and generates with Hugging Face `generate` on the
 model it is given (greedy, or sampling at the request's temperature from the full distribution). Knobs make
 it fail the way servers fail (an HTTP status, a slow answer, dying after N answers) or answer the way
-particular engines do (vLLM's `token_ids`, SGLang's `meta_info`, vLLM's /metrics counters). The happy path
-against a real serving engine is tests/test_check.py's `transformers serve` test.
+particular engines do (vLLM's `token_ids`, SGLang's `meta_info`, vLLM's /metrics counters, a server's name in
+GET /models, a repetition penalty applied unless the request switches it off, 422 for a field it does not take).
+The happy path against a real serving engine is tests/test_check.py's `transformers serve` test.
 """
 
 from __future__ import annotations
@@ -28,6 +29,15 @@ class Behaviour:
     vllm_metrics: bool = False  # /metrics with spec_decode counters
     text_edit: Any = None  # f(text) -> text: what the server sends instead of the decoded text
     temperature_scale: float = 1.0  # sample at temperature * this (a wrong sampler when != 1)
+    # a server's identity in GET /models (owned_by; llama-cpp-python also lists `permissions`)
+    owned_by: str | None = None
+    permissions: bool = False
+    # a repetition penalty the server applies unless the request names `penalty_field` (llama-cpp-python:
+    # repeat_penalty, default 1.1): HF's repetition_penalty at this value
+    default_penalty: float | None = None
+    penalty_field: str = "repeat_penalty"
+    # the request fields the server takes; any other answers 422 (transformers serve does so)
+    fields: set[str] | None = None
     served: int = 0
     requests: list[dict[str, Any]] = field(default_factory=list)
 
@@ -52,8 +62,13 @@ class FakeEngine:
                 self.wfile.write(data)
 
             def do_GET(self):
+                entry: dict[str, Any] = {"id": engine.b.model_name, "object": "model"}
+                if engine.b.owned_by is not None:
+                    entry["owned_by"] = engine.b.owned_by
+                if engine.b.permissions:
+                    entry["permissions"] = []
                 if self.path == "/v1/models":
-                    return self._send(200, {"object": "list", "data": [{"id": engine.b.model_name, "object": "model"}]})
+                    return self._send(200, {"object": "list", "data": [entry]})
                 if self.path == "/metrics" and engine.b.vllm_metrics:
                     n = engine.b.served
                     return self._send(200, None, raw=(
@@ -70,6 +85,9 @@ class FakeEngine:
                     return self._send(404, {"error": {"message": f"no route {self.path}"}})
                 if engine.b.status is not None:
                     return self._send(engine.b.status, {"error": {"message": "the test server refuses"}})
+                unexpected = set(body) - engine.b.fields if engine.b.fields is not None else set()
+                if unexpected:
+                    return self._send(422, {"detail": f"Unexpected fields in the request: {sorted(unexpected)}"})
                 if body.get("model") != engine.b.model_name:
                     return self._send(404, {"error": {"message": f"model {body.get('model')} not found"}})
                 if engine.b.fail_after is not None and engine.b.served >= engine.b.fail_after:
@@ -95,6 +113,8 @@ class FakeEngine:
         if t > 0:
             kw = {"do_sample": True, "temperature": t * self.b.temperature_scale, "top_k": 0, "top_p": 1.0}
             torch.manual_seed(int(body.get("seed", 0)))
+        if self.b.default_penalty is not None:
+            kw["repetition_penalty"] = float(body.get(self.b.penalty_field, self.b.default_penalty))
         with self.lock, torch.no_grad():
             out = self.model.generate(torch.tensor([ids]), max_new_tokens=int(body["max_tokens"]),
                                       pad_token_id=tok.pad_token_id, **kw)[0, len(ids):].tolist()

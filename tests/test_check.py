@@ -263,6 +263,146 @@ def test_ddtree_ar_baseline_from_runs_is_compared(toy, tmp_path, monkeypatch, co
     assert s["match_rate"] == 1.0 and s["validation"]["exact"] == 2
 
 
+# ---------------------------------------------------------------- greedy means greedy: the server's sampler defaults
+
+
+def penalized(model, tok, user: str, n: int, penalty: float) -> list[int]:
+    """The independent reference of a server that applies a repetition penalty: HF generate with it."""
+    ids = prompt_ids(tok, user)
+    with torch.no_grad():
+        return model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, repetition_penalty=penalty,
+                              pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+
+
+def test_greedy_requests_switch_off_each_servers_sampler_defaults(toy, tmp_path, monkeypatch, compose):
+    """A server applying a repetition penalty by default (llama-cpp-python: repeat_penalty 1.1; vLLM/SGLang: the
+    model's generation_config) is exact when ddtree's requests set the neutral values; the same server asked
+    without them (endpoint.server=none) is suspect where HF generate with that penalty departs from greedy, with
+    the sampler hint in the reason."""
+    from check_server import Behaviour, FakeEngine
+
+    model, tok = toy
+    base = ("dataset.max_samples=3", "max_new_tokens=16", "tracking=none")
+    llama_cpp_python = dict(owned_by="me", permissions=True, default_penalty=2.0)
+    with FakeEngine(model, tok, Behaviour(**llama_cpp_python)) as srv:
+        s = check(compose, tmp_path, monkeypatch, f"endpoint.url={srv.url}", *base)
+        sent = srv.b.requests[-1]
+    assert s["server"] == "llama-cpp-python" and s["validation"]["suspect"] == 0, s["validation"]
+    assert (sent["repeat_penalty"], sent["presence_penalty"], sent["frequency_penalty"], sent["min_p"]) == (1.0, 0, 0, 0)
+    assert s["sampler"]["repeat_penalty"] == 1.0 and s["sampler"]["temperature"] == 0
+
+    with FakeEngine(model, tok, Behaviour(**llama_cpp_python)) as srv:  # what ddtree sent before: a sampler verdict
+        s = check(compose, tmp_path, monkeypatch, f"endpoint.url={srv.url}", "endpoint.server=none", *base)
+        assert "repeat_penalty" not in srv.b.requests[-1]
+    recs = lines(tmp_path / "check.jsonl")
+    want = {}
+    for p in PROMPTS[:3]:
+        a, b = greedy(model, prompt_ids(tok, p["turns"][0]), 16), penalized(model, tok, p["turns"][0], 16, 2.0)
+        want[p["id"]] = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+    assert sum(w is not None for w in want.values()) >= 2  # the penalty changes outputs (else the test proves nothing)
+    assert {r["prompt_id"]: r["check"].get("position") for r in recs} == want
+    for r in recs:
+        if r["check"]["verdict"] == "suspect":  # the verdict stays; the reason says where to look
+            assert "sampler setting the server applies" in r["check"]["reason"] and r["check"]["sampler_hint"]
+
+    with FakeEngine(model, tok, Behaviour(**llama_cpp_python)) as srv:  # the user's own value wins
+        s = check(compose, tmp_path, monkeypatch, f"endpoint.url={srv.url}", "endpoint.extra={repeat_penalty: 2.0}",
+                  *base)
+    assert s["sampler"]["repeat_penalty"] == 2.0 and s["validation"]["suspect"] == sum(
+        w is not None for w in want.values())
+
+
+def test_each_server_gets_the_fields_it_reads(toy, tmp_path, monkeypatch, compose):
+    """vLLM (repetition_penalty from generation_config.json) gets its own field names; a server not recognised
+    gets OpenAI's standard fields alone, so one that refuses unknown fields (transformers serve: 422) still
+    answers."""
+    from check_server import Behaviour, FakeEngine
+
+    model, tok = toy
+    base = ("dataset.max_samples=3", "max_new_tokens=4", "tracking=none")
+    assert any(greedy(model, prompt_ids(tok, p["turns"][0]), 4) != penalized(model, tok, p["turns"][0], 4, 2.0)
+               for p in PROMPTS[:3])  # the penalty changes an output: leaving it on would be suspect
+    with FakeEngine(model, tok, Behaviour(owned_by="vllm", default_penalty=2.0, penalty_field="repetition_penalty",
+                                          token_ids=True)) as srv:
+        s = check(compose, tmp_path, monkeypatch, f"endpoint.url={srv.url}", *base)
+        sent = srv.b.requests[-1]
+    assert s["server"] == "vllm" and s["validation"]["suspect"] == 0
+    assert (sent["repetition_penalty"], sent["top_k"], sent["min_p"]) == (1.0, -1, 0.0) and "repeat_penalty" not in sent
+    taken = {"model", "messages", "max_tokens", "temperature", "top_p", "stream", "seed", "presence_penalty",
+             "frequency_penalty"}
+    with FakeEngine(model, tok, Behaviour(owned_by="local", fields=taken)) as srv:
+        s = check(compose, tmp_path, monkeypatch, f"endpoint.url={srv.url}", *base)
+        assert set(srv.b.requests[-1]) <= taken
+    assert s["server"] == "openai" and s["validation"]["suspect"] == 0
+    with FakeEngine(model, tok, Behaviour(owned_by="local", fields=taken)) as srv, \
+            pytest.raises(ConfigError, match="^endpoint.url: .*HTTP 422.*endpoint.extra may hold a field"):
+        check(compose, tmp_path, monkeypatch, f"endpoint.url={srv.url}", "endpoint.server=llama-cpp-python", *base)
+
+
+def test_sampler_hint_reads_the_evidence():
+    from ddtree.pipeline.check import sampler_hint
+
+    miss = {"kind": "not_argmax", "position": 3, "emitted": 7, "expected": 9, "emitted_rank": 1}
+    assert "runner-up" in sampler_hint(miss, [1, 2, 3])
+    assert "already occurs 2x" in sampler_hint({**miss, "emitted_rank": 40}, [9, 1, 9])
+    assert sampler_hint({**miss, "emitted_rank": 40}, [7, 9, 1]) is None  # far down the list, no repetition
+    assert sampler_hint({**miss, "kind": "short_without_stop", "emitted": None}, [9, 9]) is None
+
+
+# ---------------------------------------------------------------- every command of docs/check.md
+
+
+def doc_commands(text: str) -> list[tuple[list[str], bool]]:
+    """(overrides, a whole command) for every `python -m ddtree.check` command in the page's code blocks
+    (continuation lines joined, comments dropped) and every inline `endpoint.…=…` setting it tells a user to pass.
+    A sweep (`endpoint.url=a,b` under -m) becomes one command per value."""
+    import re
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for cmd in re.sub(r"\\\n\s*", " ", block).splitlines():
+            if "python -m ddtree.check" in cmd:
+                words = shlex.split(cmd.split("python -m ddtree.check", 1)[1], comments=True)
+                found.append(([w for w in words if w not in ("-m", "--multirun")], True))
+    for span in re.findall(r"`(\+?endpoint\.[^`]*=[^`]*)`", text):
+        found.append((shlex.split(span), False))
+    parser, out = OverridesParser.create(), []
+    for words, whole in found:
+        sweeps = [o for o in parser.parse_overrides(words) if o.is_sweep_override()]
+        if not sweeps:
+            out.append((words, whole))
+        for o in sweeps:
+            for value in o.sweep_string_iterator():
+                out.append(([w for w in words if w != o.input_line] + [f"{o.key_or_group}={value}"], whole))
+    return out
+
+
+def test_every_command_in_docs_check_md_composes(compose):
+    """Each command of docs/check.md composes and passes the settings checks as written; each inline setting
+    composes (the fragments complete a command), and `endpoint.extra` receives what was written."""
+    from ddtree.pipeline.check import check_settings, to_check_config
+
+    cmds = doc_commands((DATA_ROOT / "docs" / "check.md").read_text())
+    assert len(cmds) >= 10 and (["endpoint.extra={return_token_ids: true}"], False) in cmds
+    for words, whole in cmds:
+        if not any(w.startswith(("endpoint.url=", "source=")) for w in words):
+            words = [*words, "endpoint.url=http://127.0.0.1:8000/v1"]
+        cc = to_check_config(compose(*words, config_name="check", hydra_node=False))
+        if whole:
+            check_settings(cc)
+        for w in words:
+            key, value = w.lstrip("+").split("=", 1)
+            if key == "endpoint.extra":
+                assert cc.endpoint.extra and set(cc.endpoint.extra) <= set(value.strip("{}").replace(":", ",")
+                                                                           .replace(" ", "").split(",")), w
+    cc = to_check_config(compose("endpoint.extra={return_meta_info: true, return_token_ids: true}",
+                                 "endpoint.extra.top_k=-1", config_name="check", hydra_node=False))
+    assert cc.endpoint.extra == {"return_meta_info": True, "return_token_ids": True, "top_k": -1}
+
+
 # ---------------------------------------------------------------- T > 0
 
 

@@ -91,6 +91,7 @@ class Miss:
     margin_steps: float | None = None  # in steps of the decoding dtype at that magnitude
     allowed: float | None = None
     logprob: float | None = None  # T > 0: the emitted token's target log-probability
+    emitted_rank: int | None = None  # tokens the target scores strictly above the emitted one (1: the runner-up)
 
 
 @dataclass
@@ -332,7 +333,7 @@ class Validator:
                 kind = "stop_not_chosen" if out[i] in self.stops else ("improbable" if self.temperature > 0
                                                                        else "not_argmax")
                 misses.append(Miss(i, kind, out[i], int(best[i]), _f(own[i]), _f(best_logit[i]), _f(margin[i]),
-                                   _f(steps[i]), _f(allowed[i]), _f(logprob[i])))
+                                   _f(steps[i]), _f(allowed[i]), _f(logprob[i]), int((rows[i] > own[i]).sum())))
         stop_at = next((i for i, tok in enumerate(out) if tok in self.stops), None)
         if stop_at is not None and stop_at < n - 1:
             misses.append(Miss(stop_at + 1, "after_stop", out[stop_at + 1], None))

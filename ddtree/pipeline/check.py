@@ -34,7 +34,14 @@ from ddtree.pipeline.check_sources import (
     read_output_file,
     repeat_id,
 )
-from ddtree.pipeline.endpoint import APIS, EndpointClient, EndpointError, counter_delta
+from ddtree.pipeline.endpoint import (
+    APIS,
+    SERVERS,
+    EndpointClient,
+    EndpointError,
+    counter_delta,
+    sampler_fields,
+)
 from ddtree.pipeline.prompts import Prompt, encode, fingerprint
 from ddtree.pipeline.schema import (
     CONF_DIR,
@@ -47,6 +54,7 @@ from ddtree.pipeline.schema import (
     TrackingConfig,
     ValidationConfig,
     flatten,
+    schema_node,
     structured,
     tracking_uri,
 )
@@ -74,6 +82,9 @@ class EndpointConfig:
     # vLLM {return_token_ids: true}, SGLang {return_meta_info: true, return_token_ids: true}
     extra: dict[str, Any] = field(default_factory=dict)
     metrics: bool = True  # read vLLM's /metrics spec_decode counters before and after (where the server has them)
+    # whose sampler defaults to send at their neutral values (docs/check.md): auto (GET /models says) | vllm | sglang
+    # | llamacpp | llama-cpp-python | openai (the standard's fields only) | none (temperature and top_p only)
+    server: str = "auto"
 
 
 @dataclass
@@ -102,7 +113,7 @@ class CheckConfig:
     tags: dict[str, str] = field(default_factory=dict)
 
 
-ConfigStore.instance().store(name="check_schema", node=CheckConfig)
+ConfigStore.instance().store(name="check_schema", node=schema_node(CheckConfig))
 NON_IDENTITY = ("runs_dir", "tracking", "tags", "validation", "baseline", "device")
 
 
@@ -139,6 +150,9 @@ def check_settings(cc: CheckConfig) -> RunConfig:
         if not cc.endpoint.url:
             raise ConfigError("endpoint.url", "is not set", "pass endpoint.url=http://HOST:PORT/v1, or source=file "
                               "file.path=<outputs.jsonl>")
+        if cc.endpoint.server not in SERVERS:
+            raise ConfigError("endpoint.server", f"unknown value '{cc.endpoint.server}'",
+                              f"use one of: {', '.join(SERVERS)}")
         if not cc.endpoint.timeout_s > 0:
             raise ConfigError("endpoint.timeout_s", f"must be > 0, got {cc.endpoint.timeout_s}", "use e.g. 600")
         if cc.endpoint.prompt_ids and cc.endpoint.api == "chat":
@@ -215,9 +229,32 @@ def find_baseline(cc: CheckConfig, prompt_ids: set[str]) -> tuple[str | None, di
 # ---------------------------------------------------------------- the verdict of one output
 
 
-def check_verdict(v: dict[str, Any], temperature: float) -> dict[str, Any]:
+def sampler_hint(miss: dict[str, Any], context: list[int]) -> str | None:
+    """What a suspect's evidence says when it looks like a sampler setting rather than the decoding (None: it does
+    not): the emitted token is the target's runner-up, or the target's choice already stands in the context more
+    often than the emitted token (what a repetition, presence or frequency penalty pushes down). The verdict stays."""
+    if miss.get("kind") not in ("not_argmax", "stop_not_chosen") or miss.get("expected") is None:
+        return None
+    want, got = miss["expected"], miss["emitted"]
+    signs = []
+    if miss.get("emitted_rank") == 1:
+        signs.append("the emitted token is the target's runner-up")
+    seen, seen_got = context.count(want), context.count(got)
+    if seen > seen_got:
+        signs.append(f"the target's choice {want} already occurs {seen}x in the context (the emitted {got}: "
+                     f"{seen_got}x)")
+    if not signs:
+        return None
+    return (" and ".join(signs) + ": this is what a sampler setting the server applies does (a repetition, presence "
+            "or frequency penalty, min_p, top_k, DRY): compare summary.json's `sampler` (what ddtree sent) with the "
+            "server's settings; switch off any other with endpoint.extra (docs/check.md)")
+
+
+def check_verdict(v: dict[str, Any], temperature: float, prompt_ids: list[int] | None = None,
+                  output_ids: list[int] | None = None) -> dict[str, Any]:
     """This check's verdict of one output from its validation record (ddtree.pipeline.output_verdicts):
-    the engine's output alone against the target; a baseline that failed its own check does not count here."""
+    the engine's output alone against the target; a baseline that failed its own check does not count here.
+    `prompt_ids`, `output_ids`: what the output was generated from and what it is (a suspect's sampler hint)."""
     failed = v["verdict"] == "suspect" and v.get("side") in ("method", "both")
     if failed:
         verdict = "suspect"
@@ -228,8 +265,15 @@ def check_verdict(v: dict[str, Any], temperature: float) -> dict[str, Any]:
     out = {"verdict": verdict, "worst_margin_steps": v.get("worst_margin_steps"), "near_ties": v.get("near_ties"),
            "mean_logprob": v.get("mean_logprob")}
     if failed:
+        misses = list(v.get("misses", []))[:3]
         out.update(reason=v["reason"].removeprefix("method: ").removeprefix("both: "), position=v.get("position"),
-                   misses=[m for m in v.get("misses", [])][:3])
+                   misses=misses)
+        first = misses[0] if misses else None
+        hint = None
+        if first and temperature == 0 and prompt_ids is not None and output_ids is not None:
+            hint = sampler_hint(first, list(prompt_ids) + list(output_ids[: first["position"]]))
+        if hint:
+            out.update(reason=f"{out['reason']}; {hint}", sampler_hint=hint)
     return out
 
 
@@ -436,6 +480,8 @@ def summarize(cc: CheckConfig, records: list[dict[str, Any]], validation: dict[s
          "median_first_suspect_position": statistics.median(positions) if positions else None}
     return {
         "check": True, "source": cc.source, "from": source, "served_model": cc.endpoint.model,
+        **({"server": cc.endpoint.server, "sampler": {"temperature": cc.temperature, "top_p": 1.0, **sampler_fields(
+            cc.endpoint.server, cc.endpoint.api, cc.temperature, cc.endpoint.extra)}} if cc.source == "endpoint" else {}),
         "model": cc.model.name, "method": f"check:{cc.source}", "budget": None, "block_size": None,
         "temperature": cc.temperature, "max_new_tokens": cc.max_new_tokens,
         "dataset": dataset_label(cc.dataset) if cc.source == "endpoint" else Path(cc.file.path).stem,
@@ -527,8 +573,10 @@ def open_source(cc: CheckConfig, rc: RunConfig) -> Source:
         cc.repeats = fo.repeats  # the file's own samples per prompt
         return Source(fo.prompts, fo.prompts, file=fo)
     e = cc.endpoint
-    client = EndpointClient(e.url, api=e.api, model=e.model, api_key=e.api_key, timeout_s=e.timeout_s, extra=e.extra)
+    client = EndpointClient(e.url, api=e.api, model=e.model, api_key=e.api_key, timeout_s=e.timeout_s, extra=e.extra,
+                            server=e.server)
     cc.endpoint.model = client.served_model()
+    cc.endpoint.server = client.server  # auto resolved: the sampler fields every request carries follow from it
     prompts = load_dataset_prompts(rc.dataset)
     return Source(prompts, expand_repeats(prompts, cc.repeats), client)
 
@@ -645,6 +693,20 @@ def run_check(cfg: DictConfig | CheckConfig) -> dict[str, Any]:
         raise
 
 
+def _suspect_inputs(tokenizer, prompts: list[Prompt], records: list[dict[str, Any]],
+                    rc: RunConfig) -> dict[tuple[str, int], list[int]]:
+    """The input ids of every turn of an output that has a suspect turn (its sampler hint reads the context)."""
+    from ddtree.pipeline.output_verdicts import conversation_inputs
+
+    by_id = {p.id: p for p in prompts}
+    out: dict[tuple[str, int], list[int]] = {}
+    for pid in dict.fromkeys(r["id"] for r in records if r["validation"].get("verdict") == "suspect"):
+        turns = sorted((r for r in records if r["id"] == pid), key=lambda r: r["turn"])
+        for rec, ids in zip(turns, conversation_inputs(tokenizer, by_id[pid], turns, rc), strict=True):
+            out[(pid, rec["turn"])] = list(ids)
+    return out
+
+
 def judge(cc: CheckConfig, rc: RunConfig, target, tokenizer, prompts: list[Prompt], g: Gathered, stops: list[int],
           job_dir: Path) -> dict[str, Any]:
     """Verdicts for every gathered output (and the baseline comparison, the T > 0 report); check.jsonl rewritten."""
@@ -660,8 +722,9 @@ def judge(cc: CheckConfig, rc: RunConfig, target, tokenizer, prompts: list[Promp
                               "text": b.get("text", "")})
     validation = validate_records(target, tokenizer, prompts, records + base_recs, rc, stops)
     by_key = {(b["id"], b["turn"]): b for b in base_recs}
+    inputs = _suspect_inputs(tokenizer, prompts, records, rc)
     for r in records:
-        r["check"] = check_verdict(r["validation"], cc.temperature)
+        r["check"] = check_verdict(r["validation"], cc.temperature, inputs.get((r["id"], r["turn"])), r["output_ids"])
         b = by_key.get((r["id"], r["turn"]))
         if b is not None:
             r["baseline_equal"] = b["output_ids"] == r["output_ids"]

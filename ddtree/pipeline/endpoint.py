@@ -6,6 +6,12 @@ and keeps what comes back: the text, token ids where the server returns them (vL
 and the server's own speculative-decoding counters where it reports them (SGLang `meta_info.spec_verify_ct`,
 llama.cpp `timings.draft_n` / `draft_n_accepted`, vLLM's `/metrics` spec_decode counters).
 
+Greedy means greedy: servers apply sampler settings the request did not name (llama-cpp-python a repetition
+penalty of 1.1; vLLM and SGLang the model's generation_config.json, which may carry one; llama.cpp whatever its
+command line set), and at T = 0 a penalty changes which token wins. Every request therefore carries the neutral
+value of each sampler setting the server has (SAMPLER_NEUTRAL, by the server GET /models names: `server_kind`);
+at T > 0 the same, so the engine samples the temperature distribution alone. `endpoint.extra` overrides any of them.
+
 A server that cannot be reached, answers 4xx/5xx, times out or does not serve the model raises EndpointError,
 a ConfigError naming the endpoint setting (one line, exit 2).
 """
@@ -23,6 +29,26 @@ from typing import Any
 from ddtree.errors import ConfigError
 
 APIS = ("chat", "completion", "llamacpp")
+# The sampler settings each known server applies by default, at their neutral values (off). Only fields the server
+# reads: transformers serve answers 422 to a field it does not know, so a server not recognised gets OpenAI's own.
+_OPENAI_NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0}  # transformers serve: repetition_penalty = 1 + this
+_PENALTY_MINP = {**_OPENAI_NEUTRAL, "min_p": 0.0}
+SAMPLER_NEUTRAL: dict[str, dict[str, Any]] = {
+    "openai": dict(_OPENAI_NEUTRAL),  # the standard's fields alone: transformers serve, TensorRT-LLM, others
+    "vllm": {**_PENALTY_MINP, "repetition_penalty": 1.0, "top_k": -1},  # -1: every token (0 too on recent vLLM)
+    "sglang": {**_PENALTY_MINP, "repetition_penalty": 1.0, "top_k": -1},
+    # llama-server (native /completion and its OpenAI API): top_k <= 0 is off, top_n_sigma and adaptive_target < 0 off
+    "llamacpp": {**_PENALTY_MINP, "top_p": 1.0, "repeat_penalty": 1.0, "top_k": 0, "typical_p": 1.0, "dry_multiplier": 0.0,
+                 "xtc_probability": 0.0, "mirostat": 0, "top_n_sigma": -1.0, "dynatemp_range": 0.0,
+                 "adaptive_target": -1.0},
+    # llama-cpp-python's server (llama_cpp.server): repeat_penalty 1.1, top_k 40, min_p 0.05 by default; its request
+    # models take no typical_p or tfs_z (pydantic drops unknown fields)
+    "llama-cpp-python": {**_PENALTY_MINP, "repeat_penalty": 1.0, "top_k": 0, "mirostat_mode": 0},
+    "none": {},  # endpoint.server=none: temperature and top_p only (what ddtree sent before)
+}
+SERVERS = ("auto", *SAMPLER_NEUTRAL)
+# GET /models' owned_by, as each server writes it
+_OWNED_BY = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp"}
 # vLLM's Prometheus counters for speculative decoding (V1 engine): summed over label sets
 VLLM_SPEC_COUNTERS = {"drafts": "vllm:spec_decode_num_drafts_total",
                       "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
@@ -56,9 +82,13 @@ class EndpointClient:
     """Requests to one server. `url`: the OpenAI base (http://HOST:PORT/v1); api=llamacpp: the server's root."""
 
     def __init__(self, url: str, *, api: str = "chat", model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 600.0, extra: dict[str, Any] | None = None):
+                 timeout_s: float = 600.0, extra: dict[str, Any] | None = None, server: str = "auto"):
         if api not in APIS:
             raise ConfigError("endpoint.api", f"unknown value '{api}'", f"use one of: {', '.join(APIS)}")
+        if server not in SERVERS:
+            raise ConfigError("endpoint.server", f"unknown value '{server}'", f"use one of: {', '.join(SERVERS)}")
+        # api=llamacpp speaks to llama-server alone; else GET /models tells (served_model)
+        self.server = "llamacpp" if server == "auto" and api == "llamacpp" else server
         if not url or not re.match(r"^https?://[^/\s]+", url):
             raise ConfigError("endpoint.url", f"'{url}' is not an http(s) URL",
                               "pass endpoint.url=http://HOST:PORT/v1 (llama.cpp's native API: http://HOST:PORT)")
@@ -86,7 +116,9 @@ class EndpointClient:
         except urllib.error.HTTPError as e:
             detail = _first_line(e.read().decode("utf-8", "replace")) if e.fp is not None else ""
             fix = ("check endpoint.model (GET /models lists what it serves)" if e.code == 404 and "model" in detail.lower()
-                   else "check the server's log; endpoint.extra may hold a field this server refuses" if e.code in (400, 422)
+                   else ("check the server's log; endpoint.extra may hold a field this server refuses, or the sampler "
+                         f"fields of endpoint.server={self.server} (endpoint.server=openai sends the standard's alone)")
+                   if e.code in (400, 422)
                    else "check endpoint.url and the server's log")
             raise EndpointError(setting, f"{url} answered HTTP {e.code}: {detail or e.reason}", fix) from None
         except TimeoutError:
@@ -115,6 +147,8 @@ class EndpointClient:
             self._request("/health", base=self.root)
             return self.model
         listing = self._request("/models")
+        if self.server == "auto":
+            self.server = server_kind(listing)
         names = [str(m.get("id")) for m in (listing.get("data") or []) if isinstance(m, dict)]
         if self.model is None:
             if len(names) == 1:
@@ -144,8 +178,6 @@ class EndpointClient:
         if self.api == "llamacpp":
             body: dict[str, Any] = {"prompt": prompt, "n_predict": max_new_tokens, "temperature": temperature,
                                     "cache_prompt": False, "return_tokens": True}
-            if temperature == 0:
-                body["top_k"] = 1
             path, base = "/completion", self.root
         else:
             body = {"max_tokens": max_new_tokens, "temperature": temperature, "top_p": 1.0, "stream": False}
@@ -162,11 +194,34 @@ class EndpointClient:
             base = None
         if seed is not None:
             body["seed"] = seed
+        body.update(sampler_fields(self.server, self.api, temperature))
         body.update(self.extra)
         t0 = time.perf_counter()
         out = self._request(path, body, base=base)
         latency = time.perf_counter() - t0
         return parse_reply(out, self.api, latency)
+
+
+def sampler_fields(server: str, api: str, temperature: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a request says about sampling besides temperature and top_p: the server's sampler defaults at their
+    neutral values (SAMPLER_NEUTRAL; "auto" not yet resolved: OpenAI's), with endpoint.extra's values over them."""
+    fields = dict(SAMPLER_NEUTRAL["openai" if server == "auto" else server])
+    if api == "llamacpp" and temperature == 0:
+        fields["top_k"] = 1  # greedy by construction on the native API
+    return {**fields, **{k: v for k, v in (extra or {}).items() if k in fields}}
+
+
+def server_kind(listing: Any) -> str:
+    """Which server answered GET /models (a key of SAMPLER_NEUTRAL): vLLM, SGLang and llama-server name themselves
+    in `owned_by`; llama-cpp-python writes "me" with a `permissions` list; anything else is "openai"."""
+    data = listing.get("data") if isinstance(listing, dict) else None
+    first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else {}
+    owner = str(first.get("owned_by", ""))
+    if owner in _OWNED_BY:
+        return _OWNED_BY[owner]
+    if owner == "me" and "permissions" in first:
+        return "llama-cpp-python"
+    return "openai"
 
 
 def _ids(x: Any) -> list[int] | None:

@@ -38,7 +38,7 @@ from ddtree.pipeline.console import run_cli, tracebacks_wanted, user_error
 from ddtree.pipeline.datasets import dataset_rank
 from ddtree.pipeline.plotting import pyplot, save
 from ddtree.pipeline.reference import comparison_rows, load_reference, reference_markdown, reference_model
-from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT, structured  # noqa: F401  (REPO_ROOT: registers the repo_root resolver)
+from ddtree.pipeline.schema import CONF_DIR, REPO_ROOT, schema_node, structured  # noqa: F401  (REPO_ROOT: registers the repo_root resolver)
 from ddtree.pipeline.sweep_table import method_cell, verdict_cell
 
 REPORT_MD, REPORT_TEX, REPORT_JSON = "report.md", "table.tex", "report.json"
@@ -76,7 +76,7 @@ class ReportConfig:
     reference: str | None = None
 
 
-ConfigStore.instance().store(name="report_schema", node=ReportConfig)
+ConfigStore.instance().store(name="report_schema", node=schema_node(ReportConfig))
 
 
 # ---------------------------------------------------------------- reading the store

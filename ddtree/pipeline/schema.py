@@ -206,9 +206,29 @@ class RunConfig:
     tags: dict[str, str] = field(default_factory=dict)  # extra MLflow tags (experiment configs set tags.experiment)
 
 
+def schema_node(schema: type) -> DictConfig:
+    """The ConfigStore node of a dataclass schema, its free-form maps (`dict[...]` settings: endpoint.extra, tags)
+    open: Hydra's struct mode would refuse a new key inside them, so `endpoint.extra='{return_token_ids: true}'`
+    failed with "no such setting" while `+endpoint.extra.return_token_ids=true` worked. The schema's own settings
+    stay closed (a typo is still refused)."""
+    node = OmegaConf.structured(schema)
+
+    def open_maps(cfg: DictConfig) -> None:
+        for key in cfg.keys():
+            child = cfg._get_node(key)
+            if isinstance(child, DictConfig):
+                if is_dataclass(OmegaConf.get_type(child)):
+                    open_maps(child)
+                else:
+                    OmegaConf.set_struct(child, False)
+
+    open_maps(node)
+    return node
+
+
 def _register() -> None:
     cs = ConfigStore.instance()
-    cs.store(name="ddtree_schema", node=RunConfig)
+    cs.store(name="ddtree_schema", node=schema_node(RunConfig))
     if not OmegaConf.has_resolver("repo_root"):
         OmegaConf.register_new_resolver("repo_root", lambda: str(REPO_ROOT))
     if not OmegaConf.has_resolver("runs_root"):  # the checkout, or the current directory when installed
