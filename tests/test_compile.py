@@ -125,7 +125,7 @@ def test_the_compiled_round_is_lossless_one_graph_each_no_recompile_one_read(dyn
     assert max(accepted) > 2  # multi-token commits ran (paths through the tree, not only the root)
     assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
     assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)  # + the prefill's token, the records
-    # the prefill: no host-to-device copy (the GDN layers' cache counters are made on the device: target.new_cache)
+    # the prefill: no host-to-device copy (the GDN layers' cache counters are made on the device: kv_cache.new_cache)
     assert c.syncs["prefill"] == 0, dict(c.sync_names)
     assert c.syncs["commit"] == res.rounds and c.syncs["verify"] == 0
     assert c.graphs["verify"] == c.graphs["commit"] == c.graphs["tree"] == res.rounds

@@ -67,7 +67,7 @@ def test_update_rows_writes_what_update_writes(arena):
     """PreallocatedLayer.update_rows (keys and values in the projections' layout [B, T, kv heads, d], the lean
     forward's write) leaves the buffers and returns the views update() does: through growth, a commit's keep,
     crops, and a forward under autograd after inference-mode ones."""
-    from ddtree.engine.target import KVArena, PreallocatedLayer
+    from ddtree.engine.kv_cache import KVArena, PreallocatedLayer
 
     g = torch.Generator().manual_seed(0)
     steps = [(torch.randn(1, n, 2, 4, generator=g), torch.randn(1, n, 2, 4, generator=g)) for n in (5, 1, 3, 7, 2, 9)]
@@ -97,7 +97,7 @@ def test_update_rows_writes_what_update_writes(arena):
 def test_the_kv_arena_commits_as_each_layer_alone(target, monkeypatch):
     """All attention layers in one KVArena buffer: a commit's one gather and copy leave every layer's keys and values
     as each layer's own keep does, through buffer growth (a short capacity hint) and chains; and every layer joined."""
-    from ddtree.engine.target import KVArena, PreallocatedLayer
+    from ddtree.engine.kv_cache import KVArena, PreallocatedLayer
 
     V = target.config.vocab_size
     ids = prompts(V, (9,))[0]

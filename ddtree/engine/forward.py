@@ -351,7 +351,7 @@ class LeanLayer:
         return key.transpose(1, 2), value.transpose(1, 2)
 
     def _row_writer(self, cache) -> Callable | None:
-        """The cache layer's `update_rows` (ddtree.engine.target.PreallocatedLayer: keys and values written in their
+        """The cache layer's `update_rows` (ddtree.engine.kv_cache.PreallocatedLayer: keys and values written in their
         projections' layout, no transposes), where this layer's RoPE runs as RopeTables; else None."""
         if cache is None or self.rope_tables is None or getattr(cache, "offloading", False):
             return None

@@ -14,9 +14,10 @@ from ddtree.engine.checks import check_generate_args, check_tree_memory, compile
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import DraftSettings, check_method_args, check_target_supported, get_method
 from ddtree.engine.options import EngineOptions, scoped
-from ddtree.engine.proposers import DecodeState, Proposer, StageTimer
+from ddtree.engine.proposers import DecodeState, Proposer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
+from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import host_walk, rejection_walk, walk
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]

@@ -96,7 +96,7 @@ class DispatchCount(TorchDispatchMode):
     `c.graphs[stage]` (calls of the compiled round's graphs: their ops run outside the mode, uncounted; none of
     them reads the host, by construction: fullgraph).
 
-    stages=True (default) books each op under the engine stage running (ddtree.engine.proposers._Stage and
+    stages=True (default) books each op under the engine stage running (ddtree.engine.timing._Stage and
     TargetSession.prefill are wrapped while the mode is active).
     decompose=True counts a composite op (matmul, linear, reshape, to, ...) by what it dispatches, so a no-op cast or
     a reshape that is a view costs nothing, as on a device (per-layer counts: tests/test_gdn_launches.py); except
@@ -223,7 +223,7 @@ class DispatchCount(TorchDispatchMode):
 
     @contextlib.contextmanager
     def _booking(self) -> Iterator[None]:
-        from ddtree.engine import compiled, proposers, target
+        from ddtree.engine import compiled, target, timing
         from ddtree.engine.kernels import FusedOp
 
         counter = self
@@ -280,7 +280,7 @@ class DispatchCount(TorchDispatchMode):
             stack.callback(setattr, forward.LeanLayer, "__call__", lean_call)
             forward.LeanLayer.__call__ = booked_layer
         if self._stages:
-            enter, exit_ = proposers._Stage.__enter__, proposers._Stage.__exit__
+            enter, exit_ = timing._Stage.__enter__, timing._Stage.__exit__
             prefill = target.TargetSession.prefill
 
             def staged_enter(stage_self):
@@ -301,8 +301,8 @@ class DispatchCount(TorchDispatchMode):
                         counter.stage = before
                 return staged_prefill
 
-            for owner, attr, new in ((proposers._Stage, "__enter__", staged_enter),
-                                     (proposers._Stage, "__exit__", staged_exit),
+            for owner, attr, new in ((timing._Stage, "__enter__", staged_enter),
+                                     (timing._Stage, "__exit__", staged_exit),
                                      (target.TargetSession, "prefill", staged(prefill)),
                                      (compiled.StaticSession, "prefill", staged(compiled.StaticSession.prefill))):
                 stack.callback(setattr, owner, attr, getattr(owner, attr))
