@@ -285,6 +285,21 @@ def test_rescore_in_float32_restores_the_weights_exactly(bf16_hybrid):
 
 # ---------------------------------------------------------------- MoE routing in bf16: the target disagrees with itself
 
+
+def test_the_decode_shape_of_each_method():
+    """The rows a round verifies (the second opinion's block) and the round that emitted each position."""
+    from ddtree.engine.methods import DEFAULT_BUDGET, verified_rows
+
+    assert verified_rows("ar") == verified_rows(None) == verified_rows("check:file") == 1
+    assert verified_rows("dflash", budget=32, block_size=16) == 16
+    assert verified_rows("ddtree", budget=32, block_size=16) == 33
+    assert verified_rows("ddtree") == DEFAULT_BUDGET + 1
+    assert verified_rows("mtp", budget=8, steps=3, topk=1) == 4 and verified_rows("mtp", budget=8, topk=2) == 9
+    shape = DecodeShape(width=17, acceptance_lengths=[3, 1, 2])  # the prefill emitted position 0
+    assert shape.rounds(9) == [(1, 3), (4, 1), (5, 2), (7, 1), (8, 1)]  # past the record: one a round
+    assert [shape.round_of(i, 9) for i in (1, 3, 4, 6, 8)] == [(1, 0), (1, 2), (4, 0), (5, 1), (8, 0)]
+    assert DecodeShape().rounds(4) == [(1, 1), (2, 1), (3, 1)]
+
 TIE_NEW = 48
 
 
