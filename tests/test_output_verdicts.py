@@ -133,7 +133,7 @@ def _assert_no_suspect(summaries: list[dict]) -> None:
     for s in summaries:
         v = s["validation"]
         assert v["suspect"] == 0 and v["baseline_suspect"] == 0, v["first_suspects"]
-        assert v["exact"] + v["tie"] == v["checked"] > 0
+        assert v["exact"] + v["tie"] + v["ok"] == v["checked"] > 0  # ok: a later turn after a divergence
         assert "routing_flips" in v["tolerance"] and "shape_ties" in v  # the MoE evidence is recorded
 
 
