@@ -510,3 +510,31 @@ def test_the_cli_exits_3_on_a_suspect_output_and_2_on_a_bad_file(toy, tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: file.path: bad.jsonl line 1")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_moe_router_tie_is_a_shape_tie_not_a_suspect(tmp_path, monkeypatch, compose):
+    """A bf16 MoE checkpoint whose routers tie on purpose (ddtree.testing.tied_routers.tied_router_model): the outputs of
+    transformers' own cached greedy decoding lose by many steps in one forward at some positions, where a router
+    picked the other expert; the check computes those positions as decoding did and calls them `tie`."""
+    from ddtree.pipeline.prompts import encode
+    from ddtree.testing.tied_routers import tied_router_model
+    from ddtree.tiny import tiny_tokenizer
+
+    model, tok = tied_router_model("qwen3_moe", vocab_size=128), tiny_tokenizer(128)
+    target = tmp_path / "tied_moe"
+    model.save_pretrained(target)
+    tok.save_pretrained(target)
+    def ids(user: str) -> list[int]:  # as the check encodes a prompt (the toy dataset's settings: no thinking)
+        return encode(tok, [{"role": "user", "content": user}], chat_template=True, enable_thinking=False)
+
+    rows = [{"id": p["id"], "prompt": p["turns"][0], "output_ids": greedy(model, ids(p["turns"][0]), 32)}
+            for p in PROMPTS[:4]]
+    f = write_jsonl(tmp_path / "moe.jsonl", rows)
+    s = check(compose, tmp_path, monkeypatch, "source=file", f"file.path={f}", "max_new_tokens=32", "tracking=none",
+              "model=hf", f"model.name_or_path={target}")
+    recs = lines(tmp_path / "check.jsonl")
+    assert s["validation"]["suspect"] == 0, [r["check"].get("reason") for r in recs]
+    tied = [r["check"] for r in recs if r["check"].get("num_shape_ties")]
+    assert tied and all(c["verdict"] == "tie" for c in tied)
+    one, *_ = tied[0]["shape_ties"][0]["computations"]
+    assert one["computation"] == "one forward over the sequence" and one["margin_steps"] > 4 and one["routing"]

@@ -16,6 +16,7 @@ from ddtree.engine import loop
 from ddtree.engine import target as target_module
 from ddtree.engine.drafter import DFlashDrafter
 from ddtree.engine.output_check import (
+    DecodeShape,
     ValidationRule,
     Validator,
     dtype_step,
@@ -23,6 +24,7 @@ from ddtree.engine.output_check import (
     sign_flip_pvalue,
 )
 from ddtree.testing.reference import ScriptedProposer, hf_greedy
+from ddtree.testing.tied_routers import tied_router_model
 from ddtree.tiny import tiny_model
 
 
@@ -280,3 +282,76 @@ def test_rescore_in_float32_restores_the_weights_exactly(bf16_hybrid):
     assert v.verdict(p, out, out).verdict == "exact"
     after = target.state_dict()
     assert all(after[k].dtype == dtypes[k] and torch.equal(after[k], before[k]) for k in before)
+
+
+# ---------------------------------------------------------------- MoE routing in bf16: the target disagrees with itself
+
+
+def test_the_decode_shape_of_each_method():
+    """The rows a round verifies (the second opinion's block) and the round that emitted each position."""
+    from ddtree.engine.methods import DEFAULT_BUDGET, verified_rows
+
+    assert verified_rows("ar") == verified_rows(None) == verified_rows("check:file") == 1
+    assert verified_rows("dflash", budget=32, block_size=16) == 16
+    assert verified_rows("ddtree", budget=32, block_size=16) == 33
+    assert verified_rows("ddtree") == DEFAULT_BUDGET + 1
+    assert verified_rows("mtp", budget=8, steps=3, topk=1) == 4 and verified_rows("mtp", budget=8, topk=2) == 9
+    shape = DecodeShape(width=17, acceptance_lengths=[3, 1, 2])  # the prefill emitted position 0
+    assert shape.rounds(9) == [(1, 3), (4, 1), (5, 2), (7, 1), (8, 1)]  # past the record: one a round
+    assert [shape.round_of(i, 9) for i in (1, 3, 4, 6, 8)] == [(1, 0), (1, 2), (4, 0), (5, 1), (8, 0)]
+    assert DecodeShape().rounds(4) == [(1, 1), (2, 1), (3, 1)]
+
+TIE_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def tied_moe():
+    """A bf16 MoE target whose routers tie on purpose (ddtree.testing.tied_routers.tie_routers_), its AR and DDTree outputs."""
+    target = tied_router_model("qwen3_moe", vocab_size=128)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=2).to(torch.bfloat16)
+    prompts = _prompts(128, (5, 9, 13))
+    base = [ddtree.generate(target, None, p, method="ar", max_new_tokens=TIE_NEW) for p in prompts]
+    tree = [ddtree.generate(target, drafter, p, method="ddtree", budget=16, max_new_tokens=TIE_NEW) for p in prompts]
+    return target, prompts, base, tree
+
+
+def test_a_router_tie_is_a_shape_tie_not_a_suspect(tied_moe):
+    """Tokens that lose by many bf16 steps in one forward over the sequence, because a router picked the other
+    expert there, pass where the target computes them as decoding did: `tie`, with both logits under both
+    computations and the routers that flipped; the calibration leaves those positions out of its drift."""
+    target, prompts, base, tree = tied_moe
+    v = Validator(target, max_new_tokens=TIE_NEW)
+    tol = v.calibrate(zip(prompts, [r.output_ids for r in base], strict=True))
+    assert tol.routing_flips > 0 and tol.floor < 0.05  # with the flips in, the floor would be 0.4 logits
+    verdicts = [v.verdict(p, t.output_ids, b.output_ids, shape=DecodeShape(17, t.acceptance_lengths))
+                for p, b, t in zip(prompts, base, tree, strict=True)]
+    assert {x.verdict for x in verdicts} <= {"exact", "tie"}, [x.reason for x in verdicts]
+    checks = [c for x in verdicts for c in (x.method, x.baseline)]
+    ties = [t for c in checks for t in c.shape_ties]
+    assert ties, "no router flip made a miss: the tie is not tight enough on these kernels"
+    for t in ties:
+        one, *others = t["computations"]
+        assert one["computation"] == "one forward over the sequence" and not one["passes"]
+        assert one["margin_steps"] > v.rule.steps  # the old rule called this token suspect
+        assert others[-1]["passes"] and not any(c["passes"] for c in others[:-1])
+        assert len(one["routing"]) == target.config.num_hidden_layers
+        assert all({"experts", "margin", "margin_steps"} <= set(r) for r in one["routing"])
+    assert any(t["flipped_layers"] for t in ties)  # a router chose the other expert in the two computations
+    tied = next(x for x in verdicts if "shape tie" in x.reason)
+    assert tied.verdict == "tie" and "in one forward over the sequence" in tied.reason
+
+
+def test_a_wrong_token_on_a_tied_moe_is_still_suspect(tied_moe):
+    """A planted token that loses under every computation of its position stays suspect, at that position."""
+    target, prompts, base, _ = tied_moe
+    v = Validator(target, max_new_tokens=TIE_NEW)
+    p, out = prompts[0], base[0].output_ids
+    logits = target(torch.cat([p, torch.tensor([out])], 1)).logits[0, p.shape[1] - 1:].float()
+    at = 20
+    bad = out[:at] + [int(logits[at].argmin())] + out[at + 1:]
+    verdict = v.verdict(p, bad, out)
+    assert verdict.verdict == "suspect" and verdict.side == "method" and verdict.position == at, verdict.reason
+    miss = verdict.method.first_miss
+    assert [c["computation"].split(" (")[0] for c in miss.computations] == [
+        "one forward over the sequence", "the prefix cached, the position alone", "decoding replayed from the prompt"]
+    assert not any(c["passes"] for c in miss.computations) and "loses in all 3 computations" in verdict.reason

@@ -112,3 +112,40 @@ def test_strict_job_with_a_wrong_token_fails_after_recording_it(tmp_path, monkey
     assert planted
     v = json.loads((tmp_path / "summary.json").read_text())["validation"]
     assert v["suspect"] == 1 and v["first_suspects"][0]["side"] == "method"
+
+
+# ---------------------------------------------------------------- MoE targets in bf16: routers near a tie
+
+MOE_TYPES = ("minimax_m2", "qwen3_moe", "gpt_oss", "deepseek_v3", "glm4_moe", "laguna")
+
+
+def _moe_job(cli, tmp_path, model_type: str, seed: int, *overrides: str) -> list[dict]:
+    """The summaries of `python -m ddtree.run` on a tiny random bf16 MoE target, default settings otherwise."""
+    sweep = tmp_path / f"{model_type}-{seed}"
+    proc = cli("model=tiny_qwen3", f"model.tiny.model_type={model_type}", f"model.tiny.seed={seed}",
+               f"model.name=tiny_{model_type}", "model.dtype=bfloat16", "dataset=tiny", "tracking=none",
+               f"hydra.sweep.dir={sweep}", *overrides, "-m", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+
+
+def _assert_no_suspect(summaries: list[dict]) -> None:
+    for s in summaries:
+        v = s["validation"]
+        assert v["suspect"] == 0 and v["baseline_suspect"] == 0, v["first_suspects"]
+        assert v["exact"] + v["tie"] + v["ok"] == v["checked"] > 0  # ok: a later turn after a divergence
+        assert "routing_flips" in v["tolerance"] and "shape_ties" in v  # the MoE evidence is recorded
+
+
+def test_a_bf16_moe_job_through_the_cli_has_no_suspect(cli, tmp_path):
+    """MiniMax-M2 (issue 47's target), DDTree with the default budget, 2 prompts, 24 tokens."""
+    _assert_no_suspect(_moe_job(cli, tmp_path, "minimax_m2", 0, "dataset.max_samples=2", "max_new_tokens=24"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_bf16_moe_grid_through_the_cli_has_no_suspect(cli, tmp_path, model_type, seed):
+    """Issue 47's grid: tiny random bf16 MoE targets, a random DFlash drafter, DFlash and DDTree with the default
+    budget, the 6 built-in prompts, 64 new tokens: every output of a correct engine `exact` or `tie`."""
+    _assert_no_suspect(_moe_job(cli, tmp_path, model_type, seed, "max_new_tokens=64", "method=dflash,ddtree"))

@@ -10,10 +10,17 @@ round differently, and a near-tie can flip. This module asks the question that h
   a sampled output would trip the check with probability under `false_alarm`).
 * Stops and lengths: a stop token the target did not choose, tokens after a stop, or an output shorter
   than `max_new_tokens` without a stop is suspect.
+* A second opinion at every miss: the target disagrees with itself when a computation's shape changes (a MoE
+  router near a tie picks other experts in one forward over the sequence than in a cached step). Before a token
+  is called suspect, its position is computed the ways decoding computes it (`Validator._second_opinions`: the
+  prefix through the cache and the position alone, the method's round block, decoding replayed round by round,
+  on transformers' own model, never the engine judged); a token that passes under one of them is a shape tie
+  (`OutputCheck.shape_ties`: both logits under each computation, and each MoE layer's router margin there), and
+  only a token that loses under all of them stays a miss. The calibration leaves routing flips out.
 
 Against a baseline each method output gets one verdict: `exact` (equal, and the shared output passes),
-`tie` (they diverge, yet every position of both passes), `ok` (passes; nothing to compare: T > 0 or no
-baseline) or `suspect` (with the evidence and the side that failed). No Hydra, no MLflow.
+`tie` (they diverge, yet every position of both passes; or some position is a shape tie), `ok` (passes; nothing
+to compare: T > 0 or no baseline) or `suspect` (with the evidence and the side that failed). No Hydra, no MLflow.
 
     v = Validator(target, stop_token_ids=[eos], max_new_tokens=256)
     v.calibrate([(prompt_ids, baseline_ids)])
@@ -69,6 +76,7 @@ class Tolerance:
     drift_max: float | None = None  # the largest cached-vs-teacher-forced drift the calibration saw
     drift_median: float | None = None
     calibrated_positions: int = 0
+    routing_flips: int = 0  # calibration positions left out: a router chose other experts under the two computations
 
     def allowed(self, magnitude: torch.Tensor) -> torch.Tensor:
         return (self.steps * dtype_step(getattr(torch, self.dtype), magnitude)).clamp(min=self.floor)
@@ -92,6 +100,8 @@ class Miss:
     allowed: float | None = None
     logprob: float | None = None  # T > 0: the emitted token's target log-probability
     emitted_rank: int | None = None  # tokens the target scores strictly above the emitted one (1: the runner-up)
+    # the computations asked for a second opinion (each its argmax, both logits, margin, routing): it lost in all
+    computations: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -106,6 +116,10 @@ class OutputCheck:
     worst_margin_steps: float = 0.0
     mean_logprob: float | None = None  # mean target log-probability per token (at the run's temperature)
     min_logprob: float | None = None
+    # positions the one forward calls misses that pass where the target computes them as decoding does: how many,
+    # and the first `max_evidence`' evidence (both logits under each computation, each MoE layer's routing)
+    num_shape_ties: int = 0
+    shape_ties: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def first_miss(self) -> Miss | None:
@@ -179,6 +193,79 @@ def cached_decode_logits(model: PreTrainedModel, prompt_ids: Sequence[int] | tor
         session.commit(tree, torch.zeros(1, dtype=torch.long, device=dev))
         rows.append(logits[0].float())
     return torch.stack(rows)
+
+
+@dataclass
+class DecodeShape:
+    """How decoding computed an output (the second opinion's shapes): `width`, the target rows one round verified
+    (1: AR; DFlash: its block; DDTree: budget + 1), and the tokens each round committed, bonus included
+    (`acceptance_lengths`; None: unknown, taken as AR's one a round). The prefill emitted position 0."""
+
+    width: int = 1
+    acceptance_lengths: Sequence[int] | None = None
+
+    def rounds(self, n: int) -> list[tuple[int, int]]:
+        """(first output position, tokens committed) of every round over an output of `n` tokens: a round fed
+        out[start - 1] (its root) and the tokens it accepted, and its row j predicted out[start + j]."""
+        out, start = [], 1
+        for a in (self.acceptance_lengths if self.acceptance_lengths is not None else ()):
+            if start >= n:
+                break
+            out.append((start, int(a)))
+            start += int(a)
+        out.extend((p, 1) for p in range(start, n))  # past (or without) the record: one a round
+        return out
+
+    def round_of(self, position: int, n: int) -> tuple[int, int]:
+        """(start, row) of the round that emitted `position` (> 0)."""
+        return next((s, position - s) for s, a in self.rounds(n) if s <= position < s + a)
+
+
+def _tokens(ids: list[int], start: int, n: int) -> list[int]:
+    """ids[start:start + n], padded with the last id (rows past an output's end: a causal row never sees them)."""
+    got = ids[start:start + n]
+    return got + [ids[-1]] * (n - len(got))
+
+
+class _CachedTarget:
+    """The target fed in consecutive blocks through one cache (transformers' own model and DynamicCache), as
+    decoding feeds it: `feed(n, rows)` gives the float32 logits at those rows of the next `n` tokens and, for a MoE
+    target, each router's choice there."""
+
+    def __init__(self, model: PreTrainedModel, ids: list[int], step):
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.model, self.ids, self.step = model, ids, step
+        self.cache = DynamicCache(config=model.config)
+        self.fed = 0
+        self.kept: dict[int, tuple[torch.Tensor, list[dict[str, Any]] | None]] = {}  # a replay's rows so far
+        # a cache of plain attention layers only can drop a block's rejected rows (sliding and linear-attention
+        # layers cannot: a replay then feeds a round's committed rows alone)
+        self.croppable = all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    @torch.no_grad()
+    def feed(self, n: int, rows: Sequence[int] = (), width: int = 0
+             ) -> dict[int, tuple[torch.Tensor, list[dict[str, Any]] | None]]:
+        """The next `n` tokens, fed as one block (`width` > n and a croppable cache: a block of `width`, the rows
+        past `n` dropped after, as a verification keeps only what it accepted). Rows are absolute token indices
+        inside the block (the row at index t predicts token t + 1)."""
+        from ddtree.engine.routing import RouterTrace, routing_margins
+
+        start, here = self.fed, [t - self.fed for t in rows]
+        size = width if width > n and self.croppable else n
+        ids = torch.tensor([_tokens(self.ids, start, size)], dtype=torch.long, device=_device(self.model))
+        keep = torch.tensor(here or [n - 1], dtype=torch.long, device=ids.device)
+        with RouterTrace(self.model, rows=here or [n - 1]) as trace:
+            logits = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep).logits[0]
+        if size > n:
+            self.cache.crop(n - size)
+        self.fed += n
+        return {start + r: (logits[k].float(), routing_margins(trace, k, self.step) if trace.moe else None)
+                for k, r in enumerate(here)}
+
+
+_RESHAPED = ("not_argmax", "improbable", "stop_not_chosen")  # misses a computation's shape can make
 
 
 def drift(cached: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
@@ -285,16 +372,32 @@ class Validator:
     # ------------------------------------------------------------ calibration
 
     def calibrate(self, baselines: Iterable[tuple[Sequence[int] | torch.Tensor, Sequence[int]]]) -> Tolerance:
-        """Re-decode up to `calibration_outputs` baseline outputs the AR way; floor = factor x the largest drift."""
-        drifts = []
+        """Re-decode up to `calibration_outputs` baseline outputs the AR way; floor = factor x the largest drift.
+        On a MoE target an output's positions from the first row whose routers chose other experts in the two
+        computations on are left out (`routing_flips`: such rows): a flip moves logits by far more than rounding
+        (at its row, and after it through the attention to it), and is judged where it matters by the second
+        opinion, not by widening every position's tolerance."""
+        from ddtree.engine.routing import RouterTrace
+
+        drifts, flips = [], 0
         for prompt, out in itertools.islice(baselines, self.rule.calibration_outputs):
             out = _ids(out)[: self.rule.calibration_tokens]
             if not out:
                 continue
-            cached = cached_decode_logits(self.model, prompt, out)
-            forced = teacher_forced_logits(self.model, prompt, out, self.rescore)[: len(cached)]
-            drifts.append(drift(cached, forced))
-        if drifts:
+            with RouterTrace(self.model, scores=False) as cached_routes:
+                cached = cached_decode_logits(self.model, prompt, out)
+            with RouterTrace(self.model, scores=False) as forced_routes:
+                forced = teacher_forced_logits(self.model, prompt, out, self.rescore)[: len(cached)]
+            d = drift(cached, forced)
+            if cached_routes.moe:  # from the first position whose routers chose other experts: not drift
+                a, b = cached_routes.chosen(), forced_routes.chosen()[: len(cached_routes.chosen())]
+                flipped = [r for r, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+                flips += len(flipped)
+                if flipped:  # rows: the prompt's, then one a token; row p - 1 + i predicted out[i]
+                    d = d[: max(0, flipped[0] - (len(a) - len(d)))]
+            drifts.append(d)
+        self.tolerance.routing_flips = flips
+        if drifts and sum(d.numel() for d in drifts):
             d = torch.cat(drifts)
             self.tolerance.drift_max, self.tolerance.drift_median = _f(d.max()), _f(d.median())
             self.tolerance.floor = _f(self.rule.calibration_factor * d.max())
@@ -304,8 +407,9 @@ class Validator:
     # ------------------------------------------------------------ one output
 
     def check(self, prompt_ids: Sequence[int] | torch.Tensor, output_ids: Sequence[int],
-              logits: torch.Tensor | None = None) -> tuple[OutputCheck, torch.Tensor]:
-        """(the check, the teacher-forced logits [N + 1, V]). Every position is checked, not only the first."""
+              logits: torch.Tensor | None = None, shape: DecodeShape | None = None) -> tuple[OutputCheck, torch.Tensor]:
+        """(the check, the teacher-forced logits [N + 1, V]). Every position is checked, not only the first; a miss
+        is asked a second opinion (`shape`: how decoding computed the output; None: AR's token by token)."""
         out = _ids(output_ids)
         if logits is None:
             logits = teacher_forced_logits(self.model, prompt_ids, out, self.rescore)
@@ -334,6 +438,8 @@ class Validator:
                                                                        else "not_argmax")
                 misses.append(Miss(i, kind, out[i], int(best[i]), _f(own[i]), _f(best_logit[i]), _f(margin[i]),
                                    _f(steps[i]), _f(allowed[i]), _f(logprob[i]), int((rows[i] > own[i]).sum())))
+            if misses:
+                misses = self._second_opinions(_ids(prompt_ids), out, misses, rows, shape or DecodeShape(), check)
         stop_at = next((i for i, tok in enumerate(out) if tok in self.stops), None)
         if stop_at is not None and stop_at < n - 1:
             misses.append(Miss(stop_at + 1, "after_stop", out[stop_at + 1], None))
@@ -349,14 +455,109 @@ class Validator:
         check.misses = misses[: self.rule.max_evidence]
         return check, logits
 
+    # ------------------------------------------------------------ the second opinion
+
+    def _judge(self, row: torch.Tensor, token: int, expected: int, n: int, name: str) -> dict[str, Any]:
+        """One computation's evidence at a position: its argmax, both tokens' logits, the margin, and whether the
+        emitted token passes there (T = 0: within the tolerance of its argmax; T > 0: not improbable)."""
+        best_logit, best = row.max(dim=-1)
+        own = row[token]
+        margin = best_logit - own
+        mag = torch.maximum(best_logit.abs(), own.abs())
+        if self.temperature > 0:
+            lp = torch.log_softmax(row / self.temperature, dim=-1)[token]
+            passes = bool(lp >= math.log(self.rule.false_alarm / (n * row.shape[-1])))
+        else:
+            passes = bool(margin <= self.tolerance.allowed(mag))
+        return {"computation": name, "argmax": int(best), "emitted_logit": _f(own), "expected_logit": _f(row[expected]),
+                "margin": _f(margin), "margin_steps": _f(self.tolerance.in_steps(margin, mag)), "passes": passes}
+
+    def _second_opinions(self, prompt: list[int], out: list[int], misses: list[Miss], forced: torch.Tensor,
+                         shape: DecodeShape, check: OutputCheck) -> list[Miss]:
+        """Each miss's position computed the ways decoding computes it, cheapest first: the prefix through the
+        cache and the position alone (position 0: the prompt alone, the prefill), the method's round block (the
+        prefix to the round's start, then `width` rows with the position at its row), then decoding replayed from
+        the prompt round by round (one pass, resumed from miss to miss). A token that passes under one of them is a
+        shape tie (recorded in `check.shape_ties`, taken out of the misses); the first one that loses under all of
+        them stays, with what was tried, and the misses after it are not asked (the output is suspect already)."""
+        from ddtree.engine.routing import RouterTrace, routing_margins
+
+        n, p = len(out), len(prompt)
+        ids, dtype = prompt + out, getattr(torch, self.tolerance.dtype)
+
+        def step(magnitude: torch.Tensor) -> torch.Tensor:
+            return dtype_step(dtype, magnitude)
+
+        asked = [m for m in misses if m.kind in _RESHAPED and m.emitted is not None and m.position < n]
+        if not asked:
+            return misses
+        routing: dict[int, list[dict[str, Any]]] = {}
+        with RouterTrace(self.model, rows=[p + m.position - 1 for m in asked]) as trace:
+            if trace.moe:  # the one forward's routing at the misses (the logits are had already)
+                with _cast(self.model, self.rescore), torch.no_grad():
+                    self.model(input_ids=torch.tensor([ids], device=_device(self.model)), use_cache=False,
+                               logits_to_keep=1)
+                routing = {m.position: routing_margins(trace, k, step) for k, m in enumerate(asked)}
+        replay, rounds, wanted = None, shape.rounds(n), {p + m.position - 1 for m in asked}
+        tied: set[int] = set()
+        for m in asked:
+            i, tok, exp = m.position, m.emitted, m.expected
+            tf = {**self._judge(forced[i], tok, exp, n, "one forward over the sequence"), "passes": False}
+            tried = [{**tf, "routing": routing.get(i)}]
+            ways = [("the prompt alone (the prefill)", [p])] if i == 0 else [("the prefix cached, the position alone",
+                                                                              [p + i - 1, 1])]
+            s, j = shape.round_of(i, n) if i > 0 else (0, 0)
+            if i > 0 and shape.width > 1 and j < shape.width:
+                ways.append((f"the prefix cached to its round, then the round's block of {shape.width} (row {j})",
+                             [p + s - 1, shape.width]))
+            passed = None
+            for name, chunks in ways:
+                target = _CachedTarget(self.model, ids, step)
+                for c in chunks[:-1]:
+                    target.feed(c)
+                row, rt = target.feed(chunks[-1], [p + i - 1])[p + i - 1]
+                tried.append({**self._judge(row, tok, exp, n, name), "routing": rt})
+                if tried[-1]["passes"]:
+                    passed = tried[-1]
+                    break
+            if passed is None and i > 0:  # decoding replayed: the prompt, then every round's committed rows
+                if replay is None:
+                    replay = _CachedTarget(self.model, ids, step)
+                    replay.feed(p)
+                while replay.fed <= p + i - 1:  # only the rows of misses are kept (a row is V logits)
+                    s, a = next((s, a) for s, a in rounds if p + s - 1 == replay.fed)
+                    replay.kept.update(replay.feed(a, [r for r in range(p + s - 1, p + s - 1 + a) if r in wanted],
+                                                   width=shape.width))
+                row, rt = replay.kept[p + i - 1]
+                how = ("token by token" if shape.width == 1 else
+                       f"blocks of {shape.width}, the committed rows kept" if replay.croppable else
+                       "its rounds' committed rows")
+                tried.append({**self._judge(row, tok, exp, n, f"decoding replayed from the prompt ({how})"),
+                              "routing": rt})
+                passed = tried[-1] if tried[-1]["passes"] else None
+            if passed is None:
+                m.computations = tried
+                break
+            tied.add(i)
+            flips = [a["layer"] for a, b in zip(routing.get(i) or [], passed["routing"] or [], strict=False)
+                     if a["experts"] != b["experts"]]
+            check.num_shape_ties += 1
+            if len(check.shape_ties) < self.rule.max_evidence:
+                check.shape_ties.append({"position": i, "kind": m.kind, "emitted": tok, "expected": exp,
+                                         "computations": tried, "flipped_layers": flips})
+        return [m for m in misses if m.position not in tied or m.kind not in _RESHAPED]
+
     # ------------------------------------------------------------ against the baseline
 
     def verdict(self, prompt_ids: Sequence[int] | torch.Tensor, method_ids: Sequence[int],
                 baseline_ids: Sequence[int] | None = None,
-                baseline_check: OutputCheck | None = None) -> Verdict:
-        """One method output's verdict; `baseline_check` reuses the baseline's check when several methods share it."""
-        m, (mc, mlog) = _ids(method_ids), self.check(prompt_ids, method_ids)
+                baseline_check: OutputCheck | None = None, shape: DecodeShape | None = None) -> Verdict:
+        """One method output's verdict; `baseline_check` reuses the baseline's check when several methods share it;
+        `shape`: how the method computed its output (its second opinions' shapes; None: AR's)."""
+        m, (mc, mlog) = _ids(method_ids), self.check(prompt_ids, method_ids, shape=shape)
         if baseline_ids is None:
+            if mc.ok and mc.num_shape_ties and self.temperature == 0:
+                return Verdict("tie", f"no baseline; {shape_tie_line(mc, self.tolerance.dtype)}", method=mc)
             if mc.ok:
                 return Verdict("ok", "every token is the target's choice within tolerance (no baseline)", method=mc)
             return _suspect(mc, None, None, self.tolerance)
@@ -368,11 +569,30 @@ class Validator:
         if self.temperature > 0:
             return Verdict("ok", "every token has non-negligible target probability", divergence=div,
                            method=mc, baseline=bc)
-        if div is None:
+        shaped = next((c for c in (mc, bc) if c.num_shape_ties), None)
+        if div is None and shaped is None:
             return Verdict("exact", "equals the baseline; every token is the target's choice", method=mc, baseline=bc)
+        if div is None:
+            return Verdict("tie", f"equals the baseline; {shape_tie_line(shaped, self.tolerance.dtype)}",
+                           method=mc, baseline=bc)
         at = div["position"]
+        line = f"; {shape_tie_line(shaped, self.tolerance.dtype)}" if shaped is not None else ""
         return Verdict("tie", f"diverges from the baseline at {at} ({div['margin_steps']} {self.tolerance.dtype} "
-                       "steps apart); every position of both passes", divergence=div, method=mc, baseline=bc)
+                       f"steps apart); every position of both passes{line}", divergence=div, method=mc, baseline=bc)
+
+
+def shape_tie_line(check: OutputCheck, dtype: str) -> str:
+    """One line on an output's first shape tie (docs/validation.md: the MiniMax-M2 example)."""
+    t = check.shape_ties[0]
+    tf = t["computations"][0]
+    ok = next(c for c in t["computations"] if c["passes"])
+    more = f" (and {check.num_shape_ties - 1} more)" if check.num_shape_ties > 1 else ""
+    routed = (f"; the routers of layer(s) {', '.join(map(str, t['flipped_layers']))} chose other experts"
+              if t["flipped_layers"] else "")
+    return (f"position {t['position']} is a shape tie{more}: token {t['emitted']} loses to {t['expected']} in one "
+            f"forward over the sequence ({tf['emitted_logit']:.4g} vs {tf['expected_logit']:.4g}, "
+            f"{tf['margin_steps']:.1f} {dtype} steps) but passes in {ok['computation']} ({ok['emitted_logit']:.4g} vs "
+            f"{ok['expected_logit']:.4g}){routed}")
 
 
 def _divergence(m: list[int], b: list[int], m_logits: torch.Tensor, tol: Tolerance) -> dict[str, Any] | None:
@@ -409,6 +629,8 @@ def _suspect(mc: OutputCheck, bc: OutputCheck | None, div: dict[str, Any] | None
                   f"{first.allowed:.4g}; the target wanted {first.expected})")
     elif first.expected is not None:
         detail = f" (the target wanted {first.expected})"
+    if first.computations:
+        detail += f"; it loses in all {len(first.computations)} computations of that position tried"
     return Verdict("suspect", f"{side}: {tok} at position {first.position} {what}{detail}", side=side,
                    position=first.position, divergence=div, method=mc, baseline=bc)
 
@@ -423,6 +645,7 @@ class JobValidation:
     ok: int = 0
     suspect: int = 0
     baseline_suspect: int = 0  # baseline outputs that failed their own check (cached decoding drifted)
+    shape_ties: int = 0  # positions (method and baseline outputs) that pass only computed as decoding did
     tolerance: dict[str, Any] = field(default_factory=dict)
     rule: dict[str, Any] = field(default_factory=dict)
     logprob_pvalue: float | None = None  # T > 0: paired sign-flip test, method vs baseline mean log-prob

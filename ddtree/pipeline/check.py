@@ -6,9 +6,10 @@
 
 Each output gets a verdict by the rule of docs/validation.md (ddtree.engine.output_check, through
 ddtree.pipeline.output_verdicts.validate_records): `exact` (every token the target's greedy choice), `tie` (some
-token is not, but within the dtype tolerance), `suspect` (a token outside it: position, tokens, logits, margin),
-`ok` at T > 0 (every token has non-negligible target probability). Results go where a run's go: check.jsonl,
-summary.json, an MLflow run (experiment ddtree-check), the table line. docs/check.md.
+token is not, but within the dtype tolerance, or it is where the target computes it as decoding does: a shape
+tie), `suspect` (a token outside it under every computation: position, tokens, logits, margin), `ok` at T > 0
+(every token has non-negligible target probability). Results go where a run's go: check.jsonl, summary.json, an
+MLflow run (experiment ddtree-check), the table line. docs/check.md.
 """
 
 from __future__ import annotations
@@ -260,10 +261,12 @@ def check_verdict(v: dict[str, Any], temperature: float, prompt_ids: list[int] |
         verdict = "suspect"
     elif temperature > 0:
         verdict = "ok"
-    else:
-        verdict = "tie" if v.get("near_ties") else "exact"
+    else:  # a shape tie: a token the target itself picks where it computes the position as decoding does
+        verdict = "tie" if v.get("near_ties") or v.get("num_shape_ties") else "exact"
     out = {"verdict": verdict, "worst_margin_steps": v.get("worst_margin_steps"), "near_ties": v.get("near_ties"),
            "mean_logprob": v.get("mean_logprob")}
+    if v.get("num_shape_ties"):
+        out.update(num_shape_ties=v["num_shape_ties"], shape_ties=v["shape_ties"])
     if failed:
         misses = list(v.get("misses", []))[:3]
         out.update(reason=v["reason"].removeprefix("method: ").removeprefix("both: "), position=v.get("position"),

@@ -53,12 +53,24 @@ def conversation_inputs(tokenizer, prompt: Prompt, turns: list[dict[str, Any]], 
     return out
 
 
+def decode_shape(rec: dict[str, Any], rc: RunConfig):
+    """How a record's output was computed (its method's verified rows, its rounds): the shape a miss's second
+    opinion replays (ddtree.engine.output_check.DecodeShape). Another engine's outputs: AR's, token by token."""
+    from ddtree.engine.methods import verified_rows
+    from ddtree.engine.output_check import DecodeShape
+
+    width = verified_rows(rec.get("method"), rec.get("budget"), rec.get("block_size"), rc.mtp.steps, rc.mtp.topk)
+    return DecodeShape(width=width, acceptance_lengths=rec.get("acceptance_lengths"))
+
+
 def _compact(verdict) -> dict[str, Any]:
     """What a samples.jsonl record carries: the verdict, its reason and evidence, and the method side's numbers."""
     m = verdict.method
     d = {"verdict": verdict.verdict, "reason": verdict.reason, "side": verdict.side, "position": verdict.position,
          "divergence": verdict.divergence, "worst_margin_steps": m.worst_margin_steps, "near_ties": m.near_ties,
          "mean_logprob": m.mean_logprob}
+    if m.num_shape_ties:  # positions the target computes differently in another shape (docs/validation.md)
+        d.update(num_shape_ties=m.num_shape_ties, shape_ties=m.shape_ties)
     if verdict.verdict == "suspect":
         d["misses"] = [vars(x) for c in (m, verdict.baseline) if c is not None and not c.ok for x in c.misses]
     return d
@@ -102,12 +114,15 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
                         calibration_seconds=time.perf_counter() - t_cal)
     base_checks = {}
     for key, rec in base.items():
-        check, _ = validator.check(inputs[("baseline", *key)], rec["output_ids"])
+        check, _ = validator.check(inputs[("baseline", *key)], rec["output_ids"], shape=decode_shape(rec, rc))
         base_checks[key] = check
         job.baseline_suspect += not check.ok
+        job.shape_ties += check.num_shape_ties
         rec["validation"] = {"verdict": "ok" if check.ok else "suspect", "worst_margin_steps":
                              check.worst_margin_steps, "mean_logprob": check.mean_logprob,
                              "misses": [vars(x) for x in check.misses]}
+        if check.num_shape_ties:
+            rec["validation"].update(num_shape_ties=check.num_shape_ties, shape_ties=check.shape_ties)
     pairs = []
     for rec in (r for r in records if r["role"] == "method"):
         key = (rec["id"], rec["turn"])
@@ -115,8 +130,9 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
         b = base.get(key)
         same_input = b is not None and inputs[("baseline", *key)] == ids  # a later turn sees its own answers
         verdict = validator.verdict(ids, rec["output_ids"], b["output_ids"] if same_input else None,
-                                    base_checks.get(key) if same_input else None)
+                                    base_checks.get(key) if same_input else None, shape=decode_shape(rec, rc))
         rec["validation"] = _compact(verdict)
+        job.shape_ties += verdict.method.num_shape_ties
         job.add(verdict, {"id": rec["id"], "turn": rec["turn"]})
         if b is not None and verdict.method.mean_logprob is not None and base_checks[key].mean_logprob is not None:
             pairs.append((verdict.method.mean_logprob, base_checks[key].mean_logprob))
@@ -167,4 +183,6 @@ def tolerance_line(v: dict[str, Any]) -> str:
     t, factor = v["tolerance"], v["rule"]["calibration_factor"]
     floor = (f", floor {t['floor']:.3g} ({factor:g}x the drift over {t['calibrated_positions']} AR positions)"
              if t.get("calibrated_positions") else "")
-    return f"{t['steps']:g} {t['dtype']} steps{floor}"
+    flips = (f"; {t['routing_flips']} calibration rows where a MoE router chose other experts, left out"
+             if t.get("routing_flips") else "")
+    return f"{t['steps']:g} {t['dtype']} steps{floor}{flips}"
