@@ -9,10 +9,12 @@ When a pin fails: read the new code, re-check the patch (and its version range),
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import re
 
 import pytest
+import transformers
 
 import compat
 from compat.patches import qwen3_import_shims
@@ -83,6 +85,7 @@ TARGET_PINS = {
     "transformers.models.qwen3_vl.modeling_qwen3_vl:Qwen3VLModel.__getattr__": _MODULE_GETATTR,
     "transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe:Qwen3VLMoeModel.__getattr__": _MODULE_GETATTR,
     "transformers.models.nemotron_h_omni.modeling_nemotron_h_omni:NemotronH_Omni_Reasoning_V3.__getattr__": _MODULE_GETATTR,
+    "transformers.models.muse_glimmer.modeling_muse_glimmer:MuseGlimmerModel.__getattr__": _MODULE_GETATTR,
     "transformers.modeling_flash_attention_utils:_process_flash_attention_kwargs": _PROCESS_FLASH,
     "transformers.integrations.sdpa_attention:sdpa_attention_forward": _ATTN_SDPA,
     "transformers.models.qwen3.modeling_qwen3:eager_attention_forward": (
@@ -156,6 +159,8 @@ def _params(obj) -> tuple[str, ...]:
 @pytest.mark.parametrize("target", sorted({**TARGET_PINS, **RELIED_ON_PINS}))
 def test_signature_pin(target):
     expected = {**TARGET_PINS, **RELIED_ON_PINS}[target]
+    if importlib.util.find_spec(target.partition(":")[0]) is None:  # a family this transformers does not ship
+        pytest.skip(f"{target.partition(':')[0]} is not in transformers {transformers.__version__}")
     assert _params(_resolve(target)) == expected, f"{target} changed: re-check the compat patch, then the pin"
 
 
