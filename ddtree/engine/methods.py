@@ -178,7 +178,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     # an EAGLE-3 drafter (docs/eagle3.md): a chain of `steps`, or (topk > 1) an EAGLE-2 dynamic tree of `budget` nodes
     Method("eagle3", _eagle3, drafter_kind=EAGLE3, tree="tree", reads_budget=True, budget_when_branching=True,
            authors_code=False, settings="eagle3",
-           drafts="an EAGLE-3 drafter: a chain of `eagle3.steps`, or (`eagle3.topk` > 1) a tree of `budget` nodes"),
+           drafts="a chain of `eagle3.steps`, or (`eagle3.topk` > 1) a tree of `budget` nodes"),
 )}
 METHOD_NAMES = tuple(METHODS)
 # every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
