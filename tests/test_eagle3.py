@@ -212,6 +212,7 @@ def test_cli_loads_a_checkpoint_and_refuses_a_malformed_one(cli, tmp_path):
     summary = json.loads((job / "summary.json").read_text())
     assert (summary["eagle3"], summary["budget"], summary["match_rate"], summary["drafter"]) == (
         {"steps": 3, "topk": 2}, 4, 1.0, str(good))
+    assert "eagle3 3x2" in proc.stdout  # the sweep table's method cell names its shape
     bad = rewrite_checkpoint(good, tmp_path / "bad", drop=("d2t",))
     proc = cli(*common, f"drafter.name_or_path={bad}", f"hydra.run.dir={tmp_path / 'b'}")
     assert proc.returncode == 2, proc.stderr[-3000:]
