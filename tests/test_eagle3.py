@@ -191,6 +191,20 @@ def test_first_two_tokens_follow_target(topk, budget):
 
 # ---------------------------------------------------------------- through the CLI (python -m ddtree.run)
 
+def test_report_and_sweep_table_name_the_eagle3_shape():
+    from ddtree.pipeline.report import markdown_table
+    from ddtree.pipeline.sweep_table import method_cell
+
+    assert method_cell({"method": "eagle3", "eagle3": {"steps": 4, "topk": 2}}) == "eagle3 4x2"
+    entry = {"speedup": 2.0, "tau": 3.0, "budget": 16, "verdicts": "4 ok"}
+    cell = {"temperature": 0.0, "title": "toy", "model": "toy", "dflash": entry, "ddtree_best": entry,
+            "ddtree": [entry], "gain": 1.0}
+    best = {**entry, "speedup": 1.5, "shape": "eagle3 3x2 b8"}
+    head, _, row = markdown_table([{**cell, "mtp": [best], "mtp_best": best}]).splitlines()[2:5]
+    assert head.endswith("EAGLE3 speedup | EAGLE3 tau | EAGLE3 shape | EAGLE3 verdicts |")
+    assert row.endswith("| 1.50x | 3.00 | eagle3 3x2 b8 | 4 ok |")
+
+
 def test_cli_default_settings_run_a_random_drafter(cli, small, tmp_path):
     job = tmp_path / "job"
     proc = cli(*small, "method=eagle3", "tracking=none", f"hydra.run.dir={job}")
