@@ -181,8 +181,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            drafts="a chain of `eagle3.steps`, or (`eagle3.topk` > 1) a tree of `budget` nodes"),
 )}
 METHOD_NAMES = tuple(METHODS)
-# every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
-DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if not (m.drafter_kind and m.drafter_kind.from_target))
+# the baseline and the methods drafting with a block drafter (DFlash, DFlash2): what a trained drafter is evaluated on
+# (ddtree.train); what a target supports is family_methods
+DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.drafter_kind is None or m.drafter_kind.block_size)
 COMPILABLE_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.compilable)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
 
