@@ -19,7 +19,7 @@ import ddtree
 from ddtree.engine.drafter.eagle3 import Eagle3Drafter, Eagle3Proposer
 from ddtree.engine.loop import Engine
 from ddtree.errors import ConfigError
-from ddtree.testing.reference import hf_greedy
+from ddtree.testing.reference import hf_greedy, tree_paths
 from ddtree.tiny import tiny_model
 
 _PAIRS: dict = {}
@@ -77,6 +77,42 @@ def test_chain_drafts_equal_the_from_scratch_drafter():
     for committed, drafts in rounds:
         for j, tok in enumerate(drafts):
             assert int(reference_draft_logits(target, drafter, committed, drafts[:j]).argmax()) == tok
+
+
+@pytest.mark.parametrize("budget", [6, 64])  # the best nodes; all of them
+def test_tree_drafts_equal_the_from_scratch_drafter(budget):
+    """The EAGLE-2 tree: every node's children are the top-k of the drafter along the node's own path (recomputed
+    from scratch per path; only draft-vocabulary ids), the frontier the k best by cumulative log-probability, the
+    kept nodes the `budget` best."""
+    target, drafter = pair("llama")
+    k, steps, rounds = 2, 3, []
+
+    class Recording(Eagle3Proposer):
+        def propose(self, state):
+            tree = super().propose(state)
+            rounds.append((state.input_ids[0].tolist() + list(state.generated), tree))
+            return tree
+
+    prop = Recording(target, drafter, steps=steps, topk=k, budget=budget)
+    ddtree.generate(target, None, _prompts(target)[1], method="eagle3", proposer=prop, max_new_tokens=16)
+    for committed, tree in rounds[:3]:
+        nodes, frontier = [([], 0.0)], [0]  # (path tokens, cumulative score); the root first
+        for _ in range(steps):
+            cands = []
+            for i in frontier:
+                path, score = nodes[i]
+                vals, idx = torch.log_softmax(reference_draft_logits(target, drafter, committed, path), -1).topk(k)
+                assert bool(drafter.t2d[idx].all())
+                for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
+                    nodes.append((path + [t], score + v))
+                    cands.append(len(nodes) - 1)
+            frontier = sorted(cands, key=lambda i: -nodes[i][1])[:k]
+        best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget]
+        want = {tuple(nodes[i][0]): nodes[i][1] for i in best}
+        got = tree_paths(tree)
+        assert sorted(got) == sorted(want)
+        for path, score in want.items():
+            assert abs(got[path] - score) < 1e-4, path
 
 
 def test_checkpoint_round_trip_in_the_public_layout(tmp_path):
@@ -176,7 +212,7 @@ def test_the_compiled_round_verifies_and_the_draft_runs_eagerly():
 V, T, N = 12, 1.0, 600
 
 
-@pytest.mark.slow  # ~1 min each on a shared 2-core CPU
+@pytest.mark.slow  # ~15 s each here (4 cores), more on a shared 2-core CPU
 @pytest.mark.parametrize("topk,budget", [(1, 64), (3, 8)])
 def test_first_two_tokens_follow_target(topk, budget):
     """T > 0: the first two tokens are distributed as the target's exact joint (chi-square); the chain is verified
