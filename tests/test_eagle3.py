@@ -14,6 +14,7 @@ import torch
 from eagle3_support import fitted_drafter, greedy_rows, reference_draft_logits, rewrite_checkpoint
 from safetensors.torch import load_file
 from sampling_support import assert_first_two_tokens_follow, exact_joint
+from torch._dynamo.utils import counters
 
 import ddtree
 from ddtree.engine.drafter.eagle3 import Eagle3Drafter, Eagle3Proposer
@@ -201,12 +202,49 @@ def test_the_default_aux_layers_are_the_serving_engines():
     assert r.output_ids == hf_greedy(target, ids, 12)
 
 
-def test_the_compiled_round_verifies_and_the_draft_runs_eagerly():
+@pytest.fixture
+def dynamo_clean():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param(None, id="inductor", marks=pytest.mark.slow)])
+def test_the_compiled_draft_drafts_as_the_eager_one(backend, dynamo_clean):
+    """compile=true: the round's verification and, from a generation's second round on, the draft (StaticEagle3: the
+    drafter's own forward on a fixed buffer) are graphs; chain and trees equal HF greedy and the eager engine (same
+    acceptance, same trees), without a recompile or a graph break (inductor: the chain only, as compile=true runs)."""
     target, drafter = pair("qwen3")
-    with Engine(target, drafter, method="eagle3", topk=2, budget=6, compile="true", compile_backend="eager") as e:
-        assert e.round == "compiled" and "the draft runs eagerly" in e.round_note
-        for ids in _prompts(target, 2):
-            assert e.generate(ids, max_new_tokens=16).output_ids == hf_greedy(target, ids, 16)
+    g = torch.Generator().manual_seed(7)
+    prompts = [_prompts(target)[0], torch.randint(3, 128, (1, 4), generator=g), torch.randint(3, 128, (1, 26),
+                                                                                              generator=g)]
+    for topk, budget in GRID[: 3 if backend else 1]:
+        kw = dict(method="eagle3", steps=3, topk=topk, budget=budget)
+        engine = Engine(target, drafter, compile="true", compile_backend=backend, **kw)
+        eager = Engine(target, drafter, compile="false", **kw)
+        assert engine.round == "compiled" and engine.round_note is None  # the draft compiled too
+        engine.generate(prompts[1], max_new_tokens=12)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for ids in prompts:
+                (res, got), (ref, want) = _drafts(engine, ids), _drafts(eager, ids)
+                assert res.output_ids == ref.output_ids == hf_greedy(target, ids, 24), (topk, budget)
+                assert res.acceptance_lengths == ref.acceptance_lengths
+                for a, b in zip(got, want, strict=True):
+                    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+        assert counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+        assert engine.static.draft.ready  # the later rounds drafted through the graph
+
+
+def _drafts(engine, ids):
+    """(the generation, the trees its proposer drafted)."""
+    trees, propose = [], engine.proposer.propose
+    engine.proposer.propose = lambda state: trees.append(propose(state)) or trees[-1]
+    try:
+        return engine.generate(ids, max_new_tokens=24), trees
+    finally:
+        del engine.proposer.propose
 
 
 V, T, N = 12, 1.0, 600

@@ -50,6 +50,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ddtree.engine.checks import check_budget, check_mtp_args
+from ddtree.engine.drafter.mtp_static import StaticMTP
 from ddtree.engine.proposers import MTPProposer
 from ddtree.errors import ConfigError
 
@@ -402,12 +403,53 @@ def _read_tensors(directory: Path, name: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+class _FixedRows:
+    """The draft layer's KV cache in a fixed buffer [2, 1, Hkv, Cd, d] (the compiled draft): `update` writes the
+    step's keys and values at `rows` and returns every row (its query sees them under the step's mask)."""
+
+    def __init__(self, kv: torch.Tensor, rows: torch.Tensor):
+        self.kv, self.rows = kv, rows
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.kv.index_copy_(-2, self.rows, torch.stack([key, value.to(key.dtype)]).to(self.kv.dtype))
+        return self.kv[0], self.kv[1]
+
+
+class StaticEagle3(StaticMTP):
+    """method=eagle3's draft as one fixed-shape graph a round: StaticMTP's round (the committed path read, then the
+    chain or the EAGLE-2 tree) over the EAGLE-3 layer, whose own forward runs on a fixed buffer (_FixedRows) instead
+    of its DynamicCache: one forward for the eager and the compiled draft."""
+
+    def __init__(self, static, proposer):
+        self.static, self.proposer, self.head = static, proposer, proposer.head
+        self.steps, self.k, self.budget = proposer.steps, proposer.topk, proposer.budget
+        self.graph = torch.compile(self._draft, **static.options)
+        self.kv: torch.Tensor | None = None
+        self.length = self.context = self.count = self.path_tokens = None
+        self.ready = False
+
+    @staticmethod
+    def why_not(static, proposer) -> str | None:
+        if proposer.head.fc.weight.device != static.device:
+            return "the EAGLE-3 drafter is on another device"
+        return None
+
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """The drafter's forward over the fixed buffer: ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q],
+        visible [q, Cd] (bool); writes the q keys and values at `rows`; returns [1, q, H]."""
+        head, q = self.head, ids.shape[1]
+        mask = torch.zeros(visible.shape, dtype=head.dtype, device=visible.device)
+        mask = mask.masked_fill_(~visible, torch.finfo(head.dtype).min).view(1, 1, q, -1)
+        return head(head.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows))
+
+
 class Eagle3Proposer(MTPProposer):
     """method=eagle3: MTPProposer's rounds (the committed tokens read into the draft layer's cache, then a chain of
     `steps` or, topk > 1, an EAGLE-2 style tree of the `budget` best nodes; drafted entries dropped each round) over
-    an EAGLE-3 drafter. Its draft runs eagerly under compile (its verification compiled): no static form yet."""
+    an EAGLE-3 drafter; under compile its draft from a generation's second round on is StaticEagle3's graph."""
 
-    static_form = None
+    static_form = StaticEagle3
 
     def __init__(self, target, drafter: Eagle3Drafter, *, steps: int, topk: int = 1, budget: int = 64):
         check_mtp_args(steps, topk, "eagle3")
