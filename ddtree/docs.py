@@ -69,6 +69,14 @@ def _auto_attention(row: Family) -> str:
     return f"{cpu} (CUDA: flash with sinks)" if row.sinks else cpu
 
 
+def _methods_cell(methods: tuple[str, ...]) -> str:
+    """A family's methods, short: "all", "all but <those it lacks>" where it lacks fewer than it has, else the list."""
+    missing = [m for m in METHODS if m not in methods]
+    if not missing:
+        return "all"
+    return f"all but {', '.join(missing)}" if len(missing) < len(methods) else ", ".join(methods)
+
+
 def models_markdown() -> str:
     """The model-family table (rows alike in everything shown share a line), then the method table."""
     groups: dict[tuple, list[str]] = {}
@@ -80,9 +88,9 @@ def models_markdown() -> str:
     lines = ["| `model_type` | methods | layers | wrapper | lean forward | TP plan | `attention=auto` |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for (methods, kind, nested, lean, tp, auto), types in groups.items():
-        lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {', '.join(methods)} | {kind} | "
+        lines.append(f"| {', '.join(f'`{t}`' for t in types)} | {_methods_cell(methods)} | {kind} | "
                      f"{'yes' if nested else '–'} | {'yes' if lean else '–'} | {'yes' if tp else '–'} | {auto} |")
-    every = ", ".join(family_methods(""))  # an unknown model_type: every method but the own-head ones
+    every = _methods_cell(family_methods(""))  # an unknown model_type: every method but the own-head ones
     lines.append(f"| any other | {every} | attention (tree methods refused on a cache with "
                  "linear-attention layers) | – | – | where shipped | sdpa, else eager |")
     lines += ["", "| method | drafts | needs a drafter | reads `budget` |", "| --- | --- | --- | --- |"]

@@ -69,7 +69,7 @@ def test_every_option_composes_and_validates(group, option, tmp_path, prompt_fil
 
 def test_option_tables_are_complete(compose):
     options = {g: {o for gg, o in OPTIONS if gg == g} for g in GROUPS}
-    assert options["method"] == {"ar", "dflash", "ddtree", "mtp"}
+    assert options["method"] == {"ar", "dflash", "ddtree", "mtp", "eagle3"}
     assert {"eager", "sdpa", "flex_attention", "flash_attention_2"} <= options["attention"]
     assert {"tiny", "jsonl"} <= options["dataset"] and options["tracking"] == {"mlflow", "none"}
     assert {"tiny_qwen3", "tiny_llama", "tiny_qwen3_5", "qwen3_4b", "qwen3_8b", "qwen3_coder_30b_a3b",

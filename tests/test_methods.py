@@ -50,7 +50,7 @@ def test_method_table_checks_what_each_method_reads():
     from ddtree.engine.methods import METHODS, check_method_args
     from ddtree.errors import ConfigError
 
-    assert [m for m in METHODS if METHODS[m].verifies_tree] == ["ddtree", "mtp"]  # mtp: a tree when topk > 1
+    assert [m for m in METHODS if METHODS[m].verifies_tree] == ["ddtree", "mtp", "eagle3"]  # a tree when topk > 1
     check_method_args("ar", has_drafter=False, budget=0, block_size=1)  # AR reads neither
     check_method_args("dflash", has_drafter=True, budget=0, block_size=None)
     refused = [("ddtree", False, 64, None, "drafter"), ("dflash", False, None, None, "drafter"),
@@ -69,8 +69,10 @@ def test_the_table_is_uniform_and_agrees_with_its_proposers():
 
     from ddtree.engine import methods as M
     from ddtree.engine import proposers as P
+    from ddtree.engine.drafter.eagle3 import Eagle3Proposer
 
-    built = {"ar": P.ARProposer, "dflash": P.DFlashProposer, "ddtree": P.DDTreeProposer, "mtp": P.MTPProposer}
+    built = {"ar": P.ARProposer, "dflash": P.DFlashProposer, "ddtree": P.DDTreeProposer, "mtp": P.MTPProposer,
+             "eagle3": Eagle3Proposer}
     assert set(built) == set(M.METHODS)
     for name, m in M.METHODS.items():
         assert list(inspect.signature(m.make_proposer).parameters) == ["target", "drafter", "s"], name
@@ -79,3 +81,4 @@ def test_the_table_is_uniform_and_agrees_with_its_proposers():
     assert M.COMPILABLE_METHOD_NAMES == M.METHOD_NAMES
     assert [M.reads_budget(n) for n in ("ar", "dflash", "ddtree")] == [False, False, True]
     assert not M.reads_budget("mtp", 1) and M.reads_budget("mtp", 2) and not M.reads_budget("nope")
+    assert not M.reads_budget("eagle3", 1) and M.reads_budget("eagle3", 2)

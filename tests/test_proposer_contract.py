@@ -103,7 +103,8 @@ def test_messages_name_the_settings_and_say_when_nothing_was_measured(cli, tmp_p
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: method.steps: 'method' is a single value, not a group of settings: no such setting — a method's own "
-        "settings: mtp.steps, mtp.topk, mtp.seed (python -m ddtree.run --cfg job prints every setting)"]
+        "settings: mtp.steps, mtp.topk, mtp.seed, eagle3.steps, eagle3.topk (python -m ddtree.run --cfg job prints every "
+        "setting)"]
     line = outcome_line({"predicted_tau": 1.0, "predicted_speedup": 0.9, "measured_tau": None,
                          "measured_speedup": None})
     assert "no decoding round ran" in line and "tau 0.00" not in line

@@ -37,12 +37,13 @@ def check_block_size(block_size: int | None) -> None:
         raise ConfigError("drafter.block_size", f"must be >= 2, got {block_size}", "use 2..16, or null")
 
 
-def check_mtp_args(steps: int | None, topk: int | None) -> None:
-    """method=mtp: steps >= 1 draft tokens per round (depth), topk >= 1 children per expanded node."""
-    for setting, value in (("mtp.steps", steps), ("mtp.topk", topk)):
+def check_mtp_args(steps: int | None, topk: int | None, group: str = "mtp") -> None:
+    """method=mtp (and the others drafting a chain or an EAGLE-style tree, settings `group`): steps >= 1 draft tokens
+    per round (depth), topk >= 1 children per expanded node."""
+    for name, value, example in (("steps", steps, MTP_STEPS), ("topk", topk, MTP_TOPK)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ConfigError(setting, f"must be an integer >= 1, got {value!r}",
-                              f"e.g. {setting}={MTP_STEPS if setting == 'mtp.steps' else MTP_TOPK}")
+            raise ConfigError(f"{group}.{name}", f"must be an integer >= 1, got {value!r}",
+                              f"e.g. {group}.{name}={example}")
 
 
 def check_generate_args(temperature: float, max_new_tokens: int, input_ids: torch.Tensor) -> None:

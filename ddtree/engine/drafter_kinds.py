@@ -89,4 +89,21 @@ OWN_HEAD = DrafterKind("own_head", checkpoint=False, from_target=True, own_atten
                        curve=False, summary="mtp head", attention_label="MTP head", needs="no (its own head)",
                        attention=_head_attention, in_target=_head_tensors)
 
-DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (DFLASH, OWN_HEAD)}
+
+def _check_eagle3(target: Any, drafter: Any) -> None:
+    """An EAGLE-3 drafter against its target: fused widths, aux layers, vocabulary (its own check)."""
+    if drafter is not None:
+        drafter.check_compatible(target)
+
+
+def _sdpa(target: str, drafter: str) -> str:
+    return "sdpa"  # the EAGLE-3 layer's attention is torch's scaled_dot_product_attention (no setting of its own)
+
+
+# an EAGLE-3 checkpoint in the public layout (ddtree.engine.drafter.eagle3; drafter=pretrained, or a random one for a
+# tiny model built in code: drafter=tiny)
+EAGLE3 = DrafterKind("eagle3", checkpoint=True, from_target=False, own_attention=False, block_size=False, curve=False,
+                     summary=None, attention_label="EAGLE-3 drafter", needs="yes (EAGLE-3)", check=_check_eagle3,
+                     attention=_sdpa)
+
+DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (DFLASH, OWN_HEAD, EAGLE3)}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ddtree.engine.checks import MTP_STEPS, MTP_TOPK, check_block_size, check_budget, check_mtp_args
-from ddtree.engine.drafter_kinds import DFLASH, OWN_HEAD, DrafterKind
+from ddtree.engine.drafter_kinds import DFLASH, EAGLE3, OWN_HEAD, DrafterKind
 from ddtree.engine.families import Family, check_family_has_mtp, family
 from ddtree.errors import ConfigError
 
@@ -30,8 +30,8 @@ class DraftSettings:
 
     budget: int | None = None  # the node budget (methods with reads_budget)
     block_size: int | None = None  # the drafter's block (drafter_kind DFLASH; None: the drafter's own)
-    steps: int | None = None  # method=mtp: draft depth (None: MTP_STEPS)
-    topk: int | None = None  # method=mtp: children per expanded node (None: MTP_TOPK; > 1: a tree)
+    steps: int | None = None  # method=mtp, eagle3: draft depth (None: MTP_STEPS)
+    topk: int | None = None  # method=mtp, eagle3: children per expanded node (None: MTP_TOPK; > 1: a tree)
     scoring: str | None = None  # method=ddtree: auto, marginal or pair (None: auto; resolve_scoring)
 
 
@@ -106,6 +106,13 @@ def _mtp(target, drafter, s: DraftSettings) -> Proposer:
                        budget=s.budget if s.budget is not None else DEFAULT_BUDGET)
 
 
+def _eagle3(target, drafter, s: DraftSettings) -> Proposer:
+    from ddtree.engine.drafter.eagle3 import Eagle3Proposer
+
+    return Eagle3Proposer(target, drafter, steps=s.steps or MTP_STEPS, topk=s.topk or MTP_TOPK,
+                          budget=s.budget if s.budget is not None else DEFAULT_BUDGET)
+
+
 @dataclass(frozen=True)
 class Method:
     """One decoding method.
@@ -117,7 +124,8 @@ class Method:
     reads_budget: the budget can shape its tree; budget_when_branching: only when it branches (topk > 1).
     compilable: the compiled round (ddtree.engine.compiled) runs it (one node count per engine).
     authors_code: the DDTree authors' code (engine=upstream, ddtree.upstream) has it.
-    settings: the config group of settings it alone reads (method=mtp: mtp.steps, mtp.topk), or None.
+    settings: the config group of settings it alone reads (its `steps`, `topk`: method=mtp's mtp.*, method=eagle3's
+    eagle3.*), or None.
     reads_scoring: its tree's node scores are a setting (scoring=marginal|pair: DDTree's best-first tree).
     auto_budget: budget=auto calibrates its budget (ddtree.pipeline.autobudget: a best-first tree of the drafter's).
     drafts: what it drafts, in the docs' words, where its tree shape alone does not say it (None: the shape's).
@@ -167,10 +175,15 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method(MTP, _mtp, drafter_kind=OWN_HEAD, tree="tree", reads_budget=True, budget_when_branching=True,
            authors_code=False, settings="mtp",
            drafts="the target's own MTP head: a chain of `mtp.steps`, or (`mtp.topk` > 1) a tree of `budget` nodes"),
+    # an EAGLE-3 drafter (docs/eagle3.md): a chain of `steps`, or (topk > 1) an EAGLE-2 dynamic tree of `budget` nodes
+    Method("eagle3", _eagle3, drafter_kind=EAGLE3, tree="tree", reads_budget=True, budget_when_branching=True,
+           authors_code=False, settings="eagle3",
+           drafts="a chain of `eagle3.steps`, or (`eagle3.topk` > 1) a tree of `budget` nodes"),
 )}
 METHOD_NAMES = tuple(METHODS)
-# every method but those drafting with the target's own head: what any target supports, what a drafter is evaluated on
-DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if not (m.drafter_kind and m.drafter_kind.from_target))
+# the baseline and the methods drafting with a block drafter (DFlash, DFlash2): what a trained drafter is evaluated on
+# (ddtree.train); what a target supports is family_methods
+DRAFTER_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.drafter_kind is None or m.drafter_kind.block_size)
 COMPILABLE_METHOD_NAMES = tuple(name for name, m in METHODS.items() if m.compilable)
 BASELINE = "ar"  # the method every other is compared with (plain target decoding)
 
@@ -245,8 +258,8 @@ def check_method_args(name: str, *, has_drafter: bool, budget: int | None, block
     a known method, the drafter it needs, a budget >= 1 where it reads one, a block size >= 2 (MTP: its
     steps and topk)."""
     method = get_method(name)
-    if method.settings == MTP:
-        check_mtp_args(steps, topk)
+    if method.settings is not None:  # mtp.*, eagle3.*: a chain's steps, a tree's topk
+        check_mtp_args(steps, topk, method.settings)
     if method.drafter_kind is not None and method.drafter_kind.checkpoint and not has_drafter:
         raise ConfigError("drafter", f"method={name} needs a drafter, but there is none", drafter_fix)
     if method.reads_budget:

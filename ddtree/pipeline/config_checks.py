@@ -29,7 +29,6 @@ from ddtree.engine.checks import (
 from ddtree.engine.methods import (
     COMPILABLE_METHOD_NAMES,
     METHODS,
-    MTP,
     check_method_args,
     check_scoring,
     get_method,
@@ -50,6 +49,7 @@ from ddtree.pipeline.schema import (
     RunConfig,
     first_line,
     is_auto,
+    method_settings,
     to_run_config,
     tracking_uri,
 )
@@ -113,8 +113,8 @@ def check_run_settings(rc: RunConfig) -> None:
     method = get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
     check_scoring(rc.scoring, rc.method)
-    if method.settings == MTP:
-        check_mtp_args(rc.mtp.steps, rc.mtp.topk)
+    if method.settings:  # mtp.*, eagle3.*
+        check_mtp_args(method_settings(rc).steps, method_settings(rc).topk, method.settings)
     if rc.engine == "upstream" and not method.authors_code:
         raise ConfigError("engine", f"engine=upstream runs the DDTree authors' DFlash/DDTree, not method={rc.method}",
                           f"use engine=native for method={rc.method}")

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree.engine.methods import METHODS, MTP
+from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
 from ddtree.pipeline.models import ModelCache, load_upstream, target_context
 from ddtree.pipeline.preflight import check_prompt_lengths, keep_last
 from ddtree.pipeline.prompts import Prompt, encode
 from ddtree.pipeline.resume import Resume
-from ddtree.pipeline.schema import RunConfig
+from ddtree.pipeline.schema import RunConfig, method_settings
 
 SAMPLES = "samples.jsonl"
 SUMMARY = "summary.json"
@@ -106,8 +106,9 @@ def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_token
     spec = METHODS[method]
     drafter = m.drafter if spec.drafter_kind is not None else None  # (method=mtp: the target's head, models.py)
     kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and spec.reads_block_size else {}
-    if spec.settings == MTP:
-        kw.update(steps=rc.mtp.steps, topk=rc.mtp.topk)
+    if spec.settings:  # mtp.*, eagle3.*
+        settings = method_settings(rc)
+        kw.update(steps=settings.steps, topk=settings.topk)
     if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
         from ddtree.upstream.engine import generate_upstream
 

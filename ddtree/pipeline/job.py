@@ -21,7 +21,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from ddtree.engine.methods import BASELINE, METHODS, MTP, loads_drafter, reads_budget
+from ddtree.engine.methods import BASELINE, METHODS, loads_drafter, reads_budget
 from ddtree.engine.result import STAGES
 from ddtree.pipeline import distributed as D
 from ddtree.pipeline.autobudget import choose_budget, outcome, outcome_line
@@ -61,6 +61,8 @@ from ddtree.pipeline.schema import (
     RunConfig,
     flatten,
     identity_dict,
+    method_settings,
+    method_topk,
     resolved_dict,
     to_run_config,
     tracking_uri,
@@ -142,10 +144,11 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
     block = next((r["block_size"] for r in meth if r.get("block_size")), None)
     return {
         "engine": rc.engine,
-        "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk) else None, "block_size": block,
+        "method": rc.method, "budget": rc.budget if reads_budget(rc.method, method_topk(rc)) else None, "block_size": block,
         "temperature": rc.temperature, "model": rc.model.name,
         "drafter": (spec.drafter_kind and spec.drafter_kind.summary) or rc.drafter.name_or_path or rc.drafter.kind,
-        **({"mtp": {"steps": rc.mtp.steps, "topk": rc.mtp.topk}} if spec.settings == MTP else {}),
+        **({spec.settings: {"steps": method_settings(rc).steps, "topk": method_settings(rc).topk}}
+           if spec.settings else {}),
         **({"scoring": rc.scoring} if spec.reads_scoring else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
@@ -196,7 +199,7 @@ def job_dirs() -> tuple[Path, Path | None, list[str], Path | None]:
 
 
 def run_name(rc: RunConfig) -> str:
-    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, rc.mtp.topk) else "")
+    name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, method_topk(rc)) else "")
     m = METHODS.get(rc.method)
     name += "-pair" if m is not None and m.reads_scoring and rc.scoring == "pair" else ""
     return name + ("-upstream" if rc.engine == "upstream" else "")
@@ -260,10 +263,10 @@ def repeats_sweep_job(rc: RunConfig, chash: str, files: JobFiles, world) -> bool
         return False
     if world.is_main:
         why = (f"method={rc.method} ignores the budget" + (" and the scoring" if rc.method != "ddtree" else "")
-               if not reads_budget(rc.method, rc.mtp.topk) else "same config")
+               if not reads_budget(rc.method, method_topk(rc)) else "same config")
         note = f"skipped: same job as {Path(first).name} ({why})"
         files.job_dir.joinpath(SKIPPED).write_text(json.dumps(
-            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if reads_budget(rc.method, rc.mtp.topk)
+            {"model": rc.model.name, "method": rc.method, "budget": rc.budget if reads_budget(rc.method, method_topk(rc))
              else None, "duplicate_of": first, "note": note}) + "\n")
         print(f"{note}: {first}", flush=True)
     return True

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddtree.engine.drafter_kinds import DFLASH, OWN_HEAD
+from ddtree.engine.drafter_kinds import DFLASH, EAGLE3, OWN_HEAD
 from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
 from ddtree.pipeline.schema import AUTO, RunConfig
@@ -295,8 +295,34 @@ def _own_head_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
             lambda: load_mtp_head(rc, cache.target))
 
 
+def load_eagle3(rc: RunConfig, target, device: str):
+    """An EAGLE-3 drafter (drafter=pretrained: a checkpoint in the public layout; drafter=tiny, a tiny model built
+    in code: a random one), bound to the target (its checks) before any generation."""
+    from ddtree.engine.drafter.eagle3 import Eagle3Drafter
+
+    d = rc.drafter
+    if d.kind == "random":
+        drafter = Eagle3Drafter.random_for_target(target, seed=d.seed)
+    else:
+        dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
+        drafter = Eagle3Drafter.from_pretrained(d.name_or_path, dtype=dtype, device=device, revision=d.revision)
+        drafter.bind(target)
+    if d.quantization is not None:
+        from ddtree.pipeline.quantization import quantize_module
+
+        quantize_module(drafter, "drafter.quantization", d.quantization)
+    return drafter.eval()
+
+
+def _eagle3_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
+    """An EAGLE-3 drafter: its cache key and loader."""
+    d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
+    return (cache_key(tkey, "eagle3", d),
+            lambda: load_eagle3(rc, cache.target, model_device(cache.target, rc, device)))
+
+
 # how each drafter kind of the methods table (Method.drafter_kind) is keyed and loaded into a job's drafter slot
-DRAFTER_SOURCES = {DFLASH.name: _dflash_source, OWN_HEAD.name: _own_head_source}
+DRAFTER_SOURCES = {DFLASH.name: _dflash_source, OWN_HEAD.name: _own_head_source, EAGLE3.name: _eagle3_source}
 
 
 def load_upstream(rc: RunConfig):

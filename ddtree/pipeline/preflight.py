@@ -357,7 +357,7 @@ def preflight(rc) -> TargetFacts | None:
         check_tree_fits(cfg, rc)
     d = rc.drafter
     if loads_drafter(rc.method) and d.kind == "pretrained":
-        src = check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a DFlash drafter")
+        src = check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a drafter checkpoint")
         resolve_auto_scoring(rc, read_config(src))
     elif d.kind == "random":  # a random drafter is DFlash
         resolve_auto_scoring(rc, {})

@@ -304,7 +304,8 @@ def select(store: Store, rc: ReportConfig) -> Selection:
                                                                                    strict=True) if a != b]
                 sel.skipped.append((j, "mismatched settings within its dataset x model x temperature: " + ", ".join(diff)))
                 continue
-            slot = (j.method, j.budget, json.dumps(j.value("mtp"), sort_keys=True))  # mtp: its draft shape too
+            group = METHODS[j.method].settings if j.method in METHODS else None
+            slot = (j.method, j.budget, json.dumps(j.value(group) if group else None, sort_keys=True))  # its shape too
             if slot in newest:
                 sel.skipped.append((j, f"superseded by the newer run {newest[slot].run_id} with the same settings"))
                 continue
@@ -370,9 +371,10 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
         c["_jobs"][(job.method, job.budget)] = job
         if job.method == chain:
             c["dflash"] = _entry(job)
-        elif METHODS[job.method].settings:  # method=mtp: its own settings (steps, topk) name its best shape
+        elif METHODS[job.method].settings:  # mtp, eagle3: their own settings (steps, topk) name the best shape
+            group = METHODS[job.method].settings
             c.setdefault("mtp", []).append({**_entry(job), "shape": method_cell(
-                {"method": job.method, "mtp": job.value("mtp")}) + (f" b{job.budget}" if job.budget else "")})
+                {"method": job.method, group: job.value(group)}) + (f" b{job.budget}" if job.budget else "")})
         else:
             c["ddtree"].append(_entry(job))
     out = []
@@ -410,12 +412,14 @@ def _n(v: float | None) -> str:
 
 def markdown_table(cells: list[dict[str, Any]]) -> str:
     lines = []
-    mtp = any(c.get("mtp") for c in cells)  # method=mtp ran: its best draft shape gets columns too
+    mtp = any(c.get("mtp") for c in cells)  # a method with its own draft shape ran (mtp, eagle3): columns too
+    shaped = "/".join(sorted({e["shape"].split()[0] for c in cells for e in (*(c.get("mtp") or ()), c.get("mtp_best"))
+                              if e and e.get("shape")})).upper()
     for temp in sorted({c["temperature"] for c in cells}):
         lines += [f"### Temperature {temp:g}", "",
                   "| dataset | model | DFlash speedup | DFlash tau | DDTree speedup | DDTree tau | best budget | "
                   "DDTree / DFlash | budgets run | verdicts (DFlash; DDTree) |"
-                  + (" MTP speedup | MTP tau | MTP shape | MTP verdicts |" if mtp else ""),
+                  + (f" {shaped} speedup | {shaped} tau | {shaped} shape | {shaped} verdicts |" if mtp else ""),
                   "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"
                   + (" ---: | ---: | --- | --- |" if mtp else "")]
         for c in (c for c in cells if c["temperature"] == temp):

@@ -87,6 +87,14 @@ class MTPConfig:
 
 
 @dataclass
+class Eagle3Settings:
+    """method=eagle3: an EAGLE-3 drafter (drafter=pretrained drafter.name_or_path=...; docs/eagle3.md)."""
+
+    steps: int = 3  # draft tokens a round, the draft layer applied recursively (SGLang's --speculative-num-steps)
+    topk: int = 1  # > 1: an EAGLE-2 dynamic tree (--speculative-eagle-topk), its `budget` best nodes verified
+
+
+@dataclass
 class AttentionConfig:
     target: str = "auto"  # auto: per target family and device (ddtree.pipeline.preflight.auto_attention)
     drafter: str = "auto"
@@ -176,6 +184,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     mtp: MTPConfig = field(default_factory=MTPConfig)
+    eagle3: Eagle3Settings = field(default_factory=Eagle3Settings)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
@@ -315,7 +324,8 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
     if str(d.get("budget")).lower() == "auto":  # its settings decide which budget runs
         d["auto"] = auto
     method = METHODS.get(d.get("method"))
-    if not reads_budget(d.get("method"), (d.get("mtp") or {}).get("topk")):  # a budget sweep runs DFlash once
+    topk = (d.get(method.settings) or {}).get("topk") if method is not None and method.settings else None
+    if not reads_budget(d.get("method"), topk):  # a budget sweep runs DFlash once
         d.pop("budget", None)
     if "scoring" in d and d.get("method") != "ddtree":  # DDTree's alone: a scoring sweep runs DFlash once
         d["scoring"] = "marginal"
@@ -323,6 +333,18 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         if method is None or method.settings != group:
             d.pop(group, None)
     return d
+
+
+def method_settings(rc: RunConfig) -> Any:
+    """The settings group method `rc.method` alone reads (its Method.settings: mtp, eagle3), or None."""
+    m = METHODS.get(rc.method)
+    return getattr(rc, m.settings) if m is not None and m.settings else None
+
+
+def method_topk(rc: RunConfig) -> int | None:
+    """The topk of the method's own settings (a tree when > 1), or None where it has none."""
+    s = method_settings(rc)
+    return s.topk if s is not None else None
 
 
 def is_auto(budget: Any) -> bool:

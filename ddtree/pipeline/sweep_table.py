@@ -26,8 +26,12 @@ def verdict_cell(v: dict[str, Any] | None) -> str:
 
 
 def method_cell(s: dict[str, Any]) -> str:
-    """The method, with method=mtp's draft shape: 'mtp 3' (a chain of 3), 'mtp 3x4' (a tree: 3 steps, top-4)."""
-    m = s.get("mtp")
+    """The method, with the draft shape its own settings give (Method.settings: mtp.*, eagle3.*): 'mtp 3' (a chain of
+    3), 'eagle3 3x4' (a tree: 3 steps, top-4)."""
+    from ddtree.engine.methods import METHODS
+
+    group = getattr(METHODS.get(s["method"]), "settings", None)
+    m = s.get(group) if group else None
     if not m:
         return s["method"]
     return f"{s['method']} {m['steps']}" + (f"x{m['topk']}" if m.get("topk", 1) > 1 else "")
