@@ -296,6 +296,7 @@ def test_the_decode_shape_of_each_method():
     assert verified_rows("ddtree", budget=32, block_size=16) == 33
     assert verified_rows("ddtree") == DEFAULT_BUDGET + 1
     assert verified_rows("mtp", budget=8, steps=3, topk=1) == 4 and verified_rows("mtp", budget=8, topk=2) == 9
+    assert verified_rows("eagle3", budget=8, steps=5, topk=1) == 6 and verified_rows("eagle3", budget=8, topk=3) == 9
     shape = DecodeShape(width=17, acceptance_lengths=[3, 1, 2])  # the prefill emitted position 0
     assert shape.rounds(9) == [(1, 3), (4, 1), (5, 2), (7, 1), (8, 1)]  # past the record: one a round
     assert [shape.round_of(i, 9) for i in (1, 3, 4, 6, 8)] == [(1, 0), (1, 2), (4, 0), (5, 1), (8, 0)]

@@ -210,15 +210,15 @@ def loads_drafter(name: str) -> bool:
 def verified_rows(name: str | None, budget: int | None = None, block_size: int | None = None,
                   steps: int | None = None, topk: int | None = None) -> int:
     """The target rows one round of method `name` verifies (the proposers' trees: AR its root; DFlash a chain of
-    its block; DDTree and a branching MTP the root and `budget` nodes; MTP's chain the root and `steps`). None or
-    an unknown method (another engine's outputs): 1, the AR shape. The validator's second opinion computes a miss
-    in this shape (ddtree.engine.output_check.DecodeShape)."""
+    its block; DDTree and a branching MTP or EAGLE-3 the root and `budget` nodes; their chains the root and
+    `steps`). None or an unknown method (another engine's outputs): 1, the AR shape. The validator's second opinion
+    computes a miss in this shape (ddtree.engine.output_check.DecodeShape)."""
     m = METHODS.get(name)
     if m is None or m.tree == "root":
         return 1
     if m.tree == "chain":
         return max(1, block_size or 1)
-    if m.drafter_kind == OWN_HEAD and (topk or MTP_TOPK) == 1:
+    if m.budget_when_branching and (topk or MTP_TOPK) == 1:  # a chain of `steps` (mtp, eagle3 with topk 1)
         return (steps or MTP_STEPS) + 1
     return (budget if budget is not None else DEFAULT_BUDGET) + 1
 

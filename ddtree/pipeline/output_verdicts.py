@@ -56,10 +56,13 @@ def conversation_inputs(tokenizer, prompt: Prompt, turns: list[dict[str, Any]], 
 def decode_shape(rec: dict[str, Any], rc: RunConfig):
     """How a record's output was computed (its method's verified rows, its rounds): the shape a miss's second
     opinion replays (ddtree.engine.output_check.DecodeShape). Another engine's outputs: AR's, token by token."""
-    from ddtree.engine.methods import verified_rows
+    from ddtree.engine.methods import METHODS, verified_rows
     from ddtree.engine.output_check import DecodeShape
 
-    width = verified_rows(rec.get("method"), rec.get("budget"), rec.get("block_size"), rc.mtp.steps, rc.mtp.topk)
+    spec = METHODS.get(rec.get("method"))
+    own = getattr(rc, spec.settings, None) if spec is not None and spec.settings else None  # rc.mtp, rc.eagle3
+    width = verified_rows(rec.get("method"), rec.get("budget"), rec.get("block_size"),
+                          getattr(own, "steps", None), getattr(own, "topk", None))
     return DecodeShape(width=width, acceptance_lengths=rec.get("acceptance_lengths"))
 
 
