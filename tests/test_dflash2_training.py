@@ -210,3 +210,34 @@ def test_a_trained_checkpoint_is_in_the_public_layout_both_ways(tmp_path, target
         torch.testing.assert_close(v, drafter.state_dict()[k], rtol=0, atol=0)
     again, summary2, losses = _train(tmp_path / "b", target, 5, drafter=loaded)
     assert losses and "final_selector_loss" in summary2
+
+
+@pytest.mark.slow  # a whole data / extract / train run with two curve evaluations (~4 min on the busy 2-core CPU)
+def test_cli_trains_a_dflash2_drafter_and_reports_the_selector(tmp_path):
+    """python -m ddtree.train drafter.arch=dflash2 with the default selector settings (the public loss): each log
+    line carries the selector's numbers, every evaluation the probe's (MLflow probe/...), the summary the last ones,
+    and the drafter is a DFlash2 checkpoint the run pipeline loads."""
+    import os
+
+    from train_support import _history, _pipeline_cfg
+
+    cfg = _pipeline_cfg(tmp_path, "d2")
+    args = [f"out_dir={tmp_path / 'd2'}", f"target.name_or_path={cfg['target']['name_or_path']}",
+            "data.source=texts", f"data.texts={cfg['data']['texts']}", "stages=[data,extract,train]",
+            "extract.dtype=float32", "device=cpu", "drafter.arch=dflash2", "drafter.num_layers=1",
+            "drafter.block_size=4", "drafter.target_layer_ids=[1,3]", "drafter.selector_top_k=4",
+            "drafter.selector_rank=8", "optim.max_steps=4", "optim.log_every=1", "optim.batch_size=4",
+            "optim.anchors_per_seq=4", "optim.warmup_steps=1", f"eval.prompts={cfg['eval']['prompts']}",
+            "eval.every=2", "eval.curve_budget=4", "eval.curve_samples=1", "eval.max_new_tokens=8",
+            f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.run_name=d2"]
+    p = subprocess.run([sys.executable, "-m", "ddtree.train", *args], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert sum("path tau" in ln and "oracle" in ln for ln in lines) == 4, p.stdout[-2000:]
+    assert [ln.split()[2] for ln in lines if " probe " in ln] == ["2", "4"], p.stdout[-2000:]
+    assert [s for s, _ in _history(tmp_path, "d2", "probe/path_tau")] == [2, 4]
+    assert len(_history(tmp_path, "d2", "train/selector_acc_tf")) == 4
+    summary = json.loads((tmp_path / "d2" / "summary.json").read_text())["stages"]["train"]
+    assert 1.0 <= summary["probe_path_tau"] <= summary["probe_oracle_tau"]
+    assert type(DFlashDrafter.from_pretrained(tmp_path / "d2" / "drafter")) is DFlash2Drafter
