@@ -6,18 +6,21 @@ training's probe metrics (docs/training.md, "DFlash2 drafters").
     python bench/bench_dflash2_loss.py --drafter "ours (shipped)=assets/toy/drafter2" \\
         --drafter "public, stop-gradient=runs/t51/sg"      # a training out_dir (its drafter/, summary.json) or a drafter
 
-tau is deterministic (one run each); no speed is measured (the machine is shared).
+tau is deterministic (one run each); no speed is measured (the machine is shared). `--work DIR` keeps each
+drafter's sweep in DIR/<its weights' hash> and reuses a finished one (the same weights, under any name); `--jobs N` sweeps N drafters at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _common import ROOT, Record, add_json_arg, params
@@ -28,18 +31,24 @@ TABLE = "DFlash2 selector objectives on the toy pair (toy_eval, 256 unseen promp
 PROBE_TABLE = "Their training's probe metrics (the last step; teacher-forced blocks of the training data)"
 
 
+def fingerprint(drafter: Path) -> str:
+    """What a kept sweep was run over: the drafter's config and weights."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        h.update((drafter / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
 def sweep(out: Path, drafter: Path) -> list[dict]:
-    """The chain and both scorings' trees at BUDGETS over `drafter` on toy_eval; each job's summary and accuracy."""
+    """The chain and both scorings' trees at BUDGETS over `drafter` on toy_eval; each job's summary and accuracy.
+    A finished sweep of the same drafter in `out` (its done.json) is read again, not rerun."""
     from ddtree.pipeline.diagnose.analysis import diagnose
     from ddtree.pipeline.diagnose.records import load_jobs
 
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    cmd = [sys.executable, "-m", "ddtree.run", "experiment=toy_dflash2", "dataset=toy_eval", "force=true",
-           "tracking=none", "baseline=false", f"drafter.name_or_path={drafter.resolve()}", f"hydra.sweep.dir={out}",
-           "method=dflash,ddtree", "scoring=marginal,pair", f"budget={','.join(map(str, BUDGETS))}", "-m"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    done, mark = out / "done.json", {"fingerprint": fingerprint(drafter)}
+    if not (done.exists() and json.loads(done.read_text()) == mark):
+        _run_sweep(out, drafter)
+        done.write_text(json.dumps(mark))
     jobs = []
     for p in sorted(out.glob("*/summary.json")):
         s = json.loads(p.read_text())
@@ -47,6 +56,16 @@ def sweep(out: Path, drafter: Path) -> list[dict]:
         s["on_path"], s["off_path"] = ((acc.get(k) or {}).get("rate") for k in ("main", "off"))
         jobs.append(s)
     return jobs
+
+
+def _run_sweep(out: Path, drafter: Path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    cmd = [sys.executable, "-m", "ddtree.run", "experiment=toy_dflash2", "dataset=toy_eval", "force=true",
+           "tracking=none", "baseline=false", f"drafter.name_or_path={drafter.resolve()}", f"hydra.sweep.dir={out}",
+           "method=dflash,ddtree", "scoring=marginal,pair", f"budget={','.join(map(str, BUDGETS))}", "-m"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the run over {drafter} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
 def row(name: str, jobs: list[dict]) -> list:
@@ -64,22 +83,31 @@ def main() -> None:
     ap.add_argument("--drafter", action="append", required=True, metavar="NAME=PATH",
                     help="a training out_dir (its drafter/ and summary.json) or a drafter directory")
     ap.add_argument("--note", default="", help="a line on how the drafters were trained")
+    ap.add_argument("--work", default="", help="keep each drafter's sweep in WORK/<hash>; a finished one is reused")
+    ap.add_argument("--jobs", type=int, default=1, help="drafters swept at once (one process each)")
     add_json_arg(ap, "bench_dflash2_loss")
     a = ap.parse_args()
-    rows, probes, seconds = [], [], []
+    specs = [(name, Path(path)) for name, path in (spec.split("=", 1) for spec in a.drafter)]
     with tempfile.TemporaryDirectory(prefix="bench_dflash2_loss_") as tmp:
-        for i, spec in enumerate(a.drafter):
-            name, path = spec.split("=", 1)
-            path = Path(path)
+        work = Path(a.work) if a.work else Path(tmp)
+
+        def one(i: int) -> tuple[list, float]:
+            name, path = specs[i]
             drafter = path / "drafter" if (path / "drafter" / "config.json").exists() else path
             t0 = time.perf_counter()
-            rows.append(row(name, sweep(Path(tmp) / str(i), drafter)))
-            seconds.append(round(time.perf_counter() - t0))
-            summary = path / "summary.json"
-            if summary.exists():
-                train = (json.loads(summary.read_text()).get("stages") or {}).get("train") or {}
-                probes.append([name, *(train.get(f"probe_{k}") for k in PROBE)])
-            print(" | ".join(str(c) for c in rows[-1]), flush=True)
+            r = row(name, sweep(work / fingerprint(drafter), drafter))
+            print(" | ".join(str(c) for c in r), flush=True)
+            return r, round(time.perf_counter() - t0)
+
+        with ThreadPoolExecutor(max(1, a.jobs)) as pool:
+            done = list(pool.map(one, range(len(specs))))
+    rows, seconds = [r for r, _ in done], [t for _, t in done]
+    probes = []
+    for name, path in specs:
+        summary = path / "summary.json"
+        if summary.exists():
+            train = (json.loads(summary.read_text()).get("stages") or {}).get("train") or {}
+            probes.append([name, *(train.get(f"probe_{k}") for k in PROBE)])
     rec = Record("bench_dflash2_loss", "DFlash2 selector objectives on the toy pair",
                  description="Toy DFlash2 drafters trained on the same answers and features for the same steps "
                              "(experiment=toy_dflash2), differing only in the selector's term (optim.selector); tau "
