@@ -54,6 +54,7 @@ def sweep(out: Path, drafter: Path) -> list[dict]:
         s = json.loads(p.read_text())
         acc = diagnose(load_jobs(p.parent)).get("accuracy") or {}
         s["on_path"], s["off_path"] = ((acc.get(k) or {}).get("rate") for k in ("main", "off"))
+        s["off_interval"] = acc.get("off") or {}  # its Wilson interval and count
         jobs.append(s)
     return jobs
 
@@ -74,8 +75,10 @@ def row(name: str, jobs: list[dict]) -> list:
     m32, p32 = tree[("marginal", 32)], tree[("pair", 32)]
     on, off_m, off_p = p32["on_path"], m32["off_path"], p32["off_path"]
     closed = (off_p - off_m) / (on - off_m) if None not in (on, off_m, off_p) and on > off_m else None
+    ci = p32["off_interval"]
+    interval = f"{ci['lo']:.0%}–{ci['hi']:.0%} (n {ci['n']})" if ci.get("n") else None
     return [name, chain, *(tree[("marginal", b)]["tau"] for b in BUDGETS), *(tree[("pair", b)]["tau"] for b in BUDGETS),
-            on, off_m, off_p, closed]
+            on, off_m, off_p, interval, closed]
 
 
 def main() -> None:
@@ -113,12 +116,12 @@ def main() -> None:
                              "(experiment=toy_dflash2), differing only in the selector's term (optim.selector); tau "
                              "of the selector's chain and of DDTree under both scorings on toy_eval, and accuracy at "
                              "depths >= 2 of the accepted paths on the drafter's path and off it (the pair tree's at "
-                             "budget 32; off-path under marginal scores beside it). gap closed: (pair off - marginal "
-                             "off) / (on - marginal off).",
+                             "budget 32, with its Wilson interval and count; off-path under marginal scores beside it). "
+                             "gap closed: (pair off - marginal off) / (on - marginal off).",
                  params=params(a, seconds=seconds))
     cols = ["objective", "chain tau", *(f"marginal tau {b}" for b in BUDGETS), *(f"pair tau {b}" for b in BUDGETS),
-            "on-path accuracy", "off-path, marginal", "off-path, pair", "gap closed"]
-    fmts = {c: "{:.2f}" for c in cols[1:8]} | {c: "{:.0%}" for c in cols[8:]}
+            "on-path accuracy", "off-path, marginal", "off-path, pair", "off-path, pair: 95% interval", "gap closed"]
+    fmts = {c: "{:.2f}" for c in cols[1:8]} | {c: "{:.0%}" for c in cols[8:11] + cols[12:]}
     rec.table(TABLE, cols, rows, fmts, note=a.note)
     if probes:
         rec.table(PROBE_TABLE, ["objective", *PROBE], probes, {k: "{:.3f}" for k in PROBE})
