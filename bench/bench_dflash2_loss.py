@@ -26,7 +26,7 @@ from pathlib import Path
 from _common import ROOT, Record, add_json_arg, params
 
 BUDGETS = (16, 32, 64)
-PROBE = ("unary_recall", "unary_acc", "selector_acc_tf", "path_tau", "oracle_tau")
+PROBE = ("unary_recall", "unary_acc", "selector_acc_tf", "tau_proxy", "path_tau", "oracle_tau")  # tau_proxy: the unary chain's
 TABLE = "DFlash2 selector objectives on the toy pair (toy_eval, 256 unseen prompts)"
 PROBE_TABLE = "Their training's probe metrics (the last step; teacher-forced blocks of the training data)"
 
@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=1, help="drafters swept at once (one process each)")
     add_json_arg(ap, "bench_dflash2_loss")
     a = ap.parse_args()
-    specs = [(name, Path(path)) for name, path in (spec.split("=", 1) for spec in a.drafter)]
+    specs = [(name, Path(path)) for name, path in (spec.rsplit("=", 1) for spec in a.drafter)]  # a name may hold "="
     with tempfile.TemporaryDirectory(prefix="bench_dflash2_loss_") as tmp:
         work = Path(a.work) if a.work else Path(tmp)
 
@@ -118,7 +118,7 @@ def main() -> None:
                              "depths >= 2 of the accepted paths on the drafter's path and off it (the pair tree's at "
                              "budget 32, with its Wilson interval and count; off-path under marginal scores beside it). "
                              "gap closed: (pair off - marginal off) / (on - marginal off).",
-                 params=params(a, seconds=seconds))
+                 params=params(a, seconds=seconds))  # a reused sweep's: reading it
     cols = ["objective", "chain tau", *(f"marginal tau {b}" for b in BUDGETS), *(f"pair tau {b}" for b in BUDGETS),
             "on-path accuracy", "off-path, marginal", "off-path, pair", "off-path, pair: 95% interval", "gap closed"]
     fmts = {c: "{:.2f}" for c in cols[1:8]} | {c: "{:.0%}" for c in cols[8:11] + cols[12:]}
