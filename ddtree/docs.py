@@ -219,6 +219,22 @@ def dflash2_markdown(rec: dict) -> str:
             f"`bench/bench_toy_run.py`).{note}{by_budget}")
 
 
+OBJECTIVES_RECORD = "bench_dflash2_loss.json"  # bench/bench_dflash2_loss.py writes it
+
+
+def dflash2_objectives_markdown(folder: Path) -> str:
+    """docs/dflash2.md's comparison of selector objectives: every table of their record, with where it came from."""
+    path = folder / OBJECTIVES_RECORD
+    if not path.exists():
+        return (f"(no `docs/bench/{OBJECTIVES_RECORD}` yet: `OMP_NUM_THREADS=1 python bench/bench_dflash2_loss.py "
+                "--drafter NAME=DIR ...`, then `make docs`)")
+    rec = json.loads(path.read_text())
+    parts = [f"{t['title']}:\n\n{render_table(t)}" + (f"\n\n{t['note']}" if t.get("note") else "")
+             for t in rec["tables"]]
+    return "\n\n".join(parts) + (f"\n\nFrom `docs/bench/{OBJECTIVES_RECORD}` (`bench/bench_dflash2_loss.py`; commit "
+                                 f"`{rec['commit']}`, {rec['date'][:10]}, {rec['machine']}).")
+
+
 # ---------------------------------------------------------------- all pages
 
 def generated_pages(root: Path = ROOT) -> dict[Path, str]:
@@ -232,8 +248,10 @@ def generated_pages(root: Path = ROOT) -> dict[Path, str]:
         root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
         paper: replace_block(paper.read_text(), "paper-reference",
                              all_models_markdown(load_reference(DEFAULT_REFERENCE))),
-        dflash2: replace_block(dflash2.read_text(), "dflash2-toy",
-                               dflash2_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
+        dflash2: replace_block(replace_block(dflash2.read_text(), "dflash2-toy",
+                                             dflash2_markdown(json.loads((root / "docs" / "bench" /
+                                                                          RESULTS_RECORD).read_text()))),
+                               "dflash2-objectives", dflash2_objectives_markdown(root / "docs" / "bench")),
     }
 
 

@@ -85,3 +85,101 @@ def pair_paths_reference(drafter: DFlash2Drafter, logits: torch.Tensor, hidden: 
             scored[path] = prev + logp(depth - 1, path[-2] if depth > 1 else anchor, path[-1])
     ranked = sorted(scored, key=lambda p: (-scored[p], len(p)))
     return set(ranked[:budget])
+
+
+def _block_positions(batch):
+    """(b, j, t, anchor, previous true token, label) of every labelled position of a BlockBatch, in order."""
+    B, n, L = batch.labels.shape
+    ids = batch.block_ids.view(B, n, batch.block_size)
+    for b in range(B):
+        for j in range(n):
+            for t in range(L):
+                y = int(batch.labels[b, j, t])
+                if y < 0:
+                    continue
+                prev = int(ids[b, j, 0]) if t == 0 else int(batch.labels[b, j, t - 1])
+                yield b, j, t, int(ids[b, j, 0]), prev, y
+
+
+def _row_scores(drafter: DFlash2Drafter, head: torch.Tensor, row: torch.Tensor, a: int, cands: list[int]
+                ) -> tuple[list[float], list[float]]:
+    """Float64 logits of one drafter row (every token) and S(a, c) for each candidate c, token by token."""
+    sel = drafter.candidate_selector
+    row = row.detach()
+    logits = (head.double() @ row.double()).tolist()
+    wh = sel.hidden_projection.weight.detach().double() @ row.double()
+    P, Q = sel.predecessor_codebook.detach().double(), sel.successor_codebook.detach().double()
+    scores = [logits[c] + float((P[a] * wh * Q[c]).sum()) for c in cands]
+    return logits, scores
+
+
+def _lse(xs: list[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+def selector_loss_reference(drafter: DFlash2Drafter, head: torch.Tensor, hidden: torch.Tensor, batch, decay: float,
+                            *, rule: str = "public", alpha: float = 1.0, inject_gold: bool = True) -> float:
+    """The selector's term as the published DFlash2 recipes define it, one position at a time in float64: the label's
+    k-way cross-entropy among the top-k of the row's logits (the label in place of the k-th where missing, with
+    inject_gold; else the position adds nothing), scored S_t(previous true token, .), weighted exp(-t / decay) for
+    the t-th drafted position, over the sum of the weights of every labelled position (rule public) or of the
+    positions scored (rule ours), times alpha. A drafter without multiplier or soft cap (the logits are the head's)."""
+    k, bs = drafter.config.selector_top_k, batch.block_size
+    num = den = scored_den = 0.0
+    for b, j, t, _, prev, y in _block_positions(batch):
+        w = math.exp(-t / decay)
+        row = hidden[b, j * bs + t + 1]
+        logits = (head.double() @ row.double()).tolist()
+        cands = sorted(range(len(logits)), key=lambda v: (-logits[v], v))[:k]
+        den += w
+        if y not in cands:
+            if not inject_gold:
+                continue
+            cands[-1] = y
+        _, scores = _row_scores(drafter, head, row, prev, cands)
+        num += w * (_lse(scores) - scores[cands.index(y)])
+        scored_den += w
+    return alpha * num / (scored_den if rule == "ours" else den)
+
+
+def selector_metrics_reference(drafter: DFlash2Drafter, head: torch.Tensor, hidden: torch.Tensor, batch
+                               ) -> dict[str, float]:
+    """The recipes' DFlash2 metrics, position by position in float64 on the strict top-k (see
+    ddtree.train.objective.selector_metrics): recall, mass, unary top-1 accuracy, teacher-forced selector accuracy,
+    the self-conditioned walk's accuracy where it reached and its accepted length, the top-k oracle's length."""
+    k, bs = drafter.config.selector_top_k, batch.block_size
+    n_pos = recall = mass = unary = tf = 0.0
+    walks: dict[tuple[int, int], dict] = {}
+    for b, j, t, anchor, prev, y in _block_positions(batch):
+        row = hidden[b, j * bs + t + 1]
+        logits = (head.double() @ row.double()).tolist()
+        cands = sorted(range(len(logits)), key=lambda v: (-logits[v], v))[:k]
+        lse = _lse(logits)
+        n_pos += 1
+        recall += y in cands
+        mass += sum(math.exp(logits[c] - lse) for c in cands)
+        unary += cands[0] == y
+        _, s = _row_scores(drafter, head, row, prev, cands)
+        tf += cands[max(range(k), key=lambda i: (s[i], -i))] == y
+        if t == 0:
+            walks[b, j] = {"prev": anchor, "alive": True, "oracle": True, "len": 0, "olen": 0, "reached": 0, "hit": 0}
+        w = walks.get((b, j))
+        if w is None:
+            continue
+        _, s = _row_scores(drafter, head, row, w["prev"], cands)
+        choice = cands[max(range(k), key=lambda i: (s[i], -i))]
+        if w["alive"]:
+            w["reached"] += 1
+            w["alive"] = choice == y
+            w["hit"] += w["alive"]
+            w["len"] += w["alive"]
+        w["oracle"] = w["oracle"] and y in cands
+        w["olen"] += w["oracle"]
+        w["prev"] = choice
+    blocks = list(walks.values())
+    return {"unary_recall": recall / n_pos, "unary_mass": mass / n_pos, "unary_acc": unary / n_pos,
+            "selector_acc_tf": tf / n_pos,
+            "path_acc": sum(w["hit"] for w in blocks) / max(1, sum(w["reached"] for w in blocks)),
+            "path_tau": 1 + sum(w["len"] for w in blocks) / len(blocks),
+            "oracle_tau": 1 + sum(w["olen"] for w in blocks) / len(blocks)}

@@ -22,6 +22,7 @@ STAGES = ("data", "extract", "train", "eval")
 DTYPES = ("float32", "bfloat16", "float16")
 DATA_SOURCES = ("generate", "texts", "hub")
 FEATURES = ("offline", "online")
+SELECTOR_LOSSES = ("public", "ours")  # a DFlash2 drafter's selector term (train.objective.selector_loss)
 
 
 @dataclass
@@ -86,6 +87,16 @@ class ExtractConfig:
 
 
 @dataclass
+class SelectorLossConfig:
+    """A DFlash2 drafter's selector term (docs/training.md, "DFlash2 drafters"); ignored for DFlash drafters."""
+
+    loss: str = "public"  # public: the published recipes' rule | ours: ddtree's first loss (kept to compare)
+    alpha: float = 1.0  # the term's weight beside the block loss (0: the selector is not trained)
+    inject_gold: bool = True  # the label replaces the k-th candidate where the top-k misses it (training only)
+    stop_gradient: bool = False  # the term trains the selector alone (logits and hidden states detached)
+
+
+@dataclass
 class OptimConfig:
     lr: float = 6e-4
     min_lr_ratio: float = 0.1  # cosine floor, as a fraction of lr
@@ -99,7 +110,7 @@ class OptimConfig:
     epochs: float = 1.0
     max_steps: int | None = None  # optimizer steps; overrides epochs
     loss_decay: float | None = 4.0  # weight of block position k is exp(-(k-1)/loss_decay); null: uniform
-    selector_weight: float = 1.0  # DFlash2 drafters: the candidate selector's loss, times this, added
+    selector: SelectorLossConfig = field(default_factory=SelectorLossConfig)  # DFlash2 drafters: the selector's term
     log_every: int = 10
     save_every: int = 200  # optimizer steps between checkpoints
     keep_checkpoints: int = 2
@@ -211,8 +222,14 @@ def validate(c: TrainConfig) -> None:
         raise ConfigError("optim.epochs", f"must be > 0, got {c.optim.epochs}", "or set optim.max_steps")
     if c.drafter.arch not in ("dflash", "dflash2"):
         raise ConfigError("drafter.arch", f"unknown value {c.drafter.arch!r}", "use dflash or dflash2")
-    if c.optim.selector_weight < 0:
-        raise ConfigError("optim.selector_weight", f"must be >= 0, got {c.optim.selector_weight}")
+    sel = c.optim.selector
+    if sel.loss not in SELECTOR_LOSSES:
+        raise ConfigError("optim.selector.loss", f"unknown value {sel.loss!r}", f"use {' or '.join(SELECTOR_LOSSES)}")
+    if not sel.alpha >= 0 or sel.alpha == float("inf"):
+        raise ConfigError("optim.selector.alpha", f"must be a finite number >= 0, got {sel.alpha}", "use e.g. 1.0")
+    if sel.loss == "ours" and (not sel.inject_gold or sel.stop_gradient):
+        raise ConfigError("optim.selector.loss", "the 'ours' loss always injects the label and trains everything",
+                          "use optim.selector.loss=public for inject_gold=false or stop_gradient=true")
     if c.optim.loss_decay is not None and c.optim.loss_decay <= 0:
         raise ConfigError("optim.loss_decay", f"must be > 0 or null, got {c.optim.loss_decay}")
     if c.tracking.backend not in ("mlflow", "none"):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree.train.config import SELECTOR_LOSSES
 from ddtree.train.features import Sample
 
 IGNORE = -100
@@ -159,13 +160,27 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
 
 
 def selector_loss(drafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, batch: BlockBatch,
-                  decay: float | None = None, lm_head_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """A DFlash2 drafter's candidate-selector loss (written before NeMo's recipe could be read; docs/dflash2.md says
-    where the two differ): at each labelled block position t, the candidates are the top-k of the drafter's logits
-    (detached; the label replaces the last one where it is missing), scored S_t(a, .) with a the true previous token
-    (the anchor at t = 0: teacher forcing, as the walk sees an accepted prefix), and the loss is the cross-entropy of
-    the label among them, position k weighted as block_loss weights it. Gradients reach the logits (the unary term),
-    the codebooks and the hidden projection."""
+                  decay: float | None = None, lm_head_bias: torch.Tensor | None = None, *, rule: str = "public",
+                  alpha: float = 1.0, inject_gold: bool = True, stop_gradient: bool = False
+                  ) -> tuple[torch.Tensor, dict]:
+    """A DFlash2 drafter's candidate-selector term, to add to `block_loss` (alpha included), and its statistics.
+
+    At each labelled block position t the candidates are the top-k of the drafter's logits (the serving set),
+    scored S_t(a, .) with a the true previous token (the anchor at t = 0: teacher forcing); the term is a k-way
+    cross-entropy of the label among them, position k weighted as block_loss weights it.
+
+    rule="public" (the published DFlash2 recipes): alpha x sum_t w_t CE_t / sum_t w_t, the denominator the block
+    loss's (every labelled position); with inject_gold the label replaces the k-th candidate where the top-k misses
+    it, without it such a position adds nothing to the numerator (the strict set); stop_gradient detaches the logits
+    and the hidden states inside the term, so only the selector's own parameters learn from it.
+    rule="ours" (ddtree's first loss, written before any recipe could be read; docs/dflash2.md compares both with NeMo's): the label always injected, the
+    term normalised over the positions it scores, gradients everywhere. Where every position is scored, as with
+    injection, the two are the same number.
+    """
+    if rule not in SELECTOR_LOSSES:
+        raise ValueError(f"unknown selector loss {rule!r}")
+    if rule == "ours" and (not inject_gold or stop_gradient):
+        raise ValueError("the 'ours' selector loss always injects the label and never stops gradients")
     labels, bs = batch.labels, batch.block_size
     B, n, _ = labels.shape
     h = hidden.view(B, n, bs, -1)[:, :, 1:]
@@ -178,18 +193,88 @@ def selector_loss(drafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, b
     logits = drafter.head_logits(lambda x: F.linear(x, lm_head_weight.to(x.dtype), lm_head_bias), rows)
     sel = drafter.candidate_selector
     k = sel.top_k
-    cands = logits.detach().topk(k, dim=-1).indices
-    hit = cands == tgt[:, None]
-    missing = ~hit.any(-1)
-    cands[missing, -1] = tgt[missing]
+    strict = logits.detach().topk(k, dim=-1).indices  # the serving candidate set
+    covered = (strict == tgt[:, None]).any(-1)
+    cands = strict.clone()
+    if inject_gold:
+        cands[~covered, -1] = tgt[~covered]
+    scored = covered | inject_gold  # positions whose label is among the loss's candidates
     where = (cands == tgt[:, None]).float().argmax(-1)
-    unary = logits.gather(1, cands)
-    ctx = sel.predecessor_codebook[before].float() * sel.hidden_projection(rows).float()
-    scores = unary + (ctx[:, None, :] * sel.successor_codebook[cands].float()).sum(-1)
+    srows, slogits = (rows.detach(), logits.detach()) if stop_gradient else (rows, logits)
+    scores = _pair_scores(sel, slogits.gather(1, cands), cands, before, srows)
     ce = F.cross_entropy(scores, where, reduction="none")
-    loss = (ce * w).sum() / w.sum().clamp_min(1e-9)
+    # ours: over the positions it scores (all: it always injects); public: the block loss's denominator
+    raw = (ce * w * scored).sum() / (w * scored if rule == "ours" else w).sum().clamp_min(1e-9)
     with torch.no_grad():
-        stats = {"selector_loss": loss.item(),
-                 "selector_acc": (scores.argmax(-1) == where).float().mean().item() if len(where) else 0.0,
-                 "selector_coverage": 1.0 - missing.float().mean().item() if len(where) else 0.0}
-    return loss, stats
+        stats = {"selector_loss": raw.item(),
+                 "selector_acc": (scores.argmax(-1) == where)[scored].float().mean().item() if scored.any() else 0.0,
+                 "selector_coverage": covered.float().mean().item() if len(tgt) else 0.0,
+                 **selector_metrics(sel, batch, valid, logits.detach(), strict, rows.detach())}
+    return alpha * raw, stats
+
+
+def _pair_scores(sel, unary: torch.Tensor, cands: torch.Tensor, before: torch.Tensor, rows: torch.Tensor
+                 ) -> torch.Tensor:
+    """S(a, b) = unary(b) + sum_r P[a]_r (W h)_r Q[b]_r for rows [..., H], candidates [..., k], predecessors [...]."""
+    ctx = sel.predecessor_codebook[before].float() * sel.hidden_projection(rows).float()
+    return unary + (ctx[..., None, :] * sel.successor_codebook[cands].float()).sum(-1)
+
+
+@torch.no_grad()
+def selector_metrics(sel, batch: BlockBatch, valid: torch.Tensor, logits: torch.Tensor, strict: torch.Tensor,
+                     rows: torch.Tensor) -> dict[str, float]:
+    """What the published recipes report of a DFlash2 drafter, on teacher-forced blocks, all on the strict top-k
+    (the serving set: nothing injected): unary top-k recall (the label among the candidates) and mass (the unary
+    distribution's probability on them), the unary top-1 accuracy, the selector's teacher-forced accuracy (argmax of
+    S_t(true previous token, .)), and the selector walking its own choices from the anchor as it serves: its
+    accuracy at positions its path reached (path_acc) and its accepted length (path_tau, 1 + leading hits, as
+    tau_proxy counts the unary chain); oracle_tau: 1 + the leading positions whose label is a candidate, the most
+    any walk over these candidates accepts. The selector's numbers read its scores, never the unary head's argmax."""
+    labels, bs = batch.labels, batch.block_size
+    B, n, L = labels.shape
+    tgt = labels[valid]
+    if not len(tgt):
+        return {}
+    anchor = batch.block_ids.view(B, n, bs)[:, :, 0]
+    prev_tf = torch.cat([anchor[..., None], labels[:, :, :-1]], dim=-1)[valid]
+    hit = strict == tgt[:, None]
+    probs = logits.softmax(-1)
+    unary = logits.gather(1, strict)
+    tf = strict.gather(1, _pair_scores(sel, unary, strict, prev_tf, rows).argmax(-1, keepdim=True))[:, 0]
+    # the walk, per block: dense [B, n, L, ...] (zeros where no label; such positions never count)
+    k = strict.shape[-1]
+    cand_d = torch.zeros(B, n, L, k, dtype=strict.dtype, device=strict.device)
+    unary_d = torch.zeros(B, n, L, k, dtype=unary.dtype, device=unary.device)
+    proj = sel.hidden_projection(rows).float()
+    proj_d = torch.zeros(B, n, L, proj.shape[-1], dtype=proj.dtype, device=proj.device)
+    cand_d[valid], unary_d[valid], proj_d[valid] = strict, unary, proj
+    hit_d = torch.zeros_like(valid)
+    hit_d[valid] = hit.any(-1)
+    P, Q = sel.predecessor_codebook.float(), sel.successor_codebook.float()
+    prev = anchor
+    alive = valid[:, :, 0].clone()
+    oracle = alive.clone()
+    real = alive.clone()
+    path_len = torch.zeros(B, n, device=labels.device)
+    oracle_len = torch.zeros_like(path_len)
+    reached = correct_sum = 0
+    for t in range(L):
+        s = unary_d[:, :, t] + ((P[prev] * proj_d[:, :, t])[:, :, None, :] * Q[cand_d[:, :, t]]).sum(-1)
+        choice = cand_d[:, :, t].gather(-1, s.argmax(-1, keepdim=True))[..., 0]
+        eligible = alive & valid[:, :, t]
+        right = eligible & (choice == labels[:, :, t])
+        reached += int(eligible.sum())
+        correct_sum += int(right.sum())
+        alive = right
+        oracle = oracle & valid[:, :, t] & hit_d[:, :, t]
+        path_len += alive.float()
+        oracle_len += oracle.float()
+        prev = choice
+    nreal = max(1, int(real.sum()))
+    return {"unary_recall": hit.any(-1).float().mean().item(),
+            "unary_mass": probs.gather(1, strict).sum(-1).mean().item(),
+            "unary_acc": (strict[:, 0] == tgt).float().mean().item(),
+            "selector_acc_tf": (tf == tgt).float().mean().item(),
+            "path_acc": correct_sum / max(1, reached),
+            "path_tau": 1.0 + path_len[real].sum().item() / nreal,
+            "oracle_tau": 1.0 + oracle_len[real].sum().item() / nreal}

@@ -295,13 +295,38 @@ def accumulate(drafter, t: Training, target: FrozenTarget, stream, cfg: OptimCon
             hidden = drafter_hidden(drafter, target.embed_weight, batch, call=t.model)
             loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size,
                                      cfg.loss_decay, target.lm_head_bias)
-            if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: its selector's loss too
+            if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: its selector's term too
+                sel = cfg.selector
                 extra, more = selector_loss(drafter, hidden, target.lm_head_weight, batch, cfg.loss_decay,
-                                            target.lm_head_bias)
-                loss, stats = loss + cfg.selector_weight * extra, {**stats, **more}
+                                            target.lm_head_bias, rule=sel.loss, alpha=sel.alpha,
+                                            inject_gold=sel.inject_gold, stop_gradient=sel.stop_gradient)
+                loss, stats = loss + extra, {**stats, **more}
         (loss / cfg.grad_accum).backward()
         window.add(stats)
     return m
+
+
+def probe_metrics(drafter, target: FrozenTarget, source: FeatureSource, cfg: OptimConfig,
+                  device: torch.device) -> dict[str, float]:
+    """A DFlash2 drafter's selector metrics (`objective.selector_metrics`, the block loss's beside them) on a fixed
+    probe: the first micro-batch of epoch 0 with anchors of their own seed, the same blocks at every evaluation.
+    Empty for a drafter without a selector."""
+    if getattr(drafter, "candidate_selector", None) is None:
+        return {}
+    shard, idx = epoch_microbatches(source, cfg.batch_size, 0, cfg.seed)[0]
+    batch = make_batch(source.samples(shard, idx), drafter.block_size, cfg.anchors_per_seq, drafter.mask_token_id,
+                       random.Random(f"probe-{cfg.seed}")).to(device)
+    home, was = next(drafter.parameters()).device, drafter.training
+    drafter.to(device).eval()
+    with torch.no_grad():
+        hidden = drafter_hidden(drafter, target.embed_weight, batch)
+        _, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size, cfg.loss_decay,
+                              target.lm_head_bias)
+        sel = cfg.selector
+        _, more = selector_loss(drafter, hidden, target.lm_head_weight, batch, cfg.loss_decay, target.lm_head_bias,
+                                rule=sel.loss, inject_gold=sel.inject_gold)
+    drafter.to(home).train(was)
+    return {k: v for k, v in {**stats, **more}.items() if k not in ("loss", "tokens")}
 
 
 def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: OptimConfig, out_dir: Path, *,
@@ -324,7 +349,7 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
         f"{cfg.anchors_per_seq} anchors/seq)")
 
     stream = micro_batches(source, cfg, state.micro, per_epoch, world)
-    window, last, t_start = LossWindow(), {}, time.perf_counter()
+    window, last, last_probe, t_start = LossWindow(), {}, {}, time.perf_counter()
     while state.step < total:
         for g in t.opt.param_groups:
             g["lr"] = lr_at(state.step, total, cfg)
@@ -344,6 +369,12 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
             optimizer = _gather_whole(drafter, t.opt, t.whole, world, cfg)
             if evaluated and world.is_main:
                 _evaluate_step(t.whole, evaluate, state, tracker, ckpt_dir, device, log)
+            if (evaluated or state.step == total) and world.is_main:
+                probe = probe_metrics(t.whole, target, source, cfg, device)
+                if probe:
+                    tracker.log_metrics({f"probe/{k}": v for k, v in probe.items()}, step=state.step)
+                    log(f"train: step {state.step} probe " + " ".join(f"{k} {v:.3f}" for k, v in probe.items()))
+                    last_probe = probe
             if world.is_main:
                 save_checkpoint(t.whole, t.opt, state, ckpt_dir, cfg.keep_checkpoints, optimizer)
     if world.is_distributed:
@@ -351,7 +382,8 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
 
         dist.barrier()
     drafter.eval()
-    summary = {"steps": total, "train_s": time.perf_counter() - t_start, **{f"final_{k}": v for k, v in last.items()}}
+    summary = {"steps": total, "train_s": time.perf_counter() - t_start, **{f"final_{k}": v for k, v in last.items()},
+               **{f"probe_{k}": v for k, v in last_probe.items()}}
     if state.best_step is not None:
         summary.update(best_step=state.best_step, best_tau=state.best_tau)
     return summary
@@ -359,8 +391,10 @@ def train_drafter(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
 
 def _log_step(last: dict[str, float], step: int, total: int, tracker, log: Callable[[str], None]) -> None:
     tracker.log_metrics({f"train/{k}": v for k, v in last.items()}, step=step)
-    selector = f"selector loss {last['selector_loss']:.4f} acc {last['selector_acc']:.3f} " if (
-        "selector_loss" in last) else ""  # a DFlash2 drafter's
+    selector = (f"selector loss {last['selector_loss']:.4f} acc {last['selector_acc']:.3f} "
+                f"(recall {last['unary_recall']:.3f} tf {last['selector_acc_tf']:.3f} vs unary {last['unary_acc']:.3f}, "
+                f"path tau {last['path_tau']:.2f} of oracle {last['oracle_tau']:.2f}) ") if (
+        "unary_recall" in last) else ""  # a DFlash2 drafter's
     log(f"train: step {step}/{total} loss {last['loss']:.4f} acc {last['acc']:.3f} tau~{last['tau_proxy']:.2f} "
         f"{selector}lr {last['lr']:.2e} {last['label_tokens_per_s']:.0f} label tok/s")
 
