@@ -581,6 +581,19 @@ class Validator:
                        f"steps apart); every position of both passes{line}", divergence=div, method=mc, baseline=bc)
 
 
+def method_side_verdict(record: dict[str, Any], temperature: float) -> str:
+    """The verdict of one output judged on its own side, from its stored verdict record (`Verdict` as
+    ddtree.pipeline.output_verdicts stores it): `suspect` where the method's side failed (a baseline that failed its
+    own check does not count against it), `ok` at T > 0, `tie` where a token was a near tie or a shape tie (the target
+    picks it where it computes the position as decoding does), else `exact`. Validator.verdict's rule, for a judge of
+    another engine's outputs (python -m ddtree.check), not a second one."""
+    if record["verdict"] == "suspect" and record.get("side") in ("method", "both"):
+        return "suspect"
+    if temperature > 0:
+        return "ok"
+    return "tie" if record.get("near_ties") or record.get("num_shape_ties") else "exact"
+
+
 def shape_tie_line(check: OutputCheck, dtype: str) -> str:
     """One line on an output's first shape tie (docs/validation.md: the MiniMax-M2 example)."""
     t = check.shape_ties[0]

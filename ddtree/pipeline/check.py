@@ -256,13 +256,10 @@ def check_verdict(v: dict[str, Any], temperature: float, prompt_ids: list[int] |
     """This check's verdict of one output from its validation record (ddtree.pipeline.output_verdicts):
     the engine's output alone against the target; a baseline that failed its own check does not count here.
     `prompt_ids`, `output_ids`: what the output was generated from and what it is (a suspect's sampler hint)."""
-    failed = v["verdict"] == "suspect" and v.get("side") in ("method", "both")
-    if failed:
-        verdict = "suspect"
-    elif temperature > 0:
-        verdict = "ok"
-    else:  # a shape tie: a token the target itself picks where it computes the position as decoding does
-        verdict = "tie" if v.get("near_ties") or v.get("num_shape_ties") else "exact"
+    from ddtree.engine.output_check import method_side_verdict
+
+    verdict = method_side_verdict(v, temperature)  # the rule's one home: ddtree.engine.output_check
+    failed = verdict == "suspect"
     out = {"verdict": verdict, "worst_margin_steps": v.get("worst_margin_steps"), "near_ties": v.get("near_ties"),
            "mean_logprob": v.get("mean_logprob")}
     if v.get("num_shape_ties"):
