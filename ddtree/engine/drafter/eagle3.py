@@ -227,8 +227,11 @@ class Eagle3Drafter(nn.Module):
         self._target_ids = self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
         return self
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config.layer)
+    def new_kv(self, capacity: int) -> torch.Tensor:
+        """The draft layer's KV cache: a fixed buffer [2, 1, Hkv, capacity, d] (keys, values) in its dtype on its
+        device (`step` writes and reads it)."""
+        attn = self.midlayer.self_attn
+        return torch.zeros(2, 1, attn.kv_heads, capacity, attn.head_dim, dtype=self.dtype, device=self.fc.weight.device)
 
     # ---- the forward ------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -254,6 +257,21 @@ class Eagle3Drafter(nn.Module):
         x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
         h = residual + layer.self_attn(x, self.rotary(hidden, position_ids), mask, cache)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+             visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """One draft step, the only one drafting runs (the eager proposer's and the compiled round's): the forward
+        over the fixed buffer `kv` (`new_kv`). ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q] (rotary
+        positions; the rows receiving the q keys and values), visible [q, C] (bool: the first C rows each query
+        attends over, its own included). Returns [1, q, H]."""
+        q = ids.shape[1]
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+        mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min).view(1, 1, q, -1)
+        return self(self.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows, visible.shape[-1]))
+
+    def traced_step(self):
+        """`step` as torch.compile traces it (StaticMTP's round): the same."""
+        return self.step
 
     # ---- building ---------------------------------------------------------------------------------------------
     @classmethod
@@ -404,44 +422,27 @@ def _read_tensors(directory: Path, name: Any) -> dict[str, torch.Tensor]:
 
 
 class _FixedRows:
-    """The draft layer's KV cache in a fixed buffer [2, 1, Hkv, Cd, d] (the compiled draft): `update` writes the
-    step's keys and values at `rows` and returns every row (its query sees them under the step's mask)."""
+    """The draft layer's KV cache in a fixed buffer [2, 1, Hkv, Cd, d]: `update` writes the step's keys and values
+    at `rows` and returns the first `width` rows (its query sees them under the step's mask)."""
 
-    def __init__(self, kv: torch.Tensor, rows: torch.Tensor):
-        self.kv, self.rows = kv, rows
+    def __init__(self, kv: torch.Tensor, rows: torch.Tensor, width: int):
+        self.kv, self.rows, self.width = kv, rows, width
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         self.kv.index_copy_(-2, self.rows, torch.stack([key, value.to(key.dtype)]).to(self.kv.dtype))
-        return self.kv[0], self.kv[1]
+        return self.kv[0, ..., : self.width, :], self.kv[1, ..., : self.width, :]
 
 
 class StaticEagle3(StaticMTP):
     """method=eagle3's draft as one fixed-shape graph a round: StaticMTP's round (the committed path read, then the
-    chain or the EAGLE-2 tree) over the EAGLE-3 layer, whose own forward runs on a fixed buffer (_FixedRows) instead
-    of its DynamicCache: one forward for the eager and the compiled draft."""
-
-    def __init__(self, static, proposer):
-        self.static, self.proposer, self.head = static, proposer, proposer.head
-        self.steps, self.k, self.budget = proposer.steps, proposer.topk, proposer.budget
-        self.graph = torch.compile(self._draft, **static.options)
-        self.kv: torch.Tensor | None = None
-        self.length = self.context = self.count = self.path_tokens = None
-        self.ready = False
+    chain or the EAGLE-2 tree) over the EAGLE-3 drafter's `step` (its own forward on the fixed buffer): one forward
+    for the eager and the compiled draft."""
 
     @staticmethod
     def why_not(static, proposer) -> str | None:
         if proposer.head.fc.weight.device != static.device:
             return "the EAGLE-3 drafter is on another device"
         return None
-
-    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """The drafter's forward over the fixed buffer: ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q],
-        visible [q, Cd] (bool); writes the q keys and values at `rows`; returns [1, q, H]."""
-        head, q = self.head, ids.shape[1]
-        mask = torch.zeros(visible.shape, dtype=head.dtype, device=visible.device)
-        mask = mask.masked_fill_(~visible, torch.finfo(head.dtype).min).view(1, 1, q, -1)
-        return head(head.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows))
 
 
 class Eagle3Proposer(MTPProposer):
@@ -462,7 +463,7 @@ class Eagle3Proposer(MTPProposer):
         self.steps, self.topk, self.budget = steps, topk, budget
         self.feature_layers = drafter.target_layer_ids
         self.max_nodes = (steps if topk == 1 else budget) + 1
-        self.cache = None
+        self.kv = None
         self.ctx_len = 0
         self._tokens = None
         self._capacity = 0
