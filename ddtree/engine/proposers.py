@@ -280,8 +280,10 @@ class MTPProposer(Proposer):
         head = self.head
         hdev = head.fc.weight.device  # under a device map the features (and the head's logits) may sit elsewhere
         pos = torch.arange(self.ctx_len, state.start, device=hdev)
-        visible = torch.arange(state.start, device=hdev)[None, :] <= pos[:, None]  # causal over the new rows
-        out = head.step(ids[None].to(hdev), ctx.to(device=hdev, dtype=head.dtype), pos, pos, visible, self.kv)
+        visible = state.start  # one new row: every row; more: causal over the new rows
+        if c > 1:
+            visible = torch.arange(state.start, device=hdev)[None, :] <= pos[:, None]
+        out = head.step(ids[None], ctx.to(device=hdev, dtype=head.dtype), pos, pos, visible, self.kv)
         self.ctx_len = state.start
         last = out[:, -1:]
         return head.logits(last[0, 0]).float().to(dev), last
@@ -316,8 +318,7 @@ class MTPProposer(Proposer):
         hdev = head.fc.weight.device
         for s in range(1, self.steps):  # token s sits at start + s; the head runs one before it, at that row
             row = torch.full((1,), state.start + s - 1, dtype=torch.long, device=hdev)
-            every = torch.ones(1, state.start + s, dtype=torch.bool, device=hdev)
-            hidden = head.step(picks[-1][0].reshape(1, 1).to(hdev), hidden, row, row, every, self.kv)
+            hidden = head.step(picks[-1][0].reshape(1, 1), hidden, row, row, state.start + s, self.kv)
             picks.append(sample_rows(head.logits(hidden[0, 0]).float().to(dev), state))
         with state.timer.stage("tree"):
             toks, probs = zip(*picks, strict=True)

@@ -262,12 +262,16 @@ class Eagle3Drafter(nn.Module):
              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
         """One draft step, the only one drafting runs (the eager proposer's and the compiled round's): the forward
         over the fixed buffer `kv` (`new_kv`). ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q] (rotary
-        positions; the rows receiving the q keys and values), visible [q, C] (bool: the first C rows each query
-        attends over, its own included). Returns [1, q, H]."""
+        positions; the rows receiving the q keys and values), visible [q, C] (bool: which of the first C rows each
+        query attends over, its own included) or C alone (every one of them: no mask). Returns [1, q, H]."""
         q = ids.shape[1]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
-        mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min).view(1, 1, q, -1)
-        return self(self.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows, visible.shape[-1]))
+        if isinstance(visible, int):
+            mask, width = None, visible
+        else:
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min).view(1, 1, q, -1)
+            width = visible.shape[-1]
+        return self(self.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows, width))
 
     def traced_step(self):
         """`step` as torch.compile traces it (StaticMTP's round): the same."""
@@ -429,8 +433,8 @@ class _FixedRows:
         self.kv, self.rows, self.width = kv, rows, width
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kv.index_copy_(-2, self.rows, torch.stack([key, value.to(key.dtype)]).to(self.kv.dtype))
-        return self.kv[0, ..., : self.width, :], self.kv[1, ..., : self.width, :]
+        kv = self.kv.index_copy_(-2, self.rows, torch.stack([key, value]))
+        return (kv if self.width == kv.shape[-2] else kv.narrow(-2, 0, self.width)).unbind(0)
 
 
 class StaticEagle3(StaticMTP):

@@ -216,8 +216,9 @@ class MTPHead(nn.Module):
              visible: torch.Tensor, kv: torch.Tensor, layer: LeanLayer | None = None) -> torch.Tensor:
         """One MTP step, the only one drafting runs (the eager proposer's and the compiled round's, StaticMTP):
         ids [1, q], hidden [1, q, H] (the hidden states before them), positions and rows [q] (rotary positions; the
-        rows of `kv`, a `new_kv` buffer, that receive the q keys and values), visible [q, C] (bool: the first C rows
-        of `kv` each query attends over, its own included). Returns [1, q, H] after mtp.norm. layer: the layer's
+        rows of `kv`, a `new_kv` buffer, that receive the q keys and values), visible [q, C] (bool: which of the
+        first C rows of `kv` each query attends over, its own included) or C alone (every one of them: no mask).
+        Returns [1, q, H] after mtp.norm. layer: the layer's
         lean form (default the eager one; `traced_step` passes the traceable one)."""
         layer = layer or self._lean()
         q = ids.shape[1]
@@ -228,10 +229,11 @@ class MTPHead(nn.Module):
         query, gate = layer._queries(h)
         key, value = layer._keys_values(h)
         query, key = layer.rotary(query, key, *rope)
-        kv.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(kv.dtype))
-        width = visible.shape[-1]
-        bias = grouped_bias(visible.view(q, width), query.shape[1] // kv.shape[2], query.dtype)
-        out = grouped_attention(query, kv[0, ..., :width, :], kv[1, ..., :width, :], bias, layer.attn.scaling)
+        kv.index_copy_(-2, rows, torch.stack([key, value]))
+        width = visible if isinstance(visible, int) else visible.shape[-1]
+        bias = None if isinstance(visible, int) else grouped_bias(visible, query.shape[1] // kv.shape[2], query.dtype)
+        keys, values = (kv if width == kv.shape[-2] else kv.narrow(-2, 0, width)).unbind(0)
+        out = grouped_attention(query, keys, values, bias, layer.attn.scaling)
         out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
         if gate is not None:
             out = out * torch.sigmoid(gate)
