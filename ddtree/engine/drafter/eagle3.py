@@ -25,9 +25,9 @@ and its tensors (safetensors, one file or shards with an index; pytorch_model.bi
 Positions as the serving engines run it: the draft layer at rotary position p reads the target's aux hidden states
 at p (fused by fc) with the embedding of token p + 1, and its output predicts token p + 2 (logits over the draft
 vocabulary, mapped to the target's ids by d2t; the rest -inf). A further step feeds that output (before `norm`) back
-as the hidden state with the drafted token, one position on. The draft layer keeps its own KV cache across rounds;
-drafted entries leave it at the end of each round (only committed positions stay), as method=mtp's head does: the
-proposer is MTPProposer's rounds over this layer.
+as the hidden state with the drafted token, one position on. The draft layer keeps its own KV cache across rounds, a
+fixed buffer (`new_kv`) whose drafted rows are written over next round, as method=mtp's head does: the proposer is
+MTPProposer's rounds over this layer's `step`.
 """
 
 from __future__ import annotations
@@ -451,7 +451,7 @@ class StaticEagle3(StaticMTP):
 
 class Eagle3Proposer(MTPProposer):
     """method=eagle3: MTPProposer's rounds (the committed tokens read into the draft layer's cache, then a chain of
-    `steps` or, topk > 1, an EAGLE-2 style tree of the `budget` best nodes; drafted entries dropped each round) over
+    `steps` or, topk > 1, an EAGLE-2 style tree of the `budget` best nodes; drafted rows written over next round) over
     an EAGLE-3 drafter; under compile its draft from a generation's second round on is StaticEagle3's graph."""
 
     static_form = StaticEagle3
