@@ -255,7 +255,7 @@ class MTPProposer(Proposer):
         """A new generation; capacity: prompt + new tokens + the largest tree (sizes the compiled head's buffer)."""
         # the committed rows, the compiled read's padded path and the largest round of drafts; one bucket, kept
         rows = capacity_bucket(capacity + 2 * (self.steps + 1) + self.steps * self.topk)
-        if self.kv is None or self.kv.shape[-2] != rows:
+        if self.kv is None or self.kv.shape[-2] != rows or self.kv.dtype != self.head.dtype:
             self.kv = None
             self.kv = self.head.new_kv(rows)
         self.ctx_len = 0

@@ -50,7 +50,6 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ddtree.engine.checks import check_budget, check_mtp_args
-from ddtree.engine.drafter.mtp_static import StaticMTP
 from ddtree.engine.proposers import MTPProposer
 from ddtree.errors import ConfigError
 
@@ -277,6 +276,10 @@ class Eagle3Drafter(nn.Module):
         """`step` as torch.compile traces it (StaticMTP's round): the same."""
         return self.step
 
+    def why_not_traced(self, device: torch.device) -> str | None:
+        """Why the step cannot be traced into the compiled round, in words; None where it can."""
+        return "the EAGLE-3 drafter is on another device" if self.fc.weight.device != device else None
+
     # ---- building ---------------------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -437,24 +440,11 @@ class _FixedRows:
         return (kv if self.width == kv.shape[-2] else kv.narrow(-2, 0, self.width)).unbind(0)
 
 
-class StaticEagle3(StaticMTP):
-    """method=eagle3's draft as one fixed-shape graph a round: StaticMTP's round (the committed path read, then the
-    chain or the EAGLE-2 tree) over the EAGLE-3 drafter's `step` (its own forward on the fixed buffer): one forward
-    for the eager and the compiled draft."""
-
-    @staticmethod
-    def why_not(static, proposer) -> str | None:
-        if proposer.head.fc.weight.device != static.device:
-            return "the EAGLE-3 drafter is on another device"
-        return None
-
-
 class Eagle3Proposer(MTPProposer):
     """method=eagle3: MTPProposer's rounds (the committed tokens read into the draft layer's cache, then a chain of
     `steps` or, topk > 1, an EAGLE-2 style tree of the `budget` best nodes; drafted rows written over next round) over
-    an EAGLE-3 drafter; under compile its draft from a generation's second round on is StaticEagle3's graph."""
-
-    static_form = StaticEagle3
+    an EAGLE-3 drafter; under compile its draft from a generation's second round on is StaticMTP's graph over the
+    drafter's `step`."""
 
     def __init__(self, target, drafter: Eagle3Drafter, *, steps: int, topk: int = 1, budget: int = 64):
         check_mtp_args(steps, topk, "eagle3")

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from ddtree.engine.compiled import _FrozenLayer, grouped_attention, grouped_bias
 from ddtree.engine.families import check_family_has_mtp, family, model_type
-from ddtree.engine.forward import LeanLayer
+from ddtree.engine.forward import _MLPS, LeanLayer
 from ddtree.errors import ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -246,6 +246,20 @@ class MTPHead(nn.Module):
         if self._lean_layer is None:
             self._lean_layer = LeanLayer(self.layers[0])
         return self._lean_layer
+
+    def why_not_traced(self, device: torch.device) -> str | None:
+        """Why the step cannot be traced into the compiled round (StaticMTP), in words; None where it can."""
+        layer = self.layers[0]
+        impl = self.config._attn_implementation
+        if impl not in ("eager", "sdpa"):
+            return f"the MTP head's attention is {impl}"
+        if self.fc.weight.device != device:
+            return "the MTP head is on another device"
+        if not LeanLayer.supports(layer):
+            return f"the MTP head's layer ({type(layer).__name__}) is not a layer the lean forward drives"
+        if type(layer.mlp).__name__ not in _MLPS:
+            return f"the MTP head's MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
+        return None
 
     def traced_step(self):
         """`step` in a form torch.compile traces (the layer's norms frozen: their weights read once, here)."""

@@ -7,30 +7,15 @@ import torch
 
 from ddtree.engine.compiled import StaticRound
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
-from ddtree.engine.forward import _MLPS, LeanLayer
 from ddtree.engine.tree import _ancestor_index, _ancestor_matrix, chain_tensors
-
-
-def why_not_static_head(head, device: torch.device) -> str | None:
-    """Why method=mtp's head cannot draft as a graph (StaticMTP), in words; None where it can."""
-    layer = head.layers[0]
-    impl = head.config._attn_implementation
-    if impl not in ("eager", "sdpa"):
-        return f"the MTP head's attention is {impl}"
-    if head.fc.weight.device != device:
-        return "the MTP head is on another device"
-    if not LeanLayer.supports(layer):
-        return f"the MTP head's layer ({type(layer).__name__}) is not a layer the lean forward drives"
-    if type(layer.mlp).__name__ not in _MLPS:
-        return f"the MTP head's MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
-    return None
 
 
 class StaticMTP:
     """method=mtp's head (ddtree.engine.drafter.mtp.MTPHead) as one fixed-shape graph a round (`_draft`): it reads
     the tokens committed since the last round, then drafts the chain (greedy) or the EAGLE tree (mtp_expand, the
     eager proposer's code), from a generation's second round on. Each step is the head's own `step` (the eager
-    proposer's), traced (`traced_step`); method=eagle3 runs this round over its drafter's (StaticEagle3).
+    proposer's), traced (`traced_step`), where the head says it can be (`why_not_traced`); method=eagle3 runs this
+    round over its drafter's.
 
     The first round runs the eager proposer (the prompt: any length) on the head's fixed KV buffer, which `load`
     takes over: keys and values [2, 1, Hkv, Cd, d], row r holding position r of the committed context, and the
@@ -55,7 +40,7 @@ class StaticMTP:
 
     @staticmethod
     def why_not(static: StaticRound, proposer) -> str | None:
-        return why_not_static_head(proposer.head, static.device)
+        return proposer.head.why_not_traced(static.device)
 
     def reset(self) -> None:
         self.ready = False
