@@ -212,7 +212,7 @@ def dynamo_clean():
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param(None, id="inductor", marks=pytest.mark.slow)])
 def test_the_compiled_draft_drafts_as_the_eager_one(backend, dynamo_clean):
-    """compile=true: the round's verification and, from a generation's second round on, the draft (StaticEagle3: the
+    """compile=true: the round's verification and, from a generation's second round on, the draft (StaticMTP over the drafter's step: the
     drafter's own forward on a fixed buffer) are graphs; chain and trees equal HF greedy and the eager engine (same
     acceptance, same trees), without a recompile or a graph break (inductor: the chain only, as compile=true runs)."""
     target, drafter = pair("qwen3")

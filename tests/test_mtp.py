@@ -146,6 +146,32 @@ def test_tree_drafts_equal_the_from_scratch_head(budget):
             assert abs(got[path] - score) < 1e-4, path
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"])
+def test_the_step_equals_transformers_layer(model_type):
+    """MTPHead.step (the one step drafting runs, eager and compiled) over its fixed buffer equals the head through
+    transformers' own layer (`forward`, no cache, plain causal mask): a context read in one call, then a step that
+    sees every row, then two queries that see only some rows (a tree's frontier)."""
+    from mtp_support import causal_mask
+
+    target = tiny_model(model_type, seed=0)
+    head = MTPHead.random_for_target(target, seed=5, std=0.2)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (1, 9), generator=g)
+    hidden = torch.randn(1, 9, head.config.hidden_size, generator=g)
+    with torch.inference_mode():
+        ref = head(head.embed(ids), hidden, torch.arange(9)[None], causal_mask(9, hidden.dtype), None)
+        kv = head.new_kv(32)
+        pos = torch.arange(6)
+        got = [head.step(ids[:, :6], hidden[:, :6], pos, pos, torch.arange(6)[None] <= pos[:, None], kv)]
+        got.append(head.step(ids[:, 6:7], hidden[:, 6:7], pos[-1:] + 1, pos[-1:] + 1, 7, kv))
+        # rows 7 and 8 as two queries written at rows 20, 21: row 7 sees 0..6 and itself; row 8 sees 0..6, 20, 21
+        vis = torch.zeros(2, 22, dtype=torch.bool)
+        vis[:, :7] = True
+        vis[0, 20] = vis[1, 20] = vis[1, 21] = True
+        got.append(head.step(ids[:, 7:9], hidden[:, 7:9], torch.tensor([7, 8]), torch.tensor([20, 21]), vis, kv))
+    torch.testing.assert_close(torch.cat(got, 1), ref, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("model_type,per_expert,prefix", [
     ("qwen3_5_text", False, "mtp."),
     ("qwen3_5_moe_text", False, "mtp."),  # fused experts, as Qwen3.5 MoE checkpoints ship them

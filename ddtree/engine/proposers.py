@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.checks import check_block_size, check_budget, check_mtp_args
 from ddtree.engine.drafter.model_static import StaticDraft
 from ddtree.engine.drafter.mtp import MTPHead, mtp_expand, mtp_tree_tensors
@@ -223,8 +224,9 @@ class MTPProposer(Proposer):
     * topk > 1: an EAGLE-style tree: the top-k children of each frontier node per step, the next frontier the
       k best of them by cumulative log-probability, `steps` deep; the `budget` best nodes are verified.
 
-    Draft entries leave the head's cache at the end of the round (a crop: only committed positions stay), so the
-    rollback is the target's commit. head: an MTPHead, or None to read it from the target's checkpoint.
+    Every step is the head's `step` over its fixed KV buffer (`new_kv`), the one the compiled round takes over
+    (StaticMTP). Draft entries sit past the committed rows and are written over the next round (nothing to crop),
+    so the rollback is the target's commit. head: an MTPHead, or None to read it from the target's checkpoint.
     """
 
     compilable = True
@@ -242,7 +244,7 @@ class MTPProposer(Proposer):
         self.head, self.steps, self.topk, self.budget = head, steps, topk, budget
         self.feature_layers = head.target_layer_ids  # the target's output hidden state (after its final norm)
         self.max_nodes = (steps if topk == 1 else budget) + 1  # the chain ignores the budget
-        self.cache = None
+        self.kv = None  # the head's KV buffer (rows: positions of the committed context, then the round's drafts)
         self.ctx_len = 0
         self._tokens = None
         # static_draft: the compiled head (ddtree.engine.drafter.mtp_static.StaticMTP), set by an Engine with compile on: it
@@ -251,17 +253,16 @@ class MTPProposer(Proposer):
 
     def reset(self, capacity: int) -> None:
         """A new generation; capacity: prompt + new tokens + the largest tree (sizes the compiled head's buffer)."""
-        self.cache = self.head.new_cache()
+        # the committed rows, the compiled read's padded path and the largest round of drafts; one bucket, kept
+        rows = capacity_bucket(capacity + 2 * (self.steps + 1) + self.steps * self.topk)
+        if self.kv is None or self.kv.shape[-2] != rows or self.kv.dtype != self.head.dtype:
+            self.kv = None
+            self.kv = self.head.new_kv(rows)
         self.ctx_len = 0
         self._capacity = capacity
         self._tokens = None  # the last tree's tokens
         if self.static_draft is not None:
             self.static_draft.reset()
-
-    def _mask(self, visible: torch.Tensor) -> torch.Tensor:
-        """Additive [1, 1, q, keys] from a boolean visibility matrix."""
-        out = torch.zeros(visible.shape, dtype=self.head.dtype, device=visible.device)
-        return out.masked_fill_(~visible, torch.finfo(self.head.dtype).min)[None, None]
 
     def _read_context(self, state: DecodeState) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens since the last round into the head's cache; (logits [V], output [1, 1, H]) of the
@@ -276,23 +277,16 @@ class MTPProposer(Proposer):
             ids = torch.cat([self._tokens.index_select(0, state.path[1:]), state.root.reshape(1)])
         else:
             ids = torch.tensor(state.generated[-c:], dtype=torch.long, device=dev)
-        pos = torch.arange(self.ctx_len, state.start, device=dev)
-        mask = None
-        if c > 1:  # causal over the new rows, every cached row visible
-            keys = torch.arange(state.start, device=dev)
-            mask = self._mask(keys[None, :] <= pos[:, None])
         head = self.head
-        # .to: under a device map the features (and the head's logits) may sit elsewhere than the root
-        out = head(head.embed(ids[None]), ctx.to(device=head.fc.weight.device, dtype=head.dtype), pos[None], mask,
-                   self.cache)
+        hdev = head.fc.weight.device  # under a device map the features (and the head's logits) may sit elsewhere
+        pos = torch.arange(self.ctx_len, state.start, device=hdev)
+        visible = state.start  # one new row: every row; more: causal over the new rows
+        if c > 1:
+            visible = torch.arange(state.start, device=hdev)[None, :] <= pos[:, None]
+        out = head.step(ids[None], ctx.to(device=hdev, dtype=head.dtype), pos, pos, visible, self.kv)
         self.ctx_len = state.start
         last = out[:, -1:]
         return head.logits(last[0, 0]).float().to(dev), last
-
-    def _drop_drafts(self) -> None:
-        extra = self.cache.get_seq_length() - self.ctx_len
-        if extra > 0:
-            self.cache.crop(-extra)
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftTree:
@@ -314,39 +308,39 @@ class MTPProposer(Proposer):
             logits, hidden = self._read_context(state)
             tree = self._chain(state, logits, hidden) if self.topk == 1 else self._tree(state, logits, hidden)
             if static is not None and (self.topk > 1 or state.temperature <= 0):  # (a sampled chain stays eager)
-                static.load(self.cache, self._capacity)
+                static.load(self.kv, self.ctx_len)
             return tree
 
     def _chain(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
         """topk = 1: argmax at T = 0; at T > 0 a sample of each step's softmax, verified by rejection against it."""
         head, dev = self.head, state.root.device
         picks = [sample_rows(logits, state)]
-        for s in range(1, self.steps):  # token s sits at start + s; the head runs one before it
-            pos = torch.full((1, 1), state.start + s - 1, dtype=torch.long, device=dev)
-            hidden = head(head.embed(picks[-1][0].reshape(1, 1)), hidden, pos, None, self.cache)
+        hdev = head.fc.weight.device
+        for s in range(1, self.steps):  # token s sits at start + s; the head runs one before it, at that row
+            row = torch.full((1,), state.start + s - 1, dtype=torch.long, device=hdev)
+            hidden = head.step(picks[-1][0].reshape(1, 1), hidden, row, row, state.start + s, self.kv)
             picks.append(sample_rows(head.logits(hidden[0, 0]).float().to(dev), state))
-        self._drop_drafts()
         with state.timer.stage("tree"):
             toks, probs = zip(*picks, strict=True)
             return chain_tree(state.root, torch.stack(toks), None if probs[0] is None else torch.stack(probs))
 
     def _tree(self, state: DecodeState, logits: torch.Tensor, hidden: torch.Tensor) -> DraftTree:
-        """EAGLE-style expansion on the device, without a host read (mtp_expand): the head's entries of each step
-        appended to its cache, each query seeing the committed rows, its ancestors' entries and its own."""
+        """EAGLE-style expansion on the device, without a host read (mtp_expand): step s's k entries at rows
+        start + (s - 1) k .. of the head's buffer, each query seeing the committed rows, its ancestors' entries and
+        its own."""
         head, dev = self.head, state.root.device
 
         def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
             k = f_tok.shape[0]
-            past = self.cache.get_seq_length()
+            past = self.ctx_len + (s - 1) * k
             entries = torch.arange(past, past + k, device=dev)
             vis = torch.zeros(k, past + k, dtype=torch.bool, device=dev)
             vis[:, : self.ctx_len] = True
             vis.scatter_(1, torch.cat([f_anc, entries[:, None]], 1), True)
-            pos = torch.full((1, k), state.start + s - 1, dtype=torch.long, device=dev)
-            return head(head.embed(f_tok[None]), f_src[None], pos, self._mask(vis), self.cache)[0], entries
+            pos = torch.full((k,), state.start + s - 1, dtype=torch.long, device=dev)
+            return head.step(f_tok[None], f_src[None], pos, entries, vis, self.kv)[0], entries
 
         pool = mtp_expand(head, logits, hidden[0, 0], self.topk, self.steps, step)
-        self._drop_drafts()
         with state.timer.stage("tree"):
             tokens, parents, depths, scores = mtp_tree_tensors(state.root, *pool, self.budget)
             return DraftTree(tokens, parents, depths, scores=scores, depth_bound=self.steps)

@@ -25,9 +25,9 @@ and its tensors (safetensors, one file or shards with an index; pytorch_model.bi
 Positions as the serving engines run it: the draft layer at rotary position p reads the target's aux hidden states
 at p (fused by fc) with the embedding of token p + 1, and its output predicts token p + 2 (logits over the draft
 vocabulary, mapped to the target's ids by d2t; the rest -inf). A further step feeds that output (before `norm`) back
-as the hidden state with the drafted token, one position on. The draft layer keeps its own KV cache across rounds;
-drafted entries leave it at the end of each round (only committed positions stay), as method=mtp's head does: the
-proposer is MTPProposer's rounds over this layer.
+as the hidden state with the drafted token, one position on. The draft layer keeps its own KV cache across rounds, a
+fixed buffer (`new_kv`) whose drafted rows are written over next round, as method=mtp's head does: the proposer is
+MTPProposer's rounds over this layer's `step`.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from ddtree.engine.checks import check_budget, check_mtp_args
-from ddtree.engine.drafter.mtp_static import StaticMTP
 from ddtree.engine.proposers import MTPProposer
 from ddtree.errors import ConfigError
 
@@ -227,8 +226,11 @@ class Eagle3Drafter(nn.Module):
         self._target_ids = self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
         return self
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config.layer)
+    def new_kv(self, capacity: int) -> torch.Tensor:
+        """The draft layer's KV cache: a fixed buffer [2, 1, Hkv, capacity, d] (keys, values) in its dtype on its
+        device (`step` writes and reads it)."""
+        attn = self.midlayer.self_attn
+        return torch.zeros(2, 1, attn.kv_heads, capacity, attn.head_dim, dtype=self.dtype, device=self.fc.weight.device)
 
     # ---- the forward ------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -254,6 +256,29 @@ class Eagle3Drafter(nn.Module):
         x = torch.cat([layer.input_layernorm(embeds), normed], dim=-1)
         h = residual + layer.self_attn(x, self.rotary(hidden, position_ids), mask, cache)
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+             visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """One draft step, the only one drafting runs (the eager proposer's and the compiled round's): the forward
+        over the fixed buffer `kv` (`new_kv`). ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q] (rotary
+        positions; the rows receiving the q keys and values), visible [q, C] (bool: which of the first C rows each
+        query attends over, its own included) or C alone (every one of them: no mask). Returns [1, q, H]."""
+        q = ids.shape[1]
+        if isinstance(visible, int):
+            mask, width = None, visible
+        else:
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
+            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min).view(1, 1, q, -1)
+            width = visible.shape[-1]
+        return self(self.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows, width))
+
+    def traced_step(self):
+        """`step` as torch.compile traces it (StaticMTP's round): the same."""
+        return self.step
+
+    def why_not_traced(self, device: torch.device) -> str | None:
+        """Why the step cannot be traced into the compiled round, in words; None where it can."""
+        return "the EAGLE-3 drafter is on another device" if self.fc.weight.device != device else None
 
     # ---- building ---------------------------------------------------------------------------------------------
     @classmethod
@@ -404,52 +429,22 @@ def _read_tensors(directory: Path, name: Any) -> dict[str, torch.Tensor]:
 
 
 class _FixedRows:
-    """The draft layer's KV cache in a fixed buffer [2, 1, Hkv, Cd, d] (the compiled draft): `update` writes the
-    step's keys and values at `rows` and returns every row (its query sees them under the step's mask)."""
+    """The draft layer's KV cache in a fixed buffer [2, 1, Hkv, Cd, d]: `update` writes the step's keys and values
+    at `rows` and returns the first `width` rows (its query sees them under the step's mask)."""
 
-    def __init__(self, kv: torch.Tensor, rows: torch.Tensor):
-        self.kv, self.rows = kv, rows
+    def __init__(self, kv: torch.Tensor, rows: torch.Tensor, width: int):
+        self.kv, self.rows, self.width = kv, rows, width
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self.kv.index_copy_(-2, self.rows, torch.stack([key, value.to(key.dtype)]).to(self.kv.dtype))
-        return self.kv[0], self.kv[1]
-
-
-class StaticEagle3(StaticMTP):
-    """method=eagle3's draft as one fixed-shape graph a round: StaticMTP's round (the committed path read, then the
-    chain or the EAGLE-2 tree) over the EAGLE-3 layer, whose own forward runs on a fixed buffer (_FixedRows) instead
-    of its DynamicCache: one forward for the eager and the compiled draft."""
-
-    def __init__(self, static, proposer):
-        self.static, self.proposer, self.head = static, proposer, proposer.head
-        self.steps, self.k, self.budget = proposer.steps, proposer.topk, proposer.budget
-        self.graph = torch.compile(self._draft, **static.options)
-        self.kv: torch.Tensor | None = None
-        self.length = self.context = self.count = self.path_tokens = None
-        self.ready = False
-
-    @staticmethod
-    def why_not(static, proposer) -> str | None:
-        if proposer.head.fc.weight.device != static.device:
-            return "the EAGLE-3 drafter is on another device"
-        return None
-
-    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """The drafter's forward over the fixed buffer: ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q],
-        visible [q, Cd] (bool); writes the q keys and values at `rows`; returns [1, q, H]."""
-        head, q = self.head, ids.shape[1]
-        mask = torch.zeros(visible.shape, dtype=head.dtype, device=visible.device)
-        mask = mask.masked_fill_(~visible, torch.finfo(head.dtype).min).view(1, 1, q, -1)
-        return head(head.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows))
+        kv = self.kv.index_copy_(-2, self.rows, torch.stack([key, value]))
+        return (kv if self.width == kv.shape[-2] else kv.narrow(-2, 0, self.width)).unbind(0)
 
 
 class Eagle3Proposer(MTPProposer):
     """method=eagle3: MTPProposer's rounds (the committed tokens read into the draft layer's cache, then a chain of
-    `steps` or, topk > 1, an EAGLE-2 style tree of the `budget` best nodes; drafted entries dropped each round) over
-    an EAGLE-3 drafter; under compile its draft from a generation's second round on is StaticEagle3's graph."""
-
-    static_form = StaticEagle3
+    `steps` or, topk > 1, an EAGLE-2 style tree of the `budget` best nodes; drafted rows written over next round) over
+    an EAGLE-3 drafter; under compile its draft from a generation's second round on is StaticMTP's graph over the
+    drafter's `step`."""
 
     def __init__(self, target, drafter: Eagle3Drafter, *, steps: int, topk: int = 1, budget: int = 64):
         check_mtp_args(steps, topk, "eagle3")
@@ -462,7 +457,7 @@ class Eagle3Proposer(MTPProposer):
         self.steps, self.topk, self.budget = steps, topk, budget
         self.feature_layers = drafter.target_layer_ids
         self.max_nodes = (steps if topk == 1 else budget) + 1
-        self.cache = None
+        self.kv = None
         self.ctx_len = 0
         self._tokens = None
         self._capacity = 0

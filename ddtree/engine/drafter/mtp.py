@@ -21,6 +21,7 @@ published: `mtp.` at the top level, `model.mtp.` / `model.language_model.mtp.` a
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import json
 import os
@@ -32,7 +33,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from ddtree.engine.compiled import _FrozenLayer, grouped_attention, grouped_bias
 from ddtree.engine.families import check_family_has_mtp, family, model_type
+from ddtree.engine.forward import _MLPS, LeanLayer
 from ddtree.errors import ConfigError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -171,6 +174,7 @@ class MTPHead(nn.Module):
         self.norm = norm_cls(h, eps=eps)
         self._mrope = row.lean == "mrope_text" or row.mtp_mrope
         self._borrowed: tuple | None = None
+        self._lean_layer: LeanLayer | None = None
 
     # ---- what the engine reads -------------------------------------------------------------------------------
     @property
@@ -194,8 +198,12 @@ class MTPHead(nn.Module):
         rotary = base.rotary_emb if hasattr(base, "rotary_emb") else base.language_model.rotary_emb
         self._borrowed = (target.get_input_embeddings(), target.get_output_embeddings(), rotary)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+    def new_kv(self, capacity: int) -> torch.Tensor:
+        """The head's KV cache: a fixed buffer [2, 1, Hkv, capacity, d] (keys, values) in its dtype on its device,
+        row r holding the entry at row r (`step` writes and reads it)."""
+        attn = self.layers[0].self_attn
+        return torch.zeros(2, 1, self.config.num_key_value_heads, capacity, attn.head_dim, dtype=self.dtype,
+                           device=self.fc.weight.device)
 
     # ---- the forward ------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -204,10 +212,67 @@ class MTPHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._borrowed[1](hidden)
 
+    def step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+             visible: torch.Tensor, kv: torch.Tensor, layer: LeanLayer | None = None) -> torch.Tensor:
+        """One MTP step, the only one drafting runs (the eager proposer's and the compiled round's, StaticMTP):
+        ids [1, q], hidden [1, q, H] (the hidden states before them), positions and rows [q] (rotary positions; the
+        rows of `kv`, a `new_kv` buffer, that receive the q keys and values), visible [q, C] (bool: which of the
+        first C rows of `kv` each query attends over, its own included) or C alone (every one of them: no mask).
+        Returns [1, q, H] after mtp.norm. layer: the layer's
+        lean form (default the eager one; `traced_step` passes the traceable one)."""
+        layer = layer or self._lean()
+        q = ids.shape[1]
+        x = self.fc(torch.cat([self.pre_fc_norm_embedding(self.embed(ids)), self.pre_fc_norm_hidden(hidden)], dim=-1))
+        pos = positions.view(1, q)
+        rope = self._borrowed[2](x, pos[None].expand(3, 1, q) if self._mrope else pos)
+        h = layer.norm1(x)
+        query, gate = layer._queries(h)
+        key, value = layer._keys_values(h)
+        query, key = layer.rotary(query, key, *rope)
+        kv.index_copy_(-2, rows, torch.stack([key, value]))
+        width = visible if isinstance(visible, int) else visible.shape[-1]
+        bias = None if isinstance(visible, int) else grouped_bias(visible, query.shape[1] // kv.shape[2], query.dtype)
+        keys, values = (kv if width == kv.shape[-2] else kv.narrow(-2, 0, width)).unbind(0)
+        out = grouped_attention(query, keys, values, bias, layer.attn.scaling)
+        out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        x = layer._feed_forward(x + layer.o(out.reshape(1, q, -1)))
+        return self.norm(x)
+
+    def _lean(self) -> LeanLayer:
+        """The layer as the engine drives it (ddtree.engine.forward.LeanLayer: its norms check their weights'
+        versions), built once."""
+        if self._lean_layer is None:
+            self._lean_layer = LeanLayer(self.layers[0])
+        return self._lean_layer
+
+    def why_not_traced(self, device: torch.device) -> str | None:
+        """Why the step cannot be traced into the compiled round (StaticMTP), in words; None where it can."""
+        layer = self.layers[0]
+        impl = self.config._attn_implementation
+        if impl not in ("eager", "sdpa"):
+            return f"the MTP head's attention is {impl}"
+        if self.fc.weight.device != device:
+            return "the MTP head is on another device"
+        if not LeanLayer.supports(layer):
+            return f"the MTP head's layer ({type(layer).__name__}) is not a layer the lean forward drives"
+        if type(layer.mlp).__name__ not in _MLPS:
+            return f"the MTP head's MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
+        return None
+
+    def traced_step(self):
+        """`step` in a form torch.compile traces (the layer's norms frozen: their weights read once, here)."""
+        with torch.inference_mode():
+            layer = _FrozenLayer(self.layers[0])
+        return functools.partial(self.step, layer=layer)
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None, cache: DynamicCache | None) -> torch.Tensor:
-        """embeds, hidden [1, q, H] (the tokens and the hidden states before them), position_ids [1, q],
-        mask: additive [1, 1, q, past + q] (None: one query, every key visible). Returns [1, q, H] after mtp.norm."""
+        """The head through transformers' own layer, batched and differentiable: what training runs
+        (ddtree.train.mtp) and the tests' from-scratch reference; drafting runs `step`. embeds, hidden [B, q, H],
+        position_ids [B, q], mask additive [B, 1, q, past + q] (None: every key visible). Returns [B, q, H] after
+        mtp.norm."""
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], dim=-1))
         rope_ids = position_ids[None].expand(3, *position_ids.shape) if self._mrope else position_ids
         rope = self._borrowed[2](x, rope_ids)

@@ -5,50 +5,34 @@ from __future__ import annotations
 
 import torch
 
-from ddtree.engine.compiled import StaticRound, _FrozenLayer, capacity_bucket, grouped_attention, grouped_bias
+from ddtree.engine.compiled import StaticRound
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
-from ddtree.engine.forward import _MLPS, LeanLayer
 from ddtree.engine.tree import _ancestor_index, _ancestor_matrix, chain_tensors
-
-
-def why_not_static_head(head, device: torch.device) -> str | None:
-    """Why method=mtp's head cannot draft as a graph (StaticMTP), in words; None where it can."""
-    layer = head.layers[0]
-    impl = head.config._attn_implementation
-    if impl not in ("eager", "sdpa"):
-        return f"the MTP head's attention is {impl}"
-    if head.fc.weight.device != device:
-        return "the MTP head is on another device"
-    if not LeanLayer.supports(layer):
-        return f"the MTP head's layer ({type(layer).__name__}) is not a layer the lean forward drives"
-    if type(layer.mlp).__name__ not in _MLPS:
-        return f"the MTP head's MLP ({type(layer.mlp).__name__}) routes tokens (MoE): not traced yet"
-    return None
 
 
 class StaticMTP:
     """method=mtp's head (ddtree.engine.drafter.mtp.MTPHead) as one fixed-shape graph a round (`_draft`): it reads
     the tokens committed since the last round, then drafts the chain (greedy) or the EAGLE tree (mtp_expand, the
-    eager proposer's code), from a generation's second round on.
+    eager proposer's code), from a generation's second round on. Each step is the head's own `step` (the eager
+    proposer's), traced (`traced_step`), where the head says it can be (`why_not_traced`); method=eagle3 runs this
+    round over its drafter's.
 
-    The first round runs the eager head (the prompt: any length), whose cache `load` copies into a fixed buffer:
-    keys and values [2, 1, Hkv, Cd, d], row r holding position r of the committed context (as the head's
-    DynamicCache lays it out) and the context length [1] on the device. Each later round the target's commit graph
-    leaves the accepted path's features in `context` [1, P, H] (P = min(N, steps + 1): padded), its tokens in
-    `path_tokens` [P] and its length in `count`; the graph reads row i of the path with the token after it (the next
-    path token, the new root after the last), writing rows length .. length + P - 1 (causal: padding rows are never
-    seen by real ones), then the drafts behind the real rows, as the eager head's cache holds them after the context
-    (chain step s at row start + s - 1; tree step s's k entries at start + (s - 1) k ..), each query attending over
-    all Cd rows under a mask (the committed rows, its ancestors' entries and its own). Rows past the committed ones
-    are never read before being written again: no crop. The chain at T > 0 samples with the generation's generator:
-    it stays eager (its verification compiled).
+    The first round runs the eager proposer (the prompt: any length) on the head's fixed KV buffer, which `load`
+    takes over: keys and values [2, 1, Hkv, Cd, d], row r holding position r of the committed context, and the
+    context length [1] on the device. Each later round the target's commit graph leaves the accepted path's
+    features in `context` [1, P, H] (P = min(N, steps + 1): padded), its tokens in `path_tokens` [P] and its length
+    in `count`; the graph reads row i of the path with the token after it (the next path token, the new root after
+    the last), writing rows length .. length + P - 1 (causal: padding rows are never seen by real ones), then the
+    drafts behind the real rows, where the eager proposer puts them (chain step s at row start + s - 1; tree step
+    s's k entries at start + (s - 1) k ..), each query attending over all Cd rows under a mask (the committed rows,
+    its ancestors' entries and its own). Rows past the committed ones are never read before being written again:
+    no crop. The chain at T > 0 samples with the generation's generator: it stays eager (its verification compiled).
     """
 
     def __init__(self, static: StaticRound, proposer):
         self.static, self.proposer, self.head = static, proposer, proposer.head
         self.steps, self.k, self.budget = proposer.steps, proposer.topk, proposer.budget
-        with torch.inference_mode():
-            self.layer = _FrozenLayer(self.head.layers[0])
+        self._step = self.head.traced_step()
         self.graph = torch.compile(self._draft, **static.options)
         self.kv: torch.Tensor | None = None
         self.length = self.context = self.count = self.path_tokens = None
@@ -56,7 +40,7 @@ class StaticMTP:
 
     @staticmethod
     def why_not(static: StaticRound, proposer) -> str | None:
-        return why_not_static_head(proposer.head, static.device)
+        return proposer.head.why_not_traced(static.device)
 
     def reset(self) -> None:
         self.ready = False
@@ -75,20 +59,15 @@ class StaticMTP:
         return feats, self.context, self.count, tokens, self.path_tokens
 
     @torch.inference_mode()
-    def load(self, cache, needed: int) -> None:
-        """After the eager first round: its cache (the committed rows: its drafts cropped) into the fixed buffer."""
-        layer = cache.layers[0]
-        rows = cache.get_seq_length()
-        k0 = layer.keys
-        capacity = capacity_bucket(needed + 2 * (self.steps + 1) + self.steps * self.k)
-        if self.kv is None or self.kv.shape[-2] != capacity or self.kv.dtype != k0.dtype:  # (its bucket: grows, shrinks)
-            self.kv = None
-            self.kv = torch.zeros(2, *k0.shape[:-2], capacity, k0.shape[-1], dtype=k0.dtype, device=k0.device)
-            self.length = torch.zeros(1, dtype=torch.long, device=k0.device)
-            for t in (self.kv, self.length):
-                torch._dynamo.mark_static_address(t)
-        self.kv[0, ..., :rows, :].copy_(k0[..., :rows, :])
-        self.kv[1, ..., :rows, :].copy_(layer.values[..., :rows, :])
+    def load(self, kv: torch.Tensor, rows: int) -> None:
+        """After the eager first round: the proposer's KV buffer (`new_kv`: sized for the generation's capacity
+        bucket, kept across generations) and its `rows` committed rows, taken over (no copy)."""
+        if self.kv is not kv:
+            self.kv = kv
+            torch._dynamo.mark_static_address(kv)
+        if self.length is None or self.length.device != kv.device:
+            self.length = torch.zeros(1, dtype=torch.long, device=kv.device)
+            torch._dynamo.mark_static_address(self.length)
         self.length.fill_(rows)
         self.ready = True
 
@@ -96,28 +75,6 @@ class StaticMTP:
         """The round's draft tree after `root`, root first (one graph call): the chain's (tokens, parents, depths,
         ancestor matrix), or the tree's (tokens, parents, depths, scores, ancestor index, ancestor matrix)."""
         return self.static._run(self.graph, root, self.context, self.count, self.path_tokens, self.length, self.kv)
-
-    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """MTPHead.forward over a fixed buffer: ids [1, q], hidden [1, q, H], positions and rows [q], visible
-        [q, Cd] (bool); writes the q keys and values at `rows`; returns [1, q, H] after mtp.norm."""
-        head, layer = self.head, self.layer
-        q = ids.shape[1]
-        x = head.fc(torch.cat([head.pre_fc_norm_embedding(head.embed(ids)), head.pre_fc_norm_hidden(hidden)], dim=-1))
-        pos = positions.view(1, q)
-        rope = head._borrowed[2](x, pos[None].expand(3, 1, q) if head._mrope else pos)
-        h = layer.norm1(x)
-        query, gate = layer._queries(h)
-        key, value = layer._keys_values(h)
-        query, key = layer.rotary(query, key, *rope)
-        kv.index_copy_(-2, rows, torch.stack([key, value.to(key.dtype)]).to(kv.dtype))
-        bias = grouped_bias(visible.view(q, -1), query.shape[1] // kv.shape[2], query.dtype)
-        out = grouped_attention(query, kv[0], kv[1], bias, layer.attn.scaling)
-        out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
-        if gate is not None:
-            out = out * torch.sigmoid(gate)
-        x = layer._feed_forward(x + layer.o(out.reshape(1, q, -1)))
-        return head.norm(x)
 
     def _draft(self, root: torch.Tensor, ctx: torch.Tensor, count: torch.Tensor, path_tokens: torch.Tensor,
                length: torch.Tensor, kv: torch.Tensor):
