@@ -316,3 +316,28 @@ def test_config_validation(change, setting):
            "head_dim": 16, "dflash_config": {"target_layer_ids": [1], "mask_token_id": 1}} | change
     with pytest.raises(ConfigError, match=setting):
         DFlashConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("declared", [None, True])
+def test_the_forward_over_a_fixed_cache_equals_the_growing_cache(declared):
+    """FixedDrafterCache (the compiled round's drafter cache: fixed buffers, the length on the device, the context
+    rows padded) under the drafter's one forward: the block's hidden states are the growing cache's (float64: the
+    fixed cache attends over every row with `grouped_attention`), sliding windows and the padding included."""
+    from ddtree.engine.drafter.model import FixedDrafterCache
+
+    drafter = make_drafter(window=3, seed=4, is_causal=declared).double()
+    q, width = 4, len(drafter.target_layer_ids) * H
+    g = torch.Generator().manual_seed(5)
+    feats = torch.randn(1, 9, width, generator=g, dtype=torch.float64)
+    noise = torch.randn(1, q, H, generator=g, dtype=torch.float64)
+    cache = drafter.new_cache()
+    drafter(noise, feats[:, :6], torch.arange(6)[None], torch.arange(6, 6 + q)[None], cache)
+    fixed = FixedDrafterCache.like(cache, 32)
+    fixed.load(cache)
+    ref = drafter(noise, feats[:, 6:8], torch.arange(6, 8)[None], torch.arange(8, 8 + q)[None], cache)
+    count = torch.tensor([2])  # 3 context rows, 2 real: the block follows them, over the padding
+    got = drafter(noise, feats[:, 6:9], (fixed.length + torch.arange(3))[None],
+                  (fixed.length + count + torch.arange(q))[None],
+                  FixedDrafterCache(fixed.keys, fixed.values, fixed.length, count, q))
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+    assert fixed.length.item() == cache.length == 8

@@ -39,6 +39,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
 )
 
+from ddtree.engine.compiled import _kv_buffers, grouped_attention, grouped_bias
 from ddtree.engine.drafter.config import DFlashConfig, _normalized_rope, evenly_spaced_layer_ids
 from ddtree.engine.forward import RopeTables, rope_cos_sin
 from ddtree.engine.kernels.attention import silu_mul
@@ -167,9 +168,93 @@ class DrafterCache:
             v.index_copy_(-2, rows, values)
         return k[..., :end, :], v[..., :end, :]
 
+    def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
+             dtype: torch.dtype, groups: int) -> tuple[torch.Tensor | None, int]:
+        """(mask, first) of a layer's attention over this forward's keys (`key_positions`, from `write_positions`):
+        the additive mask of `_visibility_mask` over the key rows from `first` on. Context row r holds position r and
+        the block follows the context: a key row below `context rows - window + 1` is outside every query's window,
+        so a sliding layer never reads it. (groups: unused here, see FixedDrafterCache.mask)"""
+        rows = key_positions.shape[1] - block_position_ids.shape[1]  # the context rows, the new ones included
+        first = max(0, rows - window + 1) if window is not None else 0
+        return _layer_mask(block_position_ids, key_positions, window, causal, dtype, first), first
+
+    attend = None  # the drafter's own attention function (its attn_implementation) reads this cache
+
     def advance(self, context_rows: int) -> None:
         """Keep the `context_rows` context rows the last forward wrote; its block rows become free."""
         self.length += context_rows
+
+
+class FixedDrafterCache:
+    """DrafterCache in buffers of a fixed capacity, its length on the device: the cache of the compiled round's
+    drafter forward (ddtree.engine.drafter.model_static.StaticDraft), which runs `DFlashDrafter.forward` over it.
+
+    keys, values: one [1, kv heads, Cd, d] buffer per layer (row r holds position r, as in DrafterCache); length
+    [1]: the context rows held; count [1]: the real rows among a forward's context rows (the rest is padding: a
+    forward's positions are its rows, its `block` last rows follow the real ones and overwrite the padding). Attention reads
+    every row under a mask that hides those not yet written (`mask`: `grouped_bias`'s layout for `attend`)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,
+                 count: torch.Tensor | None = None, block: int = 0):
+        self.keys, self.values, self.length, self.count, self.block = keys, values, length, count, block
+        self.rows: tuple[torch.Tensor, ...] = ()  # the rows a forward writes (its positions): context, then block
+
+    @classmethod
+    def like(cls, cache: DrafterCache, capacity: int) -> FixedDrafterCache:
+        """Zeroed buffers of `capacity` rows shaped and typed as `cache`'s (static addresses)."""
+        keys, values = _kv_buffers(len(cache.keys), cache.keys[0], capacity)
+        length = torch.zeros(1, dtype=torch.long, device=keys[0].device)
+        torch._dynamo.mark_static_address(length)
+        return cls(keys, values, length)
+
+    def fits(self, cache: DrafterCache, capacity: int) -> bool:
+        return self.keys[0].shape[-2] == capacity and self.keys[0].dtype == cache.keys[0].dtype
+
+    def load(self, cache: DrafterCache) -> None:
+        """`cache`'s context rows into the buffers (an eager forward's, the first round's)."""
+        rows = cache.length
+        for mine, theirs in ((self.keys, cache.keys), (self.values, cache.values)):
+            for buf, src in zip(mine, theirs, strict=True):
+                buf[..., :rows, :].copy_(src[..., :rows, :])
+        self.length.fill_(rows)
+
+    def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The forward's positions [1, n] are the rows it writes; the keys are every row of the buffers."""
+        rows = position_ids[0]
+        self.rows = (rows[:-self.block], rows[-self.block:]) if rows.shape[0] > self.block else (rows,)
+        return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None]
+
+    def write_rows(self, layer_idx: int, keys: torch.Tensor,
+                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [1, n, kv heads, d] into their rows (in the buffers' layout: a write into a view of a
+        compiled graph's input buffer is a copy of all of it), the context's, then the block's (over the context's
+        padding); returns the whole buffers."""
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        for buf, new in ((k, keys), (v, values)):
+            new = new.transpose(1, 2).to(buf.dtype)
+            start = 0
+            for rows in self.rows:
+                buf.index_copy_(-2, rows, new[..., start: start + rows.shape[0], :])
+                start += rows.shape[0]
+        return k, v
+
+    def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
+             dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, int]:
+        """(grouped_bias of the visible rows, 0): `_visible`'s rule over rows written (up to the block's end)."""
+        written = key_positions[:, None, :] <= block_position_ids[:, -1:, None]
+        visible = _visible(block_position_ids, key_positions, window, causal) & written
+        return grouped_bias(visible[0], groups, dtype), 0
+
+    @staticmethod
+    def attend(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+               scaling: float, **_: Any) -> tuple[torch.Tensor, None]:
+        """`grouped_attention` over the buffers (the model's sdpa path expands K/V per query head: a copy of every
+        row, each layer, where the grouped call reads them once), in the attention functions' output layout."""
+        return grouped_attention(query, key, value, bias, scaling).transpose(1, 2), None
+
+    def advance(self, context_rows: int) -> None:
+        """Keep the forward's real context rows (`count`; its padding and block rows become free)."""
+        self.length.add_(self.count)
 
 
 # RoPE as the tables of ddtree.engine.forward.RopeTables (built once a forward): (cos', sin', perm) of the new
@@ -178,15 +263,30 @@ class DrafterCache:
 Rope = tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]
 
 
-def _visibility_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool,
-                     dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask [B, 1, q, k]: 0 where visible, finfo.min where hidden (bool masks break eager)."""
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor:
+    """[B, q, k] bool: which keys each query sees (causal: not after it; a window: |pos_q - pos_k| < window)."""
     delta = query_pos[:, :, None] - key_pos[:, None, :]
     visible = torch.ones_like(delta, dtype=torch.bool)
     if causal:
         visible &= delta >= 0
     if window is not None:
         visible &= delta.abs() < window
+    return visible
+
+
+def _layer_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool,
+                dtype: torch.dtype, first: int = 0) -> torch.Tensor | None:
+    """A layer's additive mask (`_visibility_mask`) over the keys from row `first` on; None where every key is
+    visible to every query."""
+    if window is None and not causal:
+        return None
+    return _visibility_mask(query_pos, key_pos[:, first:], window, causal, dtype)
+
+
+def _visibility_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None, causal: bool,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask [B, 1, q, k]: 0 where visible, finfo.min where hidden (bool masks break eager)."""
+    visible = _visible(query_pos, key_pos, window, causal)
     mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
 
@@ -248,8 +348,7 @@ class DFlashDecoderLayer(nn.Module):
 
     def around(self, x: torch.Tensor, attention: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The layer around its attention, given as a function of the attention's input (the block's rows, normed)
-        to its output projection's: `self_attn` here, the compiled drafter's own in ddtree.engine.drafter.model_static
-        (a DFlash2 layer adds its convolutions around both sublayers)."""
+        to its output projection's: `self_attn` (a DFlash2 layer adds its convolutions around both sublayers)."""
         x = x + attention(self.input_layernorm(x))
         return x + self._mlp(self.post_attention_layernorm(x))
 
@@ -397,8 +496,9 @@ class DFlashDrafter(nn.Module):
 
     def forward(self, noise_embedding: torch.Tensor, context_features: torch.Tensor | None,
                 context_position_ids: torch.Tensor | None, block_position_ids: torch.Tensor,
-                cache: DrafterCache | None = None) -> torch.Tensor:
-        """Hidden states [B, q, H] of the block after the final norm.
+                cache: DrafterCache | FixedDrafterCache | None = None) -> torch.Tensor:
+        """Hidden states [B, q, H] of the block after the final norm (the compiled round's too: its cache is a
+        FixedDrafterCache).
 
         noise_embedding [B, q, H]: target input embeddings of [last token, mask, ...].
         context_features [B, c, n_ids*H] (or None / c == 0): target hidden states of the context
@@ -417,21 +517,20 @@ class DFlashDrafter(nn.Module):
         rope = (tables, (tables[0][:, :, -q:], tables[1][:, :, -q:], tables[2]),
                 self._rope.row_tables(tables) if cache is not None else None)
         key_positions = positions if cache is None else cache.write_positions(positions)
+        attend = self._attend if cache is None or cache.attend is None else cache.attend
 
-        # With a cache, context row r holds position r and the block follows the context (DrafterCache): a key row
-        # below `context rows - window + 1` is outside every query's window, so a sliding layer never reads it
-        rows = None if cache is None else cache.length + (0 if context is None else context.shape[1])
+        # the cache lays out each window's mask over its key rows (DrafterCache.mask, FixedDrafterCache.mask)
         masks: dict[int | None, tuple[torch.Tensor | None, int]] = {}
         declared = self.config.is_causal
         for layer in self.layers:
             window = layer.self_attn.sliding_window
             causal = declared if declared is not None else window is not None
             if window not in masks:
-                first = max(0, rows - window + 1) if window is not None and rows is not None else 0
-                masks[window] = (_visibility_mask(block_position_ids, key_positions[:, first:], window, causal, x.dtype)
-                                 if window is not None or causal else None), first
+                masks[window] = ((_layer_mask(block_position_ids, key_positions, window, causal, x.dtype), 0)
+                                 if cache is None else cache.mask(block_position_ids, key_positions, window, causal,
+                                                                  x.dtype, layer.self_attn.num_key_value_groups))
             mask, first = masks[window]
-            x = layer(x, context, rope, cache, mask, self._attend, first)
+            x = layer(x, context, rope, cache, mask, attend, first)
         if cache is not None:
             cache.advance(0 if context is None else context.shape[1])
         return self.norm(x)
