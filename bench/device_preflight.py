@@ -7,7 +7,7 @@ Prints and writes: versions (Python, torch, CUDA, triton, transformers, hydra-co
 absence) and where each was imported from (the carried kit or the image); the GPU; fp32 matmul precision
 (torch.get_float32_matmul_precision, TF32 flags); torch's own SDPA choice (`torch._fused_sdp_choice`) for the
 compiled verify's attention at Qwen3.6-27B's dims (24 query heads, 4 KV heads, head dim 256, DDTree-64: 65 nodes,
-capacity 8192, bf16) in the grouped layout the graph uses (ddtree.engine.compiled.grouped_attention) and in the
+capacity 8192, bf16) in the grouped layout the graph uses (ddtree.engine.fixed_kv.grouped_attention) and in the
 masked enable_gqa call of before, with the project's rule (`fused_sdpa_refusal`) beside it; then one tiny compiled
 DDTree round (compile=true: inductor, CUDA graphs) on a tiny hybrid against HF greedy, timed. Each part is caught
 on its own: a failing part is recorded and the next one runs. Exit 0 unless the compiled round fails.
@@ -56,7 +56,8 @@ def sdpa_choice(nodes: int = 65, capacity: int = 8192) -> dict:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from ddtree.engine.compiled import fused_sdpa_refusal, grouped_bias
+    from ddtree.engine.compiled import fused_sdpa_refusal
+    from ddtree.engine.fixed_kv import grouped_bias
 
     names = {int(getattr(SDPBackend, n)): n for n in dir(SDPBackend) if n.isupper()}
     dev, dt = "cuda", torch.bfloat16

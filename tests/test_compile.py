@@ -651,7 +651,7 @@ def test_no_graph_copies_a_buffer_that_grows_with_context(hybrid, method, dynamo
 def test_grouped_attention_equals_masked_gqa_attention():
     """grouped_attention (each KV group's queries stacked, an additive mask repeated per group member) against the
     plain masked call with enable_gqa and against K/V expanded per head: the same outputs in float64."""
-    from ddtree.engine.compiled import grouped_attention, grouped_bias
+    from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 
     g = torch.Generator().manual_seed(0)
     heads, kv, n, cap, d = 6, 2, 5, 32, 8

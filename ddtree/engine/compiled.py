@@ -53,6 +53,7 @@ from ddtree.engine import gdn
 from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
+from ddtree.engine.fixed_kv import grouped_attention, grouped_bias, kv_buffers
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
 from ddtree.engine.options import current
 from ddtree.engine.sharded import is_sharded
@@ -60,8 +61,8 @@ from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.engine.weights import plain
 from ddtree.errors import ConfigError
 
-__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "fused_sdpa_refusal", "grouped_attention",
-           "grouped_bias", "static_round_for", "why_not_static"]
+__all__ = ["StaticRound", "StaticSession", "auto_compiles", "capacity_bucket", "fused_sdpa_refusal", "static_round_for",
+           "why_not_static"]
 
 log = logging.getLogger("ddtree.engine.compiled")
 
@@ -166,28 +167,6 @@ def _owned(out):
     return out
 
 
-def grouped_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask [1, 1, groups * n, C] (0 seen, dtype's min hidden) of `grouped_attention` from visible
-    [n, C] (bool): rows follow the stacked queries, group member j then node i. In the queries' dtype, C a multiple
-    of 16 (the capacities are): the memory-efficient kernel takes it as it is (no padded copy)."""
-    zero = torch.zeros((), dtype=dtype, device=visible.device)
-    bias = zero.where(visible, torch.finfo(dtype).min)
-    return (bias.repeat(groups, 1) if groups > 1 else bias)[None, None]
-
-
-def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,
-                      scale: float) -> torch.Tensor:
-    """SDPA with a mask under grouped-query attention, as the eager split path runs it: each KV group's queries
-    stacked along the sequence. query [1, H, n, d], keys and values [1, Hkv, C, d], bias `grouped_bias`'s
-    [1, 1, (H / Hkv) n, C]; returns [1, H, n, d]. Without `enable_gqa`: on CUDA flash refuses a mask and the
-    memory-efficient kernel GQA, so a masked GQA call falls to the math backend (K/V expanded, fp32 scores)."""
-    b, h, n, d = query.shape
-    hkv = keys.shape[1]
-    out = F.scaled_dot_product_attention(query.reshape(b, hkv, h // hkv * n, d), keys, values, attn_mask=bias,
-                                         scale=scale)
-    return out.view(b, h, n, d)
-
-
 def fused_sdpa_refusal(query, keys, values, mask, enable_gqa: bool = False) -> str | None:
     """Why CUDA's memory-efficient SDPA kernel would refuse this masked call (the math backend then runs: K/V
     expanded per query head, fp32 scores), in words; None where it takes it. Its rules as torch's sdp_utils checks
@@ -214,18 +193,6 @@ def fused_sdpa_refusal(query, keys, values, mask, enable_gqa: bool = False) -> s
     return None
 
 
-def _kv_buffers(layers: int, like: torch.Tensor, capacity: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(keys, values): one [1, Hkv, capacity, d] buffer each per layer, shaped and typed as `like`'s rows; static
-    addresses. A buffer of its own per layer: Inductor writes rows into it in place (a view of a stacked buffer was
-    copied whole, verify and commit)."""
-    def one() -> torch.Tensor:
-        t = torch.zeros(*like.shape[:-2], capacity, like.shape[-1], dtype=like.dtype, device=like.device)
-        torch._dynamo.mark_static_address(t)
-        return t
-
-    return [one() for _ in range(layers)], [one() for _ in range(layers)]
-
-
 def _stack_pending(bufs: list) -> tuple[torch.Tensor, ...]:
     """What the commit graph reads of the GDN layers' LayerBuffers, stacked over the layers once: the k rows of each
     key head (G, B, Hk, T, dk: `keys` holds [q; k] rows per value head, the commit reads k once per key head), then
@@ -248,7 +215,7 @@ def _move_rows(src: torch.Tensor, dst: torch.Tensor, *buffers: list[torch.Tensor
 
 
 class StaticState:
-    """The fixed buffers of one capacity: the keys and the values of every attention layer (`_kv_buffers`: one
+    """The fixed buffers of one capacity: the keys and the values of every attention layer (`fixed_kv.kv_buffers`: one
     [1, Hkv, C, d] buffer each), the GDN conv [G, 1, channels, K] and recurrent [G, 1, Hv, dk, dv] states, the
     length [1] (long). Static addresses (CUDA graphs replay on them); kept by the StaticRound across generations."""
 
@@ -347,7 +314,7 @@ class StaticRound:
         self.state = st = None  # (a larger capacity's buffers freed first: the new ones may be smaller)
         keys = values = conv = rec = None
         if attn:
-            keys, values = _kv_buffers(len(attn), attn[0].keys, capacity)
+            keys, values = kv_buffers(len(attn), attn[0].keys, capacity)
         if linear:
             c0, r0 = cache.get_conv_state(linear[0], state_idx=0), cache.get_recurrent_state(linear[0], state_idx=0)
             conv = torch.zeros(len(linear), *c0.shape[:-1], self.kernel, dtype=c0.dtype, device=c0.device)

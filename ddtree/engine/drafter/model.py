@@ -39,8 +39,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     eager_attention_forward,
 )
 
-from ddtree.engine.compiled import _kv_buffers, grouped_attention, grouped_bias
 from ddtree.engine.drafter.config import DFlashConfig, _normalized_rope, evenly_spaced_layer_ids
+from ddtree.engine.fixed_kv import grouped_attention, grouped_bias, kv_buffers
 from ddtree.engine.forward import RopeTables, rope_cos_sin
 from ddtree.engine.kernels.attention import silu_mul
 from ddtree.engine.sharded import embedding_rows
@@ -202,7 +202,7 @@ class FixedDrafterCache:
     @classmethod
     def like(cls, cache: DrafterCache, capacity: int) -> FixedDrafterCache:
         """Zeroed buffers of `capacity` rows shaped and typed as `cache`'s (static addresses)."""
-        keys, values = _kv_buffers(len(cache.keys), cache.keys[0], capacity)
+        keys, values = kv_buffers(len(cache.keys), cache.keys[0], capacity)
         length = torch.zeros(1, dtype=torch.long, device=keys[0].device)
         torch._dynamo.mark_static_address(length)
         return cls(keys, values, length)

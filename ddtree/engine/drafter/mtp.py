@@ -33,8 +33,9 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from ddtree.engine.compiled import _FrozenLayer, grouped_attention, grouped_bias
+from ddtree.engine.compiled import _FrozenLayer
 from ddtree.engine.families import check_family_has_mtp, family, model_type
+from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 from ddtree.engine.forward import _MLPS, LeanLayer
 from ddtree.errors import ConfigError
 
