@@ -46,6 +46,15 @@ def test_tiny_hybrids_have_the_table_gdn_class_and_linear_cache_layers(name):
     assert any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in DynamicCache(config=model.config).layers)
 
 
+@pytest.mark.parametrize("name", [n for n, r in FAMILIES.items() if r.tiny_text])
+def test_a_wrappers_tiny_model_is_tiny(name):
+    """model.tiny.model_type=<a multimodal wrapper> builds the tiny text config inside the wrapper's (and a tiny
+    vision tower), not the wrapper's full-size defaults (a Qwen3.5 wrapper's did not fit in 23 GB)."""
+    text = tiny_config(name).get_text_config()
+    assert (text.hidden_size, text.num_hidden_layers) == (64, 4)
+    assert sum(p.numel() for p in tiny_model(name).parameters()) < 2_000_000
+
+
 @pytest.mark.parametrize("name", ["qwen3", "llama", "gemma2"])
 def test_attention_rows_have_no_linear_cache_layers(name):
     cfg = tiny_config(name)

@@ -28,6 +28,9 @@ ROPE = "rope"  # the rotary table and the layers take the [B, T] position ids
 MROPE_TEXT = "mrope_text"  # the rotary table takes them 3 times ([3, B, T], text-only M-RoPE), the layers once
 
 # Tiny-config hints (ddtree.tiny): a hybrid's linear-attention geometry, a MoE's experts.
+# a Qwen3.5/3.6 wrapper's vision tower at test size (the tiny text model's width: 64)
+_QWEN_VISION_TINY = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                         spatial_merge_size=1, temporal_patch_size=1)
 _HYBRID_TINY = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
                     linear_value_head_dim=16, linear_conv_kernel_dim=4)
 _MOE_TINY = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
@@ -111,12 +114,13 @@ _ROWS: tuple[Family, ...] = (
     Family("qwen3_5_text", gdn_class=_QWEN3_5_GDN, tiny=_HYBRID_TINY, hybrid_every=4, lean=MROPE_TEXT,
            **_MTP_QWEN3_5),
     Family("qwen3_5", gdn_class=_QWEN3_5_GDN, embedding_access=NESTED, tiny=_HYBRID_TINY, hybrid_every=4,
-           wrapper_class="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model", **_MTP_QWEN3_5),
+           wrapper_class="transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5Model", tiny_text="qwen3_5_text",
+           tiny_outer=dict(vision_config=_QWEN_VISION_TINY), **_MTP_QWEN3_5),
     Family("qwen3_5_moe_text", gdn_class=_QWEN3_5_MOE_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4,
            lean=MROPE_TEXT, **_MTP_QWEN3_5_MOE),
     Family("qwen3_5_moe", gdn_class=_QWEN3_5_MOE_GDN, embedding_access=NESTED, tiny={**_HYBRID_TINY, **_MOE_TINY},
            hybrid_every=4, wrapper_class="transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeModel",
-           **_MTP_QWEN3_5_MOE),
+           tiny_text="qwen3_5_moe_text", tiny_outer=dict(vision_config=_QWEN_VISION_TINY), **_MTP_QWEN3_5_MOE),
     Family("qwen3_next", gdn_class=_QWEN3_NEXT_GDN, tiny={**_HYBRID_TINY, **_MOE_TINY}, hybrid_every=4, lean=ROPE,
            **_MTP_QWEN3_NEXT),
     Family("qwen3_vl", embedding_access=NESTED,
