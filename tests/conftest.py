@@ -142,3 +142,15 @@ def gdn_tree_off(monkeypatch):
     finally:
         monkeypatch.undo()
         gdn.install()
+
+
+@pytest.fixture
+def dynamo_clean():
+    """Fresh dynamo caches and counters; error_on_recompile is set by the test inside a patch (reset after)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -55,15 +55,6 @@ def _prompts(lengths=(5, 17, 30)):
     return [torch.randint(0, VOCAB, (1, n), generator=g) for n in lengths]
 
 
-@pytest.fixture
-def dynamo_clean():
-    """Fresh dynamo caches and counters; error_on_recompile is set by the test inside a patch (reset after)."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _engine(target, drafter, method, budget=16, backend="eager", **kw):
     return ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget,
                          compile="true", compile_backend=backend, **kw)

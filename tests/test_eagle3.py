@@ -20,7 +20,7 @@ import ddtree
 from ddtree.engine.drafter.eagle3 import Eagle3Drafter, Eagle3Proposer
 from ddtree.engine.loop import Engine
 from ddtree.errors import ConfigError
-from ddtree.testing.reference import hf_greedy, tree_paths
+from ddtree.testing.reference import eagle_tree_reference, hf_greedy, tree_paths
 from ddtree.tiny import tiny_model
 
 _PAIRS: dict = {}
@@ -97,19 +97,9 @@ def test_tree_drafts_equal_the_from_scratch_drafter(budget):
     prop = Recording(target, drafter, steps=steps, topk=k, budget=budget)
     ddtree.generate(target, None, _prompts(target)[1], method="eagle3", proposer=prop, max_new_tokens=16)
     for committed, tree in rounds[:3]:
-        nodes, frontier = [([], 0.0)], [0]  # (path tokens, cumulative score); the root first
-        for _ in range(steps):
-            cands = []
-            for i in frontier:
-                path, score = nodes[i]
-                vals, idx = torch.log_softmax(reference_draft_logits(target, drafter, committed, path), -1).topk(k)
-                assert bool(drafter.t2d[idx].all())
-                for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
-                    nodes.append((path + [t], score + v))
-                    cands.append(len(nodes) - 1)
-            frontier = sorted(cands, key=lambda i: -nodes[i][1])[:k]
-        best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget]
-        want = {tuple(nodes[i][0]): nodes[i][1] for i in best}
+        want = eagle_tree_reference(lambda path, c=committed: reference_draft_logits(target, drafter, c, path),
+                                    k, steps, budget)
+        assert all(bool(drafter.t2d[t]) for path in want for t in path)  # draft-vocabulary ids only
         got = tree_paths(tree)
         assert sorted(got) == sorted(want)
         for path, score in want.items():
@@ -200,14 +190,6 @@ def test_the_default_aux_layers_are_the_serving_engines():
     ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(3))
     r = ddtree.generate(target, drafter, ids, method="eagle3", topk=2, budget=8, max_new_tokens=12)
     assert r.output_ids == hf_greedy(target, ids, 12)
-
-
-@pytest.fixture
-def dynamo_clean():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["eager", pytest.param(None, id="inductor", marks=pytest.mark.slow)])

@@ -20,7 +20,7 @@ from ddtree.engine.drafter.mtp import MTPHead, check_mtp_checkpoint, mtp_tensor_
 from ddtree.engine.loop import Engine
 from ddtree.engine.proposers import MTPProposer
 from ddtree.errors import ConfigError
-from ddtree.testing.reference import tree_paths
+from ddtree.testing.reference import eagle_tree_reference, tree_paths
 from ddtree.tiny import tiny_model
 
 _PAIRS: dict = {}
@@ -125,21 +125,8 @@ def test_tree_drafts_equal_the_from_scratch_head(budget):
     ddtree.generate(target, None, _prompts(2)[1], method="mtp", proposer=prop, max_new_tokens=16)
     prop.release()
     for committed, tree, _ in prop.rounds[:3]:
-        # the reference expansion
-        nodes = [([], 0.0)]  # (path tokens, cumulative score); the root first
-        frontier = [0]
-        for _ in range(steps):
-            cands = []
-            for i in frontier:
-                path, score = nodes[i]
-                lp = torch.log_softmax(reference_head_logits(target, head, committed, path), -1)
-                vals, idx = lp.topk(k)
-                for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
-                    nodes.append((path + [t], score + v))
-                    cands.append(len(nodes) - 1)
-            frontier = sorted(cands, key=lambda i: -nodes[i][1])[:k]
-        best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget]
-        want = {tuple(nodes[i][0]): nodes[i][1] for i in best}
+        want = eagle_tree_reference(lambda path, c=committed: reference_head_logits(target, head, c, path),
+                                    k, steps, budget)
         got = tree_paths(tree)  # path -> its cumulative score
         assert sorted(got) == sorted(want)
         for path, score in want.items():  # the cumulative log-probabilities, not only their order

@@ -127,6 +127,24 @@ def tree_paths(tree: DraftTree) -> dict[tuple[int, ...], float]:
     return res
 
 
+def eagle_tree_reference(logits_after, k: int, steps: int, budget: int) -> dict[tuple[int, ...], float]:
+    """The EAGLE(-2) tree, slowly: every frontier node's children are the top-k of `logits_after(path)` (the head or
+    drafter recomputed from scratch along the node's own path), the next frontier the k best children by cumulative
+    log-probability, the kept nodes the `budget` best of all. Returns path -> cumulative score (as `tree_paths`)."""
+    nodes, frontier = [((), 0.0)], [0]  # (path tokens, cumulative score); the root first
+    for _ in range(steps):
+        cands = []
+        for i in frontier:
+            path, score = nodes[i]
+            vals, idx = torch.log_softmax(logits_after(list(path)), -1).topk(k)
+            for v, t in zip(vals.tolist(), idx.tolist(), strict=True):
+                nodes.append(((*path, t), score + v))
+                cands.append(len(nodes) - 1)
+        frontier = sorted(cands, key=lambda i: -nodes[i][1])[:k]
+    best = sorted(range(1, len(nodes)), key=lambda i: -nodes[i][1])[:budget]
+    return {nodes[i][0]: nodes[i][1] for i in best}
+
+
 def random_tree(n: int, vocab: int, rng: random.Random, max_children: int = 3, root: int = 0) -> DraftTree:
     """A random branching tree with shuffled flat order (parents still first)."""
     nodes = [(-1, root, 0)]  # (parent, token, depth)
