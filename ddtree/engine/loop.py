@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from transformers import PreTrainedModel
@@ -163,6 +163,26 @@ class Engine:
             if state is not None:
                 generator.set_state(state)
         return self._noted(_generate(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator))
+
+    def generate_many(self, prompts: Sequence[torch.Tensor], *, concurrency: int = 8, temperature: float = 0.0,
+                      max_new_tokens: int = 256, stop_token_ids: Iterable[int] | None = None, seed: int = 0,
+                      budget: int | str | None = None) -> list[GenerationResult]:
+        """Generate after each of `prompts` (each [1, P] or [P]) with up to `concurrency` streams decoding in one
+        batched round (ddtree.engine.batch): one `GenerationResult` per prompt, in prompt order. When a stream ends
+        the next prompt takes its slot (its prefill runs between rounds). Lossless per stream: at T = 0 each output
+        is greedy decoding of its prompt alone; at T > 0 stream i samples with its own keyed noise (seed, i), so
+        its output does not depend on the other streams or on `concurrency`. budget: this call's (None: the
+        engine's; "auto": chosen every round for the whole batch, ddtree.engine.adaptive).
+        Each result's ttft_s/decode_s count from the stream's own start; queued_s is its wait for a slot."""
+        if self.binding is None:
+            raise RuntimeError("Engine.generate_many after close(): build a new Engine")
+        out = []
+        for i, ids in enumerate(prompts):  # (provisional: one stream at a time; the batched round replaces it)
+            ids = ids if ids.dim() == 2 else ids[None]
+            gen = torch.Generator(device=ids.device).manual_seed(seed * 1_000_003 + i) if temperature > 0 else None
+            out.append(self.generate(ids, temperature=temperature, max_new_tokens=max_new_tokens,
+                                     stop_token_ids=stop_token_ids, generator=gen))
+        return out
 
     def _noted(self, result: GenerationResult) -> GenerationResult:
         """`result` with the round that made it (compiled or eager), why (what) ran eagerly, and whether a fallback."""

@@ -35,6 +35,10 @@ class GenerationResult:
     round: str = "eager"
     round_note: str | None = None
     round_fallback: bool = False
+    # Engine.generate_many: seconds this stream waited for a slot before its prefill, and the streams it shared
+    # rounds with at most (1: a generation alone)
+    queued_s: float = 0.0
+    streams: int = 1
 
     @property
     def rounds(self) -> int:
