@@ -51,3 +51,43 @@ class BatchWalk:
     lengths: torch.Tensor
     next_root: torch.Tensor
     tokens: list[list[int]]
+
+
+# ---- interim builders (a loop over streams), replaced by the vectorised ones
+from ddtree.engine.tree import best_first_tree, chain_tree, root_tree, walk  # noqa: E402
+
+def _stack(trees):
+    n = len(trees); T = max(len(t) for t in trees); dev = trees[0].tokens.device
+    tok = torch.zeros(n, T, dtype=torch.long, device=dev); par = torch.zeros(n, T, dtype=torch.long, device=dev)
+    dep = torch.ones(n, T, dtype=torch.long, device=dev); val = torch.zeros(n, T, dtype=torch.bool, device=dev)
+    anc = torch.zeros(n, T, T, dtype=torch.bool, device=dev)
+    for i, t in enumerate(trees):
+        m = len(t); tok[i, :m] = t.tokens; par[i, :m] = t.parents; dep[i, :m] = t.depths; val[i, :m] = True
+        anc[i, :m, :m] = t.ancestor_matrix()
+        for j in range(m, T):
+            anc[i, j, j] = True; anc[i, j, 0] = True
+    par[:, 0] = -1; dep[:, 0] = 0
+    return BatchTree(tok, par, dep, val, val.sum(1), anc, is_chain=all(t.is_chain for t in trees),
+                        depth_bound=int(dep.max())), trees
+
+def batch_root_trees(roots):
+    return _stack([root_tree(r) for r in roots])[0]
+
+def batch_chain_trees(roots, toks):
+    t, trees = _stack([chain_tree(r, x) for r, x in zip(roots, toks)]); t._trees = trees; return t
+
+def batch_best_first(roots, logprobs, budget):
+    t, trees = _stack([best_first_tree(r, lp, budget, host=False) for r, lp in zip(roots, logprobs)]); return t
+
+def batch_walk(tree, choice):
+    paths, toks, roots = [], [], []
+    for i in range(tree.streams):
+        m = int(tree.sizes[i])
+        from ddtree.engine.tree import DraftTree
+        d = DraftTree(tree.tokens[i, :m], tree.parents[i, :m], tree.depths[i, :m], depth_bound=int(tree.depths[i,:m].max()))
+        w = walk(d, choice[i, :m])
+        paths.append(w.path_list); toks.append(w.tokens); roots.append(int(w.next_root))
+    K = max(len(p) for p in paths)
+    path = torch.tensor([p + [p[-1]] * (K - len(p)) for p in paths])
+    return BatchWalk(path, torch.tensor([len(p) for p in paths]), torch.tensor(roots), toks)
+

@@ -1,0 +1,455 @@
+"""Many streams in one round (`Engine.generate_many`): N streams' trees drafted in one drafter forward, verified in
+one target forward over every stream's tree tokens, walked and committed per stream in batched ops, with one host
+read a round for all of them. A stream that ends frees its slot; the next prompt's prefill seats it between rounds.
+
+Layout: a slot is a row of every batched tensor. The target's attention layers keep their keys and values in one
+buffer per layer group [layers, N, kv heads, C, d] (`SlotKV`), row r of slot i holding stream i's position r; a
+round writes stream i's T tree tokens at rows length_i .. length_i + T - 1 and attends over rows [0, max length + T)
+under a 4-D additive mask (`round_masks`: the committed rows of its own stream and its tree's ancestors; a sliding
+layer's window on top). The DFlash drafter's cache (`SlotDrafterCache`) is its fixed-buffer cache with the slot
+dimension. docs/concurrency.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+from ddtree.engine import batch_tree as bt
+from ddtree.engine.drafter.model import _visible
+from ddtree.engine.fixed_kv import grouped_attention
+from ddtree.engine.result import GenerationResult
+from ddtree.engine.target import TargetSession, context_features
+from ddtree.engine.timing import StageTimer
+from ddtree.errors import ConfigError
+
+__all__ = ["BATCH_METHODS", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
+
+# the methods the batched round runs (the others are refused with concurrency > 1, in one line)
+BATCH_METHODS = ("ar", "dflash", "ddtree")
+
+
+# ---------------------------------------------------------------- the target's keys and values, a row per slot
+
+class _SlotLayer(DynamicLayer):
+    """One attention layer of a SlotKV: its keys and values are views of the group's buffers; `update` writes a
+    round's tokens at each slot's rows (SlotKV.rows) and returns the rows every query may read."""
+
+    is_sliding = False
+
+    def __init__(self, kv: SlotKV, group: int, index: int):
+        super().__init__()
+        self.kv, self.group, self.index = kv, group, index
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        kv = self.kv
+        k, v = kv.keys[self.group][self.index], kv.values[self.group][self.index]
+        rows = kv.rows  # [N, T]
+        k.scatter_(2, rows[:, None, :, None].expand(key_states.shape), key_states.to(k.dtype))
+        v.scatter_(2, rows[:, None, :, None].expand(value_states.shape), value_states.to(v.dtype))
+        end = kv.read_end
+        return k[:, :, :end], v[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.kv.read_end
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.read_end, 0
+
+
+class SlotKV:
+    """Every full-attention layer's keys and values for N slots of `capacity` rows, in one buffer per group of layers
+    of equal shapes ([layers, N, kv heads, capacity, d]): a commit moves each group's accepted rows in one gather and
+    one scatter, whatever the number of layers or slots. `lengths` (host list and device [N]) are each slot's
+    committed rows."""
+
+    def __init__(self, model, slots: int, capacity: int, like: DynamicCache):
+        self.slots, self.capacity = slots, capacity
+        self.cache = DynamicCache(config=model.config)
+        attn = [i for i, layer in enumerate(self.cache.layers)
+                if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)]
+        shapes: dict[tuple, list[int]] = {}
+        for i in attn:
+            src = like.layers[i]
+            shapes.setdefault((tuple(src.keys.shape[1:2]) + tuple(src.keys.shape[3:]),
+                               tuple(src.values.shape[1:2]) + tuple(src.values.shape[3:]),
+                               src.keys.dtype, src.keys.device), []).append(i)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.where: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group)
+        for g, ((ks, vs, dtype, dev), members) in enumerate(shapes.items()):
+            self.keys.append(torch.zeros(len(members), slots, ks[0], capacity, ks[1], dtype=dtype, device=dev))
+            self.values.append(torch.zeros(len(members), slots, vs[0], capacity, vs[1], dtype=dtype, device=dev))
+            for j, i in enumerate(members):
+                self.where[i] = (g, j)
+                self.cache.layers[i] = _SlotLayer(self, g, j)
+        self.linear = [i for i, layer in enumerate(self.cache.layers)
+                       if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        dev = next(iter(like.layers)).keys.device if attn else model.device
+        self.device = dev
+        self.length_list = [0] * slots
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.rows: torch.Tensor | None = None  # [N, T]: the rows this round writes (lengths + arange(T))
+        self.read_end = 0  # rows [0, read_end) the round's attention reads
+
+    def seat(self, slot: int, prefilled: DynamicCache, length: int) -> None:
+        """Slot `slot` takes a stream whose prompt `prefilled` (a TargetSession's cache, batch 1) holds."""
+        for i, (g, j) in self.where.items():
+            src = prefilled.layers[i]
+            self.keys[g][j, slot, :, :length].copy_(src.keys[0, :, :length])
+            self.values[g][j, slot, :, :length].copy_(src.values[0, :, :length])
+        if self.linear:
+            from ddtree.engine import gdn  # noqa: PLC0415 (the batched GDN: only a hybrid target needs it)
+            gdn.seat_linear_states(self.cache, prefilled, slot)
+        self.length_list[slot] = length
+        self.lengths[slot] = length
+
+    def begin(self, width: int) -> None:
+        """A round of `width` tokens a slot: its rows, and how far the attention reads."""
+        self.rows = self.lengths[:, None] + torch.arange(width, device=self.device)[None, :]
+        self.read_end = max(self.length_list) + width
+        if self.read_end > self.capacity:
+            raise RuntimeError(f"batched round past its capacity ({self.read_end} > {self.capacity} rows)")
+
+    def commit(self, path: torch.Tensor, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+        """Each slot keeps its committed rows plus its accepted path (`path` [N, K] flat node indices, padded with
+        the path's last node; `lengths` [N] nodes accepted, on the device and on the host)."""
+        k = path.shape[1]
+        src = self.lengths[:, None] + path
+        dst = self.lengths[:, None] + torch.arange(k, device=path.device)[None, :]
+        for bufs in (self.keys, self.values):
+            for buf in bufs:
+                layers, n, heads, _, d = buf.shape
+                s = src[None, :, None, :, None].expand(layers, n, heads, k, d)
+                buf.scatter_(3, dst[None, :, None, :, None].expand(layers, n, heads, k, d), buf.gather(3, s))
+        self.lengths += lengths
+        self.length_list = [a + b for a, b in zip(self.length_list, host_lengths, strict=True)]
+
+
+def round_masks(tree: bt.BatchTree, lengths: torch.Tensor, read_end: int, dtype: torch.dtype,
+                windows: Iterable[int | None]) -> dict[int | None, torch.Tensor]:
+    """The round's additive masks [N, 1, T, read_end] by sliding window (None: full attention): query j of slot i
+    sees its slot's committed rows and its tree's ancestors (rows lengths_i + a), within the window where one is set
+    (a key's position: its row below lengths_i, lengths_i + its depth in the tree)."""
+    n, t = tree.tokens.shape
+    dev = tree.tokens.device
+    cols = torch.arange(read_end, device=dev)[None, :]  # [1, K]
+    rel = cols - lengths[:, None]  # [N, K]: the column's node in the tree, where 0 <= rel < T
+    in_tree = (rel >= 0) & (rel < t)
+    node = rel.clamp(0, t - 1)
+    seen = tree.ancestors.gather(2, node[:, None, :].expand(n, t, read_end)) & in_tree[:, None, :]
+    seen |= (rel < 0)[:, None, :]
+    out: dict[int | None, torch.Tensor] = {}
+    lowest = torch.finfo(dtype).min
+    zero = torch.zeros((), dtype=dtype, device=dev)
+    for window in dict.fromkeys(windows):
+        vis = seen
+        if window is not None:
+            qpos = lengths[:, None] + tree.depths  # [N, T]
+            kpos = torch.where(rel < 0, cols, lengths[:, None] + tree.depths.gather(1, node))
+            vis = seen & ((qpos[:, :, None] - kpos[:, None, :]) < window)
+        out[window] = zero.where(vis, lowest)[:, None]
+    return out
+
+
+# ---------------------------------------------------------------- the DFlash drafter's cache, a row per slot
+
+class SlotDrafterCache:
+    """The DFlash drafter's fixed-buffer cache (as FixedDrafterCache) with a row per slot: keys, values [N, kv heads,
+    Cd, d] a layer (row r: position r), `length` [N] each slot's context rows, `count` [N] the real rows among a
+    forward's context rows (the rest padding, overwritten by the block that follows the real ones)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,
+                 block: int):
+        self.keys, self.values, self.length, self.block = keys, values, length, block
+        self.count: torch.Tensor | None = None
+        self.rows: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def empty(cls, drafter, slots: int, capacity: int, block: int) -> SlotDrafterCache:
+        cfg = drafter.config
+        shape = (slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        dev, dtype = drafter.device, drafter.dtype
+        keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        return cls(keys, values, torch.zeros(slots, dtype=torch.long, device=dev), block)
+
+    def slot(self, i: int) -> SlotDrafterCache:
+        """Slot i alone (views: writes land in the shared buffers): the cache a joining stream's prompt fills."""
+        view = SlotDrafterCache([k[i: i + 1] for k in self.keys], [v[i: i + 1] for v in self.values],
+                                self.length[i: i + 1], self.block)
+        return view
+
+    def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The forward's positions [N, c + block] are the rows it writes; the keys are every row of the buffers."""
+        if position_ids.shape[1] > self.block:
+            self.rows = (position_ids[:, : -self.block], position_ids[:, -self.block:])
+        else:
+            self.rows = (position_ids,)
+        n = position_ids.shape[0]
+        return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
+
+    def write_rows(self, layer_idx: int, keys: torch.Tensor,
+                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        for buf, new in ((k, keys), (v, values)):
+            new = new.transpose(1, 2).to(buf.dtype)  # [N, kv, n, d]
+            start = 0
+            for rows in self.rows:  # the context's, then the block's (over the context's padding)
+                part = new[:, :, start: start + rows.shape[1]]
+                buf.scatter_(2, rows[:, None, :, None].expand(part.shape), part)
+                start += rows.shape[1]
+        return k, v
+
+    def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
+             dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, int]:
+        """grouped_attention's additive mask [N, 1, groups * q, Cd] of the rows written up to the block's end."""
+        written = key_positions[:, None, :] <= block_position_ids[:, -1:, None]
+        visible = _visible(block_position_ids, key_positions, window, causal) & written
+        zero = torch.zeros((), dtype=dtype, device=visible.device)
+        bias = zero.where(visible, torch.finfo(dtype).min)
+        return (bias.repeat(1, groups, 1) if groups > 1 else bias)[:, None], 0
+
+    @staticmethod
+    def attend(module, query, key, value, bias, scaling, **_):
+        return grouped_attention(query, key, value, bias, scaling).transpose(1, 2), None
+
+    def advance(self, context_rows: int) -> None:
+        self.length.add_(self.count)
+
+
+# ---------------------------------------------------------------- the batched loop
+
+@dataclass
+class _Stream:
+    index: int  # the prompt's
+    prompt_len: int
+    result: GenerationResult
+    out: list[int]
+    max_new: int
+    t_join: float
+    t_first: float
+    done: bool = False
+
+
+def check_batch_method(engine) -> None:
+    """Refuse, in one line, what the batched round does not run (yet)."""
+    method = engine.method
+    if method not in BATCH_METHODS or getattr(engine.proposer, "scoring", "marginal") == "pair":
+        raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs "
+                          f"{', '.join(BATCH_METHODS)} with marginal scoring)", "use concurrency=1 for this method")
+    if type(engine.proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer"):
+        raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
+
+
+def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, temperature: float,
+                  max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int,
+                  budget: int | None) -> list[GenerationResult]:
+    """Engine.generate_many's body (see there)."""
+    check_batch_method(engine)
+    model, binding, proposer = engine.target, engine.binding, engine.proposer
+    method = engine.method
+    stops = set(stop_token_ids or ())
+    dev = binding.device
+    ids_list = [p if p.dim() == 2 else p[None] for p in prompts]
+    slots = max(1, min(concurrency, len(ids_list)))
+    drafts = method != "ar"
+    block = proposer.block_size if drafts else 1
+    nodes = 1 if not drafts else (block if method == "dflash" else 1 + bt_tree_size(budget, block - 1,
+                                                                                   model.config.get_text_config()))
+    capacity = max(p.shape[1] for p in ids_list) + max_new_tokens + nodes + block + 1
+    seeds = torch.zeros(slots, dtype=torch.long, device=dev)
+    windows = _windows(model)
+    hidden_ids = binding.hidden_ids
+    t_call = time.perf_counter()
+    timer = StageTimer(dev, engine.sync_timing)
+
+    kv: SlotKV | None = None
+    dcache: SlotDrafterCache | None = None
+    active: list[_Stream | None] = [None] * slots
+    roots = torch.zeros(slots, dtype=torch.long, device=dev)
+    ctx = None  # [N, K, F]: each slot's new drafter context (the accepted path's features), count in ctx_count
+    ctx_count = torch.zeros(slots, dtype=torch.long, device=dev)
+    live_dev = torch.zeros(slots, dtype=torch.long, device=dev)  # 1 where a stream holds the slot (a free one stays put)
+    results: list[GenerationResult | None] = [None] * len(ids_list)
+    queue = list(range(len(ids_list)))
+    embed = model.get_input_embeddings()
+    lm_head = model.get_output_embeddings()
+    mask_ids = None
+
+    def finish(slot: int, stream: _Stream, now: float) -> None:
+        r = stream.result
+        r.output_ids = stream.out
+        r.decode_s = now - stream.t_first
+        results[stream.index] = r
+        active[slot] = None
+        live_dev[slot] = 0
+
+    def join(slot: int) -> None:
+        nonlocal kv, dcache
+        i = queue.pop(0)
+        ids = ids_list[i].to(dev)
+        t0 = time.perf_counter()
+        session = TargetSession(model, capacity=ids.shape[1] + 1, binding=binding)
+        logits, feats = session.prefill(ids)
+        if kv is None:
+            kv = SlotKV(model, slots, capacity, session.cache)
+        kv.seat(slot, session.cache, ids.shape[1])
+        seeds[slot] = _stream_seed(seed, i)
+        root = _choose_keyed(logits[None, None], temperature, seeds[slot: slot + 1],
+                             torch.full((1, 1), ids.shape[1], device=dev))[0, 0]
+        roots[slot] = root
+        if drafts:
+            if dcache is None:
+                dcache = SlotDrafterCache.empty(proposer.drafter, slots, capacity, block)
+            view = dcache.slot(slot)
+            view.length.zero_()
+            view.count = torch.full((1,), ids.shape[1], dtype=torch.long, device=dev)
+            blk = torch.full((1, block), proposer.drafter.mask_token_id, dtype=torch.long, device=dev)
+            x = proposer.drafter.embed_block(embed.weight, blk)
+            n = ids.shape[1]
+            proposer.drafter(x, feats, torch.arange(n, device=dev)[None],
+                             torch.arange(n, n + block, device=dev)[None], cache=view)
+            ctx_count[slot] = 0
+        now = time.perf_counter()
+        r = GenerationResult(output_ids=[], method=method, prompt_len=ids.shape[1], temperature=temperature,
+                             budget=budget if engine.spec.reads_budget else None,
+                             block_size=proposer.block_size)
+        r.ttft_s, r.queued_s = now - t0, t0 - t_call
+        s = _Stream(i, ids.shape[1], r, [int(root)], max_new_tokens, t0, now)
+        active[slot] = s
+        live_dev[slot] = 1
+        if s.out[0] in stops or max_new_tokens <= 1:
+            r.stopped_by = "stop_token" if s.out[0] in stops else r.stopped_by
+            finish(slot, s, now)
+
+    with torch.inference_mode():
+        while queue or any(s is not None for s in active):
+            for slot in range(slots):  # free slots take the next prompts (their prefill: between rounds)
+                while active[slot] is None and queue:
+                    join(slot)
+            live = [s is not None for s in active]
+            if not any(live):
+                continue
+            n_live = sum(live)
+            # ---- draft
+            with timer.stage("draft"):
+                if drafts:
+                    if mask_ids is None:
+                        mask_ids = torch.full((slots, block), proposer.drafter.mask_token_id, dtype=torch.long,
+                                              device=dev)
+                    blk = mask_ids.clone()
+                    blk[:, 0] = roots
+                    x = proposer.drafter.embed_block(embed.weight, blk)
+                    start = kv.lengths
+                    c = 0 if ctx is None else ctx.shape[1]
+                    dcache.count = ctx_count
+                    ctx_pos = dcache.length[:, None] + torch.arange(c, device=dev)[None, :] if c else None
+                    hidden = proposer.drafter(x, ctx if c else None, ctx_pos,
+                                              start[:, None] + torch.arange(block, device=dev)[None, :], cache=dcache)
+                    if not c:
+                        dcache.length.add_(0)
+                    logits_d = lm_head(hidden[:, 1:]).float()  # [N, block - 1, V]
+            with timer.stage("tree"):
+                if not drafts:
+                    tree = bt.batch_root_trees(roots)
+                elif method == "dflash":
+                    if temperature > 0:
+                        pos = kv.lengths[:, None] + torch.arange(1, block, device=dev)[None, :]
+                        toks = bt.keyed_choice(logits_d, temperature, seeds, pos)
+                    else:
+                        toks = logits_d.argmax(-1)
+                    tree = bt.batch_chain_trees(roots, toks)
+                else:
+                    tree = bt.batch_best_first(roots, torch.log_softmax(logits_d, dim=-1), budget)
+            # ---- verify: one forward over every slot's tree
+            with timer.stage("verify"):
+                width = tree.width
+                kv.begin(width)
+                masks = round_masks(tree, kv.lengths, kv.read_end, binding.dtype, windows.values())
+                # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
+                mapping = ({kind: masks[w] for kind, w in windows.items()} if len(windows) > 1
+                           else masks[None])
+                pos = kv.lengths[:, None] + tree.depths
+                kw = {"output_hidden_states": hidden_ids} if hidden_ids and drafts else {}
+                context = _gdn_context(kv, tree)
+                with context:
+                    out = model(input_ids=tree.tokens, position_ids=pos, attention_mask=mapping, cache=kv.cache,
+                                use_cache=True, **kw)
+                logits = out.logits  # [N, T, V]
+                feats = context_features(out.hidden_states, binding.feature_layers) if kw else None
+            with timer.stage("commit"):
+                choice = _choose_keyed(logits, temperature, seeds, pos + 1)
+                w = bt.batch_walk(tree, choice)  # the round's one host read
+                kept = w.lengths * live_dev  # a free slot keeps nothing
+                kv.commit(w.path, kept, [len(t) if a else 0 for t, a in zip(w.tokens, live, strict=True)])
+                if kv.linear:
+                    from ddtree.engine import gdn  # noqa: PLC0415
+                    gdn.commit_linear_states_batch(kv.cache, w.path, kept)
+                if drafts:
+                    k = w.path.shape[1]
+                    ctx = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
+                    ctx_count = kept
+                roots = w.next_root
+            now = time.perf_counter()
+            for slot, s in enumerate(active):
+                if s is None:
+                    continue
+                new = w.tokens[slot]
+                room = s.max_new - len(s.out)
+                for j, t in enumerate(new[:room]):
+                    if t in stops:
+                        new, s.done, s.result.stopped_by = new[: j + 1], True, "stop_token"
+                        break
+                new = new[:room]
+                s.out.extend(new)
+                s.result.acceptance_lengths.append(len(new))
+                s.result.streams = max(s.result.streams, n_live)
+                if s.done or len(s.out) >= s.max_new:
+                    finish(slot, s, now)
+    stage = timer.finish()
+    for r in results:
+        r.stage_seconds = dict(stage)  # the rounds' stages, shared by the streams that took part
+    return results
+
+
+def bt_tree_size(budget: int | None, depth: int, text_config) -> int:
+    from ddtree.engine.tree import tree_size  # noqa: PLC0415
+    return tree_size(budget or 1, depth, text_config.vocab_size)
+
+
+def _windows(model) -> dict[str, int | None]:
+    """The attention-mask kinds the model's layers ask for (transformers' layer_types), and each one's window."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    out = {"full_attention": None}
+    if "sliding_attention" in kinds:
+        out["sliding_attention"] = window
+    return out
+
+
+def _gdn_context(kv: SlotKV, tree: bt.BatchTree):
+    import contextlib  # noqa: PLC0415
+    if not kv.linear:
+        return contextlib.nullcontext()
+    from ddtree.engine import verification  # noqa: PLC0415
+    return verification.tree_verification(tree)
+
+
+def _stream_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) & 0x7FFFFFFF
+
+
+def _choose_keyed(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor):
+    """The target's token after each row of `logits` [N, T, V]: argmax at T = 0, else the keyed sample of stream
+    seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return bt.keyed_choice(logits, temperature, seeds, positions)
