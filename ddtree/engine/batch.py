@@ -26,9 +26,10 @@ from ddtree.engine.fixed_kv import grouped_attention
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
+from ddtree.engine.tree import tree_size
 from ddtree.errors import ConfigError
 
-__all__ = ["BATCH_METHODS", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
+__all__ = ["BATCH_METHODS", "BatchRun", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
 BATCH_METHODS = ("ar", "dflash", "ddtree")
@@ -229,12 +230,9 @@ class SlotDrafterCache:
 @dataclass
 class _Stream:
     index: int  # the prompt's
-    prompt_len: int
     result: GenerationResult
     out: list[int]
-    max_new: int
-    t_join: float
-    t_first: float
+    t_first: float  # when its first token was chosen
     done: bool = False
 
 
@@ -248,180 +246,208 @@ def check_batch_method(engine) -> None:
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
 
 
+class BatchRun:
+    """One `generate_many` call: the slots, their caches, the queue of prompts and the results.
+
+    A round (`round`): draft every slot's block in one drafter forward (`draft`), build the trees (`trees`), verify
+    them in one target forward (`verify`), walk and commit (`commit`: the round's one host read). A free slot takes
+    the next prompt between rounds (`join`: its prefill alone, then its keys, values and states seated in its row);
+    a slot with no stream left runs along (fixed shapes) and keeps nothing."""
+
+    def __init__(self, engine, prompts: list[torch.Tensor], concurrency: int, temperature: float,
+                 max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int, budget: int | None):
+        check_batch_method(engine)
+        self.engine, self.model, self.binding, self.proposer = engine, engine.target, engine.binding, engine.proposer
+        self.method, self.temperature, self.max_new, self.seed = engine.method, temperature, max_new_tokens, seed
+        self.budget = budget
+        self.stops = set(stop_token_ids or ())
+        self.prompts = prompts
+        self.dev = dev = self.binding.device
+        self.slots = n = max(1, min(concurrency, len(prompts)))
+        self.drafts = self.method != "ar"
+        self.block = self.proposer.block_size if self.drafts else 1
+        vocab = self.model.config.get_text_config().vocab_size
+        nodes = 1 if not self.drafts else (self.block if self.method == "dflash"
+                                           else 1 + tree_size(budget or 1, self.block - 1, vocab))
+        self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
+        self.windows = _windows(self.model)
+        self.timer = StageTimer(dev, engine.sync_timing)
+        self.kv: SlotKV | None = None
+        self.dcache: SlotDrafterCache | None = None
+        self.active: list[_Stream | None] = [None] * n
+        self.live = torch.zeros(n, dtype=torch.long, device=dev)  # 1 where a stream holds the slot
+        self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        self.roots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.ctx: torch.Tensor | None = None  # [N, K, F]: each slot's new drafter context (the last accepted path's)
+        self.ctx_count = torch.zeros(n, dtype=torch.long, device=dev)  # its real rows
+        self.results: list[GenerationResult | None] = [None] * len(prompts)
+        self.queue = list(range(len(prompts)))
+        self.embed = self.model.get_input_embeddings()
+        self.lm_head = self.model.get_output_embeddings()
+        if self.drafts:
+            self.block_ids = torch.full((n, self.block), self.proposer.drafter.mask_token_id, dtype=torch.long,
+                                        device=dev)
+            self.offsets = torch.arange(self.block, device=dev)[None, :]
+        self.t_call = time.perf_counter()
+
+    # ---- streams
+    def join(self, slot: int) -> None:
+        """The next prompt takes `slot`: its prefill alone (TargetSession), seated in the slot's rows."""
+        i = self.queue.pop(0)
+        ids, dev = self.prompts[i].to(self.dev), self.dev
+        p = ids.shape[1]
+        t0 = time.perf_counter()
+        session = TargetSession(self.model, capacity=p + 1, binding=self.binding)
+        logits, feats = session.prefill(ids)
+        if self.kv is None:
+            self.kv = SlotKV(self.model, self.slots, self.capacity, session.cache)
+        self.kv.seat(slot, session.cache, p)
+        self.seeds[slot] = _stream_seed(self.seed, i)
+        root = _choose(logits[None, None], self.temperature, self.seeds[slot: slot + 1],
+                       torch.full((1, 1), p, device=dev))[0, 0]
+        self.roots[slot] = root
+        if self.drafts:  # the prompt's features into the slot's drafter rows (a forward of the slot alone)
+            if self.dcache is None:
+                self.dcache = SlotDrafterCache.empty(self.proposer.drafter, self.slots, self.capacity, self.block)
+            view = self.dcache.slot(slot)
+            view.length.zero_()
+            view.count = torch.full((1,), p, dtype=torch.long, device=dev)
+            x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:1])
+            self.proposer.drafter(x, feats, torch.arange(p, device=dev)[None], p + self.offsets, cache=view)
+            self.ctx_count[slot] = 0
+        now = time.perf_counter()
+        r = GenerationResult(output_ids=[], method=self.method, prompt_len=p, temperature=self.temperature,
+                             budget=self.budget if self.engine.spec.reads_budget else None,
+                             block_size=self.proposer.block_size)
+        r.ttft_s, r.queued_s = now - t0, t0 - self.t_call
+        stream = self.active[slot] = _Stream(i, r, [int(root)], now)
+        self.live[slot] = 1
+        if stream.out[0] in self.stops:
+            r.stopped_by = "stop_token"
+            self.finish(slot, now)
+        elif self.max_new <= 1:
+            self.finish(slot, now)
+
+    def finish(self, slot: int, now: float) -> None:
+        stream = self.active[slot]
+        stream.result.output_ids = stream.out
+        stream.result.decode_s = now - stream.t_first
+        self.results[stream.index] = stream.result
+        self.active[slot] = None
+        self.live[slot] = 0
+
+    # ---- a round
+    def draft(self) -> torch.Tensor:
+        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32)."""
+        blk = self.block_ids.clone()
+        blk[:, 0] = self.roots
+        x = self.proposer.drafter.embed_block(self.embed.weight, blk)
+        ctx, dcache = self.ctx, self.dcache
+        dcache.count = self.ctx_count
+        c = 0 if ctx is None else ctx.shape[1]
+        ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
+        hidden = self.proposer.drafter(x, ctx if c else None, ctx_pos, self.kv.lengths[:, None] + self.offsets,
+                                       cache=dcache)
+        return self.lm_head(hidden[:, 1:]).float()
+
+    def trees(self, logits: torch.Tensor | None) -> bt.BatchTree:
+        if not self.drafts:
+            return bt.batch_root_trees(self.roots)
+        if self.method == "dflash":
+            if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
+                pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
+                return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
+            return bt.batch_chain_trees(self.roots, logits.argmax(-1))
+        return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), self.budget)
+
+    def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""
+        kv = self.kv
+        kv.begin(tree.width)
+        masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values())
+        # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
+        mapping = {kind: masks[w] for kind, w in self.windows.items()} if len(self.windows) > 1 else masks[None]
+        pos = kv.lengths[:, None] + tree.depths
+        hidden_ids = self.binding.hidden_ids if self.drafts else None
+        kw = {"output_hidden_states": hidden_ids} if hidden_ids else {}
+        lean = self.binding.lean  # the engine's lean forward where the family has one (its fused ops on CUDA)
+        with _gdn_context(kv, tree):
+            if lean is not None and not isinstance(mapping, dict):
+                logits, kept = lean(tree.tokens, pos, mapping, kv.cache, hidden_ids)
+                feats = torch.cat([kept[i] for i in hidden_ids], dim=-1) if hidden_ids else None
+                return logits, feats, pos
+            out = self.model(input_ids=tree.tokens, position_ids=pos, attention_mask=mapping, cache=kv.cache,
+                             use_cache=True, **kw)
+        feats = context_features(out.hidden_states, self.binding.feature_layers) if hidden_ids else None
+        return out.logits, feats, pos
+
+    def commit(self, tree: bt.BatchTree, logits: torch.Tensor, feats: torch.Tensor | None,
+               pos: torch.Tensor) -> bt.BatchWalk:
+        """Choose, walk (the round's one host read), keep each live slot's accepted path, hand the drafter its
+        features."""
+        choice = _choose(logits, self.temperature, self.seeds, pos + 1)
+        w = bt.batch_walk(tree, choice)
+        kept = w.lengths * self.live  # a free slot keeps nothing
+        host = [len(t) if s is not None else 0 for t, s in zip(w.tokens, self.active, strict=True)]
+        self.kv.commit(w.path, kept, host)
+        if self.kv.linear:
+            from ddtree.engine import gdn  # noqa: PLC0415 (only a hybrid target's rounds need it)
+            gdn.commit_linear_states_batch(self.kv.cache, w.path, kept)
+        if self.drafts:
+            k = w.path.shape[1]
+            self.ctx = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
+            self.ctx_count = kept
+        self.roots = w.next_root
+        return w
+
+    def round(self) -> None:
+        timer = self.timer
+        streams = sum(s is not None for s in self.active)
+        logits = None
+        if self.drafts:
+            with timer.stage("draft"):
+                logits = self.draft()
+        with timer.stage("tree"):
+            tree = self.trees(logits)
+        with timer.stage("verify"):
+            out, feats, pos = self.verify(tree)
+        with timer.stage("commit"):
+            w = self.commit(tree, out, feats, pos)
+        now = time.perf_counter()
+        for slot, s in enumerate(self.active):
+            if s is None:
+                continue
+            new = w.tokens[slot][: self.max_new - len(s.out)]  # never past max_new_tokens
+            for j, t in enumerate(new):
+                if t in self.stops:  # stop at (and including) a stop token
+                    new, s.done, s.result.stopped_by = new[: j + 1], True, "stop_token"
+                    break
+            s.out.extend(new)
+            s.result.acceptance_lengths.append(len(new))
+            s.result.streams = max(s.result.streams, streams)
+            if s.done or len(s.out) >= self.max_new:
+                self.finish(slot, now)
+
+    def run(self) -> list[GenerationResult]:
+        with torch.inference_mode():
+            while self.queue or any(s is not None for s in self.active):
+                for slot in range(self.slots):  # free slots take the next prompts (their prefill: between rounds)
+                    while self.active[slot] is None and self.queue:
+                        self.join(slot)
+                if any(s is not None for s in self.active):
+                    self.round()
+        stages = self.timer.finish()
+        for r in self.results:
+            r.stage_seconds = dict(stages)  # the rounds' stages, shared by the streams that took part
+        return self.results
+
+
 def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, temperature: float,
                   max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int,
                   budget: int | None) -> list[GenerationResult]:
-    """Engine.generate_many's body (see there)."""
-    check_batch_method(engine)
-    model, binding, proposer = engine.target, engine.binding, engine.proposer
-    method = engine.method
-    stops = set(stop_token_ids or ())
-    dev = binding.device
-    ids_list = [p if p.dim() == 2 else p[None] for p in prompts]
-    slots = max(1, min(concurrency, len(ids_list)))
-    drafts = method != "ar"
-    block = proposer.block_size if drafts else 1
-    nodes = 1 if not drafts else (block if method == "dflash" else 1 + bt_tree_size(budget, block - 1,
-                                                                                   model.config.get_text_config()))
-    capacity = max(p.shape[1] for p in ids_list) + max_new_tokens + nodes + block + 1
-    seeds = torch.zeros(slots, dtype=torch.long, device=dev)
-    windows = _windows(model)
-    hidden_ids = binding.hidden_ids
-    t_call = time.perf_counter()
-    timer = StageTimer(dev, engine.sync_timing)
-
-    kv: SlotKV | None = None
-    dcache: SlotDrafterCache | None = None
-    active: list[_Stream | None] = [None] * slots
-    roots = torch.zeros(slots, dtype=torch.long, device=dev)
-    ctx = None  # [N, K, F]: each slot's new drafter context (the accepted path's features), count in ctx_count
-    ctx_count = torch.zeros(slots, dtype=torch.long, device=dev)
-    live_dev = torch.zeros(slots, dtype=torch.long, device=dev)  # 1 where a stream holds the slot (a free one stays put)
-    results: list[GenerationResult | None] = [None] * len(ids_list)
-    queue = list(range(len(ids_list)))
-    embed = model.get_input_embeddings()
-    lm_head = model.get_output_embeddings()
-    mask_ids = None
-
-    def finish(slot: int, stream: _Stream, now: float) -> None:
-        r = stream.result
-        r.output_ids = stream.out
-        r.decode_s = now - stream.t_first
-        results[stream.index] = r
-        active[slot] = None
-        live_dev[slot] = 0
-
-    def join(slot: int) -> None:
-        nonlocal kv, dcache
-        i = queue.pop(0)
-        ids = ids_list[i].to(dev)
-        t0 = time.perf_counter()
-        session = TargetSession(model, capacity=ids.shape[1] + 1, binding=binding)
-        logits, feats = session.prefill(ids)
-        if kv is None:
-            kv = SlotKV(model, slots, capacity, session.cache)
-        kv.seat(slot, session.cache, ids.shape[1])
-        seeds[slot] = _stream_seed(seed, i)
-        root = _choose_keyed(logits[None, None], temperature, seeds[slot: slot + 1],
-                             torch.full((1, 1), ids.shape[1], device=dev))[0, 0]
-        roots[slot] = root
-        if drafts:
-            if dcache is None:
-                dcache = SlotDrafterCache.empty(proposer.drafter, slots, capacity, block)
-            view = dcache.slot(slot)
-            view.length.zero_()
-            view.count = torch.full((1,), ids.shape[1], dtype=torch.long, device=dev)
-            blk = torch.full((1, block), proposer.drafter.mask_token_id, dtype=torch.long, device=dev)
-            x = proposer.drafter.embed_block(embed.weight, blk)
-            n = ids.shape[1]
-            proposer.drafter(x, feats, torch.arange(n, device=dev)[None],
-                             torch.arange(n, n + block, device=dev)[None], cache=view)
-            ctx_count[slot] = 0
-        now = time.perf_counter()
-        r = GenerationResult(output_ids=[], method=method, prompt_len=ids.shape[1], temperature=temperature,
-                             budget=budget if engine.spec.reads_budget else None,
-                             block_size=proposer.block_size)
-        r.ttft_s, r.queued_s = now - t0, t0 - t_call
-        s = _Stream(i, ids.shape[1], r, [int(root)], max_new_tokens, t0, now)
-        active[slot] = s
-        live_dev[slot] = 1
-        if s.out[0] in stops or max_new_tokens <= 1:
-            r.stopped_by = "stop_token" if s.out[0] in stops else r.stopped_by
-            finish(slot, s, now)
-
-    with torch.inference_mode():
-        while queue or any(s is not None for s in active):
-            for slot in range(slots):  # free slots take the next prompts (their prefill: between rounds)
-                while active[slot] is None and queue:
-                    join(slot)
-            live = [s is not None for s in active]
-            if not any(live):
-                continue
-            n_live = sum(live)
-            # ---- draft
-            with timer.stage("draft"):
-                if drafts:
-                    if mask_ids is None:
-                        mask_ids = torch.full((slots, block), proposer.drafter.mask_token_id, dtype=torch.long,
-                                              device=dev)
-                    blk = mask_ids.clone()
-                    blk[:, 0] = roots
-                    x = proposer.drafter.embed_block(embed.weight, blk)
-                    start = kv.lengths
-                    c = 0 if ctx is None else ctx.shape[1]
-                    dcache.count = ctx_count
-                    ctx_pos = dcache.length[:, None] + torch.arange(c, device=dev)[None, :] if c else None
-                    hidden = proposer.drafter(x, ctx if c else None, ctx_pos,
-                                              start[:, None] + torch.arange(block, device=dev)[None, :], cache=dcache)
-                    if not c:
-                        dcache.length.add_(0)
-                    logits_d = lm_head(hidden[:, 1:]).float()  # [N, block - 1, V]
-            with timer.stage("tree"):
-                if not drafts:
-                    tree = bt.batch_root_trees(roots)
-                elif method == "dflash":
-                    if temperature > 0:
-                        pos = kv.lengths[:, None] + torch.arange(1, block, device=dev)[None, :]
-                        toks = bt.keyed_choice(logits_d, temperature, seeds, pos)
-                    else:
-                        toks = logits_d.argmax(-1)
-                    tree = bt.batch_chain_trees(roots, toks)
-                else:
-                    tree = bt.batch_best_first(roots, torch.log_softmax(logits_d, dim=-1), budget)
-            # ---- verify: one forward over every slot's tree
-            with timer.stage("verify"):
-                width = tree.width
-                kv.begin(width)
-                masks = round_masks(tree, kv.lengths, kv.read_end, binding.dtype, windows.values())
-                # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
-                mapping = ({kind: masks[w] for kind, w in windows.items()} if len(windows) > 1
-                           else masks[None])
-                pos = kv.lengths[:, None] + tree.depths
-                kw = {"output_hidden_states": hidden_ids} if hidden_ids and drafts else {}
-                context = _gdn_context(kv, tree)
-                with context:
-                    out = model(input_ids=tree.tokens, position_ids=pos, attention_mask=mapping, cache=kv.cache,
-                                use_cache=True, **kw)
-                logits = out.logits  # [N, T, V]
-                feats = context_features(out.hidden_states, binding.feature_layers) if kw else None
-            with timer.stage("commit"):
-                choice = _choose_keyed(logits, temperature, seeds, pos + 1)
-                w = bt.batch_walk(tree, choice)  # the round's one host read
-                kept = w.lengths * live_dev  # a free slot keeps nothing
-                kv.commit(w.path, kept, [len(t) if a else 0 for t, a in zip(w.tokens, live, strict=True)])
-                if kv.linear:
-                    from ddtree.engine import gdn  # noqa: PLC0415
-                    gdn.commit_linear_states_batch(kv.cache, w.path, kept)
-                if drafts:
-                    k = w.path.shape[1]
-                    ctx = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
-                    ctx_count = kept
-                roots = w.next_root
-            now = time.perf_counter()
-            for slot, s in enumerate(active):
-                if s is None:
-                    continue
-                new = w.tokens[slot]
-                room = s.max_new - len(s.out)
-                for j, t in enumerate(new[:room]):
-                    if t in stops:
-                        new, s.done, s.result.stopped_by = new[: j + 1], True, "stop_token"
-                        break
-                new = new[:room]
-                s.out.extend(new)
-                s.result.acceptance_lengths.append(len(new))
-                s.result.streams = max(s.result.streams, n_live)
-                if s.done or len(s.out) >= s.max_new:
-                    finish(slot, s, now)
-    stage = timer.finish()
-    for r in results:
-        r.stage_seconds = dict(stage)  # the rounds' stages, shared by the streams that took part
-    return results
-
-
-def bt_tree_size(budget: int | None, depth: int, text_config) -> int:
-    from ddtree.engine.tree import tree_size  # noqa: PLC0415
-    return tree_size(budget or 1, depth, text_config.vocab_size)
+    """Engine.generate_many's body (see there): one BatchRun."""
+    return BatchRun(engine, list(prompts), concurrency, temperature, max_new_tokens, stop_token_ids, seed,
+                    budget).run()
 
 
 def _windows(model) -> dict[str, int | None]:
@@ -447,7 +473,7 @@ def _stream_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & 0x7FFFFFFF
 
 
-def _choose_keyed(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor):
+def _choose(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor):
     """The target's token after each row of `logits` [N, T, V]: argmax at T = 0, else the keyed sample of stream
     seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice)."""
     if temperature <= 0:
