@@ -96,3 +96,23 @@ def test_refusals_are_one_line(toy_pure):
             engine.generate_many(prompts, concurrency=0)
     with Engine(target, drafter, method="ddtree", budget=16, compile="false", scoring="marginal") as engine:
         assert engine.generate_many(prompts[:1], concurrency=2, max_new_tokens=4)[0].num_new_tokens == 4
+
+
+def test_an_eagle3_chain_batched_drafts_as_it_does_alone():
+    """method=eagle3 (topk 1): each stream greedy decoding of its prompt alone, and drafted as the one-stream engine
+    drafts it (the same acceptance, round by round)."""
+    from eagle3_support import fitted_drafter
+
+    target = tiny_model("qwen3", attn_implementation="sdpa")
+    drafter = fitted_drafter(target, steps=20)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 9, 3, 12)]
+    with Engine(target, drafter, method="eagle3", steps=3, topk=1, compile="false") as engine:
+        alone = [engine.generate(p, max_new_tokens=20) for p in prompts]
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=20)
+    for ids, one, r in zip(prompts, alone, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 20)
+        assert r.acceptance_lengths == one.acceptance_lengths
+    with Engine(target, drafter, method="eagle3", steps=3, topk=2, budget=8, compile="false") as engine:
+        with pytest.raises(ConfigError, match="topk"):
+            engine.generate_many(prompts, concurrency=2)

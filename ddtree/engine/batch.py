@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from ddtree.engine import batch_tree as bt
 from ddtree.engine.drafter.model import _visible
-from ddtree.engine.fixed_kv import grouped_attention
+from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
@@ -32,7 +32,7 @@ from ddtree.errors import ConfigError
 __all__ = ["BATCH_METHODS", "BatchRun", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
-BATCH_METHODS = ("ar", "dflash", "ddtree")
+BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains (topk 1)
 
 
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
@@ -213,9 +213,7 @@ class SlotDrafterCache:
         """grouped_attention's additive mask [N, 1, groups * q, Cd] of the rows written up to the block's end."""
         written = key_positions[:, None, :] <= block_position_ids[:, -1:, None]
         visible = _visible(block_position_ids, key_positions, window, causal) & written
-        zero = torch.zeros((), dtype=dtype, device=visible.device)
-        bias = zero.where(visible, torch.finfo(dtype).min)
-        return (bias.repeat(1, groups, 1) if groups > 1 else bias)[:, None], 0
+        return grouped_bias(visible, groups, dtype), 0
 
     @staticmethod
     def attend(module, query, key, value, bias, scaling, **_):
@@ -238,11 +236,16 @@ class _Stream:
 
 def check_batch_method(engine) -> None:
     """Refuse, in one line, what the batched round does not run (yet)."""
-    method = engine.method
-    if method not in BATCH_METHODS or getattr(engine.proposer, "scoring", "marginal") == "pair":
-        raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs "
-                          f"{', '.join(BATCH_METHODS)} with marginal scoring)", "use concurrency=1 for this method")
-    if type(engine.proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer"):
+    method, proposer = engine.method, engine.proposer
+    runs = ("ar, dflash, ddtree with marginal scoring, and the chains of mtp and eagle3 (topk 1)")
+    if method not in BATCH_METHODS or getattr(proposer, "scoring", "marginal") == "pair":
+        raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
+                          "use concurrency=1 for this method")
+    if getattr(proposer, "topk", 1) > 1:
+        raise ConfigError("concurrency", f"method={method}'s tree (topk > 1) does not run batched yet (concurrency "
+                          f"> 1 runs {runs})", f"set {method}.topk=1 or concurrency=1")
+    if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
+                                       "Eagle3Proposer"):
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
 
 
@@ -265,9 +268,11 @@ class BatchRun:
         self.dev = dev = self.binding.device
         self.slots = n = max(1, min(concurrency, len(prompts)))
         self.drafts = self.method != "ar"
-        self.block = self.proposer.block_size if self.drafts else 1
+        self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts a chain step by step
+        self.steps = self.proposer.steps if self.head is not None else 0
+        self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
         vocab = self.model.config.get_text_config().vocab_size
-        nodes = 1 if not self.drafts else (self.block if self.method == "dflash"
+        nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
                                            else 1 + tree_size(budget or 1, self.block - 1, vocab))
         self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
         self.windows = _windows(self.model)
@@ -284,10 +289,14 @@ class BatchRun:
         self.queue = list(range(len(prompts)))
         self.embed = self.model.get_input_embeddings()
         self.lm_head = self.model.get_output_embeddings()
-        if self.drafts:
+        self.offsets = torch.arange(self.block, device=dev)[None, :]
+        if self.head is not None:  # the head's KV rows, a row per slot; each slot's rows it has not read yet
+            self.hkv = self.head.new_kv(self.capacity, n)
+            self.ctx_ids = torch.zeros(n, 1, dtype=torch.long, device=dev)  # the tokens after the context's rows
+            self.ctx_start = torch.zeros(n, dtype=torch.long, device=dev)  # the row of each slot's first one
+        elif self.drafts:
             self.block_ids = torch.full((n, self.block), self.proposer.drafter.mask_token_id, dtype=torch.long,
                                         device=dev)
-            self.offsets = torch.arange(self.block, device=dev)[None, :]
         self.t_call = time.perf_counter()
 
     # ---- streams
@@ -306,7 +315,9 @@ class BatchRun:
         root = _choose(logits[None, None], self.temperature, self.seeds[slot: slot + 1],
                        torch.full((1, 1), p, device=dev))[0, 0]
         self.roots[slot] = root
-        if self.drafts:  # the prompt's features into the slot's drafter rows (a forward of the slot alone)
+        if self.head is not None:
+            self._join_head(slot, ids, feats, root)
+        elif self.drafts:  # the prompt's features into the slot's drafter rows (a forward of the slot alone)
             if self.dcache is None:
                 self.dcache = SlotDrafterCache.empty(self.proposer.drafter, self.slots, self.capacity, self.block)
             view = self.dcache.slot(slot)
@@ -327,6 +338,47 @@ class BatchRun:
             self.finish(slot, now)
         elif self.max_new <= 1:
             self.finish(slot, now)
+
+    def _join_head(self, slot: int, ids: torch.Tensor, feats: torch.Tensor, root: torch.Tensor) -> None:
+        """A head's rows of the prompt (row r: the target's state at r with token r + 1), all but the last one, which
+        the slot's first round reads with the others' new rows (its token: the root)."""
+        p, dev = ids.shape[1], self.dev
+        if p > 1:
+            rows = torch.arange(p - 1, device=dev)
+            visible = rows[:, None] >= torch.arange(self.capacity, device=dev)[None, :]
+            self.head.step(ids[:, 1:], feats[:, : p - 1].to(self.head.dtype), rows, rows, visible,
+                           self.hkv[:, slot: slot + 1])
+        width = 1 if self.ctx is None else self.ctx.shape[1]
+        if self.ctx is None:
+            self.ctx = feats.new_zeros(self.slots, 1, feats.shape[-1])
+        self.ctx[slot, 0] = feats[0, p - 1]
+        self.ctx_ids[slot, 0] = root
+        self.ctx_count[slot] = 1
+        self.ctx_start[slot] = p - 1
+        assert width >= 1
+
+    def head_draft(self) -> torch.Tensor:
+        """Each slot's new rows read by the head (one step over all of them), then `steps - 1` steps of the chain:
+        the drafted tokens [N, steps] (argmax; at T > 0 keyed samples coupled to the target's)."""
+        head, dev, cap = self.head, self.dev, self.capacity
+        k = self.ctx.shape[1]
+        rows = self.ctx_start[:, None] + torch.arange(k, device=dev)[None, :]  # [N, k]: positions are rows
+        cols = torch.arange(cap, device=dev)[None, None, :]
+        out = head.step(self.ctx_ids, self.ctx.to(head.dtype), rows, rows, cols <= rows[:, :, None], self.hkv)
+        last = out.gather(1, (self.ctx_count - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))
+        start = self.kv.lengths  # the root's position; token s of the chain at start + s
+        picks = []
+        for s in range(1, self.steps + 1):
+            logits = head.logits(last).float()  # [N, 1, V]
+            pos = (start + s)[:, None]
+            pick = bt.keyed_choice(logits, self.temperature, self.seeds, pos) if self.temperature > 0 else (
+                logits.argmax(-1))
+            picks.append(pick)
+            if s == self.steps:
+                break
+            row = (start + s - 1)[:, None]
+            last = head.step(pick, last, row, row, cols <= row[:, :, None], self.hkv)
+        return torch.cat(picks, dim=1)
 
     def finish(self, slot: int, now: float) -> None:
         stream = self.active[slot]
@@ -353,6 +405,8 @@ class BatchRun:
     def trees(self, logits: torch.Tensor | None) -> bt.BatchTree:
         if not self.drafts:
             return bt.batch_root_trees(self.roots)
+        if self.head is not None:  # (head_draft chose the tokens)
+            return bt.batch_chain_trees(self.roots, logits)
         if self.method == "dflash":
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
                 pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
@@ -395,6 +449,10 @@ class BatchRun:
             gdn.commit_linear_states_batch(self.kv.cache, w.path, kept)
         if self.drafts:
             k = w.path.shape[1]
+            if self.head is not None:  # row r: the target's state at r with token r + 1 (the path's next, the root)
+                self.ctx_start = self.kv.lengths - kept
+                ids = torch.cat([tree.tokens.gather(1, w.path[:, 1:]), w.next_root[:, None]], dim=1)
+                self.ctx_ids = ids.scatter(1, (w.lengths - 1)[:, None], w.next_root[:, None])
             self.ctx = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
             self.ctx_count = kept
         self.roots = w.next_root
@@ -406,7 +464,7 @@ class BatchRun:
         logits = None
         if self.drafts:
             with timer.stage("draft"):
-                logits = self.draft()
+                logits = self.head_draft() if self.head is not None else self.draft()
         with timer.stage("tree"):
             tree = self.trees(logits)
         with timer.stage("verify"):
