@@ -1,0 +1,501 @@
+"""`budget="auto"` with many streams: every round, the draft that maximises the batch's committed tokens per second.
+
+`LoadBudget.choose(streams)` weighs, for the round's live streams, each option: no draft (AR: the target's one token
+a stream), DFlash's chain (block_size - 1 drafted tokens) and a DDTree tree of each candidate budget B. Its rate is
+
+    rate(option) = streams x tau(option) / seconds(streams, option)
+
+tau from the acceptance estimate (`AcceptanceEstimate`: the rank model of ddtree.engine.rank_model, kept online by
+depth from the ranks each round's one host read carries), seconds from a `RoundCost`: measured on the machine
+(`MeasuredCost`, calibrated in the first rounds) or the project's cost model for a stated GPU (`RooflineCost.stated`,
+docs/gpu.md). AR is always an option, so the choice is never slower than plain decoding by the model's own estimate.
+`LoadBudget.observe(...)` feeds the round's outcome back; `history` keeps one `RoundRecord` a round for the
+diagnosis. docs/concurrency.md ("The budget rule") states the formulas.
+
+Host arithmetic only: nothing here touches the device or reads from it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ddtree.engine.diagnostics import RANK_CAP
+from ddtree.engine.rank_model import chain_tau, predict_taus
+
+KINDS = ("ar", "chain", "tree")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One round's draft for every stream. kind: "ar" (no draft), "chain" (DFlash's chain of block_size - 1 drafted
+    tokens) or "tree" (a DDTree tree); nodes: drafted tokens a stream besides its root (0 for AR, block_size - 1 for a
+    chain, the budget B for a tree). The target verifies `tokens` = nodes + 1 a stream."""
+
+    kind: str
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Choice.kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.nodes < 0 or (self.kind == "ar") != (self.nodes == 0):
+            raise ValueError(f"Choice({self.kind!r}, {self.nodes}): AR drafts 0 nodes, a chain or a tree at least 1")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the target verifies a stream (the root and the drafted nodes)."""
+        return self.nodes + 1
+
+    @property
+    def drafted(self) -> bool:
+        return self.kind != "ar"
+
+    @property
+    def budget(self) -> int | None:
+        """The DDTree node budget (a tree), else None."""
+        return self.nodes if self.kind == "tree" else None
+
+    @property
+    def label(self) -> str:
+        """"ar", "chain", "ddtree:B"."""
+        return f"ddtree:{self.nodes}" if self.kind == "tree" else self.kind
+
+
+AR = Choice("ar", 0)
+
+
+# ----- acceptance ------------------------------------------------------------------------------------------------
+
+class AcceptanceEstimate:
+    """p_d(r | state) of the rank model (ddtree.engine.rank_model), kept online: exponentially weighted counts of the
+    target token's drafter rank r (RANK_CAP = beyond) at each depth d = 1 … depth, given the path above was accepted,
+    state 0 while that path stayed on the drafter's top-1 chain and 1 off it.
+
+    Before data, a prior: top-1 acceptance `prior` at every depth, the rest of each row halving rank by rank (the
+    remainder "beyond"); it counts as `prior_weight` observations a depth, so data replace it within a few rounds. Off
+    the chain, a depth's row shrinks toward the same depth's main-chain row (independence) with the same weight.
+    Counts decay by 2^(-1/halflife) a round (`halflife` in rounds)."""
+
+    def __init__(self, depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0):
+        if depth < 1:
+            raise ValueError(f"AcceptanceEstimate: depth must be >= 1 (block_size - 1), not {depth}")
+        if not 0.0 < prior < 1.0:
+            raise ValueError(f"AcceptanceEstimate: prior (top-1 acceptance) must be in (0, 1), not {prior}")
+        self.depth = depth
+        self.prior_weight = float(prior_weight)
+        self.decay = 0.5 ** (1.0 / halflife) if halflife > 0 else 1.0
+        row = [prior] + [(1 - prior) * 0.5 ** r for r in range(1, RANK_CAP)]
+        row.append(max(0.0, 1.0 - sum(row)))
+        self.prior = np.asarray(row)
+        self.counts = np.zeros((2, depth, RANK_CAP + 1))  # [state, depth, rank]
+        self.observed = 0  # rank observations so far (undecayed)
+
+    def decay_round(self) -> None:
+        self.counts *= self.decay
+
+    def add(self, ranks: Sequence[int]) -> None:
+        """One stream's ranks along its accepted path and at the first rejected depth (depths 1, 2, …)."""
+        state = 0
+        for d, r in enumerate(ranks[: self.depth]):
+            r = min(max(int(r), 0), RANK_CAP)
+            self.counts[state, d, r] += 1.0
+            self.observed += 1
+            state = state or int(r != 0)
+
+    def tables(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(main, off): p_d(r) per depth, ranks 0 … RANK_CAP - 1 then the mass beyond (rank_model's layout)."""
+        w = self.prior_weight
+        main = (self.counts[0] + w * self.prior) / (self.counts[0].sum(1, keepdims=True) + w)
+        off = (self.counts[1] + w * main) / (self.counts[1].sum(1, keepdims=True) + w)
+        return main.tolist(), off.tolist()
+
+    def taus(self, max_budget: int) -> tuple[float, list[float]]:
+        """(a chain's tau over every depth, [tau of the best tree of 0 … max_budget nodes])."""
+        main, off = self.tables()
+        return chain_tau(main), predict_taus(main, off, max_budget)
+
+
+# ----- cost ------------------------------------------------------------------------------------------------------
+
+class RoundCost:
+    """Seconds of one batched round as a function of the live streams and the round's draft. `observe` takes the
+    measured seconds of a round (a stated model ignores them); `ready`: whether `seconds` may be used yet; `rounds`:
+    measured rounds of a draft shape (what the calibration still needs)."""
+
+    ready = True
+    source = "given"
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        raise NotImplementedError
+
+    def observe(self, streams: int, choice: Choice, seconds: float) -> None:
+        return None
+
+    def rounds(self, choice: Choice) -> int:
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source}
+
+    @staticmethod
+    def stated(structure: str = "qwen3_6_27b", gpu: str = "h200", **kw) -> RooflineCost:
+        """The project's cost model for a stated structure and GPU (`RooflineCost.stated`)."""
+        return RooflineCost.stated(structure, gpu, **kw)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A real model's dims as the cost model counts them (`real_dims` in bench/bench_launches.py, of
+    bench/configs/<name>.json): params read a round (all but the input embeddings), the lm_head's, a 5-layer DFlash
+    drafter's, the attention and GDN layers, a KV row's bytes per attention layer (K and V, bf16), one GDN layer's
+    state bytes (fp32 recurrent + bf16 conv), the drafter's KV row, sliding layers and window."""
+
+    params: int
+    head: int
+    drafter: int
+    attn_layers: int
+    gdn_layers: int
+    kv_row: int
+    gdn_state: int
+    drafter_layers: int = 5
+    drafter_kv_row: int = 4096
+    drafter_sliding: int = 4
+    drafter_window: int = 2048
+
+
+STRUCTURES = {
+    "qwen3_6_27b": Structure(params=25_624_600_064, head=1_271_398_400, drafter=1_835_072_000, attn_layers=16,
+                             gdn_layers=48, kv_row=4096, gdn_state=3_227_648),
+    "qwen3_8b": Structure(params=7_568_405_504, head=622_329_856, drafter=1_048_626_432, attn_layers=36,
+                          gdn_layers=0, kv_row=4096, gdn_state=0),
+}
+# bytes/s, dense bf16 FLOP/s, the fraction of it a GEMM reaches (docs/gpu.md; the H100 SXM's as bench_launches --tp)
+GPUS = {"h200": (4.8e12, 989e12, 0.7), "h100": (3.35e12, 989e12, 0.7)}
+
+
+class RooflineCost(RoundCost):
+    """The cost model of docs/gpu.md at N streams (every constant stated):
+
+        bytes   = 2 (params + [drafted] (drafter + head))                         the weights, read once a round
+                  + N (attention KV rows at `context` + 2 x GDN states + [drafted] the drafter's KV rows)
+        FLOPs   = N (2 params x tokens + [drafted] 2 (drafter + head) x block_size)
+        round   = max(bytes / bandwidth, FLOPs / (peak x mfu), host_s) + syncs x sync_s
+
+    host_s: the compiled round's host time (68 ops x 6 us + 4 graph calls x 30 us, docs/gpu.md), below the device
+    time; so a round is bandwidth-bound until N x tokens reaches about 160-170 on Qwen3.6-27B / H200 (`knee`), then
+    compute-bound."""
+
+    source = "cost model"
+
+    def __init__(self, dims: Structure, *, bandwidth: float, peak_flops: float, mfu: float, block_size: int = 16,
+                 context: int = 1024, host_s: float = 68 * 6e-6 + 4 * 30e-6, syncs: int = 1, sync_s: float = 20e-6,
+                 name: str = "custom"):
+        self.dims, self.bandwidth, self.peak_flops, self.mfu = dims, bandwidth, peak_flops, mfu
+        self.block_size, self.context, self.host_s, self.syncs, self.sync_s = block_size, context, host_s, syncs, sync_s
+        self.name = name
+
+    @classmethod
+    def stated(cls, structure: str = "qwen3_6_27b", gpu: str = "h200", **kw) -> RooflineCost:
+        """The cost model for one of STRUCTURES on one of GPUS; kw: block_size, context, host_s, syncs, sync_s."""
+        if structure not in STRUCTURES:
+            raise ValueError(f"RooflineCost.stated: structure {structure!r} unknown; one of {', '.join(STRUCTURES)}")
+        if gpu not in GPUS:
+            raise ValueError(f"RooflineCost.stated: gpu {gpu!r} unknown; one of {', '.join(GPUS)}")
+        bw, peak, mfu = GPUS[gpu]
+        return cls(STRUCTURES[structure], bandwidth=bw, peak_flops=peak, mfu=mfu, name=f"{structure} on {gpu}", **kw)
+
+    def bytes(self, streams: int, choice: Choice) -> float:
+        d = self.dims
+        weights = 2 * (d.params + (d.drafter + d.head if choice.drafted else 0))
+        state = d.attn_layers * self.context * d.kv_row + 2 * d.gdn_layers * d.gdn_state
+        if choice.drafted:
+            state += sum(min(self.context, d.drafter_window) if i < d.drafter_sliding else self.context
+                         for i in range(d.drafter_layers)) * d.drafter_kv_row
+        return weights + streams * state
+
+    def flops(self, streams: int, choice: Choice) -> float:
+        d = self.dims
+        drafter = 2 * (d.drafter + d.head) * self.block_size if choice.drafted else 0
+        return streams * (2 * d.params * choice.tokens + drafter)
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        device = max(self.bytes(streams, choice) / self.bandwidth,
+                     self.flops(streams, choice) / (self.peak_flops * self.mfu))
+        return max(device, self.host_s) + self.syncs * self.sync_s
+
+    def knee(self, streams: int = 1) -> float:
+        """Verified tokens of all streams together where a drafted round turns compute-bound."""
+        d = self.dims
+        probe = Choice("chain", 1)
+        drafter = streams * 2 * (d.drafter + d.head) * self.block_size
+        return (self.bytes(streams, probe) / self.bandwidth * self.peak_flops * self.mfu - drafter) / (2 * d.params)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "model": self.name, "bandwidth": self.bandwidth, "peak_flops": self.peak_flops,
+                "mfu": self.mfu, "context": self.context, "block_size": self.block_size, "host_s": self.host_s,
+                "knee_tokens": self.knee()}
+
+
+class MeasuredCost(RoundCost):
+    """Round seconds calibrated on the machine from the rounds themselves.
+
+    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds (the first `warmup`
+    rounds of each draft shape are left out: compilation, allocator growth). The fit, weighted by observations:
+
+        seconds = a + e [drafted] + c N + f [drafted] N + b max(0, N x tokens - k)
+
+    flat in the verified tokens up to a knee k (bandwidth-bound), then linear (compute-bound); k is chosen among 0 and
+    the measured N x tokens by the least weighted squared error with b >= 0 (k = 0: linear throughout, as on a CPU).
+    A small ridge keeps the columns the data do not yet separate (one stream count so far) at zero. `ready` once
+    `min_shapes` draft shapes have `min_rounds` measured rounds each."""
+
+    source = "measured"
+
+    def __init__(self, *, window: int = 8, warmup: int = 1, min_shapes: int = 2, min_rounds: int = 1):
+        self.window, self.warmup, self.min_shapes, self.min_rounds = window, warmup, min_shapes, min_rounds
+        self._runs: dict[tuple[int, int, bool], deque] = {}
+        self._seen: dict[tuple[int, bool], int] = {}  # rounds per draft shape (tokens, drafted), warm-ups included
+        self._coef: np.ndarray | None = None
+        self._knee = 0.0
+        self._dirty = False
+
+    def observe(self, streams: int, choice: Choice, seconds: float) -> None:
+        shape = (choice.tokens, choice.drafted)
+        self._seen[shape] = self._seen.get(shape, 0) + 1
+        if self._seen[shape] <= self.warmup or not math.isfinite(seconds) or seconds <= 0:
+            return
+        key = (int(streams), choice.tokens, choice.drafted)
+        self._runs.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
+        self._dirty = True
+
+    def rounds(self, choice: Choice) -> int:
+        return sum(len(v) for (_, t, dr), v in self._runs.items() if (t, dr) == (choice.tokens, choice.drafted))
+
+    @property
+    def ready(self) -> bool:
+        shapes: dict[tuple[int, bool], int] = {}
+        for (_, t, dr), v in self._runs.items():
+            shapes[(t, dr)] = shapes.get((t, dr), 0) + len(v)
+        return sum(n >= self.min_rounds for n in shapes.values()) >= self.min_shapes
+
+    def _fit(self) -> None:
+        keys = list(self._runs)
+        S = np.array([k[0] for k in keys], dtype=np.float64)
+        T = np.array([k[1] for k in keys], dtype=np.float64)
+        D = np.array([float(k[2]) for k in keys])
+        y = np.array([float(np.median(self._runs[k])) for k in keys])
+        w = np.array([len(self._runs[k]) for k in keys], dtype=np.float64)
+        work = S * T
+        knees = np.unique(np.concatenate([[0.0], work]))
+        base = np.stack([np.ones_like(S), D, S, D * S], 1)  # [n, 4]
+        X = np.concatenate([np.broadcast_to(base, (len(knees), *base.shape)),
+                            np.maximum(0.0, work[None, :] - knees[:, None])[:, :, None]], 2)  # [K, n, 5]
+        XtW = X.transpose(0, 2, 1) * w[None, None, :]
+        A = XtW @ X
+        scale = np.trace(A, axis1=1, axis2=2)[:, None, None] / A.shape[1]
+        ridge = np.diag([0.0, 1.0, 1.0, 1.0, 1.0])[None] * 1e-9 * scale
+        coef = np.linalg.solve(A + ridge, (XtW @ y)[:, :, None])[:, :, 0]  # [K, 5]
+        err = (((X @ coef[:, :, None])[:, :, 0] - y[None]) ** 2 * w[None]).sum(1)
+        err[coef[:, 4] < 0] = np.inf  # a cost falling with the tokens is no roofline
+        i = int(np.argmin(err))
+        if not np.isfinite(err[i]):  # every knee gave a falling slope: flat in the tokens
+            coef4 = np.linalg.solve(A[0, :4, :4] + ridge[0, :4, :4], (XtW[0, :4] @ y)[:, None])[:, 0]
+            self._coef, self._knee = np.concatenate([coef4, [0.0]]), 0.0
+        else:
+            self._coef, self._knee = coef[i], float(knees[i])
+        self._dirty = False
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        if not self._runs:
+            raise RuntimeError("MeasuredCost.seconds before any measured round")
+        if self._dirty or self._coef is None:
+            self._fit()
+        a, e, c, f, b = self._coef
+        dr = float(choice.drafted)
+        s = a + e * dr + c * streams + f * dr * streams + b * max(0.0, streams * choice.tokens - self._knee)
+        floor = min(float(np.median(v)) for v in self._runs.values())
+        return max(float(s), 0.5 * floor)  # never below half the fastest round measured (an extrapolation's guard)
+
+    def describe(self) -> dict[str, Any]:
+        if self._runs and (self._dirty or self._coef is None):
+            self._fit()
+        coef = None if self._coef is None else dict(zip(("a", "drafted", "stream", "drafted_stream", "token"),
+                                                        map(float, self._coef), strict=True))
+        return {"source": self.source, "coef": coef, "knee_tokens": self._knee,
+                "shapes": sorted({(t, dr) for (_, t, dr) in self._runs})}
+
+
+# ----- the controller --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    """One option's prediction at a stream count: tau a stream (corrected), round seconds."""
+
+    choice: Choice
+    tau: float
+    seconds: float
+
+    def rate(self, streams: int) -> float:
+        """The batch's committed tokens per second."""
+        return streams * self.tau / self.seconds
+
+
+@dataclass
+class RoundRecord:
+    """One round for the diagnosis: what was chosen for how many streams and the prediction it was chosen by, and,
+    once observed, what happened. explore: None (the model's best), "calibration" (a measured cost's first rounds,
+    each option in turn: no prediction yet) or "refresh" (a periodic round of another option, keeping it measured)."""
+
+    round: int
+    streams: int
+    choice: Choice
+    predicted_tau: float | None
+    predicted_seconds: float | None
+    predicted_tok_s: float | None
+    explore: str | None = None
+    seconds: float | None = None  # measured
+    tokens: int | None = None  # committed this round, all streams
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens is not None and self.seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(choice=self.choice.label, kind=self.choice.kind, nodes=self.choice.nodes, tok_s=self.tok_s)
+        return out
+
+
+class LoadBudget:
+    """Chooses each round's draft for the whole batch (module docstring).
+
+    candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only); block_size: the drafter's (a
+    chain drafts block_size - 1 tokens, the deepest a tree goes); chain: whether the chain is an option (AR always
+    is); cost: a RoundCost (default MeasuredCost: until it is ready, each round runs the option with the fewest
+    measured rounds, largest first, so the calibration takes about (warm-up + 1) x 2 rounds); refresh_every: every so
+    many rounds, one round of the option run least recently among those the model puts within `refresh_within` of the
+    best's rate (0: never), so an estimate off the chosen path does not go stale; prior, prior_weight, halflife:
+    AcceptanceEstimate's.
+
+    Each option's tau carries a correction: the exponentially weighted ratio of its measured tokens a stream to its
+    predicted tau, shrunk toward 1 by `prior_weight` rounds (1 until it runs). The rank model assumes a tree holds the
+    most likely rank paths, and a round starts where the previous one missed; the ratio takes up what that misses."""
+
+    def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
+                 prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 64,
+                 refresh_within: float = 0.75):
+        if block_size < 2:
+            raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
+        bad = [b for b in candidates if int(b) < 1]
+        if bad:
+            raise ValueError(f"LoadBudget: candidate budgets must be >= 1 node, not {bad}")
+        self.block_size = block_size
+        self.options: list[Choice] = [Choice("tree", b) for b in sorted({int(b) for b in candidates}, reverse=True)]
+        if chain:
+            self.options.append(Choice("chain", block_size - 1))
+        self.options.append(AR)
+        self.cost = cost if cost is not None else MeasuredCost()
+        self.acceptance = AcceptanceEstimate(block_size - 1, prior=prior, prior_weight=prior_weight, halflife=halflife)
+        self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
+        self.history: list[RoundRecord] = []
+        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> [decayed sum of ratios, decayed weight]
+        self._last_run = {c: -1 for c in self.options}  # the last round each option ran
+        self._runs = {c: 0 for c in self.options}  # rounds each option ran
+        self._taus: dict[Choice, float] | None = None
+        self._pending: RoundRecord | None = None
+
+    # the model
+    def raw_taus(self) -> dict[Choice, float]:
+        """Each option's tau from the acceptance estimate alone (AR: 1)."""
+        if self._taus is None:
+            trees = [c.nodes for c in self.options if c.kind == "tree"]
+            chain, full = self.acceptance.taus(max(trees, default=1))
+            self._taus = {c: (1.0 if c.kind == "ar" else chain if c.kind == "chain" else full[c.nodes])
+                          for c in self.options}
+        return self._taus
+
+    def correction(self, choice: Choice) -> float:
+        s, n = self._ratio[choice]
+        return (s + self.prior_weight) / (n + self.prior_weight)
+
+    def predict(self, streams: int) -> list[Prediction]:
+        """Every option's prediction at `streams` live streams (the cost must be ready)."""
+        taus = self.raw_taus()
+        return [Prediction(c, 1.0 if c.kind == "ar" else taus[c] * self.correction(c), self.cost.seconds(streams, c))
+                for c in self.options]
+
+    def choose(self, streams: int) -> Choice:
+        """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`."""
+        if streams < 1:
+            raise ValueError(f"LoadBudget.choose: streams must be >= 1, not {streams}")
+        n = len(self.history)
+        explore, pred = None, None
+        if not self.cost.ready:
+            pick, explore = self._calibration_pick(), "calibration"
+        else:
+            preds = self.predict(streams)
+            pred = max(preds, key=lambda p: (p.rate(streams), -p.choice.tokens))  # equal rates: the fewer tokens
+            if self.refresh_every and n and n % self.refresh_every == 0:
+                near = [p for p in preds if p.choice != pred.choice
+                        and p.rate(streams) >= self.refresh_within * pred.rate(streams)]
+                if near:
+                    pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
+            pick = pred.choice
+        rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
+                          None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
+                          explore)
+        self.history.append(rec)
+        self._pending = rec
+        return pick
+
+    def _calibration_pick(self) -> Choice:
+        """The next option to measure: the fewest measured rounds past the warm-up, then the fewest rounds run, then
+        the largest."""
+        return min(self.options, key=lambda c: (self.cost.rounds(c), self._runs[c], -c.tokens))
+
+    def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
+                ranks: Sequence[Sequence[int]] | None = None) -> None:
+        """The round's outcome: its wall `seconds`, per stream the tokens committed (the bonus token included) and
+        per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
+        rejected depth (None for AR rounds)."""
+        if choice not in self._ratio:
+            raise ValueError(f"LoadBudget.observe: {choice} is not one of this controller's options")
+        if len(accepted) != streams:
+            raise ValueError(f"LoadBudget.observe: {len(accepted)} accepted counts for {streams} streams")
+        if ranks is not None and len(ranks) != streams:
+            raise ValueError(f"LoadBudget.observe: {len(ranks)} rank lists for {streams} streams")
+        rec = self._pending if self._pending is not None and self._pending.choice == choice else None
+        self._pending = None
+        self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
+        self._runs[choice] += 1
+        self.cost.observe(streams, choice, seconds)
+        if rec is not None:
+            rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
+        if not choice.drafted or ranks is None:
+            return
+        raw = self.raw_taus()[choice]  # the prediction this round was made with (before its ranks)
+        self.acceptance.decay_round()
+        for rs in ranks:
+            self.acceptance.add(rs)
+        self._taus = None
+        ratio = min(4.0, max(0.25, sum(accepted) / streams / raw))
+        acc = self._ratio[choice]  # an exponentially weighted mean over this option's own rounds
+        acc[0] = acc[0] * self.acceptance.decay + ratio
+        acc[1] = acc[1] * self.acceptance.decay + 1.0
+
+    def summary(self) -> dict[str, Any]:
+        """For the diagnosis: per stream count, the choices made (label -> rounds); the model's current taus,
+        corrections and cost."""
+        by_load: dict[int, dict[str, int]] = {}
+        for r in self.history:
+            row = by_load.setdefault(r.streams, {})
+            row[r.choice.label] = row.get(r.choice.label, 0) + 1
+        return {"rounds": len(self.history), "choices": {k: by_load[k] for k in sorted(by_load)},
+                "tau": {c.label: t for c, t in self.raw_taus().items()},
+                "correction": {c.label: self.correction(c) for c in self.options},
+                "cost": self.cost.describe()}
