@@ -18,6 +18,7 @@ Host arithmetic only: nothing here touches the device or reads from it.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -79,7 +80,7 @@ class AcceptanceEstimate:
     Before data, a prior: top-1 acceptance `prior` at every depth, the rest of each row halving rank by rank (the
     remainder "beyond"); it counts as `prior_weight` observations a depth, so data replace it within a few rounds. Off
     the chain, a depth's row shrinks toward the same depth's main-chain row (independence) with the same weight.
-    Counts decay by 2^(-1/halflife) a round (`halflife` in rounds)."""
+    Counts decay by 2^(-1/halflife) a round (`halflife` in rounds; 0: no decay)."""
 
     def __init__(self, depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0):
         if depth < 1:
@@ -98,14 +99,19 @@ class AcceptanceEstimate:
     def decay_round(self) -> None:
         self.counts *= self.decay
 
-    def add(self, ranks: Sequence[int]) -> None:
-        """One stream's ranks along its accepted path and at the first rejected depth (depths 1, 2, …)."""
-        state = 0
-        for d, r in enumerate(ranks[: self.depth]):
-            r = min(max(int(r), 0), RANK_CAP)
-            self.counts[state, d, r] += 1.0
-            self.observed += 1
-            state = state or int(r != 0)
+    def add(self, *streams: Sequence[int]) -> None:
+        """Each stream's ranks along its accepted path and at the first rejected depth (depths 1, 2, …)."""
+        idx: list[int] = []
+        width = RANK_CAP + 1
+        for ranks in streams:
+            state = 0
+            for d, r in enumerate(ranks[: self.depth]):
+                r = min(max(int(r), 0), RANK_CAP)
+                idx.append((state * self.depth + d) * width + r)
+                state = state or int(r != 0)
+        if idx:
+            np.add.at(self.counts.reshape(-1), np.asarray(idx), 1.0)
+            self.observed += len(idx)
 
     def tables(self) -> tuple[list[list[float]], list[list[float]]]:
         """(main, off): p_d(r) per depth, ranks 0 … RANK_CAP - 1 then the mass beyond (rank_model's layout)."""
@@ -124,10 +130,10 @@ class AcceptanceEstimate:
 
 class RoundCost:
     """Seconds of one batched round as a function of the live streams and the round's draft. `observe` takes the
-    measured seconds of a round (a stated model ignores them); `ready`: whether `seconds` may be used yet; `rounds`:
-    measured rounds of a draft shape (what the calibration still needs)."""
+    measured seconds of a round (a stated model ignores them); `measured`: whether it learns from them, so a
+    controller first measures every option (`rounds`: the measured rounds of a draft shape)."""
 
-    ready = True
+    measured = False
     source = "given"
 
     def seconds(self, streams: int, choice: Choice) -> float:
@@ -249,20 +255,31 @@ class MeasuredCost(RoundCost):
 
         seconds = a + e [drafted] + c N + f [drafted] N + b max(0, N x tokens - k)
 
-    flat in the verified tokens up to a knee k (bandwidth-bound), then linear (compute-bound); k is chosen among 0 and
-    the measured N x tokens by the least weighted squared error with b >= 0 (k = 0: linear throughout, as on a CPU).
-    A small ridge keeps the columns the data do not yet separate (one stream count so far) at zero. `ready` once
-    `min_shapes` draft shapes have `min_rounds` measured rounds each."""
+    flat in the verified tokens up to a knee k (bandwidth-bound), then linear (compute-bound): k is searched among 0
+    and the measured N x tokens, then between the best one's neighbours, by the least weighted squared error with
+    b >= 0 (k = 0: linear throughout, as on a CPU). A small ridge keeps the columns the data do not yet separate
+    (one stream count so far) at zero. The fit is redone after new rounds, every round for the first `refit_every` x 4
+    fits, then every `refit_every` rounds (host time).
 
+    Where the data leave the knee open (knees within `tolerance` of the least error), the fit takes the shallowest
+    slope b among them: far past the measured rounds a bigger draft looks cheap rather than dear, so it gets chosen
+    and its round measures it (the controller's rounds at a new load do the rest: LoadBudget)."""
+
+    measured = True
     source = "measured"
 
-    def __init__(self, *, window: int = 8, warmup: int = 1, min_shapes: int = 2, min_rounds: int = 1):
-        self.window, self.warmup, self.min_shapes, self.min_rounds = window, warmup, min_shapes, min_rounds
+    def __init__(self, *, window: int = 8, warmup: int = 1, refit_every: int = 8, tolerance: float = 0.25):
+        self.window, self.warmup, self.refit_every, self.tolerance = window, warmup, refit_every, tolerance
+        self.refit_every = refit_every
         self._runs: dict[tuple[int, int, bool], deque] = {}
+        self._median: dict[tuple[int, int, bool], float] = {}
         self._seen: dict[tuple[int, bool], int] = {}  # rounds per draft shape (tokens, drafted), warm-ups included
+        self._measured: dict[tuple[int, bool], int] = {}  # the same past the warm-ups
         self._coef: np.ndarray | None = None
         self._knee = 0.0
-        self._dirty = False
+        self._floor = 0.0
+        self._new = 0  # measured rounds since the last fit
+        self._fits = 0
 
     def observe(self, streams: int, choice: Choice, seconds: float) -> None:
         shape = (choice.tokens, choice.drafted)
@@ -270,60 +287,72 @@ class MeasuredCost(RoundCost):
         if self._seen[shape] <= self.warmup or not math.isfinite(seconds) or seconds <= 0:
             return
         key = (int(streams), choice.tokens, choice.drafted)
-        self._runs.setdefault(key, deque(maxlen=self.window)).append(float(seconds))
-        self._dirty = True
+        runs = self._runs.setdefault(key, deque(maxlen=self.window))
+        runs.append(float(seconds))
+        self._measured[shape] = self._measured.get(shape, 0) + 1
+        self._median[key] = statistics.median(runs)
+        self._new += 1
 
     def rounds(self, choice: Choice) -> int:
-        return sum(len(v) for (_, t, dr), v in self._runs.items() if (t, dr) == (choice.tokens, choice.drafted))
+        return self._measured.get((choice.tokens, choice.drafted), 0)
 
-    @property
-    def ready(self) -> bool:
-        shapes: dict[tuple[int, bool], int] = {}
-        for (_, t, dr), v in self._runs.items():
-            shapes[(t, dr)] = shapes.get((t, dr), 0) + len(v)
-        return sum(n >= self.min_rounds for n in shapes.values()) >= self.min_shapes
+    def _refit(self) -> None:
+        stale = self._new and (self._fits < 4 * self.refit_every or self._new >= self.refit_every)
+        if self._coef is None or stale:
+            self._fit()
 
     def _fit(self) -> None:
         keys = list(self._runs)
         S = np.array([k[0] for k in keys], dtype=np.float64)
         T = np.array([k[1] for k in keys], dtype=np.float64)
         D = np.array([float(k[2]) for k in keys])
-        y = np.array([float(np.median(self._runs[k])) for k in keys])
+        y = np.array([self._median[k] for k in keys])
         w = np.array([len(self._runs[k]) for k in keys], dtype=np.float64)
         work = S * T
-        knees = np.unique(np.concatenate([[0.0], work]))
         base = np.stack([np.ones_like(S), D, S, D * S], 1)  # [n, 4]
-        X = np.concatenate([np.broadcast_to(base, (len(knees), *base.shape)),
-                            np.maximum(0.0, work[None, :] - knees[:, None])[:, :, None]], 2)  # [K, n, 5]
-        XtW = X.transpose(0, 2, 1) * w[None, None, :]
-        A = XtW @ X
-        scale = np.trace(A, axis1=1, axis2=2)[:, None, None] / A.shape[1]
-        ridge = np.diag([0.0, 1.0, 1.0, 1.0, 1.0])[None] * 1e-9 * scale
-        coef = np.linalg.solve(A + ridge, (XtW @ y)[:, :, None])[:, :, 0]  # [K, 5]
-        err = (((X @ coef[:, :, None])[:, :, 0] - y[None]) ** 2 * w[None]).sum(1)
-        err[coef[:, 4] < 0] = np.inf  # a cost falling with the tokens is no roofline
-        i = int(np.argmin(err))
-        if not np.isfinite(err[i]):  # every knee gave a falling slope: flat in the tokens
-            coef4 = np.linalg.solve(A[0, :4, :4] + ridge[0, :4, :4], (XtW[0, :4] @ y)[:, None])[:, 0]
-            self._coef, self._knee = np.concatenate([coef4, [0.0]]), 0.0
-        else:
-            self._coef, self._knee = coef[i], float(knees[i])
-        self._dirty = False
+        ridge = np.diag([0.0, 1.0, 1.0, 1.0, 1.0])[None] * 1e-9
+
+        def solve(knees: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            X = np.concatenate([np.broadcast_to(base, (len(knees), *base.shape)),
+                                np.maximum(0.0, work[None, :] - knees[:, None])[:, :, None]], 2)  # [K, n, 5]
+            XtW = X.transpose(0, 2, 1) * w[None, None, :]
+            A = XtW @ X
+            A = A + ridge * (np.trace(A, axis1=1, axis2=2) / A.shape[1])[:, None, None]
+            coef = np.linalg.solve(A, (XtW @ y)[:, :, None])[:, :, 0]  # [K, 5]
+            err = (((X @ coef[:, :, None])[:, :, 0] - y[None]) ** 2 * w[None]).sum(1)
+            err[coef[:, 4] < 0] = np.inf  # a cost falling with the tokens is no roofline
+            return coef, err
+
+        grid = np.unique(np.concatenate([[0.0], work]))
+        coef, err = solve(grid)
+        if np.isfinite(err).any():
+            tol = 1e-18 * float((w * y * y).sum())  # exact data: rounding
+            i = int(np.argmin(err))  # refined between its neighbours (a knee lies between measured points)
+            fine = np.linspace(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)], 33)
+            c2, e2 = solve(fine)
+            grid, coef, err = np.concatenate([grid, fine]), np.concatenate([coef, c2]), np.concatenate([err, e2])
+            ok = np.flatnonzero(err <= err.min() * (1 + self.tolerance) + tol)
+            i = int(ok[np.argmin(coef[ok, 4])])  # the shallowest slope the data allow
+            self._coef, self._knee = coef[i], float(grid[i])
+        else:  # every knee gave a falling slope: flat in the tokens
+            coef, _ = solve(np.array([float(work.max())]))
+            self._coef, self._knee = coef[0], float(work.max())
+        self._floor = min(self._median.values())
+        self._new = 0
+        self._fits += 1
 
     def seconds(self, streams: int, choice: Choice) -> float:
         if not self._runs:
             raise RuntimeError("MeasuredCost.seconds before any measured round")
-        if self._dirty or self._coef is None:
-            self._fit()
+        self._refit()
         a, e, c, f, b = self._coef
         dr = float(choice.drafted)
         s = a + e * dr + c * streams + f * dr * streams + b * max(0.0, streams * choice.tokens - self._knee)
-        floor = min(float(np.median(v)) for v in self._runs.values())
-        return max(float(s), 0.5 * floor)  # never below half the fastest round measured (an extrapolation's guard)
+        return max(float(s), 0.5 * self._floor)  # never below half the fastest round measured (extrapolation's guard)
 
     def describe(self) -> dict[str, Any]:
-        if self._runs and (self._dirty or self._coef is None):
-            self._fit()
+        if self._runs:
+            self._refit()
         coef = None if self._coef is None else dict(zip(("a", "drafted", "stream", "drafted_stream", "token"),
                                                         map(float, self._coef), strict=True))
         return {"source": self.source, "coef": coef, "knee_tokens": self._knee,
@@ -349,7 +378,8 @@ class Prediction:
 class RoundRecord:
     """One round for the diagnosis: what was chosen for how many streams and the prediction it was chosen by, and,
     once observed, what happened. explore: None (the model's best), "calibration" (a measured cost's first rounds,
-    each option in turn: no prediction yet) or "refresh" (a periodic round of another option, keeping it measured)."""
+    each option in turn: no prediction yet), "load" (a measured cost: an option near the best not yet run at this
+    load) or "refresh" (a periodic round of another option near the best, keeping it measured)."""
 
     round: int
     streams: int
@@ -376,19 +406,24 @@ class LoadBudget:
 
     candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only); block_size: the drafter's (a
     chain drafts block_size - 1 tokens, the deepest a tree goes); chain: whether the chain is an option (AR always
-    is); cost: a RoundCost (default MeasuredCost: until it is ready, each round runs the option with the fewest
-    measured rounds, largest first, so the calibration takes about (warm-up + 1) x 2 rounds); refresh_every: every so
-    many rounds, one round of the option run least recently among those the model puts within `refresh_within` of the
-    best's rate (0: never), so an estimate off the chosen path does not go stale; prior, prior_weight, halflife:
-    AcceptanceEstimate's.
+    is); cost: a RoundCost (default MeasuredCost: until every option has a measured round, each round runs the
+    option with the fewest, largest first: (warm-up + 1) x options rounds, 10 with the defaults; then, at each load
+    band (stream counts 25 % apart) one round of each option the model puts near the best, if it has not run there:
+    the fit's knee and per-stream terms are measured where the choice is made); refresh_every: every so many rounds,
+    one round of the option run least recently among those the model puts near the best (0: never), so an estimate
+    off the chosen path does not go stale; near: within `refresh_within` of the best's rate and not below AR's; prior,
+    prior_weight, halflife: AcceptanceEstimate's (halflife 0: no decay); refit_every: the taus are recomputed from the
+    estimate after every drafted round for the first refit_every x 4 of them, then every refit_every (host time: the
+    rank model's best-first search is ~0.5 ms at budget 64).
 
-    Each option's tau carries a correction: the exponentially weighted ratio of its measured tokens a stream to its
-    predicted tau, shrunk toward 1 by `prior_weight` rounds (1 until it runs). The rank model assumes a tree holds the
-    most likely rank paths, and a round starts where the previous one missed; the ratio takes up what that misses."""
+    Each option's tau carries a correction: the ratio of its committed tokens to its predicted tau x streams over its
+    own rounds (exponentially weighted, `halflife`), shrunk toward 1 by `correction_weight` streams' worth of
+    prediction (1 until it runs). The rank model assumes a tree holds the most likely rank paths, and a round starts
+    where the previous one missed; the ratio takes up what that misses."""
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 64,
-                 refresh_within: float = 0.75):
+                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 32.0):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -403,16 +438,24 @@ class LoadBudget:
         self.acceptance = AcceptanceEstimate(block_size - 1, prior=prior, prior_weight=prior_weight, halflife=halflife)
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
-        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> [decayed sum of ratios, decayed weight]
+        self.correction_weight = correction_weight
+        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> decayed [tokens committed, tokens predicted]
         self._last_run = {c: -1 for c in self.options}  # the last round each option ran
         self._runs = {c: 0 for c in self.options}  # rounds each option ran
+        self.refit_every = refit_every
         self._taus: dict[Choice, float] | None = None
+        self._stale = 0  # drafted rounds observed since the taus were computed
+        self._drafted = 0  # drafted rounds observed
         self._pending: RoundRecord | None = None
+        self._tried: set[tuple[int, Choice]] = set()  # (load band, option) run at least once
+        self._calibrating = True
 
     # the model
     def raw_taus(self) -> dict[Choice, float]:
         """Each option's tau from the acceptance estimate alone (AR: 1)."""
-        if self._taus is None:
+        stale = self._stale and (self._drafted <= 4 * self.refit_every or self._stale >= self.refit_every)
+        if self._taus is None or stale:
+            self._stale = 0
             trees = [c.nodes for c in self.options if c.kind == "tree"]
             chain, full = self.acceptance.taus(max(trees, default=1))
             self._taus = {c: (1.0 if c.kind == "ar" else chain if c.kind == "chain" else full[c.nodes])
@@ -420,11 +463,13 @@ class LoadBudget:
         return self._taus
 
     def correction(self, choice: Choice) -> float:
-        s, n = self._ratio[choice]
-        return (s + self.prior_weight) / (n + self.prior_weight)
+        """Measured over predicted tokens of this option's rounds, shrunk toward 1."""
+        got, want = self._ratio[choice]
+        prior = self.correction_weight * self.raw_taus()[choice]
+        return (got + prior) / (want + prior)
 
     def predict(self, streams: int) -> list[Prediction]:
-        """Every option's prediction at `streams` live streams (the cost must be ready)."""
+        """Every option's prediction at `streams` live streams (a measured cost: once calibrated)."""
         taus = self.raw_taus()
         return [Prediction(c, 1.0 if c.kind == "ar" else taus[c] * self.correction(c), self.cost.seconds(streams, c))
                 for c in self.options]
@@ -435,16 +480,19 @@ class LoadBudget:
             raise ValueError(f"LoadBudget.choose: streams must be >= 1, not {streams}")
         n = len(self.history)
         explore, pred = None, None
-        if not self.cost.ready:
+        if self.calibrating:
             pick, explore = self._calibration_pick(), "calibration"
         else:
             preds = self.predict(streams)
             pred = max(preds, key=lambda p: (p.rate(streams), -p.choice.tokens))  # equal rates: the fewer tokens
-            if self.refresh_every and n and n % self.refresh_every == 0:
-                near = [p for p in preds if p.choice != pred.choice
-                        and p.rate(streams) >= self.refresh_within * pred.rate(streams)]
-                if near:
-                    pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
+            floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
+            near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
+                          key=lambda p: -p.rate(streams))
+            fresh = [p for p in near if (self._band(streams), p.choice) not in self._tried] if self.cost.measured else []
+            if fresh:
+                pred, explore = fresh[0], "load"
+            elif near and self.refresh_every and n and n % self.refresh_every == 0:
+                pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
             pick = pred.choice
         rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
                           None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
@@ -452,6 +500,18 @@ class LoadBudget:
         self.history.append(rec)
         self._pending = rec
         return pick
+
+    @staticmethod
+    def _band(streams: int) -> int:
+        """The load band of a stream count (bands 25 % apart: 1, 2, 3, 4, 5, 6-7, 8-9, …)."""
+        return round(math.log(streams) / math.log(1.25))
+
+    @property
+    def calibrating(self) -> bool:
+        """Whether a measured cost still lacks a measured round of some option."""
+        if self._calibrating:
+            self._calibrating = self.cost.measured and any(self.cost.rounds(c) < 1 for c in self.options)
+        return self._calibrating
 
     def _calibration_pick(self) -> Choice:
         """The next option to measure: the fewest measured rounds past the warm-up, then the fewest rounds run, then
@@ -462,7 +522,8 @@ class LoadBudget:
                 ranks: Sequence[Sequence[int]] | None = None) -> None:
         """The round's outcome: its wall `seconds`, per stream the tokens committed (the bonus token included) and
         per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
-        rejected depth (None for AR rounds)."""
+        rejected depth (None for AR rounds; a drafted round without them still updates its option's correction, so
+        a loop that cannot carry the ranks gets each option's measured tau on the prior's shape)."""
         if choice not in self._ratio:
             raise ValueError(f"LoadBudget.observe: {choice} is not one of this controller's options")
         if len(accepted) != streams:
@@ -473,20 +534,21 @@ class LoadBudget:
         self._pending = None
         self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
         self._runs[choice] += 1
+        self._tried.add((self._band(streams), choice))
         self.cost.observe(streams, choice, seconds)
         if rec is not None:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
-        if not choice.drafted or ranks is None:
+        if not choice.drafted:
             return
         raw = self.raw_taus()[choice]  # the prediction this round was made with (before its ranks)
-        self.acceptance.decay_round()
-        for rs in ranks:
-            self.acceptance.add(rs)
-        self._taus = None
-        ratio = min(4.0, max(0.25, sum(accepted) / streams / raw))
-        acc = self._ratio[choice]  # an exponentially weighted mean over this option's own rounds
-        acc[0] = acc[0] * self.acceptance.decay + ratio
-        acc[1] = acc[1] * self.acceptance.decay + 1.0
+        acc = self._ratio[choice]  # exponentially weighted over this option's own rounds
+        acc[0] = acc[0] * self.acceptance.decay + sum(accepted)
+        acc[1] = acc[1] * self.acceptance.decay + streams * raw
+        if ranks is not None:
+            self.acceptance.decay_round()
+            self.acceptance.add(*ranks)
+            self._stale += 1
+            self._drafted += 1
 
     def summary(self) -> dict[str, Any]:
         """For the diagnosis: per stream count, the choices made (label -> rounds); the model's current taus,
