@@ -20,6 +20,8 @@ from ddtree.engine.adaptive import (
     MeasuredCost,
     RooflineCost,
     RoundCost,
+    best,
+    predictions,
 )
 from ddtree.engine.diagnostics import RANK_CAP
 
@@ -295,3 +297,34 @@ def test_a_measured_cost_fits_a_roofline_and_guards_its_inputs():
     with pytest.raises(ValueError, match="accepted counts"):
         lb.observe(lb.choose(2), streams=2, seconds=0.01, accepted=[1])
     assert math.isfinite(lb.predict(3)[0].rate(3))
+
+
+def test_ranks_as_one_padded_array_count_as_the_lists_do():
+    lists = [[0, 0, 3], [1, 0], [0, 0, 0, 0, 0], [RANK_CAP + 7], []]
+    a, b = AcceptanceEstimate(5, halflife=0), AcceptanceEstimate(5, halflife=0)
+    a.add(*lists)
+    b.add_rows([x + [-1] * (5 - len(x)) for x in lists])
+    assert (a.counts == b.counts).all() and a.observed == b.observed == 11
+    assert a.counts[1, 1, 0] == 1 and a.counts[0, 0, RANK_CAP] == 1  # off the chain after a rank 1; beyond the cap
+    for rows in ([[0, 0, 3], [1, 0]], None):  # lists, or no ranks: the correction still learns the option's tau
+        lb = LoadBudget([4], block_size=6, cost=Roofline(knee=40))
+        tree = Choice("tree", 4)
+        raw = lb.raw_taus()[tree]
+        for _ in range(50):
+            lb.observe(tree, streams=2, seconds=0.01, accepted=[1, 1], ranks=rows)
+        assert lb.predict(2)[0].tau < 0.7 * raw  # one token a round: far below the prior's tau
+
+
+def test_the_toy_taus_on_the_stated_h200_cost_never_fall_below_ar():
+    """The worked example of docs/concurrency.md: the toy pair's measured taus, Qwen3.6-27B on an H200."""
+    taus = {Choice("tree", 64): 7.512, Choice("tree", 32): 6.696, Choice("tree", 16): 6.286, Choice("tree", 8): 5.049,
+            Choice("chain", 15): 5.704, AR: 1.0}
+    cost = RooflineCost.stated("qwen3_6_27b", "h200")
+    picks = {}
+    for s in range(1, 257):
+        preds = predictions(s, taus, cost)
+        top = best(s, preds)
+        assert all(top.rate(s) >= p.rate(s) for p in preds)
+        picks[s] = top.choice
+    assert picks[1] == Choice("tree", 64) and picks[16] == Choice("tree", 8) and picks[256] == AR
+    assert [s for s in picks if picks[s] == AR][0] == 131

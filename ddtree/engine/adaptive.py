@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -101,17 +101,20 @@ class AcceptanceEstimate:
 
     def add(self, *streams: Sequence[int]) -> None:
         """Each stream's ranks along its accepted path and at the first rejected depth (depths 1, 2, …)."""
-        idx: list[int] = []
-        width = RANK_CAP + 1
-        for ranks in streams:
-            state = 0
-            for d, r in enumerate(ranks[: self.depth]):
-                r = min(max(int(r), 0), RANK_CAP)
-                idx.append((state * self.depth + d) * width + r)
-                state = state or int(r != 0)
-        if idx:
-            np.add.at(self.counts.reshape(-1), np.asarray(idx), 1.0)
-            self.observed += len(idx)
+        if streams:
+            self.add_rows(_padded(streams, self.depth))
+
+    def add_rows(self, ranks) -> None:
+        """The same for many streams at once: ranks [streams, depths] (an array; -1 past a stream's last depth)."""
+        r = np.asarray(ranks, dtype=np.int64)[:, : self.depth]
+        seen = r >= 0
+        r = np.minimum(r, RANK_CAP)
+        off = np.cumsum(r != 0, axis=1) - (r != 0)  # ranks != 0 above each depth: the path left the top-1 chain
+        state = (off > 0).astype(np.int64)
+        depth = np.broadcast_to(np.arange(r.shape[1]), r.shape)
+        idx = ((state * self.depth + depth) * (RANK_CAP + 1) + r)[seen]
+        np.add.at(self.counts.reshape(-1), idx, 1.0)
+        self.observed += int(idx.size)
 
     def tables(self) -> tuple[list[list[float]], list[list[float]]]:
         """(main, off): p_d(r) per depth, ranks 0 … RANK_CAP - 1 then the mass beyond (rank_model's layout)."""
@@ -124,6 +127,16 @@ class AcceptanceEstimate:
         """(a chain's tau over every depth, [tau of the best tree of 0 … max_budget nodes])."""
         main, off = self.tables()
         return chain_tau(main), predict_taus(main, off, max_budget)
+
+
+def _padded(streams: Sequence[Sequence[int]], depth: int) -> np.ndarray:
+    """Per-stream rank lists as one [streams, depth] array, -1 past each list's end."""
+    out = np.full((len(streams), depth), -1, dtype=np.int64)
+    for i, ranks in enumerate(streams):
+        n = min(len(ranks), depth)
+        if n:
+            out[i, :n] = ranks[:n]
+    return out
 
 
 # ----- cost ------------------------------------------------------------------------------------------------------
@@ -374,6 +387,16 @@ class Prediction:
         return streams * self.tau / self.seconds
 
 
+def predictions(streams: int, taus: Mapping[Choice, float], cost: RoundCost) -> list[Prediction]:
+    """Each option's prediction at `streams` live streams from its tau a stream and the cost."""
+    return [Prediction(c, float(t), cost.seconds(streams, c)) for c, t in taus.items()]
+
+
+def best(streams: int, preds: Sequence[Prediction]) -> Prediction:
+    """The rule: the most committed tokens per second of the batch (equal rates: the fewer verified tokens)."""
+    return max(preds, key=lambda p: (p.rate(streams), -p.choice.tokens))
+
+
 @dataclass
 class RoundRecord:
     """One round for the diagnosis: what was chosen for how many streams and the prediction it was chosen by, and,
@@ -407,7 +430,7 @@ class LoadBudget:
     candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only); block_size: the drafter's (a
     chain drafts block_size - 1 tokens, the deepest a tree goes); chain: whether the chain is an option (AR always
     is); cost: a RoundCost (default MeasuredCost: until every option has a measured round, each round runs the
-    option with the fewest, largest first: (warm-up + 1) x options rounds, 10 with the defaults; then, at each load
+    option with the fewest, largest first: (warm-up + 1) x options rounds, 12 for 4 trees; then, at each load
     band (stream counts 25 % apart) one round of each option the model puts near the best, if it has not run there:
     the fit's knee and per-stream terms are measured where the choice is made); refresh_every: every so many rounds,
     one round of the option run least recently among those the model puts near the best (0: never), so an estimate
@@ -471,8 +494,8 @@ class LoadBudget:
     def predict(self, streams: int) -> list[Prediction]:
         """Every option's prediction at `streams` live streams (a measured cost: once calibrated)."""
         taus = self.raw_taus()
-        return [Prediction(c, 1.0 if c.kind == "ar" else taus[c] * self.correction(c), self.cost.seconds(streams, c))
-                for c in self.options]
+        return predictions(streams, {c: 1.0 if c.kind == "ar" else taus[c] * self.correction(c) for c in self.options},
+                           self.cost)
 
     def choose(self, streams: int) -> Choice:
         """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`."""
@@ -484,7 +507,7 @@ class LoadBudget:
             pick, explore = self._calibration_pick(), "calibration"
         else:
             preds = self.predict(streams)
-            pred = max(preds, key=lambda p: (p.rate(streams), -p.choice.tokens))  # equal rates: the fewer tokens
+            pred = best(streams, preds)
             floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
             near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
                           key=lambda p: -p.rate(streams))
@@ -522,7 +545,8 @@ class LoadBudget:
                 ranks: Sequence[Sequence[int]] | None = None) -> None:
         """The round's outcome: its wall `seconds`, per stream the tokens committed (the bonus token included) and
         per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
-        rejected depth (None for AR rounds; a drafted round without them still updates its option's correction, so
+        rejected depth (lists, or one array [streams, depths] with -1 past each stream's last depth, as the round's
+        host read gives them; None for AR rounds; a drafted round without them still updates its option's correction, so
         a loop that cannot carry the ranks gets each option's measured tau on the prior's shape)."""
         if choice not in self._ratio:
             raise ValueError(f"LoadBudget.observe: {choice} is not one of this controller's options")
@@ -546,7 +570,10 @@ class LoadBudget:
         acc[1] = acc[1] * self.acceptance.decay + streams * raw
         if ranks is not None:
             self.acceptance.decay_round()
-            self.acceptance.add(*ranks)
+            if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth
+                self.acceptance.add_rows(ranks)
+            else:
+                self.acceptance.add(*ranks)
             self._stale += 1
             self._drafted += 1
 
