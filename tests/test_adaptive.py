@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
 from ddtree.engine.adaptive import (
     AR,
@@ -22,6 +23,7 @@ from ddtree.engine.adaptive import (
     RoundCost,
     best,
     predictions,
+    target_ranks,
 )
 from ddtree.engine.diagnostics import RANK_CAP
 
@@ -328,3 +330,23 @@ def test_the_toy_taus_on_the_stated_h200_cost_never_fall_below_ar():
         picks[s] = top.choice
     assert picks[1] == Choice("tree", 64) and picks[16] == Choice("tree", 8) and picks[256] == AR
     assert [s for s in picks if picks[s] == AR][0] == 131
+
+
+def test_target_ranks_are_the_ranks_of_the_accepted_path_and_the_first_rejected_token():
+    """Against a sort per row: the target's token's place in the drafter's descending order (ties: strictly above)."""
+    gen = torch.Generator().manual_seed(0)
+    n, L, V, T = 3, 4, 11, 6
+    logits = torch.randn(n, L, V, generator=gen).round(decimals=1)  # some ties
+    tree_tokens = torch.randint(0, V, (n, T), generator=gen)
+    paths = [[0, 2, 3], [0], [0, 1, 4, 5, 2]]  # accepted depths 2, 0, 4 (= L: no rejected depth)
+    path = torch.tensor([p + [p[-1]] * (5 - len(p)) for p in paths])
+    lengths = torch.tensor([len(p) for p in paths])
+    next_root = torch.randint(0, V, (n,), generator=gen)
+    got = target_ranks(logits, tree_tokens, path, lengths, next_root).tolist()
+    for i, p in enumerate(paths):
+        toks = [int(tree_tokens[i, j]) for j in p[1:]] + [int(next_root[i])]
+        want = []
+        for d, t in enumerate(toks[:L]):
+            row = logits[i, d].tolist()
+            want.append(sum(v > row[t] for v in row))
+        assert got[i] == want + [-1] * (L - len(want)), i

@@ -12,7 +12,9 @@ docs/gpu.md). AR is always an option, so the choice is never slower than plain d
 `LoadBudget.observe(...)` feeds the round's outcome back; `history` keeps one `RoundRecord` a round for the
 diagnosis. docs/concurrency.md ("The budget rule") states the formulas.
 
-Host arithmetic only: nothing here touches the device or reads from it.
+The controller is host arithmetic: it launches nothing and reads nothing from the device. `target_ranks` is the one
+device helper: the ranks `observe` takes, computed in a few batched ops where the round's walk is, so the round's one
+host read carries them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from ddtree.engine.diagnostics import RANK_CAP
 from ddtree.engine.rank_model import chain_tau, predict_taus
@@ -137,6 +140,27 @@ def _padded(streams: Sequence[Sequence[int]], depth: int) -> np.ndarray:
         if n:
             out[i, :n] = ranks[:n]
     return out
+
+
+def target_ranks(logits: torch.Tensor, tree_tokens: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor,
+                 next_root: torch.Tensor) -> torch.Tensor:
+    """On the device, long [N, L]: per stream, the drafter rank of the target's token (0 = the drafter's top-1 in
+    its row; ties rank by the tokens strictly above) at depths 1 … min(a + 1, L), a = lengths - 1 accepted draft
+    tokens: the accepted path's tokens, then the target's token after them (the first rejected depth); -1 past.
+
+    logits: the round's drafter rows [N, L, V] (row d drafts depth d + 1, any monotone transform of the
+    log-probabilities); tree_tokens [N, T]; path [N, K] flat node indices root first, padded with the last node;
+    lengths [N] nodes on each path, root included; next_root [N] (ddtree.engine.batch_tree.BatchWalk's fields). A few
+    ops for the whole batch and no host read: read the result with the walk's."""
+    n, L, _ = logits.shape
+    d = torch.arange(L, device=logits.device)[None, :]  # depth d + 1
+    col = (d + 1).clamp(max=path.shape[1] - 1).expand(n, L)
+    toks = tree_tokens.gather(1, path.to(logits.device).gather(1, col))
+    a = (lengths.to(logits.device) - 1)[:, None]
+    toks = torch.where(d < a, toks, next_root.to(logits.device)[:, None])
+    own = logits.gather(2, toks[:, :, None])
+    rank = (logits > own).sum(-1)
+    return torch.where(d <= a, rank, torch.full_like(rank, -1))
 
 
 # ----- cost ------------------------------------------------------------------------------------------------------
