@@ -602,13 +602,24 @@ class LoadBudget:
             self._drafted += 1
 
     def summary(self) -> dict[str, Any]:
-        """For the diagnosis: per stream count, the choices made (label -> rounds); the model's current taus,
-        corrections and cost."""
-        by_load: dict[int, dict[str, int]] = {}
+        """For the diagnosis, against the load: per stream count, the rounds, the choices made (label -> rounds) and
+        the mean predicted and measured tokens/s of its rounds (exploration rounds included); the model's current
+        taus, corrections and cost."""
+        loads: dict[int, dict[str, Any]] = {}
         for r in self.history:
-            row = by_load.setdefault(r.streams, {})
-            row[r.choice.label] = row.get(r.choice.label, 0) + 1
-        return {"rounds": len(self.history), "choices": {k: by_load[k] for k in sorted(by_load)},
+            row = loads.setdefault(r.streams, {"rounds": 0, "choices": {}, "_p": [], "_m": []})
+            row["rounds"] += 1
+            row["choices"][r.choice.label] = row["choices"].get(r.choice.label, 0) + 1
+            if r.predicted_tok_s is not None:
+                row["_p"].append(r.predicted_tok_s)
+            if r.tok_s is not None:
+                row["_m"].append(r.tok_s)
+        for row in loads.values():
+            p, m = row.pop("_p"), row.pop("_m")
+            row["predicted_tok_s"] = sum(p) / len(p) if p else None
+            row["measured_tok_s"] = sum(m) / len(m) if m else None
+        return {"rounds": len(self.history), "loads": {k: loads[k] for k in sorted(loads)},
+                "explore": {k: sum(r.explore == k for r in self.history) for k in ("calibration", "load", "refresh")},
                 "tau": {c.label: t for c, t in self.raw_taus().items()},
                 "correction": {c.label: self.correction(c) for c in self.options},
                 "cost": self.cost.describe()}
