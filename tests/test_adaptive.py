@@ -255,7 +255,8 @@ def test_a_measured_cost_calibrates_in_the_first_rounds_and_follows_the_load(kne
     loads = (1, 4, 16, 64)
     picks = _simulate(lb, cost, trees, loads, 90, random.Random(knee))
     calibration = [r for r in lb.history if r.explore == "calibration"]
-    assert [r.round for r in calibration] == list(range(10))  # (warm-up + 1) x 5 options
+    # the first rounds, at most 1 + 5 options: fewer where a measured cheap option rules bigger ones out
+    assert [r.round for r in calibration] == list(range(len(calibration))) and 2 <= len(calibration) <= 6
     for s in loads:
         rate = {c: s * true_tau[c] / cost.seconds(s, c) for c in options}
         top = max(rate.values())

@@ -287,54 +287,67 @@ class RooflineCost(RoundCost):
 class MeasuredCost(RoundCost):
     """Round seconds calibrated on the machine from the rounds themselves.
 
-    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds (the first `warmup`
-    rounds of each draft shape are left out: compilation, allocator growth). The fit, weighted by observations:
+    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds. Left out: the
+    run's first `warmup` rounds (allocator growth, first kernels) and the first `shape_warmup` rounds of each draft
+    shape (0 by default: an eager round's first run at a shape costs what the next do, and it is the one that says a
+    new shape is dear; 1 where each new shape compiles). The fit, weighted by observations:
 
         seconds = a + e [drafted] + c N + f [drafted] N + b max(0, N x tokens - k)
 
     flat in the verified tokens up to a knee k (bandwidth-bound), then linear (compute-bound): k is searched among 0
     and the measured N x tokens, then between the best one's neighbours, by the least weighted squared error with
     b >= 0 (k = 0: linear throughout, as on a CPU). A small ridge keeps the columns the data do not yet separate
-    (one stream count so far) at zero. The fit is redone after new rounds, every round for the first `refit_every` x 4
-    fits, then every `refit_every` rounds (host time).
+    (one stream count so far) at zero. The fit is redone after new rounds: every round for the first `refit_every` x 4
+    fits and whenever a round lands on a (streams, shape) not measured before, else every `refit_every` rounds (host
+    time).
 
     Where the data leave the knee open (knees within `tolerance` of the least error), the fit takes the shallowest
     slope b among them: far past the measured rounds a bigger draft looks cheap rather than dear, so it gets chosen
-    and its round measures it (the controller's rounds at a new load do the rest: LoadBudget)."""
+    and its round measures it (the controller's rounds at a new load do the rest: LoadBudget). A prediction is never
+    below a round measured at the same stream count with no more tokens (and no draft where it drafts none): a round
+    does not get cheaper with more work, which caps that optimism where the machine has already said otherwise."""
 
     measured = True
     source = "measured"
 
-    def __init__(self, *, window: int = 8, warmup: int = 1, refit_every: int = 8, tolerance: float = 0.25):
-        self.window, self.warmup, self.refit_every, self.tolerance = window, warmup, refit_every, tolerance
-        self.refit_every = refit_every
+    def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 8,
+                 tolerance: float = 0.25):
+        self.window, self.warmup, self.shape_warmup = window, warmup, shape_warmup
+        self.refit_every, self.tolerance = refit_every, tolerance
+        self._rounds = 0  # rounds observed, warm-ups included
         self._runs: dict[tuple[int, int, bool], deque] = {}
         self._median: dict[tuple[int, int, bool], float] = {}
+        self._by_streams: dict[int, dict[tuple[int, bool], float]] = {}  # streams -> shape -> median
         self._seen: dict[tuple[int, bool], int] = {}  # rounds per draft shape (tokens, drafted), warm-ups included
         self._measured: dict[tuple[int, bool], int] = {}  # the same past the warm-ups
         self._coef: np.ndarray | None = None
         self._knee = 0.0
         self._floor = 0.0
         self._new = 0  # measured rounds since the last fit
+        self._new_key = False  # a (streams, shape) first measured since the last fit
         self._fits = 0
 
     def observe(self, streams: int, choice: Choice, seconds: float) -> None:
         shape = (choice.tokens, choice.drafted)
         self._seen[shape] = self._seen.get(shape, 0) + 1
-        if self._seen[shape] <= self.warmup or not math.isfinite(seconds) or seconds <= 0:
+        self._rounds += 1
+        warm = self._rounds <= self.warmup or self._seen[shape] <= self.shape_warmup
+        if warm or not math.isfinite(seconds) or seconds <= 0:
             return
         key = (int(streams), choice.tokens, choice.drafted)
+        self._new_key = self._new_key or key not in self._runs
         runs = self._runs.setdefault(key, deque(maxlen=self.window))
         runs.append(float(seconds))
         self._measured[shape] = self._measured.get(shape, 0) + 1
         self._median[key] = statistics.median(runs)
+        self._by_streams.setdefault(key[0], {})[key[1:]] = self._median[key]
         self._new += 1
 
     def rounds(self, choice: Choice) -> int:
         return self._measured.get((choice.tokens, choice.drafted), 0)
 
     def _refit(self) -> None:
-        stale = self._new and (self._fits < 4 * self.refit_every or self._new >= self.refit_every)
+        stale = self._new and (self._fits < 4 * self.refit_every or self._new >= self.refit_every or self._new_key)
         if self._coef is None or stale:
             self._fit()
 
@@ -375,7 +388,7 @@ class MeasuredCost(RoundCost):
             coef, _ = solve(np.array([float(work.max())]))
             self._coef, self._knee = coef[0], float(work.max())
         self._floor = min(self._median.values())
-        self._new = 0
+        self._new, self._new_key = 0, False
         self._fits += 1
 
     def seconds(self, streams: int, choice: Choice) -> float:
@@ -385,7 +398,11 @@ class MeasuredCost(RoundCost):
         a, e, c, f, b = self._coef
         dr = float(choice.drafted)
         s = a + e * dr + c * streams + f * dr * streams + b * max(0.0, streams * choice.tokens - self._knee)
-        return max(float(s), 0.5 * self._floor)  # never below half the fastest round measured (extrapolation's guard)
+        # never below a round measured at this stream count with no more tokens (and no draft where this drafts
+        # none): a round does not get cheaper with more work; nor below half the fastest round measured
+        below = [m for (t, dr2), m in self._by_streams.get(int(streams), {}).items()
+                 if t <= choice.tokens and (choice.drafted or not dr2)]
+        return max(float(s), 0.5 * self._floor, *below)
 
     def describe(self) -> dict[str, Any]:
         if self._runs:
@@ -453,8 +470,10 @@ class LoadBudget:
 
     candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only); block_size: the drafter's (a
     chain drafts block_size - 1 tokens, the deepest a tree goes); chain: whether the chain is an option (AR always
-    is); cost: a RoundCost (default MeasuredCost: until every option has a measured round, each round runs the
-    option with the fewest, largest first: (warm-up + 1) x options rounds, 12 for 4 trees; then, at each load
+    is); cost: a RoundCost (default MeasuredCost: first the calibration, each round the option with the fewest tokens
+    that has no measured round yet and could still win by the bound in `_calibration`: at most 1 + options rounds
+    (the run's warm-up round, then one each), fewer where a cheap option's measured rate rules bigger ones out;
+    then, at each load
     band (stream counts 25 % apart) one round of each option the model puts near the best, if it has not run there:
     the fit's knee and per-stream terms are measured where the choice is made); refresh_every: every so many rounds,
     one round of the option run least recently among those the model puts near the best (0: never), so an estimate
@@ -463,10 +482,10 @@ class LoadBudget:
     estimate after every drafted round for the first refit_every x 4 of them, then every refit_every (host time: the
     rank model's best-first search is ~0.5 ms at budget 64).
 
-    Each option's tau carries a correction: the ratio of its committed tokens to its predicted tau x streams over its
-    own rounds (exponentially weighted, `halflife`), shrunk toward 1 by `correction_weight` streams' worth of
-    prediction (1 until it runs). The rank model assumes a tree holds the most likely rank paths, and a round starts
-    where the previous one missed; the ratio takes up what that misses."""
+    An option's tau (`tau`) is its own rounds' committed tokens a stream (exponentially weighted, `halflife` of its
+    rounds) with the rank model's prediction counted as `correction_weight` streams: the prediction until it runs,
+    its measurement once it has run a while. The rank model assumes a tree holds the most likely rank paths, and a
+    round starts where the previous one missed; an option's own rounds take up what that misses."""
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 64,
@@ -486,7 +505,7 @@ class LoadBudget:
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
         self.correction_weight = correction_weight
-        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> decayed [tokens committed, tokens predicted]
+        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> decayed [tokens committed, streams]
         self._last_run = {c: -1 for c in self.options}  # the last round each option ran
         self._runs = {c: 0 for c in self.options}  # rounds each option ran
         self.refit_every = refit_every
@@ -495,7 +514,7 @@ class LoadBudget:
         self._drafted = 0  # drafted rounds observed
         self._pending: RoundRecord | None = None
         self._tried: set[tuple[int, Choice]] = set()  # (load band, option) run at least once
-        self._calibrating = True
+        self._calibrating = cost is None or self.cost.measured  # until the calibration has nothing left to measure
 
     # the model
     def raw_taus(self) -> dict[Choice, float]:
@@ -509,17 +528,22 @@ class LoadBudget:
                           for c in self.options}
         return self._taus
 
+    def tau(self, choice: Choice) -> float:
+        """The option's tau: its own rounds' committed tokens a stream, with the rank model's prediction counted as
+        `correction_weight` streams of them (AR: 1)."""
+        if choice.kind == "ar":
+            return 1.0
+        got, streams = self._ratio[choice]
+        w = self.correction_weight
+        return (got + w * self.raw_taus()[choice]) / (streams + w)
+
     def correction(self, choice: Choice) -> float:
-        """Measured over predicted tokens of this option's rounds, shrunk toward 1."""
-        got, want = self._ratio[choice]
-        prior = self.correction_weight * self.raw_taus()[choice]
-        return (got + prior) / (want + prior)
+        """tau over the rank model's prediction."""
+        return self.tau(choice) / self.raw_taus()[choice]
 
     def predict(self, streams: int) -> list[Prediction]:
         """Every option's prediction at `streams` live streams (a measured cost: once calibrated)."""
-        taus = self.raw_taus()
-        return predictions(streams, {c: 1.0 if c.kind == "ar" else taus[c] * self.correction(c) for c in self.options},
-                           self.cost)
+        return predictions(streams, {c: self.tau(c) for c in self.options}, self.cost)
 
     def choose(self, streams: int) -> Choice:
         """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`."""
@@ -527,8 +551,9 @@ class LoadBudget:
             raise ValueError(f"LoadBudget.choose: streams must be >= 1, not {streams}")
         n = len(self.history)
         explore, pred = None, None
-        if self.calibrating:
-            pick, explore = self._calibration_pick(), "calibration"
+        todo = self._calibration(streams)
+        if todo:
+            pick, explore = todo[0], "calibration"
         else:
             preds = self.predict(streams)
             pred = best(streams, preds)
@@ -553,17 +578,27 @@ class LoadBudget:
         """The load band of a stream count (bands 25 % apart: 1, 2, 3, 4, 5, 6-7, 8-9, …)."""
         return round(math.log(streams) / math.log(1.25))
 
-    @property
-    def calibrating(self) -> bool:
-        """Whether a measured cost still lacks a measured round of some option."""
-        if self._calibrating:
-            self._calibrating = self.cost.measured and any(self.cost.rounds(c) < 1 for c in self.options)
-        return self._calibrating
-
-    def _calibration_pick(self) -> Choice:
-        """The next option to measure: the fewest measured rounds past the warm-up, then the fewest rounds run, then
-        the largest."""
-        return min(self.options, key=lambda c: (self.cost.rounds(c), self._runs[c], -c.tokens))
+    def _calibration(self, streams: int) -> list[Choice]:
+        """The options a measured cost still has to measure at this load, fewest tokens first: those without a
+        measured round, less those that cannot win. A round's cost does not fall with more verified tokens, nor from
+        drafting, so an option costs at least what any measured option with no more tokens (and no draft where it
+        drafts none) costs; one whose rate at that cost is below the best measured rate is left out."""
+        if not self._calibrating:
+            return []
+        todo = [c for c in self.options if self.cost.rounds(c) < 1]
+        done = [c for c in self.options if self.cost.rounds(c) >= 1]
+        if todo and done:
+            taus = {p.choice: p.tau for p in self.predict(streams)}
+            secs = {c: self.cost.seconds(streams, c) for c in done}
+            top = max(streams * taus[c] / secs[c] for c in done)
+            keep = []
+            for c in todo:
+                floor = max((secs[m] for m in done if m.tokens <= c.tokens and (c.drafted or not m.drafted)), default=0)
+                if not floor or streams * taus[c] / floor >= top:
+                    keep.append(c)
+            todo = keep
+        self._calibrating = bool(todo)
+        return sorted(todo, key=lambda c: c.tokens)
 
     def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
                 ranks: Sequence[Sequence[int]] | None = None) -> None:
@@ -588,10 +623,9 @@ class LoadBudget:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
         if not choice.drafted:
             return
-        raw = self.raw_taus()[choice]  # the prediction this round was made with (before its ranks)
         acc = self._ratio[choice]  # exponentially weighted over this option's own rounds
         acc[0] = acc[0] * self.acceptance.decay + sum(accepted)
-        acc[1] = acc[1] * self.acceptance.decay + streams * raw
+        acc[1] = acc[1] * self.acceptance.decay + streams
         if ranks is not None:
             self.acceptance.decay_round()
             if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth
