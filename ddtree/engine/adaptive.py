@@ -468,19 +468,20 @@ class RoundRecord:
 class LoadBudget:
     """Chooses each round's draft for the whole batch (module docstring).
 
-    candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only); block_size: the drafter's (a
-    chain drafts block_size - 1 tokens, the deepest a tree goes); chain: whether the chain is an option (AR always
-    is); cost: a RoundCost (default MeasuredCost: first the calibration, each round the option with the fewest tokens
-    that has no measured round yet and could still win by the bound in `_calibration`: at most 1 + options rounds
-    (the run's warm-up round, then one each), fewer where a cheap option's measured rate rules bigger ones out;
-    then, at each load
-    band (stream counts 25 % apart) one round of each option the model puts near the best, if it has not run there:
-    the fit's knee and per-stream terms are measured where the choice is made); refresh_every: every so many rounds,
-    one round of the option run least recently among those the model puts near the best (0: never), so an estimate
-    off the chosen path does not go stale; near: within `refresh_within` of the best's rate and not below AR's; prior,
-    prior_weight, halflife: AcceptanceEstimate's (halflife 0: no decay); refit_every: the taus are recomputed from the
-    estimate after every drafted round for the first refit_every x 4 of them, then every refit_every (host time: the
-    rank model's best-first search is ~0.5 ms at budget 64).
+    candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only). block_size: the drafter's (a
+    chain drafts block_size - 1 tokens, the deepest a tree goes). chain: whether the chain is an option (AR always
+    is). cost: a RoundCost (default MeasuredCost). prior, prior_weight, halflife: AcceptanceEstimate's (halflife 0:
+    no decay). refit_every: the taus are recomputed from the estimate after every drafted round for the first
+    refit_every x 4 of them, then every refit_every (host time: the best-first search is ~0.5 ms at budget 64).
+
+    Rounds that explore (RoundRecord.explore); load and refresh rounds never run an option the model puts below AR:
+    * calibration (a measured cost): first, each round the option with the fewest tokens that has no measured round
+      and could still win by the bound in `_calibration`: at most 1 + options rounds (the run's warm-up, then one
+      each), fewer where a cheap option's measured rate rules bigger ones out;
+    * load (a measured cost): at a load band not seen before (stream counts 25 % apart), one round of each option
+      near the best that has not run there, so the fit is measured where the choice is made;
+    * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
+    near: a predicted rate within `refresh_within` of the best's and not below AR's.
 
     An option's tau (`tau`) is its own rounds' committed tokens a stream (exponentially weighted, `halflife` of its
     rounds) with the rank model's prediction counted as `correction_weight` streams: the prediction until it runs,
