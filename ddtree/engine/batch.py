@@ -21,6 +21,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from ddtree.engine import batch_tree as bt
+from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 from ddtree.engine.result import GenerationResult
@@ -33,6 +34,8 @@ __all__ = ["BATCH_METHODS", "BatchRun", "SlotDrafterCache", "SlotKV", "generate_
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
 BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains (topk 1)
+# budget="auto" (method=ddtree): the DDTree budgets LoadBudget weighs each round, besides the chain and no draft
+AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 
 
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
@@ -262,7 +265,13 @@ class BatchRun:
         check_batch_method(engine)
         self.engine, self.model, self.binding, self.proposer = engine, engine.target, engine.binding, engine.proposer
         self.method, self.temperature, self.max_new, self.seed = engine.method, temperature, max_new_tokens, seed
-        self.budget = budget
+        self.auto = budget == "auto"
+        if self.auto and self.method != "ddtree":
+            raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={self.method} has "
+                              "none", "use method=ddtree with budget=auto, or a number")
+        self.budget = None if self.auto else budget
+        # the controller of budget="auto" (ddtree.engine.adaptive): the round's draft from the load
+        self.load = LoadBudget(AUTO_CANDIDATES, block_size=engine.proposer.block_size) if self.auto else None
         self.stops = set(stop_token_ids or ())
         self.prompts = prompts
         self.dev = dev = self.binding.device
@@ -272,8 +281,9 @@ class BatchRun:
         self.steps = self.proposer.steps if self.head is not None else 0
         self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
         vocab = self.model.config.get_text_config().vocab_size
+        most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
         nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
-                                           else 1 + tree_size(budget or 1, self.block - 1, vocab))
+                                           else max(self.block, 1 + tree_size(most, self.block - 1, vocab)))
         self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
         self.windows = _windows(self.model)
         self.timer = StageTimer(dev, engine.sync_timing)
@@ -285,6 +295,7 @@ class BatchRun:
         self.roots = torch.zeros(n, dtype=torch.long, device=dev)
         self.ctx: torch.Tensor | None = None  # [N, K, F]: each slot's new drafter context (the last accepted path's)
         self.ctx_count = torch.zeros(n, dtype=torch.long, device=dev)  # its real rows
+        self.ctx_max = 0  # rows queued behind the drafter's last read (budget=auto's AR rounds), at most
         self.results: list[GenerationResult | None] = [None] * len(prompts)
         self.queue = list(range(len(prompts)))
         self.embed = self.model.get_input_embeddings()
@@ -328,7 +339,7 @@ class BatchRun:
             self.ctx_count[slot] = 0
         now = time.perf_counter()
         r = GenerationResult(output_ids=[], method=self.method, prompt_len=p, temperature=self.temperature,
-                             budget=self.budget if self.engine.spec.reads_budget else None,
+                             budget=(self.budget if self.engine.spec.reads_budget else None),
                              block_size=self.proposer.block_size)
         r.ttft_s, r.queued_s = now - t0, t0 - self.t_call
         stream = self.active[slot] = _Stream(i, r, [int(root)], now)
@@ -396,23 +407,24 @@ class BatchRun:
         x = self.proposer.drafter.embed_block(self.embed.weight, blk)
         ctx, dcache = self.ctx, self.dcache
         dcache.count = self.ctx_count
-        c = 0 if ctx is None else ctx.shape[1]
+        c = 0 if ctx is None else min(ctx.shape[1], self.ctx_max)
         ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
-        hidden = self.proposer.drafter(x, ctx if c else None, ctx_pos, self.kv.lengths[:, None] + self.offsets,
-                                       cache=dcache)
+        hidden = self.proposer.drafter(x, ctx[:, :c] if c else None, ctx_pos,
+                                       self.kv.lengths[:, None] + self.offsets, cache=dcache)
         return self.lm_head(hidden[:, 1:]).float()
 
-    def trees(self, logits: torch.Tensor | None) -> bt.BatchTree:
-        if not self.drafts:
+    def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
+        if not self.drafts or (choice is not None and not choice.drafted):
             return bt.batch_root_trees(self.roots)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
-        if self.method == "dflash":
+        if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
                 pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
-        return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), self.budget)
+        budget = self.budget if choice is None else choice.budget
+        return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), budget)
 
     def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""
@@ -435,8 +447,19 @@ class BatchRun:
         feats = context_features(out.hidden_states, self.binding.feature_layers) if hidden_ids else None
         return out.logits, feats, pos
 
+    def _append_context(self, rows: torch.Tensor, kept: torch.Tensor, k: int) -> None:
+        """A round without the drafter (budget=auto's AR): its accepted rows queue behind the slot's unread ones."""
+        need = self.ctx_max + k
+        if need > self.ctx.shape[1]:
+            grown = self.ctx.new_zeros(self.slots, max(need, 2 * self.ctx.shape[1]), self.ctx.shape[-1])
+            grown[:, : self.ctx.shape[1]] = self.ctx
+            self.ctx = grown
+        at = self.ctx_count[:, None] + torch.arange(k, device=self.dev)[None, :]
+        self.ctx.scatter_(1, at[:, :, None].expand(-1, -1, rows.shape[-1]), rows)
+        self.ctx_count = self.ctx_count + kept
+
     def commit(self, tree: bt.BatchTree, logits: torch.Tensor, feats: torch.Tensor | None,
-               pos: torch.Tensor) -> bt.BatchWalk:
+               pos: torch.Tensor, drafted: bool = True) -> bt.BatchWalk:
         """Choose, walk (the round's one host read), keep each live slot's accepted path, hand the drafter its
         features."""
         choice = _choose(logits, self.temperature, self.seeds, pos + 1)
@@ -453,25 +476,40 @@ class BatchRun:
                 self.ctx_start = self.kv.lengths - kept
                 ids = torch.cat([tree.tokens.gather(1, w.path[:, 1:]), w.next_root[:, None]], dim=1)
                 self.ctx_ids = ids.scatter(1, (w.lengths - 1)[:, None], w.next_root[:, None])
-            self.ctx = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
-            self.ctx_count = kept
+            rows = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
+            if self.head is None and drafted is False and self.ctx is not None:  # behind what the drafter has not read
+                self._append_context(rows, kept, k)
+            else:
+                self.ctx, self.ctx_count = rows, kept
         self.roots = w.next_root
         return w
 
     def round(self) -> None:
         timer = self.timer
-        streams = sum(s is not None for s in self.active)
+        live = [s is not None for s in self.active]
+        streams = sum(live)
+        choice = self.load.choose(streams) if self.load is not None else None
+        drafted = self.drafts and (choice is None or choice.drafted)
+        t0 = time.perf_counter()
         logits = None
-        if self.drafts:
+        if drafted:
             with timer.stage("draft"):
                 logits = self.head_draft() if self.head is not None else self.draft()
         with timer.stage("tree"):
-            tree = self.trees(logits)
+            tree = self.trees(logits, choice)
         with timer.stage("verify"):
             out, feats, pos = self.verify(tree)
         with timer.stage("commit"):
-            w = self.commit(tree, out, feats, pos)
+            w = self.commit(tree, out, feats, pos, drafted)
+        self.ctx_max = w.path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
         now = time.perf_counter()
+        if self.load is not None:  # the round's outcome, for the next choice (the ranks: a second read, small)
+            idx = [i for i, a in enumerate(live) if a]
+            ranks = None
+            if drafted:
+                ranks = target_ranks(logits, tree.tokens, w.path, w.lengths, w.next_root)[idx].tolist()
+            self.load.observe(choice, streams=streams, seconds=now - t0,
+                              accepted=[len(w.tokens[i]) for i in idx], ranks=ranks)
         for slot, s in enumerate(self.active):
             if s is None:
                 continue
@@ -495,8 +533,10 @@ class BatchRun:
                 if any(s is not None for s in self.active):
                     self.round()
         stages = self.timer.finish()
+        load = self.load.summary() if self.load is not None else None
         for r in self.results:
             r.stage_seconds = dict(stages)  # the rounds' stages, shared by the streams that took part
+            r.load_budget = load
         return self.results
 
 

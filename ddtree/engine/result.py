@@ -39,6 +39,9 @@ class GenerationResult:
     # rounds with at most (1: a generation alone)
     queued_s: float = 0.0
     streams: int = 1
+    # budget="auto" with Engine.generate_many: the controller's record against the load (LoadBudget.summary), shared
+    # by the call's results; None otherwise
+    load_budget: dict | None = None
 
     @property
     def rounds(self) -> int:
