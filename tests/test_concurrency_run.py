@@ -1,0 +1,125 @@
+"""concurrency=N in `python -m ddtree.run`: the job's prompts through one Engine.generate_many call per role (and
+turn), its samples and verdicts as one prompt at a time gives them, its throughput and latency in the summary, the
+tables and MLflow; and the memory a stream needs, refused before loading where it does not fit (docs/concurrency.md).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ddtree.pipeline import models as M
+
+
+def _samples(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_concurrency_two_gives_the_outputs_of_one_prompt_at_a_time(tmp_path, monkeypatch, small, compose):
+    """In-process, tiny fp32 target, T = 0: the batched job's records equal the one-by-one job's, record for record,
+    in the same order (the second prompt has two turns: the batch runs turn by turn); the summary's throughput is
+    its tokens over its wall seconds, its latency the streams' total seconds' median and p90."""
+    import ddtree.engine.loop
+    from ddtree.pipeline import job as R
+
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    real = ddtree.engine.loop.Engine.generate_many
+
+    def counted(self, prompts, **kw):
+        calls.append((self.method, len(prompts), kw["concurrency"], kw["seed"]))
+        return real(self, prompts, **kw)
+
+    monkeypatch.setattr(ddtree.engine.loop.Engine, "generate_many", counted)
+
+    def job(*extra):
+        summary = R.run_job(compose(*small, "device=cpu", "tracking=none", "warmup=false", "compat.enabled=false",
+                                    "budget=8", *extra, hydra_node=False))
+        return summary, _samples(tmp_path / "samples.jsonl")
+
+    one, rows1 = job()
+    assert not calls  # concurrency=1: today's per-prompt path, no batched call
+    two, rows2 = job("concurrency=2")
+    # a call per role and turn: turn 0 of both prompts, then turn 1 of the one with two turns; sampling (T > 0) is
+    # seeded from the job's seed, one seed per turn, whatever the role
+    seeds = [calls[0][3], calls[1][3]]
+    assert calls == [("ar", 2, 2, seeds[0]), ("ar", 1, 2, seeds[1]), ("ddtree", 2, 2, seeds[0]),
+                     ("ddtree", 1, 2, seeds[1])] and seeds[0] != seeds[1]
+    key = [(r["id"], r["turn"], r["role"]) for r in rows1]
+    assert key == [(r["id"], r["turn"], r["role"]) for r in rows2] == [
+        ("tiny-0", 0, "baseline"), ("tiny-0", 0, "method"), ("tiny-1", 0, "baseline"), ("tiny-1", 1, "baseline"),
+        ("tiny-1", 0, "method"), ("tiny-1", 1, "method")]
+    assert [r["output_ids"] for r in rows1] == [r["output_ids"] for r in rows2]
+    assert [r["text"] for r in rows1] == [r["text"] for r in rows2]
+    assert set(rows1[0]) == set(rows2[0]) and "queued_s" in rows2[0]
+    assert two["match_rate"] == 1.0 and two["validation"]["suspect"] == 0  # verdicts on every output
+
+    for s, rows in ((one, rows1), (two, rows2)):
+        for role, figures in (("method", s), ("baseline", s["baseline"])):
+            mine = [r for r in rows if r["role"] == role]
+            tokens = sum(len(r["output_ids"]) for r in mine)
+            assert figures["throughput_tok_s"] == pytest.approx(tokens / figures["wall_s"])
+            lat = [r["ttft_s"] + r["decode_s"] for r in mine]
+            assert figures["latency_s"]["median"] == pytest.approx(np.percentile(lat, 50))
+            assert figures["latency_s"]["p90"] == pytest.approx(np.percentile(lat, 90))
+    # one prompt at a time the wall seconds are the generations' own; batched, the calls'
+    assert one["wall_s"] == pytest.approx(sum(r["total_s"] for r in rows1 if r["role"] == "method"))
+    assert one["throughput_tok_s"] == pytest.approx(one["tokens_per_s"])
+    assert (one["concurrency"], two["concurrency"]) == (1, 2)
+
+    M.MODELS.clear()
+
+
+def test_the_tables_show_total_throughput_latency_and_concurrency():
+    from ddtree.pipeline.sweep_table import format_table
+
+    base = {"model": "m", "method": "ddtree", "budget": 16, "block_size": 16, "num_prompts": 2, "tau": 3.0,
+            "tokens_per_s": 10.0, "baseline_tokens_per_s": 5.0, "speedup": 2.0, "match_rate": 1.0,
+            "throughput_tok_s": 30.0, "latency_s": {"median": 0.5, "p90": 0.75},
+            "baseline": {"throughput_tok_s": 12.5}}
+    job = format_table({**base, "concurrency": 8}).splitlines()
+    head, row = job[0].split("  "), job[1]
+    assert "concurrency" in job[0] and "total tok/s" in job[0] and "latency p50/p90 s" in job[0]
+    assert "30.0" in row and "12.5" in row and "0.50/0.75" in row and " 8 " in row
+    assert "concurrency" not in format_table({**base, "concurrency": 1}).splitlines()[0]  # today's job: no column
+    assert "total tok/s" not in format_table({k: v for k, v in base.items() if k != "latency_s"})  # ddtree.check's
+    rows = [{**base, "concurrency": n, "settings": {"concurrency": str(n)}} for n in (1, 8)]
+    sweep = format_table(rows, ["concurrency"]).splitlines()  # a sweep varying it: one column, as its value
+    assert sweep[0].split().count("concurrency") == 1 and [r.split()[3] for r in sweep[1:]] == ["1", "8"]
+    assert head  # (the columns are split by two spaces)
+
+
+def test_concurrency_one_keeps_the_identity_of_jobs_before_the_setting(compose):
+    from ddtree.pipeline.schema import identity_dict
+
+    assert "concurrency" not in identity_dict(compose("concurrency=1", hydra_node=False))
+    assert identity_dict(compose("concurrency=8", hydra_node=False))["concurrency"] == 8
+
+
+def test_the_default_job_runs_batched_through_the_cli(cli, tmp_path):
+    """The shipped toy pair with its default settings and concurrency=2 (three of its prompts): the summary, the
+    samples in prompt order and the tracked metrics."""
+    from mlflow import MlflowClient
+
+    job, uri = tmp_path / "job", f"sqlite:///{tmp_path}/runs/mlflow.db"
+    proc = cli("concurrency=2", "dataset.max_samples=3", f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    head = next(line for line in proc.stdout.splitlines() if line.startswith("model"))
+    assert {"concurrency", "total", "latency"} <= set(head.split())
+    s = json.loads((job / "summary.json").read_text())
+    rows = _samples(job / "samples.jsonl")
+    assert [(r["id"], r["role"]) for r in rows] == [(f"toy-00{i}", role) for i in range(3)
+                                                     for role in ("baseline", "method")]
+    method = [r for r in rows if r["role"] == "method"]
+    assert s["concurrency"] == 2 and s["match_rate"] == 1.0 and s["new_tokens"] == sum(r["num_new_tokens"]
+                                                                                      for r in method)
+    assert s["throughput_tok_s"] == pytest.approx(s["new_tokens"] / s["wall_s"])
+    assert 0 < s["latency_s"]["median"] <= s["latency_s"]["p90"] and s["baseline"]["throughput_tok_s"] > 0
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("ddtree").experiment_id])
+    assert run.data.metrics["throughput_tok_s"] == pytest.approx(s["throughput_tok_s"])
+    assert {"latency_s.median", "latency_s.p90", "baseline.throughput_tok_s", "baseline.latency_s.p90"} <= set(
+        run.data.metrics)
+    assert run.data.params["concurrency"] == "2"
