@@ -6,6 +6,7 @@ tables and MLflow; and the memory a stream needs, refused before loading where i
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -123,3 +124,69 @@ def test_the_default_job_runs_batched_through_the_cli(cli, tmp_path):
     assert {"latency_s.median", "latency_s.p90", "baseline.throughput_tok_s", "baseline.latency_s.p90"} <= set(
         run.data.metrics)
     assert run.data.params["concurrency"] == "2"
+
+
+QWEN36 = Path(__file__).resolve().parents[1] / "bench" / "configs" / "qwen3_6_27b.json"
+
+
+def test_bytes_per_stream_at_qwen3_6_27b_dims():
+    """KV rows and GDN state by hand from the config's dims: 16 attention layers x 4 KV heads x 256 x K and V x bf16
+    a row; 48 GDN layers, each a conv state (2 x 16 x 128 + 48 x 128 channels x 4 taps, bf16) and a float32
+    recurrent state (48 heads x 128 x 128); the tree's scratch grows with its nodes."""
+    from ddtree.engine.capacity import stream_bytes
+
+    text = json.loads(QWEN36.read_text())["text_config"]
+    s = stream_bytes(text, 32768, 65, 2)
+    assert s.kv == 16 * 4 * 256 * 2 * 2 * 32768 == 2 * 2**30
+    assert s.gdn_state == 48 * ((2 * 16 * 128 + 48 * 128) * 4 * 2 + 48 * 128 * 128 * 4)
+    assert stream_bytes(text, 32768, 1, 2).tree < stream_bytes(text, 32768, 17, 2).tree < s.tree < 2**30
+    assert s.total == s.kv + s.gdn_state + s.tree
+    pure = stream_bytes({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, 100, 1, 4)
+    assert pure.kv == 2 * 4 * 16 * 2 * 4 * 100 and pure.gdn_state == 0  # no KV-head or head-dim fields: MHA
+
+
+def test_streams_that_do_not_fit_are_refused_naming_the_largest_that_does():
+    """A stated free memory (no GPU needed): 80 GiB free, 51.2 GB of weights to load; the largest concurrency the
+    message names fits, one more does not."""
+    import re
+
+    from ddtree.errors import ConfigError
+    from ddtree.pipeline.preflight import check_streams_fit
+
+    text = json.loads(QWEN36.read_text())["text_config"]
+    kw = dict(rows=33_000, nodes=65, dtype_bytes=2, free_bytes=80 * 2**30, weights_bytes=51_200_000_000,
+              device="cuda:0")
+    with pytest.raises(ConfigError) as e:
+        check_streams_fit(text, concurrency=64, **kw)
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("concurrency: 64 streams of 33,000 rows need about") and "GDN" in line
+    fits = int(re.search(r"use concurrency<=(\d+)", line).group(1))
+    assert 1 <= fits < 64
+    check_streams_fit(text, concurrency=fits, **kw)  # fits
+    with pytest.raises(ConfigError):
+        check_streams_fit(text, concurrency=fits + 1, **kw)
+    with pytest.raises(ConfigError, match="use a shorter max_new_tokens"):  # not even one stream
+        check_streams_fit(text, concurrency=2, **{**kw, "free_bytes": 52_000_000_000})
+
+
+def test_the_job_checks_its_streams_before_loading(compose, small, monkeypatch, tmp_path):
+    """configure() hands the check the target's config and one stream's longest conversation (the two-turn prompt:
+    its turns' tokens and two answers of max_new_tokens=8); on this CPU the check itself passes (no CUDA)."""
+    from ddtree.pipeline import job as R
+    from ddtree.pipeline import preflight as P
+
+    seen = []
+    monkeypatch.setattr(R, "check_concurrency_fits", lambda rc, facts, context: seen.append((facts, context))
+                        or P.check_concurrency_fits(rc, facts, context))
+    monkeypatch.chdir(tmp_path)
+    R.configure(compose(*small, "concurrency=4", hydra_node=False))
+    ((facts, context),) = seen
+    assert facts.config["num_hidden_layers"] == 4 and facts.weights_bytes is None  # tiny: built, not read from disk
+    tok = M.load_tokenizer(R.to_run_config(compose(*small, hydra_node=False)))
+    words = len(tok("Now divide that by 3.", add_special_tokens=False)["input_ids"])
+    text = tok.apply_chat_template([{"role": "user", "content": "What is 12 times 7?"}], tokenize=False,
+                                   add_generation_prompt=True, enable_thinking=False)  # (dataset.enable_thinking)
+    first = len(tok(text, add_special_tokens=False)["input_ids"])
+    assert context == first + words + 2 * 8
+    R.configure(compose(*small, hydra_node=False))
+    assert len(seen) == 1  # concurrency=1: nothing more to check

@@ -51,6 +51,7 @@ from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
 from ddtree.pipeline.preflight import (
     attention_backends,
     attention_line,
+    check_concurrency_fits,
     check_prompt_lengths,
     check_prompt_tokens,
     preflight,
@@ -252,9 +253,12 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
     if facts is not None:  # the tokenizer is on disk: the prompts as the job will encode them
         tokenizer, setting = load_tokenizer(rc), "dataset.path" if rc.dataset.path else "dataset"
         check_prompt_tokens(prompts, tokenizer, setting)
-        if facts.context is not None and not rc.dataset.truncate:
-            check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, tokenizer), rc.max_new_tokens,
-                                 facts.context, False, setting)
+        checks_lengths = facts.context is not None and not rc.dataset.truncate
+        lengths = first_turn_lengths(rc, prompts, tokenizer) if checks_lengths or rc.concurrency > 1 else None
+        if checks_lengths:
+            check_prompt_lengths(prompts, lengths, rc.max_new_tokens, facts.context, False, setting)
+        if rc.concurrency > 1:  # its streams in the GPU's memory after the weights (CUDA; before any weight loads)
+            check_concurrency_fits(rc, facts, longest_conversation(rc, prompts, tokenizer, lengths, facts.context))
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
     return rc, prompts, identity
@@ -264,6 +268,16 @@ def first_turn_lengths(rc: RunConfig, prompts: list[Prompt], tokenizer) -> list[
     """Tokens of each prompt's first turn as the job encodes it (later turns follow the model's answers)."""
     return [len(encode(tokenizer, [{"role": "user", "content": p.turns[0]}], chat_template=rc.dataset.chat_template,
                        enable_thinking=rc.dataset.enable_thinking)) for p in prompts]
+
+
+def longest_conversation(rc: RunConfig, prompts: list[Prompt], tokenizer, lengths: list[int],
+                         context: int | None) -> int:
+    """The most tokens one stream's cache holds: over the prompts, the first turn as encoded, each later turn's
+    words and every turn's max_new_tokens (a later turn sees the answers; its template's few tokens are not
+    counted), at most the target's context."""
+    longest = max((n + sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in p.turns[1:])
+                   + len(p.turns) * rc.max_new_tokens for p, n in zip(prompts, lengths, strict=True)), default=0)
+    return min(longest, context) if context else longest
 
 
 def open_files(world) -> JobFiles:
