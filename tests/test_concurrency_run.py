@@ -190,3 +190,18 @@ def test_the_job_checks_its_streams_before_loading(compose, small, monkeypatch, 
     assert context == first + words + 2 * 8
     R.configure(compose(*small, hydra_node=False))
     assert len(seen) == 1  # concurrency=1: nothing more to check
+
+
+@pytest.mark.slow  # a CLI sweep of two jobs (~30 s on a busy CPU)
+def test_a_concurrency_sweep_is_a_normal_sweep(cli, tmp_path, small):
+    """`concurrency=1,2 -m`: two jobs (their own identities, not one skipped as the other), the same outputs, and a
+    sweep table with a concurrency column beside the total tok/s and latency."""
+    sweep = tmp_path / "sweep"
+    proc = cli(*small, "concurrency=1,2", f"runs_dir={tmp_path / 'runs'}", f"hydra.sweep.dir={sweep}", "-m")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summaries = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["concurrency"] for s in summaries] == [1, 2] and summaries[0]["config_hash"] != summaries[1]["config_hash"]
+    outs = [[r["output_ids"] for r in _samples(sweep / str(i) / "samples.jsonl")] for i in (0, 1)]
+    assert outs[0] == outs[1]
+    table = proc.stdout[proc.stdout.index(f"sweep {sweep}"):].splitlines()
+    assert {"concurrency", "total", "latency"} <= set(table[1].split())

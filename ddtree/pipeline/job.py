@@ -238,6 +238,7 @@ def run_name(rc: RunConfig) -> str:
     name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, method_topk(rc)) else "")
     m = METHODS.get(rc.method)
     name += "-pair" if m is not None and m.reads_scoring and rc.scoring == "pair" else ""
+    name += f"-x{rc.concurrency}" if rc.concurrency > 1 else ""  # streams at once (one prompt at a time: as before)
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 
@@ -660,7 +661,7 @@ def _generate_batched(ctx: JobContext, mine: list[Prompt], methods: list[str], r
     todo = [p for p in mine if _resumed(ctx, p) is None]
     made: dict[str, dict[str, list[dict[str, Any]]]] = {}
     fresh: list[dict[str, Any]] = []
-    bar = Progress([m for m in reversed(methods)], f"{run_name(rc)} x{rc.concurrency}", "generate_many call",
+    bar = Progress([m for m in reversed(methods)], run_name(rc), "generate_many call",
                    enabled=ctx.show_progress)
     for meth in bar:  # the baseline first, as one prompt at a time
         role = "method" if meth == rc.method else "baseline"
