@@ -55,7 +55,11 @@ def test_concurrency_two_gives_the_outputs_of_one_prompt_at_a_time(tmp_path, mon
     assert [r["output_ids"] for r in rows1] == [r["output_ids"] for r in rows2]
     assert [r["text"] for r in rows1] == [r["text"] for r in rows2]
     assert set(rows1[0]) == set(rows2[0]) and "queued_s" in rows2[0]
-    assert two["match_rate"] == 1.0 and two["validation"]["suspect"] == 0  # verdicts on every output
+    # verdicts on every output, as one prompt at a time gives them
+    assert two["match_rate"] == 1.0 and two["validation"]["suspect"] == 0
+    assert two["validation"]["checked"] == one["validation"]["checked"] == 3
+    assert [r["validation"] for r in rows1 if r["role"] == "method"] == [
+        r["validation"] for r in rows2 if r["role"] == "method"]
 
     for s, rows in ((one, rows1), (two, rows2)):
         for role, figures in (("method", s), ("baseline", s["baseline"])):
