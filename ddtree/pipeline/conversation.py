@@ -1,4 +1,5 @@
-"""One method's generations on one prompt, and what a job's share runs them with: the job's files, its loaded models
+"""One method's generations on one prompt (run_conversation) or on many at once (run_batch: concurrency > 1, through
+Engine.generate_many), and what a job's share runs them with: the job's files, its loaded models
 and a JobContext (ddtree.pipeline.job builds them; budget=auto's calibration, ddtree.pipeline.autobudget, runs its
 own conversations through the same code)."""
 
