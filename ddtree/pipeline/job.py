@@ -445,6 +445,11 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world
     return records, min(reused) if reused else None, batch_s
 
 
+def reused_baseline(records: list[dict[str, Any]]) -> bool:
+    """Whether the baseline records came from an earlier job of this process (baseline_reuse)."""
+    return any(r.get("reused_from") for r in records if r["role"] == "baseline")
+
+
 def quantization_labels(rc: RunConfig) -> dict[str, str | None]:
     """What ran quantized (None: as loaded): the summary's, the diagnosis's and the run tags' record."""
     from ddtree.pipeline.quantization import label
@@ -552,8 +557,10 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
                 check_outputs(models, prompts, generated[0], rc, Path(os.devnull), MODELS.calibrations)
         if generated is None or not world.is_main:  # ranks > 0: rank 0 writes and records the job
             return None
-        records = generated[0]
-        checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
+        records, batch_s = generated[0], generated[2]
+        ran_s = batch_s.get("method", 0.0) + (batch_s.get("baseline", 0.0) if not reused_baseline(records) else 0.0)
+        checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations,  # untimed
+                                ran_s if batch_s else None)
         attention = {**attention_backends(rc), "line": attention_line(rc)}
         summary = finish(generated, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
                                                             "attention": attention,
