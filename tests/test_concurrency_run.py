@@ -145,7 +145,10 @@ def test_bytes_per_stream_at_qwen3_6_27b_dims():
     assert s.kv == 16 * 4 * 256 * 2 * 2 * 32768 == 2 * 2**30
     assert s.gdn_state == 48 * ((2 * 16 * 128 + 48 * 128) * 4 * 2 + 48 * 128 * 128 * 4)
     assert stream_bytes(text, 32768, 1, 2).tree < stream_bytes(text, 32768, 17, 2).tree < s.tree < 2**30
-    assert s.total == s.kv + s.gdn_state + s.tree
+    assert s.total == s.kv + s.gdn_state + s.tree and s.drafter_kv == 0
+    drafter = {"num_hidden_layers": 5, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128}
+    with_drafter = stream_bytes(text, 32768, 65, 2, drafter)  # a drafter's rows: its layers x 8 KV heads x 128
+    assert with_drafter.drafter_kv == 5 * 8 * 128 * 2 * 2 * 32768 and with_drafter.total == s.total + 5 * 2**27
     pure = stream_bytes({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}, 100, 1, 4)
     assert pure.kv == 2 * 4 * 16 * 2 * 4 * 100 and pure.gdn_state == 0  # no KV-head or head-dim fields: MHA
 

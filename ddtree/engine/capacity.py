@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["MIN_CAPACITY", "QUANTUM", "StreamBytes", "capacity_bucket", "stream_bytes"]
+__all__ = ["MIN_CAPACITY", "QUANTUM", "StreamBytes", "capacity_bucket", "kv_row_bytes", "stream_bytes"]
 
 MIN_CAPACITY = 256
 QUANTUM = 4096  # rows: 0.35 GB a round at Qwen3.6-27B's dims (16 attention layers + 5 drafter layers, bf16)
@@ -59,10 +59,11 @@ class StreamBytes:
     kv: int
     gdn_state: int
     tree: int
+    drafter_kv: int = 0  # a drafter's own key and value rows at the stream's rows, where its config is given
 
     @property
     def total(self) -> int:
-        return self.kv + self.gdn_state + self.tree
+        return self.kv + self.gdn_state + self.tree + self.drafter_kv
 
 
 def _gdn_dims(c: dict[str, Any]) -> SimpleNamespace | None:
@@ -76,19 +77,29 @@ def _gdn_dims(c: dict[str, Any]) -> SimpleNamespace | None:
                            conv_kernel_size=int(c.get("linear_conv_kernel_dim") or 4))
 
 
-def stream_bytes(text_config: dict[str, Any], rows: int, nodes: int, dtype_bytes: int) -> StreamBytes:
-    """The bytes of one stream of `rows` cache rows verifying trees of `nodes` nodes (root included; 1: AR) on a
-    target of `text_config` (its config.json's text part as a dict) in a dtype of `dtype_bytes` bytes."""
-    from ddtree.engine.checks import tree_bytes_per_node
-
-    c = text_config
+def kv_row_bytes(config: dict[str, Any], dtype_bytes: int) -> int:
+    """The key and value bytes of one row over a model's attention layers (every layer but linear-attention ones; a
+    sliding layer counted whole, as the engine's buffers hold it)."""
+    c = config
     heads = int(c.get("num_attention_heads") or 1)
     kv_heads = int(c.get("num_key_value_heads") or heads)
     head_dim = int(c.get("head_dim") or (int(c.get("hidden_size") or 0) // heads) or 1)
     layers = int(c.get("num_hidden_layers") or 1)
+    linear = sum("linear" in str(t) for t in c.get("layer_types") or []) if _gdn_dims(c) else 0
+    return (layers - linear) * kv_heads * head_dim * 2 * dtype_bytes
+
+
+def stream_bytes(text_config: dict[str, Any], rows: int, nodes: int, dtype_bytes: int,
+                 drafter_config: dict[str, Any] | None = None) -> StreamBytes:
+    """The bytes of one stream of `rows` cache rows verifying trees of `nodes` nodes (root included; 1: AR) on a
+    target of `text_config` (its config.json's text part as a dict) in a dtype of `dtype_bytes` bytes; with a
+    drafter's config.json, its key and value rows too (the same rows and dtype)."""
+    from ddtree.engine.checks import tree_bytes_per_node
+
+    c = text_config
     gdn = _gdn_dims(c)
     linear = sum("linear" in str(t) for t in c.get("layer_types") or []) if gdn else 0
-    kv = (layers - linear) * kv_heads * head_dim * 2 * dtype_bytes * rows
+    kv = kv_row_bytes(c, dtype_bytes) * rows
     a, b = tree_bytes_per_node(c, dtype_bytes)
     tree = a * nodes * nodes + b * nodes
     state = 0
@@ -100,4 +111,5 @@ def stream_bytes(text_config: dict[str, Any], rows: int, nodes: int, dtype_bytes
 
         kept, scratch = tree_buffer_bytes(gdn, nodes, channels, dtype_bytes)
         tree += linear * kept + scratch
-    return StreamBytes(kv, state, tree)
+    drafter = kv_row_bytes(drafter_config, dtype_bytes) * rows if drafter_config else 0
+    return StreamBytes(kv, state, tree, drafter)

@@ -155,6 +155,7 @@ class TargetFacts:
     context: int | None  # max_position_embeddings
     config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # config.json, text_config merged
     weights_bytes: int | None = None  # the target's and drafter's checkpoint files, where on disk (checkpoint_bytes)
+    drafter_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # a pretrained one's
 
 
 def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_code: bool) -> TargetFacts:
@@ -362,9 +363,11 @@ def preflight(rc) -> TargetFacts | None:
     d = rc.drafter
     if loads_drafter(rc.method) and d.kind == "pretrained":
         src = check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a drafter checkpoint")
-        resolve_auto_scoring(rc, read_config(src))
-        if facts is not None and facts.weights_bytes is not None:
-            facts = replace(facts, weights_bytes=facts.weights_bytes + (checkpoint_bytes(src) or 0))
+        drafter_config = read_config(src)
+        resolve_auto_scoring(rc, drafter_config)
+        if facts is not None:
+            weights = None if facts.weights_bytes is None else facts.weights_bytes + (checkpoint_bytes(src) or 0)
+            facts = replace(facts, weights_bytes=weights, drafter_config=drafter_config)
     elif d.kind == "random":  # a random drafter is DFlash
         resolve_auto_scoring(rc, {})
     return facts
@@ -460,12 +463,12 @@ def draft_nodes(rc) -> int:
 
 def check_streams_fit(text_config: dict[str, Any], *, concurrency: int, rows: int, nodes: int, dtype_bytes: int,
                       free_bytes: int, weights_bytes: int | None, device: str = "cuda",
-                      setting: str = "concurrency") -> None:
+                      drafter_config: dict[str, Any] | None = None, setting: str = "concurrency") -> None:
     """Refuse `concurrency` streams of `rows` cache rows (trees of `nodes`) whose memory (ddtree.engine.capacity.
     stream_bytes) exceeds MEMORY_SHARE of `free_bytes` less the weights still to load, naming the largest that fits."""
     from ddtree.engine.capacity import stream_bytes
 
-    per = stream_bytes(text_config, rows, nodes, dtype_bytes)
+    per = stream_bytes(text_config, rows, nodes, dtype_bytes, drafter_config)
     weights = weights_bytes or 0
     allowance = int(max(free_bytes - weights, 0) * MEMORY_SHARE)
     need = concurrency * per.total
@@ -475,8 +478,10 @@ def check_streams_fit(text_config: dict[str, Any], *, concurrency: int, rows: in
     after = f" after the weights ({_gib(weights)})" if weights else ""
     fix = (f"use {setting}<={fits}" if fits else "use a shorter max_new_tokens or shorter prompts, or a smaller model"
            ) + " (docs/concurrency.md, Memory per stream)"
+    drafter = f", drafter KV rows {_gib(per.drafter_kv)}" if per.drafter_kv else ""
     raise ConfigError(setting, f"{concurrency} streams of {rows:,} rows need about {_gib(need)} on {device} (a stream: "
-                      f"KV rows {_gib(per.kv)}, GDN state {_gib(per.gdn_state)}, tree scratch {_gib(per.tree)}), "
+                      f"KV rows {_gib(per.kv)}, GDN state {_gib(per.gdn_state)}, tree scratch {_gib(per.tree)}"
+                      f"{drafter}), "
                       f"more than {MEMORY_SHARE:.0%} of its {_gib(max(free_bytes - weights, 0))} free{after}", fix)
 
 
@@ -512,4 +517,5 @@ def check_concurrency_fits(rc, facts: TargetFacts | None, context: int) -> None:
     free = torch.cuda.mem_get_info(torch.device(device))[0]
     nodes = draft_nodes(rc)
     check_streams_fit(facts.config, concurrency=rc.concurrency, rows=context + nodes, nodes=nodes,
-                      dtype_bytes=dtype_bytes, free_bytes=free, weights_bytes=weights, device=device)
+                      dtype_bytes=dtype_bytes, free_bytes=free, weights_bytes=weights, device=device,
+                      drafter_config=facts.drafter_config if loads_drafter(rc.method) else None)
