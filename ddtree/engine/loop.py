@@ -88,6 +88,14 @@ class Engine:
                  device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
                  flex_compile: bool | None = None, auto_compile: bool | None = None):
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
+        # budget="auto": the tree chosen every round from the load (ddtree.engine.adaptive, through generate_many);
+        # the proposer is built for the largest candidate
+        self.budget_auto = budget == "auto" and method == "ddtree"
+        if budget == "auto":
+            if not self.budget_auto and get_method(method).reads_budget:
+                raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={method} has none",
+                                  "use method=ddtree with budget=auto, or a number")
+            budget = max(batch.AUTO_CANDIDATES) if self.budget_auto else None  # (a method that reads none: None)
         self.options = EngineOptions.resolve(device_path=device_path, kernels=kernels, flex_compile=flex_compile,
                                              auto_compile=auto_compile, compile_backend=compile_backend,
                                              tune_host_allocator=tune_host_allocator)
@@ -142,6 +150,10 @@ class Engine:
         if self.binding is None:
             raise RuntimeError("Engine.generate after close(): build a new Engine")
         check_generate_args(temperature, max_new_tokens, input_ids)
+        if self.budget_auto:  # the per-round choice is the batched round's (one stream; keyed sampling at T > 0)
+            seed = 0 if generator is None else int(generator.initial_seed())
+            return self.generate_many([input_ids], concurrency=1, temperature=temperature,
+                                      max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)[0]
         with scoped(self.options):  # this engine's options, whatever the caller's scope or environment
             return self._generate_scoped(input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
@@ -182,10 +194,12 @@ class Engine:
         prompts = [p if p.dim() == 2 else p[None] for p in prompts]
         for p in prompts:
             check_generate_args(temperature, max_new_tokens, p)
+        if budget is None:
+            budget = "auto" if self.budget_auto else self.budget
         with scoped(self.options):
             self.binding.ensure()
             results = batch.generate_many(self, prompts, concurrency, temperature, max_new_tokens, stop_token_ids,
-                                          seed, self.budget if budget is None else budget)
+                                          seed, budget)
         note = None if self.static is None else "the batched round runs eagerly (Engine.generate_many)"
         for r in results:
             r.round, r.round_note = "eager", note or self.round_note

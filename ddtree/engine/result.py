@@ -66,6 +66,7 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("load_budget")  # (one record for a whole generate_many call: the job's summary keeps it once)
         d.update(rounds=self.rounds, num_new_tokens=self.num_new_tokens, tau=self.tau,
                  total_s=self.total_s, tokens_per_s=self.tokens_per_s)
         return d

@@ -79,6 +79,8 @@ class JobContext:
     engines: dict[str, Any] = field(default_factory=dict)  # one ddtree.Engine per method, built on first use
     # concurrency > 1: the wall seconds of the batched calls by role ("method", "baseline"), for the throughput
     batch_s: dict[str, float] = field(default_factory=dict)
+    # concurrency > 1 with budget=auto: the per-round controller's record of each batched call (LoadBudget.summary)
+    load_budget: list[dict] = field(default_factory=list)
 
     def close(self) -> None:
         """Close the job's engines: the cached target is handed to the next job as it was loaded."""
@@ -198,6 +200,8 @@ def run_batch(ctx: JobContext, prompts: list[Prompt], method: str,
         results = engine.generate_many(ids, concurrency=rc.concurrency, temperature=rc.temperature,
                                        max_new_tokens=new, stop_token_ids=m.stops, seed=batch_seed(rc.seed, turn))
         wall += time.perf_counter() - t0
+        if results and results[0].load_budget is not None and max_new_tokens is None:  # (not the warm-up's)
+            ctx.load_budget.append(results[0].load_budget)
         for i, res in zip(live, results, strict=True):
             text = m.tokenizer.decode(res.output_ids, skip_special_tokens=True)
             messages[i].append({"role": "assistant", "content": text})

@@ -529,7 +529,8 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     models = load_models(rc, device, MODELS)
     env = job_environment(models, compat_report, world, rc)
     auto = None
-    if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
+    if rc.budget == "auto" and rc.concurrency == 1:  # a short calibration picks the budget (autobudget)
+        # (concurrency > 1: the batched round chooses every round from the load, ddtree.engine.adaptive)
         auto = choose_budget(models, prompts, rc, files, MODELS)
         if world.is_distributed:  # rank 0's choice on every rank (its timings decide): a TP group's trees must agree
             auto = D.broadcast(auto, world)
@@ -566,7 +567,9 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
                                                             "attention": attention,
                                                             "quantization": quantization_labels(rc),
                                                             "validation": checked,
-                                                            **({"auto_budget": auto} if auto else {})}, run)
+                                                            **({"auto_budget": auto} if auto else {}),
+                                                            **({"load_budget": ctx.load_budget}
+                                                               if ctx.load_budget else {})}, run)
         if auto and world.is_main:
             print(outcome_line(summary["auto_budget"]["outcome"]), flush=True)
         report_suspects(rc, summary)

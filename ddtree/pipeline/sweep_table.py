@@ -61,6 +61,8 @@ def setting_cell(s: dict[str, Any], key: str) -> str:
 
 
 def _f(v, spec=".2f", suffix=""):
+    if isinstance(v, str):  # a setting given in words (budget=auto with concurrency > 1: chosen every round)
+        return v
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
