@@ -45,7 +45,7 @@ def _decays(ab: torch.Tensor, zero: torch.Tensor, decay_map: torch.Tensor, decay
     """ab (B, T, 2 Hv) or (B, T, 2, Hv): [a + dt | -b]; gates (B, Hv, 2T + 2), xy (B, Hv, 6T + 3) and decays
     (B Hv, T, T + 1) float32 (gdn.LayerBuffers)."""
     bsz, hv = gates.shape[0], gates.shape[1]
-    n = decay_mask.shape[0]
+    n = decay_mask.shape[-2]
     torch.logaddexp(ab.view(bsz, n, 2, hv), zero, out=gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1))
     decay_products(gates.view(bsz * hv, -1), decay_map, decay_mask, xy.view(bsz * hv, -1), decays)
 
@@ -55,10 +55,16 @@ def exact_sign_mm(a: torch.Tensor, signs: torch.Tensor, out: torch.Tensor) -> to
     `signs` of 0 and +-1 entries (the GDN decay map): TF32 and bf16 matmuls round their inputs to 10 and 7 mantissa
     bits, which would move path sums of hundreds by ~0.1 (the exponents of E). `a` is split into three parts of 8
     significant bits each (what both read exactly), their products with 0 / +-1 are exact, the sums float32; one mm
-    over the three stacked, then their sum."""
+    over the three stacked, then their sum. A batch of maps (`signs` (N, M, P), `a` (N, R, M), `out` (N, R, P)):
+    one bmm."""
     hi = (a.view(torch.int32) & -65536).view(torch.float32)  # the top 8 significant bits (16 low bits cleared)
     rest = a - hi  # exact: what the low 16 bits held
     mid = (rest.view(torch.int32) & -65536).view(torch.float32)
+    if signs.dim() == 3:
+        bsz, rows = a.shape[0], a.shape[1]
+        parts = torch.bmm(torch.stack([hi, mid, rest - mid], dim=1).view(bsz, 3 * rows, -1), signs)
+        parts = parts.view(bsz, 3, rows, -1)
+        return torch.add(parts[:, 0] + parts[:, 1], parts[:, 2], out=out)
     parts = torch.mm(torch.stack([hi, mid, rest - mid]).view(3 * a.shape[0], -1), signs).view(3, *out.shape)
     return torch.add(parts[0] + parts[1], parts[2], out=out)
 
@@ -67,12 +73,29 @@ def decay_products(gates: torch.Tensor, decay_map: torch.Tensor, decay_mask: tor
                    decays: torch.Tensor) -> None:
     """X and Y = gates @ decay_map into xy (B Hv, 6T + 3), and E = exp(X . Y + decay_mask) into decays (B Hv, T, T + 1):
     the map by `exact_sign_mm`, X . Y (three terms) elementwise, so that no float32 matmul precision rounds the path
-    sums before their difference c_i - c_j is taken (the eager composite and the compiled round: one home)."""
+    sums before their difference c_i - c_j is taken (the eager composite and the compiled round: one home).
+    A batch of N trees: a map (N, 2T + 2, 6T + 3) and a mask (N, T, T + 1) per stream, gates the streams' rows
+    (N Hv, 2T + 2) in stream order."""
+    if decay_map.dim() == 3:
+        _batch_decay_products(gates, decay_map, decay_mask, xy, decays)
+        return
     n = decay_mask.shape[0]
     exact_sign_mm(gates, decay_map, xy)
     x, y = xy[:, :3 * n].view(-1, n, 1, 3), xy[:, 3 * n:].view(-1, 1, n + 1, 3)
     torch.addcmul(decay_mask, x[..., 0], y[..., 0], out=decays)
     decays.addcmul_(x[..., 1], y[..., 1]).addcmul_(x[..., 2], y[..., 2]).exp_()
+
+
+def _batch_decay_products(gates: torch.Tensor, decay_map: torch.Tensor, decay_mask: torch.Tensor, xy: torch.Tensor,
+                          decays: torch.Tensor) -> None:
+    """decay_products for a batch of trees: each stream's rows through its own map, its own mask added."""
+    bsz, n = decay_map.shape[0], decay_mask.shape[-2]
+    xy3 = xy.view(bsz, -1, xy.shape[-1])
+    exact_sign_mm(gates.view(bsz, -1, gates.shape[-1]), decay_map, xy3)
+    x, y = xy3[..., :3 * n].view(bsz, -1, n, 1, 3), xy3[..., 3 * n:].view(bsz, -1, 1, n + 1, 3)
+    out = decays.view(bsz, -1, n, n + 1)
+    torch.addcmul(decay_mask.unsqueeze(1), x[..., 0], y[..., 0], out=out)
+    out.addcmul_(x[..., 1], y[..., 1]).addcmul_(x[..., 2], y[..., 2]).exp_()
 
 
 def _conv(past: torch.Tensor, mixed: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
@@ -362,7 +385,10 @@ def _bh(t: torch.Tensor) -> int | None:
 
 def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
     bsz, hv = gates.shape[0], gates.shape[1]
-    n = decay_mask.shape[0]
+    n = decay_mask.shape[-2]
+    if decay_map.dim() == 3:  # a batch of trees, a map per stream: the composite
+        _decays(ab, zero, decay_map, decay_mask, gates, xy, decays)
+        return
     if ab.dim() == 4:  # (B, T, 2, Hv): [a | b] channels 2 Hv apart where they collapse
         sab_b, sab_t, s_ab, sab_c = ab.stride()
         flat = s_ab == hv * sab_c
