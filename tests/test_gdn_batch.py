@@ -323,3 +323,59 @@ def test_trees_on_an_empty_cache_of_two_rows(patched):
             if isinstance(layer, LinearAttentionCacheLayerMixin):
                 assert (layer.conv_states[0][b] - ref_layer.conv_states[0][0]).abs().max() <= STATE_TOL
                 assert (layer.recurrent_states[0][b] - ref_layer.recurrent_states[0][0]).abs().max() <= STATE_TOL
+
+
+def _layer_run(model, n: int):
+    """(the first GDN layer, a cache of n rows prefilled with one prompt)."""
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
+    cache = DynamicCache(config=model.config)
+    model(input_ids=torch.arange(1, PROMPT + 1)[None].expand(n, -1), cache=cache, use_cache=True)
+    return layer, cache
+
+
+def test_ops_per_layer_do_not_grow_with_the_streams(patched):
+    """The batched layer dispatches the same ops at 1, 2 and 5 streams (no loop over streams)."""
+    from ddtree.testing.dispatch import DispatchCount
+
+    model = _model("qwen3_5_text")
+    counts = []
+    for n in (1, 2, 5):
+        tree = _batch_tree([([-1, 0, 1, 0, 3, 1], [1, 2, 3, 4, 5, 6])] + [([-1, 0, 1], [7, 8, 9])] * (n - 1), 8)
+        hidden = torch.randn(n, 8, model.config.hidden_size)
+        with torch.inference_mode():
+            layer, cache = _layer_run(model, n)
+            with tree_verification(tree):
+                layer(hidden, cache=cache)  # (the round's metadata, the cache's constants and buffers)
+                counter = DispatchCount(stages=False, decompose=True)
+                with counter:
+                    layer(hidden, cache=cache)
+        counts.append(counter.total(counter.ops, exclude=()))
+    assert counts[0] == counts[1] == counts[2], counts
+
+
+def test_the_batched_layer_compiles_without_graph_breaks():
+    """tree_layer over a batch's TreeMeta is one graph (the compiled round's fixed-shape slots), equal to eager."""
+    from torch._dynamo.utils import counters
+
+    model = _model("qwen3_5_text")
+    tree = _batch_tree([([-1, 0, 1, 0, 3, 1], [1, 2, 3, 4, 5, 6]), ([-1, 0, 1, 2], [1, 2, 3, 4]), ([-1], [5])], 6)
+    hidden = torch.randn(3, 6, model.config.hidden_size)
+    with torch.no_grad():
+        layer, cache = _layer_run(model, 3)
+        conv, state = cache.get_conv_state(layer.layer_idx, 0), cache.get_recurrent_state(layer.layer_idx, 0)
+        with tree_verification(tree) as ctx:
+            meta = gdn.tree_meta(ctx, layer.conv_kernel_size, hidden.device)
+        consts = gdn.layer_consts(layer)
+        channels = layer.conv1d.weight.shape[0]
+        eager_bufs = gdn.new_buffers(layer, hidden, consts, channels)
+        want = gdn.tree_layer(layer, hidden, conv, state, meta, consts, eager_bufs)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(gdn.tree_layer, fullgraph=True, backend="eager")
+        bufs = gdn.new_buffers(layer, hidden, consts, channels)
+        bufs.table = None  # (as the compiled round's buffers)
+        got = compiled(layer, hidden, conv, state, meta, consts, bufs)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(bufs.deltas, eager_bufs.deltas, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

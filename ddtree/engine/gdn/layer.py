@@ -134,11 +134,12 @@ def _batch_conv(module, past: torch.Tensor, mixed: torch.Tensor, consts: LayerCo
     the table viewed a row per (tap, row, stream) so that each stream's bags gather its own windows."""
     torch.cat([past, mixed], dim=1, out=bufs.extended)
     n, channels = mixed.shape[1], mixed.shape[2]
-    if v.table is not None:
-        table = torch.mul(v.rows, consts.conv_taps, out=bufs.table)
-    else:
-        table = v.rows * consts.conv_taps
-    conv = F.embedding_bag(meta.conv_index, table.view(-1, channels), meta.conv_offsets, mode="sum")  # (T N, C)
+    if v.table is not None and not torch.compiler.is_compiling():
+        table = torch.mul(v.rows, consts.conv_taps, out=bufs.table).view(-1, channels)
+        conv = F.embedding_bag(meta.conv_index, table, meta.conv_offsets, mode="sum")  # (T N, C)
+    else:  # (the compiled round: a graph fuses the table, the gather and the sum)
+        table = (v.rows * consts.conv_taps).reshape(-1, channels)
+        conv = table.index_select(0, meta.conv_index).view(-1, module.conv_kernel_size, channels).sum(1)
     if consts.conv_bias is not None:
         conv.add_(consts.conv_bias)
     conv = conv.view(n, -1)

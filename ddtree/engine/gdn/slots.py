@@ -37,17 +37,15 @@ def copy_linear_states(src_cache, dst_cache, slot: int, streams: int | None = No
             if dconv.shape[1:] != conv.shape[1:] or drec.shape[1:] != rec.shape[1:]:
                 raise ValueError(f"copy_linear_states: layer {i}'s states differ in shape: conv {tuple(conv.shape)} "
                                  f"into {tuple(dconv.shape)}, recurrent {tuple(rec.shape)} into {tuple(drec.shape)}")
-            _inplace(dconv[slot], conv[src_slot])
-            _inplace(drec[slot], rec[src_slot])
+            _write(dconv, slot, conv[src_slot])
+            _write(drec, slot, rec[src_slot])
 
 
-def _inplace(dst: torch.Tensor, src: torch.Tensor | None) -> None:
-    """dst.copy_(src) (src None: zero_()), also where dst is an inference tensor (written in inference mode only)."""
+def _write(dst: torch.Tensor, slot, value: torch.Tensor | float) -> None:
+    """dst[slot] = value in place (slot: an int, or the rows of a long tensor), also where dst is an inference tensor
+    (written in inference mode only)."""
     with torch.inference_mode(dst.is_inference() or torch.is_inference_mode_enabled()), torch.no_grad():
-        if src is None:
-            dst.zero_()
-        else:
-            dst.copy_(src)
+        dst[slot] = value
 
 
 def ensure_linear_states(cache, streams: int, like) -> None:
@@ -71,12 +69,12 @@ def ensure_linear_states(cache, streams: int, like) -> None:
         dst.has_previous_state[0] = True
 
 
-def zero_linear_states(cache, slot: int) -> None:
-    """Zero row `slot` of every linear-attention layer's conv and recurrent state (a free slot, or a stream to be
+def zero_linear_states(cache, slot: int | torch.Tensor) -> None:
+    """Zero row `slot` (or the rows of a long tensor) of every linear-attention layer's conv and recurrent state (a free slot, or a stream to be
     started from an empty prefix), in place."""
     for i in _linear_layers(cache):
         layer = cache.layers[i]
         if layer.conv_states[0] is not None:
-            _inplace(layer.conv_states[0][slot], None)
+            _write(layer.conv_states[0], slot, 0)
         if layer.recurrent_states[0] is not None:
-            _inplace(layer.recurrent_states[0][slot], None)
+            _write(layer.recurrent_states[0], slot, 0)
