@@ -220,8 +220,9 @@ def _tokens(n: int, gen: torch.Generator) -> list[int]:
 
 
 def _three_streams(seed: int) -> list[list[tuple[list[int], list[int], list[int]]]]:
-    """Two rounds of three streams of different shapes: a bushy tree, a chain deeper than the conv kernel, a lone
-    root (all padding); then a deep tree, a wide one, a chain; paths of different lengths (the root alone too)."""
+    """Three rounds of three streams of different shapes: a bushy tree, a chain deeper than the conv kernel, a lone
+    root (all padding); then a deep tree, a wide one, a chain, paths of different lengths (the root alone too); then
+    roots alone."""
     gen = torch.Generator().manual_seed(seed)
     bushy = _random_tree(12, gen, p_deep=0.3)
     deep = _random_tree(14, gen, p_deep=0.85)
@@ -233,6 +234,7 @@ def _three_streams(seed: int) -> list[list[tuple[list[int], list[int], list[int]
          ([-1], _tokens(1, gen), [0])],
         [(deep, _tokens(14, gen), _path_to(deep, deepest)), (wide, _tokens(11, gen), [0]),
          (chain[:5], _tokens(5, gen), [0, 1, 2, 3, 4])],
+        [([-1], _tokens(1, gen), [0]) for _ in range(3)],  # a round of roots alone (T = 1: an AR round)
     ]
 
 
@@ -242,7 +244,7 @@ def _three_streams(seed: int) -> list[list[tuple[list[int], list[int], list[int]
 @pytest.mark.parametrize("method", gdn.METHODS)
 @pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
 def test_three_streams_each_equal_their_own_session(model_type, method):
-    """N = 3, trees of different shapes and sizes per stream (padding nodes), two rounds: every stream's logits and
+    """N = 3, trees of different shapes and sizes per stream (padding nodes), three rounds: every stream's logits and
     committed GDN states equal its own single-stream session's."""
     _run_rounds(model_type, method, _three_streams(seed=3))
 

@@ -84,8 +84,8 @@ class TreeVerification:
 
     # ---- which consumers are active
     @property
-    def attention(self) -> bool:
-        return self.past is not None and self.draft is not None and not self.step
+    def attention(self) -> bool:  # (not for a BatchTree: the batched round passes its own 4-D mask)
+        return self.past is not None and self.draft is not None and not self.step and not self.streams
 
     @property
     def gdn(self) -> bool:
