@@ -89,14 +89,20 @@ from ddtree.engine.gdn.patch import (
     target_classes,
     uninstall,
 )
-from ddtree.engine.gdn.slots import copy_linear_states, ensure_linear_states, zero_linear_states
+from ddtree.engine.gdn.slots import (
+    copy_linear_states,
+    ensure_linear_states,
+    seat_linear_states,
+    zero_linear_states,
+)
 from ddtree.engine.verification import GDN_METHODS as METHODS
 from ddtree.engine.verification import tree_verification
 
 __all__ = ["DEFAULT_METHOD", "L2NORM_EPS", "METHODS", "TARGETS", "VERSIONS", "LayerBuffers", "LayerConsts", "TreeMeta",
            "commit_linear_states", "commit_linear_states_batch", "copy_linear_states", "ensure_installed",
            "ensure_linear_states", "hold", "holders", "install", "is_installed", "layer_consts",
-           "meta_tensors", "new_buffers", "path_weights", "provided", "release", "single_step", "target_classes",
+           "meta_tensors", "new_buffers", "path_weights", "provided", "release", "seat_linear_states", "single_step",
+           "target_classes",
            "tree_layer", "tree_meta", "tree_verification", "uninstall", "zero_linear_states",
            # what the compiled round (ddtree.engine.compiled) lays out as the eager round does
            "_MODEL_DTYPE", "_PENDING_ATTR", "_buffer_shapes", "_fill_gates", "_path_states"]

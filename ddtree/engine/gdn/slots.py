@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["copy_linear_states", "ensure_linear_states", "zero_linear_states"]
+__all__ = ["copy_linear_states", "ensure_linear_states", "seat_linear_states", "zero_linear_states"]
 
 
 def _linear_layers(cache) -> list[int]:
@@ -39,6 +39,12 @@ def copy_linear_states(src_cache, dst_cache, slot: int, streams: int | None = No
                                  f"into {tuple(dconv.shape)}, recurrent {tuple(rec.shape)} into {tuple(drec.shape)}")
             _write(dconv, slot, conv[src_slot])
             _write(drec, slot, rec[src_slot])
+
+
+def seat_linear_states(cache, prefilled, slot: int, streams: int | None = None) -> None:
+    """The batched session's seat: `copy_linear_states(prefilled, cache, slot, streams)` (the batched cache first,
+    argument order as `SlotKV.seat`). `streams` = N is needed the first time, while `cache` holds no states yet."""
+    copy_linear_states(prefilled, cache, slot, streams)
 
 
 def _write(dst: torch.Tensor, slot, value: torch.Tensor | float) -> None:
