@@ -10,6 +10,7 @@ positions = committed length + depth. Tiny hybrids keep ddtree.tiny's slow GDN d
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -190,10 +191,29 @@ def _assert_states(batch: _Batch, sessions: list[TargetSession], what: str) -> N
             assert err <= STATE_TOL, f"{what}: stream {b}, GDN layer {layer}: state error {err:.2e}"
 
 
+@contextlib.contextmanager
+def _triton_kernels(calls: dict[str, int]):
+    """The GDN layer's fused ops run by their Triton kernels (Triton's interpreter on a CPU), counted in `calls`."""
+    from ddtree.engine.kernels import FusedOp
+    from ddtree.engine.kernels import gdn as kernels
+
+    real = {name: getattr(kernels, name) for name in calls}
+    for name in calls:
+        def run(*args, _op=FusedOp.registry[f"gdn_{name}"], _name=name):
+            calls[_name] += 1
+            return _op.run_triton(*args)
+        setattr(kernels, name, run)
+    try:
+        yield
+    finally:
+        for name, op in real.items():
+            setattr(kernels, name, op)
+
+
 def _run_rounds(model_type: str, method: str, rounds: list[list[tuple[list[int], list[int], list[int]]]],
-                width_extra: int = 0, seed: int = 0) -> None:
+                width_extra: int = 0, seed: int = 0, batch_context=contextlib.nullcontext) -> None:
     """rounds: per round, per stream (parents, tokens, accepted path). Every stream's valid logits and committed
-    states against its own TargetSession."""
+    states against its own TargetSession. batch_context: entered around the batched forward only."""
     model = _model(model_type)
     gen = torch.Generator().manual_seed(seed)
     n = len(rounds[0])
@@ -204,7 +224,8 @@ def _run_rounds(model_type: str, method: str, rounds: list[list[tuple[list[int],
     for r, streams in enumerate(rounds):
         width = max(len(p) for p, _, _ in streams) + width_extra
         tree = _batch_tree([(p, t) for p, t, _ in streams], width)
-        logits = batch.verify(tree, method)
+        with batch_context():
+            logits = batch.verify(tree, method)
         for b, (s, (parents, tokens, path)) in enumerate(zip(sessions, streams, strict=True)):
             draft = _draft_tree(parents, tokens)
             ref = s.verify(draft)[0]
@@ -247,6 +268,21 @@ def test_three_streams_each_equal_their_own_session(model_type, method):
     """N = 3, trees of different shapes and sizes per stream (padding nodes), three rounds: every stream's logits and
     committed GDN states equal its own single-stream session's."""
     _run_rounds(model_type, method, _three_streams(seed=3))
+
+
+@pytest.mark.slow
+def test_the_triton_kernels_over_a_batch_of_streams():
+    """The batched forward with the layer's fused ops run by their Triton kernels (what a GPU runs; Triton's
+    interpreter here), against each stream's own session on the composites."""
+    from ddtree.testing.triton import interpreter
+
+    calls = dict.fromkeys(("decays", "conv", "qk_norm", "delta_rule", "gated_norm"), 0)
+    with interpreter() as device:
+        if device != "cpu":
+            pytest.skip("the stand-up runs on the CPU (a GPU runs the kernels in tests/test_kernels_gdn.py)")
+        _run_rounds("qwen3_5_text", "chunk", _three_streams(seed=3)[:1],
+                    batch_context=functools.partial(_triton_kernels, calls))
+    assert min(calls.values()) >= 3, calls  # every op, every GDN layer
 
 
 def test_one_stream_with_padding():

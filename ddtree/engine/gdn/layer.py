@@ -72,11 +72,12 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     # gather-and-sum: embedding_bag; token-major rows, whole rows gathered; a strided depthwise conv1d is slower on a
     # CPU)
     past = _past(conv_state, kernel, mixed, v)
-    if meta.streams:  # a batch of trees: each stream's own windows (TreeMeta), one gather-and-sum for all
-        _batch_conv(module, past, mixed, consts, meta, bufs, v)
-    elif v.table is not None and meta.conv_offsets is not None and not compiling and module.activation == "silu":
+    if v.table is not None and meta.conv_offsets is not None and not compiling and module.activation == "silu":
+        # (a batch of trees too: its TreeMeta's index gives each stream its own windows)
         kgdn.conv(past, mixed, consts.conv_taps, consts.conv_bias, meta.conv_index, meta.conv_offsets,
                   bufs.extended, bufs.table, v.conv)
+    elif meta.streams:  # a batch of trees, compiled (or another activation): each stream's own windows
+        _batch_conv(module, past, mixed, consts, meta, bufs, v)
     else:
         torch.cat([past, mixed], dim=1, out=bufs.extended)
         if v.table is not None and meta.conv_offsets is not None and not compiling:
@@ -129,9 +130,9 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
 
 def _batch_conv(module, past: torch.Tensor, mixed: torch.Tensor, consts: LayerConsts, meta: TreeMeta,
                 bufs: LayerBuffers, v: _Views) -> None:
-    """The conv of a batch of trees into v.conv (T, N C): the composite of one tree's (the tap-scaled table of every
-    row of [conv-state tail, inputs], then per node and stream the sum of its window's K rows: embedding_bag), with
-    the table viewed a row per (tap, row, stream) so that each stream's bags gather its own windows."""
+    """The conv of a batch of trees into v.conv (T, N C) where the fused op does not run (a compiled graph, an
+    activation other than silu): the tap-scaled table of every row of [conv-state tail, inputs] viewed a row per
+    (tap, row, stream), then per node and stream the sum of its window's K rows (TreeMeta.conv_index)."""
     torch.cat([past, mixed], dim=1, out=bufs.extended)
     n, channels = mixed.shape[1], mixed.shape[2]
     if v.table is not None and not torch.compiler.is_compiling():

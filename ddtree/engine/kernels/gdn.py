@@ -4,11 +4,13 @@ eager only: a compiled graph fuses the composites itself).
 * `gdn_decays(ab, zero, decay_map, decay_mask, gates!, xy!, decays!)`: softplus of [a + dt, -b] into the decay map's
   input `gates` (a float32 `logaddexp(x, 0)`), X and Y = gates @ decay_map into `xy`, and
   E = exp(X . Y + decay_mask) into `decays` (the composite: logaddexp, the map's mm exact under any float32 matmul
-  precision (`exact_sign_mm`), X . Y elementwise, exp_: `decay_products`).
+  precision (`exact_sign_mm`), X . Y elementwise, exp_: `decay_products`). A batch of trees: a map (N, ...) and a
+  mask (N, ...) per stream.
 * `gdn_conv(past, mixed, taps, bias, index, offsets, extended!, table!, out!)`: the causal conv over each node's own
   ancestors: [past; mixed] into `extended` (what the commit reads), then per node i and channel c
   silu(bias_c + sum_k taps[k, c] * rows[window[i, k], c]) in float32 into `out` (5 ops: cat, the tap-scaled table,
-  embedding_bag, the bias add, silu). `table` is the composite's scratch; the kernel reads the rows directly.
+  embedding_bag, the bias add, silu). `table` is the composite's scratch; the kernel reads the rows directly. A batch
+  of trees (offsets of T N bags) gives each stream its own windows.
 * `gdn_qk_norm(qk, weight, eps, rows!)`: the q/k rows' rms_norm (the l2-norm, gdn.LayerConsts) copied into `rows`,
   once per value head of each key head (2 ops: rms_norm, copy_).
 * `gdn_delta_rule(keys, value, state, decays, gram!, from_state!, deltas!, core!)`: the chunk method's solve
@@ -103,11 +105,15 @@ def _conv(past: torch.Tensor, mixed: torch.Tensor, taps: torch.Tensor, bias: tor
           out: torch.Tensor) -> None:
     """past (B, K, C), mixed (B, T, C); taps (K, 1, 1, C) float32; index (T K,): node i's window rows of the table
     (gdn.TreeMeta.conv_index), offsets (T,); extended (B, K + T, C); table (K, K + T, B, C) float32; out (T, B C)
-    float32."""
+    float32. A batch of trees (offsets (T B,)): index (T B K,) each stream's own windows, as rows of the table viewed
+    (K (K + T) B, C) (gdn.TreeMeta)."""
     torch.cat([past, mixed], dim=1, out=extended)
     k, n = taps.shape[0], out.shape[0]
     torch.mul(extended.transpose(0, 1), taps, out=table)
-    summed = F.embedding_bag(index, table.view(k * (k + n), -1), offsets, mode="sum")  # (T, B C)
+    if offsets.shape[0] == n:
+        summed = F.embedding_bag(index, table.view(k * (k + n), -1), offsets, mode="sum")  # (T, B C)
+    else:  # (a batch: bags per node and stream)
+        summed = F.embedding_bag(index, table.view(-1, table.shape[-1]), offsets, mode="sum").view(n, -1)
     if bias is not None:
         summed.view(n, extended.shape[0], -1).add_(bias)
     torch._C._nn.silu(summed, out=out)
@@ -162,10 +168,12 @@ def _kernels():
 
     @triton.jit
     def decays_kernel(ab_ptr, gates_ptr, map_ptr, mask_ptr, xy_ptr, dec_ptr, n, hv,
-                      sab_b, sab_t, sab_c, sg, smap, smask, sxy, sd_bh, sd_i,
+                      sab_b, sab_t, sab_c, sg, smap_b, smap, smask_b, smask, sxy, sd_bh, sd_i,
                       BT: tl.constexpr, BI: tl.constexpr, BM: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // hv, bh % hv
+        map_ptr += b * smap_b  # (a batch of trees: stream b's own map and mask; one tree: strides 0)
+        mask_ptr += b * smask_b
         width = 2 * n + 2
         cols = tl.arange(0, BT)  # Y's index j = 0 .. T (j = 0 the virtual node)
         col_ok = cols < n + 1
@@ -229,7 +237,7 @@ def _kernels():
             tl.store(dec_ptr + bh * sd_bh + rows[:, None] * sd_i + cols[None, :], tl.exp(mask + prod), mask=ok)
 
     @triton.jit
-    def conv_kernel(past_ptr, mixed_ptr, taps_ptr, bias_ptr, index_ptr, ext_ptr, out_ptr, n, channels,
+    def conv_kernel(past_ptr, mixed_ptr, taps_ptr, bias_ptr, index_ptr, ext_ptr, out_ptr, n, channels, streams,
                     sp_b, sp_r, sp_c, sm_b, sm_t, sm_c, stap, se_b, se_r, se_c, so_t, so_c,
                     KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
@@ -246,8 +254,11 @@ def _kernels():
             tl.store(ext_ptr + b * se_b + r * se_r + cols * se_c, p.to(ext_ty), mask=first)
         # the window's rows of extended (oldest first), each times its tap, summed in float32
         acc = tl.zeros([BLOCK], dtype=tl.float32)
+        # node i's window: one for every stream (streams = 1), or stream b's own (a batch of trees: index (T, N, K),
+        # table rows (k (K + T) + r) N + b, gdn.TreeMeta)
+        bag = index_ptr + (i * streams + b % streams) * KERNEL
         for k in tl.static_range(KERNEL):
-            row = tl.load(index_ptr + i * KERNEL + k) - k * (KERNEL + n)  # the table row's row of extended
+            row = tl.load(bag + k) // streams - k * (KERNEL + n)  # the table row's row of extended
             in_past = cols * 0 + row < KERNEL
             xp = tl.load(past_ptr + b * sp_b + row * sp_r + cols * sp_c, mask=ok & in_past, other=0.0)
             xm = tl.load(mixed_ptr + b * sm_b + (row - KERNEL) * sm_t + cols * sm_c, mask=ok & ~in_past, other=0.0)
@@ -386,9 +397,8 @@ def _bh(t: torch.Tensor) -> int | None:
 def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
     bsz, hv = gates.shape[0], gates.shape[1]
     n = decay_mask.shape[-2]
-    if decay_map.dim() == 3:  # a batch of trees, a map per stream: the composite
-        _decays(ab, zero, decay_map, decay_mask, gates, xy, decays)
-        return
+    # a batch of trees: a map and a mask per stream (strides 0: one tree's for every row)
+    smap_b, smask_b = (decay_map.stride(0), decay_mask.stride(0)) if decay_map.dim() == 3 else (0, 0)
     if ab.dim() == 4:  # (B, T, 2, Hv): [a | b] channels 2 Hv apart where they collapse
         sab_b, sab_t, s_ab, sab_c = ab.stride()
         flat = s_ab == hv * sab_c
@@ -396,14 +406,14 @@ def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
         (sab_b, sab_t, sab_c), flat = ab.stride(), True
     sg, sxy = _bh(gates), _bh(xy)
     if (not flat or sg is None or sxy is None or gates.stride(2) != 1 or xy.stride(2) != 1
-            or decay_map.stride(1) != 1 or decay_mask.stride(1) != 1 or decays.stride(2) != 1):
+            or decay_map.stride(-1) != 1 or decay_mask.stride(-1) != 1 or decays.stride(2) != 1):
         _decays(ab, zero, decay_map, decay_mask, gates, xy, decays)  # (layouts tree_layer does not make)
         return
     bt = _pow2(n + 1)
     bi = max(16, min(bt, 4096 // bt))
     _kernels()["decays"][(bsz * hv,)](
-        ab, gates, decay_map, decay_mask, xy, decays, n, hv, sab_b, sab_t, sab_c, sg, decay_map.stride(0),
-        decay_mask.stride(0), sxy, decays.stride(0), decays.stride(1),
+        ab, gates, decay_map, decay_mask, xy, decays, n, hv, sab_b, sab_t, sab_c, sg, smap_b, decay_map.stride(-2),
+        smask_b, decay_mask.stride(-2), sxy, decays.stride(0), decays.stride(1),
         BT=bt, BI=bi, BM=16, num_warps=4 if bt <= 64 else 8)
 
 
@@ -416,8 +426,9 @@ def _launch_conv(past, mixed, taps, bias, index, offsets, extended, table, out) 
         _conv(past, mixed, taps, bias, index, offsets, extended, table, out)  # (layouts tree_layer does not make)
         return
     block = min(1024, triton.next_power_of_2(channels))
+    streams = offsets.shape[0] // n  # 1: one tree's windows for every row; N: a batch's, per stream
     _kernels()["conv"][(n, bsz, triton.cdiv(channels, block))](
-        past, mixed, taps, taps if bias is None else bias, index, extended, out, n, channels,
+        past, mixed, taps, taps if bias is None else bias, index, extended, out, n, channels, streams,
         *past.stride(), *mixed.stride(), taps.stride(0), *extended.stride(), *out.stride(),
         KERNEL=k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 
