@@ -323,6 +323,9 @@ def test_a_path_of_length_zero_keeps_its_slot_and_a_free_slot_is_zero():
         gdn.copy_linear_states(session.cache, batch.cache, 1)
     for (c0, r0), (c1, r1) in zip(batch.states(0), batch.states(1), strict=True):
         assert (c0 - c1).abs().max() <= STATE_TOL and (r0 - r1).abs().max() <= STATE_TOL
+    with torch.inference_mode():  # several slots at once
+        gdn.zero_linear_states(batch.cache, torch.tensor([0, 1]))
+    assert all(not c.any() and not r.any() for b in (0, 1) for c, r in batch.states(b))
 
 
 def test_batch_and_single_commits_refuse_each_others_verification():
