@@ -95,7 +95,7 @@ class SlotKV:
                 self.cache.layers[i] = _SlotLayer(self, g, j)
         self.linear = [i for i, layer in enumerate(self.cache.layers)
                        if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        dev = next(iter(like.layers)).keys.device if attn else model.device
+        dev = like.layers[attn[0]].keys.device if attn else model.device
         self.device = dev
         self.length_list = [0] * slots
         self.lengths = torch.zeros(slots, dtype=torch.long, device=dev)
@@ -110,7 +110,7 @@ class SlotKV:
             self.values[g][j, slot, :, :length].copy_(src.values[0, :, :length])
         if self.linear:
             from ddtree.engine import gdn  # noqa: PLC0415 (the batched GDN: only a hybrid target needs it)
-            gdn.seat_linear_states(self.cache, prefilled, slot)
+            gdn.seat_linear_states(self.cache, prefilled, slot, streams=self.slots)
         self.length_list[slot] = length
         self.lengths[slot] = length
 
