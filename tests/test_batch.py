@@ -116,3 +116,24 @@ def test_an_eagle3_chain_batched_drafts_as_it_does_alone():
     with Engine(target, drafter, method="eagle3", steps=3, topk=2, budget=8, compile="false") as engine:
         with pytest.raises(ConfigError, match="topk"):
             engine.generate_many(prompts, concurrency=2)
+
+
+def test_hybrid_targets_batched_dflash_ddtree_and_the_mtp_chain():
+    """A tiny Qwen3.5 hybrid (Gated DeltaNet with a slow decay): DDTree and the MTP chain batched, every stream greedy
+    decoding of its prompt alone and drafted round by round as alone (the MTP head fitted so drafts get accepted)."""
+    from mtp_support import fitted_head
+
+    target = tiny_model("qwen3_5_text", attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 12, 3, 9)]
+    refs = [hf_greedy(target, ids, 20) for ids in prompts]
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    head = fitted_head(target, steps=20)
+    for draft, kw in ((drafter, dict(method="ddtree", budget=8)), (head, dict(method="mtp", steps=3, topk=1))):
+        with Engine(target, draft, compile="false", **kw) as engine:
+            alone = [engine.generate(p, max_new_tokens=20) for p in prompts]
+            results = engine.generate_many(prompts, concurrency=3, max_new_tokens=20)
+        for ref, one, r in zip(refs, alone, results, strict=True):
+            assert r.output_ids == ref
+            assert r.acceptance_lengths == one.acceptance_lengths
+    assert max(r.tau for r in results) > 1.5  # the fitted head's drafts are accepted: rollback is exercised
