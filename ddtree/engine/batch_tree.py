@@ -1,13 +1,25 @@
 """Draft trees of many streams at once (the batched round, ddtree.engine.batch): one padded tensor per field,
-a row per stream, so a round's ops do not grow with the number of streams."""
+a row per stream, so a round's ops do not grow with the number of streams.
+
+Builders (torch ops on the device, vectorised over streams, no host read): `batch_root_trees` (AR),
+`batch_chain_trees` (DFlash chains), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
+budget)`, node for node), `with_sizes` (cut rows to fewer nodes). `batch_walk` follows the target's choices in every
+stream with one host read. `keyed_choice` samples at T > 0 with noise keyed by (stream seed, absolute position, token),
+so a stream's tokens do not depend on the batch it runs in."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-__all__ = ["BatchTree", "BatchWalk"]
+from ddtree.engine.kernels.tree import _selection_constants
+from ddtree.engine.tree import DraftTree, tree_size
+
+__all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_chain_trees", "batch_root_trees", "batch_walk",
+           "keyed_choice", "keyed_draft_choice", "keyed_uniform", "positions_after", "with_sizes"]
 
 
 @dataclass
@@ -19,7 +31,12 @@ class BatchTree:
     tokens, parents (root: -1), depths: long [N, T]; valid: bool [N, T] (the first sizes[i] nodes of row i);
     sizes: long [N]; ancestors: bool [N, T, T] (ancestors[i, a, b]: b is a or an ancestor of a; padding: self and
     the root); is_chain: every row a chain (the first sizes[i] nodes in order); depth_bound: host int, an upper
-    bound on every depth."""
+    bound on every depth.
+
+    aidx: long [N, T, depth_bound + 1] or None, the ancestor index (aidx[i, a, h]: the h-th ancestor of a, h = 0 a
+    itself, the root repeating past it; padding: itself, then the root), which the builders here give and
+    `batch_walk` builds where it is missing; scores: float32 [N, T] or None, cumulative draft log-probabilities
+    (best-first trees; padding -inf), for inspection only."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
@@ -29,6 +46,8 @@ class BatchTree:
     ancestors: torch.Tensor
     is_chain: bool = False
     depth_bound: int = 0
+    aidx: torch.Tensor | None = None
+    scores: torch.Tensor | None = None
 
     @property
     def streams(self) -> int:
@@ -37,6 +56,19 @@ class BatchTree:
     @property
     def width(self) -> int:
         return self.tokens.shape[1]
+
+    def ancestor_index(self) -> torch.Tensor:
+        """`aidx`, built (and kept) where a tree came without it: O(N T depth), no host read."""
+        if self.aidx is None:
+            self.aidx = _ancestor_index(self.parents, self.depth_bound)
+        return self.aidx
+
+    def row(self, i: int) -> DraftTree:
+        """Stream i's tree alone (its valid nodes) as a DraftTree: for tests and inspection (reads the device)."""
+        n = int(self.sizes[i])
+        return DraftTree(self.tokens[i, :n], self.parents[i, :n], self.depths[i, :n],
+                         None if self.scores is None else self.scores[i, :n], is_chain=self.is_chain,
+                         depth_bound=self.depth_bound)
 
 
 @dataclass
@@ -51,3 +83,279 @@ class BatchWalk:
     lengths: torch.Tensor
     next_root: torch.Tensor
     tokens: list[list[int]]
+
+
+# ---------------------------------------------------------------------------------------------------- builders
+
+
+def batch_root_trees(roots: torch.Tensor) -> BatchTree:
+    """Every stream's tree is its root alone (AR): T = 1."""
+    roots = roots.reshape(-1, 1).long()
+    n, dev = roots.shape[0], roots.device
+    long = torch.zeros(n, 3, dtype=torch.long, device=dev)  # (parents, depths, ancestor index)
+    long[:, 0] = -1
+    return BatchTree(roots, long[:, 0:1], long[:, 1:2], torch.ones(n, 1, dtype=torch.bool, device=dev),
+                     torch.ones(n, dtype=torch.long, device=dev), torch.ones(n, 1, 1, dtype=torch.bool, device=dev),
+                     is_chain=True, depth_bound=0, aidx=long[:, 2:3, None])
+
+
+def batch_chain_trees(roots: torch.Tensor, tokens: torch.Tensor) -> BatchTree:
+    """Each stream's root followed by its row of `tokens` [N, L] in a line (DFlash): T = L + 1, is_chain."""
+    n, L = tokens.shape
+    dev = tokens.device
+    toks = torch.cat([roots.reshape(n, 1).to(dev, torch.long), tokens.long()], dim=1)
+    parents, depths, anc, aidx = _chain_constants(L + 1, dev)
+    full = torch.full((n,), L + 1, dtype=torch.long, device=dev)
+    return BatchTree(toks, parents.expand(n, -1).contiguous(), depths.expand(n, -1).contiguous(),
+                     torch.ones(n, L + 1, dtype=torch.bool, device=dev), full,
+                     anc.expand(n, -1, -1).contiguous(), is_chain=True, depth_bound=L,
+                     aidx=aidx.expand(n, -1, -1).contiguous())
+
+
+@lru_cache(maxsize=64)
+def _chain_constants(T: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A chain of T nodes: parents, depths, ancestor matrix, ancestor index (built once per device)."""
+    ar = torch.arange(T, device=device)
+    aidx = (ar[:, None] - ar[None, :]).clamp_(min=0)
+    return ar - 1, ar, torch.ones(T, T, dtype=torch.bool, device=device).tril_(), aidx
+
+
+def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
+                     budgets: torch.Tensor | None = None) -> BatchTree:
+    """Every stream's DDTree at once: row i is `ddtree.engine.tree.best_first_tree(roots[i], logprobs[i], budget)`,
+    the same nodes in the same flat order (`best_first_tensors`' ops with a stream dimension: one top-k, then three
+    ops a depth, then the layout; no host read, shapes fixed by (N, budget, L, V)). T = 1 + tree_size(budget, L, V).
+
+    logprobs: [N, L, V]. budgets: long [N] (each <= budget) or None: row i is then the tree of budgets[i] (its
+    1 + tree_size(budgets[i], L, V) nodes in that tree's own flat order, then padding): the first budgets[i] nodes
+    of the best-first order, which the build ranks anyway."""
+    N, L, V = logprobs.shape
+    n = 1 + tree_size(budget, L, V)
+    if n == 1:
+        return batch_root_trees(roots)
+    cost, ranked = _ranked_costs(logprobs, budget)
+    return _tree_build(cost, ranked, roots, n, budgets)
+
+
+def _ranked_costs(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ddtree.engine.tree._ranked_costs over [N, L, V]: each position's best `budget` costs and tokens (float32,
+    long [N, L, budget]; NaN and token 0 past the vocabulary)."""
+    V = logprobs.shape[-1]
+    token_id = _token_ids(V, logprobs.device)
+    cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
+    key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
+    key.bitwise_left_shift_(32).bitwise_or_(token_id)  # unique keys: ties rank by token id
+    ranked = key.topk(min(budget, V), dim=-1, largest=False).values & 0xFFFFFFFF
+    cost = cost.gather(2, ranked)
+    if V < budget:  # ranks past the vocabulary: nothing
+        cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
+        ranked = torch.nn.functional.pad(ranked, (0, budget - V))
+    return cost, ranked
+
+
+@lru_cache(maxsize=64)
+def _token_ids(V: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(V, device=device)
+
+
+def _tree_build(cost: torch.Tensor, ranked: torch.Tensor, roots: torch.Tensor, n: int,
+                budgets: torch.Tensor | None) -> BatchTree:
+    """ddtree.engine.kernels.tree._tree_build with a stream dimension (see its docstring): the same float32 sums
+    and stable sorts, row by row."""
+    N, L, budget = cost.shape
+    dev = cost.device
+    parent_rank, child_rank, root_list, tail, parent_cell, minus_one = _selection_constants(budget, L, dev)
+    P = parent_rank.shape[0]
+    child_cost = cost.index_select(2, child_rank).unbind(1)  # L x [N, P]
+    lists = [root_list.expand(N, P), torch.cat([cost[:, 0], tail.expand(N, -1)], dim=1)]
+    pairs = [child_rank.expand(N, P)]
+    for d in range(1, L):
+        best, pair = torch.sort(lists[-1].index_select(1, parent_rank) + child_cost[d], dim=1, stable=True)
+        lists.append(best)
+        pairs.append(pair)
+    grid = torch.stack(lists, dim=1)[:, :, :budget].reshape(N, -1)  # cell d * budget + j: the j-th best of depth d
+    order = torch.sort(grid, dim=1, stable=True).indices[:, :n]  # the best-first order (root first)
+    valid = sizes = None
+    if budgets is not None:  # row i: its first sizes[i] cells; the rest past every cell (sorted last)
+        sizes = budgets.to(dev, torch.long).clamp(0, n - 1) + 1
+        valid = _arange(n, dev) < sizes[:, None]
+        order = torch.where(valid, order, (L + 1) * budget)
+    cells = order.sort(dim=1).values  # the tree's cells, depth-major: the flat layout
+    pair = torch.stack(pairs, dim=1)[:, :, :budget]  # [N, L, budget]: the pair behind each cell of depths 1..L
+    below = cells[:, 1:] - budget  # the nodes' cells in `pair`
+    if valid is not None:
+        below = below.clamp(max=L * budget - 1)
+    tokens = torch.cat([roots.reshape(N, 1).to(dev, torch.long),
+                        ranked.gather(2, child_rank[pair]).view(N, -1).gather(1, below)], dim=1)
+    parent_of = parent_cell.expand(N, L, P).gather(2, pair).view(N, -1).gather(1, below)
+    parents = torch.cat([minus_one.expand(N, 1), torch.searchsorted(cells, parent_of)], dim=1)
+    depths = torch.div(cells, budget, rounding_mode="floor")
+    if valid is None:
+        scores = 0.0 - grid.gather(1, cells)
+        valid = torch.ones(N, n, dtype=torch.bool, device=dev)
+        sizes = torch.full((N,), n, dtype=torch.long, device=dev)
+    else:
+        scores = torch.where(valid, 0.0 - grid.gather(1, cells.clamp(max=(L + 1) * budget - 1)), -math.inf)
+        tokens = torch.where(valid, tokens, 0)
+        parents = torch.where(valid, parents, 0)
+        parents[:, :1] = -1
+        depths = torch.where(valid, depths, 1)
+    bound = min(L, n - 1)
+    aidx = _ancestor_index(parents, bound)
+    anc = torch.zeros(N, n, n, dtype=torch.bool, device=dev).scatter_(2, aidx, True)
+    return BatchTree(tokens, parents, depths, valid, sizes, anc, depth_bound=bound, aidx=aidx, scores=scores)
+
+
+@lru_cache(maxsize=64)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
+    """aidx[i, a, h] = the h-th ancestor of node a of row i (the root repeats past it), h <= bound: by doubling,
+    three ops a doubling (ddtree.engine.kernels.tree._ancestor_index with a stream dimension)."""
+    N, T = parents.shape
+    up = parents.clamp(min=0)
+    hops = torch.stack([_arange(T, parents.device).expand(N, T), up], dim=2)  # hops 0 and 1
+    far = up  # the hops.shape[2] / 2-th ancestor
+    if bound == 0:
+        return hops[:, :, :1].contiguous()
+    while hops.shape[2] <= bound:  # hops w.. 2w - 1 of a (at most hop `bound`): hops 0.. w - 1 of its w-th ancestor
+        w = hops.shape[2]
+        far = far.gather(1, far)
+        hops = torch.cat([hops, hops.gather(1, far[:, :, None].expand(N, T, min(w, bound + 1 - w)))], dim=2)
+    return hops  # (contiguous: the walk views it)
+
+
+def with_sizes(tree: BatchTree, sizes: torch.Tensor) -> BatchTree:
+    """`tree` with row i cut to its first sizes[i] nodes (flat order: parents first, so a tree; at least the root):
+    the rest become padding (parent 0, depth 1, token 0, valid False; ancestors self and the root). A chain stays a
+    chain. No host read."""
+    N, T = tree.tokens.shape
+    dev = tree.tokens.device
+    ar = _arange(T, dev)
+    keep = tree.valid & (ar < sizes.to(dev, torch.long).clamp(min=1)[:, None])
+    pad_anc, pad_aidx = _padding_constants(T, tree.depth_bound, dev)
+    parents = torch.where(keep, tree.parents, 0)
+    parents[:, :1] = -1
+    return BatchTree(torch.where(keep, tree.tokens, 0), parents, torch.where(keep, tree.depths, 1), keep,
+                     keep.sum(1), torch.where(keep[:, :, None], tree.ancestors, pad_anc),
+                     is_chain=tree.is_chain, depth_bound=tree.depth_bound,
+                     aidx=torch.where(keep[:, :, None], tree.ancestor_index(), pad_aidx),
+                     scores=None if tree.scores is None else torch.where(keep, tree.scores, -math.inf))
+
+
+@lru_cache(maxsize=64)
+def _padding_constants(T: int, bound: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A padding node's ancestor matrix row (itself and the root) and ancestor index row (itself, then the root),
+    for every flat position: [T, T] bool, [T, bound + 1] long."""
+    ar = torch.arange(T, device=device)
+    anc = (ar[:, None] == ar[None, :]) | (ar[None, :] == 0)
+    aidx = torch.zeros(T, bound + 1, dtype=torch.long, device=device)
+    aidx[:, 0] = ar
+    return anc, aidx
+
+
+# ---------------------------------------------------------------------------------------------------- the walk
+
+
+def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
+    """Every stream's `ddtree.engine.tree.walk` at once: root -> the deepest valid node whose every node past the root
+    carries the target's choice at its parent. choice: long [N, T], choice[i, j] the target's token after node j of
+    stream i. Torch ops on the device, then one host read for every stream's path tokens and bonus token."""
+    N, T = tree.tokens.shape
+    dev = choice.device
+    if T == 1:
+        nxt = choice[:, 0]
+        zeros = torch.zeros(N, 1, dtype=torch.long, device=dev)
+        return BatchWalk(zeros, torch.ones(N, dtype=torch.long, device=dev), nxt, [[t] for t in nxt.tolist()])
+    if tree.is_chain:  # a chain's path is its prefix of matches
+        hit = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
+        k = hit.long().cumprod(1).sum(1)  # [N]: accepted drafts
+        nxt = choice.gather(1, k[:, None])[:, 0]
+        host = torch.cat([k, tree.tokens[:, 1:].reshape(-1), nxt]).tolist()
+        m = T - 1
+        toks = [host[N + i * m: N + i * m + host[i]] + [host[N + N * m + i]] for i in range(N)]
+        return BatchWalk(torch.minimum(_arange(T, dev), k[:, None]), k + 1, nxt, toks)
+    aidx = tree.ancestor_index()
+    K = aidx.shape[2]
+    match = tree.tokens == choice.gather(1, tree.parents.clamp(min=0))
+    match[:, :1] = True  # the root
+    match &= tree.valid
+    ok = match.gather(1, aidx.view(N, T * K)).view(N, T, K).all(dim=2)  # every ancestor-or-self matches
+    end = torch.where(ok, tree.depths, -1).argmax(dim=1, keepdim=True)  # [N, 1]: the deepest (one path a row)
+    depth = tree.depths.gather(1, end)  # [N, 1]
+    up = aidx.gather(1, end[:, :, None].expand(N, 1, K))[:, 0]  # end, its parent, ..., the root, the root, ...
+    path = up.gather(1, (depth - _arange(K, dev)).clamp_(min=0))  # root first, then the end repeated
+    nxt = choice.gather(1, end)[:, 0]
+    host = torch.cat([depth[:, 0], tree.tokens.gather(1, path).view(-1), nxt]).tolist()
+    toks = [host[N + i * K + 1: N + i * K + 1 + host[i]] + [host[N + N * K + i]] for i in range(N)]
+    return BatchWalk(path, depth[:, 0] + 1, nxt, toks)
+
+
+# ---------------------------------------------------------------------------------------------------- sampling
+
+# splitmix64's constants as int64 (two's complement)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: the sign bits masked off)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser in int64 ops (products wrap modulo 2 ** 64, as the unsigned ones)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """Uniform noise in (0, 1), float32 [N, P, V], a pure function of (seeds[i], positions[i, p], token): a
+    splitmix64 stream per (seed, position) (its state the mixed seed and position, stepped once per token). 23 random
+    bits: (k + 0.5) / 2 ** 23, exact in float32, never 0 or 1."""
+    seeds = seeds.to(positions.device, torch.long)
+    state = _mix(_mix(seeds[:, None] * _GOLDEN + positions.long()) + _GOLDEN)  # [N, P]: one stream each
+    z = _mix(state[:, :, None] + _steps(V, positions.device))
+    return (_shr(z, 41).float() + 0.5) * (2.0 ** -23)
+
+
+@lru_cache(maxsize=64)
+def _steps(V: int, device: torch.device) -> torch.Tensor:
+    """splitmix64's state increments for tokens 0..V-1 (int64, wrapping)."""
+    return torch.arange(1, V + 1, dtype=torch.long, device=device) * _GOLDEN
+
+
+def keyed_choice(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """The target's token after each node, sampled from softmax(logits / temperature) with noise keyed by the stream
+    and the absolute position, not drawn from a generator: argmax(logits / temperature + Gumbel(u)), u =
+    keyed_uniform(seeds, positions, V). logits [N, T, V], seeds long [N] (one per stream), positions long [N, T]: the
+    absolute position (index in the stream's sequence) the chosen token takes (`positions_after`). Temperature 0:
+    the argmax.
+
+    A stream's choices do not depend on the other streams, and nodes at the same position share noise: the token
+    committed at each position is a function of (seed, position, the committed prefix), so every method commits what
+    AR sampling with the same seed commits (only one node a depth lies on the accepted path)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    u = keyed_uniform(seeds, positions, logits.shape[-1])
+    gumbel = u.log_().neg_().log_().neg_()
+    return (logits.float() / temperature + gumbel).argmax(-1)
+
+
+def keyed_draft_choice(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
+    """A drafter's sampled chain, coupled to the target: the same keyed noise at the same absolute positions
+    (`keyed_choice` on the drafter's logits [N, L, V], positions [N, L] the drafted tokens' own). Where the drafter's
+    distribution is the target's, the draft is the target's sample; only the target's samples are committed, so the
+    coupling costs nothing in exactness and raises acceptance."""
+    return keyed_choice(logits, temperature, seeds, positions)
+
+
+def positions_after(root_positions: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """The absolute position of the token chosen after each node: its root's position (long [N]) + depth + 1."""
+    return root_positions.to(depths.device, torch.long)[:, None] + depths + 1
