@@ -211,6 +211,11 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
 
 
+@lru_cache(maxsize=64)
+def _is_root(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, device=device) == 0
+
+
 def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
     """aidx[i, a, h] = the h-th ancestor of node a of row i (the root repeats past it), h <= bound: by doubling,
     three ops a doubling (ddtree.engine.kernels.tree._ancestor_index with a stream dimension)."""
@@ -279,11 +284,11 @@ def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
         return BatchWalk(torch.minimum(_arange(T, dev), k[:, None]), k + 1, nxt, toks)
     aidx = tree.ancestor_index()
     K = aidx.shape[2]
-    match = tree.tokens == choice.gather(1, tree.parents.clamp(min=0))
-    match[:, :1] = True  # the root
-    match &= tree.valid
+    match = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))).logical_or_(_is_root(T, dev))
+    match.logical_and_(tree.valid)
     ok = match.gather(1, aidx.view(N, T * K)).view(N, T, K).all(dim=2)  # every ancestor-or-self matches
-    end = torch.where(ok, tree.depths, -1).argmax(dim=1, keepdim=True)  # [N, 1]: the deepest (one path a row)
+    # the deepest (one path a row); only the root: depth 0 everywhere, and argmax takes the first, the root
+    end = (tree.depths * ok).argmax(dim=1, keepdim=True)  # [N, 1]
     depth = tree.depths.gather(1, end)  # [N, 1]
     up = aidx.gather(1, end[:, :, None].expand(N, 1, K))[:, 0]  # end, its parent, ..., the root, the root, ...
     path = up.gather(1, (depth - _arange(K, dev)).clamp_(min=0))  # root first, then the end repeated
