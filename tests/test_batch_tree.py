@@ -303,3 +303,27 @@ def test_keyed_sampling_commits_what_ar_sampling_commits():
     want = ar()
     assert speculative("chain") == want
     assert speculative("tree") == want
+
+
+@pytest.mark.gpu  # on a GPU the kernel runs for real; here, interpreted
+def test_keyed_choice_kernel_is_the_composite():
+    """ddtree::keyed_choice's Triton kernel gives the composite's samples (float32 and bf16 logits, -inf, large and
+    negative seeds and positions, a vocabulary over one block), and is one op a round whatever the streams."""
+    from ddtree.engine.kernels import FusedOp
+    from ddtree.testing.triton import interpreter
+
+    op = FusedOp.registry["keyed_choice"]
+    g = torch.Generator().manual_seed(0)
+    with interpreter() as device:
+        for N, T, V, dtype in ((3, 5, 50, torch.float32), (2, 3, 2500, torch.bfloat16), (1, 1, 7, torch.float32)):
+            logits = (torch.randn(N, T, V, generator=g) * 2).to(dtype)
+            logits[0, 0, :3] = float("-inf")
+            seeds = torch.randint(-(2**62), 2**62, (N,), generator=g)
+            positions = torch.randint(0, 2**40, (N, T), generator=g)
+            args = (logits.to(device), seeds.to(device), positions.to(device), 1 / 0.7)
+            assert torch.equal(op.run_triton(*args), op.composite(*args))
+    for N in (1, 8):
+        args = torch.zeros(N, 4, 9), 0.8, torch.arange(N), torch.zeros(N, 4, dtype=torch.long)
+        with DispatchCount(stages=False) as ops:
+            keyed_choice(*args)
+        assert ops.names["keyed_choice"] == 1 and ops.total(ops.kernel_ops, exclude=()) == 1, dict(ops.kernel_names)

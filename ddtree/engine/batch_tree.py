@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import torch
 
+from ddtree.engine.kernels import sampling
+from ddtree.engine.kernels.sampling import _keyed_choice, keyed_uniform
 from ddtree.engine.kernels.tree import _selection_constants
 from ddtree.engine.tree import DraftTree, tree_size
 
@@ -300,56 +302,22 @@ def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
 
 # ---------------------------------------------------------------------------------------------------- sampling
 
-# splitmix64's constants as int64 (two's complement)
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic: the sign bits masked off)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _mix(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser in int64 ops (products wrap modulo 2 ** 64, as the unsigned ones)."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
-def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
-    """Uniform noise in (0, 1), float32 [N, P, V], a pure function of (seeds[i], positions[i, p], token): a
-    splitmix64 stream per (seed, position) (its state the mixed seed and position, stepped once per token). 23 random
-    bits: (k + 0.5) / 2 ** 23, exact in float32, never 0 or 1."""
-    seeds = seeds.to(positions.device, torch.long)
-    state = _mix(_mix(seeds[:, None] * _GOLDEN + positions.long()) + _GOLDEN)  # [N, P]: one stream each
-    z = _mix(state[:, :, None] + _steps(V, positions.device))
-    return (_shr(z, 41).float() + 0.5) * (2.0 ** -23)
-
-
-@lru_cache(maxsize=64)
-def _steps(V: int, device: torch.device) -> torch.Tensor:
-    """splitmix64's state increments for tokens 0..V-1 (int64, wrapping)."""
-    return torch.arange(1, V + 1, dtype=torch.long, device=device) * _GOLDEN
-
-
 def keyed_choice(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
     """The target's token after each node, sampled from softmax(logits / temperature) with noise keyed by the stream
-    and the absolute position, not drawn from a generator: argmax(logits / temperature + Gumbel(u)), u =
-    keyed_uniform(seeds, positions, V). logits [N, T, V], seeds long [N] (one per stream), positions long [N, T]: the
-    absolute position (index in the stream's sequence) the chosen token takes (`positions_after`). Temperature 0:
-    the argmax.
+    and the absolute position, not drawn from a generator: argmax(logits * (1 / temperature) + Gumbel(u)), u =
+    keyed_uniform(seeds, positions, V) (ddtree.engine.kernels.sampling: `ddtree::keyed_choice`, one launch on CUDA).
+    logits [N, T, V], seeds long [N] (one per stream), positions long [N, T]: the absolute position (index in the
+    stream's sequence) the chosen token takes (`positions_after`). Temperature 0: the argmax. (NaN logits: the
+    kernel never picks them, the composite's argmax does.)
 
     A stream's choices do not depend on the other streams, and nodes at the same position share noise: the token
     committed at each position is a function of (seed, position, the committed prefix), so every method commits what
     AR sampling with the same seed commits (only one node a depth lies on the accepted path)."""
     if temperature <= 0:
         return logits.argmax(-1)
-    u = keyed_uniform(seeds, positions, logits.shape[-1])
-    gumbel = u.log_().neg_().log_().neg_()
-    return (logits.float() / temperature + gumbel).argmax(-1)
+    op = _keyed_choice if torch.compiler.is_compiling() else sampling.keyed_choice
+    return op(logits, seeds.to(logits.device, torch.long), positions.to(logits.device, torch.long), 1.0 / temperature)
 
 
 def keyed_draft_choice(logits: torch.Tensor, temperature: float, seeds: torch.Tensor,

@@ -1,0 +1,127 @@
+"""Keyed sampling as one launch: `ddtree::keyed_choice`, a Gumbel-max sample whose noise is a pure function of
+(stream seed, absolute position, token), not a generator's draw (ddtree.engine.batch_tree.keyed_choice documents
+why: a stream's tokens do not depend on the batch, and every method commits what AR sampling commits).
+
+The noise: a splitmix64 stream per (seed, position), its state `mix(mix(seed * G + position) + G)`, stepped once a
+token (`state + (v + 1) * G`, mixed): 23 random bits u = (k + 0.5) / 2 ** 23 (exact in float32, never 0 or 1), and
+the Gumbel -log(-log(u)). The sample is argmax(logits * inv_t + gumbel) in float32, inv_t = 1 / temperature as a
+float32 (a product: one rounding, the same on every device), the first index among equal maxima.
+
+The composite is torch int64 ops (products wrap modulo 2 ** 64 as the unsigned ones; torch's >> on int64 is
+arithmetic, so shifts are masked to be logical): about 20 passes over an [N, T, V] int64 tensor. The Triton kernel
+computes the noise in registers, one program a row reading its logits once.
+
+logits [N, T, V] (any float dtype), seeds long [N], positions long [N, T], inv_t (1 / temperature); returns long
+[N, T].
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ddtree.engine.kernels import FusedOp, jit_cache
+
+__all__ = ["keyed_choice", "keyed_uniform"]
+
+# splitmix64's constants as int64 (two's complement)
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+
+
+def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic: the sign bits masked off)."""
+    return (z >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser in int64 ops."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
+    """The noise's uniforms, float32 [N, P, V] in (0, 1): a pure function of (seeds[i], positions[i, p], token)."""
+    seeds = seeds.to(positions.device, torch.long)
+    state = _mix(_mix(seeds[:, None] * _GOLDEN + positions.long()) + _GOLDEN)  # [N, P]: one stream each
+    z = _mix(state[:, :, None] + _steps(V, positions.device))
+    return (_shr(z, 41).float() + 0.5) * (2.0 ** -23)
+
+
+@lru_cache(maxsize=64)
+def _steps(V: int, device: torch.device) -> torch.Tensor:
+    """splitmix64's state increments for tokens 0..V-1 (int64, wrapping)."""
+    return torch.arange(1, V + 1, dtype=torch.long, device=device) * _GOLDEN
+
+
+def _keyed_choice(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """The composite."""
+    gumbel = keyed_uniform(seeds, positions, logits.shape[-1]).log_().neg_().log_().neg_()
+    return (logits.float() * inv_t + gumbel).argmax(-1)
+
+
+@jit_cache()
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def keyed_choice_rows(logits_ptr, seed_ptr, pos_ptr, out_ptr, T, V, stride_n, stride_t, inv_t,
+                          BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        n = row // T
+        t = row % T
+        seed = tl.load(seed_ptr + n).to(tl.uint64)
+        pos = tl.load(pos_ptr + row).to(tl.uint64)
+        gold = tl.full([], 0x9E3779B97F4A7C15, tl.uint64)
+        mix1 = tl.full([], 0xBF58476D1CE4E5B9, tl.uint64)
+        mix2 = tl.full([], 0x94D049BB133111EB, tl.uint64)
+        state = seed * gold + pos
+        for i in tl.static_range(2):  # splitmix64's finaliser (uint64: products wrap, shifts are logical), twice
+            if i == 1:
+                state = state + gold
+            state = (state ^ (state >> 30)) * mix1
+            state = (state ^ (state >> 27)) * mix2
+            state = state ^ (state >> 31)
+        base = logits_ptr + n * stride_n + t * stride_t
+        cols = tl.arange(0, BLOCK)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        arg = tl.zeros([BLOCK], tl.int64)
+        for v0 in range(0, V, BLOCK):
+            v = v0 + cols
+            live = v < V
+            x = tl.load(base + v, mask=live, other=float("-inf")).to(tl.float32)
+            z = state + (v + 1).to(tl.uint64) * gold
+            z = (z ^ (z >> 30)) * mix1
+            z = (z ^ (z >> 27)) * mix2
+            z = z ^ (z >> 31)
+            u = ((z >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2 ** -23
+            val = x * inv_t - tl.log(-tl.log(u))
+            better = (val > best) & live  # strictly: each lane keeps its first maximum
+            best = tl.where(better, val, best)
+            arg = tl.where(better, v.to(tl.int64), arg)
+        top = tl.max(best, axis=0)
+        first = tl.min(tl.where(best == top, arg, V), axis=0)  # the first index among the maxima
+        tl.store(out_ptr + row, first)
+
+    return keyed_choice_rows
+
+
+def _launch(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, inv_t: float) -> torch.Tensor:
+    N, T, V = logits.shape
+    if logits.stride(2) != 1 or seeds.dtype != torch.long or positions.dtype != torch.long or not positions.is_contiguous():
+        return _keyed_choice(logits, seeds, positions, inv_t)
+    out = torch.empty(N, T, dtype=torch.long, device=logits.device)
+    if N * T:
+        _kernels()[(N * T,)](logits, seeds, positions, out, T, V, logits.stride(0), logits.stride(1), inv_t,
+                             BLOCK=1024, num_warps=4, enable_fp_fusion=False)  # (x * inv_t, then + gumbel: two roundings, as torch)
+    return out
+
+
+_KEYED_CHOICE = FusedOp("keyed_choice(Tensor logits, Tensor seeds, Tensor positions, float inv_t) -> Tensor",
+                        _keyed_choice, _launch)
+
+keyed_choice = _KEYED_CHOICE.op
