@@ -327,3 +327,26 @@ def test_keyed_choice_kernel_is_the_composite():
         with DispatchCount(stages=False) as ops:
             keyed_choice(*args)
         assert ops.names["keyed_choice"] == 1 and ops.total(ops.kernel_ops, exclude=()) == 1, dict(ops.kernel_names)
+
+
+@pytest.mark.gpu  # on a GPU the kernel runs for real; here, interpreted
+@pytest.mark.parametrize("case", [(3, 3, 7, 7), (2, 2, 12, 16), (4, 1, 9, 7)], ids=lambda c: "N{}-L{}-V{}-b{}".format(*c))
+def test_batch_tree_build_kernel_is_the_composite(case):
+    """ddtree::batch_tree_build's kernel (tree_build_kernel, a program a stream) gives the batched composite's outputs
+    bit for bit (ties, NaN, -inf), with and without a size per stream."""
+    from ddtree.engine import batch_tree
+    from ddtree.engine.kernels import FusedOp
+    from ddtree.testing.triton import interpreter
+
+    N, L, V, budget = case
+    op = FusedOp.registry["batch_tree_build"]
+    lp = _logprobs(N, L, V, seed=sum(case), kind="odd" if L > 1 else "ties")
+    n = 1 + tree_size(budget, L, V)
+    with interpreter() as device:
+        cost, ranked = batch_tree._ranked_costs(lp.to(device), budget)
+        roots = torch.arange(N, device=device) + 3
+        for sizes in (None, torch.tensor([1, n, 3, 2][:N], device=device)):
+            got, want = op.run_triton(cost, ranked, roots, sizes, n), op.composite(cost, ranked, roots, sizes, n)
+            for name, a, b in zip(("tokens", "parents", "depths", "scores", "aidx", "anc"), got, want, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape, name
+                assert torch.equal(a, b), name

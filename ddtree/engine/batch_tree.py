@@ -17,7 +17,7 @@ import torch
 
 from ddtree.engine.kernels import sampling
 from ddtree.engine.kernels.sampling import _keyed_choice, keyed_uniform
-from ddtree.engine.kernels.tree import _selection_constants
+from ddtree.engine.kernels.tree import _batch_ancestor_index, _batch_tree_build, batch_tree_build
 from ddtree.engine.tree import DraftTree, tree_size
 
 __all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_chain_trees", "batch_root_trees", "batch_walk",
@@ -62,7 +62,7 @@ class BatchTree:
     def ancestor_index(self) -> torch.Tensor:
         """`aidx`, built (and kept) where a tree came without it: O(N T depth), no host read."""
         if self.aidx is None:
-            self.aidx = _ancestor_index(self.parents, self.depth_bound)
+            self.aidx = _batch_ancestor_index(self.parents, self.depth_bound)
         return self.aidx
 
     def row(self, i: int) -> DraftTree:
@@ -125,8 +125,9 @@ def _chain_constants(T: int, device: torch.device) -> tuple[torch.Tensor, ...]:
 def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
                      budgets: torch.Tensor | None = None) -> BatchTree:
     """Every stream's DDTree at once: row i is `ddtree.engine.tree.best_first_tree(roots[i], logprobs[i], budget)`,
-    the same nodes in the same flat order (`best_first_tensors`' ops with a stream dimension: one top-k, then three
-    ops a depth, then the layout; no host read, shapes fixed by (N, budget, L, V)). T = 1 + tree_size(budget, L, V).
+    the same nodes in the same flat order (`best_first_tensors`' ops with a stream dimension: one top-k, then
+    `ddtree::batch_tree_build`, one launch on CUDA, three ops a depth and the layout elsewhere; no host read, shapes
+    fixed by (N, budget, L, V)). T = 1 + tree_size(budget, L, V).
 
     logprobs: [N, L, V]. budgets: long [N] (each <= budget) or None: row i is then the tree of budgets[i] (its
     1 + tree_size(budgets[i], L, V) nodes in that tree's own flat order, then padding): the first budgets[i] nodes
@@ -135,8 +136,16 @@ def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
     n = 1 + tree_size(budget, L, V)
     if n == 1:
         return batch_root_trees(roots)
+    dev = logprobs.device
     cost, ranked = _ranked_costs(logprobs, budget)
-    return _tree_build(cost, ranked, roots, n, budgets)
+    sizes = None if budgets is None else budgets.to(dev, torch.long).clamp(0, n - 1) + 1
+    build = _batch_tree_build if torch.compiler.is_compiling() else batch_tree_build  # one launch on CUDA
+    tokens, parents, depths, scores, aidx, anc = build(cost, ranked, roots, sizes, n)
+    if sizes is None:
+        valid, sizes = torch.ones(N, n, dtype=torch.bool, device=dev), torch.full((N,), n, dtype=torch.long, device=dev)
+    else:
+        valid = _arange(n, dev) < sizes[:, None]
+    return BatchTree(tokens, parents, depths, valid, sizes, anc, depth_bound=min(L, n - 1), aidx=aidx, scores=scores)
 
 
 def _ranked_costs(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,54 +169,6 @@ def _token_ids(V: int, device: torch.device) -> torch.Tensor:
     return torch.arange(V, device=device)
 
 
-def _tree_build(cost: torch.Tensor, ranked: torch.Tensor, roots: torch.Tensor, n: int,
-                budgets: torch.Tensor | None) -> BatchTree:
-    """ddtree.engine.kernels.tree._tree_build with a stream dimension (see its docstring): the same float32 sums
-    and stable sorts, row by row."""
-    N, L, budget = cost.shape
-    dev = cost.device
-    parent_rank, child_rank, root_list, tail, parent_cell, minus_one = _selection_constants(budget, L, dev)
-    P = parent_rank.shape[0]
-    child_cost = cost.index_select(2, child_rank).unbind(1)  # L x [N, P]
-    lists = [root_list.expand(N, P), torch.cat([cost[:, 0], tail.expand(N, -1)], dim=1)]
-    pairs = [child_rank.expand(N, P)]
-    for d in range(1, L):
-        best, pair = torch.sort(lists[-1].index_select(1, parent_rank) + child_cost[d], dim=1, stable=True)
-        lists.append(best)
-        pairs.append(pair)
-    grid = torch.stack(lists, dim=1)[:, :, :budget].reshape(N, -1)  # cell d * budget + j: the j-th best of depth d
-    order = torch.sort(grid, dim=1, stable=True).indices[:, :n]  # the best-first order (root first)
-    valid = sizes = None
-    if budgets is not None:  # row i: its first sizes[i] cells; the rest past every cell (sorted last)
-        sizes = budgets.to(dev, torch.long).clamp(0, n - 1) + 1
-        valid = _arange(n, dev) < sizes[:, None]
-        order = torch.where(valid, order, (L + 1) * budget)
-    cells = order.sort(dim=1).values  # the tree's cells, depth-major: the flat layout
-    pair = torch.stack(pairs, dim=1)[:, :, :budget]  # [N, L, budget]: the pair behind each cell of depths 1..L
-    below = cells[:, 1:] - budget  # the nodes' cells in `pair`
-    if valid is not None:
-        below = below.clamp(max=L * budget - 1)
-    tokens = torch.cat([roots.reshape(N, 1).to(dev, torch.long),
-                        ranked.gather(2, child_rank[pair]).view(N, -1).gather(1, below)], dim=1)
-    parent_of = parent_cell.expand(N, L, P).gather(2, pair).view(N, -1).gather(1, below)
-    parents = torch.cat([minus_one.expand(N, 1), torch.searchsorted(cells, parent_of)], dim=1)
-    depths = torch.div(cells, budget, rounding_mode="floor")
-    if valid is None:
-        scores = 0.0 - grid.gather(1, cells)
-        valid = torch.ones(N, n, dtype=torch.bool, device=dev)
-        sizes = torch.full((N,), n, dtype=torch.long, device=dev)
-    else:
-        scores = torch.where(valid, 0.0 - grid.gather(1, cells.clamp(max=(L + 1) * budget - 1)), -math.inf)
-        tokens = torch.where(valid, tokens, 0)
-        parents = torch.where(valid, parents, 0)
-        parents[:, :1] = -1
-        depths = torch.where(valid, depths, 1)
-    bound = min(L, n - 1)
-    aidx = _ancestor_index(parents, bound)
-    anc = torch.zeros(N, n, n, dtype=torch.bool, device=dev).scatter_(2, aidx, True)
-    return BatchTree(tokens, parents, depths, valid, sizes, anc, depth_bound=bound, aidx=aidx, scores=scores)
-
-
 @lru_cache(maxsize=64)
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device)
@@ -216,22 +177,6 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 @lru_cache(maxsize=64)
 def _is_root(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, device=device) == 0
-
-
-def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
-    """aidx[i, a, h] = the h-th ancestor of node a of row i (the root repeats past it), h <= bound: by doubling,
-    three ops a doubling (ddtree.engine.kernels.tree._ancestor_index with a stream dimension)."""
-    N, T = parents.shape
-    up = parents.clamp(min=0)
-    hops = torch.stack([_arange(T, parents.device).expand(N, T), up], dim=2)  # hops 0 and 1
-    far = up  # the hops.shape[2] / 2-th ancestor
-    if bound == 0:
-        return hops[:, :, :1].contiguous()
-    while hops.shape[2] <= bound:  # hops w.. 2w - 1 of a (at most hop `bound`): hops 0.. w - 1 of its w-th ancestor
-        w = hops.shape[2]
-        far = far.gather(1, far)
-        hops = torch.cat([hops, hops.gather(1, far[:, :, None].expand(N, T, min(w, bound + 1 - w)))], dim=2)
-    return hops  # (contiguous: the walk views it)
 
 
 def with_sizes(tree: BatchTree, sizes: torch.Tensor) -> BatchTree:
