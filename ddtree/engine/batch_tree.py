@@ -33,7 +33,8 @@ class BatchTree:
     tokens, parents (root: -1), depths: long [N, T]; valid: bool [N, T] (the first sizes[i] nodes of row i);
     sizes: long [N]; ancestors: bool [N, T, T] (ancestors[i, a, b]: b is a or an ancestor of a; padding: self and
     the root); is_chain: every row a chain (the first sizes[i] nodes in order); depth_bound: host int, an upper
-    bound on every depth.
+    bound on every depth. The builders here may hand out shared constants (cached per shape: a chain's parents, an
+    unpadded tree's valid and sizes): a BatchTree's tensors are never written in place.
 
     aidx: long [N, T, depth_bound + 1] or None, the ancestor index (aidx[i, a, h]: the h-th ancestor of a, h = 0 a
     itself, the root repeating past it; padding: itself, then the root), which the builders here give and
@@ -93,12 +94,8 @@ class BatchWalk:
 def batch_root_trees(roots: torch.Tensor) -> BatchTree:
     """Every stream's tree is its root alone (AR): T = 1."""
     roots = roots.reshape(-1, 1).long()
-    n, dev = roots.shape[0], roots.device
-    long = torch.zeros(n, 3, dtype=torch.long, device=dev)  # (parents, depths, ancestor index)
-    long[:, 0] = -1
-    return BatchTree(roots, long[:, 0:1], long[:, 1:2], torch.ones(n, 1, dtype=torch.bool, device=dev),
-                     torch.ones(n, dtype=torch.long, device=dev), torch.ones(n, 1, 1, dtype=torch.bool, device=dev),
-                     is_chain=True, depth_bound=0, aidx=long[:, 2:3, None])
+    *rows, aidx = _chain_rows(roots.shape[0], 1, roots.device)
+    return BatchTree(roots, *rows, is_chain=True, depth_bound=0, aidx=aidx)
 
 
 def batch_chain_trees(roots: torch.Tensor, tokens: torch.Tensor) -> BatchTree:
@@ -106,20 +103,19 @@ def batch_chain_trees(roots: torch.Tensor, tokens: torch.Tensor) -> BatchTree:
     n, L = tokens.shape
     dev = tokens.device
     toks = torch.cat([roots.reshape(n, 1).to(dev, torch.long), tokens.long()], dim=1)
-    parents, depths, anc, aidx = _chain_constants(L + 1, dev)
-    full = torch.full((n,), L + 1, dtype=torch.long, device=dev)
-    return BatchTree(toks, parents.expand(n, -1).contiguous(), depths.expand(n, -1).contiguous(),
-                     torch.ones(n, L + 1, dtype=torch.bool, device=dev), full,
-                     anc.expand(n, -1, -1).contiguous(), is_chain=True, depth_bound=L,
-                     aidx=aidx.expand(n, -1, -1).contiguous())
+    *rows, aidx = _chain_rows(n, L + 1, dev)
+    return BatchTree(toks, *rows, is_chain=True, depth_bound=L, aidx=aidx)
 
 
 @lru_cache(maxsize=64)
-def _chain_constants(T: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """A chain of T nodes: parents, depths, ancestor matrix, ancestor index (built once per device)."""
+def _chain_rows(N: int, T: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """N full chains of T nodes: parents, depths, valid, sizes, ancestor matrix (as BatchTree orders them), then the
+    ancestor index (aidx[a, h] = max(a - h, 0)); built once per shape and device (shared: never written)."""
     ar = torch.arange(T, device=device)
-    aidx = (ar[:, None] - ar[None, :]).clamp_(min=0)
-    return ar - 1, ar, torch.ones(T, T, dtype=torch.bool, device=device).tril_(), aidx
+    rows = lambda t: t.expand(N, *t.shape).contiguous()  # noqa: E731
+    anc = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
+    return (rows(ar - 1), rows(ar), torch.ones(N, T, dtype=torch.bool, device=device),
+            torch.full((N,), T, dtype=torch.long, device=device), rows(anc), rows((ar[:, None] - ar).clamp_(min=0)))
 
 
 def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
@@ -142,7 +138,7 @@ def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
     build = _batch_tree_build if torch.compiler.is_compiling() else batch_tree_build  # one launch on CUDA
     tokens, parents, depths, scores, aidx, anc = build(cost, ranked, roots, sizes, n)
     if sizes is None:
-        valid, sizes = torch.ones(N, n, dtype=torch.bool, device=dev), torch.full((N,), n, dtype=torch.long, device=dev)
+        valid, sizes = _chain_rows(N, n, dev)[2:4]  # every node valid (shared constants)
     else:
         valid = _arange(n, dev) < sizes[:, None]
     return BatchTree(tokens, parents, depths, valid, sizes, anc, depth_bound=min(L, n - 1), aidx=aidx, scores=scores)
@@ -175,8 +171,10 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _is_root(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, device=device) == 0
+def _hops_back(K: int, device: torch.device) -> torch.Tensor:
+    """[K, K]: row d, the hops from a depth-d node up to its path's k-th node (d - k), then 0 (the node itself)."""
+    ar = torch.arange(K, device=device)
+    return (ar[:, None] - ar).clamp_(min=0)
 
 
 def with_sizes(tree: BatchTree, sizes: torch.Tensor) -> BatchTree:
@@ -219,8 +217,8 @@ def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
     dev = choice.device
     if T == 1:
         nxt = choice[:, 0]
-        zeros = torch.zeros(N, 1, dtype=torch.long, device=dev)
-        return BatchWalk(zeros, torch.ones(N, dtype=torch.long, device=dev), nxt, [[t] for t in nxt.tolist()])
+        _, zeros, _, ones = _chain_rows(N, 1, dev)[:4]  # (the root alone: path [0], length 1)
+        return BatchWalk(zeros, ones, nxt, [[t] for t in nxt.tolist()])
     if tree.is_chain:  # a chain's path is its prefix of matches
         hit = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
         k = hit.long().cumprod(1).sum(1)  # [N]: accepted drafts
@@ -231,14 +229,15 @@ def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
         return BatchWalk(torch.minimum(_arange(T, dev), k[:, None]), k + 1, nxt, toks)
     aidx = tree.ancestor_index()
     K = aidx.shape[2]
-    match = (tree.tokens == choice.gather(1, tree.parents.clamp(min=0))).logical_or_(_is_root(T, dev))
-    match.logical_and_(tree.valid)
+    # a node matches: valid and its token the choice at its parent (the root: always)
+    below = (tree.tokens[:, 1:] == choice.gather(1, tree.parents[:, 1:])).logical_and_(tree.valid[:, 1:])
+    match = torch.cat([_chain_rows(N, 1, dev)[2], below], dim=1)
     ok = match.gather(1, aidx.view(N, T * K)).view(N, T, K).all(dim=2)  # every ancestor-or-self matches
     # the deepest (one path a row); only the root: depth 0 everywhere, and argmax takes the first, the root
     end = (tree.depths * ok).argmax(dim=1, keepdim=True)  # [N, 1]
     depth = tree.depths.gather(1, end)  # [N, 1]
     up = aidx.gather(1, end[:, :, None].expand(N, 1, K))[:, 0]  # end, its parent, ..., the root, the root, ...
-    path = up.gather(1, (depth - _arange(K, dev)).clamp_(min=0))  # root first, then the end repeated
+    path = up.gather(1, _hops_back(K, dev).index_select(0, depth[:, 0]))  # root first, then the end repeated
     nxt = choice.gather(1, end)[:, 0]
     host = torch.cat([depth[:, 0], tree.tokens.gather(1, path).view(-1), nxt]).tolist()
     toks = [host[N + i * K + 1: N + i * K + 1 + host[i]] + [host[N + N * K + i]] for i in range(N)]
