@@ -350,3 +350,29 @@ def test_batch_tree_build_kernel_is_the_composite(case):
             for name, a, b in zip(("tokens", "parents", "depths", "scores", "aidx", "anc"), got, want, strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape, name
                 assert torch.equal(a, b), name
+
+
+def test_the_batched_round_traces_as_one_graph():
+    """torch.compile(fullgraph=True) of a batched round's tree side (the build, keyed choices, the walk's device part):
+    one graph, no break, no recompile across logits, and the eager results (dynamo's trace alone)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from ddtree.engine.batch_tree import batch_best_first_tensors, batch_tree_of_tensors, batch_walk_tensors
+
+    table = torch.randn(30, 30, generator=torch.Generator().manual_seed(0))
+
+    def round_(roots, logprobs, seeds, root_positions):
+        tree = batch_tree_of_tensors(*batch_best_first_tensors(roots, logprobs, 16))
+        choice = keyed_choice(table[tree.tokens], 0.8, seeds, positions_after(root_positions, tree.depths))
+        return batch_walk_tensors(tree, choice)
+
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    compiled = torch.compile(round_, fullgraph=True, dynamic=False, backend="eager")
+    for seed in range(3):
+        args = (torch.arange(4), _logprobs(4, 5, 30, seed, "ties"), torch.arange(4) + seed, torch.tensor([3, 9, 4, 7]))
+        got, want = compiled(*args), round_(*args)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

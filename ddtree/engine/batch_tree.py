@@ -20,7 +20,8 @@ from ddtree.engine.kernels.sampling import _keyed_choice, keyed_uniform
 from ddtree.engine.kernels.tree import _batch_ancestor_index, _batch_tree_build, batch_tree_build
 from ddtree.engine.tree import DraftTree, tree_size
 
-__all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_chain_trees", "batch_root_trees", "batch_walk",
+__all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_best_first_tensors", "batch_tree_of_tensors",
+           "batch_chain_trees", "batch_root_trees", "batch_walk", "batch_walk_tensors", "read_walk",
            "keyed_choice", "keyed_draft_choice", "keyed_uniform", "positions_after", "with_sizes"]
 
 
@@ -94,7 +95,7 @@ class BatchWalk:
 def batch_root_trees(roots: torch.Tensor) -> BatchTree:
     """Every stream's tree is its root alone (AR): T = 1."""
     roots = roots.reshape(-1, 1).long()
-    *rows, aidx = _chain_rows(roots.shape[0], 1, roots.device)
+    *rows, aidx = _const(_chain_rows, roots.shape[0], 1, roots.device)
     return BatchTree(roots, *rows, is_chain=True, depth_bound=0, aidx=aidx)
 
 
@@ -103,7 +104,7 @@ def batch_chain_trees(roots: torch.Tensor, tokens: torch.Tensor) -> BatchTree:
     n, L = tokens.shape
     dev = tokens.device
     toks = torch.cat([roots.reshape(n, 1).to(dev, torch.long), tokens.long()], dim=1)
-    *rows, aidx = _chain_rows(n, L + 1, dev)
+    *rows, aidx = _const(_chain_rows, n, L + 1, dev)
     return BatchTree(toks, *rows, is_chain=True, depth_bound=L, aidx=aidx)
 
 
@@ -128,27 +129,48 @@ def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
     logprobs: [N, L, V]. budgets: long [N] (each <= budget) or None: row i is then the tree of budgets[i] (its
     1 + tree_size(budgets[i], L, V) nodes in that tree's own flat order, then padding): the first budgets[i] nodes
     of the best-first order, which the build ranks anyway."""
+    if 1 + tree_size(budget, *logprobs.shape[1:]) == 1:
+        return batch_root_trees(roots)
+    return batch_tree_of_tensors(*batch_best_first_tensors(roots, logprobs, budget, budgets))
+
+
+def batch_best_first_tensors(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
+                             budgets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """batch_best_first's tensors, as a compiled graph returns them (torch.compile(fullgraph=True): capturable):
+    (tokens, parents, depths, valid, sizes, ancestors, aidx, scores); `batch_tree_of_tensors` makes the BatchTree.
+    Needs a tree past the root (budget >= 1, L >= 1)."""
     N, L, V = logprobs.shape
     n = 1 + tree_size(budget, L, V)
-    if n == 1:
-        return batch_root_trees(roots)
     dev = logprobs.device
     cost, ranked = _ranked_costs(logprobs, budget)
     sizes = None if budgets is None else budgets.to(dev, torch.long).clamp(0, n - 1) + 1
     build = _batch_tree_build if torch.compiler.is_compiling() else batch_tree_build  # one launch on CUDA
     tokens, parents, depths, scores, aidx, anc = build(cost, ranked, roots, sizes, n)
     if sizes is None:
-        valid, sizes = _chain_rows(N, n, dev)[2:4]  # every node valid (shared constants)
+        valid, sizes = _const(_chain_rows, N, n, dev)[2:4]  # every node valid (shared constants)
     else:
-        valid = _arange(n, dev) < sizes[:, None]
-    return BatchTree(tokens, parents, depths, valid, sizes, anc, depth_bound=min(L, n - 1), aidx=aidx, scores=scores)
+        valid = _const(_arange, n, dev) < sizes[:, None]
+    return tokens, parents, depths, valid, sizes, anc, aidx, scores
+
+
+def batch_tree_of_tensors(tokens, parents, depths, valid, sizes, ancestors, aidx, scores=None,
+                          is_chain: bool = False) -> BatchTree:
+    """The BatchTree of batch_best_first_tensors' outputs (or of a compiled call of it); depth_bound from aidx's
+    shape."""
+    return BatchTree(tokens, parents, depths, valid, sizes, ancestors, is_chain=is_chain,
+                     depth_bound=aidx.shape[2] - 1, aidx=aidx, scores=scores)
+
+
+def _const(fn, *args):
+    """A cached constant (`fn` an lru_cache); traced (torch.compile), built in the graph without the cache wrapper."""
+    return (fn.__wrapped__ if torch.compiler.is_compiling() else fn)(*args)
 
 
 def _ranked_costs(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """ddtree.engine.tree._ranked_costs over [N, L, V]: each position's best `budget` costs and tokens (float32,
     long [N, L, budget]; NaN and token 0 past the vocabulary)."""
     V = logprobs.shape[-1]
-    token_id = _token_ids(V, logprobs.device)
+    token_id = _const(_token_ids, V, logprobs.device)
     cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
     key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
     key.bitwise_left_shift_(32).bitwise_or_(token_id)  # unique keys: ties rank by token id
@@ -183,9 +205,9 @@ def with_sizes(tree: BatchTree, sizes: torch.Tensor) -> BatchTree:
     chain. No host read."""
     N, T = tree.tokens.shape
     dev = tree.tokens.device
-    ar = _arange(T, dev)
+    ar = _const(_arange, T, dev)
     keep = tree.valid & (ar < sizes.to(dev, torch.long).clamp(min=1)[:, None])
-    pad_anc, pad_aidx = _padding_constants(T, tree.depth_bound, dev)
+    pad_anc, pad_aidx = _const(_padding_constants, T, tree.depth_bound, dev)
     parents = torch.where(keep, tree.parents, 0)
     parents[:, :1] = -1
     return BatchTree(torch.where(keep, tree.tokens, 0), parents, torch.where(keep, tree.depths, 1), keep,
@@ -212,36 +234,53 @@ def _padding_constants(T: int, bound: int, device: torch.device) -> tuple[torch.
 def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
     """Every stream's `ddtree.engine.tree.walk` at once: root -> the deepest valid node whose every node past the root
     carries the target's choice at its parent. choice: long [N, T], choice[i, j] the target's token after node j of
-    stream i. Torch ops on the device, then one host read for every stream's path tokens and bonus token."""
+    stream i. Torch ops on the device (`batch_walk_tensors`), then one host read for every stream's accepted tokens
+    and bonus token (`read_walk`)."""
+    path, lengths, next_root, packed = batch_walk_tensors(tree, choice)
+    return BatchWalk(path, lengths, next_root, read_walk(packed, tree.streams))
+
+
+def batch_walk_tensors(tree: BatchTree, choice: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """batch_walk's device part, no host read (capturable): (path, lengths, next_root, packed), the first three as
+    BatchWalk has them; packed (long, 1-D) is what `read_walk` reads: each stream's accepted draft count [N], its M
+    candidate tokens with the accepted ones first [N * M], the bonus tokens [N] (a tree of the root alone: the bonus
+    tokens only)."""
     N, T = tree.tokens.shape
     dev = choice.device
     if T == 1:
         nxt = choice[:, 0]
-        _, zeros, _, ones = _chain_rows(N, 1, dev)[:4]  # (the root alone: path [0], length 1)
-        return BatchWalk(zeros, ones, nxt, [[t] for t in nxt.tolist()])
+        _, zeros, _, ones = _const(_chain_rows, N, 1, dev)[:4]  # (the root alone: path [0], length 1)
+        return zeros, ones, nxt, nxt
     if tree.is_chain:  # a chain's path is its prefix of matches
-        hit = (tree.tokens[:, 1:] == choice[:, :-1]) & tree.valid[:, 1:]
+        hit = (tree.tokens[:, 1:] == choice[:, :-1]).logical_and_(tree.valid[:, 1:])
         k = hit.long().cumprod(1).sum(1)  # [N]: accepted drafts
         nxt = choice.gather(1, k[:, None])[:, 0]
-        host = torch.cat([k, tree.tokens[:, 1:].reshape(-1), nxt]).tolist()
-        m = T - 1
-        toks = [host[N + i * m: N + i * m + host[i]] + [host[N + N * m + i]] for i in range(N)]
-        return BatchWalk(torch.minimum(_arange(T, dev), k[:, None]), k + 1, nxt, toks)
+        packed = torch.cat([k, tree.tokens[:, 1:].reshape(-1), nxt])
+        return torch.minimum(_const(_arange, T, dev), k[:, None]), k + 1, nxt, packed
     aidx = tree.ancestor_index()
     K = aidx.shape[2]
     # a node matches: valid and its token the choice at its parent (the root: always)
     below = (tree.tokens[:, 1:] == choice.gather(1, tree.parents[:, 1:])).logical_and_(tree.valid[:, 1:])
-    match = torch.cat([_chain_rows(N, 1, dev)[2], below], dim=1)
+    match = torch.cat([_const(_chain_rows, N, 1, dev)[2], below], dim=1)
     ok = match.gather(1, aidx.view(N, T * K)).view(N, T, K).all(dim=2)  # every ancestor-or-self matches
     # the deepest (one path a row); only the root: depth 0 everywhere, and argmax takes the first, the root
     end = (tree.depths * ok).argmax(dim=1, keepdim=True)  # [N, 1]
-    depth = tree.depths.gather(1, end)  # [N, 1]
+    depth = tree.depths.gather(1, end)[:, 0]  # [N]: accepted drafts
     up = aidx.gather(1, end[:, :, None].expand(N, 1, K))[:, 0]  # end, its parent, ..., the root, the root, ...
-    path = up.gather(1, _hops_back(K, dev).index_select(0, depth[:, 0]))  # root first, then the end repeated
+    path = up.gather(1, _const(_hops_back, K, dev).index_select(0, depth))  # root first, then the end repeated
     nxt = choice.gather(1, end)[:, 0]
-    host = torch.cat([depth[:, 0], tree.tokens.gather(1, path).view(-1), nxt]).tolist()
-    toks = [host[N + i * K + 1: N + i * K + 1 + host[i]] + [host[N + N * K + i]] for i in range(N)]
-    return BatchWalk(path, depth[:, 0] + 1, nxt, toks)
+    packed = torch.cat([depth, tree.tokens.gather(1, path[:, 1:]).view(-1), nxt])
+    return path, depth + 1, nxt, packed
+
+
+def read_walk(packed: torch.Tensor, N: int) -> list[list[int]]:
+    """The round's one host read: per stream its accepted draft tokens then the bonus token, from
+    batch_walk_tensors' packed tensor."""
+    host = packed.tolist()
+    if len(host) == N:  # the roots alone: the bonus tokens
+        return [[t] for t in host]
+    m = (len(host) - 2 * N) // N
+    return [host[N + i * m: N + i * m + host[i]] + [host[N + N * m + i]] for i in range(N)]
 
 
 # ---------------------------------------------------------------------------------------------------- sampling

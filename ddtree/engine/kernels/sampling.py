@@ -47,7 +47,8 @@ def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch
     """The noise's uniforms, float32 [N, P, V] in (0, 1): a pure function of (seeds[i], positions[i, p], token)."""
     seeds = seeds.to(positions.device, torch.long)
     state = _mix(_mix(seeds[:, None] * _GOLDEN + positions.long()) + _GOLDEN)  # [N, P]: one stream each
-    z = _mix(state[:, :, None] + _steps(V, positions.device))
+    steps = _steps.__wrapped__ if torch.compiler.is_compiling() else _steps  # (traced: built in the graph)
+    z = _mix(state[:, :, None] + steps(V, positions.device))
     return (_shr(z, 41).float() + 0.5) * (2.0 ** -23)
 
 
