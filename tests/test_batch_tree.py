@@ -330,7 +330,7 @@ def test_keyed_choice_kernel_is_the_composite():
 
 
 @pytest.mark.gpu  # on a GPU the kernel runs for real; here, interpreted
-@pytest.mark.parametrize("case", [(3, 3, 7, 7), (2, 2, 12, 16), (4, 1, 9, 7)], ids=lambda c: "N{}-L{}-V{}-b{}".format(*c))
+@pytest.mark.parametrize("case", [(3, 3, 7, 7), (2, 2, 5, 8)], ids=lambda c: "N{}-L{}-V{}-b{}".format(*c))
 def test_batch_tree_build_kernel_is_the_composite(case):
     """ddtree::batch_tree_build's kernel (tree_build_kernel, a program a stream) gives the batched composite's outputs
     bit for bit (ties, NaN, -inf), with and without a size per stream."""
