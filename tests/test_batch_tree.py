@@ -168,7 +168,8 @@ def test_batch_walk_is_the_reference_walk_per_stream(N):
              _stack([random_tree(rng.randrange(1, 15), V, rng, root=i) for i in range(N)]),
              batch_chain_trees(torch.arange(N), torch.randint(0, 2, (N, 6))),
              batch_root_trees(torch.arange(N))]
-    trees += [with_sizes(trees[0], torch.randint(1, 22, (N,))), with_sizes(trees[2], torch.randint(1, 8, (N,)))]
+    trees += [with_sizes(trees[0], torch.randint(1, 22, (N,))), with_sizes(trees[2], torch.randint(1, 8, (N,))),
+              batch_best_first(torch.arange(N), _logprobs(N, 4, V, seed=9, kind="plain"), 12, torch.randint(0, 13, (N,)))]
     for tree in trees:
         for _ in range(12):
             choice = _following(tree, rng, V)
@@ -184,20 +185,26 @@ def test_batch_walk_is_the_reference_walk_per_stream(N):
 
 
 def test_best_first_and_walk_ops_do_not_grow_with_streams():
-    """A DDTree round's tree side (batch_best_first, batch_walk) dispatches the same ops at 1 and 8 streams, and
-    reads the device once (the walk's)."""
+    """A round's tree side (DDTree: batch_best_first, with and without a budget per stream; DFlash: a chain; AR: the
+    roots) and its walk dispatch the same ops at 1 and 8 streams, and read the device once (the walk's)."""
     L, V, budget = 15, 256, 64
-    counts = []
-    for N in (1, 8):
-        lp = _logprobs(N, L, V, seed=0, kind="plain")
-        roots = torch.zeros(N, dtype=torch.long)
-        batch_walk(batch_best_first(roots, lp, budget), torch.zeros(N, 65, dtype=torch.long))  # constants
-        choice = torch.randint(0, V, (N, 1 + tree_size(budget, L, V)))
-        with DispatchCount(stages=False) as ops:
-            batch_walk(batch_best_first(roots, lp, budget), choice)
-        assert ops.total(ops.syncs, exclude=()) == 1, dict(ops.sync_names)
-        counts.append(ops.total(ops.ops, exclude=()))
-    assert counts[0] == counts[1], counts
+    builds = {"ddtree": lambda roots, lp: batch_best_first(roots, lp, budget),
+              "ddtree-budgets": lambda roots, lp: batch_best_first(roots, lp, budget, roots + 5),
+              "chain": lambda roots, lp: batch_chain_trees(roots, lp[:, :, 0].long()),
+              "ar": lambda roots, lp: batch_root_trees(roots)}
+    for name, build in builds.items():
+        counts = []
+        for N in (1, 8):
+            lp = _logprobs(N, L, V, seed=0, kind="plain")
+            roots = torch.zeros(N, dtype=torch.long)
+            T = build(roots, lp).width
+            choice = torch.randint(0, V, (N, T))
+            batch_walk(build(roots, lp), choice)  # constants built once
+            with DispatchCount(stages=False) as ops:
+                batch_walk(build(roots, lp), choice)
+            assert ops.total(ops.syncs, exclude=()) == 1, (name, dict(ops.sync_names))
+            counts.append(ops.total(ops.ops, exclude=()))
+        assert counts[0] == counts[1], (name, counts)
 
 
 MASK = (1 << 64) - 1
@@ -254,6 +261,13 @@ def test_keyed_choice_does_not_depend_on_the_batch():
     u = keyed_uniform(torch.tensor([5, 6]), torch.tensor([[0, 1], [0, 1]]), V)
     assert not torch.equal(u[0, 0], u[0, 1]) and not torch.equal(u[0, 0], u[1, 0])
     assert torch.equal(keyed_choice(logits, 0.0, seeds, positions), logits.argmax(-1))
+    from ddtree.engine.kernels import sampling
+
+    chunk, sampling._CHUNK = sampling._CHUNK, 100  # the composite in passes of rows: the same samples
+    try:
+        assert torch.equal(keyed_choice(logits, 1.0, seeds, positions), batch)
+    finally:
+        sampling._CHUNK = chunk
     flat = keyed_uniform(torch.arange(40), torch.arange(40)[:, None] * 3, 500).flatten()
     assert 0 < float(flat.min()) and float(flat.max()) < 1 and abs(float(flat.mean()) - 0.5) < 0.01
 

@@ -3,9 +3,12 @@ a row per stream, so a round's ops do not grow with the number of streams.
 
 Builders (torch ops on the device, vectorised over streams, no host read): `batch_root_trees` (AR),
 `batch_chain_trees` (DFlash chains), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
-budget)`, node for node), `with_sizes` (cut rows to fewer nodes). `batch_walk` follows the target's choices in every
-stream with one host read. `keyed_choice` samples at T > 0 with noise keyed by (stream seed, absolute position, token),
-so a stream's tokens do not depend on the batch it runs in."""
+budget)`, node for node, optionally each stream at its own smaller budget; one fused op after the top-k),
+`with_sizes` (cut rows to a prefix). `batch_walk` follows the target's choices in every stream with one host read.
+`keyed_choice` samples at T > 0 with noise keyed by (stream seed, absolute position, token), so a stream's tokens do
+not depend on the batch it runs in, and `keyed_draft_choice` couples a drafter's sampled chain to the same noise.
+The device parts (`batch_best_first_tensors`, `batch_walk_tensors`, `keyed_choice`) trace as one graph
+(torch.compile(fullgraph=True)); the walk's read is `read_walk`. Ops per round do not depend on N (tested)."""
 
 from __future__ import annotations
 
@@ -242,9 +245,9 @@ def batch_walk(tree: BatchTree, choice: torch.Tensor) -> BatchWalk:
 
 def batch_walk_tensors(tree: BatchTree, choice: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """batch_walk's device part, no host read (capturable): (path, lengths, next_root, packed), the first three as
-    BatchWalk has them; packed (long, 1-D) is what `read_walk` reads: each stream's accepted draft count [N], its M
-    candidate tokens with the accepted ones first [N * M], the bonus tokens [N] (a tree of the root alone: the bonus
-    tokens only)."""
+    BatchWalk has them; packed (long, 1-D) is what `read_walk` reads: each stream's accepted draft count [N], M
+    tokens a stream, its root then the accepted drafts first [N * M], the bonus tokens [N] (a tree of the root
+    alone: the bonus tokens only)."""
     N, T = tree.tokens.shape
     dev = choice.device
     if T == 1:
@@ -255,7 +258,7 @@ def batch_walk_tensors(tree: BatchTree, choice: torch.Tensor) -> tuple[torch.Ten
         hit = (tree.tokens[:, 1:] == choice[:, :-1]).logical_and_(tree.valid[:, 1:])
         k = hit.long().cumprod(1).sum(1)  # [N]: accepted drafts
         nxt = choice.gather(1, k[:, None])[:, 0]
-        packed = torch.cat([k, tree.tokens[:, 1:].reshape(-1), nxt])
+        packed = torch.cat([k, tree.tokens.reshape(-1), nxt])
         return torch.minimum(_const(_arange, T, dev), k[:, None]), k + 1, nxt, packed
     aidx = tree.ancestor_index()
     K = aidx.shape[2]
@@ -269,7 +272,7 @@ def batch_walk_tensors(tree: BatchTree, choice: torch.Tensor) -> tuple[torch.Ten
     up = aidx.gather(1, end[:, :, None].expand(N, 1, K))[:, 0]  # end, its parent, ..., the root, the root, ...
     path = up.gather(1, _const(_hops_back, K, dev).index_select(0, depth))  # root first, then the end repeated
     nxt = choice.gather(1, end)[:, 0]
-    packed = torch.cat([depth, tree.tokens.gather(1, path[:, 1:]).view(-1), nxt])
+    packed = torch.cat([depth, tree.tokens.gather(1, path).view(-1), nxt])
     return path, depth + 1, nxt, packed
 
 
@@ -280,7 +283,7 @@ def read_walk(packed: torch.Tensor, N: int) -> list[list[int]]:
     if len(host) == N:  # the roots alone: the bonus tokens
         return [[t] for t in host]
     m = (len(host) - 2 * N) // N
-    return [host[N + i * m: N + i * m + host[i]] + [host[N + N * m + i]] for i in range(N)]
+    return [host[N + i * m + 1: N + i * m + 1 + host[i]] + [host[N + N * m + i]] for i in range(N)]
 
 
 # ---------------------------------------------------------------------------------------------------- sampling

@@ -58,8 +58,23 @@ def _steps(V: int, device: torch.device) -> torch.Tensor:
     return torch.arange(1, V + 1, dtype=torch.long, device=device) * _GOLDEN
 
 
+# the composite's rows a pass (of the vocabulary's width): its int64 temporaries stay near 128 MiB each (a 27B
+# target's 152k vocabulary at 64 streams x 65 nodes would take ~5 GiB a temporary in one pass)
+_CHUNK = 1 << 24
+
+
 def _keyed_choice(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, inv_t: float) -> torch.Tensor:
-    """The composite."""
+    """The composite (in passes of rows past _CHUNK elements: the same values)."""
+    N, T, V = logits.shape
+    if N * T * V <= _CHUNK:
+        return _keyed_pass(logits, seeds, positions, inv_t)
+    rows = max(1, _CHUNK // V)
+    flat, seed, pos = logits.reshape(N * T, 1, V), seeds[:, None].expand(N, T).reshape(-1), positions.reshape(-1, 1)
+    return torch.cat([_keyed_pass(flat[r: r + rows], seed[r: r + rows], pos[r: r + rows], inv_t)[:, 0]
+                      for r in range(0, N * T, rows)]).view(N, T)
+
+
+def _keyed_pass(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, inv_t: float) -> torch.Tensor:
     gumbel = keyed_uniform(seeds, positions, logits.shape[-1]).log_().neg_().log_().neg_()
     return (logits.float() * inv_t + gumbel).argmax(-1)
 
