@@ -21,7 +21,7 @@ import torch
 from ddtree.engine.kernels import sampling
 from ddtree.engine.kernels.sampling import _keyed_choice, keyed_uniform
 from ddtree.engine.kernels.tree import _batch_ancestor_index, _batch_tree_build, batch_tree_build
-from ddtree.engine.tree import DraftTree, tree_size
+from ddtree.engine.tree import DraftTree, _ranked_costs, tree_size
 
 __all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_best_first_tensors", "batch_tree_of_tensors",
            "batch_chain_trees", "batch_root_trees", "batch_walk", "batch_walk_tensors", "read_walk",
@@ -167,27 +167,6 @@ def batch_tree_of_tensors(tokens, parents, depths, valid, sizes, ancestors, aidx
 def _const(fn, *args):
     """A cached constant (`fn` an lru_cache); traced (torch.compile), built in the graph without the cache wrapper."""
     return (fn.__wrapped__ if torch.compiler.is_compiling() else fn)(*args)
-
-
-def _ranked_costs(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ddtree.engine.tree._ranked_costs over [N, L, V]: each position's best `budget` costs and tokens (float32,
-    long [N, L, budget]; NaN and token 0 past the vocabulary)."""
-    V = logprobs.shape[-1]
-    token_id = _const(_token_ids, V, logprobs.device)
-    cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
-    key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
-    key.bitwise_left_shift_(32).bitwise_or_(token_id)  # unique keys: ties rank by token id
-    ranked = key.topk(min(budget, V), dim=-1, largest=False).values & 0xFFFFFFFF
-    cost = cost.gather(2, ranked)
-    if V < budget:  # ranks past the vocabulary: nothing
-        cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
-        ranked = torch.nn.functional.pad(ranked, (0, budget - V))
-    return cost, ranked
-
-
-@lru_cache(maxsize=64)
-def _token_ids(V: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(V, device=device)
 
 
 @lru_cache(maxsize=64)

@@ -67,30 +67,9 @@ def _selection_constants(budget: int, L: int, device: torch.device) -> tuple[tor
 
 
 def _tree_build(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """The composite: best_first_tensors' ops from the ranks' costs on (see its docstring)."""
-    L, budget = cost.shape
-    dev = cost.device
-    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
-    constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
-    parent_rank, child_rank, root_list, tail, parent_cell, minus_one = constants(budget, L, dev)
-    child_cost = cost.index_select(1, child_rank).unbind(0)
-    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
-    lists, pairs = [root_list, torch.cat([cost[0], tail])], [child_rank]
-    for d in range(1, L):
-        best, pair = torch.sort(lists[-1].index_select(0, parent_rank) + child_cost[d], stable=True)
-        lists.append(best)
-        pairs.append(pair)
-    grid = torch.stack(lists)[:, :budget].reshape(-1)  # cell d * budget + j: the j-th best of depth d (root: cell 0)
-    cells = torch.sort(grid, stable=True).indices[:n].sort().values  # the tree's cells, depth-major: the flat layout
-    pair = torch.stack(pairs)[:, :budget]  # [L, budget]: the pair behind each cell of depths 1..L
-    below = cells[1:] - budget  # the nodes' cells in `pair`
-    tokens = torch.cat([root.reshape(1).to(dev, torch.long), ranked.gather(1, child_rank[pair]).view(-1)[below]])
-    parent_of = parent_cell.gather(1, pair).view(-1)[below]
-    parents = torch.cat([minus_one, torch.searchsorted(cells, parent_of)])  # a parent's flat index: its place in cells
-    depths = torch.div(cells, budget, rounding_mode="floor")
-    scores = 0.0 - grid[cells]
-    aidx = _ancestor_index(parents, min(L, n - 1))
-    return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)
+    """The composite: best_first_tensors' ops from the ranks' costs on (see its docstring), the batched composite's
+    with one stream."""
+    return tuple(t[0] for t in _batch_tree_build(cost[None], ranked[None], root.reshape(1), None, n))
 
 
 def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
@@ -111,16 +90,19 @@ def _ancestor_matrix(aidx: torch.Tensor) -> torch.Tensor:
 
 def _batch_tree_build(cost: torch.Tensor, ranked: torch.Tensor, roots: torch.Tensor, sizes: torch.Tensor | None,
                       n: int) -> tuple[torch.Tensor, ...]:
-    """The batched composite: _tree_build's ops with a stream dimension (cost, ranked [N, L, budget], roots [N]), the
-    same float32 sums and stable sorts row by row; outputs [N, ...]. sizes (long [N], each 1..n) or None: row i keeps
+    """The composite, N streams at once (cost, ranked [N, L, budget], roots [N]; outputs [N, ...]): best_first_tensors'
+    ops after the top-k (see its docstring) with a stream dimension, the same float32 sums and stable sorts row by
+    row (`_tree_build` is its one-stream call). sizes (long [N], each 1..n) or None: row i keeps
     the first sizes[i] cells of the best-first order (the tree of budget sizes[i] - 1, in its own flat layout), the
     rest padding (token 0, parent 0, depth 1, score -inf; ancestors itself and the root)."""
     N, L, budget = cost.shape
     dev = cost.device
+    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
     constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
     parent_rank, child_rank, root_list, tail, parent_cell, minus_one = constants(budget, L, dev)
     P = parent_rank.shape[0]
     child_cost = cost.index_select(2, child_rank).unbind(1)  # L x [N, P]
+    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
     lists, pairs = [root_list.expand(N, P), torch.cat([cost[:, 0], tail.expand(N, -1)], dim=1)], [child_rank.expand(N, P)]
     for d in range(1, L):
         best, pair = torch.sort(lists[-1].index_select(1, parent_rank) + child_cost[d], dim=1, stable=True)
@@ -139,6 +121,7 @@ def _batch_tree_build(cost: torch.Tensor, ranked: torch.Tensor, roots: torch.Ten
     tokens = torch.cat([roots.reshape(N, 1).to(dev, torch.long),
                         ranked.gather(2, child_rank[pair]).view(N, -1).gather(1, below)], dim=1)
     parent_of = parent_cell.expand(N, L, P).gather(2, pair).view(N, -1).gather(1, below)
+    # a parent's flat index: its place in cells
     parents = torch.cat([minus_one.expand(N, 1), torch.searchsorted(cells, parent_of)], dim=1)
     depths = torch.div(cells, budget, rounding_mode="floor")
     if sizes is None:
