@@ -336,6 +336,10 @@ def test_keyed_choice_kernel_is_the_composite():
             positions = torch.randint(0, 2**40, (N, T), generator=g)
             args = (logits.to(device), seeds.to(device), positions.to(device), 1 / 0.7)
             assert torch.equal(op.run_triton(*args), op.composite(*args))
+        # strided views: every other stream's seed, a slice of the nodes
+        logits, seeds = torch.randn(3, 6, 40, generator=g).to(device), torch.arange(6, device=device)
+        args = (logits[:, 1:4], seeds[::2], torch.arange(18, device=device).view(3, 6)[:, 1:4], 2.0)
+        assert torch.equal(op.run_triton(*args), op.composite(*args))
     for N in (1, 8):
         args = torch.zeros(N, 4, 9), 0.8, torch.arange(N), torch.zeros(N, 4, dtype=torch.long)
         with DispatchCount(stages=False) as ops:

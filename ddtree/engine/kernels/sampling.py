@@ -128,8 +128,9 @@ def _kernels():
 
 def _launch(logits: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, inv_t: float) -> torch.Tensor:
     N, T, V = logits.shape
-    if logits.stride(2) != 1 or seeds.dtype != torch.long or positions.dtype != torch.long or not positions.is_contiguous():
+    if logits.stride(2) != 1 or seeds.dtype != torch.long or positions.dtype != torch.long or seeds.shape != (N,):
         return _keyed_choice(logits, seeds, positions, inv_t)
+    seeds, positions = seeds.contiguous(), positions.expand(N, T).contiguous()  # (no-ops where they are)
     out = torch.empty(N, T, dtype=torch.long, device=logits.device)
     if N * T:
         _kernels()[(N * T,)](logits, seeds, positions, out, T, V, logits.stride(0), logits.stride(1), inv_t,
