@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.engine import compiled
+from ddtree.engine import batch, compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.methods import DraftSettings, check_method_args, check_target_supported, get_method
@@ -19,6 +19,7 @@ from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
 from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import host_walk, rejection_walk, walk
+from ddtree.errors import ConfigError
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
 
@@ -176,13 +177,20 @@ class Engine:
         Each result's ttft_s/decode_s count from the stream's own start; queued_s is its wait for a slot."""
         if self.binding is None:
             raise RuntimeError("Engine.generate_many after close(): build a new Engine")
-        out = []
-        for i, ids in enumerate(prompts):  # (provisional: one stream at a time; the batched round replaces it)
-            ids = ids if ids.dim() == 2 else ids[None]
-            gen = torch.Generator(device=ids.device).manual_seed(seed * 1_000_003 + i) if temperature > 0 else None
-            out.append(self.generate(ids, temperature=temperature, max_new_tokens=max_new_tokens,
-                                     stop_token_ids=stop_token_ids, generator=gen))
-        return out
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError("concurrency", f"must be an integer >= 1, got {concurrency!r}", "use e.g. concurrency=8")
+        prompts = [p if p.dim() == 2 else p[None] for p in prompts]
+        for p in prompts:
+            check_generate_args(temperature, max_new_tokens, p)
+        with scoped(self.options):
+            self.binding.ensure()
+            results = batch.generate_many(self, prompts, concurrency, temperature, max_new_tokens, stop_token_ids,
+                                          seed, self.budget if budget is None else budget)
+        note = None if self.static is None else "the batched round runs eagerly (Engine.generate_many)"
+        for r in results:
+            r.round, r.round_note = "eager", note or self.round_note
+            r.round_fallback = note is not None and self.compile == "true"
+        return results
 
     def _noted(self, result: GenerationResult) -> GenerationResult:
         """`result` with the round that made it (compiled or eager), why (what) ran eagerly, and whether a fallback."""
