@@ -2,9 +2,11 @@
 (stream seed, absolute position, token), not a generator's draw (ddtree.engine.batch_tree.keyed_choice documents
 why: a stream's tokens do not depend on the batch, and every method commits what AR sampling commits).
 
-The noise: a splitmix64 stream per (seed, position), its state `mix(mix(seed * G + position) + G)`, stepped once a
-token (`state + (v + 1) * G`, mixed): 23 random bits u = (k + 0.5) / 2 ** 23 (exact in float32, never 0 or 1), and
-the Gumbel -log(-log(u)). The sample is argmax(logits * inv_t + gumbel) in float32, inv_t = 1 / temperature as a
+The noise: splitmix64's finaliser `mix` (G its golden gamma) on a key per (seed, position), `state = mix(mix(seed * G +
+position) + G)`, plus a key per token, `mix(v + G)`: z = mix(state + mix(v + G)), its top 23 bits k, u = (k + 0.5) /
+2 ** 23 (exact in float32, never 0 or 1), and the Gumbel -log(-log(u)). (The token's key is mixed rather than
+splitmix's stream step `(v + 1) * G`: Inductor's CPU code folds a multiple of an `arange` into a vectorised arange,
+whose wrapped products it gets wrong.) The sample is argmax(logits * inv_t + gumbel) in float32, inv_t = 1 / temperature as a
 float32 (a product: one rounding, the same on every device), the first index among equal maxima.
 
 The composite is torch int64 ops (products wrap modulo 2 ** 64 as the unsigned ones; torch's >> on int64 is
@@ -46,16 +48,16 @@ def _mix(z: torch.Tensor) -> torch.Tensor:
 def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, V: int) -> torch.Tensor:
     """The noise's uniforms, float32 [N, P, V] in (0, 1): a pure function of (seeds[i], positions[i, p], token)."""
     seeds = seeds.to(positions.device, torch.long)
-    state = _mix(_mix(seeds[:, None] * _GOLDEN + positions.long()) + _GOLDEN)  # [N, P]: one stream each
-    steps = _steps.__wrapped__ if torch.compiler.is_compiling() else _steps  # (traced: built in the graph)
-    z = _mix(state[:, :, None] + steps(V, positions.device))
+    state = _mix(_mix(seeds[:, None] * _GOLDEN + positions.long()) + _GOLDEN)  # [N, P]: a key each
+    keys = _token_keys.__wrapped__ if torch.compiler.is_compiling() else _token_keys  # (traced: built in the graph)
+    z = _mix(state[:, :, None] + keys(V, positions.device))
     return (_shr(z, 41).float() + 0.5) * (2.0 ** -23)
 
 
 @lru_cache(maxsize=64)
-def _steps(V: int, device: torch.device) -> torch.Tensor:
-    """splitmix64's state increments for tokens 0..V-1 (int64, wrapping)."""
-    return torch.arange(1, V + 1, dtype=torch.long, device=device) * _GOLDEN
+def _token_keys(V: int, device: torch.device) -> torch.Tensor:
+    """Each token's key, mix(v + G) (int64 [V])."""
+    return _mix(torch.arange(V, dtype=torch.long, device=device) + _GOLDEN)
 
 
 # the composite's rows a pass (of the vocabulary's width): its int64 temporaries stay near 128 MiB each (a 27B
@@ -110,10 +112,13 @@ def _kernels():
             v = v0 + cols
             live = v < V
             x = tl.load(base + v, mask=live, other=float("-inf")).to(tl.float32)
-            z = state + (v + 1).to(tl.uint64) * gold
-            z = (z ^ (z >> 30)) * mix1
-            z = (z ^ (z >> 27)) * mix2
-            z = z ^ (z >> 31)
+            z = v.to(tl.uint64) + gold  # the token's key, mix(v + G)
+            for j in tl.static_range(2):  # then mix(state + key)
+                if j == 1:
+                    z = state + z
+                z = (z ^ (z >> 30)) * mix1
+                z = (z ^ (z >> 27)) * mix2
+                z = z ^ (z >> 31)
             u = ((z >> 41).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2 ** -23
             val = x * inv_t - tl.log(-tl.log(u))
             better = (val > best) & live  # strictly: each lane keeps its first maximum
