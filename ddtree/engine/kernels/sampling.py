@@ -5,8 +5,8 @@ why: a stream's tokens do not depend on the batch, and every method commits what
 The noise: splitmix64's finaliser `mix` (G its golden gamma) on a key per (seed, position), `state = mix(mix(seed * G +
 position) + G)`, plus a key per token, `mix(v + G)`: z = mix(state + mix(v + G)), its top 23 bits k, u = (k + 0.5) /
 2 ** 23 (exact in float32, never 0 or 1), and the Gumbel -log(-log(u)). (The token's key is mixed rather than
-splitmix's stream step `(v + 1) * G`: Inductor's CPU code folds a multiple of an `arange` into a vectorised arange,
-whose wrapped products it gets wrong.) The sample is argmax(logits * inv_t + gumbel) in float32, inv_t = 1 / temperature as a
+splitmix's stream step `(v + 1) * G`: Inductor's CPU code (torch 2.13) folds a multiple of an `arange` into a
+vectorised arange whose overflowing products differ from eager's, `(s + arange * G) >> 30` for one.) The sample is argmax(logits * inv_t + gumbel) in float32, inv_t = 1 / temperature as a
 float32 (a product: one rounding, the same on every device), the first index among equal maxima.
 
 The composite is torch int64 ops (products wrap modulo 2 ** 64 as the unsigned ones; torch's >> on int64 is
