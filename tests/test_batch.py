@@ -79,6 +79,7 @@ def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
     per_round = {}
     with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
         for n in (1, 8):
+            engine.generate_many([prompts[0]] * n, concurrency=n, max_new_tokens=24)  # constants cached per shape
             with DispatchCount() as c:
                 results = engine.generate_many([prompts[0]] * n, concurrency=n, max_new_tokens=24)
             rounds = results[0].rounds
