@@ -138,3 +138,19 @@ def test_hybrid_targets_batched_dflash_ddtree_and_the_mtp_chain():
             assert r.output_ids == ref
             assert r.acceptance_lengths == one.acceptance_lengths
     assert max(r.tau for r in results) > 1.5  # the fitted head's drafts are accepted: rollback is exercised
+
+
+def test_at_t_above_0_every_method_commits_what_ar_sampling_commits(toy_pure):
+    """Keyed noise (seed, stream, position): the committed tokens are the target's own samples, so every method and
+    every concurrency gives AR sampling's output for the same seed, token for token (fp32); another seed differs."""
+    target, drafter, prompts = toy_pure
+    kw = dict(temperature=0.9, max_new_tokens=24, stop_token_ids=[STOP], seed=7)
+    with Engine(target, None, method="ar", compile="false") as engine:
+        ar = [r.output_ids for r in engine.generate_many(prompts[:4], concurrency=1, **kw)]
+        other = [r.output_ids for r in engine.generate_many(prompts[:4], concurrency=4, **{**kw, "seed": 8})]
+    assert other != ar
+    for method, conc in (("dflash", 3), ("ddtree", 4), ("ddtree", 1)):
+        with Engine(target, drafter, method=method, budget=16, compile="false") as engine:
+            results = engine.generate_many(prompts[:4], concurrency=conc, **kw)
+        assert [r.output_ids for r in results] == ar, (method, conc)
+        assert sum(r.tau for r in results) / len(results) > 1.5  # drafts accepted at T > 0 (coupled)
