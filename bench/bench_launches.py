@@ -353,6 +353,7 @@ def concurrency_main(a) -> None:
                   formats={"x N=1": "{:.2f}x"})
     out = rec.as_dict()
     out["counts"] = {label: [{k: v for k, v in r.items()} for r in rows] for label, rows in record.items()}
+    out["dims"] = {name: real_dims(name) for name in a.structures.split(",")}  # the real sizes the cost model reads
     if a.out != "-":
         Path(a.out).write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
         print(f"# record: {a.out}")
