@@ -15,7 +15,8 @@ slot stays busy until the queue runs dry). Per call:
   latency       each stream's own seconds, its prefill to its last token (GenerationResult.total_s; the wait for a
                 slot, queued_s, left out): median and p90 over the call's streams;
   tau           tokens committed per round over every stream's rounds (the bonus token included).
-The cells are medians over --runs (with their range). `ddtree:auto` (budget="auto": ddtree.engine.adaptive) runs
+At concurrency 1, Engine.generate over the same prompts one after another too (today's single-stream engine, right
+after the batched call; --no-single to leave it out). The cells are medians over --runs (with their range). `ddtree:auto` (budget="auto": ddtree.engine.adaptive) runs
 where that module exists, and is left out, with a note, where it does not.
 
 Predicted, for the real Qwen3.6-27B in bf16 on one H200, by the cost model of bench/_costmodel.py (docs/gpu.md): the
@@ -96,8 +97,11 @@ def one_call(engine, budget, prompts, c: int, args, stops) -> dict:
                 tau=sum(sum(r.acceptance_lengths) for r in results) / max(1, sum(r.rounds for r in results)))
 
 
-def measure(args, pair, specs: list[str]) -> list[dict]:
+def measure(args, pair, specs: list[str]) -> tuple[list[dict], list[dict]]:
+    """The measured rows (method x concurrency: medians over the runs) and, at concurrency 1, Engine.generate's tok/s
+    over the same prompts one after another (today's single-stream engine), interleaved with the batched calls."""
     runs: dict[tuple[str, int], list[dict]] = {}
+    single: dict[str, list[float]] = {}
     built = engines(pair, specs)
     for engine, budget in built.values():  # warm-up: lazy buffers, the allocator
         one_call(engine, budget, pair.prompts[:2], 2, argparse.Namespace(new=8), pair.stops)
@@ -113,6 +117,14 @@ def measure(args, pair, specs: list[str]) -> list[dict]:
                 print(f"run {run + 1}/{args.runs} c={c:>2} {label(spec):>11}: {m['tok_s']:7.1f} tok/s, latency "
                       f"{m['latency_median']:.3f} / {m['latency_p90']:.3f} s, tau {m['tau']:.2f} ({n} prompts, "
                       f"{m['wall_s']:.1f} s)", flush=True)
+                if c == 1 and args.single and budget != "auto":  # today's engine, one prompt after another
+                    t = time.perf_counter()
+                    new = sum(engine.generate(p, max_new_tokens=args.new, stop_token_ids=pair.stops).num_new_tokens
+                              for p in prompts)
+                    g = new / (time.perf_counter() - t)
+                    single.setdefault(spec, []).append(g)
+                    print(f"run {run + 1}/{args.runs} c= 1 {label(spec):>11}: {g:7.1f} tok/s with Engine.generate",
+                          flush=True)
     rows = []
     for (spec, c), ms in runs.items():
         rows.append(dict(method=spec, label=label(spec), concurrency=c, prompts=ms[0]["prompts"],
@@ -120,7 +132,7 @@ def measure(args, pair, specs: list[str]) -> list[dict]:
                          latency_median_s=Spread.of([m["latency_median"] for m in ms]).cell(3),
                          latency_p90_s=Spread.of([m["latency_p90"] for m in ms]).cell(3),
                          tau=round(statistics.median(m["tau"] for m in ms), 3)))
-    return rows
+    return rows, [dict(method=spec, label=label(spec), tok_s=Spread.of(g).cell(1)) for spec, g in single.items()]
 
 
 # ---------------------------------------------------------------- predicted
@@ -222,7 +234,8 @@ def predicted(args, measured: list[dict], specs: list[str]) -> dict | None:
 
 # ---------------------------------------------------------------- the record
 
-def tables(rec: Record, measured: list[dict], pred: dict | None, specs: list[str], args, note: str) -> None:
+def tables(rec: Record, measured: list[dict], single: list[dict], pred: dict | None, specs: list[str], args,
+           note: str) -> None:
     cs = sorted({r["concurrency"] for r in measured})
     by = {(r["method"], r["concurrency"]): r for r in measured}
     rec.table("Measured on the toy pair: total tok/s by concurrency", ["method", *(f"c={c}" for c in cs)],
@@ -236,6 +249,15 @@ def tables(rec: Record, measured: list[dict], pred: dict | None, specs: list[str
                        "tau": "{:.2f}"})
     fixed = [s for s in specs if parse_method(s)[1] != "auto"]
     targets = []
+    if single and 1 in cs:
+        rec.table("Measured at concurrency 1: generate_many against Engine.generate (the same prompts, total tok/s)",
+                  ["method", "generate_many", "Engine.generate", "ratio"],
+                  [[g["label"], by[g["method"], 1]["tok_s"], g["tok_s"],
+                    round(by[g["method"], 1]["tok_s"]["median"] / g["tok_s"]["median"], 2)] for g in single],
+                  formats={"generate_many": "{:.0f}", "Engine.generate": "{:.0f}", "ratio": "{:.2f}x"})
+        targets += [[f"c=1: generate_many / Engine.generate ({g['label']})",
+                     round(by[g["method"], 1]["tok_s"]["median"] / g["tok_s"]["median"], 2), ">= 0.95x"]
+                    for g in single]
     if "ar" in specs and 1 in cs and 16 in cs:
         targets.append(["AR at 16 streams / AR at 1", round(by["ar", 16]["tok_s"]["median"] / by["ar", 1]["tok_s"]["median"], 2),
                         ">= 4x"])
@@ -291,6 +313,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=48, help="at least this many prompts a call (the toy has 48)")
     ap.add_argument("--per-slot", type=int, default=4, help="and at least this many a slot (the list repeated)")
     ap.add_argument("--new", type=int, default=128, help="max_new_tokens (make run's)")
+    ap.add_argument("--no-single", dest="single", action="store_false",
+                    help="leave out Engine.generate at concurrency 1 (today's engine, one prompt after another)")
     ap.add_argument("--pair", default="toy_pure")
     ap.add_argument("--counts", default=str(ROOT / "docs" / "bench" / "bench_launches_concurrency.json"))
     ap.add_argument("--predict", default="1,2,4,8,16,32,64", help="stream counts of the predicted table")
@@ -314,11 +338,11 @@ def main() -> None:
     note = ("" if not skipped else "DDTree budget=auto not measured: ddtree.engine.adaptive is not in this checkout. ")
     if args.measured_from:  # the measurement of an earlier record, its provenance kept
         old = json.loads(Path(args.measured_from).read_text())
-        measured, old_params = old["measured"], old["params"]
+        measured, single, old_params = old["measured"], old.get("measured_single", []), old["params"]
         specs = list(dict.fromkeys(m["method"] for m in measured))
         pair_name, skipped, note = old_params["pair"], old_params["skipped"], old["tables"][0].get("note", "")
-        for k in ("methods", "concurrency", "runs", "prompts", "per_slot", "new", "pair"):
-            setattr(args, k, old_params[k])
+        for k in ("methods", "concurrency", "runs", "prompts", "per_slot", "new", "pair", "single"):
+            setattr(args, k, old_params.get(k))
     else:
         torch.manual_seed(0)
         pair = load_pair(args.pair, args.prompts) or random_pair(args.prompts)
@@ -327,14 +351,14 @@ def main() -> None:
                  f"{args.runs} run(s) with their range; prompts a call: max({args.prompts}, {args.per_slot} x c).")
         print(f"# {pair.name}: {', '.join(label(s) for s in specs)} at concurrency {args.concurrency}, {args.runs} "
               f"run(s)" + (f"; skipped {skipped} (no ddtree.engine.adaptive)" if skipped else ""), flush=True)
-        measured = measure(args, pair, specs)
+        measured, single = measure(args, pair, specs)
     pred = predicted(args, measured, specs)
     rec = Record("bench_concurrency", "Many streams at once: total tok/s against concurrency (Engine.generate_many)",
                  "Measured on the toy pair (CPU) and predicted for Qwen3.6-27B bf16 on an H200 by the cost model, fed "
                  "with the batched round's counted ops (bench/bench_launches.py --concurrency) and the toy's taus "
                  "(docs/concurrency.md).",
                  params=params(args, pair=pair_name, skipped=skipped))
-    tables(rec, measured, pred, specs, args, note)
+    tables(rec, measured, single, pred, specs, args, note)
     out = rec.as_dict()
     if args.measured_from:
         for k in ("command", "commit", "machine", "date"):
@@ -342,6 +366,7 @@ def main() -> None:
         out["description"] += (f" The measured tables: `{out['measured_command']}` at commit `{out['measured_commit']}`, "
                                f"{out['measured_date'][:10]}, {out['measured_machine']}.")
     out["measured"] = measured
+    out["measured_single"] = single
     out["predicted"] = pred
     out["figures"] = [{"path": "concurrency.png", "alt": "total tok/s against concurrency, a line per method"}]
     for t in out["tables"]:
