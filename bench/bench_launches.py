@@ -73,6 +73,7 @@ from pathlib import Path
 
 import torch
 from _common import Record, params
+from _costmodel import H200, predict, real_config, real_dims
 
 ROOT = Path(__file__).resolve().parents[1]
 # --code DIR: import ddtree from DIR (an export of an older commit, e.g. `git archive main ddtree | tar -x -C DIR`)
@@ -111,13 +112,6 @@ LAUNCH_NAMES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
                 "cudaMemcpyAsync", "cudaMemsetAsync", "cudaGraphLaunch")
 
 
-def real_config(name: str):
-    raw = json.loads((ROOT / "bench" / "configs" / f"{name}.json").read_text())
-    text = raw.get("text_config", raw)
-    kw = {k: v for k, v in text.items() if k not in ("model_type", "architectures", "torch_dtype")}
-    return AutoConfig.for_model(text["model_type"], **kw)
-
-
 def tiny_of(real) -> object:
     kw = real.to_dict()
     for k in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
@@ -126,56 +120,7 @@ def tiny_of(real) -> object:
     return AutoConfig.for_model(real.model_type, **kw)
 
 
-# ----- the cost model -------------------------------------------------------------------------------------------
-
-def _meta_params(config) -> tuple[int, int, int]:
-    """(parameters read a round: all but the input embeddings, lm_head's, the input embeddings') of the real model."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    emb = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings().weight.numel()
-    total = sum(p.numel() for p in model.parameters())
-    return total - emb, head, emb
-
-
-def drafter_params(config, layers: int = 5) -> int:
-    """A DFlash drafter at the real dims (Qwen3 layers of the target's width and MLP, fc over `layers` features)."""
-    h, i = config.hidden_size, config.intermediate_size
-    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    attn = h * heads * hd * 2 + h * kv * hd * 2 + 2 * hd
-    return layers * (attn + 3 * h * i + 2 * h) + layers * h * h + 2 * h
-
-
-def real_dims(name: str) -> dict:
-    cfg = real_config(name)
-    body, head, emb = _meta_params(cfg)
-    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
-    attn = sum(t == "full_attention" for t in types)
-    gdn = sum(t == "linear_attention" for t in types)
-    state = 0
-    if gdn:
-        state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-                 + (2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-                    + cfg.linear_num_value_heads * cfg.linear_value_head_dim) * cfg.linear_conv_kernel_dim * 2)
-    return dict(params=body, head=head, embed=emb, drafter=drafter_params(cfg), attn_layers=attn, gdn_layers=gdn,
-                kv_row=2 * cfg.num_key_value_heads * cfg.head_dim * 2,  # K and V, bf16, per attention layer
-                drafter_kv_row=2 * cfg.num_key_value_heads * cfg.head_dim * 2, gdn_state=state)
-
-
-def predict(dims: dict, ops: float, kernel_ops: float, syncs: float, nodes: int, block: int, drafted: bool,
-            context: int, a, graphs: float = 0.0) -> dict:
-    weights = 2 * (dims["params"] + (dims["drafter"] + dims["head"] if drafted else 0))
-    kv = dims["attn_layers"] * context * dims["kv_row"] + dims["gdn_layers"] * dims["gdn_state"] * 2
-    if drafted:
-        rows = [min(context, a.drafter_window) if i < a.drafter_sliding else context for i in range(5)]
-        kv += sum(rows) * dims["drafter_kv_row"]
-    flops = 2 * dims["params"] * nodes + (2 * (dims["drafter"] + dims["head"]) * block if drafted else 0)
-    ceiling = (weights + kv) / a.bandwidth
-    device = max(ceiling, flops / (a.peak_flops * a.mfu))
-    host = (kernel_ops * a.launch_us + (ops - kernel_ops) * a.dispatch_us + graphs * a.graph_us) * 1e-6
-    return dict(bytes=weights + kv, ceiling_ms=1e3 * ceiling, device_ms=1e3 * device, host_ms=1e3 * host,
-                round_ms=1e3 * (max(device, host) + syncs * a.sync_us * 1e-6))
-
+# ----- the cost model: bench/_costmodel.py (real_dims, predict; the H200's constants are the flags' defaults) ------
 
 @contextlib.contextmanager
 def legacy_device_path():
@@ -306,9 +251,117 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
                 sync_names=dict(runs[1].sync_names - runs[0].sync_names))
 
 
-def build(name: str, a):
+def count_batched(target, drafter, spec: str, ids: torch.Tensor, streams: int, a) -> dict:
+    """One steady-state round of the batched round (Engine.generate_many, ddtree.engine.batch) at `streams` streams:
+    `streams` copies of the prompt in as many slots (every stream accepts the same tokens, so all of them run every
+    round), two generations --rounds rounds apart, their difference over the extra rounds, as count_method."""
+    method, budget = _method(spec)
+    path = contextlib.nullcontext()
+    if a.path == "device":
+        path = device_path() if device_path is not None else legacy_device_path()
+    prompts = [ids] * streams
+    with path:
+        engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget,
+                               compile="false")
+        engine.generate_many(prompts[:1], concurrency=1, max_new_tokens=4)  # warm-up
+        short = engine.generate_many(prompts, concurrency=streams, max_new_tokens=a.warm_tokens)[0]
+        runs, outs = [], []
+        for new in (a.warm_tokens, a.warm_tokens + a.rounds * max(1, round(short.tau))):
+            with DispatchCount() as c:
+                res = engine.generate_many(prompts, concurrency=streams, max_new_tokens=new)
+            if any(r.rounds != res[0].rounds for r in res):
+                raise RuntimeError(f"{spec} at {streams} streams: the copies ran different rounds")
+            runs.append(c)
+            outs.append(res[0])
+    rounds = outs[1].rounds - outs[0].rounds
+    if rounds <= 0:
+        raise RuntimeError(f"{spec} at {streams} streams: no extra rounds ({outs[0].rounds} vs {outs[1].rounds})")
+    per = {key: {s: (getattr(runs[1], key).get(s, 0) - getattr(runs[0], key).get(s, 0)) / rounds for s in STAGES}
+           for key in ("ops", "kernel_ops", "syncs", "graphs")}
+    nodes = 1 if method == "ar" else (budget + 1 if method == "ddtree" else drafter.block_size)
+    return dict(method=spec, streams=streams, rounds=rounds, ops=per["ops"], kernel_ops=per["kernel_ops"],
+                syncs=per["syncs"], total_ops=sum(per["ops"].values()), total_kernel_ops=sum(per["kernel_ops"].values()),
+                total_syncs=sum(per["syncs"].values()), graph_calls=sum(per["graphs"].values()), nodes=nodes,
+                sync_names=dict(runs[1].sync_names - runs[0].sync_names))
+
+
+def attention_stand_in(real):
+    """`real`'s config with every layer full attention (the same depth and dims): the batched round's stand-in for a
+    hybrid structure while the batched round does not run Gated DeltaNet layers."""
+    kw = real.to_dict()
+    for k in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        kw.pop(k, None)
+    kw["layer_types"] = ["full_attention"] * real.num_hidden_layers
+    return AutoConfig.for_model(real.model_type, **kw)
+
+
+def concurrency_main(a) -> None:
+    """--concurrency N,...: the batched round's ops, kernel ops, host reads and graph calls per round at each N
+    (module docstring), for each structure and method; the single-stream engine's (Engine.generate) beside them."""
+    record: dict[str, list[dict]] = {}
+    notes: dict[str, str] = {}
+    for name in a.structures.split(","):
+        real = real_config(name)
+        label = name
+        try:
+            _, target, drafter = build(name, a)
+            ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
+            count_batched(target, drafter, a.methods.split(",")[0], ids, 2, a)
+        except Exception as e:  # noqa: BLE001 (a structure the batched round does not run yet: its stand-in)
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+            label = f"{name} (attention stand-in)"
+            notes[label] = (f"the batched round does not run {name}'s structure yet ({why}); counted on the same depth "
+                            "and dims with every layer full attention")
+            print(f"{name}: {notes[label]}", flush=True)
+            _, target, drafter = build(name, a, config=attention_stand_in(real))
+        ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
+        rows = []
+        for spec in a.methods.split(","):
+            single = count_method(target, drafter, spec, ids, a) if a.single else None
+            for n in a.concurrency:
+                t0 = time.perf_counter()
+                r = count_batched(target, drafter, spec, ids, n, a)
+                r["single_stream_ops"] = None if single is None else single["total_ops"]
+                r["single_stream_syncs"] = None if single is None else single["total_syncs"]
+                rows.append(r)
+                print(f"  {label} {spec} at {n} streams: {r['total_ops']:.0f} ops/round ({r['total_kernel_ops']:.0f} "
+                      f"kernel; " + ", ".join(f"{s} {r['ops'][s]:.0f}" for s in STAGES) + f"), "
+                      f"{r['total_syncs']:.1f} host reads ({r['sync_names']}), {time.perf_counter() - t0:.0f} s",
+                      flush=True)
+        record[label] = rows
+        del target, drafter
+    base = {(label, r["method"]): r for label, rows in record.items() for r in rows if r["streams"] == a.concurrency[0]}
+    rec = Record("bench_launches_concurrency",
+                 "The batched round (Engine.generate_many): ops, host reads and graphs per round at N streams",
+                 "Per steady-state round of the batched round (ddtree.engine.batch), counted on this machine at tiny "
+                 f"width with the real layer structure; {a.path} path, {a.dtype}, eager (the batched round is not "
+                 "compiled). N copies of one prompt decode in N slots, so every stream runs every round. `x N=1`: "
+                 f"the round's ops over those at {a.concurrency[0]} stream(s); single-stream engine: Engine.generate's "
+                 "round (the lean forward) on the same models. Counts, not timings: the machine's load does not move "
+                 "them. " + " ".join(f"{k}: {v}." for k, v in notes.items()),
+                 params=params(argparse.Namespace(**{k: v for k, v in vars(a).items()
+                                                     if k not in ("torch_dtype", "out")})))
+    for label, rows in record.items():
+        rec.table(f"{label}: per round at N streams",
+                  ["method", "N", *STAGES, "ops", "kernel ops", "x N=1", "host reads", "graphs",
+                   "single-stream engine ops", "single-stream engine host reads"],
+                  [[r["method"], r["streams"], *(round(r["ops"][s]) for s in STAGES), round(r["total_ops"]),
+                    round(r["total_kernel_ops"]), round(r["total_ops"] / base[label, r["method"]]["total_ops"], 2),
+                    round(r["total_syncs"], 1), round(r["graph_calls"]),
+                    None if r["single_stream_ops"] is None else round(r["single_stream_ops"]),
+                    None if r["single_stream_syncs"] is None else round(r["single_stream_syncs"], 1)] for r in rows],
+                  formats={"x N=1": "{:.2f}x"})
+    out = rec.as_dict()
+    out["counts"] = {label: [{k: v for k, v in r.items()} for r in rows] for label, rows in record.items()}
+    out["dims"] = {name: real_dims(name) for name in a.structures.split(",")}  # the real sizes the cost model reads
+    if a.out != "-":
+        Path(a.out).write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+        print(f"# record: {a.out}")
+
+
+def build(name: str, a, config=None):
     real = real_config(name)
-    cfg = tiny_of(real)
+    cfg = tiny_of(config if config is not None else real)
     torch.manual_seed(0)
     target = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=a.torch_dtype).eval()
     slow_decay_(target)
@@ -626,20 +679,20 @@ def main() -> None:
     ap.add_argument("--table-context", type=int, default=1024)
     ap.add_argument("--drafter-contexts", default="1024,4096,16384", help="'' to skip the drafter timing")
     ap.add_argument("--drafter-repeats", type=int, default=7)
-    ap.add_argument("--drafter-window", type=int, default=2048)
-    ap.add_argument("--drafter-sliding", type=int, default=4, help="sliding layers of the 5 (Qwen3.6-27B-DFlash: 4)")
-    ap.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200 HBM3e)")
-    ap.add_argument("--peak-flops", type=float, default=989e12, help="dense bf16 FLOP/s (H200)")
-    ap.add_argument("--mfu", type=float, default=0.7, help="fraction of peak FLOP/s a GEMM reaches")
-    ap.add_argument("--launch-us", type=float, default=6.0, help="host cost of one kernel-launching op (eager)")
-    ap.add_argument("--dispatch-us", type=float, default=1.0, help="host cost of a view or allocation op")
-    ap.add_argument("--sync-us", type=float, default=20.0, help="cost of one host sync (the queue drains)")
+    ap.add_argument("--drafter-window", type=int, default=H200.drafter_window)
+    ap.add_argument("--drafter-sliding", type=int, default=H200.drafter_sliding, help="sliding layers of the 5 (Qwen3.6-27B-DFlash: 4)")
+    ap.add_argument("--bandwidth", type=float, default=H200.bandwidth, help="bytes/s (H200 HBM3e)")
+    ap.add_argument("--peak-flops", type=float, default=H200.peak_flops, help="dense bf16 FLOP/s (H200)")
+    ap.add_argument("--mfu", type=float, default=H200.mfu, help="fraction of peak FLOP/s a GEMM reaches")
+    ap.add_argument("--launch-us", type=float, default=H200.launch_us, help="host cost of one kernel-launching op (eager)")
+    ap.add_argument("--dispatch-us", type=float, default=H200.dispatch_us, help="host cost of a view or allocation op")
+    ap.add_argument("--sync-us", type=float, default=H200.sync_us, help="cost of one host sync (the queue drains)")
     ap.add_argument("--compile", action="store_true",
                     help="the compiled round (compile=true): ops counted outside its graphs, graph calls apart")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend for --compile (default inductor; 'eager' traces only: the same "
                          "counts outside the graphs, without minutes of code generation on a CPU)")
-    ap.add_argument("--graph-us", type=float, default=30.0,
+    ap.add_argument("--graph-us", type=float, default=H200.graph_us,
                     help="host cost of one compiled-graph call (a CUDA graph replay and its Python guards)")
     ap.add_argument("--bytes-contexts", default="4096,32768",
                     help="--compile: bytes per DDTree round (Inductor's plan at the real dims) at these contexts; '' "
@@ -655,9 +708,24 @@ def main() -> None:
     ap.add_argument("--collective-us", type=float, default=12.0,
                     help="--tp: one small all-reduce or all-gather over NVLink (NCCL, eager)")
     ap.add_argument("--hop-us", type=float, default=10.0, help="--tp: a device map's activations to the next GPU")
+    ap.add_argument("--concurrency", default="", help="the batched round (Engine.generate_many) at these stream counts, "
+                    "e.g. 1,8,32 (default methods ar,dflash,ddtree:16,ddtree:32,ddtree:64 on qwen3_6_27b; record "
+                    "docs/bench/bench_launches_concurrency.json)")
+    ap.add_argument("--no-single", dest="single", action="store_false",
+                    help="--concurrency: leave out the single-stream engine's counts")
     ap.add_argument("--out", default=None, help="'-' for none (default docs/bench/bench_launches.json, "
                     "docs/bench/bench_launches_tp.json with --tp)")
     a = ap.parse_args()
+    a.concurrency = [int(x) for x in a.concurrency.split(",") if x]
+    if a.concurrency:
+        a.out = a.out or str(ROOT / "docs" / "bench" / "bench_launches_concurrency.json")
+        if "--methods" not in sys.argv:
+            a.methods = "ar,dflash,ddtree:16,ddtree:32,ddtree:64"
+        if "--structures" not in sys.argv:
+            a.structures = "qwen3_6_27b"
+        a.torch_dtype = getattr(torch, a.dtype)
+        concurrency_main(a)
+        return
     if a.tp > 1:
         under_torchrun(a.tp)
         a.out = a.out or str(ROOT / "docs" / "bench" / "bench_launches_tp.json")

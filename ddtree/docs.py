@@ -12,6 +12,10 @@ Generated, each from its one source:
   docs/paper.md, between the `paper-reference` markers   the paper's figures (docs/paper_reference.yaml)
   docs/dflash2.md, between the `dflash2-toy` markers     the DFlash2 toy table (the second table of
                                                          docs/bench/bench_toy_run.json)
+  docs/concurrency.md, between the `concurrency-measured` and `concurrency-predicted` markers, and
+  docs/concurrency.png                      the measured and predicted tables and their plot
+                                            (docs/bench/bench_concurrency.json, written by bench/bench_concurrency.py;
+                                            the PNG carries its data's key, so --check needs no drawing)
 """
 
 from __future__ import annotations
@@ -184,6 +188,8 @@ def benchmarks_markdown(records: Iterable[dict]) -> str:
                 out += [table["note"], ""]
         if rec.get("notes"):
             out += [rec["notes"], ""]
+        for fig in rec.get("figures", ()):  # a plot drawn from the record (python -m ddtree.docs draws it)
+            out += [f"![{fig['alt']}]({fig['path']})", ""]
     return "\n".join(line for line in out).rstrip() + "\n"
 
 
@@ -235,6 +241,93 @@ def dflash2_objectives_markdown(folder: Path) -> str:
                                  f"`{rec['commit']}`, {rec['date'][:10]}, {rec['machine']}).")
 
 
+CONCURRENCY_RECORD = "bench_concurrency.json"  # bench/bench_concurrency.py writes it
+CONCURRENCY_PLOT = "concurrency.png"  # docs/, drawn from that record
+# what docs/concurrency.md shows of the record, by block: the tables whose titles start so
+CONCURRENCY_BLOCKS = {"concurrency-measured": ("Measured",), "concurrency-predicted": ("Predicted",)}
+PLOT_VERSION = "1"  # bump when concurrency_plot draws differently: the PNG's data key changes, `make docs` redraws
+
+
+def concurrency_markdown(rec: dict | None, block: str) -> str:
+    """docs/concurrency.md's measured or predicted tables, from the record, with where they came from."""
+    if rec is None:
+        return (f"(no `docs/bench/{CONCURRENCY_RECORD}` yet: `OMP_NUM_THREADS=1 python bench/bench_concurrency.py`, "
+                "then `make docs`)")
+    tables = [t for t in rec["tables"] if t["title"].startswith(CONCURRENCY_BLOCKS[block])]
+    if not tables:
+        return f"(no such tables in `docs/bench/{CONCURRENCY_RECORD}`)"
+    parts = [f"**{t['title']}**\n\n{render_table(t)}" + (f"\n\n{t['note']}" if t.get("note") else "") for t in tables]
+    at = {k: rec.get(f"measured_{k}", rec[k]) if block == "concurrency-measured" else rec[k]
+          for k in ("command", "commit", "date", "machine")}  # a prediction redone keeps the measurement's own
+    return "\n\n".join(parts) + (f"\n\nFrom `docs/bench/{CONCURRENCY_RECORD}` (`{at['command']}`; commit "
+                                 f"`{at['commit']}`, {at['date'][:10]}; {at['machine']}).")
+
+
+def _plot_key(rec: dict) -> str:
+    """The data a concurrency plot draws, hashed: the PNG carries it, so --check knows a stale plot without drawing."""
+    import hashlib
+
+    data = {"v": PLOT_VERSION, "measured": rec.get("measured"), "predicted": (rec.get("predicted") or {}).get("rows")}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def concurrency_plot(rec: dict, path: Path) -> Path:
+    """Total tok/s against concurrency, a line per method: measured on the toy pair; predicted for Qwen3.6-27B on an
+    H200, the eager round as counted and the device alone. The PNG's metadata holds the data's key (_plot_key)."""
+    from ddtree.pipeline.plotting import pyplot
+
+    plt = pyplot()
+    pred = (rec.get("predicted") or {}).get("rows") or []
+    panels = [("measured: toy pair (CPU)", rec["measured"], "concurrency", lambda r: r["tok_s"]["median"])]
+    if pred:
+        panels += [("predicted: Qwen3.6-27B bf16, H200, eager round as counted", pred, "streams", lambda r: r["tok_s"]),
+                   ("predicted: the device alone (host hidden)", pred, "streams", lambda r: r["device_tok_s"])]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.0), dpi=100, squeeze=False)
+    for ax, (title, rows, x, y) in zip(axes[0], panels, strict=True):
+        labels = list(dict.fromkeys(r["label"] for r in rows))
+        for i, name in enumerate(labels):
+            pts = sorted((r[x], y(r)) for r in rows if r["label"] == name)
+            style = dict(color="k", linestyle="--", marker="*") if name.startswith("auto") else dict(color=f"C{i}",
+                                                                                                     marker="o")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, **style)
+        xs = sorted({r[x] for r in rows})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(v) for v in xs])
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("total tok/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, metadata={"Software": None, "ddtree-data": _plot_key(rec)})
+    plt.close(fig)
+    return path
+
+
+def _png_key(path: Path) -> str | None:
+    if not path.exists():
+        return None
+    from PIL import Image
+
+    with Image.open(path) as im:
+        return im.info.get("ddtree-data")
+
+
+def _concurrency_record(root: Path) -> dict | None:
+    path = root / "docs" / "bench" / CONCURRENCY_RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def stale_plots(root: Path = ROOT) -> list[Path]:
+    """The generated plots whose data differs from their record's (or that are missing)."""
+    rec = _concurrency_record(root)
+    if rec is None or "measured" not in rec:
+        return []
+    path = root / "docs" / CONCURRENCY_PLOT
+    return [] if _png_key(path) == _plot_key(rec) else [path]
+
+
 # ---------------------------------------------------------------- all pages
 
 def generated_pages(root: Path = ROOT) -> dict[Path, str]:
@@ -242,7 +335,12 @@ def generated_pages(root: Path = ROOT) -> dict[Path, str]:
     from ddtree.pipeline.reference import DEFAULT_REFERENCE, all_models_markdown, load_reference
 
     readme, paper, dflash2 = root / "README.md", root / "docs" / "paper.md", root / "docs" / "dflash2.md"
+    concurrency, conc_rec = root / "docs" / "concurrency.md", _concurrency_record(root)
+    conc_text = concurrency.read_text()
+    for block in CONCURRENCY_BLOCKS:
+        conc_text = replace_block(conc_text, block, concurrency_markdown(conc_rec, block))
     return {
+        concurrency: conc_text,
         readme: replace_block(replace_block(readme.read_text(), "models", models_markdown()), "results",
                               results_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
         root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
@@ -256,7 +354,9 @@ def generated_pages(root: Path = ROOT) -> dict[Path, str]:
 
 
 def stale_pages(root: Path = ROOT) -> list[Path]:
-    return [p for p, text in generated_pages(root).items() if not p.exists() or p.read_text() != text]
+    """The generated pages and plots that differ from what their sources make."""
+    return ([p for p, text in generated_pages(root).items() if not p.exists() or p.read_text() != text]
+            + stale_plots(root))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -273,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
             print(f"wrote {path.relative_to(ROOT)}")
+    for path in stale_plots():
+        concurrency_plot(_concurrency_record(ROOT), path)
+        print(f"wrote {path.relative_to(ROOT)}")
     return 0
 
 
