@@ -83,6 +83,7 @@ sys.path.insert(0, str(Path(CODE).resolve() if CODE else ROOT))
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import ddtree  # noqa: E402
+from ddtree.engine import batch  # noqa: E402
 from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
 from ddtree.engine.drafter.config import evenly_spaced_layer_ids  # noqa: E402
 from ddtree.engine.families import model_type  # noqa: E402
@@ -263,12 +264,16 @@ def count_batched(target, drafter, spec: str, ids: torch.Tensor, streams: int, a
     with path:
         engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget,
                                compile="false")
-        engine.generate_many(prompts[:1], concurrency=1, max_new_tokens=4)  # warm-up
-        short = engine.generate_many(prompts, concurrency=streams, max_new_tokens=a.warm_tokens)[0]
+        # the batched round itself (generate_many runs the one-stream round at one slot and T = 0)
+        def many(p, new):
+            return batch.generate_many(engine, p, len(p), 0.0, new, None, 0, budget)
+
+        many(prompts, 4)  # warm-up (constants cached per shape)
+        short = many(prompts, a.warm_tokens)[0]
         runs, outs = [], []
         for new in (a.warm_tokens, a.warm_tokens + a.rounds * max(1, round(short.tau))):
             with DispatchCount() as c:
-                res = engine.generate_many(prompts, concurrency=streams, max_new_tokens=new)
+                res = many(prompts, new)
             if any(r.rounds != res[0].rounds for r in res):
                 raise RuntimeError(f"{spec} at {streams} streams: the copies ran different rounds")
             runs.append(c)
@@ -285,35 +290,14 @@ def count_batched(target, drafter, spec: str, ids: torch.Tensor, streams: int, a
                 sync_names=dict(runs[1].sync_names - runs[0].sync_names))
 
 
-def attention_stand_in(real):
-    """`real`'s config with every layer full attention (the same depth and dims): the batched round's stand-in for a
-    hybrid structure while the batched round does not run Gated DeltaNet layers."""
-    kw = real.to_dict()
-    for k in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
-        kw.pop(k, None)
-    kw["layer_types"] = ["full_attention"] * real.num_hidden_layers
-    return AutoConfig.for_model(real.model_type, **kw)
-
-
 def concurrency_main(a) -> None:
     """--concurrency N,...: the batched round's ops, kernel ops, host reads and graph calls per round at each N
     (module docstring), for each structure and method; the single-stream engine's (Engine.generate) beside them."""
     record: dict[str, list[dict]] = {}
     notes: dict[str, str] = {}
     for name in a.structures.split(","):
-        real = real_config(name)
         label = name
-        try:
-            _, target, drafter = build(name, a)
-            ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
-            count_batched(target, drafter, a.methods.split(",")[0], ids, 2, a)
-        except Exception as e:  # noqa: BLE001 (a structure the batched round does not run yet: its stand-in)
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-            label = f"{name} (attention stand-in)"
-            notes[label] = (f"the batched round does not run {name}'s structure yet ({why}); counted on the same depth "
-                            "and dims with every layer full attention")
-            print(f"{name}: {notes[label]}", flush=True)
-            _, target, drafter = build(name, a, config=attention_stand_in(real))
+        _, target, drafter = build(name, a)
         ids = torch.randint(0, 500, (1, a.prompt), generator=torch.Generator().manual_seed(5)).to(a.device)
         rows = []
         for spec in a.methods.split(","):

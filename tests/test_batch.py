@@ -72,22 +72,33 @@ def test_sliding_windows_sinks_moe_and_mla_targets_batched(model_type):
 
 
 def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
-    """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them."""
+    """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them. And generate_many
+    with one slot at T = 0 is the one-stream engine's generate (the same results, its rounds)."""
     from ddtree.testing.dispatch import DispatchCount
+
+    from ddtree.engine import batch
 
     target, drafter, prompts = toy_pure
     per_round = {}
     with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
-        for n in (1, 8):
-            engine.generate_many([prompts[0]] * n, concurrency=n, max_new_tokens=24)  # constants cached per shape
+        for n in (1, 8):  # (the batched round itself: generate_many runs the one-stream round at one slot, T = 0)
+            run = lambda: batch.generate_many(engine, [prompts[0]] * n, n, 0.0, 24, None, 0, 16)  # noqa: E731, B023
+            run()  # constants cached per shape
             with DispatchCount() as c:
-                results = engine.generate_many([prompts[0]] * n, concurrency=n, max_new_tokens=24)
+                results = run()
             rounds = results[0].rounds
             assert all(r.rounds == rounds for r in results)
             per_round[n] = (c.total(c.kernel_ops, exclude=("prefill", "other")) / rounds,
                             c.total(c.syncs, exclude=("prefill", "other")) / rounds)
     assert per_round[8] == per_round[1]
     assert per_round[1][1] == 1  # one host read a round, for every stream together
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+        one = engine.generate_many(prompts[:2], concurrency=1, max_new_tokens=24)
+        assert [r.to_dict() | {"queued_s": 0, "ttft_s": 0, "decode_s": 0, "stage_seconds": 0, "total_s": 0,
+                               "tokens_per_s": 0} for r in one] == [
+            engine.generate(p, max_new_tokens=24).to_dict() | {"queued_s": 0, "ttft_s": 0, "decode_s": 0,
+                                                                "stage_seconds": 0, "total_s": 0, "tokens_per_s": 0}
+            for p in prompts[:2]]
 
 
 def test_refusals_are_one_line(toy_pure):
