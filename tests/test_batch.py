@@ -74,9 +74,8 @@ def test_sliding_windows_sinks_moe_and_mla_targets_batched(model_type):
 def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
     """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them. And generate_many
     with one slot at T = 0 is the one-stream engine's generate (the same results, its rounds)."""
-    from ddtree.testing.dispatch import DispatchCount
-
     from ddtree.engine import batch
+    from ddtree.testing.dispatch import DispatchCount
 
     target, drafter, prompts = toy_pure
     per_round = {}
@@ -165,3 +164,23 @@ def test_at_t_above_0_every_method_commits_what_ar_sampling_commits(toy_pure):
             results = engine.generate_many(prompts[:4], concurrency=conc, **kw)
         assert [r.output_ids for r in results] == ar, (method, conc)
         assert sum(r.tau for r in results) / len(results) > 1.5  # drafts accepted at T > 0 (coupled)
+
+
+def test_budget_auto_chooses_per_round_losslessly_and_the_diagnosis_shows_it(toy_pure):
+    """budget="auto": each round's draft (no draft, the chain, a DDTree budget) chosen for the live streams; every
+    output still greedy decoding alone; the controller's record reaches ddtree.diagnose's table against the load."""
+    from ddtree.pipeline.diagnose.analysis import diagnose
+    from ddtree.pipeline.diagnose.records import JobData
+
+    target, drafter, prompts = toy_pure
+    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 32, STOP)
+    load = results[0].load_budget
+    assert load["rounds"] >= max(r.rounds for r in results)  # the batch's rounds: each stream took part in some
+    chosen = {label for row in load["loads"].values() for label in row["choices"]}
+    assert len(chosen) >= 2 and chosen <= {"ar", "chain", "ddtree:4", "ddtree:8", "ddtree:16", "ddtree:32", "ddtree:64"}
+    doc = diagnose([JobData("job", "ddtree", "auto", {"method": "ddtree", "load_budget": [load]}, [])])
+    assert {r["streams"] for r in doc["load"]} == {int(k) for k in load["loads"]}
+    assert sum(r["rounds"] for r in doc["load"]) == load["rounds"]

@@ -61,6 +61,29 @@ def record_scores(j: JobData) -> str | None:
     return (j.diagnosed[0].get("scores") or "marginal") if j.diagnosed else None
 
 
+def load_rows(jobs: list[JobData]) -> list[dict[str, Any]]:
+    """budget=auto with concurrency > 1 (ddtree.engine.adaptive): per job and live-stream count, the rounds, the
+    drafts the controller chose (label -> rounds) and its predicted and measured tokens/s, over the job's calls."""
+    rows = []
+    for j in jobs:
+        merged: dict[int, dict[str, Any]] = {}
+        for call in j.summary.get("load_budget") or []:
+            for streams, row in call.get("loads", {}).items():
+                m = merged.setdefault(int(streams), {"rounds": 0, "choices": {}, "_p": [], "_m": []})
+                m["rounds"] += row["rounds"]
+                for label, n in row["choices"].items():
+                    m["choices"][label] = m["choices"].get(label, 0) + n
+                for key, src in (("_p", "predicted_tok_s"), ("_m", "measured_tok_s")):
+                    if row.get(src) is not None:
+                        m[key].append((row[src], row["rounds"]))
+        for streams, m in sorted(merged.items()):
+            p, w = m.pop("_p"), m.pop("_m")
+            rows.append({"name": j.name, "streams": streams, **m,
+                         "predicted_tok_s": sum(v * n for v, n in p) / sum(n for _, n in p) if p else None,
+                         "measured_tok_s": sum(v * n for v, n in w) / sum(n for _, n in w) if w else None})
+    return rows
+
+
 def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything diagnosis.md and diagnosis.json say, from the jobs of one drafter-target pair. Jobs recorded under
     different scores (a DFlash2 drafter's marginal and pair jobs) are diagnosed apart: the document is the marginal
@@ -77,10 +100,11 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
         return doc
     drafting = [j for j in jobs if j.diagnosed]
     temps = {j.summary.get("temperature") for j in drafting}
-    doc: dict[str, Any] = {"jobs": _job_rows(jobs), "suspect": suspect_jobs(jobs), "quantized": quantized_pairs(jobs)}
+    doc: dict[str, Any] = {"jobs": _job_rows(jobs), "suspect": suspect_jobs(jobs), "quantized": quantized_pairs(jobs),
+                           "load": load_rows(jobs)}
     if not drafting:
         doc["verdict"] = ("no diagnosis: no DFlash or DDTree job here recorded its rounds (method=ar, engine=upstream, "
-                          "or runs older than the recording)")
+                          "concurrency > 1, or runs older than the recording)")
         return doc
     st = collect([d for j in drafting for d in j.diagnosed])
     L = st.depth

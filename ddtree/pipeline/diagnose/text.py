@@ -36,6 +36,17 @@ def markdown_section(doc: dict[str, Any], plots: list[str], level: int = 2) -> l
     """The diagnosis as markdown lines (diagnosis.md, and the report's section), headings at `level`."""
     h = "#" * level
     lines = [f"**Verdict:** {doc['verdict']}", ""]
+    if doc.get("load"):  # budget=auto with many streams: the controller's choices against the load
+        lines += [f"{h} Budget against the load", "",
+                  "budget=auto with concurrency > 1 chose each round's draft for the live streams "
+                  "(docs/concurrency.md, the budget rule):", "",
+                  "| job | streams | rounds | choices (rounds) | predicted tok/s | measured tok/s |",
+                  "| --- | ---: | ---: | --- | ---: | ---: |"]
+        for r in doc["load"]:
+            choices = ", ".join(f"{k} {v}" for k, v in sorted(r["choices"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"| {r['name']} | {r['streams']} | {r['rounds']} | {choices} | {fmt(r['predicted_tok_s'], 0)} "
+                         f"| {fmt(r['measured_tok_s'], 0)} |")
+        lines.append("")
     if "depths" not in doc:
         return lines
     lines += [f"{doc['rounds']} rounds recorded; the drafter drafts {doc['drafter_positions']} positions.", ""]
