@@ -23,7 +23,9 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 from ddtree.engine import batch_tree as bt
 from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.drafter.model import _visible
+from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
+from ddtree.engine.kernels.tree import _batch_ancestor_index
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
@@ -33,7 +35,7 @@ from ddtree.errors import ConfigError
 __all__ = ["BATCH_METHODS", "BatchRun", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
-BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains (topk 1)
+BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains and EAGLE-2 trees
 # budget="auto" (method=ddtree): the DDTree budgets LoadBudget weighs each round, besides the chain and no draft
 AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 
@@ -240,13 +242,10 @@ class _Stream:
 def check_batch_method(engine) -> None:
     """Refuse, in one line, what the batched round does not run (yet)."""
     method, proposer = engine.method, engine.proposer
-    runs = ("ar, dflash, ddtree with marginal scoring, and the chains of mtp and eagle3 (topk 1)")
+    runs = "ar, dflash, ddtree with marginal scoring, mtp and eagle3"
     if method not in BATCH_METHODS or getattr(proposer, "scoring", "marginal") == "pair":
         raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
                           "use concurrency=1 for this method")
-    if getattr(proposer, "topk", 1) > 1:
-        raise ConfigError("concurrency", f"method={method}'s tree (topk > 1) does not run batched yet (concurrency "
-                          f"> 1 runs {runs})", f"set {method}.topk=1 or concurrency=1")
     if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
                                        "Eagle3Proposer"):
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
@@ -277,13 +276,18 @@ class BatchRun:
         self.dev = dev = self.binding.device
         self.slots = n = max(1, min(concurrency, len(prompts)))
         self.drafts = self.method != "ar"
-        self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts a chain step by step
+        self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts step by step
         self.steps = self.proposer.steps if self.head is not None else 0
+        self.topk = self.proposer.topk if self.head is not None else 1  # > 1: the head's EAGLE-2 tree
+        if self.topk > 1 and self.budget is None:
+            self.budget = self.proposer.budget
         self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
         vocab = self.model.config.get_text_config().vocab_size
         most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
         nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
                                            else max(self.block, 1 + tree_size(most, self.block - 1, vocab)))
+        if self.topk > 1:  # the head's tree: the budget best of its pool (k at depth 1, then k * k a step)
+            nodes = 1 + min(self.budget, self.topk + (self.steps - 1) * self.topk ** 2)
         self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
         self.windows = _windows(self.model)
         self.timer = StageTimer(dev, engine.sync_timing)
@@ -302,7 +306,8 @@ class BatchRun:
         self.lm_head = self.model.get_output_embeddings()
         self.offsets = torch.arange(self.block, device=dev)[None, :]
         if self.head is not None:  # the head's KV rows, a row per slot; each slot's rows it has not read yet
-            self.hkv = self.head.new_kv(self.capacity, n)
+            # (a tree's step s writes its k entries at rows start + (s - 1) k ..: past the committed rows)
+            self.hkv = self.head.new_kv(self.capacity + (self.steps - 1) * self.topk, n)
             self.ctx_ids = torch.zeros(n, 1, dtype=torch.long, device=dev)  # the tokens after the context's rows
             self.ctx_start = torch.zeros(n, dtype=torch.long, device=dev)  # the row of each slot's first one
         elif self.drafts:
@@ -368,15 +373,18 @@ class BatchRun:
         self.ctx_start[slot] = p - 1
         assert width >= 1
 
-    def head_draft(self) -> torch.Tensor:
+    def head_draft(self) -> torch.Tensor | tuple:
         """Each slot's new rows read by the head (one step over all of them), then `steps - 1` steps of the chain:
-        the drafted tokens [N, steps] (argmax; at T > 0 keyed samples coupled to the target's)."""
+        the drafted tokens [N, steps] (argmax; at T > 0 keyed samples coupled to the target's); topk > 1, the
+        EAGLE-2 expansion instead (`head_expand`: its pool)."""
         head, dev, cap = self.head, self.dev, self.capacity
         k = self.ctx.shape[1]
         rows = self.ctx_start[:, None] + torch.arange(k, device=dev)[None, :]  # [N, k]: positions are rows
         cols = torch.arange(cap, device=dev)[None, None, :]
         out = head.step(self.ctx_ids, self.ctx.to(head.dtype), rows, rows, cols <= rows[:, :, None], self.hkv)
         last = out.gather(1, (self.ctx_count - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))
+        if self.topk > 1:
+            return self.head_expand(last[:, 0])
         start = self.kv.lengths  # the root's position; token s of the chain at start + s
         picks = []
         for s in range(1, self.steps + 1):
@@ -390,6 +398,27 @@ class BatchRun:
             row = (start + s - 1)[:, None]
             last = head.step(pick, last, row, row, cols <= row[:, :, None], self.hkv)
         return torch.cat(picks, dim=1)
+
+    def head_expand(self, last: torch.Tensor) -> tuple:
+        """topk > 1: every slot's EAGLE-2 expansion at once (mtp_expand with a stream dimension: row i as the one-
+        stream proposer expands it), from `last` [N, H], the head's output at each root. Step s writes its k entries
+        at rows start_i + (s - 1) k .. of slot i's head buffer (the one-stream proposer's rows), each query seeing
+        its slot's committed rows, its ancestors' entries and its own. The tree is deterministic (the head's top-k,
+        also at T > 0: the target's choices are the keyed samples). Returns the pool (mtp_tree_tensors' input)."""
+        head, dev, k, kv = self.head, self.dev, self.topk, self.hkv
+        start = self.kv.lengths  # [N]: each root's position = the slot's committed rows
+        cols = torch.arange(kv.shape[-2], device=dev)
+        committed = (cols[None, :] < start[:, None])[:, None, :]  # [N, 1, C]
+        ar = torch.arange(k, device=dev)
+
+        def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
+            entries = start[:, None] + (s - 1) * k + ar  # [N, k]
+            vis = torch.zeros(self.slots, k, kv.shape[-2], dtype=torch.bool, device=dev)
+            vis = vis.scatter_(2, torch.cat([f_anc, entries[:, :, None]], 2), True) | committed
+            pos = (start + s - 1)[:, None].expand(-1, k)
+            return head.step(f_tok, f_src, pos, entries, vis, kv), entries
+
+        return mtp_expand(head, head.logits(last).float(), last, k, self.steps, step)
 
     def finish(self, slot: int, now: float) -> None:
         stream = self.active[slot]
@@ -416,6 +445,8 @@ class BatchRun:
     def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
         if not self.drafts or (choice is not None and not choice.drafted):
             return bt.batch_root_trees(self.roots)
+        if self.head is not None and self.topk > 1:  # the budget best nodes of head_expand's pool
+            return _head_tree(self.roots, logits, self.budget, self.steps)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
         if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
@@ -546,6 +577,18 @@ def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, tem
     """Engine.generate_many's body (see there): one BatchRun."""
     return BatchRun(engine, list(prompts), concurrency, temperature, max_new_tokens, stop_token_ids, seed,
                     budget).run()
+
+
+def _head_tree(roots: torch.Tensor, pool: tuple, budget: int, steps: int) -> bt.BatchTree:
+    """The BatchTree of every slot's `budget` best nodes of its EAGLE-2 pool (mtp_tree_tensors with a stream
+    dimension: row i the one-stream proposer's tree, node for node in its flat order; every row the same node count,
+    no padding)."""
+    tokens, parents, depths, scores = mtp_tree_tensors(roots, *pool, budget)
+    n, t = tokens.shape
+    aidx = _batch_ancestor_index(parents, min(steps, t - 1))
+    ancestors = torch.zeros(n, t, t, dtype=torch.bool, device=tokens.device).scatter_(2, aidx, True)
+    valid, sizes = bt._const(bt._chain_rows, n, t, tokens.device)[2:4]  # every node valid (shared constants)
+    return bt.batch_tree_of_tensors(tokens, parents, depths, valid, sizes, ancestors, aidx, scores)
 
 
 def _windows(model) -> dict[str, int | None]:
