@@ -7,6 +7,8 @@ the same seed (keyed noise: every method commits the target's own samples)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -109,3 +111,16 @@ def test_a_head_tree_at_t_above_0_commits_what_ar_sampling_commits(hybrid_head):
         results = engine.generate_many(prompts, concurrency=3, **kw)
     assert [r.output_ids for r in results] == ar
     assert max(max(r.acceptance_lengths) for r in results) >= 2
+
+
+@pytest.mark.slow  # a CLI subprocess, ~15-20 s on a shared CPU: make test-slow
+def test_an_mtp_tree_job_runs_batched_through_the_cli(cli, tmp_path):
+    """`python -m ddtree.run model=tiny_qwen3_5 method=mtp mtp.topk=2 concurrency=2` (the tiny hybrid and its random
+    head, every other setting at its default): the job runs batched and every output matches the baseline's."""
+    job = tmp_path / "job"
+    proc = cli("model=tiny_qwen3_5", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "method=mtp",
+               "mtp.topk=2", "concurrency=2", "tracking=none", f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((job / "summary.json").read_text())
+    assert (s["method"], s["mtp"]["topk"], s["concurrency"], s["match_rate"]) == ("mtp", 2, 2, 1.0)
+    assert s["throughput_tok_s"] > 0
