@@ -25,7 +25,6 @@ from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
-from ddtree.engine.kernels.tree import _batch_ancestor_index
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
@@ -445,8 +444,9 @@ class BatchRun:
     def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
         if not self.drafts or (choice is not None and not choice.drafted):
             return bt.batch_root_trees(self.roots)
-        if self.head is not None and self.topk > 1:  # the budget best nodes of head_expand's pool
-            return _head_tree(self.roots, logits, self.budget, self.steps)
+        if self.head is not None and self.topk > 1:  # each row the budget best nodes of its head_expand pool: the
+            # one-stream proposer's tree, node for node in its flat order (every row the same node count, no padding)
+            return bt.batch_full_trees(*mtp_tree_tensors(self.roots, *logits, self.budget), depth_bound=self.steps)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
         if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
@@ -577,18 +577,6 @@ def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, tem
     """Engine.generate_many's body (see there): one BatchRun."""
     return BatchRun(engine, list(prompts), concurrency, temperature, max_new_tokens, stop_token_ids, seed,
                     budget).run()
-
-
-def _head_tree(roots: torch.Tensor, pool: tuple, budget: int, steps: int) -> bt.BatchTree:
-    """The BatchTree of every slot's `budget` best nodes of its EAGLE-2 pool (mtp_tree_tensors with a stream
-    dimension: row i the one-stream proposer's tree, node for node in its flat order; every row the same node count,
-    no padding)."""
-    tokens, parents, depths, scores = mtp_tree_tensors(roots, *pool, budget)
-    n, t = tokens.shape
-    aidx = _batch_ancestor_index(parents, min(steps, t - 1))
-    ancestors = torch.zeros(n, t, t, dtype=torch.bool, device=tokens.device).scatter_(2, aidx, True)
-    valid, sizes = bt._const(bt._chain_rows, n, t, tokens.device)[2:4]  # every node valid (shared constants)
-    return bt.batch_tree_of_tensors(tokens, parents, depths, valid, sizes, ancestors, aidx, scores)
 
 
 def _windows(model) -> dict[str, int | None]:
