@@ -7,7 +7,8 @@ buffer per layer group [layers, N, kv heads, C, d] (`SlotKV`), row r of slot i h
 round writes stream i's T tree tokens at rows length_i .. length_i + T - 1 and attends over rows [0, max length + T)
 under a 4-D additive mask (`round_masks`: the committed rows of its own stream and its tree's ancestors; a sliding
 layer's window on top). The DFlash drafter's cache (`SlotDrafterCache`) is its fixed-buffer cache with the slot
-dimension. docs/concurrency.md has the whole story.
+dimension, and so is a head's (method=mtp, eagle3: `hkv`, [2, N, kv heads, rows, d]), which drafts a chain or an
+EAGLE-2 tree of every slot in the same ops (`head_draft`, `head_expand`). docs/concurrency.md has the whole story.
 """
 
 from __future__ import annotations
