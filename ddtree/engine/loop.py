@@ -12,8 +12,9 @@ from transformers import PreTrainedModel
 from ddtree.engine import compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
+from ddtree.engine.kernels import KernelChecks, checking
 from ddtree.engine.methods import DraftSettings, check_method_args, check_target_supported, get_method
-from ddtree.engine.options import EngineOptions, scoped
+from ddtree.engine.options import EngineOptions
 from ddtree.engine.proposers import DecodeState, Proposer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
@@ -50,14 +51,15 @@ def _walk_asking_head(tree, ask) -> tuple:
 
 
 def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
-                  steps: int | None = None, topk: int | None = None, scoring: str | None = None) -> Proposer:
+                  steps: int | None = None, topk: int | None = None, scoring: str | None = None,
+                  options: EngineOptions | None = None) -> Proposer:
     """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares.
     steps, topk: method=mtp's draft depth and branching (ignored by the others); scoring: method=ddtree's node
-    scores (marginal, or pair over a DFlash2 drafter's selector; ignored by the others)."""
+    scores (marginal, or pair over a DFlash2 drafter's selector; ignored by the others); options: the engine's."""
     m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
                           steps=steps, topk=topk)
     return m.make_proposer(target, drafter, DraftSettings(budget=budget, block_size=block_size, steps=steps,
-                                                        topk=topk, scoring=scoring))
+                                                        topk=topk, scoring=scoring, options=options))
 
 
 class Engine:
@@ -74,8 +76,9 @@ class Engine:
     auto_compile: whether compile="auto" compiles on CUDA. Each option left at None is the environment's
     (DDTREE_HOST_MALLOC, DDTREE_DEVICE_PATH, DDTREE_KERNELS, DDTREE_FLEX_COMPILE, DDTREE_COMPILE,
     DDTREE_COMPILE_BACKEND) or an enclosing `ddtree.engine.host.device_path()` block's, resolved once here into
-    `options` (ddtree.engine.options.EngineOptions), which the engine's own calls run under: two engines in one
-    process each keep theirs.
+    `options` (ddtree.engine.options.EngineOptions) and handed to what the engine builds (its target binding, its
+    compiled round, its proposer); `kernel_checks` (ddtree.engine.kernels.KernelChecks) holds what its fused ops'
+    checks found, entered around its own calls: two engines in one process each keep theirs.
     `close()` (or leaving a `with Engine(...) as engine:` block) restores what it changed on the target.
     """
 
@@ -90,8 +93,9 @@ class Engine:
         self.options = EngineOptions.resolve(device_path=device_path, kernels=kernels, flex_compile=flex_compile,
                                              auto_compile=auto_compile, compile_backend=compile_backend,
                                              tune_host_allocator=tune_host_allocator)
+        self.kernel_checks = KernelChecks(self.options.kernels)
         self.binding = None
-        with scoped(self.options):
+        with checking(self.kernel_checks):
             self._build(target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention,
                         record, steps, topk, compile, scoring)
 
@@ -106,21 +110,21 @@ class Engine:
         if proposer is None:
             if self.spec.drafter_kind is not None:  # its row's check of the pair (a DFlash drafter's widths, ...)
                 self.spec.drafter_kind.check(target, drafter)
-            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk, scoring)
+            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk, scoring,
+                                     self.options)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
         # the Proposer contract (ddtree.engine.proposers.Proposer): what it reads, how big its trees get, what compiles
         self.binding = TargetBinding(target, proposer.feature_layers, tree_attention=tree_attention,
-                                     tune_allocator=self.options.tune_host_allocator)
+                                     options=self.options)
         self.tree_max = proposer.max_nodes + 1
         if proposer.max_nodes > 1:  # it drafts: the target must verify its trees exactly
             TargetSession(target, binding=self.binding).check_method(self.spec)
         # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
         unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")
-        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile,
-                                                                 self.options.compile_backend)
+        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile)
         # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
         self.round_fallback = self.round_note is not None and (
             compile == "true" or (compile == "auto" and compiled.auto_compiles(self.binding)))
@@ -141,7 +145,7 @@ class Engine:
         if self.binding is None:
             raise RuntimeError("Engine.generate after close(): build a new Engine")
         check_generate_args(temperature, max_new_tokens, input_ids)
-        with scoped(self.options):  # this engine's options, whatever the caller's scope or environment
+        with checking(self.kernel_checks):  # its fused ops' checks (called under transformers' forward too)
             return self._generate_scoped(input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
     def _generate_scoped(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator) -> GenerationResult:
