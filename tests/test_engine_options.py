@@ -148,3 +148,28 @@ def test_options_are_passed_to_what_an_engine_builds_and_its_kernel_checks_are_i
         assert seen and all(c is engine.kernel_checks for c in seen)
     assert kernels.active() not in (auto.kernel_checks, strict.kernel_checks)  # outside: the process's
     auto.close(), strict.close()
+
+
+def test_the_engines_arguments_come_in_groups_and_generate_takes_the_same():
+    """Engine's keywords: the method's settings (engine.settings, a DraftSettings), how its rounds run, and the options
+    (engine.options: an EngineOptions whole, its fields as keywords over it); `ddtree.generate()` takes every one."""
+    import dataclasses
+    import inspect
+
+    from ddtree.engine.methods import DraftSettings
+
+    engine_args = inspect.signature(ddtree.Engine.__init__).parameters
+    assert set(engine_args) - {"self"} <= set(inspect.signature(ddtree.generate).parameters)
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in engine_args.items() if name not in ("self", "target", "drafter"))
+    assert {f.name for f in dataclasses.fields(DraftSettings)} <= set(engine_args)
+    assert {f.name for f in dataclasses.fields(EngineOptions)} - {"host_malloc_off"} <= set(engine_args)
+    model = tiny_model("qwen3", seed=2, vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=4, seed=1)
+    ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(0))
+    whole = EngineOptions(device_path=frozenset({"host_tree"}), kernels="composite")
+    with ddtree.Engine(model, drafter, method="ddtree", budget=8, options=whole, kernels="auto") as engine:
+        assert engine.options == dataclasses.replace(whole, kernels="auto")  # a keyword given overrides the whole
+        assert (engine.settings.budget, engine.settings.options) == (8, engine.options)
+        assert engine.proposer.options is engine.options
+    got = ddtree.generate(model, drafter, ids, method="ddtree", budget=8, max_new_tokens=6, options=whole)
+    assert got.output_ids == hf_greedy(model, ids, 6)

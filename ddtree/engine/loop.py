@@ -50,16 +50,14 @@ def _walk_asking_head(tree, ask) -> tuple:
     return host_walk(tree, timed), spent
 
 
-def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
-                  steps: int | None = None, topk: int | None = None, scoring: str | None = None,
-                  options: EngineOptions | None = None) -> Proposer:
-    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares.
-    steps, topk: method=mtp's draft depth and branching (ignored by the others); scoring: method=ddtree's node
-    scores (marginal, or pair over a DFlash2 drafter's selector; ignored by the others); options: the engine's."""
-    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
-                          steps=steps, topk=topk)
-    return m.make_proposer(target, drafter, DraftSettings(budget=budget, block_size=block_size, steps=steps,
-                                                        topk=topk, scoring=scoring, options=options))
+def make_proposer(method: str, target, drafter, settings: DraftSettings) -> Proposer:
+    """The proposer of `method` (ddtree.engine.methods) from its settings (budget; block_size; steps, topk: the
+    draft depth and branching of mtp and eagle3; scoring: ddtree's node scores; the engine's options), after the
+    argument checks every engine shares."""
+    s = settings
+    m = check_method_args(method, has_drafter=drafter is not None, budget=s.budget, block_size=s.block_size,
+                          steps=s.steps, topk=s.topk)
+    return m.make_proposer(target, drafter, s)
 
 
 class Engine:
@@ -68,39 +66,60 @@ class Engine:
     and each `generate` call starts only a fresh cache. `generate()` below is one Engine, one call.
 
     It drives the models as they are when it is built: after hooking, patching or moving one, build a new Engine.
-    Arguments as `generate()`'s; compile_backend: torch.compile's backend for the compiled round (None: inductor;
-    "eager"/"aot_eager" trace without generating code: tests); tune_host_allocator: set glibc's malloc thresholds for the whole process on a CPU
-    target (faster verification; ddtree.engine.host). device_path: the CPU-only branches turned off (True: all of
-    them, a CPU run then takes a CUDA run's code; or names of ddtree.engine.host.HOST_BRANCHES); kernels: the fused
-    ops' setting ("auto", "strict", "composite"); flex_compile: compiled flex attention (None: on CUDA only);
-    auto_compile: whether compile="auto" compiles on CUDA. Each option left at None is the environment's
-    (DDTREE_HOST_MALLOC, DDTREE_DEVICE_PATH, DDTREE_KERNELS, DDTREE_FLEX_COMPILE, DDTREE_COMPILE,
-    DDTREE_COMPILE_BACKEND) or an enclosing `ddtree.engine.host.device_path()` block's, resolved once here into
-    `options` (ddtree.engine.options.EngineOptions) and handed to what the engine builds (its target binding, its
-    compiled round, its proposer); `kernel_checks` (ddtree.engine.kernels.KernelChecks) holds what its fused ops'
-    checks found, entered around its own calls: two engines in one process each keep theirs.
     `close()` (or leaving a `with Engine(...) as engine:` block) restores what it changed on the target.
+
+    Its arguments, by group (every one after `drafter` a keyword; each as `generate()` takes it):
+
+    * the model pair: `target`, a transformers causal LM; `drafter`, the model of the method's drafter kind
+      (ddtree.engine.drafter_kinds: a DFlash drafter, an MTP head, an EAGLE-3 drafter), or None (AR; the target's
+      own MTP head).
+    * the method and its settings (`engine.settings`, ddtree.engine.methods.DraftSettings: each method reads its
+      own): `method`; `budget` (tree methods' node budget); `block_size` (a DFlash drafter's block); `steps`,
+      `topk` (mtp, eagle3: draft depth, children per node); `scoring` (ddtree: marginal or pair); or `proposer`, a
+      custom Proposer in place of the method's. How its rounds run: `compile`, `tree_attention`, `sync_timing`,
+      `record`.
+    * the options (`engine.options`, ddtree.engine.options.EngineOptions): `options`, a whole EngineOptions, and
+      its fields as keywords (each given overrides it): `compile_backend`, torch.compile's backend for the
+      compiled round (None: inductor; "eager"/"aot_eager" trace without generating code: tests);
+      `tune_host_allocator`, set glibc's malloc thresholds for the whole process on a CPU target (faster
+      verification; ddtree.engine.host); `device_path`, the CPU-only branches turned off (True: all of them, a CPU
+      run then takes a CUDA run's code; or names of ddtree.engine.host.HOST_BRANCHES); `kernels`, the fused ops'
+      setting ("auto", "strict", "composite"); `flex_compile`, compiled flex attention (None: on CUDA only);
+      `auto_compile`, whether compile="auto" compiles on CUDA. Without `options`, each one left at None is an
+      enclosing `ddtree.engine.host.device_path()` block's, else the environment's (DDTREE_HOST_MALLOC,
+      DDTREE_DEVICE_PATH, DDTREE_KERNELS, DDTREE_FLEX_COMPILE, DDTREE_COMPILE, DDTREE_COMPILE_BACKEND). They are
+      resolved once here and handed to what the engine builds (its target binding, its compiled round, its
+      proposer); `kernel_checks` (ddtree.engine.kernels.KernelChecks) holds what its fused ops' checks found,
+      entered around its own calls: two engines in one process each keep theirs.
     """
 
-    def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
-                 block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
-                 tree_attention: str = "auto", tune_host_allocator: bool | None = None,
-                 record: bool = True, steps: int | None = None, topk: int | None = None,
-                 compile: str | bool = "auto", compile_backend: str | None = None, scoring: str | None = None,
-                 device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
-                 flex_compile: bool | None = None, auto_compile: bool | None = None):
+    def __init__(self, target: PreTrainedModel, drafter=None, *,
+                 # the method and its settings
+                 method: str = "ddtree", budget: int | None = 64, block_size: int | None = None,
+                 steps: int | None = None, topk: int | None = None, scoring: str | None = None,
+                 proposer: Proposer | None = None,
+                 # how its rounds run
+                 compile: str | bool = "auto", tree_attention: str = "auto", sync_timing: bool = False,
+                 record: bool = True,
+                 # the options (EngineOptions): whole, and field by field
+                 options: EngineOptions | None = None, compile_backend: str | None = None,
+                 tune_host_allocator: bool | None = None, device_path: bool | str | Iterable[str] | None = None,
+                 kernels: str | None = None, flex_compile: bool | None = None, auto_compile: bool | None = None):
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
-        self.options = EngineOptions.resolve(device_path=device_path, kernels=kernels, flex_compile=flex_compile,
-                                             auto_compile=auto_compile, compile_backend=compile_backend,
-                                             tune_host_allocator=tune_host_allocator)
+        self.options = EngineOptions.resolve(base=options, device_path=device_path, kernels=kernels,
+                                             flex_compile=flex_compile, auto_compile=auto_compile,
+                                             compile_backend=compile_backend, tune_host_allocator=tune_host_allocator)
+        self.settings = DraftSettings(budget=budget, block_size=block_size, steps=steps, topk=topk, scoring=scoring,
+                                      options=self.options)
         self.kernel_checks = KernelChecks(self.options.kernels)
         self.binding = None
         with checking(self.kernel_checks):
-            self._build(target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention,
-                        record, steps, topk, compile, scoring)
+            self._build(target, drafter, method, proposer, compile=compile, tree_attention=tree_attention,
+                        sync_timing=sync_timing, record=record)
 
-    def _build(self, target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention, record,
-               steps, topk, compile, scoring) -> None:
+    def _build(self, target, drafter, method: str, proposer: Proposer | None, *, compile: str, tree_attention: str,
+               sync_timing: bool, record: bool) -> None:
+        budget = self.settings.budget
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
@@ -110,8 +129,7 @@ class Engine:
         if proposer is None:
             if self.spec.drafter_kind is not None:  # its row's check of the pair (a DFlash drafter's widths, ...)
                 self.spec.drafter_kind.check(target, drafter)
-            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk, scoring,
-                                     self.options)
+            proposer = make_proposer(method, target, drafter, self.settings)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
@@ -206,15 +224,20 @@ class Engine:
         self.close()
 
 
-def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, method: str = "ddtree",
-             budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
-             stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
-             proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = False, tree_attention: str = "auto", record: bool = True, steps: int | None = None,
-             topk: int | None = None, compile: str | bool = "auto", scoring: str | None = None,
-             compile_backend: str | None = None, tune_host_allocator: bool | None = None,
-             device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
-             flex_compile: bool | None = None, auto_compile: bool | None = None) -> GenerationResult:
+def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *,
+             # the generation
+             temperature: float = 0.0, max_new_tokens: int = 256, stop_token_ids: Iterable[int] | None = None,
+             generator: torch.Generator | None = None,
+             # the method and its settings; how its rounds run (as Engine's)
+             method: str = "ddtree", budget: int | None = 64, block_size: int | None = None,
+             steps: int | None = None, topk: int | None = None, scoring: str | None = None,
+             proposer: Proposer | None = None, compile: str | bool = "auto", tree_attention: str = "auto",
+             sync_timing: bool = False, record: bool = True,
+             # the options (as Engine's)
+             options: EngineOptions | None = None, compile_backend: str | None = None,
+             tune_host_allocator: bool | None = None, device_path: bool | str | Iterable[str] | None = None,
+             kernels: str | None = None, flex_compile: bool | None = None,
+             auto_compile: bool | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -236,15 +259,16 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     scoring: method=ddtree's node scores: "marginal" (the drafter's per-position distributions), "pair" (a DFlash2
     drafter's candidate selector: each child scored given its parent; ddtree.engine.selector) or "auto" (None, the
     default: pair for a DFlash2 drafter, marginal for a DFlash one).
-    compile_backend, tune_host_allocator, device_path, kernels, flex_compile, auto_compile: the engine's options, as
-    `Engine` takes them (ddtree.engine.options; None: the environment's).
+    options (an EngineOptions), compile_backend, tune_host_allocator, device_path, kernels, flex_compile,
+    auto_compile: the engine's options, as `Engine` takes them (ddtree.engine.options; None: the environment's).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
-    with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
-                compile=compile, scoring=scoring, compile_backend=compile_backend,
-                tune_host_allocator=tune_host_allocator, device_path=device_path, kernels=kernels,
-                flex_compile=flex_compile, auto_compile=auto_compile) as engine:  # one call: the model as found
+    with Engine(target, drafter, method=method, budget=budget, block_size=block_size, steps=steps, topk=topk,
+                scoring=scoring, proposer=proposer,
+                compile=compile, tree_attention=tree_attention, sync_timing=sync_timing, record=record,
+                options=options, compile_backend=compile_backend, tune_host_allocator=tune_host_allocator,
+                device_path=device_path, kernels=kernels, flex_compile=flex_compile,
+                auto_compile=auto_compile) as engine:  # one call: the model as found
         return engine.generate(input_ids, temperature=temperature, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids, generator=generator)
 

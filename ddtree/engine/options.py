@@ -105,13 +105,14 @@ class EngineOptions:
                    host_malloc_off=env("DDTREE_HOST_MALLOC", "1").strip().lower() in _NO[1:])
 
     @classmethod
-    def resolve(cls, *, device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
-                flex_compile: bool | None = None, auto_compile: bool | None = None,
+    def resolve(cls, *, base: EngineOptions | None = None, device_path: bool | str | Iterable[str] | None = None,
+                kernels: str | None = None, flex_compile: bool | None = None, auto_compile: bool | None = None,
                 compile_backend: str | None = None, tune_host_allocator: bool | None = None) -> EngineOptions:
-        """An engine's options: each argument given, else the options in scope (a `device_path()` block's, an engine
-        call's), else the environment's (read here, the one place)."""
-        scope = _SCOPED.get()
-        base = scope if scope is not None else cls._from_env()
+        """An engine's options: each argument given, else `base`'s (options resolved before), else the options in
+        scope (a `device_path()` block's), else the environment's (read here, the one place)."""
+        if base is None:
+            scope = _SCOPED.get()
+            base = scope if scope is not None else cls._from_env()
         given = {"kernels": None if kernels is None else check_kernels(kernels, "kernels"),
                  "device_path": None if device_path is None else parse_branches(device_path, "device_path"),
                  "flex_compile": flex_compile, "auto_compile": auto_compile, "compile_backend": compile_backend,
