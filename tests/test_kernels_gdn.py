@@ -47,6 +47,31 @@ def _meta(parents: list[int] = PARENTS) -> gdn.TreeMeta:
         return gdn.tree_meta(ctx, KERNEL, torch.device("cpu"), {})
 
 
+def _batch_meta(rows: list[list[int]]) -> gdn.TreeMeta:
+    """The TreeMeta of a batch of trees (each row's parents), padded as a BatchTree pads: children of the root."""
+    from ddtree.engine.batch_tree import BatchTree
+
+    width = max(len(p) for p in rows)
+    parents = torch.tensor([p + [0] * (width - len(p)) for p in rows])
+    parents[:, 0] = -1
+    depths = torch.zeros_like(parents)
+    ancestors = torch.zeros(len(rows), width, width, dtype=torch.bool)
+    for b in range(len(rows)):
+        for i in range(width):
+            p = int(parents[b, i])
+            depths[b, i] = 0 if p < 0 else depths[b, p] + 1
+            ancestors[b, i] = ancestors[b, p] if p >= 0 else False
+            ancestors[b, i, i] = True
+    valid = torch.arange(width)[None] < torch.tensor([len(p) for p in rows])[:, None]
+    tree = BatchTree(torch.zeros_like(parents), parents, depths, valid, valid.sum(1), ancestors,
+                     depth_bound=int(depths.max()))
+    with tree_verification(tree) as ctx:
+        return gdn.tree_meta(ctx, KERNEL, torch.device("cpu"))
+
+
+BATCH = [PARENTS, [-1, 0, 1, 2, 3, 4], [-1]]  # a batch of three trees: branches, a chain past K, a lone root
+
+
 def _both(name: str, args: tuple, mutated: tuple[int, ...], device: str) -> tuple[list, list]:
     """(the kernel's outputs, the composite's) on copies of the written arguments, the kernel's on `device`."""
     op = FusedOp.registry[name]
@@ -89,6 +114,59 @@ def test_decays_kernel_matches_composite(dtype, stacked, parents):
     _close(got[2], want[2], rtol=2e-4)
     assert (want[2] == 0).any() and (want[2] > 0).any()  # masked and unmasked entries both checked
     _one_op("gdn_decays", args)
+
+
+@DTYPES
+def test_decays_kernel_matches_composite_over_a_batch_of_trees(dtype):
+    """A map and a mask per stream (a BatchTree's TreeMeta): each stream's rows read their own."""
+    g = torch.Generator().manual_seed(0)
+    meta = _batch_meta(BATCH)
+    bsz, n, hv = len(BATCH), meta.decay_mask.shape[-2], 3
+    ab = (2 * torch.randn(bsz, n, 2 * hv, generator=g)).to(dtype)
+    gates = torch.full((bsz, hv, 2 * n + 2), float("nan"))
+    gates[..., n] = torch.rand(hv, generator=g) * 8
+    gates[..., 2 * n + 1] = 1
+    xy = torch.full((bsz, hv, 6 * n + 3), float("nan"))
+    decays = torch.full((bsz * hv, n, n + 1), float("nan"))
+    args = (ab, torch.zeros(1), meta.decay_map, meta.decay_mask, gates, xy, decays)
+    with interpreter() as device:
+        got, want = _both("gdn_decays", args, (4, 5, 6), device)
+    _close(got[0], want[0])
+    _close(got[1], want[1])
+    _close(got[2], want[2], rtol=2e-4)
+    e = want[2].view(bsz, hv, n, n + 1)
+    assert (e[0, :, 3, 1 + 4] == 0).all() and (e[1, :, 3, 1 + 2] > 0).all()  # 4 no ancestor of 3 in stream 0; 2 is in 1
+    _one_op("gdn_decays", args)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@DTYPES
+def test_conv_kernel_matches_composite_over_a_batch_of_trees(dtype, bias):
+    """Each stream's own windows (a BatchTree's TreeMeta: bags per node and stream)."""
+    g = torch.Generator().manual_seed(1)
+    meta = _batch_meta(BATCH)
+    bsz, n, channels = len(BATCH), meta.decay_mask.shape[-2], 40
+    past = torch.randn(bsz, channels, KERNEL, generator=g).to(dtype).transpose(1, 2)
+    mixed = torch.randn(bsz, n, channels, generator=g).to(dtype)
+    taps = torch.randn(KERNEL, 1, 1, channels, generator=g)
+    conv_bias = torch.randn(channels, generator=g) if bias else None
+    extended = torch.zeros(bsz, KERNEL + n, channels, dtype=dtype)
+    table = torch.empty(KERNEL, KERNEL + n, bsz, channels)
+    out = torch.full((n, bsz, channels), float("nan")).view(n, -1)
+    args = (past, mixed, taps, conv_bias, meta.conv_index, meta.conv_offsets, extended, table, out)
+    with interpreter() as device:
+        got, want = _both("gdn_conv", args, (6, 8), device)
+    assert torch.equal(got[0], want[0])
+    _close(got[1], want[1])
+    # each stream's own windows, by hand: stream 1 (a chain) node 5 over nodes 2..5; stream 2's padding node 1 (a
+    # child of the root) over the conv state's last two columns, the root and itself
+    rows = torch.cat([past.float(), mixed.float()], dim=1)  # (B, K + T, C)
+    shift = 0 if conv_bias is None else conv_bias
+    for (b, i), window in (((1, 5), rows[1, KERNEL + 2: KERNEL + 6]),
+                           ((2, 1), torch.cat([rows[2, 2:KERNEL], rows[2, KERNEL: KERNEL + 2]]))):
+        ref = torch.nn.functional.silu((window * taps[:, 0, 0]).sum(0) + shift)
+        torch.testing.assert_close(want[1].view(n, bsz, channels)[i, b], ref, rtol=1e-5, atol=1e-5)
+    _one_op("gdn_conv", args)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])

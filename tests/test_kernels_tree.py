@@ -103,7 +103,7 @@ def test_the_kernel_on_cuda_at_real_budgets():
 @pytest.mark.parametrize("budget", [16, 64])
 def test_kernel_compiles_for_sm90_without_a_gpu(budget, tmp_path):
     """The kernel through Triton's real compiler (not the interpreter, which is lax about types) to an sm_90 (H100 /
-    H200) binary: no GPU needed, only Triton's NVIDIA backend (5-10 s a budget)."""
+    H200) binary, single-stream and batched: no GPU needed, only Triton's NVIDIA backend (10-20 s a budget)."""
     import os
     import subprocess
     import sys
@@ -123,10 +123,15 @@ sig = {{name: "*i64" for name in ("ranked_ptr", "root_ptr", "prank_ptr", "crank_
 sig.update(cost_ptr="*fp32", score_ptr="*fp32", grid_ptr="*fp32", anc_ptr="*i1", pair_ptr="*i32", L="i32", P="i32",
            n="i32", bound="i32", **{{k: "constexpr" for k in meta}})
 fn = kt._kernels()
-sig = {{name: sig[name] for name in fn.arg_names}}
-kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=meta),
-                        target=GPUTarget("cuda", 90, 32), options={{"num_warps": warps}})
-assert "cubin" in kernel.asm
+for batched in (False, True):  # ddtree::tree_build; ddtree::batch_tree_build with a size per stream
+    consts = dict(meta, BATCHED=batched, HAS_SIZES=batched)
+    sig.update(size_ptr="*i64" if batched else "constexpr", BATCHED="constexpr", HAS_SIZES="constexpr")
+    if not batched:
+        consts["size_ptr"] = None
+    kernel = triton.compile(triton.compiler.ASTSource(fn=fn, signature={{name: sig[name] for name in fn.arg_names}},
+                                                      constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={{"num_warps": warps}})
+    assert "cubin" in kernel.asm
 """
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).resolve().parents[1]))

@@ -102,6 +102,9 @@ BAD_INPUTS = {
     "attention backend not installed": (["method=dflash", "attention=flash_attention_2"], "pip install flash-attn"),
     "tree method on a flash backend": (["method=ddtree", "attention=flash_attention_2"], "use attention=sdpa"),
     "mistyped value": (["budget=lots"], "budget: must be a whole number or auto, got 'lots'"),
+    "no streams": (["concurrency=0"], "concurrency: must be a whole number >= 1, got 0"),
+    "a method the batched round does not run": (["method=mtp", "concurrency=2"],
+                                                 "concurrency: method=mtp does not run batched yet"),
     # preflight (ddtree.pipeline.preflight): the sources and prompts, before the store or any weights
     "model folder missing": (["model=hf", "model.name_or_path=./no_such_dir", "method=ar"],
                              "model.name_or_path: no such folder"),

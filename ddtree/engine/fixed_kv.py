@@ -12,11 +12,14 @@ __all__ = ["grouped_attention", "grouped_bias", "kv_buffers"]
 
 def grouped_bias(visible: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive mask [1, 1, groups * n, C] (0 seen, dtype's min hidden) of `grouped_attention` from visible
-    [n, C] (bool): rows follow the stacked queries, group member j then node i. In the queries' dtype, C a multiple
-    of 16 (the capacities are): the memory-efficient kernel takes it as it is (no padded copy)."""
+    [n, C] (bool); [B, 1, groups * n, C] from [B, n, C] (a row per stream: ddtree.engine.batch). Rows follow the
+    stacked queries, group member j then node i. In the queries' dtype, C a multiple of 16 (the capacities are): the
+    memory-efficient kernel takes it as it is (no padded copy)."""
     zero = torch.zeros((), dtype=dtype, device=visible.device)
     bias = zero.where(visible, torch.finfo(dtype).min)
-    return (bias.repeat(groups, 1) if groups > 1 else bias)[None, None]
+    if bias.dim() == 2:
+        return (bias.repeat(groups, 1) if groups > 1 else bias)[None, None]
+    return (bias.repeat(1, groups, 1) if groups > 1 else bias)[:, None]
 
 
 def grouped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor,

@@ -9,17 +9,18 @@ from collections.abc import Iterable, Sequence
 import torch
 from transformers import PreTrainedModel
 
-from ddtree.engine import compiled
+from ddtree.engine import batch, compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
 from ddtree.engine.kernels import KernelChecks, checking
 from ddtree.engine.methods import DraftSettings, check_method_args, check_target_supported, get_method
-from ddtree.engine.options import EngineOptions
+from ddtree.engine.options import EngineOptions, scoped
 from ddtree.engine.proposers import DecodeState, Proposer
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetBinding, TargetSession, context_features, model_type
 from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import host_walk, rejection_walk, walk
+from ddtree.errors import ConfigError
 
 __all__ = ["Engine", "generate", "check_generate_args", "context_features"]
 
@@ -74,9 +75,9 @@ class Engine:
       (ddtree.engine.drafter_kinds: a DFlash drafter, an MTP head, an EAGLE-3 drafter), or None (AR; the target's
       own MTP head).
     * the method and its settings (`engine.settings`, ddtree.engine.methods.DraftSettings: each method reads its
-      own): `method`; `budget` (tree methods' node budget); `block_size` (a DFlash drafter's block); `steps`,
-      `topk` (mtp, eagle3: draft depth, children per node); `scoring` (ddtree: marginal or pair); or `proposer`, a
-      custom Proposer in place of the method's. How its rounds run: `compile`, `tree_attention`, `sync_timing`,
+      own): `method`; `budget` (tree methods' node budget; "auto" for ddtree: chosen every round, through
+      `generate_many`); `block_size` (a DFlash drafter's block); `steps`, `topk` (mtp, eagle3: draft depth, children
+      per node); `scoring` (ddtree: marginal or pair); or `proposer`, a custom Proposer in place of the method's. How its rounds run: `compile`, `tree_attention`, `sync_timing`,
       `record`.
     * the options (`engine.options`, ddtree.engine.options.EngineOptions): `options`, a whole EngineOptions, and
       its fields as keywords (each given overrides it): `compile_backend`, torch.compile's backend for the
@@ -95,7 +96,7 @@ class Engine:
 
     def __init__(self, target: PreTrainedModel, drafter=None, *,
                  # the method and its settings
-                 method: str = "ddtree", budget: int | None = 64, block_size: int | None = None,
+                 method: str = "ddtree", budget: int | str | None = 64, block_size: int | None = None,
                  steps: int | None = None, topk: int | None = None, scoring: str | None = None,
                  proposer: Proposer | None = None,
                  # how its rounds run
@@ -106,6 +107,14 @@ class Engine:
                  tune_host_allocator: bool | None = None, device_path: bool | str | Iterable[str] | None = None,
                  kernels: str | None = None, flex_compile: bool | None = None, auto_compile: bool | None = None):
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
+        # budget="auto": the tree chosen every round from the load (ddtree.engine.adaptive, through generate_many);
+        # the proposer is built for the largest candidate
+        self.budget_auto = budget == "auto" and method == "ddtree"
+        if budget == "auto":
+            if not self.budget_auto and get_method(method).reads_budget:
+                raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={method} has none",
+                                  "use method=ddtree with budget=auto, or a number")
+            budget = max(batch.AUTO_CANDIDATES) if self.budget_auto else None  # (a method that reads none: None)
         self.options = EngineOptions.resolve(base=options, device_path=device_path, kernels=kernels,
                                              flex_compile=flex_compile, auto_compile=auto_compile,
                                              compile_backend=compile_backend, tune_host_allocator=tune_host_allocator)
@@ -163,6 +172,10 @@ class Engine:
         if self.binding is None:
             raise RuntimeError("Engine.generate after close(): build a new Engine")
         check_generate_args(temperature, max_new_tokens, input_ids)
+        if self.budget_auto:  # the per-round choice is the batched round's (one stream; keyed sampling at T > 0)
+            seed = 0 if generator is None else int(generator.initial_seed())
+            return self.generate_many([input_ids], concurrency=1, temperature=temperature,
+                                      max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)[0]
         with checking(self.kernel_checks):  # its fused ops' checks (called under transformers' forward too)
             return self._generate_scoped(input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
@@ -198,13 +211,24 @@ class Engine:
         Each result's ttft_s/decode_s count from the stream's own start; queued_s is its wait for a slot."""
         if self.binding is None:
             raise RuntimeError("Engine.generate_many after close(): build a new Engine")
-        out = []
-        for i, ids in enumerate(prompts):  # (provisional: one stream at a time; the batched round replaces it)
-            ids = ids if ids.dim() == 2 else ids[None]
-            gen = torch.Generator(device=ids.device).manual_seed(seed * 1_000_003 + i) if temperature > 0 else None
-            out.append(self.generate(ids, temperature=temperature, max_new_tokens=max_new_tokens,
-                                     stop_token_ids=stop_token_ids, generator=gen))
-        return out
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError("concurrency", f"must be an integer >= 1, got {concurrency!r}", "use e.g. concurrency=8")
+        prompts = [p if p.dim() == 2 else p[None] for p in prompts]
+        for p in prompts:
+            check_generate_args(temperature, max_new_tokens, p)
+        if budget is None:
+            budget = "auto" if self.budget_auto else self.budget
+        # its fused ops' checks; its options for the code transformers' forward calls (the batched round calls the
+        # model itself: ddtree.engine.options)
+        with scoped(self.options), checking(self.kernel_checks):
+            self.binding.ensure()
+            results = batch.generate_many(self, prompts, concurrency, temperature, max_new_tokens, stop_token_ids,
+                                          seed, budget)
+        note = None if self.static is None else "the batched round runs eagerly (Engine.generate_many)"
+        for r in results:
+            r.round, r.round_note = "eager", note or self.round_note
+            r.round_fallback = note is not None and self.compile == "true"
+        return results
 
     def _noted(self, result: GenerationResult) -> GenerationResult:
         """`result` with the round that made it (compiled or eager), why (what) ran eagerly, and whether a fallback."""

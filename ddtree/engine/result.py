@@ -39,6 +39,9 @@ class GenerationResult:
     # rounds with at most (1: a generation alone)
     queued_s: float = 0.0
     streams: int = 1
+    # budget="auto" with Engine.generate_many: the controller's record against the load (LoadBudget.summary), shared
+    # by the call's results; None otherwise
+    load_budget: dict | None = None
 
     @property
     def rounds(self) -> int:
@@ -63,6 +66,7 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("load_budget")  # (one record for a whole generate_many call: the job's summary keeps it once)
         d.update(rounds=self.rounds, num_new_tokens=self.num_new_tokens, tau=self.tau,
                  total_s=self.total_s, tokens_per_s=self.tokens_per_s)
         return d

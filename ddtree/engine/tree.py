@@ -190,15 +190,16 @@ def best_first_tensors(root: torch.Tensor, logprobs: torch.Tensor, budget: int) 
 
 
 def _ranked_costs(logprobs: torch.Tensor, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """best_first_tensors' ranks: each position's best `budget` costs and tokens, ([L, budget] float32, long)."""
-    L, V = logprobs.shape
+    """best_first_tensors' ranks: each position's best `budget` costs and tokens, ([L, budget] float32, long); over
+    the last dimension, so [N, L, V] gives [N, L, budget] (ddtree.engine.batch_tree)."""
+    V = logprobs.shape[-1]
     # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
     token_id = (_token_ids.__wrapped__ if torch.compiler.is_compiling() else _token_ids)(V, logprobs.device)
     cost = torch.nan_to_num(logprobs.float(), nan=-math.inf, posinf=0.0, neginf=-math.inf).clamp_(max=0.0).abs_()
     key = cost.view(torch.int32).long()  # a cost >= +0.0: its bits order as it does
     key.bitwise_left_shift_(32).bitwise_or_(token_id)  # (in place: a full row of int64 is the build's largest write)
     ranked = key.topk(min(budget, V), dim=-1, largest=False).values & 0xFFFFFFFF  # [L, k]: the tokens, ranks 0..k-1
-    cost = cost.gather(1, ranked)
+    cost = cost.gather(-1, ranked)
     if V < budget:  # ranks past the vocabulary: nothing
         cost = torch.nn.functional.pad(cost, (0, budget - V), value=math.nan)
         ranked = torch.nn.functional.pad(ranked, (0, budget - V))

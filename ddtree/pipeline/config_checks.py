@@ -141,7 +141,26 @@ def check_run_settings(rc: RunConfig) -> None:
         raise ConfigError("temperature", f"must be >= 0, got {rc.temperature}", "use temperature=0 for greedy")
     if rc.max_new_tokens < 1:
         raise ConfigError("max_new_tokens", f"must be >= 1, got {rc.max_new_tokens}", "use e.g. max_new_tokens=256")
+    check_concurrency(rc)
     _check_device(rc.device)
+
+
+def check_concurrency(rc: RunConfig) -> None:
+    """concurrency: a whole number >= 1; above 1 the native engine's Engine.generate_many runs the job's prompts."""
+    n = rc.concurrency
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError("concurrency", f"must be a whole number >= 1, got {n!r}",
+                          "use concurrency=1 (one prompt at a time) or e.g. concurrency=8")
+    if n > 1 and rc.engine != "native":
+        raise ConfigError("concurrency", f"engine={rc.engine} decodes one prompt at a time (the authors' code has no "
+                          "batched round)", "use engine=native, or concurrency=1")
+    if n > 1:  # the methods the batched round runs (ddtree.engine.batch; imported only when asked for)
+        from ddtree.engine.batch import BATCH_METHODS
+
+        if rc.method not in BATCH_METHODS or (rc.method == "ddtree" and rc.scoring == "pair"):
+            what = "scoring=pair" if rc.method in BATCH_METHODS else f"method={rc.method}"
+            raise ConfigError("concurrency", f"{what} does not run batched yet (concurrency > 1 runs "
+                              f"{', '.join(BATCH_METHODS)} with marginal scoring)", "use concurrency=1 for it")
 
 
 def check_validation(rc: RunConfig) -> None:

@@ -1,4 +1,5 @@
-"""One method's generations on one prompt, and what a job's share runs them with: the job's files, its loaded models
+"""One method's generations on one prompt (run_conversation) or on many at once (run_batch: concurrency > 1, through
+Engine.generate_many), and what a job's share runs them with: the job's files, its loaded models
 and a JobContext (ddtree.pipeline.job builds them; budget=auto's calibration, ddtree.pipeline.autobudget, runs its
 own conversations through the same code)."""
 
@@ -76,6 +77,10 @@ class JobContext:
     show_progress: bool = True
     resume: Resume | None = None
     engines: dict[str, Any] = field(default_factory=dict)  # one ddtree.Engine per method, built on first use
+    # concurrency > 1: the wall seconds of the batched calls by role ("method", "baseline"), for the throughput
+    batch_s: dict[str, float] = field(default_factory=dict)
+    # concurrency > 1 with budget=auto: the per-round controller's record of each batched call (LoadBudget.summary)
+    load_budget: list[dict] = field(default_factory=list)
 
     def close(self) -> None:
         """Close the job's engines: the cached target is handed to the next job as it was loaded."""
@@ -92,53 +97,113 @@ def stop_token_ids(tokenizer, target) -> list[int]:
     return sorted(i for i in ids if isinstance(i, int) and 0 <= i < vocab)
 
 
-def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_tokens: int | None = None):
-    """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers.
-
-    The native ddtree.Engine of each method is built on first use and kept in ctx.engines (one per job: the
-    set-up runs once per method, not once per generation)."""
-    import torch
-
+def engine_for(ctx: JobContext, method: str):
+    """The native ddtree.Engine of `method`, built on first use and kept in ctx.engines (one per job: the set-up runs
+    once per method, not once per generation)."""
     from ddtree import Engine
 
-    rc, m = ctx.rc, ctx.models
-    target, tokenizer, device = m.target, m.tokenizer, m.device
-    spec = METHODS[method]
-    drafter = m.drafter if spec.drafter_kind is not None else None  # (method=mtp: the target's head, models.py)
+    if method not in ctx.engines:
+        rc, m = ctx.rc, ctx.models
+        spec = METHODS[method]
+        drafter = m.drafter if spec.drafter_kind is not None else None  # (method=mtp: the target's head, models.py)
+        ctx.engines[method] = Engine(m.target, drafter, method=method, budget=rc.budget,
+                                     tune_host_allocator=rc.host_allocator, record=rc.record_rounds,
+                                     compile=rc.compile, scoring=rc.scoring if spec.reads_scoring else None,
+                                     **_draft_settings(rc, spec))
+    return ctx.engines[method]
+
+
+def _draft_settings(rc: RunConfig, spec) -> dict[str, Any]:
+    """The method's own keyword arguments: the drafter's block size, mtp.* / eagle3.* steps and topk."""
     kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and spec.reads_block_size else {}
     if spec.settings:  # mtp.*, eagle3.*
         settings = method_settings(rc)
         kw.update(steps=settings.steps, topk=settings.topk)
+    return kw
+
+
+def turn_ids(ctx: JobContext, prompt: Prompt, messages: list[dict[str, str]], turn: int, new: int):
+    """The conversation so far (`messages`, ending with turn `turn`'s user message) as input ids [1, P] on the
+    target's device: truncated (dataset.truncate) or checked against the context (a later turn grows with the
+    model's answers)."""
+    import torch
+
+    rc, m = ctx.rc, ctx.models
+    ids = encode(m.tokenizer, messages, chat_template=rc.dataset.chat_template,
+                 enable_thinking=rc.dataset.enable_thinking)
+    if not ids:  # (prompts are checked before loading; a later turn holds the model's own answers)
+        raise ConfigError("dataset", f"turn {turn + 1} of prompt '{prompt.id}' is no tokens under this tokenizer",
+                          "remove it or give it words the tokenizer knows")
+    if rc.dataset.truncate:
+        ids = keep_last(ids, new, target_context(m.target))
+    else:
+        check_prompt_lengths([prompt], [len(ids)], new, target_context(m.target), False)
+    return torch.tensor([ids], dtype=torch.long, device=m.device)
+
+
+def run_conversation(ctx: JobContext, prompt: Prompt, method: str, max_new_tokens: int | None = None):
+    """Yield (turn, GenerationResult, text) for each user turn; later turns see this method's answers.
+
+    The native ddtree.Engine of each method is built on first use and kept in ctx.engines (engine_for)."""
+    import torch
+
+    rc, m = ctx.rc, ctx.models
+    spec = METHODS[method]
     if rc.engine == "upstream":  # the authors' generate functions, same arguments and result type
         from ddtree.upstream.engine import generate_upstream
 
-        generate = functools.partial(generate_upstream, load_upstream(rc), target, drafter, method=method,
-                                     budget=rc.budget, **kw)
+        drafter = m.drafter if spec.drafter_kind is not None else None
+        generate = functools.partial(generate_upstream, load_upstream(rc), m.target, drafter, method=method,
+                                     budget=rc.budget, **_draft_settings(rc, spec))
     else:
-        if method not in ctx.engines:
-            ctx.engines[method] = Engine(target, drafter, method=method, budget=rc.budget,
-                                         tune_host_allocator=rc.host_allocator, record=rc.record_rounds, compile=rc.compile,
-                                         scoring=rc.scoring if spec.reads_scoring else None, **kw)
-        generate = ctx.engines[method].generate
+        generate = engine_for(ctx, method).generate
+    new = max_new_tokens or rc.max_new_tokens
     messages: list[dict[str, str]] = []
     for turn, user in enumerate(prompt.turns):
         messages.append({"role": "user", "content": user})
-        ids = encode(tokenizer, messages, chat_template=rc.dataset.chat_template,
-                     enable_thinking=rc.dataset.enable_thinking)
-        if not ids:  # (prompts are checked before loading; a later turn holds the model's own answers)
-            raise ConfigError("dataset", f"turn {turn + 1} of prompt '{prompt.id}' is no tokens under this tokenizer",
-                              "remove it or give it words the tokenizer knows")
-        new = max_new_tokens or rc.max_new_tokens
-        if rc.dataset.truncate:
-            ids = keep_last(ids, new, target_context(target))
-        else:  # a later turn grows with the model's answers: checked again here
-            check_prompt_lengths([prompt], [len(ids)], new, target_context(target), False)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        input_ids = turn_ids(ctx, prompt, messages, turn, new)
         gen = None
         if rc.temperature > 0:  # per prompt and turn, so a result does not depend on the prompt order
-            gen = torch.Generator(device=device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
-        res = generate(input_ids, temperature=rc.temperature, max_new_tokens=max_new_tokens or rc.max_new_tokens,
-                       stop_token_ids=m.stops, generator=gen)
-        text = tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            gen = torch.Generator(device=m.device).manual_seed(zlib.crc32(f"{rc.seed}:{prompt.id}:{turn}".encode()))
+        res = generate(input_ids, temperature=rc.temperature, max_new_tokens=new, stop_token_ids=m.stops,
+                       generator=gen)
+        text = m.tokenizer.decode(res.output_ids, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         yield turn, res, text
+
+
+def batch_seed(seed: int, turn: int) -> int:
+    """Engine.generate_many's seed for turn `turn` of a batched job (T > 0): from the job's seed, one per turn."""
+    return zlib.crc32(f"{seed}:turn{turn}".encode())
+
+
+def run_batch(ctx: JobContext, prompts: list[Prompt], method: str,
+              max_new_tokens: int | None = None) -> tuple[list[list[tuple[Any, str]]], float]:
+    """Every prompt's conversation with `method` through Engine.generate_many, up to rc.concurrency streams at once:
+    one call per turn (turn k of every prompt that has one; later turns see this method's answers). Returns
+    ([(GenerationResult, text) per turn] per prompt, in prompt order; the calls' wall seconds summed)."""
+    import time
+
+    rc, m = ctx.rc, ctx.models
+    engine = engine_for(ctx, method)
+    new = max_new_tokens or rc.max_new_tokens
+    messages: list[list[dict[str, str]]] = [[] for _ in prompts]
+    got: list[list[tuple[Any, str]]] = [[] for _ in prompts]
+    wall = 0.0
+    for turn in range(max((len(p.turns) for p in prompts), default=0)):
+        live = [i for i, p in enumerate(prompts) if turn < len(p.turns)]
+        ids = []
+        for i in live:
+            messages[i].append({"role": "user", "content": prompts[i].turns[turn]})
+            ids.append(turn_ids(ctx, prompts[i], messages[i], turn, new))
+        t0 = time.perf_counter()  # (the results are host lists: the call has finished its device work)
+        results = engine.generate_many(ids, concurrency=rc.concurrency, temperature=rc.temperature,
+                                       max_new_tokens=new, stop_token_ids=m.stops, seed=batch_seed(rc.seed, turn))
+        wall += time.perf_counter() - t0
+        if results and results[0].load_budget is not None and max_new_tokens is None:  # (not the warm-up's)
+            ctx.load_budget.append(results[0].load_budget)
+        for i, res in zip(live, results, strict=True):
+            text = m.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+            messages[i].append({"role": "assistant", "content": text})
+            got[i].append((res, text))
+    return got, wall

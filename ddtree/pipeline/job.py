@@ -32,6 +32,7 @@ from ddtree.pipeline.conversation import (
     JobContext,
     JobFiles,
     LoadedModels,
+    run_batch,
     run_conversation,
     stop_token_ids,
 )
@@ -50,6 +51,7 @@ from ddtree.pipeline.output_verdicts import check_outputs, report_suspects
 from ddtree.pipeline.preflight import (
     attention_backends,
     attention_line,
+    check_concurrency_fits,
     check_prompt_lengths,
     check_prompt_tokens,
     preflight,
@@ -90,7 +92,8 @@ def baseline_key(rc: RunConfig, mine: list[Prompt], target_key: str | None) -> s
     """Everything the AR baseline's tokens and timings depend on: the loaded target (its cache key) and settings."""
     return cache_key(target_key, fingerprint(mine), rc.temperature, rc.seed, rc.max_new_tokens,
                 rc.dataset.chat_template, rc.dataset.enable_thinking, rc.engine, rc.upstream.path,
-                OmegaConf.to_container(OmegaConf.structured(rc.compat)), rc.warmup)
+                OmegaConf.to_container(OmegaConf.structured(rc.compat)), rc.warmup,
+                *([rc.concurrency] if rc.concurrency > 1 else []))
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -115,6 +118,31 @@ def aggregate(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0..100) of xs, linearly interpolated between the closest ranks; None without values."""
+    if not xs:
+        return None
+    ys = sorted(xs)
+    at = (len(ys) - 1) * q / 100
+    lo = int(at)
+    hi = min(lo + 1, len(ys) - 1)
+    return ys[lo] + (ys[hi] - ys[lo]) * (at - lo)
+
+
+def load_figures(records: list[dict[str, Any]], batch_s: float | None) -> dict[str, Any]:
+    """A role's figures under load: throughput_tok_s = every stream's new tokens over the wall seconds they took
+    (`wall_s`: the generate_many calls' wall seconds when the job batched them, `batch_s`; one prompt at a time, the
+    sum of the generations' total seconds), and each stream's latency (total_s = ttft_s + decode_s): median, p90.
+    Batched, the records a rerun took from the job it continues are not in the throughput (their calls' seconds are
+    that job's)."""
+    timed = records if batch_s is None else [r for r in records if not r.get("resumed_from")]
+    wall = sum(r["total_s"] for r in timed) if batch_s is None else batch_s
+    tokens = sum(r["num_new_tokens"] for r in timed)
+    lat = [r["total_s"] for r in records]
+    return {"throughput_tok_s": tokens / wall if wall > 0 else None, "wall_s": wall,
+            "latency_s": {"median": percentile(lat, 50), "p90": percentile(lat, 90)}}
+
+
 def round_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Which round made these generations ("compiled", "eager", or both: "compiled+eager"), why (what) ran
     eagerly, and whether that was a fallback from the compiled round the setting asked for; None without records
@@ -127,12 +155,17 @@ def round_summary(records: list[dict[str, Any]]) -> dict[str, Any] | None:
             "fallback": any(r.get("round_fallback") for r in records)}
 
 
-def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any],
+              batch_s: dict[str, float] | None = None) -> dict[str, Any]:
+    """The job's summary.json. batch_s: the wall seconds of the batched calls by role ("method", "baseline") when
+    the job ran with concurrency > 1 (load_figures)."""
+    batch_s = batch_s or {}
     meth = [r for r in records if r["role"] == "method"]
     spec = METHODS[rc.method]
     base = [r for r in records if r["role"] == "baseline"]
-    m = aggregate(meth)
-    b = aggregate(base) if base else (m if rc.method == BASELINE else None)
+    m = {**aggregate(meth), **load_figures(meth, batch_s.get("method"))}
+    b = {**aggregate(base), **load_figures(base, batch_s.get("baseline"))} if base else (
+        m if rc.method == BASELINE else None)
     match_rate = None
     if base and rc.temperature == 0:
         ref = {(r["id"], r["turn"]): r["output_ids"] for r in base}
@@ -152,12 +185,15 @@ def summarize(records: list[dict[str, Any]], rc: RunConfig, extra: dict[str, Any
         **({"scoring": rc.scoring} if spec.reads_scoring else {}),
         "dataset": dataset_label(rc.dataset),
         "num_prompts": len({r["id"] for r in meth}),
+        "concurrency": rc.concurrency,
         "tau": m["tau"], "tokens_per_s": m["tokens_per_s"],
+        "throughput_tok_s": m["throughput_tok_s"], "wall_s": m["wall_s"], "latency_s": m["latency_s"],
         "baseline_tokens_per_s": b["tokens_per_s"] if b else None, "speedup": speedup, "match_rate": match_rate,
         "new_tokens": m["new_tokens"], "rounds": m["rounds"], "ttft_s_mean": m["ttft_s_mean"],
         "decode_s_mean": m["decode_s_mean"], "stage_seconds_mean": m["stage_seconds_mean"],
         "stage_ms_per_round": m["stage_ms_per_round"],
-        "baseline": {k: b[k] for k in ("tau", "tokens_per_s", "new_tokens", "ttft_s_mean", "decode_s_mean")} if base else None,
+        "baseline": {k: b[k] for k in ("tau", "tokens_per_s", "new_tokens", "ttft_s_mean", "decode_s_mean",
+                                       "throughput_tok_s", "wall_s", "latency_s")} if base else None,
         "compile": rc.compile, "round": round_summary(meth), "baseline_round": round_summary(base),
         **extra,
     }
@@ -202,6 +238,7 @@ def run_name(rc: RunConfig) -> str:
     name = f"{rc.model.name}-{rc.method}" + (f"-b{rc.budget}" if reads_budget(rc.method, method_topk(rc)) else "")
     m = METHODS.get(rc.method)
     name += "-pair" if m is not None and m.reads_scoring and rc.scoring == "pair" else ""
+    name += f"-x{rc.concurrency}" if rc.concurrency > 1 else ""  # streams at once (one prompt at a time: as before)
     return name + ("-upstream" if rc.engine == "upstream" else "")
 
 
@@ -217,9 +254,12 @@ def configure(cfg: DictConfig | RunConfig) -> tuple[RunConfig, list[Prompt], dic
     if facts is not None:  # the tokenizer is on disk: the prompts as the job will encode them
         tokenizer, setting = load_tokenizer(rc), "dataset.path" if rc.dataset.path else "dataset"
         check_prompt_tokens(prompts, tokenizer, setting)
-        if facts.context is not None and not rc.dataset.truncate:
-            check_prompt_lengths(prompts, first_turn_lengths(rc, prompts, tokenizer), rc.max_new_tokens,
-                                 facts.context, False, setting)
+        checks_lengths = facts.context is not None and not rc.dataset.truncate
+        lengths = first_turn_lengths(rc, prompts, tokenizer) if checks_lengths or rc.concurrency > 1 else None
+        if checks_lengths:
+            check_prompt_lengths(prompts, lengths, rc.max_new_tokens, facts.context, False, setting)
+        if rc.concurrency > 1:  # its streams in the GPU's memory after the weights (CUDA; before any weight loads)
+            check_concurrency_fits(rc, facts, longest_conversation(rc, prompts, tokenizer, lengths, facts.context))
     identity = identity_dict(rc)
     identity["prompts"] = fingerprint(prompts)
     return rc, prompts, identity
@@ -229,6 +269,16 @@ def first_turn_lengths(rc: RunConfig, prompts: list[Prompt], tokenizer) -> list[
     """Tokens of each prompt's first turn as the job encodes it (later turns follow the model's answers)."""
     return [len(encode(tokenizer, [{"role": "user", "content": p.turns[0]}], chat_template=rc.dataset.chat_template,
                        enable_thinking=rc.dataset.enable_thinking)) for p in prompts]
+
+
+def longest_conversation(rc: RunConfig, prompts: list[Prompt], tokenizer, lengths: list[int],
+                         context: int | None) -> int:
+    """The most tokens one stream's cache holds: over the prompts, the first turn as encoded, each later turn's
+    words and every turn's max_new_tokens (a later turn sees the answers; its template's few tokens are not
+    counted), at most the target's context."""
+    longest = max((n + sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in p.turns[1:])
+                   + len(p.turns) * rc.max_new_tokens for p, n in zip(prompts, lengths, strict=True)), default=0)
+    return min(longest, context) if context else longest
 
 
 def open_files(world) -> JobFiles:
@@ -352,9 +402,11 @@ def start_tracking(rc: RunConfig, tracker, files: JobFiles, env: dict[str, Any],
                          sweep_dir=sweep_dir, sweep_name=sweep_name)
 
 
-def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[dict[str, Any]], str | None] | None:
+def generate_all(ctx: JobContext, prompts: list[Prompt], world
+                 ) -> tuple[list[dict[str, Any]], str | None, dict[str, float]] | None:
     """Every rank runs its share of the prompts; rank 0 gets (all records in prompt order, the job whose
-    baseline was reused or None); the other ranks get None. A rank's failure is raised on rank 0 too."""
+    baseline was reused or None, the batched calls' wall seconds by role: the slowest rank's, empty one prompt at a
+    time); the other ranks get None. A rank's failure is raised on rank 0 too."""
 
     rc = ctx.rc
     methods = [rc.method] + ([BASELINE] if rc.baseline and rc.method != BASELINE else [])
@@ -370,6 +422,7 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
     finally:
         ctx.close()
     gathered = D.gather({"rank": world.rank, "records": records, "baseline_reused_from": reused_from,
+                         "batch_s": dict(ctx.batch_s),
                          "error": None if failure is None else f"{type(failure).__name__}: {failure}"}, world)
     if failure is not None:
         raise failure
@@ -387,7 +440,14 @@ def generate_all(ctx: JobContext, prompts: list[Prompt], world) -> tuple[list[di
         with ctx.files.samples.open("w", encoding="utf-8") as out:
             out.writelines(json.dumps(rec) + "\n" for rec in records)
     reused = {g.get("baseline_reused_from") for g in gathered} - {None}
-    return records, min(reused) if reused else None
+    roles = {role for g in gathered for role in g["batch_s"]}
+    batch_s = {role: max(g["batch_s"].get(role, 0.0) for g in gathered) for role in roles}
+    return records, min(reused) if reused else None, batch_s
+
+
+def reused_baseline(records: list[dict[str, Any]]) -> bool:
+    """Whether the baseline records came from an earlier job of this process (baseline_reuse)."""
+    return any(r.get("reused_from") for r in records if r["role"] == "baseline")
 
 
 def quantization_labels(rc: RunConfig) -> dict[str, str | None]:
@@ -398,12 +458,13 @@ def quantization_labels(rc: RunConfig) -> dict[str, str | None]:
     return {"target": label(rc.model.quantization), "drafter": label(rc.drafter.quantization) if drafts else None}
 
 
-def finish(records: list[dict[str, Any]], reused_from: str | None, rc: RunConfig, files: JobFiles,
+def finish(generated: tuple[list[dict[str, Any]], str | None, dict[str, float]], rc: RunConfig, files: JobFiles,
            extra: dict[str, Any], run) -> dict[str, Any]:
     """summary.json, the histogram and the table; the tracked run gets the metrics and files and ends."""
     from ddtree.pipeline.tracking import numeric_metrics, write_histogram
 
-    summary = summarize(records, rc, {**extra, "baseline_reused_from": reused_from})
+    records, reused_from, batch_s = generated
+    summary = summarize(records, rc, {**extra, "baseline_reused_from": reused_from}, batch_s)
     if summary.get("auto_budget"):  # budget=auto: the outcome beside the prediction
         summary["auto_budget"]["outcome"] = outcome(summary["auto_budget"], summary)
     files.summary.write_text(json.dumps(summary, indent=2) + "\n")
@@ -468,7 +529,8 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
     models = load_models(rc, device, MODELS)
     env = job_environment(models, compat_report, world, rc)
     auto = None
-    if rc.budget == "auto":  # a short calibration picks the budget (ddtree.pipeline.autobudget)
+    if rc.budget == "auto" and rc.concurrency == 1:  # a short calibration picks the budget (autobudget)
+        # (concurrency > 1: the batched round chooses every round from the load, ddtree.engine.adaptive)
         auto = choose_budget(models, prompts, rc, files, MODELS)
         if world.is_distributed:  # rank 0's choice on every rank (its timings decide): a TP group's trees must agree
             auto = D.broadcast(auto, world)
@@ -496,14 +558,18 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
                 check_outputs(models, prompts, generated[0], rc, Path(os.devnull), MODELS.calibrations)
         if generated is None or not world.is_main:  # ranks > 0: rank 0 writes and records the job
             return None
-        records, reused_from = generated
-        checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations)  # untimed
+        records, batch_s = generated[0], generated[2]
+        ran_s = batch_s.get("method", 0.0) + (batch_s.get("baseline", 0.0) if not reused_baseline(records) else 0.0)
+        checked = check_outputs(models, prompts, records, rc, files.samples, MODELS.calibrations,  # untimed
+                                ran_s if batch_s else None)
         attention = {**attention_backends(rc), "line": attention_line(rc)}
-        summary = finish(records, reused_from, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
+        summary = finish(generated, rc, files, {**env, "load_s": models.load_s, "config_hash": chash,
                                                             "attention": attention,
                                                             "quantization": quantization_labels(rc),
                                                             "validation": checked,
-                                                            **({"auto_budget": auto} if auto else {})}, run)
+                                                            **({"auto_budget": auto} if auto else {}),
+                                                            **({"load_budget": ctx.load_budget}
+                                                               if ctx.load_budget else {})}, run)
         if auto and world.is_main:
             print(outcome_line(summary["auto_budget"]["outcome"]), flush=True)
         report_suspects(rc, summary)
@@ -516,33 +582,62 @@ def run_job(cfg: DictConfig | RunConfig) -> dict[str, Any] | None:
 def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], methods: list[str],
                     records: list[dict[str, Any]]) -> str | None:
     """Warm up (once per process and setting), then run every method on this rank's prompts (`mine`), appending
-    one record per prompt, turn and role to `records` and to this rank's samples file as each prompt finishes.
+    one record per prompt, turn and role to `records` and to this rank's samples file: as each prompt finishes
+    (concurrency=1), or once every batch has (concurrency > 1: _generate_batched).
 
     With rc.baseline_reuse, the AR baseline comes from an earlier job of this process that ran it on the
     same prompts with the same settings (returned: that job's dir); else it runs here and is kept in
     ctx.cache for later jobs under this job's dir."""
     rc, cache, resume = ctx.rc, ctx.cache, ctx.resume
-    wkey = cache_key(cache.target_key, cache.drafter_key, rc.method)
+    wkey = cache_key(cache.target_key, cache.drafter_key, rc.method, rc.concurrency)
     if rc.warmup and wkey not in cache.warmed:  # first-call costs stay out of the timings
+        first = Prompt("warmup", prompts[0].turns[:1])
         for meth in methods:
-            for _ in run_conversation(ctx, Prompt("warmup", prompts[0].turns[:1]), meth,
-                                      max_new_tokens=min(8, rc.max_new_tokens)):
+            if rc.concurrency > 1:  # the batched call, as many streams as the job will run at once
+                run_batch(ctx, [first] * min(rc.concurrency, len(mine) or 1), meth,
+                          max_new_tokens=min(8, rc.max_new_tokens))
+                continue
+            for _ in run_conversation(ctx, first, meth, max_new_tokens=min(8, rc.max_new_tokens)):
                 pass
         cache.warmed.add(wkey)
     reuse = BASELINE in methods and rc.method != BASELINE and rc.baseline_reuse
+    if rc.concurrency > 1 and resume is not None and resume.done:  # kept walls cover the whole shard: run it
+        reuse = False
     bkey = baseline_key(rc, mine, cache.target_key) if reuse else None
-    reused_from, kept = cache.baselines.get(bkey, (None, None)) if bkey else (None, None)
+    reused_from, kept, kept_s = cache.baselines.get(bkey, (None, None, None)) if bkey else (None, None, None)
     by_prompt: dict[str, list[dict[str, Any]]] = {}
     for rec in kept or []:
         by_prompt.setdefault(rec["id"], []).append(rec)
+    if rc.concurrency > 1:
+        fresh = _generate_batched(ctx, mine, methods, records, (reused_from, by_prompt, kept_s))
+    else:
+        fresh = _generate_one_by_one(ctx, mine, methods, records, (reused_from, by_prompt))
+    if bkey and reused_from is None and not (resume and resume.done):  # complete: later jobs may reuse it
+        cache.baselines[bkey] = (str(ctx.files.job_dir), fresh, ctx.batch_s.get("baseline"))
+    return reused_from
+
+
+def _resumed(ctx: JobContext, prompt: Prompt) -> list[dict[str, Any]] | None:
+    """The records of `prompt` the job this one continues finished (marked with its dir), or None."""
+    resume = ctx.resume
+    if resume is None or prompt.id not in resume.done:
+        return None
+    return [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)} for rec in resume.done[prompt.id]]
+
+
+def _generate_one_by_one(ctx: JobContext, mine: list[Prompt], methods: list[str], records: list[dict[str, Any]],
+                         reused: tuple[str | None, dict[str, list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    """concurrency=1: each prompt in turn, the baseline then the method, its records written as it finishes; the
+    baseline records generated here (for later jobs to reuse)."""
+    rc = ctx.rc
+    reused_from, by_prompt = reused
     fresh: list[dict[str, Any]] = []
     with ctx.files.rank_samples.open("a", encoding="utf-8") as out:
         # a bar on a terminal; one line per job in a log (CI, nohup, SLURM), where each frame would be a line
         bar = Progress(mine, run_name(rc), "prompt", enabled=ctx.show_progress)
         for prompt in bar:
-            if resume is not None and prompt.id in resume.done:  # finished by the job this one continues
-                got = [{**rec, "resumed_from": rec.get("resumed_from") or str(resume.job_dir)}
-                       for rec in resume.done[prompt.id]]
+            got = _resumed(ctx, prompt)
+            if got is not None:  # finished by the job this one continues
                 records.extend(got)
                 out.writelines(json.dumps(rec) + "\n" for rec in got)
                 continue
@@ -560,6 +655,41 @@ def _generate_shard(ctx: JobContext, prompts: list[Prompt], mine: list[Prompt], 
             out.flush()
             m = [r for r in records if r["role"] == "method"]
             bar.set_postfix(tau=f"{aggregate(m)['tau'] or 0:.2f}")
-    if bkey and reused_from is None and not (resume and resume.done):  # complete: later jobs may reuse it
-        cache.baselines[bkey] = (str(ctx.files.job_dir), fresh)
-    return reused_from
+    return fresh
+
+
+def _generate_batched(ctx: JobContext, mine: list[Prompt], methods: list[str], records: list[dict[str, Any]],
+                      reused: tuple[str | None, dict[str, list[dict[str, Any]]], float | None]
+                      ) -> list[dict[str, Any]]:
+    """concurrency > 1: the baseline, then the method, each through one Engine.generate_many call per turn over
+    every prompt not finished by the job this one continues (conversation.run_batch); the wall seconds of each
+    role's calls go to ctx.batch_s. The unit of work is the batch: the records are written, in prompt order as
+    concurrency=1 writes them, once both batches have finished (a job killed mid-batch leaves only the prompts it
+    resumed). Returns the baseline records generated here (for later jobs to reuse)."""
+    rc = ctx.rc
+    reused_from, by_prompt, kept_s = reused
+    todo = [p for p in mine if _resumed(ctx, p) is None]
+    made: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    fresh: list[dict[str, Any]] = []
+    bar = Progress([m for m in reversed(methods)], run_name(rc), "generate_many call",
+                   enabled=ctx.show_progress)
+    for meth in bar:  # the baseline first, as one prompt at a time
+        role = "method" if meth == rc.method else "baseline"
+        if role == "baseline" and reused_from is not None:
+            made[role] = {p.id: [{**rec, "reused_from": reused_from} for rec in by_prompt[p.id]] for p in todo}
+            ctx.batch_s[role] = kept_s or 0.0
+            continue
+        got, ctx.batch_s[role] = run_batch(ctx, todo, meth) if todo else ([], 0.0)
+        made[role] = {p.id: [{"id": p.id, "turn": turn, "role": role, **res.to_dict(), "text": text}
+                             for turn, (res, text) in enumerate(turns)] for p, turns in zip(todo, got, strict=True)}
+        if role == "baseline":
+            fresh = [rec for p in todo for rec in made[role][p.id]]
+    with ctx.files.rank_samples.open("a", encoding="utf-8") as out:
+        for prompt in mine:
+            got = _resumed(ctx, prompt)
+            if got is None:
+                got = [rec for meth in reversed(methods)
+                       for rec in made["method" if meth == rc.method else "baseline"][prompt.id]]
+            records.extend(got)
+            out.writelines(json.dumps(rec) + "\n" for rec in got)
+    return fresh

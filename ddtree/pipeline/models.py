@@ -28,8 +28,9 @@ class ModelCache:
     drafter_key: str | None = None
     drafter: Any = None
     warmed: set[str] = field(default_factory=set)
-    # AR baseline records of finished shards, by baselinecache_key(): reused by later jobs (baseline_reuse=true)
-    baselines: dict[str, tuple[str, list[dict[str, Any]]]] = field(default_factory=dict)
+    # AR baseline records of finished shards, by baseline_key(): reused by later jobs (baseline_reuse=true); with
+    # them the wall seconds of their batched calls (concurrency > 1; None one prompt at a time)
+    baselines: dict[str, tuple[str, list[dict[str, Any]], float | None]] = field(default_factory=dict)
     # validation tolerances calibrated on this target, by baseline outputs and rule (ddtree.pipeline.output_verdicts)
     calibrations: dict[str, Any] = field(default_factory=dict)
 

@@ -156,13 +156,15 @@ def first_suspect_line(v: dict[str, Any] | None) -> str | None:
 
 
 def check_outputs(models, prompts: list[Prompt], records: list[dict[str, Any]], rc: RunConfig,
-                  samples: Path, calibrations: dict[str, Any]) -> dict[str, Any] | None:
+                  samples: Path, calibrations: dict[str, Any], generation_s: float | None = None) -> dict[str, Any] | None:
     """The job's hook (rank 0, after the timed generation): verdicts into the records and samples.jsonl.
-    calibrations: tolerances calibrated on this target before (the process's model cache keeps them)."""
+    calibrations: tolerances calibrated on this target before (the process's model cache keeps them); generation_s:
+    the seconds the job spent generating (None: the records' own, one prompt at a time; batched streams overlap)."""
     if not enabled(rc):
         return None
     result = validate_records(models.target, models.tokenizer, prompts, records, rc, models.stops, calibrations)
-    generation_s = sum(r["total_s"] for r in records if not r.get("reused_from"))
+    if generation_s is None:
+        generation_s = sum(r["total_s"] for r in records if not r.get("reused_from"))
     result["share_of_job"] = result["seconds"] / (result["seconds"] + generation_s) if generation_s else None
     with samples.open("w", encoding="utf-8") as out:
         out.writelines(json.dumps(rec) + "\n" for rec in records)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +153,9 @@ class TargetFacts:
     model_type: str | None
     hybrid: bool
     context: int | None  # max_position_embeddings
+    config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # config.json, text_config merged
+    weights_bytes: int | None = None  # the target's and drafter's checkpoint files, where on disk (checkpoint_bytes)
+    drafter_config: dict[str, Any] | None = field(default=None, compare=False, repr=False)  # a pretrained one's
 
 
 def target_facts(cfg: dict[str, Any], setting: str, method: str, trust_remote_code: bool) -> TargetFacts:
@@ -336,13 +339,15 @@ def preflight(rc) -> TargetFacts | None:
 
         c = tiny_config(m.tiny.model_type, vocab_size=m.tiny.vocab_size, num_hidden_layers=m.tiny.num_hidden_layers)
         cfg = flat_config(c.to_dict())
-        facts = target_facts(cfg, "model.tiny.model_type", rc.method, True)
+        facts = replace(target_facts(cfg, "model.tiny.model_type", rc.method, True), config=cfg)
     else:
         src = check_source("model.name_or_path", m.name_or_path, m.revision, ("config.json",))
         tok_setting = "model.tokenizer" if m.tokenizer else "model.name_or_path"
         check_source(tok_setting, m.tokenizer or m.name_or_path, m.revision, TOKENIZER_FILES, "a tokenizer")
         cfg = read_config(src)
         facts = target_facts(cfg, "model.name_or_path", rc.method, m.trust_remote_code) if cfg else None
+        if facts is not None:
+            facts = replace(facts, config=cfg, weights_bytes=checkpoint_bytes(src))
         kind = get_method(rc.method).drafter_kind
         if kind is not None and kind.in_target is not None:  # e.g. the MTP head's tensors: no weights load
             kind.in_target(m.name_or_path, m.revision)
@@ -358,7 +363,11 @@ def preflight(rc) -> TargetFacts | None:
     d = rc.drafter
     if loads_drafter(rc.method) and d.kind == "pretrained":
         src = check_source("drafter.name_or_path", d.name_or_path, d.revision, ("config.json",), "a drafter checkpoint")
-        resolve_auto_scoring(rc, read_config(src))
+        drafter_config = read_config(src)
+        resolve_auto_scoring(rc, drafter_config)
+        if facts is not None:
+            weights = None if facts.weights_bytes is None else facts.weights_bytes + (checkpoint_bytes(src) or 0)
+            facts = replace(facts, weights_bytes=weights, drafter_config=drafter_config)
     elif d.kind == "random":  # a random drafter is DFlash
         resolve_auto_scoring(rc, {})
     return facts
@@ -414,3 +423,99 @@ def keep_last(ids: list[int], max_new_tokens: int, context: int | None) -> list[
     if context is None or len(ids) + max_new_tokens <= context:
         return ids
     return ids[len(ids) + max_new_tokens - context:]
+
+
+# ---------------------------------------------------------------- concurrency x context in the GPU's memory
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+MEMORY_SHARE = 0.9  # of the free memory after the weights, what the streams may take (activations, the allocator's
+# slack and the CUDA graphs' pools: the rest)
+
+
+def checkpoint_bytes(src: Source) -> int | None:
+    """The bytes of a checkpoint's weight files (a local folder, or the hub cache's snapshot folder); None where they
+    are not on disk (a hub repo whose weights are not downloaded yet)."""
+    folder = src.local if src.local is not None else src.cached_file.parent if src.cached_file is not None else None
+    if folder is None:
+        return None
+    for pattern in WEIGHT_FILES:
+        files = [f for f in folder.glob(pattern) if f.is_file()]
+        if files:
+            return sum(f.stat().st_size for f in files)
+    return None
+
+
+def draft_nodes(rc) -> int:
+    """The most tokens one stream verifies a round under rc's method (root included): a tree's budget + 1, a chain's
+    steps + 1, a DFlash block (drafter.block_size, 16 where the checkpoint decides), AR's 1."""
+    from ddtree.engine.methods import BASELINE, reads_budget
+    from ddtree.pipeline.schema import method_settings, method_topk
+
+    if rc.budget == "auto" and get_method(rc.method).auto_budget:
+        return max([*rc.auto.candidates, rc.auto.calibration_budget]) + 1
+    if reads_budget(rc.method, method_topk(rc)):
+        return int(rc.budget) + 1
+    if rc.method == BASELINE:
+        return 1
+    settings = method_settings(rc)
+    return settings.steps + 1 if settings is not None else rc.drafter.block_size or 16
+
+
+def check_streams_fit(text_config: dict[str, Any], *, concurrency: int, rows: int, nodes: int, dtype_bytes: int,
+                      free_bytes: int, weights_bytes: int | None, device: str = "cuda",
+                      drafter_config: dict[str, Any] | None = None, setting: str = "concurrency") -> None:
+    """Refuse `concurrency` streams of `rows` cache rows (trees of `nodes`) whose memory (ddtree.engine.capacity.
+    stream_bytes) exceeds MEMORY_SHARE of `free_bytes` less the weights still to load, naming the largest that fits."""
+    from ddtree.engine.capacity import stream_bytes
+
+    per = stream_bytes(text_config, rows, nodes, dtype_bytes, drafter_config)
+    weights = weights_bytes or 0
+    allowance = int(max(free_bytes - weights, 0) * MEMORY_SHARE)
+    need = concurrency * per.total
+    if need <= allowance:
+        return
+    fits = allowance // per.total
+    after = f" after the weights ({_gib(weights)})" if weights else ""
+    fix = (f"use {setting}<={fits}" if fits else "use a shorter max_new_tokens or shorter prompts, or a smaller model"
+           ) + " (docs/concurrency.md, Memory per stream)"
+    drafter = f", drafter KV rows {_gib(per.drafter_kv)}" if per.drafter_kv else ""
+    raise ConfigError(setting, f"{concurrency} streams of {rows:,} rows need about {_gib(need)} on {device} (a stream: "
+                      f"KV rows {_gib(per.kv)}, GDN state {_gib(per.gdn_state)}, tree scratch {_gib(per.tree)}"
+                      f"{drafter}), "
+                      f"more than {MEMORY_SHARE:.0%} of its {_gib(max(free_bytes - weights, 0))} free{after}", fix)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_concurrency_fits(rc, facts: TargetFacts | None, context: int) -> None:
+    """concurrency > 1 on one CUDA device holding the whole target: its streams of `context` tokens each (+ a tree)
+    fit the device's free memory after the weights (check_streams_fit); elsewhere nothing is checked (a CPU's memory
+    is the host's; a device map or a tensor-parallel plan spreads the model over GPUs)."""
+    from ddtree.engine.checks import DTYPE_BYTES
+    from ddtree.pipeline.distributed import rank_device
+    from ddtree.pipeline.models import resolve_device
+
+    m = rc.model
+    if rc.concurrency <= 1 or facts is None or facts.config is None or m.device_map is not None or m.tp_plan:
+        return
+    device = rank_device(resolve_device(rc.device), world_from_env(), None)
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    stored = DTYPE_BYTES.get(str(facts.config.get("dtype") or facts.config.get("torch_dtype") or ""), 2)
+    dtype_bytes = DTYPE_BYTES.get(m.dtype, 4 if m.tiny is not None else stored)
+    weights = facts.weights_bytes
+    if weights is not None and m.quantization is None:  # the files' dtype -> the dtype it loads in
+        weights = weights * dtype_bytes // stored
+    elif m.quantization is not None:  # smaller than its files by a factor the preset decides: not counted
+        weights = None
+    free = torch.cuda.mem_get_info(torch.device(device))[0]
+    nodes = draft_nodes(rc)
+    check_streams_fit(facts.config, concurrency=rc.concurrency, rows=context + nodes, nodes=nodes,
+                      dtype_bytes=dtype_bytes, free_bytes=free, weights_bytes=weights, device=device,
+                      drafter_config=facts.drafter_config if loads_drafter(rc.method) else None)

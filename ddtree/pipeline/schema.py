@@ -198,6 +198,9 @@ class RunConfig:
     temperature: float = 0.0
     max_new_tokens: int = 256
     seed: int = 0
+    # streams decoding at once: 1 decodes one prompt at a time; N > 1 runs the baseline and the method each through
+    # one Engine.generate_many call over the job's prompts (per turn), up to N streams a round (docs/concurrency.md)
+    concurrency: int = 1
     baseline: bool = True  # also run AR on each prompt in the same job
     # reuse the AR baseline an earlier job of this process ran on the same prompts and settings (a sweep over
     # methods and budgets decodes each prompt with AR once, as the paper does); false: AR in every job
@@ -321,6 +324,8 @@ def identity_dict(cfg: DictConfig | RunConfig) -> dict[str, Any]:
         d.pop(k, None)
     if str(d.get("compile", "auto")).lower() == "auto":  # the default: identities from before the setting still match
         d.pop("compile", None)
+    if d.get("concurrency") == 1:  # the default: one prompt at a time, as jobs from before the setting ran
+        d.pop("concurrency", None)
     if str(d.get("budget")).lower() == "auto":  # its settings decide which budget runs
         d["auto"] = auto
     method = METHODS.get(d.get("method"))

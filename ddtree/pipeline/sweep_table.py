@@ -60,29 +60,51 @@ def setting_cell(s: dict[str, Any], key: str) -> str:
     return str(s.get("settings", {}).get(key, "-"))
 
 
-def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: list[str] | None = None) -> str:
-    """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches; a column for
-    each of `settings` (read from a row's "settings"), and a note for rows that did not run."""
-    def f(v, spec=".2f", suffix=""):
-        return "-" if v is None else f"{v:{spec}}{suffix}"
+def _f(v, spec=".2f", suffix=""):
+    if isinstance(v, str):  # a setting given in words (budget=auto with concurrency > 1: chosen every round)
+        return v
+    return "-" if v is None else f"{v:{spec}}{suffix}"
 
+
+def load_cells(s: dict[str, Any]) -> tuple[str, str, str]:
+    """Total tok/s of the method and of the AR baseline (every stream's tokens over the wall seconds) and the
+    method's per-stream latency, 'median/p90' in seconds."""
+    lat = s.get("latency_s") or {}
+    base = s.get("baseline") or {}
+    ar = base.get("throughput_tok_s") if base else (s.get("throughput_tok_s") if s.get("method") == "ar" else None)
+    cell = "-" if lat.get("median") is None else f"{lat['median']:.2f}/{lat['p90']:.2f}"
+    return _f(s.get("throughput_tok_s"), ".1f"), _f(ar, ".1f"), cell
+
+
+def format_table(summaries: dict[str, Any] | list[dict[str, Any]], settings: list[str] | None = None) -> str:
+    """One row per job summary: tau, tokens/s against the AR baseline, speedup, exact matches; under load (summaries
+    with `latency_s`) the total tok/s of the method and of AR and the per-stream latency; a column for each of
+    `settings` (read from a row's "settings"; concurrency too where a row ran above 1), and a note for rows that did
+    not run."""
+    f = _f
     rows_in = [summaries] if isinstance(summaries, dict) else summaries
     extra = list(settings or [])
+    if "concurrency" not in extra and any((s.get("concurrency") or 1) > 1 for s in rows_in):
+        extra.append("concurrency")
+    load = any("latency_s" in s for s in rows_in)
     notes = any(row_note(s) for s in rows_in)
-    head = ("model", "method", "budget", *extra, "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup", "match",
-            "verdicts", "round", *(["note"] if notes else []))
+    head = ("model", "method", "budget", *extra, "block", "prompts", "tau", "tok/s", "AR tok/s", "speedup",
+            *(["total tok/s", "AR total", "latency p50/p90 s"] if load else []), "match", "verdicts", "round",
+            *(["note"] if notes else []))
     rows = [head]
     for s in rows_in:
-        vals = [setting_cell(s, k) for k in extra]
+        vals = [str(s["concurrency"]) if k == "concurrency" and "concurrency" in s else setting_cell(s, k)
+                for k in extra]
         if s.get("num_prompts") is None:  # a job that did not run
-            rows.append((s["model"], s["method"], f(s.get("budget"), "d"), *vals, *["-"] * 9, row_note(s)))
+            rows.append((s["model"], s["method"], f(s.get("budget"), "d"), *vals, *["-"] * (12 if load else 9),
+                         row_note(s)))
             continue
         n = s["num_prompts"]
         match = "-" if s["match_rate"] is None else f"{round(s['match_rate'] * n)}/{n}"
         rows.append((s["model"], method_cell(s), f(s["budget"], "d"), *vals, f(s["block_size"], "d"), str(n),
                      f(s["tau"]), f(s["tokens_per_s"], ".1f"), f(s["baseline_tokens_per_s"], ".1f"),
-                     f(s["speedup"], ".2f", "x"), match, verdict_cell(s.get("validation")), round_cell(s),
-                     *([row_note(s)] if notes else [])))
+                     f(s["speedup"], ".2f", "x"), *(load_cells(s) if load else ()), match,
+                     verdict_cell(s.get("validation")), round_cell(s), *([row_note(s)] if notes else [])))
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(n) for c, n in zip(line, w, strict=True)).rstrip() for line in rows)
 

@@ -226,11 +226,12 @@ class Eagle3Drafter(nn.Module):
         self._target_ids = self.d2t + torch.arange(self.d2t.shape[0], device=self.d2t.device)
         return self
 
-    def new_kv(self, capacity: int) -> torch.Tensor:
-        """The draft layer's KV cache: a fixed buffer [2, 1, Hkv, capacity, d] (keys, values) in its dtype on its
-        device (`step` writes and reads it)."""
+    def new_kv(self, capacity: int, streams: int = 1) -> torch.Tensor:
+        """The draft layer's KV cache: a fixed buffer [2, streams, Hkv, capacity, d] (keys, values) in its dtype on
+        its device (`step` writes and reads it)."""
         attn = self.midlayer.self_attn
-        return torch.zeros(2, 1, attn.kv_heads, capacity, attn.head_dim, dtype=self.dtype, device=self.fc.weight.device)
+        return torch.zeros(2, streams, attn.kv_heads, capacity, attn.head_dim, dtype=self.dtype,
+                           device=self.fc.weight.device)
 
     # ---- the forward ------------------------------------------------------------------------------------------
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -245,9 +246,9 @@ class Eagle3Drafter(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, position_ids: torch.Tensor,
                 mask: torch.Tensor | None, cache: DynamicCache) -> torch.Tensor:
-        """embeds [1, q, H] (the tokens), hidden [1, q, 3 Ht] (the target's aux states before them, fused here) or
-        [1, q, H] (the layer's own earlier outputs), position_ids [1, q], mask additive [1, 1, q, past + q] (None:
-        every key visible). Returns the layer's outputs [1, q, H] (before `norm`: what a further step reads)."""
+        """embeds [B, q, H] (the tokens), hidden [B, q, 3 Ht] (the target's aux states before them, fused here) or
+        [B, q, H] (the layer's own earlier outputs), position_ids [B, q], mask additive [B, 1, q, past + q] (None:
+        every key visible). Returns the layer's outputs [B, q, H] (before `norm`: what a further step reads)."""
         if hidden.shape[-1] != self.config.hidden_size:  # the target's three states: fused (as SGLang tells them)
             hidden = self.fc(hidden)
         layer = self.midlayer
@@ -259,18 +260,19 @@ class Eagle3Drafter(nn.Module):
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
              visible: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """One draft step, the only one drafting runs (the eager proposer's and the compiled round's): the forward
-        over the fixed buffer `kv` (`new_kv`). ids [1, q], hidden [1, q, 3 Ht or H], positions and rows [q] (rotary
-        positions; the rows receiving the q keys and values), visible [q, C] (bool: which of the first C rows each
-        query attends over, its own included) or C alone (every one of them: no mask). Returns [1, q, H]."""
-        q = ids.shape[1]
+        """One draft step, the only one drafting runs (the eager proposer's, the compiled round's, the batched
+        round's): the forward over the fixed buffer `kv` (`new_kv`). ids [B, q], hidden [B, q, 3 Ht or H], positions
+        and rows [q] (rotary positions; the rows receiving the q keys and values; [B, q]: each stream's own,
+        ddtree.engine.batch), visible [q, C] or [B, q, C] (bool: which of the first C rows each query attends over,
+        its own included) or C alone (every one of them: no mask). Returns [B, q, H]."""
+        b, q = ids.shape
         if isinstance(visible, int):
             mask, width = None, visible
         else:
             mask = torch.zeros(visible.shape, dtype=self.dtype, device=visible.device)
-            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min).view(1, 1, q, -1)
+            mask = mask.masked_fill_(~visible, torch.finfo(self.dtype).min).view(-1, 1, q, visible.shape[-1])
             width = visible.shape[-1]
-        return self(self.embed(ids), hidden, positions.view(1, q), mask, _FixedRows(kv, rows, width))
+        return self(self.embed(ids), hidden, positions.view(-1, q).expand(b, q), mask, _FixedRows(kv, rows, width))
 
     def traced_step(self):
         """`step` as torch.compile traces it (StaticMTP's round): the same."""
@@ -436,7 +438,11 @@ class _FixedRows:
         self.kv, self.rows, self.width = kv, rows, width
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv.index_copy_(-2, self.rows, torch.stack([key, value]))
+        new = torch.stack([key, value])
+        if self.rows.dim() == 1:
+            kv = self.kv.index_copy_(-2, self.rows, new)
+        else:  # [B, q]: each stream's own rows (ddtree.engine.batch)
+            kv = self.kv.scatter_(-2, self.rows[None, :, None, :, None].expand(new.shape), new)
         return (kv if self.width == kv.shape[-2] else kv.narrow(-2, 0, self.width)).unbind(0)
 
 

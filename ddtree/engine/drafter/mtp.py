@@ -199,11 +199,11 @@ class MTPHead(nn.Module):
         rotary = base.rotary_emb if hasattr(base, "rotary_emb") else base.language_model.rotary_emb
         self._borrowed = (target.get_input_embeddings(), target.get_output_embeddings(), rotary)
 
-    def new_kv(self, capacity: int) -> torch.Tensor:
-        """The head's KV cache: a fixed buffer [2, 1, Hkv, capacity, d] (keys, values) in its dtype on its device,
-        row r holding the entry at row r (`step` writes and reads it)."""
+    def new_kv(self, capacity: int, streams: int = 1) -> torch.Tensor:
+        """The head's KV cache: a fixed buffer [2, streams, Hkv, capacity, d] (keys, values) in its dtype on its
+        device, row r holding the entry at row r (`step` writes and reads it)."""
         attn = self.layers[0].self_attn
-        return torch.zeros(2, 1, self.config.num_key_value_heads, capacity, attn.head_dim, dtype=self.dtype,
+        return torch.zeros(2, streams, self.config.num_key_value_heads, capacity, attn.head_dim, dtype=self.dtype,
                            device=self.fc.weight.device)
 
     # ---- the forward ------------------------------------------------------------------------------------------
@@ -215,30 +215,34 @@ class MTPHead(nn.Module):
 
     def step(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
              visible: torch.Tensor, kv: torch.Tensor, layer: LeanLayer | None = None) -> torch.Tensor:
-        """One MTP step, the only one drafting runs (the eager proposer's and the compiled round's, StaticMTP):
-        ids [1, q], hidden [1, q, H] (the hidden states before them), positions and rows [q] (rotary positions; the
-        rows of `kv`, a `new_kv` buffer, that receive the q keys and values), visible [q, C] (bool: which of the
-        first C rows of `kv` each query attends over, its own included) or C alone (every one of them: no mask).
-        Returns [1, q, H] after mtp.norm. layer: the layer's
-        lean form (default the eager one; `traced_step` passes the traceable one)."""
+        """One MTP step, the only one drafting runs (the eager proposer's, the compiled round's StaticMTP, the batched
+        round's): ids [B, q], hidden [B, q, H] (the hidden states before them), positions and rows [q] (rotary
+        positions; the rows of `kv`, a `new_kv` buffer, that receive the q keys and values; [B, q]: each stream's
+        own, ddtree.engine.batch), visible [q, C] or [B, q, C] (bool: which of the first C rows of `kv` each query
+        attends over, its own included) or C alone (every one of them: no mask). Returns [B, q, H] after mtp.norm.
+        layer: the layer's lean form (default the eager one; `traced_step` passes the traceable one)."""
         layer = layer or self._lean()
-        q = ids.shape[1]
+        b, q = ids.shape
         x = self.fc(torch.cat([self.pre_fc_norm_embedding(self.embed(ids)), self.pre_fc_norm_hidden(hidden)], dim=-1))
-        pos = positions.view(1, q)
-        rope = self._borrowed[2](x, pos[None].expand(3, 1, q) if self._mrope else pos)
+        pos = positions.view(-1, q).expand(b, q)
+        rope = self._borrowed[2](x, pos[None].expand(3, b, q) if self._mrope else pos)
         h = layer.norm1(x)
         query, gate = layer._queries(h)
         key, value = layer._keys_values(h)
         query, key = layer.rotary(query, key, *rope)
-        kv.index_copy_(-2, rows, torch.stack([key, value]))
+        if rows.dim() == 1:
+            kv.index_copy_(-2, rows, torch.stack([key, value]))
+        else:  # each stream's own rows
+            new = torch.stack([key, value])
+            kv.scatter_(-2, rows[None, :, None, :, None].expand(new.shape), new)
         width = visible if isinstance(visible, int) else visible.shape[-1]
         bias = None if isinstance(visible, int) else grouped_bias(visible, query.shape[1] // kv.shape[2], query.dtype)
         keys, values = (kv if width == kv.shape[-2] else kv.narrow(-2, 0, width)).unbind(0)
         out = grouped_attention(query, keys, values, bias, layer.attn.scaling)
-        out = out.transpose(1, 2)  # [1, q, heads, d], as the gate
+        out = out.transpose(1, 2)  # [B, q, heads, d], as the gate
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        x = layer._feed_forward(x + layer.o(out.reshape(1, q, -1)))
+        x = layer._feed_forward(x + layer.o(out.reshape(b, q, -1)))
         return self.norm(x)
 
     def _lean(self) -> LeanLayer:

@@ -44,7 +44,14 @@ virtual node j = 0 (Y_0 = (-A, 0, 0)) gives c_i. X . Y (three products, elementw
 Modules, one job each: `patch` (the classes, the compat row's install, held per engine), `meta` (the round's TreeMeta),
 `buffers` (a layer's constants and buffers, and those a cache shares across its layers), `layer` (`tree_layer`, the
 per-layer math the eager and the compiled round both run), `forward` (the patched forward: the tree forward, and
-the single-token step's entry), `step` (the CPU single-token step) and `commit` (the states after the accepted path).
+the single-token step's entry), `step` (the CPU single-token step), `commit` (the states after the accepted path)
+and `slots` (a batched cache's rows: a stream's prefilled state seated in its slot, a free slot zeroed).
+
+A batch of streams (the batched round, ddtree.engine.batch): inside ``tree_verification(batch_tree)`` (a
+`BatchTree`, N rows of T padded nodes) a forward of [N, T] tokens over a cache of N rows verifies every stream's
+tree from its own row's conv and recurrent state in the same batched ops (TreeMeta then holds a decay map, mask
+and conv windows per stream: `TreeMeta.streams` = N); ``commit_linear_states_batch(cache, path, lengths)`` then
+moves each row to its own prefix + accepted path (ragged paths, one pass for every stream and like layer).
 """
 
 from __future__ import annotations
@@ -59,7 +66,13 @@ from ddtree.engine.gdn.buffers import (
     layer_consts,
     new_buffers,
 )
-from ddtree.engine.gdn.commit import _PENDING_ATTR, _path_states, commit_linear_states, path_weights
+from ddtree.engine.gdn.commit import (
+    _PENDING_ATTR,
+    _path_states,
+    commit_linear_states,
+    commit_linear_states_batch,
+    path_weights,
+)
 from ddtree.engine.gdn.forward import single_step
 from ddtree.engine.gdn.layer import DEFAULT_METHOD, tree_layer
 from ddtree.engine.gdn.meta import TreeMeta, meta_tensors, tree_meta
@@ -76,12 +89,20 @@ from ddtree.engine.gdn.patch import (
     target_classes,
     uninstall,
 )
+from ddtree.engine.gdn.slots import (
+    copy_linear_states,
+    ensure_linear_states,
+    seat_linear_states,
+    zero_linear_states,
+)
 from ddtree.engine.verification import GDN_METHODS as METHODS
 from ddtree.engine.verification import tree_verification
 
 __all__ = ["DEFAULT_METHOD", "L2NORM_EPS", "METHODS", "TARGETS", "VERSIONS", "LayerBuffers", "LayerConsts", "TreeMeta",
-           "commit_linear_states", "ensure_installed", "hold", "holders", "install", "is_installed", "layer_consts",
-           "meta_tensors", "new_buffers", "path_weights", "provided", "release", "single_step", "target_classes",
-           "tree_layer", "tree_meta", "tree_verification", "uninstall",
+           "commit_linear_states", "commit_linear_states_batch", "copy_linear_states", "ensure_installed",
+           "ensure_linear_states", "hold", "holders", "install", "is_installed", "layer_consts",
+           "meta_tensors", "new_buffers", "path_weights", "provided", "release", "seat_linear_states", "single_step",
+           "target_classes",
+           "tree_layer", "tree_meta", "tree_verification", "uninstall", "zero_linear_states",
            # what the compiled round (ddtree.engine.compiled) lays out as the eager round does
            "_MODEL_DTYPE", "_PENDING_ATTR", "_buffer_shapes", "_fill_gates", "_path_states"]

@@ -3,6 +3,7 @@ across its GDN layers so that a commit reads every layer's rows at once."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +132,21 @@ def _buffer_shapes(module, bsz: int, n: int, channels: int) -> dict[str, tuple[i
 def _table_shape(module, bsz: int, n: int, channels: int) -> tuple[int, ...]:
     k = module.conv_kernel_size
     return (k, k + n, bsz, channels)
+
+
+def tree_buffer_bytes(module, n: int, channels: int, dtype_bytes: int) -> tuple[int, int]:
+    """(kept, scratch): the bytes one stream's tree of `n` nodes takes in these buffers, from the shapes above (module:
+    anything with a GDN layer's num_k_heads, num_v_heads, head_k_dim, head_v_dim and conv_kernel_size; no tensor is
+    made): kept, a slot per GDN layer (what the commit reads); scratch, one set for all layers."""
+    shapes = {**_buffer_shapes(module, 1, n, channels), "table": _table_shape(module, 1, n, channels)}
+    kept = scratch = 0
+    for name, shape in shapes.items():
+        size = math.prod(shape) * (dtype_bytes if name in _MODEL_DTYPE else 4)
+        if name in _SCRATCH:
+            scratch += size
+        else:
+            kept += size
+    return kept, scratch
 
 
 @dataclass

@@ -101,21 +101,13 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
     path's rows are then small host-built tensors instead of a few device ops. host_rows: the new conv state's rows
     too (the engine's `host_tree` branch, ddtree.engine.host: off on the path a CUDA run takes).
     """
-    pending: dict[int, _Pending] | None = cache.__dict__.get(_PENDING_ATTR)
-    linear = [i for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")]
-    if not pending:
-        if any(cache.layers[i].has_previous_state.get(0, False) for i in linear):
-            raise RuntimeError("commit_linear_states: this cache has linear-attention state but no GDN tree "
-                               "verification was recorded on it (was the patch installed and the forward run "
-                               "inside tree_verification?)")
+    pending = _pending_of(cache, "commit_linear_states")
+    if pending is None:
         return
-    if sorted(pending) != linear:
-        raise RuntimeError(f"commit_linear_states: linear-attention layers {sorted(set(linear) - set(pending))} "
-                           "were not verified by the tree-aware GDN forward")
-    trees = {id(p.tree) for p in pending.values()}
-    if len(trees) != 1:
-        raise RuntimeError("commit_linear_states: GDN layers were verified under different trees")
     tree = next(iter(pending.values())).tree
+    if tree.streams:
+        raise RuntimeError("commit_linear_states: the last verification was of a BatchTree; commit it with "
+                           "commit_linear_states_batch(cache, path, lengths)")
     index = _checked_path(tree, accepted)
     for layer_idx, rec in pending.items():
         rec.check_unchanged(cache.layers[layer_idx], layer_idx)
@@ -132,6 +124,136 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
             _commit_group(cache, group, index, host_path, host_rows)
     # a layer with no state yet was given the path through update_conv_state, which counted its tokens
     _count_tokens([cache.layers[i] for i, rec in pending.items() if rec.conv_ref is not None], index.shape[0])
+
+
+def _pending_of(cache, caller: str) -> dict[int, _Pending] | None:
+    """The layers' records of the last verification on `cache` (None: nothing verified and no state to commit),
+    checked to be whole: every linear-attention layer verified, all under one tree."""
+    pending: dict[int, _Pending] | None = cache.__dict__.get(_PENDING_ATTR)
+    linear = [i for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")]
+    if not pending:
+        if any(cache.layers[i].has_previous_state.get(0, False) for i in linear):
+            raise RuntimeError(f"{caller}: this cache has linear-attention state but no GDN tree "
+                               "verification was recorded on it (was the patch installed and the forward run "
+                               "inside tree_verification?)")
+        return None
+    if sorted(pending) != linear:
+        raise RuntimeError(f"{caller}: linear-attention layers {sorted(set(linear) - set(pending))} "
+                           "were not verified by the tree-aware GDN forward")
+    trees = {id(p.tree) for p in pending.values()}
+    if len(trees) != 1:
+        raise RuntimeError(f"{caller}: GDN layers were verified under different trees")
+    return pending
+
+
+def commit_linear_states_batch(cache, path: torch.Tensor, lengths: torch.Tensor) -> None:
+    """Set every GDN layer verified under the last `tree_verification(batch_tree)` to, per stream, its prefix + its
+    accepted path: row b of each layer's conv and recurrent state as if stream b's path had run alone after its own
+    state. Batched tensor ops over every stream (and every like layer) at once: no loop over streams, no host read.
+
+    path: long [N, L] flat node indices of each stream's tree, root first, padded past its length with anything in
+    range (BatchWalk.path pads with the last node); lengths: long [N] nodes on each path (root included). A stream
+    of length 0 keeps its state as it is (a free slot). Attention layers and the layers' token counts
+    (`cumulative_length_linear`, one number for all the streams) are not touched: the batched session keeps each
+    stream's length.
+    """
+    pending = _pending_of(cache, "commit_linear_states_batch")
+    if pending is None:
+        return
+    tree = next(iter(pending.values())).tree
+    if not tree.streams:
+        raise RuntimeError("commit_linear_states_batch: the last verification was of one tree (a DraftTree); "
+                           "commit it with commit_linear_states(cache, accepted)")
+    if (path.ndim != 2 or lengths.ndim != 1 or path.shape[0] != tree.streams or lengths.shape[0] != tree.streams
+            or path.shape[1] > tree.n):
+        raise ValueError(f"commit_linear_states_batch: path [N, L] and lengths [N] for the verified {tree.streams} "
+                         f"streams of {tree.n} nodes; got path {tuple(path.shape)}, lengths {tuple(lengths.shape)}")
+    for layer_idx, rec in pending.items():
+        rec.check_unchanged(cache.layers[layer_idx], layer_idx)
+        if rec.conv_ref is not None and (getattr(cache.layers[layer_idx], "record_past", False)
+                                         or rec.conv_ref.shape[-1] != rec.kernel):
+            raise NotImplementedError(f"commit_linear_states_batch: layer {layer_idx}'s conv state keeps "
+                                      f"{rec.conv_ref.shape[-1]} columns (record_past?); the batched commit keeps "
+                                      f"exactly the kernel's {rec.kernel}")
+    del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
+    for group in _cached_groups(cache, pending):
+        rec = group[0][1]
+        inference = (rec.conv_ref if rec.conv_ref is not None else rec.bufs.deltas).is_inference()
+        if inference and torch.is_inference_mode_enabled():
+            _commit_batch_group(cache, group, path, lengths)
+            continue
+        with torch.no_grad(), torch.inference_mode(inference):
+            _commit_batch_group(cache, group, path, lengths)
+
+
+def _batch_path_states(keys: torch.Tensor, deltas: torch.Tensor, xy: torch.Tensor, path: torch.Tensor,
+                       lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_path_states for a batch: each stream's own (ragged) path. keys (G, N, H, 2T, dk), deltas (G, N, H, T, dv),
+    xy (G, N, H, 6T + 3); path (N, L) and lengths (N,) on their device. (the state the paths add (G, N, H, dk, dv),
+    the old state's weight (G, N, H, 1, 1): exp(c_last), 1 for a path of length 0)."""
+    g, bsz, heads, two_n, dk = keys.shape
+    n, dv, width = two_n // 2, deltas.shape[-1], path.shape[1]
+    k_rows, x, y = keys[..., n:, :], xy[..., :3 * n].unflatten(-1, (n, 3)), xy[..., 3 * n:].unflatten(-1, (n + 1, 3))
+    at = path[None, :, None, :, None]
+    k_path = k_rows.gather(-2, at.expand(g, bsz, heads, width, dk))
+    d_path = deltas.gather(-2, at.expand(g, bsz, heads, width, dv))
+    y_index = torch.cat([path.new_zeros(bsz, 1), path + 1], dim=1)[None, :, None, :, None]
+    y_path = y.gather(-2, y_index.expand(g, bsz, heads, width + 1, 3))
+    last = path.gather(1, (lengths - 1).clamp(min=0)[:, None])[None, :, None, :, None]
+    x_last = x.gather(-2, last.expand(g, bsz, heads, 1, 3))
+    weights = path_weights(y_path, x_last)  # (G, N, H, L + 1, 1): exp(c_a), then the path's weights
+    on = torch.arange(width, device=path.device) < lengths[:, None]  # (N, L): the path's own nodes
+    w = torch.where(on[None, :, None, :, None], weights[..., 1:, :], 0)
+    added = (k_path * w).transpose(-1, -2) @ d_path
+    decay = torch.where((lengths > 0)[None, :, None, None, None], weights[..., :1, :], 1)
+    return added, decay
+
+
+def _commit_batch_group(cache, items: list[tuple[int, _Pending]], path: torch.Tensor, lengths: torch.Tensor) -> None:
+    """commit_linear_states_batch for like layers (a `_commit_groups` group): their rows stacked (one view where they
+    are slots of the cache's shared buffers), every stream's state update and new conv columns at once."""
+    recs = [rec for _, rec in items]
+    first = recs[0]
+    dev = first.bufs.deltas.device
+    path, lengths = path.to(dev).long(), lengths.to(dev).long()
+    shared = _shared_buffers(recs)
+    if shared is not None:
+        stacked = {name: shared[name] for name in ("keys", "deltas", "xy", "extended")}
+    else:
+        stacked = {name: torch.stack([getattr(r.bufs, name) for r in recs]) for name in ("keys", "deltas", "xy",
+                                                                                         "extended")}
+    keys = stacked["keys"].flatten(2, 3).flatten(3, 4)  # (G, N, Hv, 2T, dk)
+    new_state, decay = _batch_path_states(keys, stacked["deltas"], stacked["xy"], path, lengths)
+    # the new conv columns: the last K of [the K old columns, the path's inputs], rows of `extended`: window column p
+    # is row length + p of that sequence, an old column while < K, else the path's (length + p - K)-th node's input
+    k = first.kernel
+    extended = stacked["extended"]  # (G, N, K + T, C)
+    seq = lengths[:, None] + torch.arange(k, device=dev)  # (N, K)
+    node = path.gather(1, (seq - k).clamp(min=0))
+    rows = torch.where(seq < k, seq, node + k)
+    kept = extended.gather(2, rows[None, :, :, None].expand(extended.shape[0], -1, -1, extended.shape[-1]))
+    kept = kept.transpose(-1, -2)  # (G, N, C, K)
+    if first.conv_ref is None:  # no state yet (an empty cache of N rows): zeros before the path, as the forward read
+        for (layer_idx, _), conv, state in zip(items, kept, new_state, strict=True):
+            layer = cache.layers[layer_idx]
+            layer.lazy_initialization(conv_states=conv, recurrent_states=state, conv_kernel_size=k)
+            layer.conv_states[0].copy_(conv)
+            layer.recurrent_states[0].copy_(state)
+            layer.has_previous_state[0] = True
+        _adopt_states(cache, [i for i, _ in items])
+        return
+    states = _stacked_states(cache, items)
+    if states is not None and states[1].dtype == new_state.dtype:  # every layer's states in place, one op each
+        conv_all, rec_all = states
+        rec_all.mul_(decay).add_(new_state)
+        conv_all.copy_(kept)
+        return
+    old = torch.stack([r.recurrent_ref for r in recs])
+    new_state = new_state.add_(old.to(new_state) * decay)
+    for i, rec in enumerate(recs):
+        rec.conv_ref.copy_(kept[i])
+        rec.recurrent_ref.copy_(new_state[i])
+    _adopt_states(cache, [i for i, _ in items])
 
 
 def _count_tokens(layers: list, n: int) -> None:

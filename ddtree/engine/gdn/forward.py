@@ -59,6 +59,9 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, ct
     if seq_len != ctx.n:
         raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) got {seq_len} tokens under "
                          f"tree_verification of a {ctx.n}-token tree ([root] + nodes)")
+    if ctx.streams and bsz != ctx.streams:
+        raise ValueError(f"{type(module).__name__} (layer {module.layer_idx}) got a batch of {bsz} under "
+                         f"tree_verification of a BatchTree of {ctx.streams} streams (a row per stream)")
     if attention_mask is not None and attention_mask.ndim == 2:  # padding mask, as upstream
         hidden_states = (hidden_states * attention_mask[:, -seq_len:, None]).to(hidden_states.dtype)
     kernel, layer = module.conv_kernel_size, module.layer_idx

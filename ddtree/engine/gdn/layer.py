@@ -73,8 +73,11 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
     # CPU)
     past = _past(conv_state, kernel, mixed, v)
     if v.table is not None and meta.conv_offsets is not None and not compiling and module.activation == "silu":
+        # (a batch of trees too: its TreeMeta's index gives each stream its own windows)
         kgdn.conv(past, mixed, consts.conv_taps, consts.conv_bias, meta.conv_index, meta.conv_offsets,
                   bufs.extended, bufs.table, v.conv)
+    elif meta.streams:  # a batch of trees, compiled (or another activation): each stream's own windows
+        _batch_conv(module, past, mixed, consts, meta, bufs, v)
     else:
         torch.cat([past, mixed], dim=1, out=bufs.extended)
         if v.table is not None and meta.conv_offsets is not None and not compiling:
@@ -123,6 +126,28 @@ def tree_layer(module, hidden_states: torch.Tensor, conv_state: torch.Tensor | N
         if state0 is not None:
             core.addcmul_(v.start, v.state_q)
     return (consts.out_op or module.out_proj)(_gated_norm(core, z, consts, bufs, v))
+
+
+def _batch_conv(module, past: torch.Tensor, mixed: torch.Tensor, consts: LayerConsts, meta: TreeMeta,
+                bufs: LayerBuffers, v: _Views) -> None:
+    """The conv of a batch of trees into v.conv (T, N C) where the fused op does not run (a compiled graph, an
+    activation other than silu): the tap-scaled table of every row of [conv-state tail, inputs] viewed a row per
+    (tap, row, stream), then per node and stream the sum of its window's K rows (TreeMeta.conv_index)."""
+    torch.cat([past, mixed], dim=1, out=bufs.extended)
+    n, channels = mixed.shape[1], mixed.shape[2]
+    if v.table is not None and not torch.compiler.is_compiling():
+        table = torch.mul(v.rows, consts.conv_taps, out=bufs.table).view(-1, channels)
+        conv = F.embedding_bag(meta.conv_index, table, meta.conv_offsets, mode="sum")  # (T N, C)
+    else:  # (the compiled round: a graph fuses the table, the gather and the sum)
+        table = (v.rows * consts.conv_taps).reshape(-1, channels)
+        conv = table.index_select(0, meta.conv_index).view(-1, module.conv_kernel_size, channels).sum(1)
+    if consts.conv_bias is not None:
+        conv.add_(consts.conv_bias)
+    conv = conv.view(n, -1)
+    if module.activation == "silu":
+        torch._C._nn.silu(conv, out=v.conv)
+    else:
+        v.conv.copy_(_activation(module.activation)(conv))
 
 
 def _compiled_keys(v: _Views, consts: LayerConsts, bufs: LayerBuffers) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,13 +235,20 @@ def _recurrent_rule(qk: torch.Tensor, value: torch.Tensor, state0: torch.Tensor 
     deltas = bufs.deltas.zero_()
     states = state0.unsqueeze(2).expand(bsz, hv, n, dk, dv).contiguous()  # S after each node, so far
     depths, parents = meta.depths, meta.parents
+    if meta.streams:  # a batch: each stream's own parents and levels, (N, 1, T, ...) against (N, Hv, T, ...)
+        gather = parents[:, None, :, None, None].expand(bsz, hv, n, dk, dv)
+        level = depths[:, None, :, None]
     for depth in range(meta.depth_bound + 1):
-        here = depths == depth
-        parent_states = state0.unsqueeze(2) if depth == 0 else states[:, :, parents]
+        here = depths == depth if not meta.streams else level == depth  # (T, 1) or (N, 1, T, 1) against core
+        if depth == 0:
+            parent_states = state0.unsqueeze(2)
+        else:
+            parent_states = states[:, :, parents] if not meta.streams else states.gather(2, gather)
         decayed = parent_states * g.exp()[..., None, None]
         delta = value - (decayed * key.unsqueeze(-1)).sum(-2)
         new = decayed + key.unsqueeze(-1) * (beta[..., None] * delta).unsqueeze(-2)
-        states = torch.where(here[:, None, None], new, states)
-        core = torch.where(here[:, None], (new * query.unsqueeze(-1)).sum(-2), core)
-        deltas.copy_(torch.where(here[:, None], delta, deltas))
+        at = here[:, None] if not meta.streams else here  # where the level's nodes are, against core and d
+        states = torch.where(at[..., None], new, states)
+        core = torch.where(at, (new * query.unsqueeze(-1)).sum(-2), core)
+        deltas.copy_(torch.where(at, delta, deltas))
     return core

@@ -19,6 +19,12 @@ class TreeMeta:
     decay_map (2T + 2, 6T + 3): the matmul from a layer's [softplus(a + dt) (T), A, softplus(-b) (T), 1] to its
     [X (T x 3), Y ((T + 1) x 3)] (module docstring). decay_mask (T, T + 1): 0 at the virtual node and at node i's
     ancestors and itself, -inf elsewhere. depths, parents: for the recurrent method.
+
+    A batch of N streams' trees (a BatchTree, `streams` = N): one map and mask per stream, decay_map (N, 2T + 2,
+    6T + 3) and decay_mask (N, T, T + 1); depths and parents (N, T); conv_index (T * N * K,) the windows as rows of
+    the table (K, K + T, N, C) viewed (K (K + T) N, C): tap k of stream b's row r is row (k (K + T) + r) N + b, node
+    i's bag of stream b the (i N + b)-th (conv_offsets (T N,): 0, K, 2K, ...), so one gather-and-sum gives the conv
+    (T, N C) as one tree's does.
     """
 
     conv_index: torch.Tensor
@@ -28,13 +34,45 @@ class TreeMeta:
     parents: torch.Tensor
     depth_bound: int
     conv_offsets: torch.Tensor | None = None
+    streams: int = 0
 
 
 def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:
     """The verification's TreeMeta for a conv kernel size on a device (built on first use, then shared).
     store: a dict kept across rounds (the cache's): the tensors are then rewritten in place in buffers kept there
     (`_MetaBuffers`: ~12 ops a round instead of ~45), not allocated anew."""
+    if ctx.streams:
+        return ctx.memo(("gdn", kernel, device), lambda: _batch_meta(ctx, kernel, device))
     return ctx.memo(("gdn", kernel, device), lambda: _build_meta(ctx, kernel, device, store))
+
+
+def _batch_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+    """The TreeMeta of a BatchTree (class docstring): every stream's windows, decay map and mask at once, in batched
+    tensor ops (their number does not grow with the streams; no host read)."""
+    tree = ctx.draft
+    parents, depth, anc = (t.to(device) for t in (tree.parents, tree.depths, ctx.ancestors))
+    bsz, n = parents.shape
+    # node i's hops 0 .. K - 1 back (the root repeats past it), then oldest first
+    up = parents.clamp(min=0)
+    hops = [torch.arange(n, device=device).expand(bsz, n)]
+    for _ in range(kernel - 1):
+        hops.append(up.gather(1, hops[-1]))
+    ancestor = torch.stack(hops[::-1], dim=-1)  # (N, T, K)
+    # the window's rows of [K conv-state columns ++ T tree inputs], as _write_meta's; then the table's rows
+    back = torch.arange(kernel - 1, -1, -1, device=device) - depth[..., None]  # > 0: that many before the root
+    rows = torch.where(back <= 0, kernel + ancestor, kernel - back)
+    taps = torch.arange(kernel, device=device) * (kernel + n)
+    index = (taps + rows) * bsz + torch.arange(bsz, device=device)[:, None, None]  # (N, T, K)
+    conv_index = index.transpose(0, 1).reshape(-1)  # bags in (node, stream) order
+    offsets = torch.arange(0, n * bsz * kernel, kernel, device=device)
+    base, _ = _decay_map_consts(n, device)
+    decay_map = base.repeat(bsz, 1, 1)
+    anc_t = anc.transpose(1, 2).to(decay_map.dtype)
+    decay_map[:, :n, 0:3 * n:3] = anc_t
+    decay_map[:, :n, 3 * n + 4::3] = anc_t
+    decay_mask = torch.zeros(bsz, n, n + 1, device=device)
+    decay_mask[:, :, 1:].masked_fill_(~anc, float("-inf"))
+    return TreeMeta(conv_index, decay_map, decay_mask, depth, up, ctx.depth_bound, offsets, streams=bsz)
 
 
 @dataclass
@@ -143,9 +181,9 @@ def _token_meta(cache, ctx: TreeVerification, kernel: int, device: torch.device)
     if cache is None:
         return tree_meta(ctx, kernel, device)
     kept = cache.__dict__.setdefault(_TOKEN_META_ATTR, {})
-    key = (kernel, device)
+    key = (kernel, device, ctx.streams)
     if key not in kept:
-        kept[key] = _build_meta(ctx, kernel, device)
+        kept[key] = _batch_meta(ctx, kernel, device) if ctx.streams else _build_meta(ctx, kernel, device)
     return kept[key]
 
 

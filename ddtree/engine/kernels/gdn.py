@@ -4,11 +4,13 @@ eager only: a compiled graph fuses the composites itself).
 * `gdn_decays(ab, zero, decay_map, decay_mask, gates!, xy!, decays!)`: softplus of [a + dt, -b] into the decay map's
   input `gates` (a float32 `logaddexp(x, 0)`), X and Y = gates @ decay_map into `xy`, and
   E = exp(X . Y + decay_mask) into `decays` (the composite: logaddexp, the map's mm exact under any float32 matmul
-  precision (`exact_sign_mm`), X . Y elementwise, exp_: `decay_products`).
+  precision (`exact_sign_mm`), X . Y elementwise, exp_: `decay_products`). A batch of trees: a map (N, ...) and a
+  mask (N, ...) per stream.
 * `gdn_conv(past, mixed, taps, bias, index, offsets, extended!, table!, out!)`: the causal conv over each node's own
   ancestors: [past; mixed] into `extended` (what the commit reads), then per node i and channel c
   silu(bias_c + sum_k taps[k, c] * rows[window[i, k], c]) in float32 into `out` (5 ops: cat, the tap-scaled table,
-  embedding_bag, the bias add, silu). `table` is the composite's scratch; the kernel reads the rows directly.
+  embedding_bag, the bias add, silu). `table` is the composite's scratch; the kernel reads the rows directly. A batch
+  of trees (offsets of T N bags) gives each stream its own windows.
 * `gdn_qk_norm(qk, weight, eps, rows!)`: the q/k rows' rms_norm (the l2-norm, gdn.LayerConsts) copied into `rows`,
   once per value head of each key head (2 ops: rms_norm, copy_).
 * `gdn_delta_rule(keys, value, state, decays, gram!, from_state!, deltas!, core!)`: the chunk method's solve
@@ -45,7 +47,7 @@ def _decays(ab: torch.Tensor, zero: torch.Tensor, decay_map: torch.Tensor, decay
     """ab (B, T, 2 Hv) or (B, T, 2, Hv): [a + dt | -b]; gates (B, Hv, 2T + 2), xy (B, Hv, 6T + 3) and decays
     (B Hv, T, T + 1) float32 (gdn.LayerBuffers)."""
     bsz, hv = gates.shape[0], gates.shape[1]
-    n = decay_mask.shape[0]
+    n = decay_mask.shape[-2]
     torch.logaddexp(ab.view(bsz, n, 2, hv), zero, out=gates.view(bsz, hv, 2, n + 1)[..., :n].permute(0, 3, 2, 1))
     decay_products(gates.view(bsz * hv, -1), decay_map, decay_mask, xy.view(bsz * hv, -1), decays)
 
@@ -55,10 +57,16 @@ def exact_sign_mm(a: torch.Tensor, signs: torch.Tensor, out: torch.Tensor) -> to
     `signs` of 0 and +-1 entries (the GDN decay map): TF32 and bf16 matmuls round their inputs to 10 and 7 mantissa
     bits, which would move path sums of hundreds by ~0.1 (the exponents of E). `a` is split into three parts of 8
     significant bits each (what both read exactly), their products with 0 / +-1 are exact, the sums float32; one mm
-    over the three stacked, then their sum."""
+    over the three stacked, then their sum. A batch of maps (`signs` (N, M, P), `a` (N, R, M), `out` (N, R, P)):
+    one bmm."""
     hi = (a.view(torch.int32) & -65536).view(torch.float32)  # the top 8 significant bits (16 low bits cleared)
     rest = a - hi  # exact: what the low 16 bits held
     mid = (rest.view(torch.int32) & -65536).view(torch.float32)
+    if signs.dim() == 3:
+        bsz, rows = a.shape[0], a.shape[1]
+        parts = torch.bmm(torch.stack([hi, mid, rest - mid], dim=1).view(bsz, 3 * rows, -1), signs)
+        parts = parts.view(bsz, 3, rows, -1)
+        return torch.add(parts[:, 0] + parts[:, 1], parts[:, 2], out=out)
     parts = torch.mm(torch.stack([hi, mid, rest - mid]).view(3 * a.shape[0], -1), signs).view(3, *out.shape)
     return torch.add(parts[0] + parts[1], parts[2], out=out)
 
@@ -67,7 +75,12 @@ def decay_products(gates: torch.Tensor, decay_map: torch.Tensor, decay_mask: tor
                    decays: torch.Tensor) -> None:
     """X and Y = gates @ decay_map into xy (B Hv, 6T + 3), and E = exp(X . Y + decay_mask) into decays (B Hv, T, T + 1):
     the map by `exact_sign_mm`, X . Y (three terms) elementwise, so that no float32 matmul precision rounds the path
-    sums before their difference c_i - c_j is taken (the eager composite and the compiled round: one home)."""
+    sums before their difference c_i - c_j is taken (the eager composite and the compiled round: one home).
+    A batch of N trees: a map (N, 2T + 2, 6T + 3) and a mask (N, T, T + 1) per stream, gates the streams' rows
+    (N Hv, 2T + 2) in stream order."""
+    if decay_map.dim() == 3:
+        _batch_decay_products(gates, decay_map, decay_mask, xy, decays)
+        return
     n = decay_mask.shape[0]
     exact_sign_mm(gates, decay_map, xy)
     x, y = xy[:, :3 * n].view(-1, n, 1, 3), xy[:, 3 * n:].view(-1, 1, n + 1, 3)
@@ -75,16 +88,32 @@ def decay_products(gates: torch.Tensor, decay_map: torch.Tensor, decay_mask: tor
     decays.addcmul_(x[..., 1], y[..., 1]).addcmul_(x[..., 2], y[..., 2]).exp_()
 
 
+def _batch_decay_products(gates: torch.Tensor, decay_map: torch.Tensor, decay_mask: torch.Tensor, xy: torch.Tensor,
+                          decays: torch.Tensor) -> None:
+    """decay_products for a batch of trees: each stream's rows through its own map, its own mask added."""
+    bsz, n = decay_map.shape[0], decay_mask.shape[-2]
+    xy3 = xy.view(bsz, -1, xy.shape[-1])
+    exact_sign_mm(gates.view(bsz, -1, gates.shape[-1]), decay_map, xy3)
+    x, y = xy3[..., :3 * n].view(bsz, -1, n, 1, 3), xy3[..., 3 * n:].view(bsz, -1, 1, n + 1, 3)
+    out = decays.view(bsz, -1, n, n + 1)
+    torch.addcmul(decay_mask.unsqueeze(1), x[..., 0], y[..., 0], out=out)
+    out.addcmul_(x[..., 1], y[..., 1]).addcmul_(x[..., 2], y[..., 2]).exp_()
+
+
 def _conv(past: torch.Tensor, mixed: torch.Tensor, taps: torch.Tensor, bias: torch.Tensor | None,
           index: torch.Tensor, offsets: torch.Tensor, extended: torch.Tensor, table: torch.Tensor,
           out: torch.Tensor) -> None:
     """past (B, K, C), mixed (B, T, C); taps (K, 1, 1, C) float32; index (T K,): node i's window rows of the table
     (gdn.TreeMeta.conv_index), offsets (T,); extended (B, K + T, C); table (K, K + T, B, C) float32; out (T, B C)
-    float32."""
+    float32. A batch of trees (offsets (T B,)): index (T B K,) each stream's own windows, as rows of the table viewed
+    (K (K + T) B, C) (gdn.TreeMeta)."""
     torch.cat([past, mixed], dim=1, out=extended)
     k, n = taps.shape[0], out.shape[0]
     torch.mul(extended.transpose(0, 1), taps, out=table)
-    summed = F.embedding_bag(index, table.view(k * (k + n), -1), offsets, mode="sum")  # (T, B C)
+    if offsets.shape[0] == n:
+        summed = F.embedding_bag(index, table.view(k * (k + n), -1), offsets, mode="sum")  # (T, B C)
+    else:  # (a batch: bags per node and stream)
+        summed = F.embedding_bag(index, table.view(-1, table.shape[-1]), offsets, mode="sum").view(n, -1)
     if bias is not None:
         summed.view(n, extended.shape[0], -1).add_(bias)
     torch._C._nn.silu(summed, out=out)
@@ -139,10 +168,12 @@ def _kernels():
 
     @triton.jit
     def decays_kernel(ab_ptr, gates_ptr, map_ptr, mask_ptr, xy_ptr, dec_ptr, n, hv,
-                      sab_b, sab_t, sab_c, sg, smap, smask, sxy, sd_bh, sd_i,
+                      sab_b, sab_t, sab_c, sg, smap_b, smap, smask_b, smask, sxy, sd_bh, sd_i,
                       BT: tl.constexpr, BI: tl.constexpr, BM: tl.constexpr):
         bh = tl.program_id(0).to(tl.int64)
         b, h = bh // hv, bh % hv
+        map_ptr += b * smap_b  # (a batch of trees: stream b's own map and mask; one tree: strides 0)
+        mask_ptr += b * smask_b
         width = 2 * n + 2
         cols = tl.arange(0, BT)  # Y's index j = 0 .. T (j = 0 the virtual node)
         col_ok = cols < n + 1
@@ -206,7 +237,7 @@ def _kernels():
             tl.store(dec_ptr + bh * sd_bh + rows[:, None] * sd_i + cols[None, :], tl.exp(mask + prod), mask=ok)
 
     @triton.jit
-    def conv_kernel(past_ptr, mixed_ptr, taps_ptr, bias_ptr, index_ptr, ext_ptr, out_ptr, n, channels,
+    def conv_kernel(past_ptr, mixed_ptr, taps_ptr, bias_ptr, index_ptr, ext_ptr, out_ptr, n, channels, streams,
                     sp_b, sp_r, sp_c, sm_b, sm_t, sm_c, stap, se_b, se_r, se_c, so_t, so_c,
                     KERNEL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
@@ -223,8 +254,11 @@ def _kernels():
             tl.store(ext_ptr + b * se_b + r * se_r + cols * se_c, p.to(ext_ty), mask=first)
         # the window's rows of extended (oldest first), each times its tap, summed in float32
         acc = tl.zeros([BLOCK], dtype=tl.float32)
+        # node i's window: one for every stream (streams = 1), or stream b's own (a batch of trees: index (T, N, K),
+        # table rows (k (K + T) + r) N + b, gdn.TreeMeta)
+        bag = index_ptr + (i * streams + b % streams) * KERNEL
         for k in tl.static_range(KERNEL):
-            row = tl.load(index_ptr + i * KERNEL + k) - k * (KERNEL + n)  # the table row's row of extended
+            row = tl.load(bag + k) // streams - k * (KERNEL + n)  # the table row's row of extended
             in_past = cols * 0 + row < KERNEL
             xp = tl.load(past_ptr + b * sp_b + row * sp_r + cols * sp_c, mask=ok & in_past, other=0.0)
             xm = tl.load(mixed_ptr + b * sm_b + (row - KERNEL) * sm_t + cols * sm_c, mask=ok & ~in_past, other=0.0)
@@ -362,7 +396,9 @@ def _bh(t: torch.Tensor) -> int | None:
 
 def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
     bsz, hv = gates.shape[0], gates.shape[1]
-    n = decay_mask.shape[0]
+    n = decay_mask.shape[-2]
+    # a batch of trees: a map and a mask per stream (strides 0: one tree's for every row)
+    smap_b, smask_b = (decay_map.stride(0), decay_mask.stride(0)) if decay_map.dim() == 3 else (0, 0)
     if ab.dim() == 4:  # (B, T, 2, Hv): [a | b] channels 2 Hv apart where they collapse
         sab_b, sab_t, s_ab, sab_c = ab.stride()
         flat = s_ab == hv * sab_c
@@ -370,14 +406,14 @@ def _launch_decays(ab, zero, decay_map, decay_mask, gates, xy, decays) -> None:
         (sab_b, sab_t, sab_c), flat = ab.stride(), True
     sg, sxy = _bh(gates), _bh(xy)
     if (not flat or sg is None or sxy is None or gates.stride(2) != 1 or xy.stride(2) != 1
-            or decay_map.stride(1) != 1 or decay_mask.stride(1) != 1 or decays.stride(2) != 1):
+            or decay_map.stride(-1) != 1 or decay_mask.stride(-1) != 1 or decays.stride(2) != 1):
         _decays(ab, zero, decay_map, decay_mask, gates, xy, decays)  # (layouts tree_layer does not make)
         return
     bt = _pow2(n + 1)
     bi = max(16, min(bt, 4096 // bt))
     _kernels()["decays"][(bsz * hv,)](
-        ab, gates, decay_map, decay_mask, xy, decays, n, hv, sab_b, sab_t, sab_c, sg, decay_map.stride(0),
-        decay_mask.stride(0), sxy, decays.stride(0), decays.stride(1),
+        ab, gates, decay_map, decay_mask, xy, decays, n, hv, sab_b, sab_t, sab_c, sg, smap_b, decay_map.stride(-2),
+        smask_b, decay_mask.stride(-2), sxy, decays.stride(0), decays.stride(1),
         BT=bt, BI=bi, BM=16, num_warps=4 if bt <= 64 else 8)
 
 
@@ -390,8 +426,9 @@ def _launch_conv(past, mixed, taps, bias, index, offsets, extended, table, out) 
         _conv(past, mixed, taps, bias, index, offsets, extended, table, out)  # (layouts tree_layer does not make)
         return
     block = min(1024, triton.next_power_of_2(channels))
+    streams = offsets.shape[0] // n  # 1: one tree's windows for every row; N: a batch's, per stream
     _kernels()["conv"][(n, bsz, triton.cdiv(channels, block))](
-        past, mixed, taps, taps if bias is None else bias, index, extended, out, n, channels,
+        past, mixed, taps, taps if bias is None else bias, index, extended, out, n, channels, streams,
         *past.stride(), *mixed.stride(), taps.stride(0), *extended.stride(), *out.stride(),
         KERNEL=k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
 

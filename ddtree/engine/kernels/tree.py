@@ -22,6 +22,13 @@ program of one launch:
 cost [L, budget] float32 (costs >= +0.0, NaN past the vocabulary), ranked [L, budget] long (the tokens by rank),
 root (the root token, any integer tensor of one element), n (the tree's nodes, root included); returns (tokens,
 parents, depths, scores, aidx, anc) as `best_first_tensors` documents.
+
+`ddtree::batch_tree_build` is the same build for N streams at once (the batched round,
+ddtree.engine.batch_tree.batch_best_first): cost, ranked [N, L, budget], roots [N], an optional size per stream (the
+first sizes[i] nodes of the best-first order, the rest padding); outputs with a leading stream dimension. Its
+composite is the composite above with that dimension (the same sums and stable sorts, row by row); on CUDA the same
+kernel, one program a stream (`BATCHED`: each program's blocks offset by its stream), so a round is one launch
+whatever N.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 
 from ddtree.engine.kernels import FusedOp, jit_cache
 
-__all__ = ["tree_build"]
+__all__ = ["batch_tree_build", "tree_build"]
 
 
 @lru_cache(maxsize=64)
@@ -60,30 +67,9 @@ def _selection_constants(budget: int, L: int, device: torch.device) -> tuple[tor
 
 
 def _tree_build(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
-    """The composite: best_first_tensors' ops from the ranks' costs on (see its docstring)."""
-    L, budget = cost.shape
-    dev = cost.device
-    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
-    constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
-    parent_rank, child_rank, root_list, tail, parent_cell, minus_one = constants(budget, L, dev)
-    child_cost = cost.index_select(1, child_rank).unbind(0)
-    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
-    lists, pairs = [root_list, torch.cat([cost[0], tail])], [child_rank]
-    for d in range(1, L):
-        best, pair = torch.sort(lists[-1].index_select(0, parent_rank) + child_cost[d], stable=True)
-        lists.append(best)
-        pairs.append(pair)
-    grid = torch.stack(lists)[:, :budget].reshape(-1)  # cell d * budget + j: the j-th best of depth d (root: cell 0)
-    cells = torch.sort(grid, stable=True).indices[:n].sort().values  # the tree's cells, depth-major: the flat layout
-    pair = torch.stack(pairs)[:, :budget]  # [L, budget]: the pair behind each cell of depths 1..L
-    below = cells[1:] - budget  # the nodes' cells in `pair`
-    tokens = torch.cat([root.reshape(1).to(dev, torch.long), ranked.gather(1, child_rank[pair]).view(-1)[below]])
-    parent_of = parent_cell.gather(1, pair).view(-1)[below]
-    parents = torch.cat([minus_one, torch.searchsorted(cells, parent_of)])  # a parent's flat index: its place in cells
-    depths = torch.div(cells, budget, rounding_mode="floor")
-    scores = 0.0 - grid[cells]
-    aidx = _ancestor_index(parents, min(L, n - 1))
-    return tokens, parents, depths, scores, aidx, _ancestor_matrix(aidx)
+    """The composite: best_first_tensors' ops from the ranks' costs on (see its docstring), the batched composite's
+    with one stream."""
+    return tuple(t[0] for t in _batch_tree_build(cost[None], ranked[None], root.reshape(1), None, n))
 
 
 def _ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
@@ -102,6 +88,70 @@ def _ancestor_matrix(aidx: torch.Tensor) -> torch.Tensor:
     return torch.zeros(n, n, dtype=torch.bool, device=aidx.device).scatter_(1, aidx, True)
 
 
+def _batch_tree_build(cost: torch.Tensor, ranked: torch.Tensor, roots: torch.Tensor, sizes: torch.Tensor | None,
+                      n: int) -> tuple[torch.Tensor, ...]:
+    """The composite, N streams at once (cost, ranked [N, L, budget], roots [N]; outputs [N, ...]): best_first_tensors'
+    ops after the top-k (see its docstring) with a stream dimension, the same float32 sums and stable sorts row by
+    row (`_tree_build` is its one-stream call). sizes (long [N], each 1..n) or None: row i keeps
+    the first sizes[i] cells of the best-first order (the tree of budget sizes[i] - 1, in its own flat layout), the
+    rest padding (token 0, parent 0, depth 1, score -inf; ancestors itself and the root)."""
+    N, L, budget = cost.shape
+    dev = cost.device
+    # traced (ddtree.engine.compiled): the constants become the graph's own, built without the cache wrapper
+    constants = _selection_constants.__wrapped__ if torch.compiler.is_compiling() else _selection_constants
+    parent_rank, child_rank, root_list, tail, parent_cell, minus_one = constants(budget, L, dev)
+    P = parent_rank.shape[0]
+    child_cost = cost.index_select(2, child_rank).unbind(1)  # L x [N, P]
+    # depth 1: the root's children by rank (its first `budget` pairs are (0, r), pair j of rank j: child_rank maps j to j)
+    lists, pairs = [root_list.expand(N, P), torch.cat([cost[:, 0], tail.expand(N, -1)], dim=1)], [child_rank.expand(N, P)]
+    for d in range(1, L):
+        best, pair = torch.sort(lists[-1].index_select(1, parent_rank) + child_cost[d], dim=1, stable=True)
+        lists.append(best)
+        pairs.append(pair)
+    grid = torch.stack(lists, dim=1)[:, :, :budget].reshape(N, -1)  # cell d * budget + j: the j-th best of depth d
+    order = torch.sort(grid, dim=1, stable=True).indices[:, :n]  # the best-first order (root first)
+    if sizes is not None:  # past a row's size: a cell past every cell (sorted last)
+        real = torch.arange(n, device=dev) < sizes[:, None]
+        order = torch.where(real, order, (L + 1) * budget)
+    cells = order.sort(dim=1).values  # the tree's cells, depth-major: the flat layout
+    pair = torch.stack(pairs, dim=1)[:, :, :budget]  # [N, L, budget]: the pair behind each cell of depths 1..L
+    below = cells[:, 1:] - budget  # the nodes' cells in `pair`
+    if sizes is not None:
+        below = below.clamp(max=L * budget - 1)
+    tokens = torch.cat([roots.reshape(N, 1).to(dev, torch.long),
+                        ranked.gather(2, child_rank[pair]).view(N, -1).gather(1, below)], dim=1)
+    parent_of = parent_cell.expand(N, L, P).gather(2, pair).view(N, -1).gather(1, below)
+    # a parent's flat index: its place in cells
+    parents = torch.cat([minus_one.expand(N, 1), torch.searchsorted(cells, parent_of)], dim=1)
+    depths = torch.div(cells, budget, rounding_mode="floor")
+    if sizes is None:
+        scores = 0.0 - grid.gather(1, cells)
+    else:
+        scores = torch.where(real, 0.0 - grid.gather(1, cells.clamp(max=(L + 1) * budget - 1)), -math.inf)
+        tokens = torch.where(real, tokens, 0)
+        parents = torch.where(real, parents, 0)
+        parents[:, :1] = -1
+        depths = torch.where(real, depths, 1)
+    aidx = _batch_ancestor_index(parents, min(L, n - 1))
+    return tokens, parents, depths, scores, aidx, torch.zeros(N, n, n, dtype=torch.bool, device=dev).scatter_(2, aidx, True)
+
+
+def _batch_ancestor_index(parents: torch.Tensor, bound: int) -> torch.Tensor:
+    """_ancestor_index with a stream dimension: aidx[i, a, h] the h-th ancestor of node a of row i (the root repeating
+    past it), h <= bound, long [N, T, bound + 1], contiguous."""
+    N, T = parents.shape
+    up = parents.clamp(min=0)
+    hops = torch.stack([torch.arange(T, device=parents.device).expand(N, T), up], dim=2)  # hops 0 and 1
+    if bound == 0:
+        return hops[:, :, :1].contiguous()
+    far = up  # the hops.shape[2] / 2-th ancestor
+    while hops.shape[2] <= bound:  # hops w.. 2w - 1 of a (at most hop `bound`): hops 0.. w - 1 of its w-th ancestor
+        w = hops.shape[2]
+        far = far.gather(1, far)
+        hops = torch.cat([hops, hops.gather(1, far[:, :, None].expand(N, T, min(w, bound + 1 - w)))], dim=2)
+    return hops
+
+
 @jit_cache()
 def _kernels():
     import triton
@@ -110,10 +160,28 @@ def _kernels():
     @triton.jit
     def tree_build_kernel(cost_ptr, ranked_ptr, root_ptr, prank_ptr, crank_ptr,
                           tok_ptr, par_ptr, dep_ptr, score_ptr, aidx_ptr, anc_ptr,
-                          grid_ptr, pair_ptr, cell_ptr, L, P, n, bound,
+                          grid_ptr, pair_ptr, cell_ptr, size_ptr, L, P, n, bound,
                           B: tl.constexpr, PP: tl.constexpr, NB: tl.constexpr, KB: tl.constexpr,
-                          ZB: tl.constexpr):
+                          ZB: tl.constexpr, BATCHED: tl.constexpr, HAS_SIZES: tl.constexpr):
         LAST: tl.constexpr = 0x7FFFFFFFFFFFFFFF  # past every key: padding
+        if BATCHED:  # one program a stream (ddtree::batch_tree_build; ddtree::tree_build: one program, no offsets)
+            pid = tl.program_id(0).to(tl.int64)
+            cost_ptr += pid * L * B
+            ranked_ptr += pid * L * B
+            root_ptr += pid
+            tok_ptr += pid * n
+            par_ptr += pid * n
+            dep_ptr += pid * n
+            score_ptr += pid * n
+            aidx_ptr += pid * n * (bound + 1)
+            anc_ptr += pid * n * n
+            grid_ptr += pid * (L + 1) * B
+            pair_ptr += pid * L * B
+            cell_ptr += pid * n
+        if HAS_SIZES:  # the stream's own node count (the rest padding)
+            size = tl.load(size_ptr + tl.program_id(0)).to(tl.int32)
+        else:
+            size = n
         LOW: tl.constexpr = 0x7FFFFFFF  # the index bits (indices < 2 ** 31; an int32 mask, no unsigned constant)
         NAN_BITS: tl.constexpr = 0x7FC00000
         NAN_KEY: tl.constexpr = 0x7FC0000000000000  # NaN_BITS << 32
@@ -156,15 +224,17 @@ def _kernels():
             bits = tl.where(v != v, NAN_BITS, v.to(tl.int32, bitcast=True))
             new = tl.where(in_new, (bits.to(tl.int64) << 32) | cell, LAST)
             kept = tl.sort(tl.where(m < NB, kept, new))
-        cells = tl.sort(tl.where(m < n, kept & LOW, LAST))
+        cells = tl.sort(tl.where(m < size, kept & LOW, LAST))
         tl.store(cell_ptr + m, cells, mask=m < n)
         tl.debug_barrier()
 
-        # the nodes: token, depth, score, and the parent's flat index (the count of cells below the parent's cell)
+        # the nodes: token, depth, score, and the parent's flat index (the count of cells below the parent's cell);
+        # padding (past size): token 0, parent 0, depth 1, score -inf
         i = tl.arange(0, NB)
         live = i < n
-        node = live & (i > 0)
-        c = tl.load(cell_ptr + i, mask=live, other=0)
+        real = i < size
+        node = real & (i > 0)
+        c = tl.load(cell_ptr + i, mask=real, other=0)
         depth = c // B
         above = tl.maximum(depth - 1, 0) * B
         pair = tl.load(pair_ptr + above + c % B, mask=node, other=0)
@@ -176,13 +246,13 @@ def _kernels():
         count = tl.zeros([NB], tl.int32)
         for k0 in range(0, n, KB):
             k = k0 + tl.arange(0, KB)
-            ck = tl.load(cell_ptr + k, mask=k < n, other=LOW).to(tl.int32)
+            ck = tl.load(cell_ptr + k, mask=k < size, other=LOW).to(tl.int32)
             count += tl.sum((ck[None, :] < parent_cell[:, None]).to(tl.int32), axis=1)
-        score = 0.0 - tl.load(grid_ptr + c, mask=live, other=0.0)
+        score = 0.0 - tl.load(grid_ptr + c, mask=real, other=0.0)
         tl.store(tok_ptr + i, token, mask=live)
-        tl.store(par_ptr + i, tl.where(i == 0, -1, count).to(tl.int64), mask=live)
-        tl.store(dep_ptr + i, depth, mask=live)
-        tl.store(score_ptr + i, score, mask=live)
+        tl.store(par_ptr + i, tl.where(i == 0, -1, tl.where(real, count, 0)).to(tl.int64), mask=live)
+        tl.store(dep_ptr + i, tl.where(real, depth, 1), mask=live)
+        tl.store(score_ptr + i, tl.where(real, score, float("-inf")), mask=live)
 
         # the ancestor matrix's zeros, then (after the barrier: parents and zeros written) the ancestor index and a
         # True at each (node, ancestor)
@@ -219,7 +289,7 @@ def _launch(cost: torch.Tensor, ranked: torch.Tensor, root: torch.Tensor, n: int
     grid = torch.empty((L + 1) * budget, dtype=torch.float32, device=dev)
     pair = torch.empty(L * budget, dtype=torch.int32, device=dev)
     _kernels()[(1,)](cost, ranked, root, parent_rank, child_rank, tokens, parents, depths, scores, aidx, anc, grid,
-                     pair, cells, L, pairs, n, bound, **_meta(budget, pairs, n))
+                     pair, cells, None, L, pairs, n, bound, BATCHED=False, HAS_SIZES=False, **_meta(budget, pairs, n))
     return tokens, parents, depths, scores, aidx, anc
 
 
@@ -241,3 +311,37 @@ _TREE_BUILD = FusedOp("tree_build(Tensor cost, Tensor ranked, Tensor root, int n
                       timed=True)  # (one program's sorts against ~85 launches: the faster one runs, per budget)
 
 tree_build = _TREE_BUILD.op
+
+
+def _batch_launch(cost: torch.Tensor, ranked: torch.Tensor, roots: torch.Tensor, sizes: torch.Tensor | None,
+                  n: int) -> tuple[torch.Tensor, ...]:
+    """The batched build: tree_build_kernel, one program a stream."""
+    N, L, budget = cost.shape
+    if (cost.dtype != torch.float32 or ranked.dtype != torch.long or ranked.shape != cost.shape
+            or not cost.is_contiguous() or not ranked.is_contiguous() or roots.numel() != N
+            or not 1 <= n <= budget + 1 or budget > 1024 or (sizes is not None and sizes.shape != (N,))):
+        return _batch_tree_build(cost, ranked, roots, sizes, n)
+    dev = cost.device
+    parent_rank, child_rank = _selection_constants(budget, L, dev)[:2]
+    pairs = parent_rank.shape[0]
+    bound = min(L, n - 1)
+    roots = roots.reshape(N).to(dev, torch.long)
+    sizes = None if sizes is None else sizes.to(dev, torch.long).contiguous()
+    long = functools.partial(torch.empty, dtype=torch.long, device=dev)
+    tokens, parents, depths, aidx, cells = long(N, n), long(N, n), long(N, n), long(N, n, bound + 1), long(N, n)
+    scores = torch.empty(N, n, dtype=torch.float32, device=dev)
+    anc = torch.empty(N, n, n, dtype=torch.bool, device=dev)
+    grid = torch.empty(N, (L + 1) * budget, dtype=torch.float32, device=dev)
+    pair = torch.empty(N, L * budget, dtype=torch.int32, device=dev)
+    if N:
+        _kernels()[(N,)](cost, ranked, roots, parent_rank, child_rank, tokens, parents, depths, scores, aidx, anc,
+                         grid, pair, cells, sizes, L, pairs, n, bound, BATCHED=True, HAS_SIZES=sizes is not None,
+                         **_meta(budget, pairs, n))
+    return tokens, parents, depths, scores, aidx, anc
+
+
+_BATCH_TREE_BUILD = FusedOp("batch_tree_build(Tensor cost, Tensor ranked, Tensor roots, Tensor? sizes, int n) -> "
+                            "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)", _batch_tree_build, _batch_launch,
+                            timed=True)  # (as tree_build: N programs' sorts against ~85 launches)
+
+batch_tree_build = _BATCH_TREE_BUILD.op

@@ -24,8 +24,8 @@ the same replay for the top-1 chain (the measured tau of its own rounds, by cons
 model alone: one tree shape for every round, the B most likely rank paths by measured acceptance (what a tree ordered
 by acceptance rather than by the drafter's scores would reach), and the prediction for records without rows (format 1).
 
-The package, one job a module: `records` (the inputs), `stats` (the statistics of the records), `model` (the rank model
-and the replay), `cost` (verification cost), `analysis` (the diagnosis and its verdict), `text` (markdown), `plots`,
+The package, one job a module: `records` (the inputs), `stats` (the statistics of the records), `model` (the replay, and
+the rank model from its home, ddtree.engine.rank_model), `cost` (verification cost), `analysis` (the diagnosis and its verdict), `text` (markdown), `plots`,
 `outputs` (the files), `cli`.
 """
 

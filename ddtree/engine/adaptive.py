@@ -1,0 +1,660 @@
+"""`budget="auto"` with many streams: every round, the draft that maximises the batch's committed tokens per second.
+
+`LoadBudget.choose(streams)` weighs, for the round's live streams, each option: no draft (AR: the target's one token
+a stream), DFlash's chain (block_size - 1 drafted tokens) and a DDTree tree of each candidate budget B. Its rate is
+
+    rate(option) = streams x tau(option) / seconds(streams, option)
+
+tau from the acceptance estimate (`AcceptanceEstimate`: the rank model of ddtree.engine.rank_model, kept online by
+depth from the ranks each round's one host read carries), seconds from a `RoundCost`: measured on the machine
+(`MeasuredCost`, calibrated in the first rounds) or the project's cost model for a stated GPU (`RooflineCost.stated`,
+docs/gpu.md). AR is always an option, so the choice is never slower than plain decoding by the model's own estimate.
+`LoadBudget.observe(...)` feeds the round's outcome back; `history` keeps one `RoundRecord` a round for the
+diagnosis. docs/concurrency.md ("The budget rule") states the formulas.
+
+The controller is host arithmetic: it launches nothing and reads nothing from the device. `target_ranks` is the one
+device helper: the ranks `observe` takes, computed in a few batched ops where the round's walk is, so the round's one
+host read carries them.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ddtree.engine.diagnostics import RANK_CAP
+from ddtree.engine.rank_model import chain_tau, predict_taus
+
+KINDS = ("ar", "chain", "tree")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One round's draft for every stream. kind: "ar" (no draft), "chain" (DFlash's chain of block_size - 1 drafted
+    tokens) or "tree" (a DDTree tree); nodes: drafted tokens a stream besides its root (0 for AR, block_size - 1 for a
+    chain, the budget B for a tree). The target verifies `tokens` = nodes + 1 a stream."""
+
+    kind: str
+    nodes: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Choice.kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if self.nodes < 0 or (self.kind == "ar") != (self.nodes == 0):
+            raise ValueError(f"Choice({self.kind!r}, {self.nodes}): AR drafts 0 nodes, a chain or a tree at least 1")
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the target verifies a stream (the root and the drafted nodes)."""
+        return self.nodes + 1
+
+    @property
+    def drafted(self) -> bool:
+        return self.kind != "ar"
+
+    @property
+    def budget(self) -> int | None:
+        """The DDTree node budget (a tree), else None."""
+        return self.nodes if self.kind == "tree" else None
+
+    @property
+    def label(self) -> str:
+        """"ar", "chain", "ddtree:B"."""
+        return f"ddtree:{self.nodes}" if self.kind == "tree" else self.kind
+
+
+AR = Choice("ar", 0)
+
+
+# ----- acceptance ------------------------------------------------------------------------------------------------
+
+class AcceptanceEstimate:
+    """p_d(r | state) of the rank model (ddtree.engine.rank_model), kept online: exponentially weighted counts of the
+    target token's drafter rank r (RANK_CAP = beyond) at each depth d = 1 … depth, given the path above was accepted,
+    state 0 while that path stayed on the drafter's top-1 chain and 1 off it.
+
+    Before data, a prior: top-1 acceptance `prior` at every depth, the rest of each row halving rank by rank (the
+    remainder "beyond"); it counts as `prior_weight` observations a depth, so data replace it within a few rounds. Off
+    the chain, a depth's row shrinks toward the same depth's main-chain row (independence) with the same weight.
+    Counts decay by 2^(-1/halflife) a round (`halflife` in rounds; 0: no decay)."""
+
+    def __init__(self, depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0):
+        if depth < 1:
+            raise ValueError(f"AcceptanceEstimate: depth must be >= 1 (block_size - 1), not {depth}")
+        if not 0.0 < prior < 1.0:
+            raise ValueError(f"AcceptanceEstimate: prior (top-1 acceptance) must be in (0, 1), not {prior}")
+        self.depth = depth
+        self.prior_weight = float(prior_weight)
+        self.decay = 0.5 ** (1.0 / halflife) if halflife > 0 else 1.0
+        row = [prior] + [(1 - prior) * 0.5 ** r for r in range(1, RANK_CAP)]
+        row.append(max(0.0, 1.0 - sum(row)))
+        self.prior = np.asarray(row)
+        self.counts = np.zeros((2, depth, RANK_CAP + 1))  # [state, depth, rank]
+        self.observed = 0  # rank observations so far (undecayed)
+
+    def decay_round(self) -> None:
+        self.counts *= self.decay
+
+    def add(self, *streams: Sequence[int]) -> None:
+        """Each stream's ranks along its accepted path and at the first rejected depth (depths 1, 2, …)."""
+        if streams:
+            self.add_rows(_padded(streams, self.depth))
+
+    def add_rows(self, ranks) -> None:
+        """The same for many streams at once: ranks [streams, depths] (an array; -1 past a stream's last depth)."""
+        r = np.asarray(ranks, dtype=np.int64)[:, : self.depth]
+        seen = r >= 0
+        r = np.minimum(r, RANK_CAP)
+        off = np.cumsum(r != 0, axis=1) - (r != 0)  # ranks != 0 above each depth: the path left the top-1 chain
+        state = (off > 0).astype(np.int64)
+        depth = np.broadcast_to(np.arange(r.shape[1]), r.shape)
+        idx = ((state * self.depth + depth) * (RANK_CAP + 1) + r)[seen]
+        np.add.at(self.counts.reshape(-1), idx, 1.0)
+        self.observed += int(idx.size)
+
+    def tables(self) -> tuple[list[list[float]], list[list[float]]]:
+        """(main, off): p_d(r) per depth, ranks 0 … RANK_CAP - 1 then the mass beyond (rank_model's layout)."""
+        w = self.prior_weight
+        main = (self.counts[0] + w * self.prior) / (self.counts[0].sum(1, keepdims=True) + w)
+        off = (self.counts[1] + w * main) / (self.counts[1].sum(1, keepdims=True) + w)
+        return main.tolist(), off.tolist()
+
+    def taus(self, max_budget: int) -> tuple[float, list[float]]:
+        """(a chain's tau over every depth, [tau of the best tree of 0 … max_budget nodes])."""
+        main, off = self.tables()
+        return chain_tau(main), predict_taus(main, off, max_budget)
+
+
+def _padded(streams: Sequence[Sequence[int]], depth: int) -> np.ndarray:
+    """Per-stream rank lists as one [streams, depth] array, -1 past each list's end."""
+    out = np.full((len(streams), depth), -1, dtype=np.int64)
+    for i, ranks in enumerate(streams):
+        n = min(len(ranks), depth)
+        if n:
+            out[i, :n] = ranks[:n]
+    return out
+
+
+def target_ranks(logits: torch.Tensor, tree_tokens: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor,
+                 next_root: torch.Tensor) -> torch.Tensor:
+    """On the device, long [N, L]: per stream, the drafter rank of the target's token (0 = the drafter's top-1 in
+    its row; ties rank by the tokens strictly above) at depths 1 … min(a + 1, L), a = lengths - 1 accepted draft
+    tokens: the accepted path's tokens, then the target's token after them (the first rejected depth); -1 past.
+
+    logits: the round's drafter rows [N, L, V] (row d drafts depth d + 1, any monotone transform of the
+    log-probabilities); tree_tokens [N, T]; path [N, K] flat node indices root first, padded with the last node;
+    lengths [N] nodes on each path, root included; next_root [N] (ddtree.engine.batch_tree.BatchWalk's fields). A few
+    ops for the whole batch and no host read: read the result with the walk's."""
+    n, L, _ = logits.shape
+    d = torch.arange(L, device=logits.device)[None, :]  # depth d + 1
+    col = (d + 1).clamp(max=path.shape[1] - 1).expand(n, L)
+    toks = tree_tokens.gather(1, path.to(logits.device).gather(1, col))
+    a = (lengths.to(logits.device) - 1)[:, None]
+    toks = torch.where(d < a, toks, next_root.to(logits.device)[:, None])
+    own = logits.gather(2, toks[:, :, None])
+    rank = (logits > own).sum(-1)
+    return torch.where(d <= a, rank, torch.full_like(rank, -1))
+
+
+# ----- cost ------------------------------------------------------------------------------------------------------
+
+class RoundCost:
+    """Seconds of one batched round as a function of the live streams and the round's draft. `observe` takes the
+    measured seconds of a round (a stated model ignores them); `measured`: whether it learns from them, so a
+    controller first measures every option (`rounds`: the measured rounds of a draft shape)."""
+
+    measured = False
+    source = "given"
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        raise NotImplementedError
+
+    def observe(self, streams: int, choice: Choice, seconds: float) -> None:
+        return None
+
+    def rounds(self, choice: Choice) -> int:
+        return 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source}
+
+    @staticmethod
+    def stated(structure: str = "qwen3_6_27b", gpu: str = "h200", **kw) -> RooflineCost:
+        """The project's cost model for a stated structure and GPU (`RooflineCost.stated`)."""
+        return RooflineCost.stated(structure, gpu, **kw)
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A real model's dims as the cost model counts them (`real_dims` in bench/bench_launches.py, of
+    bench/configs/<name>.json): params read a round (all but the input embeddings), the lm_head's, a 5-layer DFlash
+    drafter's, the attention and GDN layers, a KV row's bytes per attention layer (K and V, bf16), one GDN layer's
+    state bytes (fp32 recurrent + bf16 conv), the drafter's KV row, sliding layers and window."""
+
+    params: int
+    head: int
+    drafter: int
+    attn_layers: int
+    gdn_layers: int
+    kv_row: int
+    gdn_state: int
+    drafter_layers: int = 5
+    drafter_kv_row: int = 4096
+    drafter_sliding: int = 4
+    drafter_window: int = 2048
+
+
+STRUCTURES = {
+    "qwen3_6_27b": Structure(params=25_624_600_064, head=1_271_398_400, drafter=1_835_072_000, attn_layers=16,
+                             gdn_layers=48, kv_row=4096, gdn_state=3_227_648),
+    "qwen3_8b": Structure(params=7_568_405_504, head=622_329_856, drafter=1_048_626_432, attn_layers=36,
+                          gdn_layers=0, kv_row=4096, gdn_state=0),
+}
+# bytes/s, dense bf16 FLOP/s, the fraction of it a GEMM reaches (docs/gpu.md; the H100 SXM's as bench_launches --tp)
+GPUS = {"h200": (4.8e12, 989e12, 0.7), "h100": (3.35e12, 989e12, 0.7)}
+
+
+class RooflineCost(RoundCost):
+    """The cost model of docs/gpu.md at N streams (every constant stated):
+
+        bytes   = 2 (params + [drafted] (drafter + head))                         the weights, read once a round
+                  + N (attention KV rows at `context` + 2 x GDN states + [drafted] the drafter's KV rows)
+        FLOPs   = N (2 params x tokens + [drafted] 2 (drafter + head) x block_size)
+        round   = max(bytes / bandwidth, FLOPs / (peak x mfu), host_s) + syncs x sync_s
+
+    host_s: the compiled round's host time (68 ops x 6 us + 4 graph calls x 30 us, docs/gpu.md), below the device
+    time; so a round is bandwidth-bound until N x tokens reaches about 160-170 on Qwen3.6-27B / H200 (`knee`), then
+    compute-bound."""
+
+    source = "cost model"
+
+    def __init__(self, dims: Structure, *, bandwidth: float, peak_flops: float, mfu: float, block_size: int = 16,
+                 context: int = 1024, host_s: float = 68 * 6e-6 + 4 * 30e-6, syncs: int = 1, sync_s: float = 20e-6,
+                 name: str = "custom"):
+        self.dims, self.bandwidth, self.peak_flops, self.mfu = dims, bandwidth, peak_flops, mfu
+        self.block_size, self.context, self.host_s, self.syncs, self.sync_s = block_size, context, host_s, syncs, sync_s
+        self.name = name
+
+    @classmethod
+    def stated(cls, structure: str = "qwen3_6_27b", gpu: str = "h200", **kw) -> RooflineCost:
+        """The cost model for one of STRUCTURES on one of GPUS; kw: block_size, context, host_s, syncs, sync_s."""
+        if structure not in STRUCTURES:
+            raise ValueError(f"RooflineCost.stated: structure {structure!r} unknown; one of {', '.join(STRUCTURES)}")
+        if gpu not in GPUS:
+            raise ValueError(f"RooflineCost.stated: gpu {gpu!r} unknown; one of {', '.join(GPUS)}")
+        bw, peak, mfu = GPUS[gpu]
+        return cls(STRUCTURES[structure], bandwidth=bw, peak_flops=peak, mfu=mfu, name=f"{structure} on {gpu}", **kw)
+
+    def bytes(self, streams: int, choice: Choice) -> float:
+        d = self.dims
+        weights = 2 * (d.params + (d.drafter + d.head if choice.drafted else 0))
+        state = d.attn_layers * self.context * d.kv_row + 2 * d.gdn_layers * d.gdn_state
+        if choice.drafted:
+            state += sum(min(self.context, d.drafter_window) if i < d.drafter_sliding else self.context
+                         for i in range(d.drafter_layers)) * d.drafter_kv_row
+        return weights + streams * state
+
+    def flops(self, streams: int, choice: Choice) -> float:
+        d = self.dims
+        drafter = 2 * (d.drafter + d.head) * self.block_size if choice.drafted else 0
+        return streams * (2 * d.params * choice.tokens + drafter)
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        device = max(self.bytes(streams, choice) / self.bandwidth,
+                     self.flops(streams, choice) / (self.peak_flops * self.mfu))
+        return max(device, self.host_s) + self.syncs * self.sync_s
+
+    def knee(self, streams: int = 1) -> float:
+        """Verified tokens of all streams together where a drafted round turns compute-bound."""
+        d = self.dims
+        probe = Choice("chain", 1)
+        drafter = streams * 2 * (d.drafter + d.head) * self.block_size
+        return (self.bytes(streams, probe) / self.bandwidth * self.peak_flops * self.mfu - drafter) / (2 * d.params)
+
+    def describe(self) -> dict[str, Any]:
+        return {"source": self.source, "model": self.name, "bandwidth": self.bandwidth, "peak_flops": self.peak_flops,
+                "mfu": self.mfu, "context": self.context, "block_size": self.block_size, "host_s": self.host_s,
+                "knee_tokens": self.knee()}
+
+
+class MeasuredCost(RoundCost):
+    """Round seconds calibrated on the machine from the rounds themselves.
+
+    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds. Left out: the
+    run's first `warmup` rounds (allocator growth, first kernels) and the first `shape_warmup` rounds of each draft
+    shape (0 by default: an eager round's first run at a shape costs what the next do, and it is the one that says a
+    new shape is dear; 1 where each new shape compiles). The fit, weighted by observations:
+
+        seconds = a + e [drafted] + c N + f [drafted] N + b max(0, N x tokens - k)
+
+    flat in the verified tokens up to a knee k (bandwidth-bound), then linear (compute-bound): k is searched among 0
+    and the measured N x tokens, then between the best one's neighbours, by the least weighted squared error with
+    b >= 0 (k = 0: linear throughout, as on a CPU). A small ridge keeps the columns the data do not yet separate
+    (one stream count so far) at zero. The fit is redone after new rounds: every round for the first `refit_every` x 4
+    fits and whenever a round lands on a (streams, shape) not measured before, else every `refit_every` rounds (host
+    time).
+
+    Where the data leave the knee open (knees within `tolerance` of the least error), the fit takes the shallowest
+    slope b among them: far past the measured rounds a bigger draft looks cheap rather than dear, so it gets chosen
+    and its round measures it (the controller's rounds at a new load do the rest: LoadBudget). A prediction is never
+    below a round measured at the same stream count with no more tokens (and no draft where it drafts none): a round
+    does not get cheaper with more work, which caps that optimism where the machine has already said otherwise."""
+
+    measured = True
+    source = "measured"
+
+    def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 8,
+                 tolerance: float = 0.25):
+        self.window, self.warmup, self.shape_warmup = window, warmup, shape_warmup
+        self.refit_every, self.tolerance = refit_every, tolerance
+        self._rounds = 0  # rounds observed, warm-ups included
+        self._runs: dict[tuple[int, int, bool], deque] = {}
+        self._median: dict[tuple[int, int, bool], float] = {}
+        self._by_streams: dict[int, dict[tuple[int, bool], float]] = {}  # streams -> shape -> median
+        self._seen: dict[tuple[int, bool], int] = {}  # rounds per draft shape (tokens, drafted), warm-ups included
+        self._measured: dict[tuple[int, bool], int] = {}  # the same past the warm-ups
+        self._coef: np.ndarray | None = None
+        self._knee = 0.0
+        self._floor = 0.0
+        self._new = 0  # measured rounds since the last fit
+        self._new_key = False  # a (streams, shape) first measured since the last fit
+        self._fits = 0
+
+    def observe(self, streams: int, choice: Choice, seconds: float) -> None:
+        shape = (choice.tokens, choice.drafted)
+        self._seen[shape] = self._seen.get(shape, 0) + 1
+        self._rounds += 1
+        warm = self._rounds <= self.warmup or self._seen[shape] <= self.shape_warmup
+        if warm or not math.isfinite(seconds) or seconds <= 0:
+            return
+        key = (int(streams), choice.tokens, choice.drafted)
+        self._new_key = self._new_key or key not in self._runs
+        runs = self._runs.setdefault(key, deque(maxlen=self.window))
+        runs.append(float(seconds))
+        self._measured[shape] = self._measured.get(shape, 0) + 1
+        self._median[key] = statistics.median(runs)
+        self._by_streams.setdefault(key[0], {})[key[1:]] = self._median[key]
+        self._new += 1
+
+    def rounds(self, choice: Choice) -> int:
+        return self._measured.get((choice.tokens, choice.drafted), 0)
+
+    def _refit(self) -> None:
+        stale = self._new and (self._fits < 4 * self.refit_every or self._new >= self.refit_every or self._new_key)
+        if self._coef is None or stale:
+            self._fit()
+
+    def _fit(self) -> None:
+        keys = list(self._runs)
+        S = np.array([k[0] for k in keys], dtype=np.float64)
+        T = np.array([k[1] for k in keys], dtype=np.float64)
+        D = np.array([float(k[2]) for k in keys])
+        y = np.array([self._median[k] for k in keys])
+        w = np.array([len(self._runs[k]) for k in keys], dtype=np.float64)
+        work = S * T
+        base = np.stack([np.ones_like(S), D, S, D * S], 1)  # [n, 4]
+        ridge = np.diag([0.0, 1.0, 1.0, 1.0, 1.0])[None] * 1e-9
+
+        def solve(knees: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            X = np.concatenate([np.broadcast_to(base, (len(knees), *base.shape)),
+                                np.maximum(0.0, work[None, :] - knees[:, None])[:, :, None]], 2)  # [K, n, 5]
+            XtW = X.transpose(0, 2, 1) * w[None, None, :]
+            A = XtW @ X
+            A = A + ridge * (np.trace(A, axis1=1, axis2=2) / A.shape[1])[:, None, None]
+            coef = np.linalg.solve(A, (XtW @ y)[:, :, None])[:, :, 0]  # [K, 5]
+            err = (((X @ coef[:, :, None])[:, :, 0] - y[None]) ** 2 * w[None]).sum(1)
+            err[coef[:, 4] < 0] = np.inf  # a cost falling with the tokens is no roofline
+            return coef, err
+
+        grid = np.unique(np.concatenate([[0.0], work]))
+        coef, err = solve(grid)
+        if np.isfinite(err).any():
+            tol = 1e-18 * float((w * y * y).sum())  # exact data: rounding
+            i = int(np.argmin(err))  # refined between its neighbours (a knee lies between measured points)
+            fine = np.linspace(grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)], 33)
+            c2, e2 = solve(fine)
+            grid, coef, err = np.concatenate([grid, fine]), np.concatenate([coef, c2]), np.concatenate([err, e2])
+            ok = np.flatnonzero(err <= err.min() * (1 + self.tolerance) + tol)
+            i = int(ok[np.argmin(coef[ok, 4])])  # the shallowest slope the data allow
+            self._coef, self._knee = coef[i], float(grid[i])
+        else:  # every knee gave a falling slope: flat in the tokens
+            coef, _ = solve(np.array([float(work.max())]))
+            self._coef, self._knee = coef[0], float(work.max())
+        self._floor = min(self._median.values())
+        self._new, self._new_key = 0, False
+        self._fits += 1
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        if not self._runs:
+            raise RuntimeError("MeasuredCost.seconds before any measured round")
+        self._refit()
+        a, e, c, f, b = self._coef
+        dr = float(choice.drafted)
+        s = a + e * dr + c * streams + f * dr * streams + b * max(0.0, streams * choice.tokens - self._knee)
+        # never below a round measured at this stream count with no more tokens (and no draft where this drafts
+        # none): a round does not get cheaper with more work; nor below half the fastest round measured
+        below = [m for (t, dr2), m in self._by_streams.get(int(streams), {}).items()
+                 if t <= choice.tokens and (choice.drafted or not dr2)]
+        return max(float(s), 0.5 * self._floor, *below)
+
+    def describe(self) -> dict[str, Any]:
+        if self._runs:
+            self._refit()
+        coef = None if self._coef is None else dict(zip(("a", "drafted", "stream", "drafted_stream", "token"),
+                                                        map(float, self._coef), strict=True))
+        return {"source": self.source, "coef": coef, "knee_tokens": self._knee,
+                "shapes": sorted({(t, dr) for (_, t, dr) in self._runs})}
+
+
+# ----- the controller --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Prediction:
+    """One option's prediction at a stream count: tau a stream (corrected), round seconds."""
+
+    choice: Choice
+    tau: float
+    seconds: float
+
+    def rate(self, streams: int) -> float:
+        """The batch's committed tokens per second."""
+        return streams * self.tau / self.seconds
+
+
+def predictions(streams: int, taus: Mapping[Choice, float], cost: RoundCost) -> list[Prediction]:
+    """Each option's prediction at `streams` live streams from its tau a stream and the cost."""
+    return [Prediction(c, float(t), cost.seconds(streams, c)) for c, t in taus.items()]
+
+
+def best(streams: int, preds: Sequence[Prediction]) -> Prediction:
+    """The rule: the most committed tokens per second of the batch (equal rates: the fewer verified tokens)."""
+    return max(preds, key=lambda p: (p.rate(streams), -p.choice.tokens))
+
+
+@dataclass
+class RoundRecord:
+    """One round for the diagnosis: what was chosen for how many streams and the prediction it was chosen by, and,
+    once observed, what happened. explore: None (the model's best), "calibration" (a measured cost's first rounds,
+    each option in turn: no prediction yet), "load" (a measured cost: an option near the best not yet run at this
+    load) or "refresh" (a periodic round of another option near the best, keeping it measured)."""
+
+    round: int
+    streams: int
+    choice: Choice
+    predicted_tau: float | None
+    predicted_seconds: float | None
+    predicted_tok_s: float | None
+    explore: str | None = None
+    seconds: float | None = None  # measured
+    tokens: int | None = None  # committed this round, all streams
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.tokens / self.seconds if self.tokens is not None and self.seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(choice=self.choice.label, kind=self.choice.kind, nodes=self.choice.nodes, tok_s=self.tok_s)
+        return out
+
+
+class LoadBudget:
+    """Chooses each round's draft for the whole batch (module docstring).
+
+    candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only). block_size: the drafter's (a
+    chain drafts block_size - 1 tokens, the deepest a tree goes). chain: whether the chain is an option (AR always
+    is). cost: a RoundCost (default MeasuredCost). prior, prior_weight, halflife: AcceptanceEstimate's (halflife 0:
+    no decay). refit_every: the taus are recomputed from the estimate after every drafted round for the first
+    refit_every x 4 of them, then every refit_every (host time: the best-first search is ~0.5 ms at budget 64).
+
+    Rounds that explore (RoundRecord.explore); load and refresh rounds never run an option the model puts below AR:
+    * calibration (a measured cost): first, each round the option with the fewest tokens that has no measured round
+      and could still win by the bound in `_calibration`: at most 1 + options rounds (the run's warm-up, then one
+      each), fewer where a cheap option's measured rate rules bigger ones out;
+    * load (a measured cost): at a load band not seen before (stream counts 25 % apart), one round of each option
+      near the best that has not run there, so the fit is measured where the choice is made;
+    * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
+    near: a predicted rate within `refresh_within` of the best's and not below AR's.
+
+    An option's tau (`tau`) is its own rounds' committed tokens a stream (exponentially weighted, `halflife` of its
+    rounds) with the rank model's prediction counted as `correction_weight` streams: the prediction until it runs,
+    its measurement once it has run a while. The rank model assumes a tree holds the most likely rank paths, and a
+    round starts where the previous one missed; an option's own rounds take up what that misses."""
+
+    def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
+                 prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 64,
+                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 32.0):
+        if block_size < 2:
+            raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
+        bad = [b for b in candidates if int(b) < 1]
+        if bad:
+            raise ValueError(f"LoadBudget: candidate budgets must be >= 1 node, not {bad}")
+        self.block_size = block_size
+        self.options: list[Choice] = [Choice("tree", b) for b in sorted({int(b) for b in candidates}, reverse=True)]
+        if chain:
+            self.options.append(Choice("chain", block_size - 1))
+        self.options.append(AR)
+        self.cost = cost if cost is not None else MeasuredCost()
+        self.acceptance = AcceptanceEstimate(block_size - 1, prior=prior, prior_weight=prior_weight, halflife=halflife)
+        self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
+        self.history: list[RoundRecord] = []
+        self.correction_weight = correction_weight
+        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> decayed [tokens committed, streams]
+        self._last_run = {c: -1 for c in self.options}  # the last round each option ran
+        self._runs = {c: 0 for c in self.options}  # rounds each option ran
+        self.refit_every = refit_every
+        self._taus: dict[Choice, float] | None = None
+        self._stale = 0  # drafted rounds observed since the taus were computed
+        self._drafted = 0  # drafted rounds observed
+        self._pending: RoundRecord | None = None
+        self._tried: set[tuple[int, Choice]] = set()  # (load band, option) run at least once
+        self._calibrating = cost is None or self.cost.measured  # until the calibration has nothing left to measure
+
+    # the model
+    def raw_taus(self) -> dict[Choice, float]:
+        """Each option's tau from the acceptance estimate alone (AR: 1)."""
+        stale = self._stale and (self._drafted <= 4 * self.refit_every or self._stale >= self.refit_every)
+        if self._taus is None or stale:
+            self._stale = 0
+            trees = [c.nodes for c in self.options if c.kind == "tree"]
+            chain, full = self.acceptance.taus(max(trees, default=1))
+            self._taus = {c: (1.0 if c.kind == "ar" else chain if c.kind == "chain" else full[c.nodes])
+                          for c in self.options}
+        return self._taus
+
+    def tau(self, choice: Choice) -> float:
+        """The option's tau: its own rounds' committed tokens a stream, with the rank model's prediction counted as
+        `correction_weight` streams of them (AR: 1)."""
+        if choice.kind == "ar":
+            return 1.0
+        got, streams = self._ratio[choice]
+        w = self.correction_weight
+        return (got + w * self.raw_taus()[choice]) / (streams + w)
+
+    def correction(self, choice: Choice) -> float:
+        """tau over the rank model's prediction."""
+        return self.tau(choice) / self.raw_taus()[choice]
+
+    def predict(self, streams: int) -> list[Prediction]:
+        """Every option's prediction at `streams` live streams (a measured cost: once calibrated)."""
+        return predictions(streams, {c: self.tau(c) for c in self.options}, self.cost)
+
+    def choose(self, streams: int) -> Choice:
+        """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`."""
+        if streams < 1:
+            raise ValueError(f"LoadBudget.choose: streams must be >= 1, not {streams}")
+        n = len(self.history)
+        explore, pred = None, None
+        todo = self._calibration(streams)
+        if todo:
+            pick, explore = todo[0], "calibration"
+        else:
+            preds = self.predict(streams)
+            pred = best(streams, preds)
+            floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
+            near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
+                          key=lambda p: -p.rate(streams))
+            fresh = [p for p in near if (self._band(streams), p.choice) not in self._tried] if self.cost.measured else []
+            if fresh:
+                pred, explore = fresh[0], "load"
+            elif near and self.refresh_every and n and n % self.refresh_every == 0:
+                pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
+            pick = pred.choice
+        rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
+                          None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
+                          explore)
+        self.history.append(rec)
+        self._pending = rec
+        return pick
+
+    @staticmethod
+    def _band(streams: int) -> int:
+        """The load band of a stream count (bands 25 % apart: 1, 2, 3, 4, 5, 6-7, 8-9, …)."""
+        return round(math.log(streams) / math.log(1.25))
+
+    def _calibration(self, streams: int) -> list[Choice]:
+        """The options a measured cost still has to measure at this load, fewest tokens first: those without a
+        measured round, less those that cannot win. A round's cost does not fall with more verified tokens, nor from
+        drafting, so an option costs at least what any measured option with no more tokens (and no draft where it
+        drafts none) costs; one whose rate at that cost is below the best measured rate is left out."""
+        if not self._calibrating:
+            return []
+        todo = [c for c in self.options if self.cost.rounds(c) < 1]
+        done = [c for c in self.options if self.cost.rounds(c) >= 1]
+        if todo and done:
+            taus = {p.choice: p.tau for p in self.predict(streams)}
+            secs = {c: self.cost.seconds(streams, c) for c in done}
+            top = max(streams * taus[c] / secs[c] for c in done)
+            keep = []
+            for c in todo:
+                floor = max((secs[m] for m in done if m.tokens <= c.tokens and (c.drafted or not m.drafted)), default=0)
+                if not floor or streams * taus[c] / floor >= top:
+                    keep.append(c)
+            todo = keep
+        self._calibrating = bool(todo)
+        return sorted(todo, key=lambda c: c.tokens)
+
+    def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
+                ranks: Sequence[Sequence[int]] | None = None) -> None:
+        """The round's outcome: its wall `seconds`, per stream the tokens committed (the bonus token included) and
+        per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
+        rejected depth (lists, or one array [streams, depths] with -1 past each stream's last depth, as the round's
+        host read gives them; None for AR rounds; a drafted round without them still updates its option's correction, so
+        a loop that cannot carry the ranks gets each option's measured tau on the prior's shape)."""
+        if choice not in self._ratio:
+            raise ValueError(f"LoadBudget.observe: {choice} is not one of this controller's options")
+        if len(accepted) != streams:
+            raise ValueError(f"LoadBudget.observe: {len(accepted)} accepted counts for {streams} streams")
+        if ranks is not None and len(ranks) != streams:
+            raise ValueError(f"LoadBudget.observe: {len(ranks)} rank lists for {streams} streams")
+        rec = self._pending if self._pending is not None and self._pending.choice == choice else None
+        self._pending = None
+        self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
+        self._runs[choice] += 1
+        self._tried.add((self._band(streams), choice))
+        self.cost.observe(streams, choice, seconds)
+        if rec is not None:
+            rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
+        if not choice.drafted:
+            return
+        acc = self._ratio[choice]  # exponentially weighted over this option's own rounds
+        acc[0] = acc[0] * self.acceptance.decay + sum(accepted)
+        acc[1] = acc[1] * self.acceptance.decay + streams
+        if ranks is not None:
+            self.acceptance.decay_round()
+            if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth
+                self.acceptance.add_rows(ranks)
+            else:
+                self.acceptance.add(*ranks)
+            self._stale += 1
+            self._drafted += 1
+
+    def summary(self) -> dict[str, Any]:
+        """For the diagnosis, against the load: per stream count, the rounds, the choices made (label -> rounds) and
+        the mean predicted and measured tokens/s of its rounds (exploration rounds included); the model's current
+        taus, corrections and cost."""
+        loads: dict[int, dict[str, Any]] = {}
+        for r in self.history:
+            row = loads.setdefault(r.streams, {"rounds": 0, "choices": {}, "_p": [], "_m": []})
+            row["rounds"] += 1
+            row["choices"][r.choice.label] = row["choices"].get(r.choice.label, 0) + 1
+            if r.predicted_tok_s is not None:
+                row["_p"].append(r.predicted_tok_s)
+            if r.tok_s is not None:
+                row["_m"].append(r.tok_s)
+        for row in loads.values():
+            p, m = row.pop("_p"), row.pop("_m")
+            row["predicted_tok_s"] = sum(p) / len(p) if p else None
+            row["measured_tok_s"] = sum(m) / len(m) if m else None
+        return {"rounds": len(self.history), "loads": {k: loads[k] for k in sorted(loads)},
+                "explore": {k: sum(r.explore == k for r in self.history) for k in ("calibration", "load", "refresh")},
+                "tau": {c.label: t for c, t in self.raw_taus().items()},
+                "correction": {c.label: self.correction(c) for c in self.options},
+                "cost": self.cost.describe()}

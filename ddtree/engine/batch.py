@@ -1,0 +1,579 @@
+"""Many streams in one round (`Engine.generate_many`): N streams' trees drafted in one drafter forward, verified in
+one target forward over every stream's tree tokens, walked and committed per stream in batched ops, with one host
+read a round for all of them. A stream that ends frees its slot; the next prompt's prefill seats it between rounds.
+
+Layout: a slot is a row of every batched tensor. The target's attention layers keep their keys and values in one
+buffer per layer group [layers, N, kv heads, C, d] (`SlotKV`), row r of slot i holding stream i's position r; a
+round writes stream i's T tree tokens at rows length_i .. length_i + T - 1 and attends over rows [0, max length + T)
+under a 4-D additive mask (`round_masks`: the committed rows of its own stream and its tree's ancestors; a sliding
+layer's window on top). The DFlash drafter's cache (`SlotDrafterCache`) is its fixed-buffer cache with the slot
+dimension. docs/concurrency.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
+
+from ddtree.engine import batch_tree as bt
+from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
+from ddtree.engine.drafter.model import _visible
+from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
+from ddtree.engine.result import GenerationResult
+from ddtree.engine.target import TargetSession, context_features
+from ddtree.engine.timing import StageTimer
+from ddtree.engine.tree import tree_size
+from ddtree.errors import ConfigError
+
+__all__ = ["BATCH_METHODS", "BatchRun", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
+
+# the methods the batched round runs (the others are refused with concurrency > 1, in one line)
+BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains (topk 1)
+# budget="auto" (method=ddtree): the DDTree budgets LoadBudget weighs each round, besides the chain and no draft
+AUTO_CANDIDATES = (4, 8, 16, 32, 64)
+
+
+# ---------------------------------------------------------------- the target's keys and values, a row per slot
+
+class _SlotLayer(DynamicLayer):
+    """One attention layer of a SlotKV: its keys and values are views of the group's buffers; `update` writes a
+    round's tokens at each slot's rows (SlotKV.rows) and returns the rows every query may read."""
+
+    is_sliding = False
+
+    def __init__(self, kv: SlotKV, group: int, index: int):
+        super().__init__()
+        self.kv, self.group, self.index = kv, group, index
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        kv = self.kv
+        k, v = kv.keys[self.group][self.index], kv.values[self.group][self.index]
+        rows = kv.rows  # [N, T]
+        k.scatter_(2, rows[:, None, :, None].expand(key_states.shape), key_states.to(k.dtype))
+        v.scatter_(2, rows[:, None, :, None].expand(value_states.shape), value_states.to(v.dtype))
+        end = kv.read_end
+        return k[:, :, :end], v[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.kv.read_end
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.read_end, 0
+
+
+class SlotKV:
+    """Every full-attention layer's keys and values for N slots of `capacity` rows, in one buffer per group of layers
+    of equal shapes ([layers, N, kv heads, capacity, d]): a commit moves each group's accepted rows in one gather and
+    one scatter, whatever the number of layers or slots. `lengths` (host list and device [N]) are each slot's
+    committed rows."""
+
+    def __init__(self, model, slots: int, capacity: int, like: DynamicCache):
+        self.slots, self.capacity = slots, capacity
+        self.cache = DynamicCache(config=model.config)
+        attn = [i for i, layer in enumerate(self.cache.layers)
+                if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)]
+        shapes: dict[tuple, list[int]] = {}
+        for i in attn:
+            src = like.layers[i]
+            shapes.setdefault((tuple(src.keys.shape[1:2]) + tuple(src.keys.shape[3:]),
+                               tuple(src.values.shape[1:2]) + tuple(src.values.shape[3:]),
+                               src.keys.dtype, src.keys.device), []).append(i)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.where: dict[int, tuple[int, int]] = {}  # layer -> (group, index in the group)
+        for g, ((ks, vs, dtype, dev), members) in enumerate(shapes.items()):
+            self.keys.append(torch.zeros(len(members), slots, ks[0], capacity, ks[1], dtype=dtype, device=dev))
+            self.values.append(torch.zeros(len(members), slots, vs[0], capacity, vs[1], dtype=dtype, device=dev))
+            for j, i in enumerate(members):
+                self.where[i] = (g, j)
+                self.cache.layers[i] = _SlotLayer(self, g, j)
+        self.linear = [i for i, layer in enumerate(self.cache.layers)
+                       if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        dev = like.layers[attn[0]].keys.device if attn else model.device
+        self.device = dev
+        self.length_list = [0] * slots
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.rows: torch.Tensor | None = None  # [N, T]: the rows this round writes (lengths + arange(T))
+        self.read_end = 0  # rows [0, read_end) the round's attention reads
+
+    def seat(self, slot: int, prefilled: DynamicCache, length: int) -> None:
+        """Slot `slot` takes a stream whose prompt `prefilled` (a TargetSession's cache, batch 1) holds."""
+        for i, (g, j) in self.where.items():
+            src = prefilled.layers[i]
+            self.keys[g][j, slot, :, :length].copy_(src.keys[0, :, :length])
+            self.values[g][j, slot, :, :length].copy_(src.values[0, :, :length])
+        if self.linear:
+            from ddtree.engine import gdn  # noqa: PLC0415 (the batched GDN: only a hybrid target needs it)
+            gdn.seat_linear_states(self.cache, prefilled, slot, streams=self.slots)
+        self.length_list[slot] = length
+        self.lengths[slot] = length
+
+    def begin(self, width: int) -> None:
+        """A round of `width` tokens a slot: its rows, and how far the attention reads."""
+        self.rows = self.lengths[:, None] + torch.arange(width, device=self.device)[None, :]
+        self.read_end = max(self.length_list) + width
+        if self.read_end > self.capacity:
+            raise RuntimeError(f"batched round past its capacity ({self.read_end} > {self.capacity} rows)")
+
+    def commit(self, path: torch.Tensor, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+        """Each slot keeps its committed rows plus its accepted path (`path` [N, K] flat node indices, padded with
+        the path's last node; `lengths` [N] nodes accepted, on the device and on the host)."""
+        k = path.shape[1]
+        src = self.lengths[:, None] + path
+        dst = self.lengths[:, None] + torch.arange(k, device=path.device)[None, :]
+        for bufs in (self.keys, self.values):
+            for buf in bufs:
+                layers, n, heads, _, d = buf.shape
+                s = src[None, :, None, :, None].expand(layers, n, heads, k, d)
+                buf.scatter_(3, dst[None, :, None, :, None].expand(layers, n, heads, k, d), buf.gather(3, s))
+        self.lengths += lengths
+        self.length_list = [a + b for a, b in zip(self.length_list, host_lengths, strict=True)]
+
+
+def round_masks(tree: bt.BatchTree, lengths: torch.Tensor, read_end: int, dtype: torch.dtype,
+                windows: Iterable[int | None]) -> dict[int | None, torch.Tensor]:
+    """The round's additive masks [N, 1, T, read_end] by sliding window (None: full attention): query j of slot i
+    sees its slot's committed rows and its tree's ancestors (rows lengths_i + a), within the window where one is set
+    (a key's position: its row below lengths_i, lengths_i + its depth in the tree)."""
+    n, t = tree.tokens.shape
+    dev = tree.tokens.device
+    cols = torch.arange(read_end, device=dev)[None, :]  # [1, K]
+    rel = cols - lengths[:, None]  # [N, K]: the column's node in the tree, where 0 <= rel < T
+    in_tree = (rel >= 0) & (rel < t)
+    node = rel.clamp(0, t - 1)
+    seen = tree.ancestors.gather(2, node[:, None, :].expand(n, t, read_end)) & in_tree[:, None, :]
+    seen |= (rel < 0)[:, None, :]
+    out: dict[int | None, torch.Tensor] = {}
+    lowest = torch.finfo(dtype).min
+    zero = torch.zeros((), dtype=dtype, device=dev)
+    for window in dict.fromkeys(windows):
+        vis = seen
+        if window is not None:
+            qpos = lengths[:, None] + tree.depths  # [N, T]
+            kpos = torch.where(rel < 0, cols, lengths[:, None] + tree.depths.gather(1, node))
+            vis = seen & ((qpos[:, :, None] - kpos[:, None, :]) < window)
+        out[window] = zero.where(vis, lowest)[:, None]
+    return out
+
+
+# ---------------------------------------------------------------- the DFlash drafter's cache, a row per slot
+
+class SlotDrafterCache:
+    """The DFlash drafter's fixed-buffer cache (as FixedDrafterCache) with a row per slot: keys, values [N, kv heads,
+    Cd, d] a layer (row r: position r), `length` [N] each slot's context rows, `count` [N] the real rows among a
+    forward's context rows (the rest padding, overwritten by the block that follows the real ones)."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: torch.Tensor,
+                 block: int):
+        self.keys, self.values, self.length, self.block = keys, values, length, block
+        self.count: torch.Tensor | None = None
+        self.rows: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def empty(cls, drafter, slots: int, capacity: int, block: int) -> SlotDrafterCache:
+        cfg = drafter.config
+        shape = (slots, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        dev, dtype = drafter.device, drafter.dtype
+        keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
+        return cls(keys, values, torch.zeros(slots, dtype=torch.long, device=dev), block)
+
+    def slot(self, i: int) -> SlotDrafterCache:
+        """Slot i alone (views: writes land in the shared buffers): the cache a joining stream's prompt fills."""
+        view = SlotDrafterCache([k[i: i + 1] for k in self.keys], [v[i: i + 1] for v in self.values],
+                                self.length[i: i + 1], self.block)
+        return view
+
+    def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The forward's positions [N, c + block] are the rows it writes; the keys are every row of the buffers."""
+        if position_ids.shape[1] > self.block:
+            self.rows = (position_ids[:, : -self.block], position_ids[:, -self.block:])
+        else:
+            self.rows = (position_ids,)
+        n = position_ids.shape[0]
+        return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
+
+    def write_rows(self, layer_idx: int, keys: torch.Tensor,
+                   values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        for buf, new in ((k, keys), (v, values)):
+            new = new.transpose(1, 2).to(buf.dtype)  # [N, kv, n, d]
+            start = 0
+            for rows in self.rows:  # the context's, then the block's (over the context's padding)
+                part = new[:, :, start: start + rows.shape[1]]
+                buf.scatter_(2, rows[:, None, :, None].expand(part.shape), part)
+                start += rows.shape[1]
+        return k, v
+
+    def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
+             dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, int]:
+        """grouped_attention's additive mask [N, 1, groups * q, Cd] of the rows written up to the block's end."""
+        written = key_positions[:, None, :] <= block_position_ids[:, -1:, None]
+        visible = _visible(block_position_ids, key_positions, window, causal) & written
+        return grouped_bias(visible, groups, dtype), 0
+
+    @staticmethod
+    def attend(module, query, key, value, bias, scaling, **_):
+        return grouped_attention(query, key, value, bias, scaling).transpose(1, 2), None
+
+    def advance(self, context_rows: int) -> None:
+        self.length.add_(self.count)
+
+
+# ---------------------------------------------------------------- the batched loop
+
+@dataclass
+class _Stream:
+    index: int  # the prompt's
+    result: GenerationResult
+    out: list[int]
+    t_first: float  # when its first token was chosen
+    done: bool = False
+
+
+def check_batch_method(engine) -> None:
+    """Refuse, in one line, what the batched round does not run (yet)."""
+    method, proposer = engine.method, engine.proposer
+    runs = ("ar, dflash, ddtree with marginal scoring, and the chains of mtp and eagle3 (topk 1)")
+    if method not in BATCH_METHODS or getattr(proposer, "scoring", "marginal") == "pair":
+        raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
+                          "use concurrency=1 for this method")
+    if getattr(proposer, "topk", 1) > 1:
+        raise ConfigError("concurrency", f"method={method}'s tree (topk > 1) does not run batched yet (concurrency "
+                          f"> 1 runs {runs})", f"set {method}.topk=1 or concurrency=1")
+    if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
+                                       "Eagle3Proposer"):
+        raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
+
+
+class BatchRun:
+    """One `generate_many` call: the slots, their caches, the queue of prompts and the results.
+
+    A round (`round`): draft every slot's block in one drafter forward (`draft`), build the trees (`trees`), verify
+    them in one target forward (`verify`), walk and commit (`commit`: the round's one host read). A free slot takes
+    the next prompt between rounds (`join`: its prefill alone, then its keys, values and states seated in its row);
+    a slot with no stream left runs along (fixed shapes) and keeps nothing."""
+
+    def __init__(self, engine, prompts: list[torch.Tensor], concurrency: int, temperature: float,
+                 max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int, budget: int | None):
+        check_batch_method(engine)
+        self.engine, self.model, self.binding, self.proposer = engine, engine.target, engine.binding, engine.proposer
+        self.method, self.temperature, self.max_new, self.seed = engine.method, temperature, max_new_tokens, seed
+        self.auto = budget == "auto"
+        if self.auto and self.method != "ddtree":
+            raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={self.method} has "
+                              "none", "use method=ddtree with budget=auto, or a number")
+        self.budget = None if self.auto else budget
+        # the controller of budget="auto" (ddtree.engine.adaptive): the round's draft from the load
+        self.load = LoadBudget(AUTO_CANDIDATES, block_size=engine.proposer.block_size) if self.auto else None
+        self.stops = set(stop_token_ids or ())
+        self.prompts = prompts
+        self.dev = dev = self.binding.device
+        self.slots = n = max(1, min(concurrency, len(prompts)))
+        self.drafts = self.method != "ar"
+        self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts a chain step by step
+        self.steps = self.proposer.steps if self.head is not None else 0
+        self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
+        vocab = self.model.config.get_text_config().vocab_size
+        most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
+        nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
+                                           else max(self.block, 1 + tree_size(most, self.block - 1, vocab)))
+        self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
+        self.windows = _windows(self.model)
+        self.timer = StageTimer(dev, engine.sync_timing)
+        self.kv: SlotKV | None = None
+        self.dcache: SlotDrafterCache | None = None
+        self.active: list[_Stream | None] = [None] * n
+        self.live = torch.zeros(n, dtype=torch.long, device=dev)  # 1 where a stream holds the slot
+        self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
+        self.roots = torch.zeros(n, dtype=torch.long, device=dev)
+        self.ctx: torch.Tensor | None = None  # [N, K, F]: each slot's new drafter context (the last accepted path's)
+        self.ctx_count = torch.zeros(n, dtype=torch.long, device=dev)  # its real rows
+        self.ctx_max = 0  # rows queued behind the drafter's last read (budget=auto's AR rounds), at most
+        self.results: list[GenerationResult | None] = [None] * len(prompts)
+        self.queue = list(range(len(prompts)))
+        self.embed = self.model.get_input_embeddings()
+        self.lm_head = self.model.get_output_embeddings()
+        self.offsets = torch.arange(self.block, device=dev)[None, :]
+        if self.head is not None:  # the head's KV rows, a row per slot; each slot's rows it has not read yet
+            self.hkv = self.head.new_kv(self.capacity, n)
+            self.ctx_ids = torch.zeros(n, 1, dtype=torch.long, device=dev)  # the tokens after the context's rows
+            self.ctx_start = torch.zeros(n, dtype=torch.long, device=dev)  # the row of each slot's first one
+        elif self.drafts:
+            self.block_ids = torch.full((n, self.block), self.proposer.drafter.mask_token_id, dtype=torch.long,
+                                        device=dev)
+        self.t_call = time.perf_counter()
+
+    # ---- streams
+    def join(self, slot: int) -> None:
+        """The next prompt takes `slot`: its prefill alone (TargetSession), seated in the slot's rows."""
+        i = self.queue.pop(0)
+        ids, dev = self.prompts[i].to(self.dev), self.dev
+        p = ids.shape[1]
+        t0 = time.perf_counter()
+        session = TargetSession(self.model, capacity=p + 1, binding=self.binding)
+        logits, feats = session.prefill(ids)
+        if self.kv is None:
+            self.kv = SlotKV(self.model, self.slots, self.capacity, session.cache)
+        self.kv.seat(slot, session.cache, p)
+        self.seeds[slot] = _stream_seed(self.seed, i)
+        root = _choose(logits[None, None], self.temperature, self.seeds[slot: slot + 1],
+                       torch.full((1, 1), p, device=dev))[0, 0]
+        self.roots[slot] = root
+        if self.head is not None:
+            self._join_head(slot, ids, feats, root)
+        elif self.drafts:  # the prompt's features into the slot's drafter rows (a forward of the slot alone)
+            if self.dcache is None:
+                self.dcache = SlotDrafterCache.empty(self.proposer.drafter, self.slots, self.capacity, self.block)
+            view = self.dcache.slot(slot)
+            view.length.zero_()
+            view.count = torch.full((1,), p, dtype=torch.long, device=dev)
+            x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:1])
+            self.proposer.drafter(x, feats, torch.arange(p, device=dev)[None], p + self.offsets, cache=view)
+            self.ctx_count[slot] = 0
+        now = time.perf_counter()
+        r = GenerationResult(output_ids=[], method=self.method, prompt_len=p, temperature=self.temperature,
+                             budget=(self.budget if self.engine.spec.reads_budget else None),
+                             block_size=self.proposer.block_size)
+        r.ttft_s, r.queued_s = now - t0, t0 - self.t_call
+        stream = self.active[slot] = _Stream(i, r, [int(root)], now)
+        self.live[slot] = 1
+        if stream.out[0] in self.stops:
+            r.stopped_by = "stop_token"
+            self.finish(slot, now)
+        elif self.max_new <= 1:
+            self.finish(slot, now)
+
+    def _join_head(self, slot: int, ids: torch.Tensor, feats: torch.Tensor, root: torch.Tensor) -> None:
+        """A head's rows of the prompt (row r: the target's state at r with token r + 1), all but the last one, which
+        the slot's first round reads with the others' new rows (its token: the root)."""
+        p, dev = ids.shape[1], self.dev
+        if p > 1:
+            rows = torch.arange(p - 1, device=dev)
+            visible = rows[:, None] >= torch.arange(self.capacity, device=dev)[None, :]
+            self.head.step(ids[:, 1:], feats[:, : p - 1].to(self.head.dtype), rows, rows, visible,
+                           self.hkv[:, slot: slot + 1])
+        width = 1 if self.ctx is None else self.ctx.shape[1]
+        if self.ctx is None:
+            self.ctx = feats.new_zeros(self.slots, 1, feats.shape[-1])
+        self.ctx[slot, 0] = feats[0, p - 1]
+        self.ctx_ids[slot, 0] = root
+        self.ctx_count[slot] = 1
+        self.ctx_start[slot] = p - 1
+        assert width >= 1
+
+    def head_draft(self) -> torch.Tensor:
+        """Each slot's new rows read by the head (one step over all of them), then `steps - 1` steps of the chain:
+        the drafted tokens [N, steps] (argmax; at T > 0 keyed samples coupled to the target's)."""
+        head, dev, cap = self.head, self.dev, self.capacity
+        k = self.ctx.shape[1]
+        rows = self.ctx_start[:, None] + torch.arange(k, device=dev)[None, :]  # [N, k]: positions are rows
+        cols = torch.arange(cap, device=dev)[None, None, :]
+        out = head.step(self.ctx_ids, self.ctx.to(head.dtype), rows, rows, cols <= rows[:, :, None], self.hkv)
+        last = out.gather(1, (self.ctx_count - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))
+        start = self.kv.lengths  # the root's position; token s of the chain at start + s
+        picks = []
+        for s in range(1, self.steps + 1):
+            logits = head.logits(last).float()  # [N, 1, V]
+            pos = (start + s)[:, None]
+            pick = bt.keyed_choice(logits, self.temperature, self.seeds, pos) if self.temperature > 0 else (
+                logits.argmax(-1))
+            picks.append(pick)
+            if s == self.steps:
+                break
+            row = (start + s - 1)[:, None]
+            last = head.step(pick, last, row, row, cols <= row[:, :, None], self.hkv)
+        return torch.cat(picks, dim=1)
+
+    def finish(self, slot: int, now: float) -> None:
+        stream = self.active[slot]
+        stream.result.output_ids = stream.out
+        stream.result.decode_s = now - stream.t_first
+        self.results[stream.index] = stream.result
+        self.active[slot] = None
+        self.live[slot] = 0
+
+    # ---- a round
+    def draft(self) -> torch.Tensor:
+        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32)."""
+        blk = self.block_ids.clone()
+        blk[:, 0] = self.roots
+        x = self.proposer.drafter.embed_block(self.embed.weight, blk)
+        ctx, dcache = self.ctx, self.dcache
+        dcache.count = self.ctx_count
+        c = 0 if ctx is None else min(ctx.shape[1], self.ctx_max)
+        ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
+        hidden = self.proposer.drafter(x, ctx[:, :c] if c else None, ctx_pos,
+                                       self.kv.lengths[:, None] + self.offsets, cache=dcache)
+        return self.lm_head(hidden[:, 1:]).float()
+
+    def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
+        if not self.drafts or (choice is not None and not choice.drafted):
+            return bt.batch_root_trees(self.roots)
+        if self.head is not None:  # (head_draft chose the tokens)
+            return bt.batch_chain_trees(self.roots, logits)
+        if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
+            if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
+                pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
+                return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
+            return bt.batch_chain_trees(self.roots, logits.argmax(-1))
+        budget = self.budget if choice is None else choice.budget
+        return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), budget)
+
+    def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""
+        kv = self.kv
+        kv.begin(tree.width)
+        masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values())
+        # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
+        mapping = {kind: masks[w] for kind, w in self.windows.items()} if len(self.windows) > 1 else masks[None]
+        pos = kv.lengths[:, None] + tree.depths
+        hidden_ids = self.binding.hidden_ids if self.drafts else None
+        kw = {"output_hidden_states": hidden_ids} if hidden_ids else {}
+        lean = self.binding.lean  # the engine's lean forward where the family has one (its fused ops on CUDA)
+        with _gdn_context(kv, tree):
+            if lean is not None and not isinstance(mapping, dict):
+                logits, kept = lean(tree.tokens, pos, mapping, kv.cache, hidden_ids)
+                feats = torch.cat([kept[i] for i in hidden_ids], dim=-1) if hidden_ids else None
+                return logits, feats, pos
+            out = self.model(input_ids=tree.tokens, position_ids=pos, attention_mask=mapping, cache=kv.cache,
+                             use_cache=True, **kw)
+        feats = context_features(out.hidden_states, self.binding.feature_layers) if hidden_ids else None
+        return out.logits, feats, pos
+
+    def _append_context(self, rows: torch.Tensor, kept: torch.Tensor, k: int) -> None:
+        """A round without the drafter (budget=auto's AR): its accepted rows queue behind the slot's unread ones."""
+        need = self.ctx_max + k
+        if need > self.ctx.shape[1]:
+            grown = self.ctx.new_zeros(self.slots, max(need, 2 * self.ctx.shape[1]), self.ctx.shape[-1])
+            grown[:, : self.ctx.shape[1]] = self.ctx
+            self.ctx = grown
+        at = self.ctx_count[:, None] + torch.arange(k, device=self.dev)[None, :]
+        self.ctx.scatter_(1, at[:, :, None].expand(-1, -1, rows.shape[-1]), rows)
+        self.ctx_count = self.ctx_count + kept
+
+    def commit(self, tree: bt.BatchTree, logits: torch.Tensor, feats: torch.Tensor | None,
+               pos: torch.Tensor, drafted: bool = True) -> bt.BatchWalk:
+        """Choose, walk (the round's one host read), keep each live slot's accepted path, hand the drafter its
+        features."""
+        choice = _choose(logits, self.temperature, self.seeds, pos + 1)
+        w = bt.batch_walk(tree, choice)
+        kept = w.lengths * self.live  # a free slot keeps nothing
+        host = [len(t) if s is not None else 0 for t, s in zip(w.tokens, self.active, strict=True)]
+        self.kv.commit(w.path, kept, host)
+        if self.kv.linear:
+            from ddtree.engine import gdn  # noqa: PLC0415 (only a hybrid target's rounds need it)
+            gdn.commit_linear_states_batch(self.kv.cache, w.path, kept)
+        if self.drafts:
+            k = w.path.shape[1]
+            if self.head is not None:  # row r: the target's state at r with token r + 1 (the path's next, the root)
+                self.ctx_start = self.kv.lengths - kept
+                ids = torch.cat([tree.tokens.gather(1, w.path[:, 1:]), w.next_root[:, None]], dim=1)
+                self.ctx_ids = ids.scatter(1, (w.lengths - 1)[:, None], w.next_root[:, None])
+            rows = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
+            if self.head is None and drafted is False and self.ctx is not None:  # behind what the drafter has not read
+                self._append_context(rows, kept, k)
+            else:
+                self.ctx, self.ctx_count = rows, kept
+        self.roots = w.next_root
+        return w
+
+    def round(self) -> None:
+        timer = self.timer
+        live = [s is not None for s in self.active]
+        streams = sum(live)
+        choice = self.load.choose(streams) if self.load is not None else None
+        drafted = self.drafts and (choice is None or choice.drafted)
+        t0 = time.perf_counter()
+        logits = None
+        if drafted:
+            with timer.stage("draft"):
+                logits = self.head_draft() if self.head is not None else self.draft()
+        with timer.stage("tree"):
+            tree = self.trees(logits, choice)
+        with timer.stage("verify"):
+            out, feats, pos = self.verify(tree)
+        with timer.stage("commit"):
+            w = self.commit(tree, out, feats, pos, drafted)
+        self.ctx_max = w.path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
+        now = time.perf_counter()
+        if self.load is not None:  # the round's outcome, for the next choice (the ranks: a second read, small)
+            idx = [i for i, a in enumerate(live) if a]
+            ranks = None
+            if drafted:
+                ranks = target_ranks(logits, tree.tokens, w.path, w.lengths, w.next_root)[idx].tolist()
+            self.load.observe(choice, streams=streams, seconds=now - t0,
+                              accepted=[len(w.tokens[i]) for i in idx], ranks=ranks)
+        for slot, s in enumerate(self.active):
+            if s is None:
+                continue
+            new = w.tokens[slot][: self.max_new - len(s.out)]  # never past max_new_tokens
+            for j, t in enumerate(new):
+                if t in self.stops:  # stop at (and including) a stop token
+                    new, s.done, s.result.stopped_by = new[: j + 1], True, "stop_token"
+                    break
+            s.out.extend(new)
+            s.result.acceptance_lengths.append(len(new))
+            s.result.streams = max(s.result.streams, streams)
+            if s.done or len(s.out) >= self.max_new:
+                self.finish(slot, now)
+
+    def run(self) -> list[GenerationResult]:
+        with torch.inference_mode():
+            while self.queue or any(s is not None for s in self.active):
+                for slot in range(self.slots):  # free slots take the next prompts (their prefill: between rounds)
+                    while self.active[slot] is None and self.queue:
+                        self.join(slot)
+                if any(s is not None for s in self.active):
+                    self.round()
+        stages = self.timer.finish()
+        load = self.load.summary() if self.load is not None else None
+        for r in self.results:
+            r.stage_seconds = dict(stages)  # the rounds' stages, shared by the streams that took part
+            r.load_budget = load
+        return self.results
+
+
+def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, temperature: float,
+                  max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int,
+                  budget: int | None) -> list[GenerationResult]:
+    """Engine.generate_many's body (see there): one BatchRun."""
+    return BatchRun(engine, list(prompts), concurrency, temperature, max_new_tokens, stop_token_ids, seed,
+                    budget).run()
+
+
+def _windows(model) -> dict[str, int | None]:
+    """The attention-mask kinds the model's layers ask for (transformers' layer_types), and each one's window."""
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None)
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    out = {"full_attention": None}
+    if "sliding_attention" in kinds:
+        out["sliding_attention"] = window
+    return out
+
+
+def _gdn_context(kv: SlotKV, tree: bt.BatchTree):
+    import contextlib  # noqa: PLC0415
+    if not kv.linear:
+        return contextlib.nullcontext()
+    from ddtree.engine import verification  # noqa: PLC0415
+    return verification.tree_verification(tree)
+
+
+def _stream_seed(seed: int, index: int) -> int:
+    return (seed * 1_000_003 + index) & 0x7FFFFFFF
+
+
+def _choose(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor):
+    """The target's token after each row of `logits` [N, T, V]: argmax at T = 0, else the keyed sample of stream
+    seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    return bt.keyed_choice(logits, temperature, seeds, positions)

@@ -1,0 +1,354 @@
+"""The per-round budget controller (ddtree.engine.adaptive): its acceptance estimate against a Monte Carlo of
+best-first trees over a known rank model (the trees enumerated here, not by the code under test), its stated cost
+against the bench record of the project's cost model, and its choices against the load."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.engine.adaptive import (
+    AR,
+    AcceptanceEstimate,
+    Choice,
+    LoadBudget,
+    MeasuredCost,
+    RooflineCost,
+    RoundCost,
+    best,
+    predictions,
+    target_ranks,
+)
+from ddtree.engine.diagnostics import RANK_CAP
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a known rank model, 5 depths, ranks 0-3 and "beyond": on the drafter's top-1 chain and off it (state-dependent)
+MAIN = [[0.70, 0.12, 0.06, 0.04], [0.65, 0.14, 0.07, 0.04], [0.60, 0.15, 0.08, 0.05], [0.55, 0.15, 0.09, 0.06],
+        [0.50, 0.16, 0.10, 0.06]]
+OFF = [[0.50, 0.18, 0.10, 0.06]] * 5
+
+
+def _draw(rng: random.Random, main, off) -> list[int]:
+    """The target's ranks at every depth (RANK_CAP: beyond the listed ranks), each given the path's state above."""
+    out, state = [], 0
+    for d in range(len(main)):
+        row = (off if state else main)[d]
+        u, r = rng.random(), 0
+        while r < len(row) and u >= row[r]:
+            u -= row[r]
+            r += 1
+        r = r if r < len(row) else RANK_CAP
+        out.append(r)
+        state = state or int(r != 0)
+    return out
+
+
+def _best_first(main, off, budget: int) -> set[tuple[int, ...]]:
+    """The budget most likely rank paths, by enumerating every path (a prefix is at least as likely as its
+    extensions, so the set is a tree)."""
+    paths = []
+    for depth in range(1, len(main) + 1):
+        for seq in itertools.product(range(len(main[0])), repeat=depth):
+            p, state = 1.0, 0
+            for d, r in enumerate(seq):
+                p *= (off if state else main)[d][r]
+                state = state or int(r != 0)
+            paths.append((p, len(seq), seq))
+    paths.sort(key=lambda x: (-x[0], x[1]))
+    return {seq for _, _, seq in paths[:budget]}
+
+
+def _accepted(ranks: list[int], tree: set[tuple[int, ...]]) -> int:
+    a = 0
+    while a < len(ranks) and tuple(ranks[: a + 1]) in tree:
+        a += 1
+    return a
+
+
+def test_the_acceptance_estimate_converges_and_predicts_a_monte_carlo_of_best_first_trees():
+    rng = random.Random(0)
+    est = AcceptanceEstimate(len(MAIN), halflife=0)
+    tree = _best_first(MAIN, OFF, 8)  # the rounds the ranks come from: a DDTree of 8 nodes
+    for _ in range(6000):
+        ranks = _draw(rng, MAIN, OFF)
+        a = _accepted(ranks, tree)
+        est.add(ranks[: a + 1])  # the accepted path and the first rejected depth
+    main, off = est.tables()
+    for d in range(len(MAIN)):
+        for r in range(4):
+            assert main[d][r] == pytest.approx(MAIN[d][r], abs=0.03), (d, r)
+    for d in range(1, len(MAIN)):  # off the chain: observed from depth 2 on
+        assert off[d][0] == pytest.approx(OFF[d][0], abs=0.05), d
+    _, taus = est.taus(32)
+    chain, _ = est.taus(1)
+    mc_rng = random.Random(1)
+    samples = [_draw(mc_rng, MAIN, OFF) for _ in range(20000)]
+    for b in (1, 2, 4, 8, 16, 32):
+        t = _best_first(MAIN, OFF, b)
+        mc = 1 + sum(_accepted(s, t) for s in samples) / len(samples)
+        assert taus[b] == pytest.approx(mc, abs=0.04), b
+    chain_mc = 1 + sum(_accepted(s, {tuple([0] * k) for k in range(1, 6)}) for s in samples) / len(samples)
+    assert chain == pytest.approx(chain_mc, abs=0.04)
+
+
+def test_the_estimate_follows_a_change_and_starts_from_its_prior():
+    est = AcceptanceEstimate(3, prior=0.7, halflife=8)
+    main, _ = est.tables()
+    assert [row[0] for row in main] == pytest.approx([0.7] * 3)
+    assert all(sum(row) == pytest.approx(1.0) for row in main)
+    rng = random.Random(2)
+    worse = [[0.3, 0.3, 0.2, 0.1]] * 3
+    for _ in range(200):
+        est.decay_round()
+        for _ in range(4):
+            ranks = _draw(rng, worse, worse)
+            est.add(ranks[: next((i + 1 for i, r in enumerate(ranks) if r), 3)])  # a chain's rounds
+    assert est.tables()[0][0][0] == pytest.approx(0.3, abs=0.08)
+
+
+def _record_ms(structure: str) -> dict[str, list[tuple[float, float]]]:
+    """bench_launches' record: per method, (predicted ms, ceiling ms) at 1k, 4k, 16k context."""
+    doc = json.loads((ROOT / "docs" / "bench" / "bench_launches.json").read_text())
+    table = next(t for t in doc["tables"] if t["title"] == f"{structure}: predicted round ms (ceiling ms) by context")
+    return {row[0]: [(float(c.split()[0]), float(c.split()[1].strip("()"))) for c in row[1:]] for row in table["rows"]}
+
+
+@pytest.mark.parametrize("structure", ["qwen3_6_27b", "qwen3_8b"])
+def test_the_stated_cost_is_the_bench_records_cost_model_at_one_stream(structure):
+    """bench/bench_launches.py's record (its own implementation of docs/gpu.md's model), 1 stream, 1k/4k/16k: the
+    bytes' time is its ceiling; on Qwen3.6-27B its eager host time is below the device's, so the round is its
+    predicted round (Qwen3-8B's eager round is host-bound there, the compiled round's host time is not)."""
+    rows = _record_ms(structure)
+    options = {"ar": AR, "dflash": Choice("chain", 15), "ddtree:16": Choice("tree", 16),
+               "ddtree:64": Choice("tree", 64), "ddtree:256": Choice("tree", 256)}
+    for i, context in enumerate((1024, 4096, 16384)):
+        cost = RooflineCost.stated(structure, "h200", context=context)
+        for name, choice in options.items():
+            predicted, ceiling = rows[name][i]
+            assert 1e3 * cost.bytes(1, choice) / cost.bandwidth == pytest.approx(ceiling, abs=0.051), (name, context)
+            if structure == "qwen3_6_27b":
+                assert 1e3 * cost.seconds(1, choice) == pytest.approx(predicted, abs=0.051), (name, context)
+
+
+def test_the_stated_cost_turns_compute_bound_near_170_tokens():
+    cost = RooflineCost.stated("qwen3_6_27b", "h200")
+    assert 150 < cost.knee(1) < 175
+    flat = cost.seconds(1, Choice("tree", 64))
+    assert cost.seconds(2, Choice("tree", 64)) < 1.05 * flat  # 130 tokens: still the weights' read
+    assert cost.seconds(8, Choice("tree", 64)) > 3 * flat  # 520 tokens: compute
+    with pytest.raises(ValueError, match="structure"):
+        RooflineCost.stated("qwen9", "h200")
+
+
+class Roofline(RoundCost):
+    """A synthetic round: flat (bandwidth-bound) up to 170 verified tokens, linear above."""
+
+    def __init__(self, flat: float = 12e-3, knee: int = 170):
+        self.flat, self.knee = flat, knee
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        return self.flat * max(1.0, streams * choice.tokens / self.knee)
+
+
+# Qwen3.6-27B-like: a DFlash drafter of block 16 that is right at the top-1 most of the time
+PEAKY = [[0.82, 0.08, 0.03, 0.02]] * 15
+
+
+def _fed(budget: LoadBudget, rounds: int = 400, seed: int = 3) -> LoadBudget:
+    """The controller after `rounds` chain rounds of 4 streams whose ranks follow PEAKY."""
+    rng, chain = random.Random(seed), Choice("chain", 15)
+    for _ in range(rounds):
+        draws = [_draw(rng, PEAKY, PEAKY) for _ in range(4)]
+        acc = [next((i for i, r in enumerate(x) if r), 15) for x in draws]
+        budget.observe(chain, streams=4, seconds=0.01, accepted=[a + 1 for a in acc],
+                       ranks=[x[: a + 1] for x, a in zip(draws, acc, strict=True)])
+    return budget
+
+
+LOADS = (1, 2, 4, 6, 8, 10, 12, 16, 24, 32, 48, 64, 100, 128, 256)
+
+
+def test_the_choice_falls_with_the_load_on_a_roofline():
+    lb = _fed(LoadBudget([16, 32, 64], block_size=16, cost=Roofline(), refresh_every=0))
+    picks = {s: lb.choose(s) for s in LOADS}
+    assert picks[1] == Choice("tree", 64)
+    tokens = [picks[s].tokens for s in LOADS]
+    assert tokens == sorted(tokens, reverse=True), {s: c.label for s, c in picks.items()}
+    assert any(picks[s].kind == "chain" for s in (8, 10, 12, 16)), {s: c.label for s, c in picks.items()}
+    assert all(picks[s] == AR for s in LOADS if s >= 100)
+
+
+def test_the_stated_qwen3_6_27b_h200_cost_gives_the_issues_shape():
+    lb = _fed(LoadBudget([8, 16, 32, 64], block_size=16, cost=RooflineCost.stated("qwen3_6_27b", "h200"),
+                         refresh_every=0))
+    picks = {s: lb.choose(s) for s in LOADS}
+    assert picks[1] == Choice("tree", 64) and picks[10].kind == "chain"
+    assert picks[100].nodes <= 8 and all(picks[s] == AR for s in LOADS if s >= 128)
+    for s in LOADS:  # the predicted table: auto never below AR
+        preds = {p.choice: p.rate(s) for p in lb.predict(s)}
+        assert preds[picks[s]] >= preds[AR]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_round_runs_an_option_the_model_puts_below_ar(seed):
+    """Refresh rounds included (every round here), on random rooflines and acceptances."""
+    rng = random.Random(seed)
+    table = [[rng.uniform(0.2, 0.9)] + [rng.uniform(0, 0.05)] * 3 for _ in range(7)]
+    cost = Roofline(flat=rng.uniform(5e-3, 20e-3), knee=rng.choice([20, 80, 170, 400]))
+    lb = LoadBudget([4, 16, 64], block_size=8, cost=cost, refresh_every=1, refresh_within=0.0)
+    for n in range(300):
+        s = rng.choice(LOADS)
+        choice = lb.choose(s)
+        rec = lb.history[-1]
+        ar = next(p for p in lb.predict(s) if p.choice == AR).rate(s)
+        assert rec.predicted_tok_s >= ar * (1 - 1e-12), (n, s, choice)
+        ranks = [_draw(rng, table, table) for _ in range(s)] if choice.drafted else None
+        acc = [1 + next((i for i, r in enumerate(x) if r), 7) for x in ranks] if ranks else [1] * s
+        lb.observe(choice, streams=s, seconds=cost.seconds(s, choice), accepted=acc,
+                   ranks=[x[:a] for x, a in zip(ranks, acc, strict=True)] if ranks else None)
+    assert sum(r.explore == "refresh" for r in lb.history) > 0
+
+
+def _simulate(lb: LoadBudget, cost: RoundCost, trees: dict, loads, rounds: int, rng: random.Random) -> dict:
+    """Run the controller against a simulated machine: each round's streams draw the target's ranks from the known
+    model and accept along the chosen tree (enumerated); the round takes cost's seconds (5 % noise). Per load, the
+    choices of its last two thirds of rounds."""
+    out = {}
+    for s in loads:
+        picks = []
+        for _ in range(rounds):
+            choice = lb.choose(s)
+            if choice.drafted:
+                draws = [_draw(rng, MAIN, OFF) for _ in range(s)]
+                acc = [_accepted(x, trees[choice]) for x in draws]
+                ranks = [x[: a + 1] for x, a in zip(draws, acc, strict=True)]
+            else:
+                acc, ranks = [0] * s, None
+            sec = cost.seconds(s, choice) * rng.uniform(0.95, 1.05)
+            lb.observe(choice, streams=s, seconds=sec, accepted=[a + 1 for a in acc], ranks=ranks)
+            picks.append(choice)
+        out[s] = picks[rounds // 3:]
+    return out
+
+
+@pytest.mark.parametrize("knee", [1, 40, 170])
+def test_a_measured_cost_calibrates_in_the_first_rounds_and_follows_the_load(knee):
+    """No cost given: the controller measures the rounds. At each load its choices' true rate (the true taus by Monte
+    Carlo over the enumerated trees, the true cost) is near the best option's; knee 1: compute-bound from the first
+    token (AR is best at every load), 170: flat up to 170 verified tokens."""
+    options = [Choice("tree", b) for b in (4, 8, 16)] + [Choice("chain", 5), AR]
+    trees = {c: _best_first(MAIN, OFF, c.nodes) for c in options if c.kind == "tree"}
+    trees[Choice("chain", 5)] = {tuple([0] * k) for k in range(1, 6)}
+    mc_rng = random.Random(9)
+    samples = [_draw(mc_rng, MAIN, OFF) for _ in range(20000)]
+    true_tau = {c: 1 + sum(_accepted(x, trees[c]) for x in samples) / len(samples) for c in trees}
+    true_tau[AR] = 1.0
+    cost = Roofline(flat=10e-3, knee=knee)
+    lb = LoadBudget([4, 8, 16], block_size=6)
+    loads = (1, 4, 16, 64)
+    picks = _simulate(lb, cost, trees, loads, 90, random.Random(knee))
+    calibration = [r for r in lb.history if r.explore == "calibration"]
+    # the first rounds, at most 1 + 5 options: fewer where a measured cheap option rules bigger ones out
+    assert [r.round for r in calibration] == list(range(len(calibration))) and 2 <= len(calibration) <= 6
+    for s in loads:
+        rate = {c: s * true_tau[c] / cost.seconds(s, c) for c in options}
+        top = max(rate.values())
+        mean = sum(rate[c] for c in picks[s]) / len(picks[s])
+        assert mean >= 0.9 * top, (s, {c.label: round(r / top, 3) for c, r in rate.items()}, lb.summary())
+        assert mean >= rate[AR]  # never below plain decoding
+
+
+def test_history_records_every_round_for_the_diagnosis():
+    lb = LoadBudget([8, 16], block_size=6, cost=Roofline(knee=40))
+    for n, s in enumerate((1, 1, 3, 8)):
+        choice = lb.choose(s)
+        lb.observe(choice, streams=s, seconds=0.01, accepted=[2] * s, ranks=[[0, 1]] * s if choice.drafted else None)
+        rec = lb.history[n]
+        assert (rec.round, rec.streams, rec.choice, rec.seconds, rec.tokens) == (n, s, choice, 0.01, 2 * s)
+        assert rec.predicted_tok_s == pytest.approx(s * rec.predicted_tau / rec.predicted_seconds)
+    rows = json.loads(json.dumps([r.to_dict() for r in lb.history]))
+    assert [r["streams"] for r in rows] == [1, 1, 3, 8] and all(r["tok_s"] == pytest.approx(200 * r["streams"])
+                                                                for r in rows)
+    summary = lb.summary()
+    assert summary["rounds"] == 4 and sum(sum(v["choices"].values()) for v in summary["loads"].values()) == 4
+    assert summary["loads"][8]["measured_tok_s"] == pytest.approx(1600) and summary["explore"]["calibration"] == 0
+    json.dumps(summary)
+
+
+def test_a_measured_cost_fits_a_roofline_and_guards_its_inputs():
+    cost, truth = MeasuredCost(warmup=1), Roofline(flat=12e-3, knee=170)
+    for s in (1, 2, 4, 8, 16, 32):
+        for c in (AR, Choice("chain", 15), Choice("tree", 64)):
+            for _ in range(3):
+                cost.observe(s, c, truth.seconds(s, c))
+    for s in (1, 3, 8, 24, 64):
+        for c in (AR, Choice("chain", 15), Choice("tree", 32), Choice("tree", 64)):
+            assert cost.seconds(s, c) == pytest.approx(truth.seconds(s, c), rel=0.1), (s, c)
+    with pytest.raises(ValueError, match="kind"):
+        Choice("beam", 3)
+    with pytest.raises(ValueError, match="AR drafts 0"):
+        Choice("ar", 2)
+    lb = LoadBudget([8], block_size=4, cost=truth)
+    with pytest.raises(ValueError, match="streams"):
+        lb.choose(0)
+    with pytest.raises(ValueError, match="accepted counts"):
+        lb.observe(lb.choose(2), streams=2, seconds=0.01, accepted=[1])
+    assert math.isfinite(lb.predict(3)[0].rate(3))
+
+
+def test_ranks_as_one_padded_array_count_as_the_lists_do():
+    lists = [[0, 0, 3], [1, 0], [0, 0, 0, 0, 0], [RANK_CAP + 7], []]
+    a, b = AcceptanceEstimate(5, halflife=0), AcceptanceEstimate(5, halflife=0)
+    a.add(*lists)
+    b.add_rows([x + [-1] * (5 - len(x)) for x in lists])
+    assert (a.counts == b.counts).all() and a.observed == b.observed == 11
+    assert a.counts[1, 1, 0] == 1 and a.counts[0, 0, RANK_CAP] == 1  # off the chain after a rank 1; beyond the cap
+    for rows in ([[0, 0, 3], [1, 0]], None):  # lists, or no ranks: the correction still learns the option's tau
+        lb = LoadBudget([4], block_size=6, cost=Roofline(knee=40))
+        tree = Choice("tree", 4)
+        raw = lb.raw_taus()[tree]
+        for _ in range(50):
+            lb.observe(tree, streams=2, seconds=0.01, accepted=[1, 1], ranks=rows)
+        assert lb.predict(2)[0].tau < 0.7 * raw  # one token a round: far below the prior's tau
+
+
+def test_the_toy_taus_on_the_stated_h200_cost_never_fall_below_ar():
+    """The worked example of docs/concurrency.md: the toy pair's measured taus, Qwen3.6-27B on an H200."""
+    taus = {Choice("tree", 64): 7.512, Choice("tree", 32): 6.696, Choice("tree", 16): 6.286, Choice("tree", 8): 5.049,
+            Choice("chain", 15): 5.704, AR: 1.0}
+    cost = RooflineCost.stated("qwen3_6_27b", "h200")
+    picks = {}
+    for s in range(1, 257):
+        preds = predictions(s, taus, cost)
+        top = best(s, preds)
+        assert all(top.rate(s) >= p.rate(s) for p in preds)
+        picks[s] = top.choice
+    assert picks[1] == Choice("tree", 64) and picks[16] == Choice("tree", 8) and picks[256] == AR
+    assert [s for s in picks if picks[s] == AR][0] == 131
+
+
+def test_target_ranks_are_the_ranks_of_the_accepted_path_and_the_first_rejected_token():
+    """Against a sort per row: the target's token's place in the drafter's descending order (ties: strictly above)."""
+    gen = torch.Generator().manual_seed(0)
+    n, L, V, T = 3, 4, 11, 6
+    logits = torch.randn(n, L, V, generator=gen).round(decimals=1)  # some ties
+    tree_tokens = torch.randint(0, V, (n, T), generator=gen)
+    paths = [[0, 2, 3], [0], [0, 1, 4, 5, 2]]  # accepted depths 2, 0, 4 (= L: no rejected depth)
+    path = torch.tensor([p + [p[-1]] * (5 - len(p)) for p in paths])
+    lengths = torch.tensor([len(p) for p in paths])
+    next_root = torch.randint(0, V, (n,), generator=gen)
+    got = target_ranks(logits, tree_tokens, path, lengths, next_root).tolist()
+    for i, p in enumerate(paths):
+        toks = [int(tree_tokens[i, j]) for j in p[1:]] + [int(next_root[i])]
+        want = []
+        for d, t in enumerate(toks[:L]):
+            row = logits[i, d].tolist()
+            want.append(sum(v > row[t] for v in row))
+        assert got[i] == want + [-1] * (L - len(want)), i

@@ -1,0 +1,156 @@
+"""The batched round (`Engine.generate_many`, ddtree.engine.batch): every stream lossless whatever the others are.
+
+References are independent: Hugging Face greedy `generate` of each prompt alone (T = 0); at T > 0 the engine's AR
+baseline of each prompt alone (the keyed noise makes every method's committed tokens the target's own samples)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.engine.drafter.model import DFlashDrafter
+from ddtree.engine.loop import Engine
+from ddtree.errors import ConfigError
+from ddtree.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parent.parent
+TOY_PURE = ROOT / "assets" / "toy_pure"
+STOP = 2
+
+
+@pytest.fixture(scope="module")
+def toy_pure():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(TOY_PURE / "target", dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(TOY_PURE / "target")
+    drafter = DFlashDrafter.from_pretrained(TOY_PURE / "drafter", dtype=torch.float32)
+    rows = [json.loads(line) for line in (TOY_PURE / "prompts.jsonl").read_text().splitlines()][:7]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"] for r in rows]
+    return target, drafter, prompts
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: torch.Tensor, n: int, stop: int | None = None) -> list[int]:
+    out = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=0,
+                         min_new_tokens=None if stop is not None else n)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_every_stream_equals_greedy_decoding_of_its_prompt_alone(toy_pure, method):
+    """7 prompts of different lengths through 3 slots: streams join as others end (a stop token, at different
+    rounds), accept different lengths per round; each output is HF greedy decoding of its prompt alone."""
+    target, drafter, prompts = toy_pure
+    with Engine(target, None if method == "ar" else drafter, method=method, budget=16, compile="false") as engine:
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 32, STOP)
+        assert r.prompt_len == ids.shape[1] and r.streams <= 3
+    if method != "ar":  # the trained pair accepts several tokens a round: the tree paths are exercised
+        assert sum(r.tau for r in results) / len(results) > 2.5
+    assert results[-1].queued_s > results[0].queued_s  # the last prompt waited for a slot
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "qwen3_moe", "llama"])
+def test_sliding_windows_sinks_moe_and_mla_targets_batched(model_type):
+    """gpt_oss (sliding window 8 with sinks: contexts run past it), DeepSeek-V3 (MLA, MoE), Qwen3-MoE, Llama."""
+    attn = "eager" if model_type == "gpt_oss" else "sdpa"
+    target = tiny_model(model_type, attn_implementation=attn)
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 11, 3, 9)]
+    with Engine(target, drafter, method="ddtree", budget=8, compile="false") as engine:
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=20)
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 20)
+
+
+def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
+    """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them."""
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter, prompts = toy_pure
+    per_round = {}
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+        for n in (1, 8):
+            engine.generate_many([prompts[0]] * n, concurrency=n, max_new_tokens=24)  # constants cached per shape
+            with DispatchCount() as c:
+                results = engine.generate_many([prompts[0]] * n, concurrency=n, max_new_tokens=24)
+            rounds = results[0].rounds
+            assert all(r.rounds == rounds for r in results)
+            per_round[n] = (c.total(c.kernel_ops, exclude=("prefill", "other")) / rounds,
+                            c.total(c.syncs, exclude=("prefill", "other")) / rounds)
+    assert per_round[8] == per_round[1]
+    assert per_round[1][1] == 1  # one host read a round, for every stream together
+
+
+def test_refusals_are_one_line(toy_pure):
+    target, drafter, prompts = toy_pure
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+        with pytest.raises(ConfigError, match="concurrency"):
+            engine.generate_many(prompts, concurrency=0)
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false", scoring="marginal") as engine:
+        assert engine.generate_many(prompts[:1], concurrency=2, max_new_tokens=4)[0].num_new_tokens == 4
+
+
+def test_an_eagle3_chain_batched_drafts_as_it_does_alone():
+    """method=eagle3 (topk 1): each stream greedy decoding of its prompt alone, and drafted as the one-stream engine
+    drafts it (the same acceptance, round by round)."""
+    from eagle3_support import fitted_drafter
+
+    target = tiny_model("qwen3", attn_implementation="sdpa")
+    drafter = fitted_drafter(target, steps=20)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 9, 3, 12)]
+    with Engine(target, drafter, method="eagle3", steps=3, topk=1, compile="false") as engine:
+        alone = [engine.generate(p, max_new_tokens=20) for p in prompts]
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=20)
+    for ids, one, r in zip(prompts, alone, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 20)
+        assert r.acceptance_lengths == one.acceptance_lengths
+    with Engine(target, drafter, method="eagle3", steps=3, topk=2, budget=8, compile="false") as engine:
+        with pytest.raises(ConfigError, match="topk"):
+            engine.generate_many(prompts, concurrency=2)
+
+
+def test_hybrid_targets_batched_dflash_ddtree_and_the_mtp_chain():
+    """A tiny Qwen3.5 hybrid (Gated DeltaNet with a slow decay): DDTree and the MTP chain batched, every stream greedy
+    decoding of its prompt alone and drafted round by round as alone (the MTP head fitted so drafts get accepted)."""
+    from mtp_support import fitted_head
+
+    target = tiny_model("qwen3_5_text", attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 12, 3, 9)]
+    refs = [hf_greedy(target, ids, 20) for ids in prompts]
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    head = fitted_head(target, steps=20)
+    for draft, kw in ((drafter, dict(method="ddtree", budget=8)), (head, dict(method="mtp", steps=3, topk=1))):
+        with Engine(target, draft, compile="false", **kw) as engine:
+            alone = [engine.generate(p, max_new_tokens=20) for p in prompts]
+            results = engine.generate_many(prompts, concurrency=3, max_new_tokens=20)
+        for ref, one, r in zip(refs, alone, results, strict=True):
+            assert r.output_ids == ref
+            assert r.acceptance_lengths == one.acceptance_lengths
+    assert max(r.tau for r in results) > 1.5  # the fitted head's drafts are accepted: rollback is exercised
+
+
+def test_at_t_above_0_every_method_commits_what_ar_sampling_commits(toy_pure):
+    """Keyed noise (seed, stream, position): the committed tokens are the target's own samples, so every method and
+    every concurrency gives AR sampling's output for the same seed, token for token (fp32); another seed differs."""
+    target, drafter, prompts = toy_pure
+    kw = dict(temperature=0.9, max_new_tokens=24, stop_token_ids=[STOP], seed=7)
+    with Engine(target, None, method="ar", compile="false") as engine:
+        ar = [r.output_ids for r in engine.generate_many(prompts[:4], concurrency=1, **kw)]
+        other = [r.output_ids for r in engine.generate_many(prompts[:4], concurrency=4, **{**kw, "seed": 8})]
+    assert other != ar
+    for method, conc in (("dflash", 3), ("ddtree", 4), ("ddtree", 1)):
+        with Engine(target, drafter, method=method, budget=16, compile="false") as engine:
+            results = engine.generate_many(prompts[:4], concurrency=conc, **kw)
+        assert [r.output_ids for r in results] == ar, (method, conc)
+        assert sum(r.tau for r in results) / len(results) > 1.5  # drafts accepted at T > 0 (coupled)
