@@ -269,8 +269,14 @@ class BatchRun:
             raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={self.method} has "
                               "none", "use method=ddtree with budget=auto, or a number")
         self.budget = None if self.auto else budget
-        # the controller of budget="auto" (ddtree.engine.adaptive): the round's draft from the load
-        self.load = LoadBudget(AUTO_CANDIDATES, block_size=engine.proposer.block_size) if self.auto else None
+        # the controller of budget="auto" (ddtree.engine.adaptive): the round's draft from the load; the engine's,
+        # kept across its calls (the machine and the pair do not change: its calibration and estimates carry over)
+        self.load = None
+        if self.auto:
+            if engine.load_budget is None:
+                engine.load_budget = LoadBudget(AUTO_CANDIDATES, block_size=engine.proposer.block_size)
+            self.load = engine.load_budget
+            self.first_round = len(self.load.history)
         self.stops = set(stop_token_ids or ())
         self.prompts = prompts
         self.dev = dev = self.binding.device
@@ -565,7 +571,7 @@ class BatchRun:
                 if any(s is not None for s in self.active):
                     self.round()
         stages = self.timer.finish()
-        load = self.load.summary() if self.load is not None else None
+        load = self.load.summary(since=self.first_round) if self.load is not None else None
         for r in self.results:
             r.stage_seconds = dict(stages)  # the rounds' stages, shared by the streams that took part
             r.load_budget = load

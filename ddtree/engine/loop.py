@@ -109,6 +109,7 @@ class Engine:
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
         # budget="auto": the tree chosen every round from the load (ddtree.engine.adaptive, through generate_many);
         # the proposer is built for the largest candidate
+        self.load_budget = None  # budget="auto"'s controller (ddtree.engine.adaptive), made by the first batched call
         self.budget_auto = budget == "auto" and method == "ddtree"
         if budget == "auto":
             if not self.budget_auto and get_method(method).reads_budget:
