@@ -25,6 +25,7 @@ from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 from ddtree.engine.result import GenerationResult
+from ddtree.engine.selector import DFlash2ChainProposer, PairTreeProposer, batch_pair_tree, selector_walk
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import tree_size
@@ -240,15 +241,16 @@ class _Stream:
 def check_batch_method(engine) -> None:
     """Refuse, in one line, what the batched round does not run (yet)."""
     method, proposer = engine.method, engine.proposer
-    runs = ("ar, dflash, ddtree with marginal scoring, and the chains of mtp and eagle3 (topk 1)")
-    if method not in BATCH_METHODS or getattr(proposer, "scoring", "marginal") == "pair":
+    runs = ("ar, dflash, ddtree (marginal and pair scoring), and the chains of mtp and eagle3 (topk 1)")
+    if method not in BATCH_METHODS:
         raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
                           "use concurrency=1 for this method")
     if getattr(proposer, "topk", 1) > 1:
         raise ConfigError("concurrency", f"method={method}'s tree (topk > 1) does not run batched yet (concurrency "
                           f"> 1 runs {runs})", f"set {method}.topk=1 or concurrency=1")
     if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
-                                       "Eagle3Proposer"):
+                                       "Eagle3Proposer", "DFlash2ChainProposer", "DFlash2MarginalProposer",
+                                       "PairTreeProposer"):
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
 
 
@@ -279,6 +281,11 @@ class BatchRun:
         self.drafts = self.method != "ar"
         self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts a chain step by step
         self.steps = self.proposer.steps if self.head is not None else 0
+        # a DFlash2 drafter's candidate selector drafts the chain (method=dflash) and, scoring=pair, DDTree's tree:
+        # it reads the block's final hidden rows besides the logits (`draft`)
+        self.walks = isinstance(self.proposer, (DFlash2ChainProposer, PairTreeProposer))
+        self.pair = isinstance(self.proposer, PairTreeProposer)
+        self.hidden: torch.Tensor | None = None  # [N, L, H]: the latest draft's rows (where `walks`)
         self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
         vocab = self.model.config.get_text_config().vocab_size
         most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
@@ -401,7 +408,9 @@ class BatchRun:
 
     # ---- a round
     def draft(self) -> torch.Tensor:
-        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32)."""
+        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32: the
+        proposer's `head_logits`, a DFlash2 drafter's with its multiplier and soft cap); the rows drafting them kept in
+        `hidden` where a selector reads them."""
         blk = self.block_ids.clone()
         blk[:, 0] = self.roots
         x = self.proposer.drafter.embed_block(self.embed.weight, blk)
@@ -411,7 +420,9 @@ class BatchRun:
         ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
         hidden = self.proposer.drafter(x, ctx[:, :c] if c else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
-        return self.lm_head(hidden[:, 1:]).float()
+        if self.walks:
+            self.hidden = hidden[:, 1:]
+        return self.proposer.head_logits(hidden[:, 1:])
 
     def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
         if not self.drafts or (choice is not None and not choice.drafted):
@@ -419,12 +430,27 @@ class BatchRun:
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
         if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
+            if self.walks:  # the selector's walk (a DFlash2 drafter's chain)
+                return bt.batch_chain_trees(self.roots, self.walk(logits))
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
                 pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
         budget = self.budget if choice is None else choice.budget
+        if self.pair:  # every stream's pair tree (ddtree.engine.selector.batch_pair_tree)
+            return batch_pair_tree(self.roots, self.proposer.drafter.candidates(logits, self.hidden), budget)
         return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), budget)
+
+    def walk(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every stream's selector walk [N, L] (ddtree.engine.selector.selector_walk with a stream dimension): the
+        argmax at T = 0; at T > 0 a sample of each position's softmax over its candidates, keyed as the target's
+        choice at the drafted token's position (the coupling of keyed_draft_choice, at the candidates)."""
+        cand = self.proposer.drafter.candidates(logits, self.hidden)
+        if self.temperature <= 0:
+            return selector_walk(cand, self.roots)
+        pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
+        u = bt.keyed_uniform(self.seeds, pos, logits.shape[-1]).gather(2, cand.ids)
+        return selector_walk(cand, self.roots, self.temperature, noise=u.log_().neg_().log_().neg_())
 
     def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""

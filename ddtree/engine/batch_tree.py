@@ -2,7 +2,8 @@
 a row per stream, so a round's ops do not grow with the number of streams.
 
 Builders (torch ops on the device, vectorised over streams, no host read): `batch_root_trees` (AR),
-`batch_chain_trees` (DFlash chains), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
+`batch_chain_trees` (DFlash chains), `batch_full_tree` (a builder's trees without padding: DDTree's pair trees,
+ddtree.engine.selector.batch_pair_tree), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
 budget)`, node for node, optionally each stream at its own smaller budget; one fused op after the top-k),
 `with_sizes` (cut rows to a prefix). `batch_walk` follows the target's choices in every stream with one host read.
 `keyed_choice` samples at T > 0 with noise keyed by (stream seed, absolute position, token), so a stream's tokens do
@@ -23,7 +24,8 @@ from ddtree.engine.kernels.sampling import _keyed_choice, keyed_uniform
 from ddtree.engine.kernels.tree import _batch_ancestor_index, _batch_tree_build, batch_tree_build
 from ddtree.engine.tree import DraftTree, _ranked_costs, tree_size
 
-__all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_best_first_tensors", "batch_tree_of_tensors",
+__all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_best_first_tensors", "batch_full_tree",
+           "batch_tree_of_tensors",
            "batch_chain_trees", "batch_root_trees", "batch_walk", "batch_walk_tensors", "read_walk",
            "keyed_choice", "keyed_draft_choice", "keyed_uniform", "positions_after", "with_sizes"]
 
@@ -120,6 +122,18 @@ def _chain_rows(N: int, T: int, device: torch.device) -> tuple[torch.Tensor, ...
     anc = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
     return (rows(ar - 1), rows(ar), torch.ones(N, T, dtype=torch.bool, device=device),
             torch.full((N,), T, dtype=torch.long, device=device), rows(anc), rows((ar[:, None] - ar).clamp_(min=0)))
+
+
+def batch_full_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor, depth_bound: int,
+                    scores: torch.Tensor | None = None) -> BatchTree:
+    """The BatchTree of N trees of T nodes each, every node valid (tokens, parents, depths [N, T] in flat order; a
+    tree builder's that pads nothing, e.g. the pair tree's, ddtree.engine.selector.batch_pair_tree): the ancestor
+    index and matrix built from the parents, no host read."""
+    N, T = tokens.shape
+    aidx = _batch_ancestor_index(parents, depth_bound)
+    anc = torch.zeros(N, T, T, dtype=torch.bool, device=tokens.device).scatter_(2, aidx, True)
+    valid, sizes = _const(_chain_rows, N, T, tokens.device)[2:4]  # every node valid (shared constants)
+    return BatchTree(tokens, parents, depths, valid, sizes, anc, depth_bound=depth_bound, aidx=aidx, scores=scores)
 
 
 def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
