@@ -270,3 +270,15 @@ def test_batched_pair_trees_are_each_streams_own(toy_dflash2):
         results = engine.generate_many(prompts[:4], concurrency=3, **kw)
     assert [r.output_ids for r in results] == ar
     assert sum(r.tau for r in results) / len(results) > 1.5
+
+
+def test_budget_auto_over_a_dflash2_drafter_walks_and_builds_pair_trees(toy_dflash2):
+    """budget="auto" with pair scoring: a round's chain is the selector's walk, its trees pair trees at the chosen
+    budget; every stream still greedy decoding of its prompt alone."""
+    target, drafter, prompts = toy_dflash2
+    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=40, stop_token_ids=[STOP])
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 40, STOP)
+    chosen = {label for row in results[0].load_budget["loads"].values() for label in row["choices"]}
+    assert chosen - {"ar"}, chosen  # drafted rounds (which: the controller's choice, from measured seconds)
