@@ -25,7 +25,6 @@ from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 from ddtree.engine.result import GenerationResult
-from ddtree.engine.selector import DFlash2ChainProposer, PairTreeProposer, batch_pair_tree, selector_walk
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import tree_size
@@ -281,11 +280,8 @@ class BatchRun:
         self.drafts = self.method != "ar"
         self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts a chain step by step
         self.steps = self.proposer.steps if self.head is not None else 0
-        # a DFlash2 drafter's candidate selector drafts the chain (method=dflash) and, scoring=pair, DDTree's tree:
-        # it reads the block's final hidden rows besides the logits (`draft`)
-        self.walks = isinstance(self.proposer, (DFlash2ChainProposer, PairTreeProposer))
-        self.pair = isinstance(self.proposer, PairTreeProposer)
-        self.hidden: torch.Tensor | None = None  # [N, L, H]: the latest draft's rows (where `walks`)
+        # a proposer's own trees (a DFlash2 selector's walk and pair trees): from the block's final hidden rows too
+        self.hidden: torch.Tensor | None = None  # [N, L, H]: the latest draft's rows (where its `draft_hidden`)
         self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
         vocab = self.model.config.get_text_config().vocab_size
         most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
@@ -420,7 +416,7 @@ class BatchRun:
         ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
         hidden = self.proposer.drafter(x, ctx[:, :c] if c else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
-        if self.walks:
+        if self.proposer.draft_hidden:
             self.hidden = hidden[:, 1:]
         return self.proposer.head_logits(hidden[:, 1:])
 
@@ -429,28 +425,17 @@ class BatchRun:
             return bt.batch_root_trees(self.roots)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
-        if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
-            if self.walks:  # the selector's walk (a DFlash2 drafter's chain)
-                return bt.batch_chain_trees(self.roots, self.walk(logits))
+        chain = self.method == "dflash" or (choice is not None and choice.kind == "chain")
+        budget = None if chain else (self.budget if choice is None else choice.budget)
+        # the drafted tokens' positions: a sample's keyed noise (coupled to the target's at the same positions)
+        pos = self.kv.lengths[:, None] + self.offsets[:, 1:] if self.temperature > 0 else None
+        if self.proposer.batch_tree is not None:  # its own (a DFlash2 selector's walk or pair trees)
+            return self.proposer.batch_tree(self.roots, logits, self.hidden, budget, self.temperature, self.seeds, pos)
+        if chain:
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
-                pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
-        budget = self.budget if choice is None else choice.budget
-        if self.pair:  # every stream's pair tree (ddtree.engine.selector.batch_pair_tree)
-            return batch_pair_tree(self.roots, self.proposer.drafter.candidates(logits, self.hidden), budget)
         return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), budget)
-
-    def walk(self, logits: torch.Tensor) -> torch.Tensor:
-        """Every stream's selector walk [N, L] (ddtree.engine.selector.selector_walk with a stream dimension): the
-        argmax at T = 0; at T > 0 a sample of each position's softmax over its candidates, keyed as the target's
-        choice at the drafted token's position (the coupling of keyed_draft_choice, at the candidates)."""
-        cand = self.proposer.drafter.candidates(logits, self.hidden)
-        if self.temperature <= 0:
-            return selector_walk(cand, self.roots)
-        pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
-        u = bt.keyed_uniform(self.seeds, pos, logits.shape[-1]).gather(2, cand.ids)
-        return selector_walk(cand, self.roots, self.temperature, noise=u.log_().neg_().log_().neg_())
 
     def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ddtree.engine.batch_tree import BatchTree, batch_full_tree
+from ddtree.engine.batch_tree import BatchTree, batch_chain_trees, batch_full_tree, keyed_uniform
 from ddtree.engine.checks import check_budget
 from ddtree.engine.drafter.dflash2 import Candidates
 from ddtree.engine.proposers import DDTreeProposer, DecodeState, DrafterBlock
@@ -71,6 +71,20 @@ class _PairRecord(_SelectorHead):
         with state.timer.stage("tree"):
             out, self.last_cand = self.tree_tensors(state.root, logits, self.last_hidden.to(logits.device))
             return out
+
+    def batch_tree(self, roots: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, budget: int | None,
+                   temperature: float, seeds: torch.Tensor, positions: torch.Tensor | None) -> BatchTree:
+        """The batched round's trees (ddtree.engine.batch), every stream's in the same ops: its selector walk (budget
+        None: the chain; at T > 0 a sample of each position's softmax over its candidates with the noise keyed as the
+        target's choice at the drafted token's position, `positions` [N, L]: the coupling of keyed_draft_choice at
+        the candidates; verified by the walk), or its pair tree of `budget` nodes (batch_pair_tree)."""
+        cand = self.drafter.candidates(logits, hidden)
+        if budget is not None:
+            return batch_pair_tree(roots, cand, budget)
+        if temperature <= 0:
+            return batch_chain_trees(roots, selector_walk(cand, roots))
+        gumbel = keyed_uniform(seeds, positions, logits.shape[-1]).gather(2, cand.ids).log_().neg_().log_().neg_()
+        return batch_chain_trees(roots, selector_walk(cand, roots, temperature, noise=gumbel))
 
     @torch.inference_mode()
     def record_logits(self, tree: DraftTree, path: torch.Tensor, accepted: int) -> torch.Tensor:
