@@ -183,23 +183,23 @@ def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0, generator:
     sample, coupled to the target's) instead of a generator: argmax(S_t(prev, .) / T + noise_t)."""
     first, trans = pair_scores(cand, root)
     *lead, L, k = cand.ids.shape
-    picks, rows = [], []
+    picks, rows = [], []  # picks [..., 1]: a pick, shaped as the next row's index
     for t in range(L):
         # (a gather, not trans[t - 1, pick]: a 0-d tensor as a Python index is read on the host)
-        s = first if t == 0 else trans[..., t - 1, :, :].gather(
-            -2, picks[-1][..., None, None].expand(*lead, 1, k))[..., 0, :]
+        s = first[..., None, :] if t == 0 else trans[..., t - 1, :, :].gather(
+            -2, picks[-1][..., None].expand(*lead, 1, k))  # [..., 1, k]
         if noise is not None:
-            picks.append((s * (1.0 / temperature) + noise[..., t, :]).argmax(-1))
+            picks.append((s * (1.0 / temperature) + noise[..., t: t + 1, :]).argmax(-1))
         elif temperature > 0:
             rows.append(torch.softmax(s / temperature, dim=-1))
             picks.append(torch.multinomial(rows[-1], 1, generator=generator)[0])
         else:
             picks.append(s.argmax(-1))
-    chain = cand.ids.gather(-1, torch.stack(picks, dim=-1)[..., None])[..., 0]
+    chain = cand.ids.gather(-1, torch.cat(picks, dim=-1)[..., None])[..., 0]
     if not draft_probs:
         return chain
     q = torch.zeros(L, cand.pred.shape[0], device=chain.device)
-    return chain, q.scatter_(1, cand.ids, torch.stack(rows))
+    return chain, q.scatter_(1, cand.ids, torch.cat(rows))
 
 
 def pair_scores(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -283,15 +283,18 @@ def batch_pair_tree_tensors(roots: torch.Tensor, logprobs: tuple[torch.Tensor, t
     cost, cand = c0.sort(dim=1, stable=True)
     cost, cand = cost[:, :budget], cand[:, :budget]
     costs, cands, parents = [cost], [cand], [torch.zeros_like(cand)]
+    layout = _beam_layout.__wrapped__ if torch.compiler.is_compiling() else _beam_layout  # (a graph: its constants)
+    # [N, 1]: each stream's row, beside its beam's candidates (made here: a cached one made under inference_mode
+    # could not index a tensor autograd tracks)
+    streams = torch.arange(N, device=dev)[:, None]
     for t in range(1, L):
-        rows = ct[:, t - 1].gather(1, cand[:, :, None].expand(N, cand.shape[1], k))  # [N, beam, k]
+        rows = ct[:, t - 1][streams, cand]  # [N, beam, k]: each beam's candidates' rows
         cost, idx = (cost[:, :, None] + rows).reshape(N, -1).sort(dim=1, stable=True)
         cost, idx = cost[:, :budget], idx[:, :budget]
         parents.append(idx.div(k, rounding_mode="floor"))
         cand = idx.remainder(k)
         costs.append(cost)
         cands.append(cand)
-    layout = _beam_layout.__wrapped__ if torch.compiler.is_compiling() else _beam_layout  # (a graph: its constants)
     depth, offset, row, best_row, by_parent = layout(tuple(c.shape[1] for c in cands), k, dev)
     n = 1 + min(budget, depth.shape[0] - 1)
     cand_all = torch.cat(cands, dim=1)
