@@ -103,8 +103,8 @@ BAD_INPUTS = {
     "tree method on a flash backend": (["method=ddtree", "attention=flash_attention_2"], "use attention=sdpa"),
     "mistyped value": (["budget=lots"], "budget: must be a whole number or auto, got 'lots'"),
     "no streams": (["concurrency=0"], "concurrency: must be a whole number >= 1, got 0"),
-    "a tree the batched round does not run": (["method=mtp", "mtp.topk=2", "concurrency=2"],
-                                              "concurrency: method=mtp's tree (topk > 1) does not run batched yet"),
+    "an engine without a batched round": (["engine=upstream", "concurrency=2"],
+                                          "concurrency: engine=upstream decodes one prompt at a time"),
     # preflight (ddtree.pipeline.preflight): the sources and prompts, before the store or any weights
     "model folder missing": (["model=hf", "model.name_or_path=./no_such_dir", "method=ar"],
                              "model.name_or_path: no such folder"),

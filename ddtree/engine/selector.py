@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ddtree.engine.batch_tree import BatchTree, batch_chain_trees, batch_full_tree, keyed_uniform
+from ddtree.engine.batch_tree import BatchTree, batch_chain_trees, batch_full_trees, keyed_uniform
 from ddtree.engine.checks import check_budget
 from ddtree.engine.drafter.dflash2 import Candidates
 from ddtree.engine.proposers import DDTreeProposer, DecodeState, DrafterBlock
@@ -320,4 +320,4 @@ def batch_pair_tree(roots: torch.Tensor, cand, budget: int) -> BatchTree:
     with a stream dimension (the drafter's `candidates` of [N, L, V] logits and [N, L, H] hidden rows). Every row
     holds the same node count (shapes fixed by budget, L and k), so no padding; no host read."""
     tokens, parents, depths, scores, _ = batch_pair_tree_tensors(roots, pair_logprobs(cand, roots), cand.ids, budget)
-    return batch_full_tree(tokens, parents, depths, min(cand.ids.shape[1], budget), scores)
+    return batch_full_trees(tokens, parents, depths, scores, depth_bound=min(cand.ids.shape[1], budget))

@@ -50,7 +50,6 @@ from ddtree.pipeline.schema import (
     first_line,
     is_auto,
     method_settings,
-    method_topk,
     to_run_config,
     tracking_uri,
 )
@@ -161,9 +160,6 @@ def check_concurrency(rc: RunConfig) -> None:
         if rc.method not in BATCH_METHODS:
             raise ConfigError("concurrency", f"method={rc.method} does not run batched yet (concurrency > 1 runs "
                               f"{', '.join(BATCH_METHODS)})", "use concurrency=1 for it")
-        if (method_topk(rc) or 1) > 1:  # the heads' trees (the batched round drafts their chains)
-            raise ConfigError("concurrency", f"method={rc.method}'s tree (topk > 1) does not run batched yet",
-                              f"set {rc.method}.topk=1 or concurrency=1")
 
 
 def check_validation(rc: RunConfig) -> None:
