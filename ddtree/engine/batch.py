@@ -242,12 +242,13 @@ class _Stream:
 def check_batch_method(engine) -> None:
     """Refuse, in one line, what the batched round does not run (yet)."""
     method, proposer = engine.method, engine.proposer
-    runs = "ar, dflash, ddtree with marginal scoring, mtp and eagle3"
-    if method not in BATCH_METHODS or getattr(proposer, "scoring", "marginal") == "pair":
+    runs = "ar, dflash, ddtree (marginal and pair scoring), mtp and eagle3"
+    if method not in BATCH_METHODS:
         raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
                           "use concurrency=1 for this method")
     if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
-                                       "Eagle3Proposer"):
+                                       "Eagle3Proposer", "DFlash2ChainProposer", "DFlash2MarginalProposer",
+                                       "PairTreeProposer"):
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
 
 
@@ -284,6 +285,8 @@ class BatchRun:
         self.drafts = self.method != "ar"
         self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts step by step
         self.steps = self.proposer.steps if self.head is not None else 0
+        # a proposer's own trees (a DFlash2 selector's walk and pair trees): from the block's final hidden rows too
+        self.hidden: torch.Tensor | None = None  # [N, L, H]: the latest draft's rows (where its `draft_hidden`)
         self.topk = self.proposer.topk if self.head is not None else 1  # > 1: the head's EAGLE-2 tree
         if self.topk > 1 and self.budget is None:
             self.budget = self.proposer.budget
@@ -436,7 +439,9 @@ class BatchRun:
 
     # ---- a round
     def draft(self) -> torch.Tensor:
-        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32)."""
+        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32: the
+        proposer's `head_logits`, a DFlash2 drafter's with its multiplier and soft cap); the rows drafting them kept in
+        `hidden` where a selector reads them."""
         blk = self.block_ids.clone()
         blk[:, 0] = self.roots
         x = self.proposer.drafter.embed_block(self.embed.weight, blk)
@@ -446,7 +451,9 @@ class BatchRun:
         ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
         hidden = self.proposer.drafter(x, ctx[:, :c] if c else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
-        return self.lm_head(hidden[:, 1:]).float()
+        if self.proposer.draft_hidden:
+            self.hidden = hidden[:, 1:]
+        return self.proposer.head_logits(hidden[:, 1:])
 
     def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
         if not self.drafts or (choice is not None and not choice.drafted):
@@ -456,12 +463,16 @@ class BatchRun:
             return bt.batch_full_trees(*mtp_tree_tensors(self.roots, *logits, self.budget), depth_bound=self.steps)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
-        if self.method == "dflash" or (choice is not None and choice.kind == "chain"):
+        chain = self.method == "dflash" or (choice is not None and choice.kind == "chain")
+        budget = None if chain else (self.budget if choice is None else choice.budget)
+        # the drafted tokens' positions: a sample's keyed noise (coupled to the target's at the same positions)
+        pos = self.kv.lengths[:, None] + self.offsets[:, 1:] if self.temperature > 0 else None
+        if self.proposer.batch_tree is not None:  # its own (a DFlash2 selector's walk or pair trees)
+            return self.proposer.batch_tree(self.roots, logits, self.hidden, budget, self.temperature, self.seeds, pos)
+        if chain:
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
-                pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
-        budget = self.budget if choice is None else choice.budget
         return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), budget)
 
     def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -4,7 +4,8 @@ a row per stream, so a round's ops do not grow with the number of streams.
 Builders (torch ops on the device, vectorised over streams, no host read): `batch_root_trees` (AR),
 `batch_chain_trees` (DFlash chains), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
 budget)`, node for node, optionally each stream at its own smaller budget; one fused op after the top-k),
-`batch_full_trees` (N trees of one node count given as tokens, parents and depths: the head methods' EAGLE-2 trees),
+`batch_full_trees` (N trees of one node count given as tokens, parents and depths: the head methods' EAGLE-2 trees,
+DDTree's pair trees: ddtree.engine.selector.batch_pair_tree),
 `with_sizes` (cut rows to a prefix). `batch_walk` follows the target's choices in every stream with one host read.
 `keyed_choice` samples at T > 0 with noise keyed by (stream seed, absolute position, token), so a stream's tokens do
 not depend on the batch it runs in, and `keyed_draft_choice` couples a drafter's sampled chain to the same noise.

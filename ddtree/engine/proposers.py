@@ -59,6 +59,11 @@ class Proposer:
     tree_graph: a tree build of its own (not best_first's) as a function of tensors to tensors (fixed shapes, no host
       read; e.g. a DFlash2 selector's walk, ddtree.engine.selector): under compile the round compiles it as one graph
       and hands it back as `tree_tensors` (same arguments); None: none.
+    batch_tree: the batched round's trees (ddtree.engine.batch) built its own way, as a function (roots [N],
+      logits [N, L, V], hidden [N, L, H] the block's final rows, budget (None: the chain), temperature, seeds [N],
+      positions [N, L] the drafted tokens' own at T > 0, else None) -> ddtree.engine.batch_tree.BatchTree, every
+      stream's in the same ops (e.g. a DFlash2 selector's walk and pair trees, ddtree.engine.selector); None: the
+      round's own (the logits' chain, or best-first trees over them).
     """
 
     feature_layers: list[int] | None = None
@@ -70,6 +75,7 @@ class Proposer:
     best_first: bool = False
     static_form: type | None = None
     tree_graph = None
+    batch_tree = None
     tree_tensors = None  # set by the compiled round where `best_first` or `tree_graph`
     static_draft = None  # set by the compiled round where `static_form`
     last_top1: torch.Tensor | None = None  # per node of the latest tree: is it its parent's best child (diagnosis;
