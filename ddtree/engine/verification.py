@@ -159,6 +159,13 @@ def tree_verification(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]
         compile_flex = _default_flex_compile(draft.tokens.device) if flex_compile is None else flex_compile
         ctx = TreeVerification(draft, past, method, compile_flex, host_parents,
                                streams=draft.tokens.shape[0] if isinstance(draft, BatchTree) else 0)
+    if torch.compiler.is_compiling():  # (a compiled round: dynamo traces no ContextVar; `_TRACED` holds it)
+        _TRACED.append(ctx)
+        try:
+            yield ctx
+        finally:
+            _TRACED.pop()
+        return
     token = _ACTIVE.set(ctx)
     try:
         yield ctx
@@ -166,8 +173,15 @@ def tree_verification(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]
         _ACTIVE.reset(token)
 
 
+# the verification a compiled graph's trace is inside (torch.compile traces no ContextVar: the compiled batched round,
+# ddtree.engine.batch.CompiledRound, enters its verification inside the graph); empty outside a trace
+_TRACED: list[TreeVerification] = []
+
+
 def active() -> TreeVerification | None:
     """The verification in progress (None outside one)."""
+    if torch.compiler.is_compiling():
+        return _TRACED[-1] if _TRACED else None
     return _ACTIVE.get()
 
 
