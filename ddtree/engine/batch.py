@@ -660,10 +660,16 @@ class CompiledRound:
             tensors.append(run.ctx)
         if run.dcache is not None:
             tensors += [*run.dcache.keys, *run.dcache.values, run.dcache.length]
-        for i in kv.linear:
+        from ddtree.engine.gdn import commit as gdn_commit  # noqa: PLC0415 (a hybrid's states)
+
+        for i in kv.linear:  # the GDN layers' states (per state index), and their stacked form where adopted
             layer = kv.cache.layers[i]
-            tensors += [t for t in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None))
-                        if isinstance(t, torch.Tensor)]
+            for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+                found = states.values() if isinstance(states, dict) else states if isinstance(states, list) else ()
+                tensors += [t for t in found if isinstance(t, torch.Tensor)]
+        stacked = kv.cache.__dict__.get(gdn_commit._STATES_ATTR)  # (conv_all, rec_all, ...)
+        if stacked is not None:
+            tensors += [t for t in stacked[1:3] if isinstance(t, torch.Tensor)]
         for t in tensors:
             if id(t) not in self.pinned:
                 torch._dynamo.mark_static_address(t)
@@ -703,7 +709,8 @@ def _gdn_context(kv: SlotKV, tree: bt.BatchTree):
     if not kv.linear:
         return contextlib.nullcontext()
     from ddtree.engine import verification  # noqa: PLC0415
-    return verification.tree_verification(tree)
+    # (flex attention: not for a BatchTree, which passes its own mask; stated, so a compiled round reads no option)
+    return verification.tree_verification(tree, flex_compile=False)
 
 
 def _no_stage(name: str):
