@@ -562,9 +562,11 @@ class BatchRun:
         plan = self.plan(choice)
         drafted = plan[0]
         t0 = time.perf_counter()
+        traced = False
         if self.compiled is not None and self.compiled.runs(self, plan):
             with self.timer.stage("verify"):  # one graph: its draft, tree and commit timed with its verification
                 packed, path, lengths, ranks = self.compiled(self, plan)
+            traced = self.compiled.traced  # (a round that compiled its graph: its seconds are no round's cost)
         else:
             packed, path, lengths, ranks = self.device_round(*plan)
         with self.timer.stage("commit"):
@@ -574,7 +576,8 @@ class BatchRun:
         now = time.perf_counter()
         if self.load is not None:  # the round's outcome, for the next choice (the ranks: a second read, small)
             idx = [i for i, a in enumerate(live) if a]
-            self.load.observe(choice, streams=streams, seconds=now - t0, accepted=[len(tokens[i]) for i in idx],
+            self.load.observe(choice, streams=streams, seconds=0.0 if traced else now - t0,  # (0: not measured)
+                              accepted=[len(tokens[i]) for i in idx],
                               ranks=None if ranks is None else ranks[idx].tolist())
         for slot, s in enumerate(self.active):
             if s is None:
@@ -647,6 +650,7 @@ class CompiledRound:
         self.cudagraphs = opts.get("mode") == "reduce-overhead"
         self.graph = torch.compile(_device_round, **opts)
         self.pinned: set[int] = set()
+        self.traced = False  # whether the last call compiled a graph
 
     def runs(self, run: BatchRun, plan: tuple) -> bool:
         """Whether this round runs compiled (a drafting head's rounds do not: `why_not_compiled`)."""
@@ -676,12 +680,17 @@ class CompiledRound:
                 self.pinned.add(id(t))
 
     def __call__(self, run: BatchRun, plan: tuple) -> tuple:
+        """The round's graph call; `traced` tells whether this call compiled a graph (its seconds are not a round's)."""
+        from torch._dynamo.utils import counters  # noqa: PLC0415
+
         self.pin(run)
+        graphs = counters["stats"]["unique_graphs"]
         if self.limit is None:
             out = self.graph(run, *plan)
         else:  # (torch 2.11: the limit for this call only, as ddtree.engine.compiled._run)
             with torch._dynamo.config.patch(recompile_limit=self.limit):
                 out = self.graph(run, *plan)
+        self.traced = counters["stats"]["unique_graphs"] != graphs
         if self.cudagraphs:  # outputs out of the graph pool: the next replay reuses it
             from ddtree.engine.compiled import _owned  # noqa: PLC0415
             out = _owned(out)
