@@ -233,7 +233,13 @@ def test_the_compiled_batched_round_equals_the_eager_one_and_greedy_decoding(toy
 def test_the_compiled_batched_round_on_a_hybrid_target_and_at_t_above_0(dynamo_clean, method, kw):
     """The tiny Qwen3.5 hybrid (tree-exact Gated DeltaNet inside the graph: its verification, its commit) compiled:
     DDTree, DFlash and AR equal HF greedy and the eager batched round's drafts; at T > 0 the compiled round commits
-    the eager round's keyed samples."""
+    the eager round's keyed samples. The backend overwrites each graph's outputs at the next compiled call, as CUDA
+    graph trees reuse their pool: nothing of a round's graph is read after the next one but the clones
+    `CompiledRound` makes under CUDA graphs (on here as on CUDA)."""
+    from test_compile import _pool_backend
+
+    from ddtree.engine import batch
+
     target = tiny_model("qwen3_5_text", attn_implementation="sdpa")
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 12, 3, 9)]
@@ -242,6 +248,8 @@ def test_the_compiled_batched_round_on_a_hybrid_target_and_at_t_above_0(dynamo_c
     with Engine(target, None if method == "ar" else drafter, method=method, budget=8, compile="false") as e:
         eager = e.generate_many(prompts, **args)
     with _compiled(target, drafter, method, budget=8) as engine:
+        engine.batch_static = batch.CompiledRound(target.device, backend=_pool_backend())
+        engine.batch_static.cudagraphs = True  # as mode="reduce-overhead" sets it on CUDA
         results = engine.generate_many(prompts, **args)
     for ids, r, ref in zip(prompts, results, eager, strict=True):
         assert r.round == "compiled" and r.round_note is None, r.round_note
