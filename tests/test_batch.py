@@ -199,8 +199,11 @@ def test_the_compiled_batched_round_equals_the_eager_one_and_greedy_decoding(toy
     """compile=true (dynamo tracing, fullgraph): the toy pair's 7 prompts through 3 slots (joins between rounds, stop
     tokens at different rounds, free slots at the end) give HF greedy decoding of each prompt alone and the eager
     batched round's acceptance lengths; the round is one graph per plan, none traced again across calls with other
-    prompts (budget=auto: a graph per choice, compiled on its first use, a bounded number); results say compiled."""
+    prompts (budget=auto: a graph per choice, compiled on its first use, a bounded number), one graph call and one
+    host read a round; results say compiled."""
     from torch._dynamo.utils import counters
+
+    from ddtree.testing.dispatch import DispatchCount
 
     target, drafter, prompts = toy_pure
     kw = dict(concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
@@ -218,7 +221,12 @@ def test_the_compiled_batched_round_equals_the_eager_one_and_greedy_decoding(toy
             assert graphs == 1  # every round of every stream: one graph
             with torch._dynamo.config.patch(error_on_recompile=True):
                 again = engine.generate_many(prompts[::-1], **kw)
+                with DispatchCount() as c:  # 3 like streams: the rounds are the batch's
+                    same = engine.generate_many([prompts[0]] * 3, concurrency=3, max_new_tokens=24)
             assert counters["stats"]["unique_graphs"] == graphs
+            rounds = same[0].rounds
+            assert c.graphs["verify"] == rounds and sum(c.graphs.values()) == rounds  # a round: one graph call
+            assert c.total(c.syncs, exclude=("prefill", "other")) == rounds == c.sync_names["tolist"]  # one read
     for ids, r, e, a in zip(prompts, results, eager, again[::-1], strict=True):
         assert r.output_ids == e.output_ids == a.output_ids == hf_greedy(target, ids, 32, STOP)
         if budget != "auto":  # (auto: the choices follow measured seconds)

@@ -649,7 +649,6 @@ class CompiledRound:
         self.limit = None if _TAKES_RECOMPILE_LIMIT else RECOMPILE_LIMIT
         self.cudagraphs = opts.get("mode") == "reduce-overhead"
         self.graph = torch.compile(_device_round, **opts)
-        self.pinned: set[int] = set()
         self.traced = False  # whether the last call compiled a graph
 
     def runs(self, run: BatchRun, plan: tuple) -> bool:
@@ -674,10 +673,8 @@ class CompiledRound:
         stacked = kv.cache.__dict__.get(gdn_commit._STATES_ATTR)  # (conv_all, rec_all, ...)
         if stacked is not None:
             tensors += [t for t in stacked[1:3] if isinstance(t, torch.Tensor)]
-        for t in tensors:
-            if id(t) not in self.pinned:
-                torch._dynamo.mark_static_address(t)
-                self.pinned.add(id(t))
+        for t in tensors:  # (an attribute on the tensor: idempotent, microseconds)
+            torch._dynamo.mark_static_address(t)
 
     def __call__(self, run: BatchRun, plan: tuple) -> tuple:
         """The round's graph call; `traced` tells whether this call compiled a graph (its seconds are not a round's)."""
@@ -685,13 +682,19 @@ class CompiledRound:
 
         self.pin(run)
         graphs = counters["stats"]["unique_graphs"]
-        if self.limit is None:
-            out = self.graph(run, *plan)
-        else:  # (torch 2.11: the limit for this call only, as ddtree.engine.compiled._run)
-            with torch._dynamo.config.patch(recompile_limit=self.limit):
-                out = self.graph(run, *plan)
+        out = self._run(self.graph, run, *plan)
         self.traced = counters["stats"]["unique_graphs"] != graphs
-        if self.cudagraphs:  # outputs out of the graph pool: the next replay reuses it
+        return out
+
+    def _run(self, graph, *args):
+        """One call of the compiled graph (the seam ddtree.testing.dispatch counts graph calls at), as
+        ddtree.engine.compiled.StaticRound._run makes it: the recompile limit, outputs out of the CUDA graph pool."""
+        if self.limit is None:
+            out = graph(*args)
+        else:  # (torch 2.11: the limit for this call only)
+            with torch._dynamo.config.patch(recompile_limit=self.limit):
+                out = graph(*args)
+        if self.cudagraphs:  # the next replay reuses the pool
             from ddtree.engine.compiled import _owned  # noqa: PLC0415
             out = _owned(out)
         return out
