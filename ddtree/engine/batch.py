@@ -266,8 +266,10 @@ def check_batch_method(engine) -> None:
 class BatchRun:
     """One `generate_many` call: the slots, their caches, the queue of prompts and the results.
 
-    A round (`round`): draft every slot's block in one drafter forward (`draft`), build the trees (`trees`), verify
-    them in one target forward (`verify`), walk and commit (`commit`: the round's one host read). A free slot takes
+    A round (`round`): its plan on the host (`plan`), then its device work (`device_round`: draft every slot's block
+    in one drafter forward, `draft`; build the trees, `trees`; verify them in one target forward, `verify`; choose,
+    walk and commit, `commit`), eager or as one compiled graph (`CompiledRound`, where `compiled` is given: fixed
+    shapes, `fixed`), then the walk's one host read (`bt.read_walk`) and each stream's tokens. A free slot takes
     the next prompt between rounds (`join`: its prefill alone, then its keys, values and states seated in its row);
     a slot with no stream left runs along (fixed shapes) and keeps nothing."""
 
