@@ -7,7 +7,9 @@ buffer per layer group [layers, N, kv heads, C, d] (`SlotKV`), row r of slot i h
 round writes stream i's T tree tokens at rows length_i .. length_i + T - 1 and attends over rows [0, max length + T)
 under a 4-D additive mask (`round_masks`: the committed rows of its own stream and its tree's ancestors; a sliding
 layer's window on top). The DFlash drafter's cache (`SlotDrafterCache`) is its fixed-buffer cache with the slot
-dimension. docs/concurrency.md has the whole story.
+dimension. Under compile=true (compile=auto on CUDA) a round's device work is one fixed-shape graph (`CompiledRound`:
+every row of the capacity read under the mask, the drafter's context padded to a fixed width), the same function the
+eager round runs (`BatchRun.device_round`). docs/concurrency.md has the whole story.
 """
 
 from __future__ import annotations

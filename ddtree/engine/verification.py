@@ -5,7 +5,8 @@
 `TreeVerification` through `active()`. It holds the round's tree and, built once per device on first
 use and shared by every layer, the metadata each needs: the attention's masks and block lists (`memo`),
 the GDN's conv-window index and decay maps (`ddtree.engine.gdn.TreeMeta`). Nothing here is process-global:
-the context lives in a ContextVar for the duration of the `with` block only.
+the context lives in a ContextVar for the duration of the `with` block only (while torch.compile traces a graph that
+enters one, in `_TRACED`, which dynamo traces and a ContextVar it does not: the compiled batched round).
 
 Which parts are active:
 * attention: when `past` (the committed length) is given; the split/flex tree attention then builds its own
