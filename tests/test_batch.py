@@ -266,6 +266,27 @@ def test_the_compiled_batched_round_on_a_hybrid_target_and_at_t_above_0(dynamo_c
             assert r.output_ids == hf_greedy(target, ids, 20)
 
 
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_the_compiled_batched_round_on_sliding_sinks_mla_and_moe_targets(dynamo_clean, model_type):
+    """The batched round traces targets the one-stream compiled round refuses (the model's own forward: gpt_oss's
+    sliding window with sinks, DeepSeek-V3's MLA and MoE), as compile=auto on CUDA runs it: HF greedy, one graph."""
+    from torch._dynamo.utils import counters
+
+    from ddtree.engine import batch
+
+    target = tiny_model(model_type, attn_implementation="eager" if model_type == "gpt_oss" else "sdpa")
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 11, 3, 9)]
+    with Engine(target, drafter, method="ddtree", budget=8, compile="false") as engine:
+        engine.binding.ensure()
+        results = batch.generate_many(engine, prompts, 3, 0.0, 20, None, 0, 8,
+                                      compiled=batch.CompiledRound(engine.binding.device, "eager"))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 20)
+
+
 def test_the_compiled_batched_round_falls_back_eagerly_with_its_reason(toy_pure, monkeypatch, caplog):
     """Where the batched round does not compile (an MTP head's chain), it runs eagerly and says why; compile=auto on
     a CPU runs it eagerly (as the one-stream round); a compiled round that fails (a fault injected at the graph's
