@@ -202,6 +202,8 @@ def count_method(target, drafter, spec: str, ids: torch.Tensor, a) -> dict:
             engine = ddtree.Engine(target, dflash2_like(target, drafter), method=base, budget=budget, scoring=scoring, **kw)
         else:
             engine = ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget, **kw)
+        if hasattr(engine, "kernel_checks"):  # what its fused ops' checks find (each engine its own)
+            KERNEL_CHECKS.append(engine.kernel_checks)
         engine.generate(ids, max_new_tokens=4)  # warm-up: lazy buffers, the allocator, kernel choices
         short = engine.generate(ids, max_new_tokens=a.warm_tokens)
         runs, outs = [], []
@@ -517,18 +519,24 @@ def table(structure: str, rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+KERNEL_CHECKS: list = []  # the counted engines' fused-op checks (ddtree.engine.kernels.KernelChecks: one an engine)
+
+
 def fused_ops_seen() -> list[list[str]]:
     """[op, the implementation it ran (Triton after its first-call check, or the composite), timings] for each fused
-    op a CUDA run called; [] on the CPU (where every fused op is its composite)."""
+    op a CUDA run called, over every counted engine (composite where any engine fell back); [] on the CPU (where
+    every fused op is its composite)."""
     from ddtree.engine.kernels import FusedOp
 
     rows = []
-    for name, op in sorted(FusedOp.registry.items()):
-        if op.state == "unchecked":
+    for name in sorted(FusedOp.registry):
+        states = {c.state[name] for c in KERNEL_CHECKS if name in c.state}
+        if not states:
             continue
+        timings = {key: t for c in KERNEL_CHECKS for key, t in c.timings.get(name, {}).items()}
         timed = ", ".join(f"{[list(k) for k in key if k is not None][0]}: {t[0]:.1f} / {t[1]:.1f}"
-                          for key, t in op.timings.items())
-        rows.append([name, "Triton" if op.state == "triton" else "composite", timed])
+                          for key, t in timings.items())
+        rows.append([name, "composite" if "composite" in states else "Triton", timed])
     return rows
 
 

@@ -6,6 +6,7 @@
 Generated, each from its one source:
   README.md, between the `models` markers   the supported models and methods (ddtree/engine/families.py and
                                             ddtree/engine/methods.py)
+  README.md, between the `concurrency` markers  the many-streams table (docs/bench/bench_concurrency.json)
   README.md, between the `results` markers  the toy pair's result table (docs/bench/bench_toy_run.json, written by
                                             bench/bench_toy_run.py)
   docs/benchmarks.md                        every benchmark record under docs/bench/*.json (written by bench/)
@@ -314,6 +315,22 @@ def _png_key(path: Path) -> str | None:
         return im.info.get("ddtree-data")
 
 
+def readme_concurrency_markdown(rec: dict | None) -> str:
+    """README's many-streams table: the record's first measured table (total tok/s by concurrency), with its source."""
+    if rec is None:
+        return f"(no `docs/bench/{CONCURRENCY_RECORD}` yet: `OMP_NUM_THREADS=1 python bench/bench_concurrency.py`)"
+    conc = sorted({r["concurrency"] for r in rec["measured"]})
+    labels = list(dict.fromkeys(r["label"] for r in rec["measured"]))
+    cell = {(r["label"], r["concurrency"]): r["tok_s"]["median"] for r in rec["measured"]}
+    rows = ["| method | " + " | ".join(f"c={c}" for c in conc) + " |", "| --- |" + " ---: |" * len(conc)]
+    rows += [f"| {label} | " + " | ".join(f"{cell[label, c]:.0f}" if (label, c) in cell else "–" for c in conc) + " |"
+             for label in labels]
+    table = "\n".join(rows)
+    return (f"{table}\n\nTotal tok/s of every stream (medians of {rec['params'].get('runs', 1)} runs), "
+            f"from [`docs/bench/{CONCURRENCY_RECORD}`](docs/bench/{CONCURRENCY_RECORD}) (commit `{rec['commit']}`, "
+            f"{rec['date'][:10]}; [docs/concurrency.md](docs/concurrency.md)).")
+
+
 def _concurrency_record(root: Path) -> dict | None:
     path = root / "docs" / "bench" / CONCURRENCY_RECORD
     return json.loads(path.read_text()) if path.exists() else None
@@ -341,8 +358,10 @@ def generated_pages(root: Path = ROOT) -> dict[Path, str]:
         conc_text = replace_block(conc_text, block, concurrency_markdown(conc_rec, block))
     return {
         concurrency: conc_text,
-        readme: replace_block(replace_block(readme.read_text(), "models", models_markdown()), "results",
-                              results_markdown(json.loads((root / "docs" / "bench" / RESULTS_RECORD).read_text()))),
+        readme: replace_block(replace_block(replace_block(readme.read_text(), "models", models_markdown()), "results",
+                                            results_markdown(json.loads((root / "docs" / "bench" /
+                                                                         RESULTS_RECORD).read_text()))),
+                              "concurrency", readme_concurrency_markdown(conc_rec)),
         root / "docs" / "benchmarks.md": benchmarks_markdown(load_records(root / "docs" / "bench")),
         paper: replace_block(paper.read_text(), "paper-reference",
                              all_models_markdown(load_reference(DEFAULT_REFERENCE))),

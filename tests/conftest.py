@@ -135,7 +135,7 @@ def gdn_tree_off(monkeypatch):
     from ddtree.engine import gdn
 
     monkeypatch.setattr(gdn.forward, "_active_tree", lambda: None)
-    monkeypatch.setattr(gdn, "commit_linear_states", lambda cache, accepted, host_path=None: None)
+    monkeypatch.setattr(gdn, "commit_linear_states", lambda cache, accepted, host_path=None, **kw: None)
     gdn.uninstall()
     try:
         yield

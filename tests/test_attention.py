@@ -261,25 +261,23 @@ def test_flex_target_is_lossless():
     assert target.config._attn_implementation == "flex_attention"  # put back when the engine closes
 
 
-def test_one_host_read_per_round(monkeypatch):
+def test_one_host_read_per_round():
     """A DDTree round reads the device once (the walk); prefill and the first token add one more.
 
-    The tree is built and walked as on a GPU (torch ops on the device); a CPU's default NumPy build and
-    walk read the drafter's top-k and the target's choices on purpose (there it is no transfer)."""
-    import functools
-
-    from ddtree.engine import proposers, tree
+    The tree is built and walked as on a GPU (torch ops on the device: the engine option device_path="host_tree"); a
+    CPU's default C build and walk read the drafter's top-k and the target's choices on purpose (there it is no
+    transfer)."""
     from ddtree.testing.dispatch import DispatchCount
 
-    monkeypatch.setattr(proposers, "best_first_tree", functools.partial(tree.best_first_tree, host=False))
     vocab = 12
     target = tiny_model("qwen3", seed=3, attn_implementation="sdpa", vocab_size=vocab, num_hidden_layers=2)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=1)
     ids = _prompts(vocab, (6,))[0]
-    ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4)  # warm caches
+    ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4, device_path="host_tree")
     for record in (False, True):  # the per-round diagnosis records: one read at the end of the generation
         with DispatchCount() as c:
-            res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=record)
+            res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=record,
+                                  device_path="host_tree")
         assert c.total(c.syncs, exclude=()) == res.rounds + 1 + record, dict(c.sync_names)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddtree.engine.drafter.dflash2 import Candidates, DFlash2Drafter
 from ddtree.engine.drafter.model import DFlashDrafter
 from ddtree.engine.loop import Engine
 from ddtree.errors import ConfigError
@@ -111,7 +112,7 @@ def test_refusals_are_one_line(toy_pure):
 
 def test_an_eagle3_chain_batched_drafts_as_it_does_alone():
     """method=eagle3 (topk 1): each stream greedy decoding of its prompt alone, and drafted as the one-stream engine
-    drafts it (the same acceptance, round by round)."""
+    drafts it (the same acceptance, round by round). Its tree (topk > 1): tests/test_batch_heads.py."""
     from eagle3_support import fitted_drafter
 
     target = tiny_model("qwen3", attn_implementation="sdpa")
@@ -124,9 +125,6 @@ def test_an_eagle3_chain_batched_drafts_as_it_does_alone():
     for ids, one, r in zip(prompts, alone, results, strict=True):
         assert r.output_ids == hf_greedy(target, ids, 20)
         assert r.acceptance_lengths == one.acceptance_lengths
-    with Engine(target, drafter, method="eagle3", steps=3, topk=2, budget=8, compile="false") as engine:
-        with pytest.raises(ConfigError, match="topk"):
-            engine.generate_many(prompts, concurrency=2)
 
 
 def test_hybrid_targets_batched_dflash_ddtree_and_the_mtp_chain():
@@ -184,6 +182,103 @@ def test_budget_auto_chooses_per_round_losslessly_and_the_diagnosis_shows_it(toy
     doc = diagnose([JobData("job", "ddtree", "auto", {"method": "ddtree", "load_budget": [load]}, [])])
     assert {r["streams"] for r in doc["load"]} == {int(k) for k in load["loads"]}
     assert sum(r["rounds"] for r in doc["load"]) == load["rounds"]
+
+
+TOY = ROOT / "assets" / "toy"
+
+
+@pytest.fixture(scope="module")
+def toy_dflash2():
+    """The shipped hybrid toy target (Gated DeltaNet + attention) and its trained DFlash2 drafter (assets/toy/drafter2:
+    convolutions around both sublayers, a candidate selector), 5 prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(TOY / "target", dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    tok = AutoTokenizer.from_pretrained(TOY / "target")
+    drafter = DFlashDrafter.from_pretrained(TOY / "drafter2", dtype=torch.float32)
+    rows = [json.loads(line) for line in (TOY / "prompts.jsonl").read_text().splitlines()][:5]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
+                                       return_tensors="pt", return_dict=True)["input_ids"] for r in rows]
+    return target, drafter, prompts
+
+
+DFLASH2_CASES = [("ddtree", None, "PairTreeProposer"), ("ddtree", "marginal", "DFlash2MarginalProposer"),
+                 ("dflash", None, "DFlash2ChainProposer")]
+
+
+@pytest.mark.parametrize("method,scoring,proposer", DFLASH2_CASES)
+def test_a_dflash2_drafter_batched_drafts_as_it_does_alone(toy_dflash2, method, scoring, proposer):
+    """DDTree with pair scores (scoring=auto: pair for a DFlash2 drafter) and with marginal scores, and the selector's
+    chain (method=dflash), 5 prompts through 3 slots: each stream greedy decoding of its prompt alone, drafted round by
+    round as the one-stream engine drafts it (the same acceptance lengths); ops a round the same at 1 and 4 streams."""
+    from ddtree.engine import batch
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter, prompts = toy_dflash2
+    with Engine(target, drafter, method=method, budget=16, compile="false", scoring=scoring) as engine:
+        assert type(engine.proposer).__name__ == proposer
+        alone = [engine.generate(p, max_new_tokens=40, stop_token_ids=[STOP]) for p in prompts]
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=40, stop_token_ids=[STOP])
+        per_round = {}
+        for n in (1, 4):  # batch.generate_many: the batched round itself, also at one slot
+            run = lambda: batch.generate_many(engine, [prompts[1]] * n, n, 0.0, 24, None, 0, 16)  # noqa: E731, B023
+            run()  # constants cached per shape
+            with DispatchCount() as c:
+                rounds = run()[0].rounds
+            per_round[n] = (c.total(c.kernel_ops, exclude=("prefill", "other")) / rounds,
+                            c.total(c.syncs, exclude=("prefill", "other")) / rounds)
+    for ids, one, r in zip(prompts, alone, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 40, STOP)
+        assert r.acceptance_lengths == one.acceptance_lengths
+    assert sum(r.tau for r in results) / len(results) > 3  # the trained pair: long paths accepted
+    assert per_round[4] == per_round[1] and per_round[1][1] == 1, per_round
+
+
+def test_batched_pair_trees_are_each_streams_own(toy_dflash2):
+    """batch_pair_tree row i is the one-stream pair_tree of stream i's candidates, node for node (its node set the
+    budget best paths of the from-scratch reference); and at T > 0 the DFlash2 chain batched commits what AR sampling
+    commits (keyed noise: the selector's sampled walk coupled to the target's samples, drafts accepted)."""
+    from ddtree.engine.selector import batch_pair_tree, pair_logprobs, pair_tree
+    from ddtree.testing.dflash2 import pair_paths_reference
+    from ddtree.testing.reference import tree_paths
+
+    target, drafter, prompts = toy_dflash2
+    short = DFlash2Drafter.random_for_target(target.config, block_size=4, seed=7, selector_top_k=4, selector_rank=8)
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 3, target.config.hidden_size, generator=g)
+    logits = short.head_logits(target.get_output_embeddings(), hidden)
+    roots = torch.tensor([5, 9, 5])
+    with torch.no_grad():
+        for budget in (1, 6, 25):
+            cands = short.candidates(logits, hidden)
+            tree = batch_pair_tree(roots, cands, budget)
+            for i in range(3):  # stream i's candidates alone (its rows of the batched ones: the same inputs)
+                cand = Candidates.of_outputs(tuple(f[i] for f in cands.outputs()), cands.pred)
+                one, _ = pair_tree(roots[i], pair_logprobs(cand, roots[i]), cand.ids, budget)
+                row = tree.row(i)
+                for field in ("tokens", "parents", "depths", "scores"):
+                    assert torch.equal(getattr(row, field), getattr(one, field)), (budget, i, field)
+                assert set(tree_paths(row)) == pair_paths_reference(short, logits[i], hidden[i], int(roots[i]), budget)
+    kw = dict(temperature=0.9, max_new_tokens=24, stop_token_ids=[STOP], seed=7)
+    with Engine(target, None, method="ar", compile="false") as engine:
+        ar = [r.output_ids for r in engine.generate_many(prompts[:4], concurrency=4, **kw)]
+    with Engine(target, drafter, method="dflash", compile="false") as engine:
+        results = engine.generate_many(prompts[:4], concurrency=3, **kw)
+    assert [r.output_ids for r in results] == ar
+    assert sum(r.tau for r in results) / len(results) > 1.5
+
+
+def test_budget_auto_over_a_dflash2_drafter_walks_and_builds_pair_trees(toy_dflash2):
+    """budget="auto" with pair scoring: a round's chain is the selector's walk, its trees pair trees at the chosen
+    budget; every stream still greedy decoding of its prompt alone."""
+    target, drafter, prompts = toy_dflash2
+    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+        results = engine.generate_many(prompts, concurrency=3, max_new_tokens=40, stop_token_ids=[STOP])
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 40, STOP)
+    chosen = {label for row in results[0].load_budget["loads"].values() for label in row["choices"]}
+    assert chosen - {"ar"}, chosen  # drafted rounds (which: the controller's choice, from measured seconds)
 
 
 # ---------------------------------------------------------------- the compiled batched round (compile=true)

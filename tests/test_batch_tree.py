@@ -15,6 +15,7 @@ from ddtree.engine.batch_tree import (
     BatchTree,
     batch_best_first,
     batch_chain_trees,
+    batch_full_trees,
     batch_root_trees,
     batch_walk,
     keyed_choice,
@@ -396,3 +397,17 @@ def test_the_batched_round_traces_as_one_graph(backend):
     assert not dynamo_utils.counters["graph_break"], dict(dynamo_utils.counters["graph_break"])
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
+
+
+def test_full_trees_take_their_layout_from_the_parents():
+    """batch_full_trees: N random trees of one node count (parents first) as one BatchTree, every node valid; its
+    ancestor matrix and index those of a walk up the parents."""
+    rng = random.Random(3)
+    trees = [random_tree(9, 6, rng, root=i) for i in range(4)]
+    stack = lambda f: torch.stack([f(t) for t in trees])  # noqa: E731
+    bound = max(int(t.depths.max()) for t in trees)
+    full = batch_full_trees(stack(lambda t: t.tokens), stack(lambda t: t.parents), stack(lambda t: t.depths),
+                            depth_bound=bound)
+    assert not full.is_chain and full.width == 9 and full.depth_bound == bound
+    for i, t in enumerate(trees):
+        _check_row(full, i, t.tokens.tolist(), t.parents.tolist(), t.depths.tolist())

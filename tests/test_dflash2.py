@@ -480,3 +480,15 @@ def test_training_fits_the_selector_and_stays_lossless(tmp_path):
     for method, scoring in CASES:
         assert ddtree.generate(target, loaded, prompt, method=method, budget=8, max_new_tokens=16,
                                scoring=scoring).output_ids == ref
+
+
+def test_cli_runs_the_toy_dflash2_pair_batched(cli, tmp_path):
+    """`concurrency=3` with the toy DFlash2 drafter and the default scoring (auto: pair): the pair trees of every
+    stream in one batched round (ddtree.engine.selector.batch_pair_tree), every output exact, drafts accepted."""
+    job = tmp_path / "job"
+    proc = cli("model=toy", "drafter=toy_dflash2", "concurrency=3", "dataset.max_samples=3", "max_new_tokens=16",
+               "tracking=none", "budget=8", f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={job}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((job / "summary.json").read_text())
+    assert (s["method"], s["scoring"], s["concurrency"], s["match_rate"]) == ("ddtree", "pair", 3, 1.0)
+    assert s["tau"] > 2 and s["validation"]["suspect"] == 0

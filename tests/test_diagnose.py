@@ -120,12 +120,6 @@ def test_a_sampled_chain_from_tree_rounds_matches_its_exact_tau():
     assert analysis.sampled_chain_tau([chain]) == 3.0  # a chain's own rounds: their accepted tau
 
 
-def test_wilson_interval():
-    p, lo, hi = stats.wilson(22, 100)
-    assert p == 0.22 and lo == pytest.approx(0.1500, abs=2e-4) and hi == pytest.approx(0.3107, abs=2e-4)
-    assert stats.wilson(0, 0) == (None, None, None)
-
-
 # ---------------------------------------------------------------- the recorder against a slow reference
 
 

@@ -34,7 +34,7 @@ def test_two_engines_with_different_options_each_take_their_own_path(monkeypatch
         out = engine.generate(ids, max_new_tokens=14).output_ids
         assert out == want
         assert bool(built) == takes_host_tree, (engine.options, len(built))
-    assert not host.host_branch("host_tree", torch.device("cpu"))  # outside the engines: the environment's
+    assert EngineOptions.resolve().device_path == frozenset(host.HOST_BRANCHES)  # a new engine's: the environment's
     cpu.close(), gpu_like.close()
 
 
@@ -42,14 +42,15 @@ def test_options_fall_back_to_the_scope_then_the_environment(monkeypatch):
     for k in ("DDTREE_DEVICE_PATH", "DDTREE_KERNELS", "DDTREE_FLEX_COMPILE", "DDTREE_COMPILE", "DDTREE_COMPILE_BACKEND",
               "DDTREE_HOST_MALLOC"):
         monkeypatch.delenv(k, raising=False)
-    assert current() == EngineOptions()
+    assert current() == EngineOptions() == EngineOptions.resolve()
     monkeypatch.setenv("DDTREE_KERNELS", "composite")
     monkeypatch.setenv("DDTREE_COMPILE", "0")
     monkeypatch.setenv("DDTREE_DEVICE_PATH", "host_tree")
     monkeypatch.setenv("DDTREE_FLEX_COMPILE", "1")
-    env = EngineOptions.from_env()
+    env = EngineOptions.resolve()
     assert (env.kernels, env.auto_compile, env.device_path, env.flex_compile) == ("composite", False,
                                                                                  {"host_tree"}, True)
+    assert current() == EngineOptions()  # outside a scope: the library's defaults; the environment is read by resolve
     with host.device_path("gdn_step"):
         inner = EngineOptions.resolve(kernels="strict")
     assert inner.device_path == {"host_tree", "gdn_step"} and inner.kernels == "strict"
@@ -103,10 +104,10 @@ def test_the_environment_is_read_once_where_the_options_are_resolved(monkeypatch
     off = EngineOptions.resolve(tune_host_allocator=True)
     assert off.tune_host_allocator and off.host_malloc_off
     monkeypatch.setenv("DDTREE_HOST_MALLOC", "1")  # later changes do not reach resolved options
-    with scoped(off):
-        assert not host.allocator_wanted(True)
-    with scoped(EngineOptions.resolve()):
-        assert host.allocator_wanted(None)
+    assert not host.allocator_wanted(off)
+    assert host.allocator_wanted(EngineOptions.resolve()) and not host.allocator_wanted(EngineOptions())
+    with scoped(off):  # a scope's options are what a new engine resolves from, the environment not read again
+        assert EngineOptions.resolve() == off
     model = tiny_model("qwen3", seed=2, vocab_size=12)
     drafter = DFlashDrafter.random_for_target(model.config, block_size=4, seed=1)
     ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(0))
@@ -115,3 +116,60 @@ def test_the_environment_is_read_once_where_the_options_are_resolved(monkeypatch
     assert got.output_ids == hf_greedy(model, ids, 6)
     with pytest.raises(ValueError, match="kernels='fast'"):
         ddtree.generate(model, drafter, ids, method="ddtree", budget=8, max_new_tokens=6, kernels="fast")
+
+
+def test_options_are_passed_to_what_an_engine_builds_and_its_kernel_checks_are_its_own():
+    """An Engine hands its resolved options to its target binding and its proposer (no read back from a scope), and
+    holds its own fused-op checks (ddtree.engine.kernels.KernelChecks), entered around its calls: two engines with
+    kernels=auto and kernels=strict each run under theirs, call after call, outputs equal to HF greedy."""
+    from ddtree.engine import kernels
+    from ddtree.engine.proposers import ARProposer
+
+    seen = []
+
+    class Recording(ARProposer):
+        def propose(self, state):
+            seen.append(kernels.active())
+            return super().propose(state)
+
+    model = tiny_model("qwen3", seed=2, vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=4, seed=1)
+    ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(0))
+    tree_engine = ddtree.Engine(model, drafter, method="ddtree", budget=8, device_path=["host_tree"])
+    assert tree_engine.binding.options is tree_engine.options is tree_engine.proposer.options
+    tree_engine.close()
+    auto = ddtree.Engine(model, method="ar", budget=None, proposer=Recording(), kernels="auto")
+    strict = ddtree.Engine(model, method="ar", budget=None, proposer=Recording(), kernels="strict")
+    assert (auto.kernel_checks.setting, strict.kernel_checks.setting) == ("auto", "strict")
+    want = hf_greedy(model, ids, 4)
+    for engine in (auto, strict, auto):
+        seen.clear()
+        assert engine.generate(ids, max_new_tokens=4).output_ids == want
+        assert seen and all(c is engine.kernel_checks for c in seen)
+    assert kernels.active() not in (auto.kernel_checks, strict.kernel_checks)  # outside: the process's
+    auto.close(), strict.close()
+
+
+def test_the_engines_arguments_come_in_groups_and_generate_takes_the_same():
+    """Engine's keywords: the method's settings (engine.settings, a DraftSettings), how its rounds run, and the options
+    (engine.options: an EngineOptions whole, its fields as keywords over it); `ddtree.generate()` takes every one."""
+    import dataclasses
+    import inspect
+
+    from ddtree.engine.methods import DraftSettings
+
+    engine_args = inspect.signature(ddtree.Engine.__init__).parameters
+    assert set(engine_args) - {"self"} <= set(inspect.signature(ddtree.generate).parameters)
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in engine_args.items() if name not in ("self", "target", "drafter"))
+    assert {f.name for f in dataclasses.fields(DraftSettings)} <= set(engine_args)
+    assert {f.name for f in dataclasses.fields(EngineOptions)} - {"host_malloc_off"} <= set(engine_args)
+    model = tiny_model("qwen3", seed=2, vocab_size=12)
+    drafter = DFlashDrafter.random_for_target(model.config, block_size=4, seed=1)
+    ids = torch.randint(0, 12, (1, 5), generator=torch.Generator().manual_seed(0))
+    whole = EngineOptions(device_path=frozenset({"host_tree"}), kernels="composite")
+    with ddtree.Engine(model, drafter, method="ddtree", budget=8, options=whole, kernels="auto") as engine:
+        assert engine.options == dataclasses.replace(whole, kernels="auto")  # a keyword given overrides the whole
+        assert (engine.settings.budget, engine.settings.options) == (8, engine.options)
+        assert engine.proposer.options is engine.options
+    got = ddtree.generate(model, drafter, ids, method="ddtree", budget=8, max_new_tokens=6, options=whole)
+    assert got.output_ids == hf_greedy(model, ids, 6)

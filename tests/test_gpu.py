@@ -125,15 +125,15 @@ def test_drafter_cache_on_cuda():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_norm_on_cuda_matches_the_module(dtype, monkeypatch):
+def test_the_fused_norm_on_cuda_matches_the_module(dtype):
     """The lean forward's norm on CUDA (the fused op's Triton kernel, ddtree.engine.kernels.norm; the engine's
     inference mode) against the module's formula: equal within the last bit of the dtype (the kernel reduces in
     another order); the residual add folded in likewise. Strict: a kernel that fails its first-call check fails
     here, not falls back."""
+    from ddtree.engine import kernels
     from ddtree.engine.forward import lean_add_norm
-    from ddtree.engine.kernels import FusedOp
 
-    monkeypatch.setenv("DDTREE_KERNELS", "strict")
+    strict = kernels.KernelChecks("strict")  # what an Engine(kernels="strict") enters around its calls
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
 
@@ -149,7 +149,7 @@ def test_the_fused_norm_on_cuda_matches_the_module(dtype, monkeypatch):
             assert fused is not norm.forward
             x = (torch.randn(3, 17, width, generator=g) * 3).to("cuda", dtype)
             h = torch.randn(3, 17, width, generator=g).to("cuda", dtype)
-            with torch.inference_mode():
+            with torch.inference_mode(), kernels.checking(strict):
                 got, (got_add, total) = fused(x), fused_add(h, x)
                 want, want_total = norm(x), x + h
                 want_add = norm(want_total)
@@ -157,7 +157,7 @@ def test_the_fused_norm_on_cuda_matches_the_module(dtype, monkeypatch):
             torch.testing.assert_close(got, want, **tol)
             torch.testing.assert_close(got_add, want_add, **tol)
             assert torch.equal(total, want_total)
-    assert FusedOp.registry["rms_norm"].state == FusedOp.registry["add_rms_norm"].state == "triton"
+    assert strict.state["rms_norm"] == strict.state["add_rms_norm"] == "triton"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -276,7 +276,7 @@ def test_mtp_through_the_compiled_round_on_cuda_with_cuda_graphs():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gdn_fused_ops_run_their_triton_kernels_on_cuda(dtype, monkeypatch):
+def test_the_gdn_fused_ops_run_their_triton_kernels_on_cuda(dtype):
     """The tree-exact GDN layer's five fused ops (ddtree.engine.kernels.gdn) on CUDA at Qwen3.6-27B's GDN dims (16 key
     and 48 value heads of 128, conv kernel 4) over a DDTree-64-sized tree: strict, every Triton kernel passes its
     first-call check against the composite (no fallback), and the layer's output and what the commit reads (d, X and
@@ -286,12 +286,11 @@ def test_the_gdn_fused_ops_run_their_triton_kernels_on_cuda(dtype, monkeypatch):
 
     from transformers import DynamicCache
 
-    from ddtree.engine import gdn
-    from ddtree.engine.kernels import FusedOp
+    from ddtree.engine import gdn, kernels
     from ddtree.engine.tree import tree_from_parents
     from ddtree.engine.verification import tree_verification
 
-    monkeypatch.setenv("DDTREE_KERNELS", "strict")
+    strict = kernels.KernelChecks("strict")  # what an Engine(kernels="strict") enters around its calls
     model = tiny_model("qwen3_5_text", dtype=dtype, vocab_size=64, linear_num_key_heads=16, linear_num_value_heads=48,
                        linear_key_head_dim=128, linear_value_head_dim=128)
     gdn.install()
@@ -305,11 +304,11 @@ def test_the_gdn_fused_ops_run_their_triton_kernels_on_cuda(dtype, monkeypatch):
             cache = DynamicCache(config=model.config)
             model(input_ids=torch.arange(12, device=device)[None], cache=cache, use_cache=True)
             layer = next(m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet"))
-            with tree_verification(tree):
+            with tree_verification(tree), kernels.checking(strict):
                 out = layer(hidden.to(device, dtype), cache=cache)
             rec = cache.__dict__[gdn._PENDING_ATTR][layer.layer_idx]
             got[device] = [t.float().cpu() for t in (out, rec.bufs.deltas, rec.bufs.xy, rec.extended)]
-    assert all(FusedOp.registry[f"gdn_{name}"].state == "triton"
+    assert all(strict.state[f"gdn_{name}"] == "triton"
                for name in ("decays", "conv", "qk_norm", "delta_rule", "gated_norm"))
     tol = {"rtol": 1e-3, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
     for a, b in zip(got["cuda"], got["cpu"], strict=True):  # (the prefix's state too came from two devices)

@@ -6,8 +6,6 @@ or a GDN layer that ignores the tree shows up in the output.
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -112,15 +110,13 @@ def test_unknown_linear_attention_family_is_refused():
 def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
     """The walk's one read per round and nothing else: the GDN verify/commit take the DraftTree where it is.
 
-    The tree is built the way it is on a GPU (torch ops on the device); on a CPU the default NumPy build
-    reads the drafter's top-k on purpose (there it is no device transfer)."""
-    from ddtree.engine import proposers, tree
-
-    monkeypatch.setattr(proposers, "best_first_tree", functools.partial(tree.best_first_tree, host=False))
+    The tree is built the way it is on a GPU (torch ops on the device: the engine option device_path="host_tree");
+    on a CPU the default C build reads the drafter's top-k on purpose (there it is no device transfer)."""
+    gpu_tree = {"device_path": "host_tree"}
     target = tiny_model("qwen3_5_text", seed=6, vocab_size=12)
     drafter = DFlashDrafter.random_for_target(target.config, block_size=8, seed=3)
     ids = _prompts(12)[1]
-    ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4)  # first-call work
+    ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=4, **gpu_tree)  # first-call work
     reads = []
     for name in ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"):
         original = getattr(torch.Tensor, name)
@@ -130,9 +126,9 @@ def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
             return _original(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
-    res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=False)
+    res = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, record=False, **gpu_tree)
     n_plain = len(reads)
-    recorded = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24)
+    recorded = ddtree.generate(target, drafter, ids, method="ddtree", budget=16, max_new_tokens=24, **gpu_tree)
     monkeypatch.undo()
     assert res.rounds >= 3
     assert n_plain == 1 + res.rounds, reads  # the prefill's first token, then one walk per round

@@ -8,7 +8,6 @@ import torch
 
 from ddtree.engine.kernels import FusedOp
 from ddtree.engine.kernels import norm as kn
-from ddtree.engine.options import EngineOptions, scoped
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.triton import interpreter
 
@@ -58,23 +57,33 @@ def test_rms_norm_composite_is_the_lean_norm():
 
 def test_cuda_first_call_checks_the_kernel(monkeypatch):
     """The CUDA implementation's first call runs the kernel against the composite: a disagreeing kernel falls back to
-    the composite (auto) or raises (strict). Run here through the implementation itself, on CPU tensors."""
+    the composite (auto) or raises (strict). What a check found belongs to the engine's `KernelChecks`: a kernel that
+    failed under an auto engine's checks is checked again under a later strict engine's, and raises there (it does
+    not silently run the composite), while the auto engine keeps its fall-back. Run here through the implementation
+    itself, on CPU tensors."""
+    from ddtree.engine import kernels
+
     op = FusedOp("check_demo(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 2)
     x = torch.zeros(3)
     monkeypatch.setattr("ddtree.engine.kernels._has_triton", lambda: True)
-    monkeypatch.setenv("DDTREE_KERNELS", "strict")
-    with pytest.raises(RuntimeError, match="disagrees"):
+    with kernels.checking(kernels.KernelChecks("strict")), pytest.raises(RuntimeError, match="disagrees"):
         op._cuda(x)
-    monkeypatch.setenv("DDTREE_KERNELS", "auto")
-    assert torch.equal(op._cuda(x), x + 1) and op.state == "composite"
-    assert torch.equal(op._cuda(x), x + 1)
-    with scoped(EngineOptions(kernels="strict")):  # a later strict engine is not given the auto engine's fall-back
-        with pytest.raises(RuntimeError, match="failed its check .* earlier in this process"):
-            op._cuda(x)
-    good = FusedOp("check_demo_ok(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 1)
-    assert torch.equal(good._cuda(x), x + 1) and good.state == "triton"
-    good.launch = lambda x: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))  # a later shape fails
-    assert torch.equal(good._cuda(x), x + 1) and good.state == "composite"
+    auto = kernels.KernelChecks("auto")
+    with kernels.checking(auto):
+        assert torch.equal(op._cuda(x), x + 1) and op.state == "composite"
+        assert torch.equal(op._cuda(x), x + 1)
+    strict = kernels.KernelChecks("strict")
+    with kernels.checking(strict), pytest.raises(RuntimeError, match="disagrees .*kernels=strict"):
+        op._cuda(x)  # a later strict engine is not given the auto engine's fall-back
+    assert auto.checked["check_demo"] == {kernels.check_key((x,)): False} and auto.state["check_demo"] == "composite"
+    assert not strict.checked.get("check_demo") and kernels.active().state.get("check_demo") is None  # theirs alone
+    with kernels.checking(kernels.KernelChecks("composite")):
+        assert torch.equal(op._cuda(x), x + 1) and op.state == "composite"  # never a kernel
+    with kernels.checking(kernels.KernelChecks()):
+        good = FusedOp("check_demo_ok(Tensor x) -> Tensor", lambda x: x + 1, lambda x: x + 1)
+        assert torch.equal(good._cuda(x), x + 1) and good.state == "triton"
+        good.launch = lambda x: (_ for _ in ()).throw(RuntimeError("no kernel for this shape"))  # a later shape fails
+        assert torch.equal(good._cuda(x), x + 1) and good.state == "composite"
 
 
 def test_row_stride_reads_views_without_copies():

@@ -9,6 +9,7 @@ import torch
 import ddtree
 from ddtree.engine import host
 from ddtree.engine.drafter import DFlashDrafter
+from ddtree.engine.options import EngineOptions, current
 from ddtree.testing.dispatch import DispatchCount
 from ddtree.testing.reference import hf_greedy
 from ddtree.tiny import tiny_model
@@ -158,16 +159,22 @@ def test_ops_a_round_do_not_regress(model_type):
         assert all(per_round[stage] <= limits.get(stage, 0) for stage in per_round), (method, per_round, limits)
 
 
-def test_the_switch_turns_each_branch_off_and_back():
+def test_the_switch_turns_each_branch_off_and_back(monkeypatch):
+    monkeypatch.delenv("DDTREE_DEVICE_PATH", raising=False)
     cpu = torch.device("cpu")
-    assert all(host.host_branch(name, cpu) for name in host.HOST_BRANCHES)
-    assert not host.host_branch("host_tree", torch.device("meta"))
+
+    def on(name, device=cpu):  # as an engine built here would decide (its options resolved in the scope)
+        return host.host_branch(name, device, EngineOptions.resolve())
+
+    assert all(on(name) for name in host.HOST_BRANCHES)
+    assert not on("host_tree", torch.device("meta"))
     with host.device_path("host_tree"):
-        assert not host.host_branch("host_tree", cpu) and host.host_branch("gdn_step", cpu)
+        assert not on("host_tree") and on("gdn_step")
+        assert not host.host_branch("host_tree", cpu, current())  # what transformers-called code reads in scope
         with host.device_path():
-            assert not any(host.host_branch(name, cpu) for name in host.HOST_BRANCHES)
-        assert host.host_branch("gdn_step", cpu)
-    assert all(host.host_branch(name, cpu) for name in host.HOST_BRANCHES)
+            assert not any(on(name) for name in host.HOST_BRANCHES)
+        assert on("gdn_step")
+    assert all(on(name) for name in host.HOST_BRANCHES)
     with pytest.raises(ValueError, match="unknown branch"):
         host._parse_off("host_tree,nonsense")
 

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import copy_checkout
 
 from ddtree.pipeline import config_checks as V
 from ddtree.pipeline import models as M
@@ -103,8 +104,8 @@ BAD_INPUTS = {
     "tree method on a flash backend": (["method=ddtree", "attention=flash_attention_2"], "use attention=sdpa"),
     "mistyped value": (["budget=lots"], "budget: must be a whole number or auto, got 'lots'"),
     "no streams": (["concurrency=0"], "concurrency: must be a whole number >= 1, got 0"),
-    "a method the batched round does not run": (["method=mtp", "concurrency=2"],
-                                                 "concurrency: method=mtp does not run batched yet"),
+    "an engine without a batched round": (["engine=upstream", "upstream.path=ddtree-checkout", "concurrency=2"],
+                                          "concurrency: engine=upstream decodes one prompt at a time"),
     # preflight (ddtree.pipeline.preflight): the sources and prompts, before the store or any weights
     "model folder missing": (["model=hf", "model.name_or_path=./no_such_dir", "method=ar"],
                              "model.name_or_path: no such folder"),
@@ -146,6 +147,7 @@ def _bad_input_files(tmp_path: Path) -> None:
     (tmp_path / "long.jsonl").write_text(json.dumps({"id": "long", "turns": ["count " * 2000]}) + "\n")
     (tmp_path / "blank.jsonl").write_text(json.dumps({"id": "blank", "turns": ["   "]}) + "\n")
     (tmp_path / "empty").mkdir()
+    copy_checkout("fake_upstream", tmp_path)  # (a stand-in of the authors' repository: ddtree-checkout)
     words = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "</s>": 2}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()  # whitespace is no token at all
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", eos_token="</s>").save_pretrained(

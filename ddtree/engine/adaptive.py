@@ -478,8 +478,9 @@ class LoadBudget:
     * calibration (a measured cost): first, each round the option with the fewest tokens that has no measured round
       and could still win by the bound in `_calibration`: at most 1 + options rounds (the run's warm-up, then one
       each), fewer where a cheap option's measured rate rules bigger ones out;
-    * load (a measured cost): at a load band not seen before (stream counts 25 % apart), one round of each option
-      near the best that has not run there, so the fit is measured where the choice is made;
+    * load (a measured cost): at a load band not seen before and at least the highest one run so far (stream counts
+      25 % apart; the tail of a batch, where streams end one by one, is predicted from the fit, not explored), one
+      round of each option near the best that has not run there, so the fit is measured where the choice is made;
     * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
 
@@ -515,6 +516,7 @@ class LoadBudget:
         self._drafted = 0  # drafted rounds observed
         self._pending: RoundRecord | None = None
         self._tried: set[tuple[int, Choice]] = set()  # (load band, option) run at least once
+        self._top_band = 0  # the highest load band a round has run at
         self._calibrating = cost is None or self.cost.measured  # until the calibration has nothing left to measure
 
     # the model
@@ -561,7 +563,10 @@ class LoadBudget:
             floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
             near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
                           key=lambda p: -p.rate(streams))
-            fresh = [p for p in near if (self._band(streams), p.choice) not in self._tried] if self.cost.measured else []
+            # a load above every one measured so far (a run's tail, where streams end, is not explored again)
+            higher = self._band(streams) >= self._top_band
+            fresh = ([p for p in near if (self._band(streams), p.choice) not in self._tried]
+                     if self.cost.measured and higher else [])
             if fresh:
                 pred, explore = fresh[0], "load"
             elif near and self.refresh_every and n and n % self.refresh_every == 0:
@@ -619,6 +624,7 @@ class LoadBudget:
         self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
         self._runs[choice] += 1
         self._tried.add((self._band(streams), choice))
+        self._top_band = max(self._top_band, self._band(streams))
         self.cost.observe(streams, choice, seconds)
         if rec is not None:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
@@ -636,12 +642,13 @@ class LoadBudget:
             self._stale += 1
             self._drafted += 1
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, since: int = 0) -> dict[str, Any]:
         """For the diagnosis, against the load: per stream count, the rounds, the choices made (label -> rounds) and
-        the mean predicted and measured tokens/s of its rounds (exploration rounds included); the model's current
-        taus, corrections and cost."""
+        the mean predicted and measured tokens/s of its rounds (exploration rounds included) from round `since` on
+        (a call's own, where the controller outlives calls); the model's current taus, corrections and cost."""
         loads: dict[int, dict[str, Any]] = {}
-        for r in self.history:
+        history = self.history[since:]
+        for r in history:
             row = loads.setdefault(r.streams, {"rounds": 0, "choices": {}, "_p": [], "_m": []})
             row["rounds"] += 1
             row["choices"][r.choice.label] = row["choices"].get(r.choice.label, 0) + 1
@@ -653,8 +660,8 @@ class LoadBudget:
             p, m = row.pop("_p"), row.pop("_m")
             row["predicted_tok_s"] = sum(p) / len(p) if p else None
             row["measured_tok_s"] = sum(m) / len(m) if m else None
-        return {"rounds": len(self.history), "loads": {k: loads[k] for k in sorted(loads)},
-                "explore": {k: sum(r.explore == k for r in self.history) for k in ("calibration", "load", "refresh")},
+        return {"rounds": len(history), "loads": {k: loads[k] for k in sorted(loads)},
+                "explore": {k: sum(r.explore == k for r in history) for k in ("calibration", "load", "refresh")},
                 "tau": {c.label: t for c, t in self.raw_taus().items()},
                 "correction": {c.label: self.correction(c) for c in self.options},
                 "cost": self.cost.describe()}

@@ -7,9 +7,11 @@ buffer per layer group [layers, N, kv heads, C, d] (`SlotKV`), row r of slot i h
 round writes stream i's T tree tokens at rows length_i .. length_i + T - 1 and attends over rows [0, max length + T)
 under a 4-D additive mask (`round_masks`: the committed rows of its own stream and its tree's ancestors; a sliding
 layer's window on top). The DFlash drafter's cache (`SlotDrafterCache`) is its fixed-buffer cache with the slot
-dimension. Under compile=true (compile=auto on CUDA) a round's device work is one fixed-shape graph (`CompiledRound`:
-every row of the capacity read under the mask, the drafter's context padded to a fixed width), the same function the
-eager round runs (`BatchRun.device_round`). docs/concurrency.md has the whole story.
+dimension, and so is a head's (method=mtp, eagle3: `hkv`, [2, N, kv heads, rows, d]), which drafts a chain or an
+EAGLE-2 tree of every slot in the same ops (`head_draft`, `head_expand`). Under compile=true (compile=auto on CUDA)
+a round's device work is one fixed-shape graph (`CompiledRound`: every row of the capacity read under the mask, the
+drafter's context padded to a fixed width), the same function the eager round runs (`BatchRun.device_round`).
+docs/concurrency.md has the whole story.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from ddtree.engine import batch_tree as bt
 from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.drafter.model import _visible
+from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, context_features
@@ -37,7 +40,7 @@ __all__ = ["BATCH_METHODS", "BatchRun", "CompiledRound", "SlotDrafterCache", "Sl
            "why_not_compiled"]
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
-BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains (topk 1)
+BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains and EAGLE-2 trees
 # budget="auto" (method=ddtree): the DDTree budgets LoadBudget weighs each round, besides the chain and no draft
 AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 
@@ -253,15 +256,13 @@ class _Stream:
 def check_batch_method(engine) -> None:
     """Refuse, in one line, what the batched round does not run (yet)."""
     method, proposer = engine.method, engine.proposer
-    runs = ("ar, dflash, ddtree with marginal scoring, and the chains of mtp and eagle3 (topk 1)")
-    if method not in BATCH_METHODS or getattr(proposer, "scoring", "marginal") == "pair":
+    runs = "ar, dflash, ddtree (marginal and pair scoring), mtp and eagle3"
+    if method not in BATCH_METHODS:
         raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
                           "use concurrency=1 for this method")
-    if getattr(proposer, "topk", 1) > 1:
-        raise ConfigError("concurrency", f"method={method}'s tree (topk > 1) does not run batched yet (concurrency "
-                          f"> 1 runs {runs})", f"set {method}.topk=1 or concurrency=1")
     if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
-                                       "Eagle3Proposer"):
+                                       "Eagle3Proposer", "DFlash2ChainProposer", "DFlash2MarginalProposer",
+                                       "PairTreeProposer"):
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
 
 
@@ -289,21 +290,34 @@ class BatchRun:
             raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={self.method} has "
                               "none", "use method=ddtree with budget=auto, or a number")
         self.budget = None if self.auto else budget
-        # the controller of budget="auto" (ddtree.engine.adaptive): the round's draft from the load
-        self.load = LoadBudget(AUTO_CANDIDATES, block_size=engine.proposer.block_size) if self.auto else None
+        # the controller of budget="auto" (ddtree.engine.adaptive): the round's draft from the load; the engine's,
+        # kept across its calls (the machine and the pair do not change: its calibration and estimates carry over)
+        self.load = None
+        if self.auto:
+            if engine.load_budget is None:
+                engine.load_budget = LoadBudget(AUTO_CANDIDATES, block_size=engine.proposer.block_size)
+            self.load = engine.load_budget
+            self.first_round = len(self.load.history)
         self.stops = set(stop_token_ids or ())
         self.prompts = prompts
         self.dev = dev = self.binding.device
         self.slots = n = max(1, min(concurrency, len(prompts)))
         self.drafts = self.method != "ar"
-        self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts a chain step by step
+        self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts step by step
         self.steps = self.proposer.steps if self.head is not None else 0
+        # a proposer's own trees (a DFlash2 selector's walk and pair trees): from the block's final hidden rows too
+        self.hidden: torch.Tensor | None = None  # [N, L, H]: the latest draft's rows (where its `draft_hidden`)
+        self.topk = self.proposer.topk if self.head is not None else 1  # > 1: the head's EAGLE-2 tree
+        if self.topk > 1 and self.budget is None:
+            self.budget = self.proposer.budget
         self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
         text = self.model.config.get_text_config()
         self.vocab = vocab = text.vocab_size
         most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
         nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
                                            else max(self.block, 1 + tree_size(most, self.block - 1, vocab)))
+        if self.topk > 1:  # the head's tree: the budget best of its pool (k at depth 1, then k * k a step)
+            nodes = 1 + min(self.budget, self.topk + (self.steps - 1) * self.topk ** 2)
         self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
         if self.fixed:  # a bucket: calls with other prompt lengths reuse the graphs (ddtree.engine.capacity)
             self.capacity = capacity_bucket(self.capacity)
@@ -326,7 +340,8 @@ class BatchRun:
         self.lm_head = self.model.get_output_embeddings()
         self.offsets = torch.arange(self.block, device=dev)[None, :]
         if self.head is not None:  # the head's KV rows, a row per slot; each slot's rows it has not read yet
-            self.hkv = self.head.new_kv(self.capacity, n)
+            # (a tree's step s writes its k entries at rows start + (s - 1) k ..: past the committed rows)
+            self.hkv = self.head.new_kv(self.capacity + (self.steps - 1) * self.topk, n)
             self.ctx_ids = torch.zeros(n, 1, dtype=torch.long, device=dev)  # the tokens after the context's rows
             self.ctx_start = torch.zeros(n, dtype=torch.long, device=dev)  # the row of each slot's first one
         elif self.drafts:
@@ -394,15 +409,18 @@ class BatchRun:
         self.ctx_start[slot] = p - 1
         assert width >= 1
 
-    def head_draft(self) -> torch.Tensor:
+    def head_draft(self) -> torch.Tensor | tuple:
         """Each slot's new rows read by the head (one step over all of them), then `steps - 1` steps of the chain:
-        the drafted tokens [N, steps] (argmax; at T > 0 keyed samples coupled to the target's)."""
+        the drafted tokens [N, steps] (argmax; at T > 0 keyed samples coupled to the target's); topk > 1, the
+        EAGLE-2 expansion instead (`head_expand`: its pool)."""
         head, dev, cap = self.head, self.dev, self.capacity
         k = self.ctx.shape[1]
         rows = self.ctx_start[:, None] + torch.arange(k, device=dev)[None, :]  # [N, k]: positions are rows
         cols = torch.arange(cap, device=dev)[None, None, :]
         out = head.step(self.ctx_ids, self.ctx.to(head.dtype), rows, rows, cols <= rows[:, :, None], self.hkv)
         last = out.gather(1, (self.ctx_count - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))
+        if self.topk > 1:
+            return self.head_expand(last[:, 0])
         start = self.kv.lengths  # the root's position; token s of the chain at start + s
         picks = []
         for s in range(1, self.steps + 1):
@@ -416,6 +434,27 @@ class BatchRun:
             row = (start + s - 1)[:, None]
             last = head.step(pick, last, row, row, cols <= row[:, :, None], self.hkv)
         return torch.cat(picks, dim=1)
+
+    def head_expand(self, last: torch.Tensor) -> tuple:
+        """topk > 1: every slot's EAGLE-2 expansion at once (mtp_expand with a stream dimension: row i as the one-
+        stream proposer expands it), from `last` [N, H], the head's output at each root. Step s writes its k entries
+        at rows start_i + (s - 1) k .. of slot i's head buffer (the one-stream proposer's rows), each query seeing
+        its slot's committed rows, its ancestors' entries and its own. The tree is deterministic (the head's top-k,
+        also at T > 0: the target's choices are the keyed samples). Returns the pool (mtp_tree_tensors' input)."""
+        head, dev, k, kv = self.head, self.dev, self.topk, self.hkv
+        start = self.kv.lengths  # [N]: each root's position = the slot's committed rows
+        cols = torch.arange(kv.shape[-2], device=dev)
+        committed = (cols[None, :] < start[:, None])[:, None, :]  # [N, 1, C]
+        ar = torch.arange(k, device=dev)
+
+        def step(s: int, f_tok: torch.Tensor, f_src: torch.Tensor, f_anc: torch.Tensor):
+            entries = start[:, None] + (s - 1) * k + ar  # [N, k]
+            vis = torch.zeros(self.slots, k, kv.shape[-2], dtype=torch.bool, device=dev)
+            vis = vis.scatter_(2, torch.cat([f_anc, entries[:, :, None]], 2), True) | committed
+            pos = (start + s - 1)[:, None].expand(-1, k)
+            return head.step(f_tok, f_src, pos, entries, vis, kv), entries
+
+        return mtp_expand(head, head.logits(last).float(), last, k, self.steps, step)
 
     def finish(self, slot: int, now: float) -> None:
         stream = self.active[slot]
@@ -433,12 +472,17 @@ class BatchRun:
         drafted = self.drafts and (choice is None or choice.drafted)
         if not drafted:
             kind = "root"
-        elif self.head is not None or self.method == "dflash" or (choice is not None and choice.kind == "chain"):
+        elif self.head is not None:  # its chain, or its EAGLE-2 tree (topk > 1)
+            kind = "tree" if self.topk > 1 else "chain"
+        elif self.method == "dflash" or (choice is not None and choice.kind == "chain"):
             kind = "chain"
         else:
             kind = "tree"
         budget = (self.budget if choice is None else choice.budget) if kind == "tree" else None
-        nodes = {"root": 1, "chain": self.block}.get(kind) or 1 + tree_size(budget, self.block - 1, self.vocab)
+        if kind == "tree" and self.head is not None:  # the budget best of the head's pool
+            nodes = 1 + min(budget, self.topk + (self.steps - 1) * self.topk ** 2)
+        else:
+            nodes = {"root": 1, "chain": self.block}.get(kind) or 1 + tree_size(budget, self.block - 1, self.vocab)
         if nodes == 1:
             kind, budget = "root", None
         self.kv.check(nodes)
@@ -459,7 +503,8 @@ class BatchRun:
     def draft(self, width: int) -> torch.Tensor:
         """Every slot's block [root, mask, ...] through the drafter at once, after the first `width` rows of each
         slot's context (those past its count: padding, overwritten by the block or never read): logits
-        [N, block - 1, V] (float32)."""
+        [N, block - 1, V] (float32: the proposer's `head_logits`, a DFlash2 drafter's with its multiplier and soft
+        cap); the rows drafting them kept in `hidden` where a selector reads them."""
         blk = self.block_ids.clone()
         blk[:, 0] = self.roots
         x = self.proposer.drafter.embed_block(self.embed.weight, blk)
@@ -472,16 +517,26 @@ class BatchRun:
                 ctx_pos = ctx_pos.clamp(max=self.capacity - 1)
         hidden = self.proposer.drafter(x, self.ctx[:, :width] if width else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
-        return self.lm_head(hidden[:, 1:]).float()
+        if self.proposer.draft_hidden:
+            self.hidden = hidden[:, 1:]
+        return self.proposer.head_logits(hidden[:, 1:])
 
     def trees(self, logits: torch.Tensor | None, kind: str, budget: int | None) -> bt.BatchTree:
         if kind == "root":
             return bt.batch_root_trees(self.roots)
+        if self.head is not None and self.topk > 1:  # each row the budget best nodes of its head_expand pool: the
+            # one-stream proposer's tree, node for node in its flat order (every row the same node count, no padding)
+            return bt.batch_full_trees(*mtp_tree_tensors(self.roots, *logits, self.budget), depth_bound=self.steps)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
-        if kind == "chain":
+        chain = kind == "chain"
+        # the drafted tokens' positions: a sample's keyed noise (coupled to the target's at the same positions)
+        pos = self.kv.lengths[:, None] + self.offsets[:, 1:] if self.temperature > 0 else None
+        if self.proposer.batch_tree is not None:  # its own (a DFlash2 selector's walk or pair trees)
+            return self.proposer.batch_tree(self.roots, logits, self.hidden, None if chain else budget,
+                                            self.temperature, self.seeds, pos)
+        if chain:
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
-                pos = self.kv.lengths[:, None] + self.offsets[:, 1:]
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
         return bt.batch_tree_of_tensors(*bt.batch_best_first_tensors(self.roots, torch.log_softmax(logits, dim=-1),
@@ -606,7 +661,7 @@ class BatchRun:
                 if any(s is not None for s in self.active):
                     self.round()
         stages = self.timer.finish()
-        load = self.load.summary() if self.load is not None else None
+        load = self.load.summary(since=self.first_round) if self.load is not None else None
         for r in self.results:
             r.stage_seconds = dict(stages)  # the rounds' stages, shared by the streams that took part
             r.load_budget = load
@@ -626,7 +681,7 @@ def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, tem
 def why_not_compiled(engine) -> str | None:
     """Why the batched round cannot run compiled for this engine, in words; None where it can."""
     if getattr(engine.proposer, "head", None) is not None:
-        return (f"method={engine.method}'s head drafts its chain step by step: its batched round is not compiled "
+        return (f"method={engine.method}'s head drafts its chain or tree step by step: its batched round is not compiled "
                 "yet")
     return None
 

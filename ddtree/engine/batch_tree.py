@@ -4,6 +4,8 @@ a row per stream, so a round's ops do not grow with the number of streams.
 Builders (torch ops on the device, vectorised over streams, no host read): `batch_root_trees` (AR),
 `batch_chain_trees` (DFlash chains), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
 budget)`, node for node, optionally each stream at its own smaller budget; one fused op after the top-k),
+`batch_full_trees` (N trees of one node count given as tokens, parents and depths: the head methods' EAGLE-2 trees,
+DDTree's pair trees: ddtree.engine.selector.batch_pair_tree),
 `with_sizes` (cut rows to a prefix). `batch_walk` follows the target's choices in every stream with one host read.
 `keyed_choice` samples at T > 0 with noise keyed by (stream seed, absolute position, token), so a stream's tokens do
 not depend on the batch it runs in, and `keyed_draft_choice` couples a drafter's sampled chain to the same noise.
@@ -24,7 +26,7 @@ from ddtree.engine.kernels.tree import _batch_ancestor_index, _batch_tree_build,
 from ddtree.engine.tree import DraftTree, _ranked_costs, tree_size
 
 __all__ = ["BatchTree", "BatchWalk", "batch_best_first", "batch_best_first_tensors", "batch_tree_of_tensors",
-           "batch_chain_trees", "batch_root_trees", "batch_walk", "batch_walk_tensors", "read_walk",
+           "batch_chain_trees", "batch_full_trees", "batch_root_trees", "batch_walk", "batch_walk_tensors", "read_walk",
            "keyed_choice", "keyed_draft_choice", "keyed_uniform", "positions_after", "with_sizes"]
 
 
@@ -120,6 +122,19 @@ def _chain_rows(N: int, T: int, device: torch.device) -> tuple[torch.Tensor, ...
     anc = torch.ones(T, T, dtype=torch.bool, device=device).tril_()
     return (rows(ar - 1), rows(ar), torch.ones(N, T, dtype=torch.bool, device=device),
             torch.full((N,), T, dtype=torch.long, device=device), rows(anc), rows((ar[:, None] - ar).clamp_(min=0)))
+
+
+def batch_full_trees(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor,
+                     scores: torch.Tensor | None = None, *, depth_bound: int) -> BatchTree:
+    """N trees of T nodes each, every node real (no padding), given in flat order (tokens, parents (root -1, parents
+    [i, j] < j), depths: long [N, T]; scores float32 [N, T] or None): the layout from the parents (ancestor index and
+    matrix, O(N T depth), no host read). depth_bound: an upper bound on every depth (clamped to T - 1)."""
+    N, T = tokens.shape
+    dev = tokens.device
+    aidx = _batch_ancestor_index(parents, min(depth_bound, T - 1))
+    ancestors = torch.zeros(N, T, T, dtype=torch.bool, device=dev).scatter_(2, aidx, True)
+    valid, sizes = _const(_chain_rows, N, T, dev)[2:4]  # every node valid (shared constants)
+    return batch_tree_of_tensors(tokens, parents, depths, valid, sizes, ancestors, aidx, scores)
 
 
 def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,

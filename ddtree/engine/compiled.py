@@ -55,7 +55,6 @@ from ddtree.engine.checks import compile_setting
 from ddtree.engine.families import ROPE
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias, kv_buffers
 from ddtree.engine.forward import _MLPS, _NORMS_CENTERED, LeanLayer, lean_norm
-from ddtree.engine.options import current
 from ddtree.engine.sharded import is_sharded
 from ddtree.engine.tree import DraftTree, best_first_tensors
 from ddtree.engine.weights import plain
@@ -101,17 +100,17 @@ def why_not_static(binding, unfit: str | None) -> str | None:
 
 
 def auto_compiles(binding) -> bool:
-    """Whether compile=auto compiles for this target: on a CUDA device, unless the engine's options turn it off
-    (`auto_compile=False`, DDTREE_COMPILE=0 outside an engine's call)."""
-    return binding.device.type == "cuda" and current().auto_compile
+    """Whether compile=auto compiles for this target: on a CUDA device, unless the binding's options (the engine's)
+    turn it off (`auto_compile=False`, DDTREE_COMPILE=0)."""
+    return binding.device.type == "cuda" and binding.options.auto_compile
 
 
 def static_round_for(binding, unfit: str | None, setting: str,
                      backend: str | None = None) -> tuple[StaticRound | None, str | None]:
     """(the engine's StaticRound under compile=`setting`, or None for the eager path; why the eager one runs, in
     words, or None). unfit: as why_not_static's. auto logs the reason where the target is on CUDA; true refuses a
-    target it cannot run. backend: torch.compile's backend (None: the engine's options', else inductor; "eager" or
-    "aot_eager" trace the same graphs without the code generation: tests)."""
+    target it cannot run. backend: torch.compile's backend (None: the binding's options' (the engine's), else
+    inductor; "eager" or "aot_eager" trace the same graphs without the code generation: tests)."""
     setting = compile_setting(setting)
     if setting == "false":
         return None, "compile=false"
@@ -126,7 +125,7 @@ def static_round_for(binding, unfit: str | None, setting: str,
                               "use compile=auto (eager where it cannot run) or compile=false")
         log.info("compile=auto: the eager round runs: %s", reason)
         return None, f"compile=auto: {reason}"
-    return StaticRound(binding, backend=backend or current().compile_backend), None
+    return StaticRound(binding, backend=backend or binding.options.compile_backend), None
 
 
 def _tree_tensors(root: torch.Tensor, logits: torch.Tensor, budget: int) -> tuple[torch.Tensor, ...]:
@@ -250,6 +249,7 @@ class StaticRound:
         self.attn_layers = [i for i, layer in enumerate(self.layers) if not layer.linear]
         self.mrope = lean.positions != ROPE
         opts: dict = {"fullgraph": True, "dynamic": False}
+        backend = backend if backend is not None else binding.options.compile_backend  # the engine's option
         if _TAKES_RECOMPILE_LIMIT:
             opts["recompile_limit"] = RECOMPILE_LIMIT
         if backend is not None:

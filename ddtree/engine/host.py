@@ -32,7 +32,7 @@ from collections.abc import Iterator
 import torch
 
 from ddtree.engine.options import HOST_BRANCHES as HOST_BRANCHES  # re-exported: the names device_path takes
-from ddtree.engine.options import current, parse_branches, scoped
+from ddtree.engine.options import EngineOptions, parse_branches, scoped
 
 log = logging.getLogger(__name__)
 
@@ -53,25 +53,25 @@ def _user_settings() -> list[str]:
     return found
 
 
-def allocator_wanted(setting: bool | None) -> bool:
-    """Whether an engine tunes the allocator: its setting, else the options in scope (DDTREE_HOST_MALLOC=1); never
-    under DDTREE_HOST_MALLOC=0 (read once, with the options: EngineOptions.host_malloc_off)."""
-    options = current()
-    return bool(setting if setting is not None else options.tune_host_allocator) and not options.host_malloc_off
+def allocator_wanted(options: EngineOptions) -> bool:
+    """Whether an engine with these options tunes the allocator: asked (`tune_host_allocator`: the setting, else
+    DDTREE_HOST_MALLOC=1), and not under DDTREE_HOST_MALLOC=0 (read with the options: `host_malloc_off`)."""
+    return options.tune_host_allocator and not options.host_malloc_off
 
 
-def tune_host_allocator() -> str:
-    """Set the thresholds once per process; returns what holds, in words (also when nothing was changed)."""
+def tune_host_allocator(options: EngineOptions | None = None) -> str:
+    """Set the thresholds once per process; returns what holds, in words (also when nothing was changed).
+    options: whose DDTREE_HOST_MALLOC=0 stops it (None: resolved now, from the scope or the environment)."""
     if "state" in _STATE:
         return _STATE["state"]
-    state = _tune()
+    state = _tune(options if options is not None else EngineOptions.resolve())
     _STATE["state"] = state
     log.debug("host allocator: %s", state)
     return state
 
 
-def _tune() -> str:
-    if current().host_malloc_off:  # DDTREE_HOST_MALLOC=0, read with the options (ddtree.engine.options)
+def _tune(options: EngineOptions) -> str:
+    if options.host_malloc_off:  # DDTREE_HOST_MALLOC=0, read with the options (ddtree.engine.options)
         return "untouched (DDTREE_HOST_MALLOC=0)"
     if not sys.platform.startswith("linux"):
         return f"untouched ({sys.platform}: not glibc)"
@@ -94,16 +94,16 @@ def _tune() -> str:
 
 # ---- CPU-only branches of the engine, and the switch that turns them off ---------------------------------------
 # The engine takes one code path on every device, except where a branch of HOST_BRANCHES measured a gain on the CPU
-# toy pair (docs/gpu.md lists each with its gain). `host_branch(name, device)` is the one place that decides, from
-# the options in scope (ddtree.engine.options: an Engine's `device_path=`, else a `device_path()` block, else
-# DDTREE_DEVICE_PATH=1 or a comma list of branch names); the test suite and bench/bench_launches.py run the path a
-# CUDA device takes on the CPU with `device_path()`.
+# toy pair (docs/gpu.md lists each with its gain). `host_branch(name, device, options)` is the one place that decides,
+# from the options it is given (ddtree.engine.options: an Engine's `device_path=`, else a `device_path()` block the
+# options were resolved in, else DDTREE_DEVICE_PATH=1 or a comma list of branch names); the test suite and
+# bench/bench_launches.py run the path a CUDA device takes on the CPU with `device_path()`.
 _parse_off = parse_branches
 
 
-def host_branch(name: str, device: torch.device) -> bool:
-    """Whether the CPU-only branch `name` (HOST_BRANCHES) runs for tensors on `device`."""
-    return device.type == "cpu" and name not in current().device_path
+def host_branch(name: str, device: torch.device, options: EngineOptions) -> bool:
+    """Whether the CPU-only branch `name` (HOST_BRANCHES) runs for tensors on `device` under `options`."""
+    return device.type == "cpu" and name not in options.device_path
 
 
 @contextlib.contextmanager
@@ -111,6 +111,6 @@ def device_path(*names: str) -> Iterator[None]:
     """Inside: the named CPU-only branches (all without names) are off, so a CPU run takes a CUDA run's code.
     An Engine resolves its options when built (`Engine(device_path=...)` overrides): build it inside too."""
     off = parse_branches(",".join(names) if names else "all")
-    options = current()
+    options = EngineOptions.resolve()  # the enclosing block's, else the environment's
     with scoped(dataclasses.replace(options, device_path=options.device_path | off)):
         yield

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from ddtree.engine import batch, compiled
 from ddtree.engine.checks import check_generate_args, check_tree_memory, compile_setting
 from ddtree.engine.diagnostics import RoundRecorder
+from ddtree.engine.kernels import KernelChecks, checking
 from ddtree.engine.methods import DraftSettings, check_method_args, check_target_supported, get_method
 from ddtree.engine.options import EngineOptions, scoped
 from ddtree.engine.proposers import DecodeState, Proposer
@@ -50,15 +51,14 @@ def _walk_asking_head(tree, ask) -> tuple:
     return host_walk(tree, timed), spent
 
 
-def make_proposer(method: str, target, drafter, budget: int | None, block_size: int | None,
-                  steps: int | None = None, topk: int | None = None, scoring: str | None = None) -> Proposer:
-    """The proposer of `method` (ddtree.engine.methods), after the argument checks every engine shares.
-    steps, topk: method=mtp's draft depth and branching (ignored by the others); scoring: method=ddtree's node
-    scores (marginal, or pair over a DFlash2 drafter's selector; ignored by the others)."""
-    m = check_method_args(method, has_drafter=drafter is not None, budget=budget, block_size=block_size,
-                          steps=steps, topk=topk)
-    return m.make_proposer(target, drafter, DraftSettings(budget=budget, block_size=block_size, steps=steps,
-                                                        topk=topk, scoring=scoring))
+def make_proposer(method: str, target, drafter, settings: DraftSettings) -> Proposer:
+    """The proposer of `method` (ddtree.engine.methods) from its settings (budget; block_size; steps, topk: the
+    draft depth and branching of mtp and eagle3; scoring: ddtree's node scores; the engine's options), after the
+    argument checks every engine shares."""
+    s = settings
+    m = check_method_args(method, has_drafter=drafter is not None, budget=s.budget, block_size=s.block_size,
+                          steps=s.steps, topk=s.topk)
+    return m.make_proposer(target, drafter, s)
 
 
 class Engine:
@@ -67,45 +67,69 @@ class Engine:
     and each `generate` call starts only a fresh cache. `generate()` below is one Engine, one call.
 
     It drives the models as they are when it is built: after hooking, patching or moving one, build a new Engine.
-    Arguments as `generate()`'s; compile_backend: torch.compile's backend for the compiled round (None: inductor;
-    "eager"/"aot_eager" trace without generating code: tests); tune_host_allocator: set glibc's malloc thresholds for the whole process on a CPU
-    target (faster verification; ddtree.engine.host). device_path: the CPU-only branches turned off (True: all of
-    them, a CPU run then takes a CUDA run's code; or names of ddtree.engine.host.HOST_BRANCHES); kernels: the fused
-    ops' setting ("auto", "strict", "composite"); flex_compile: compiled flex attention (None: on CUDA only);
-    auto_compile: whether compile="auto" compiles on CUDA. Each option left at None is the environment's
-    (DDTREE_HOST_MALLOC, DDTREE_DEVICE_PATH, DDTREE_KERNELS, DDTREE_FLEX_COMPILE, DDTREE_COMPILE,
-    DDTREE_COMPILE_BACKEND) or an enclosing `ddtree.engine.host.device_path()` block's, resolved once here into
-    `options` (ddtree.engine.options.EngineOptions), which the engine's own calls run under: two engines in one
-    process each keep theirs.
     `close()` (or leaving a `with Engine(...) as engine:` block) restores what it changed on the target.
+
+    Its arguments, by group (every one after `drafter` a keyword; each as `generate()` takes it):
+
+    * the model pair: `target`, a transformers causal LM; `drafter`, the model of the method's drafter kind
+      (ddtree.engine.drafter_kinds: a DFlash drafter, an MTP head, an EAGLE-3 drafter), or None (AR; the target's
+      own MTP head).
+    * the method and its settings (`engine.settings`, ddtree.engine.methods.DraftSettings: each method reads its
+      own): `method`; `budget` (tree methods' node budget; "auto" for ddtree: chosen every round, through
+      `generate_many`); `block_size` (a DFlash drafter's block); `steps`, `topk` (mtp, eagle3: draft depth, children
+      per node); `scoring` (ddtree: marginal or pair); or `proposer`, a custom Proposer in place of the method's. How its rounds run: `compile`, `tree_attention`, `sync_timing`,
+      `record`.
+    * the options (`engine.options`, ddtree.engine.options.EngineOptions): `options`, a whole EngineOptions, and
+      its fields as keywords (each given overrides it): `compile_backend`, torch.compile's backend for the
+      compiled round (None: inductor; "eager"/"aot_eager" trace without generating code: tests);
+      `tune_host_allocator`, set glibc's malloc thresholds for the whole process on a CPU target (faster
+      verification; ddtree.engine.host); `device_path`, the CPU-only branches turned off (True: all of them, a CPU
+      run then takes a CUDA run's code; or names of ddtree.engine.host.HOST_BRANCHES); `kernels`, the fused ops'
+      setting ("auto", "strict", "composite"); `flex_compile`, compiled flex attention (None: on CUDA only);
+      `auto_compile`, whether compile="auto" compiles on CUDA. Without `options`, each one left at None is an
+      enclosing `ddtree.engine.host.device_path()` block's, else the environment's (DDTREE_HOST_MALLOC,
+      DDTREE_DEVICE_PATH, DDTREE_KERNELS, DDTREE_FLEX_COMPILE, DDTREE_COMPILE, DDTREE_COMPILE_BACKEND). They are
+      resolved once here and handed to what the engine builds (its target binding, its compiled round, its
+      proposer); `kernel_checks` (ddtree.engine.kernels.KernelChecks) holds what its fused ops' checks found,
+      entered around its own calls: two engines in one process each keep theirs.
     """
 
-    def __init__(self, target: PreTrainedModel, drafter=None, *, method: str = "ddtree", budget: int | None = 64,
-                 block_size: int | None = None, proposer: Proposer | None = None, sync_timing: bool = False,
-                 tree_attention: str = "auto", tune_host_allocator: bool | None = None,
-                 record: bool = True, steps: int | None = None, topk: int | None = None,
-                 compile: str | bool = "auto", compile_backend: str | None = None, scoring: str | None = None,
-                 device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
-                 flex_compile: bool | None = None, auto_compile: bool | None = None):
+    def __init__(self, target: PreTrainedModel, drafter=None, *,
+                 # the method and its settings
+                 method: str = "ddtree", budget: int | str | None = 64, block_size: int | None = None,
+                 steps: int | None = None, topk: int | None = None, scoring: str | None = None,
+                 proposer: Proposer | None = None,
+                 # how its rounds run
+                 compile: str | bool = "auto", tree_attention: str = "auto", sync_timing: bool = False,
+                 record: bool = True,
+                 # the options (EngineOptions): whole, and field by field
+                 options: EngineOptions | None = None, compile_backend: str | None = None,
+                 tune_host_allocator: bool | None = None, device_path: bool | str | Iterable[str] | None = None,
+                 kernels: str | None = None, flex_compile: bool | None = None, auto_compile: bool | None = None):
         compile = compile_setting(compile)  # a mistyped setting is refused before any work
         # budget="auto": the tree chosen every round from the load (ddtree.engine.adaptive, through generate_many);
         # the proposer is built for the largest candidate
+        self.load_budget = None  # budget="auto"'s controller (ddtree.engine.adaptive), made by the first batched call
         self.budget_auto = budget == "auto" and method == "ddtree"
         if budget == "auto":
             if not self.budget_auto and get_method(method).reads_budget:
                 raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={method} has none",
                                   "use method=ddtree with budget=auto, or a number")
             budget = max(batch.AUTO_CANDIDATES) if self.budget_auto else None  # (a method that reads none: None)
-        self.options = EngineOptions.resolve(device_path=device_path, kernels=kernels, flex_compile=flex_compile,
-                                             auto_compile=auto_compile, compile_backend=compile_backend,
-                                             tune_host_allocator=tune_host_allocator)
+        self.options = EngineOptions.resolve(base=options, device_path=device_path, kernels=kernels,
+                                             flex_compile=flex_compile, auto_compile=auto_compile,
+                                             compile_backend=compile_backend, tune_host_allocator=tune_host_allocator)
+        self.settings = DraftSettings(budget=budget, block_size=block_size, steps=steps, topk=topk, scoring=scoring,
+                                      options=self.options)
+        self.kernel_checks = KernelChecks(self.options.kernels)
         self.binding = None
-        with scoped(self.options):
-            self._build(target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention,
-                        record, steps, topk, compile, scoring)
+        with checking(self.kernel_checks):
+            self._build(target, drafter, method, proposer, compile=compile, tree_attention=tree_attention,
+                        sync_timing=sync_timing, record=record)
 
-    def _build(self, target, drafter, method, budget, block_size, proposer, sync_timing, tree_attention, record,
-               steps, topk, compile, scoring) -> None:
+    def _build(self, target, drafter, method: str, proposer: Proposer | None, *, compile: str, tree_attention: str,
+               sync_timing: bool, record: bool) -> None:
+        budget = self.settings.budget
         check_target_supported(model_type(target), method)
         self.spec = get_method(method)
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
@@ -115,13 +139,13 @@ class Engine:
         if proposer is None:
             if self.spec.drafter_kind is not None:  # its row's check of the pair (a DFlash drafter's widths, ...)
                 self.spec.drafter_kind.check(target, drafter)
-            proposer = make_proposer(method, target, drafter, budget, block_size, steps, topk, scoring)
+            proposer = make_proposer(method, target, drafter, self.settings)
         self.target, self.drafter, self.method, self.budget, self.proposer = target, drafter, method, budget, proposer
         self.sync_timing = sync_timing
         self.record = record  # per-round diagnosis records (ddtree.engine.diagnostics), where the proposer drafts
         # the Proposer contract (ddtree.engine.proposers.Proposer): what it reads, how big its trees get, what compiles
         self.binding = TargetBinding(target, proposer.feature_layers, tree_attention=tree_attention,
-                                     tune_allocator=self.options.tune_host_allocator)
+                                     options=self.options)
         self.tree_max = proposer.max_nodes + 1
         if proposer.max_nodes > 1:  # it drafts: the target must verify its trees exactly
             TargetSession(target, binding=self.binding).check_method(self.spec)
@@ -131,8 +155,7 @@ class Engine:
         self.batch_static: batch.CompiledRound | None = None
         self.batch_failed: str | None = None
         unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")
-        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile,
-                                                                 self.options.compile_backend)
+        self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile)
         # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
         self.round_fallback = self.round_note is not None and (
             compile == "true" or (compile == "auto" and compiled.auto_compiles(self.binding)))
@@ -157,7 +180,7 @@ class Engine:
             seed = 0 if generator is None else int(generator.initial_seed())
             return self.generate_many([input_ids], concurrency=1, temperature=temperature,
                                       max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, seed=seed)[0]
-        with scoped(self.options):  # this engine's options, whatever the caller's scope or environment
+        with checking(self.kernel_checks):  # its fused ops' checks (called under transformers' forward too)
             return self._generate_scoped(input_ids, temperature, max_new_tokens, stop_token_ids, generator)
 
     def _generate_scoped(self, input_ids, temperature, max_new_tokens, stop_token_ids, generator) -> GenerationResult:
@@ -201,7 +224,9 @@ class Engine:
             budget = "auto" if self.budget_auto else self.budget
         if min(concurrency, len(prompts)) == 1 and temperature <= 0 and budget == self.budget:
             return self._one_at_a_time(prompts, max_new_tokens, stop_token_ids)
-        with scoped(self.options):
+        # its fused ops' checks; its options for the code transformers' forward calls (the batched round calls the
+        # model itself: ddtree.engine.options)
+        with scoped(self.options), checking(self.kernel_checks):
             self.binding.ensure()
             rounds, note = self._batch_round()
             args = (self, prompts, concurrency, temperature, max_new_tokens, stop_token_ids, seed, budget)
@@ -269,15 +294,20 @@ class Engine:
         self.close()
 
 
-def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, method: str = "ddtree",
-             budget: int | None = 64, temperature: float = 0.0, max_new_tokens: int = 256,
-             stop_token_ids: Iterable[int] | None = None, generator: torch.Generator | None = None,
-             proposer: Proposer | None = None, block_size: int | None = None,
-             sync_timing: bool = False, tree_attention: str = "auto", record: bool = True, steps: int | None = None,
-             topk: int | None = None, compile: str | bool = "auto", scoring: str | None = None,
-             compile_backend: str | None = None, tune_host_allocator: bool | None = None,
-             device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
-             flex_compile: bool | None = None, auto_compile: bool | None = None) -> GenerationResult:
+def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *,
+             # the generation
+             temperature: float = 0.0, max_new_tokens: int = 256, stop_token_ids: Iterable[int] | None = None,
+             generator: torch.Generator | None = None,
+             # the method and its settings; how its rounds run (as Engine's)
+             method: str = "ddtree", budget: int | None = 64, block_size: int | None = None,
+             steps: int | None = None, topk: int | None = None, scoring: str | None = None,
+             proposer: Proposer | None = None, compile: str | bool = "auto", tree_attention: str = "auto",
+             sync_timing: bool = False, record: bool = True,
+             # the options (as Engine's)
+             options: EngineOptions | None = None, compile_backend: str | None = None,
+             tune_host_allocator: bool | None = None, device_path: bool | str | Iterable[str] | None = None,
+             kernels: str | None = None, flex_compile: bool | None = None,
+             auto_compile: bool | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` [1, P] with `method`, losslessly.
 
     At temperature 0 the output equals plain greedy decoding of `target`; at T > 0 every token
@@ -299,15 +329,16 @@ def generate(target: PreTrainedModel, drafter, input_ids: torch.Tensor, *, metho
     scoring: method=ddtree's node scores: "marginal" (the drafter's per-position distributions), "pair" (a DFlash2
     drafter's candidate selector: each child scored given its parent; ddtree.engine.selector) or "auto" (None, the
     default: pair for a DFlash2 drafter, marginal for a DFlash one).
-    compile_backend, tune_host_allocator, device_path, kernels, flex_compile, auto_compile: the engine's options, as
-    `Engine` takes them (ddtree.engine.options; None: the environment's).
+    options (an EngineOptions), compile_backend, tune_host_allocator, device_path, kernels, flex_compile,
+    auto_compile: the engine's options, as `Engine` takes them (ddtree.engine.options; None: the environment's).
     """
     check_generate_args(temperature, max_new_tokens, input_ids)
-    with Engine(target, drafter, method=method, budget=budget, block_size=block_size, proposer=proposer,
-                sync_timing=sync_timing, tree_attention=tree_attention, record=record, steps=steps, topk=topk,
-                compile=compile, scoring=scoring, compile_backend=compile_backend,
-                tune_host_allocator=tune_host_allocator, device_path=device_path, kernels=kernels,
-                flex_compile=flex_compile, auto_compile=auto_compile) as engine:  # one call: the model as found
+    with Engine(target, drafter, method=method, budget=budget, block_size=block_size, steps=steps, topk=topk,
+                scoring=scoring, proposer=proposer,
+                compile=compile, tree_attention=tree_attention, sync_timing=sync_timing, record=record,
+                options=options, compile_backend=compile_backend, tune_host_allocator=tune_host_allocator,
+                device_path=device_path, kernels=kernels, flex_compile=flex_compile,
+                auto_compile=auto_compile) as engine:  # one call: the model as found
         return engine.generate(input_ids, temperature=temperature, max_new_tokens=max_new_tokens,
                                stop_token_ids=stop_token_ids, generator=generator)
 

@@ -18,6 +18,7 @@ from ddtree.engine.families import Family, check_family_has_mtp, family
 from ddtree.errors import ConfigError
 
 if TYPE_CHECKING:
+    from ddtree.engine.options import EngineOptions
     from ddtree.engine.proposers import Proposer
 
 DEFAULT_BUDGET = 64  # DDTree's node budget when a caller passes budget=None
@@ -33,6 +34,7 @@ class DraftSettings:
     steps: int | None = None  # method=mtp, eagle3: draft depth (None: MTP_STEPS)
     topk: int | None = None  # method=mtp, eagle3: children per expanded node (None: MTP_TOPK; > 1: a tree)
     scoring: str | None = None  # method=ddtree: auto, marginal or pair (None: auto; resolve_scoring)
+    options: EngineOptions | None = None  # the engine's options (ddtree.engine.options; None: resolved when built)
 
 
 def _ar(target, drafter, s: DraftSettings) -> Proposer:
@@ -59,11 +61,12 @@ def _ddtree(target, drafter, s: DraftSettings) -> Proposer:
     if has_selector(drafter):  # DFlash2 (ddtree.engine.selector): its logits, and pair scores when asked
         from ddtree.engine.selector import DFlash2MarginalProposer, PairTreeProposer
 
-        make = PairTreeProposer if scoring == "pair" else DFlash2MarginalProposer
-        return make(target, drafter, budget, block_size)
+        if scoring == "pair":
+            return PairTreeProposer(target, drafter, budget, block_size)
+        return DFlash2MarginalProposer(target, drafter, budget, block_size, options=s.options)
     from ddtree.engine.proposers import DDTreeProposer
 
-    return DDTreeProposer(target, drafter, budget, block_size)
+    return DDTreeProposer(target, drafter, budget, block_size, options=s.options)
 
 
 # DDTree's node scores: per-position marginals, or a DFlash2 selector's pair scores; auto: pair where the drafter has a

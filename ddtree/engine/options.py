@@ -1,16 +1,22 @@
-"""An engine's options, resolved once when the Engine is built and scoped to its calls.
+"""An engine's options, resolved once when the Engine is built and passed to what it builds.
 
 What used to steer the engine process-wide (a module global for the CPU-only branches, environment variables read
-deep in the code) is one frozen `EngineOptions`: an `Engine` resolves it from its keyword arguments, falling back to
-the options in scope (a `ddtree.engine.host.device_path()` block) and then to the environment, and enters it around
-its own set-up and every `generate` call. The code below reads `current()`: the options of the engine whose call is
-running, so two engines in one process with different options each run as built. Outside any engine call (a test
-driving a `TargetSession` directly) `current()` is the environment's, read at that moment.
+deep in the code) is one frozen `EngineOptions`: `EngineOptions.resolve` takes an Engine's keyword arguments,
+falling back to the options in scope (a `ddtree.engine.host.device_path()` block) and then to the environment. It is
+the one place the environment is read. The Engine passes what it resolved on, explicitly: to its target binding
+(`TargetBinding(options=...)`: the CPU-only branches, the allocator, verification's flex compile, the GDN commit),
+its compiled round (through the binding), its proposer (`DraftSettings.options`) and its fused ops' checks
+(`ddtree.engine.kernels.KernelChecks`, one per engine). A piece built on its own (a `TargetSession` without a
+binding, a test) resolves its options once when built.
 
-Like the verification context (`ddtree.engine.verification`), it lives in a ContextVar for the duration of a
-`with scoped(...)` block only: nothing here is process-global.
+`scoped(options)` / `current()` remain for the code the engine does not call itself: transformers' model forward
+calls the patched Gated DeltaNet forward (ddtree.engine.gdn.step: the `gdn_step` branch) with its own arguments,
+so a session enters its binding's options around each target call and that code reads `current()`. Outside any
+scope `current()` is the library's defaults (`EngineOptions()`): it never reads the environment. Like the
+verification context (`ddtree.engine.verification`), the scope lives in a ContextVar for the duration of a `with`
+block only: nothing here is process-global.
 
-The environment variables, each the fallback of one field:
+The environment variables, each the fallback of one field (read by `resolve` only):
   DDTREE_DEVICE_PATH      device_path: 1/all turns every CPU-only branch off (a CPU run takes a CUDA run's code),
                           or a comma list of HOST_BRANCHES names
   DDTREE_KERNELS          kernels: auto | strict | composite (ddtree.engine.kernels)
@@ -86,8 +92,8 @@ class EngineOptions:
     host_malloc_off: bool = False
 
     @classmethod
-    def from_env(cls) -> EngineOptions:
-        """The options the environment sets (each variable's default where it is unset)."""
+    def _from_env(cls) -> EngineOptions:
+        """The options the environment sets (each variable's default where it is unset): `resolve`'s fallback."""
         env = os.environ.get
         flex = env("DDTREE_FLEX_COMPILE")
         return cls(device_path=parse_branches(env("DDTREE_DEVICE_PATH", "")),
@@ -99,12 +105,14 @@ class EngineOptions:
                    host_malloc_off=env("DDTREE_HOST_MALLOC", "1").strip().lower() in _NO[1:])
 
     @classmethod
-    def resolve(cls, *, device_path: bool | str | Iterable[str] | None = None, kernels: str | None = None,
-                flex_compile: bool | None = None, auto_compile: bool | None = None,
+    def resolve(cls, *, base: EngineOptions | None = None, device_path: bool | str | Iterable[str] | None = None,
+                kernels: str | None = None, flex_compile: bool | None = None, auto_compile: bool | None = None,
                 compile_backend: str | None = None, tune_host_allocator: bool | None = None) -> EngineOptions:
-        """An engine's options: each argument given, else the options in scope (`current()`: a `device_path()`
-        block's, else the environment's)."""
-        base = current()
+        """An engine's options: each argument given, else `base`'s (options resolved before), else the options in
+        scope (a `device_path()` block's), else the environment's (read here, the one place)."""
+        if base is None:
+            scope = _SCOPED.get()
+            base = scope if scope is not None else cls._from_env()
         given = {"kernels": None if kernels is None else check_kernels(kernels, "kernels"),
                  "device_path": None if device_path is None else parse_branches(device_path, "device_path"),
                  "flex_compile": flex_compile, "auto_compile": auto_compile, "compile_backend": compile_backend,
@@ -112,13 +120,15 @@ class EngineOptions:
         return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
 
 
+_DEFAULTS = EngineOptions()
 _SCOPED: contextvars.ContextVar[EngineOptions | None] = contextvars.ContextVar("ddtree_engine_options", default=None)
 
 
 def current() -> EngineOptions:
-    """The options of the engine call in progress, else the environment's (read now)."""
+    """The options in scope (an engine's call, a `device_path()` block), else the library's defaults: for code that
+    transformers' own forward calls (the module docstring says which). Never reads the environment."""
     found = _SCOPED.get()
-    return found if found is not None else EngineOptions.from_env()
+    return found if found is not None else _DEFAULTS
 
 
 @contextlib.contextmanager

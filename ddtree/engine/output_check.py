@@ -21,6 +21,7 @@ round differently, and a near-tie can flip. This module asks the question that h
 Against a baseline each method output gets one verdict: `exact` (equal, and the shared output passes),
 `tie` (they diverge, yet every position of both passes; or some position is a shape tie), `ok` (passes; nothing
 to compare: T > 0 or no baseline) or `suspect` (with the evidence and the side that failed). No Hydra, no MLflow.
+The statistics it and the reports use (p-values, PIT, chi-square) live in ddtree.engine.stats.
 
     v = Validator(target, stop_token_ids=[eos], max_new_tokens=256)
     v.calibrate([(prompt_ids, baseline_ids)])
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+
+from ddtree.engine.stats import token_logprobs
 
 VERDICTS = ("exact", "tie", "ok", "suspect")
 _DRIFT_TOPK = 8  # drift is measured on the tokens that compete for the argmax, not on the far tail
@@ -276,84 +278,6 @@ def drift(cached: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
 
 def _f(x: torch.Tensor | float) -> float:
     return float(f"{float(x):.6g}")  # six significant digits: fp32 steps at small logits are ~1e-7
-
-
-def sign_flip_pvalue(differences: Sequence[float], rounds: int = 20000, seed: int = 0) -> float | None:
-    """Two-sided paired test of mean difference 0: exact over all sign flips up to 16 pairs, else Monte Carlo."""
-    d = [float(x) for x in differences]
-    n = len(d)
-    if n == 0:
-        return None
-    observed = abs(sum(d)) - 1e-12 * (1 + sum(abs(x) for x in d))  # ties with the observed sum count
-    if n <= 16:
-        signs = itertools.product((1, -1), repeat=n)
-        hits = sum(abs(sum(s * x for s, x in zip(flip, d, strict=True))) >= observed for flip in signs)
-        return hits / 2 ** n
-    rng = random.Random(seed)
-    hits = sum(abs(sum(x if rng.random() < 0.5 else -x for x in d)) >= observed for _ in range(rounds))
-    return (hits + 1) / (rounds + 1)
-
-
-def chi_square_pvalue(observed: Sequence[float], expected: Sequence[float]) -> tuple[float, int, float | None]:
-    """(statistic, degrees of freedom, upper-tail p-value) of Pearson's goodness-of-fit test, no scipy.
-
-    The caller pools bins so every expected count is large enough (>= 5 is the usual rule)."""
-    stat = float(sum((o - e) ** 2 / e for o, e in zip(observed, expected, strict=True) if e > 0))
-    dof = sum(1 for e in expected if e > 0) - 1
-    return stat, dof, (gamma_upper_regularized(dof / 2, stat / 2) if dof > 0 else None)
-
-
-def gamma_upper_regularized(a: float, x: float) -> float:
-    """Q(a, x) = Gamma(a, x) / Gamma(a): a series below a + 1, a continued fraction above (Numerical Recipes 6.2)."""
-    if x <= 0:
-        return 1.0
-    log_front = a * math.log(x) - x - math.lgamma(a)
-    if x < a + 1:  # P(a, x) by its series
-        term = total = 1.0 / a
-        n = a
-        while abs(term) > abs(total) * 1e-15:
-            n += 1
-            term *= x / n
-            total += term
-        return max(0.0, 1.0 - total * math.exp(log_front))
-    tiny = 1e-300  # Q(a, x) by Lentz's continued fraction
-    b = x + 1 - a
-    c, d = 1 / tiny, 1 / b
-    h = d
-    for i in range(1, 10000):
-        an = -i * (i - a)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return min(1.0, math.exp(log_front) * h)
-
-
-def token_logprobs(logits: torch.Tensor, output_ids: Sequence[int], temperature: float = 0.0) -> torch.Tensor:
-    """[N]: the target log-probability of each emitted token at its position (at the temperature; 1 for greedy)."""
-    out = _ids(output_ids)
-    rows = logits[: len(out)]
-    t = temperature if temperature > 0 else 1.0
-    emitted = torch.tensor(out, dtype=torch.long, device=rows.device)
-    return torch.log_softmax(rows.float() / t, dim=-1).gather(-1, emitted[:, None])[:, 0]
-
-
-def sampled_pit(logits: torch.Tensor, output_ids: Sequence[int], temperature: float,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-    """[N] randomized probability-integral transforms of sampled tokens: F(x-) + U p(x) under the target's
-    distribution at each position. Tokens drawn from that distribution give i.i.d. Uniform(0, 1) values
-    (each position conditionally on its prefix), whatever the prefixes were."""
-    out = _ids(output_ids)
-    probs = torch.softmax(logits[: len(out)].double() / temperature, dim=-1)
-    emitted = torch.tensor(out, dtype=torch.long, device=probs.device)
-    below = torch.cumsum(probs, dim=-1).gather(-1, emitted[:, None])[:, 0] - probs.gather(-1, emitted[:, None])[:, 0]
-    u = torch.rand(len(out), generator=generator, dtype=torch.float64)
-    return (below.cpu() + u * probs.gather(-1, emitted[:, None])[:, 0].cpu()).clamp(0.0, 1.0)
 
 
 class Validator:
@@ -681,11 +605,3 @@ class JobValidation:
 
 def _misses(v: Verdict) -> list[Miss]:
     return [x for c in (v.method, v.baseline) if c is not None and not c.ok for x in c.misses][:4]
-
-
-def logprob_test(pairs: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
-    """(p-value, mean difference) of per-sequence mean log-prob, method minus baseline. A sanity signal only."""
-    diffs = [m - b for m, b in pairs]
-    if not diffs:
-        return None, None
-    return sign_flip_pvalue(diffs), _f(sum(diffs) / len(diffs))

@@ -15,6 +15,7 @@ from ddtree.engine.drafter.model_static import StaticDraft
 from ddtree.engine.drafter.mtp import MTPHead, mtp_expand, mtp_tree_tensors
 from ddtree.engine.drafter.mtp_static import StaticMTP
 from ddtree.engine.host import host_branch
+from ddtree.engine.options import EngineOptions
 from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import DraftTree, best_first_tree, chain_tree, root_tree, tree_of_tensors
 from ddtree.errors import ConfigError
@@ -58,6 +59,11 @@ class Proposer:
     tree_graph: a tree build of its own (not best_first's) as a function of tensors to tensors (fixed shapes, no host
       read; e.g. a DFlash2 selector's walk, ddtree.engine.selector): under compile the round compiles it as one graph
       and hands it back as `tree_tensors` (same arguments); None: none.
+    batch_tree: the batched round's trees (ddtree.engine.batch) built its own way, as a function (roots [N],
+      logits [N, L, V], hidden [N, L, H] the block's final rows, budget (None: the chain), temperature, seeds [N],
+      positions [N, L] the drafted tokens' own at T > 0, else None) -> ddtree.engine.batch_tree.BatchTree, every
+      stream's in the same ops (e.g. a DFlash2 selector's walk and pair trees, ddtree.engine.selector); None: the
+      round's own (the logits' chain, or best-first trees over them).
     """
 
     feature_layers: list[int] | None = None
@@ -69,6 +75,7 @@ class Proposer:
     best_first: bool = False
     static_form: type | None = None
     tree_graph = None
+    batch_tree = None
     tree_tensors = None  # set by the compiled round where `best_first` or `tree_graph`
     static_draft = None  # set by the compiled round where `static_form`
     last_top1: torch.Tensor | None = None  # per node of the latest tree: is it its parent's best child (diagnosis;
@@ -196,13 +203,16 @@ class DFlashProposer(DrafterBlock):
 
 
 class DDTreeProposer(DrafterBlock):
-    """The best-first `budget` prefixes under the drafter's per-position log-probabilities."""
+    """The best-first `budget` prefixes under the drafter's per-position log-probabilities. options: the engine's
+    (its `host_tree` branch: the C build on the host; None: resolved now, from the scope or the environment)."""
 
     best_first = True  # tree_tensors: the compiled round's graph of the torch build, used where it runs (not the C one)
 
-    def __init__(self, target, drafter, budget: int, block_size: int | None = None):
+    def __init__(self, target, drafter, budget: int, block_size: int | None = None, *,
+                 options: EngineOptions | None = None):
         super().__init__(target, drafter, block_size)
         check_budget(budget)
+        self.options = options if options is not None else EngineOptions.resolve()
         self.budget = budget
         self.max_nodes = max(self.block_size, budget + 1)
 
@@ -210,9 +220,11 @@ class DDTreeProposer(DrafterBlock):
         with state.timer.stage("draft"):
             logits = self.draft_logits(state)
         with state.timer.stage("tree"):
-            if self.tree_tensors is not None and not host_branch("host_tree", logits.device):
+            host = host_branch("host_tree", logits.device, self.options)
+            if self.tree_tensors is not None and not host:
                 return tree_of_tensors(*self.tree_tensors(state.root, logits, self.budget))
-            return best_first_tree(state.root, torch.log_softmax(logits, dim=-1), self.budget)
+            return best_first_tree(state.root, torch.log_softmax(logits, dim=-1), self.budget,
+                                   host=None if host else False)
 
 
 class MTPProposer(Proposer):

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from ddtree.engine.batch_tree import BatchTree, batch_chain_trees, batch_full_trees, keyed_uniform
 from ddtree.engine.checks import check_budget
 from ddtree.engine.drafter.dflash2 import Candidates
 from ddtree.engine.proposers import DDTreeProposer, DecodeState, DrafterBlock
@@ -70,6 +71,20 @@ class _PairRecord(_SelectorHead):
         with state.timer.stage("tree"):
             out, self.last_cand = self.tree_tensors(state.root, logits, self.last_hidden.to(logits.device))
             return out
+
+    def batch_tree(self, roots: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, budget: int | None,
+                   temperature: float, seeds: torch.Tensor, positions: torch.Tensor | None) -> BatchTree:
+        """The batched round's trees (ddtree.engine.batch), every stream's in the same ops: its selector walk (budget
+        None: the chain; at T > 0 a sample of each position's softmax over its candidates with the noise keyed as the
+        target's choice at the drafted token's position, `positions` [N, L]: the coupling of keyed_draft_choice at
+        the candidates; verified by the walk), or its pair tree of `budget` nodes (batch_pair_tree)."""
+        cand = self.drafter.candidates(logits, hidden)
+        if budget is not None:
+            return batch_pair_tree(roots, cand, budget)
+        if temperature <= 0:
+            return batch_chain_trees(roots, selector_walk(cand, roots))
+        gumbel = keyed_uniform(seeds, positions, logits.shape[-1]).gather(2, cand.ids).log_().neg_().log_().neg_()
+        return batch_chain_trees(roots, selector_walk(cand, roots, temperature, noise=gumbel))
 
     @torch.inference_mode()
     def record_logits(self, tree: DraftTree, path: torch.Tensor, accepted: int) -> torch.Tensor:
@@ -155,35 +170,49 @@ class PairTreeProposer(_PairRecord, DrafterBlock):
 
 
 def selector_walk(cand, root: torch.Tensor, temperature: float = 0.0, generator: torch.Generator | None = None, *,
-                  draft_probs: bool = False):
+                  draft_probs: bool = False, noise: torch.Tensor | None = None):
     """The selector's chain [L] from the anchor `root`, on the device (no host read): every pair score of the block
     first (pair_scores: a few batched ops), then per position one row read and its argmax (or a sample of
     softmax(S_t(prev, .) / T) over the candidates). draft_probs (T > 0): (chain, q [L, V]), q_t those softmax rows
     scattered into the vocabulary, 0 outside position t's candidates (what the chain is verified against by
-    rejection: ddtree.engine.tree.rejection_walk)."""
+    rejection: ddtree.engine.tree.rejection_walk).
+
+    With a stream dimension (cand's fields [N, L, ...], root [N]: the batched round, ddtree.engine.batch): every
+    stream's chain [N, L] in the same ops (a position's reads gathered per stream), row i the walk of stream i alone;
+    at T > 0 `noise` [N, L, k] (Gumbel noise at the candidates, keyed by stream and position: the batched round's
+    sample, coupled to the target's) instead of a generator: argmax(S_t(prev, .) / T + noise_t)."""
     first, trans = pair_scores(cand, root)
-    picks, rows = [], []
-    for t in range(cand.ids.shape[0]):
-        # (index_select, not trans[t - 1, pick]: a 0-d tensor as a Python index is read on the host)
-        s = first if t == 0 else trans[t - 1].index_select(0, picks[-1].reshape(1))[0]
-        if temperature > 0:
+    *lead, L, k = cand.ids.shape
+    picks, rows = [], []  # picks [..., 1]: a pick, shaped as the next row's index
+    for t in range(L):
+        # (a gather, not trans[t - 1, pick]: a 0-d tensor as a Python index is read on the host)
+        s = first[..., None, :] if t == 0 else trans[..., t - 1, :, :].gather(
+            -2, picks[-1][..., None].expand(*lead, 1, k))  # [..., 1, k]
+        if noise is not None:
+            picks.append((s * (1.0 / temperature) + noise[..., t: t + 1, :]).argmax(-1))
+        elif temperature > 0:
             rows.append(torch.softmax(s / temperature, dim=-1))
             picks.append(torch.multinomial(rows[-1], 1, generator=generator)[0])
         else:
-            picks.append(s.argmax())
-    chain = cand.ids.gather(1, torch.stack(picks)[:, None])[:, 0]
+            picks.append(s.argmax(-1))
+    chain = cand.ids.gather(-1, torch.cat(picks, dim=-1)[..., None])[..., 0]
     if not draft_probs:
         return chain
-    q = torch.zeros(cand.ids.shape[0], cand.pred.shape[0], device=chain.device)
-    return chain, q.scatter_(1, cand.ids, torch.stack(rows))
+    q = torch.zeros(L, cand.pred.shape[0], device=chain.device)
+    return chain, q.scatter_(1, cand.ids, torch.cat(rows))
 
 
 def pair_scores(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(first [k], trans [L - 1, k, k]): S_0(root, .) over position 0's candidates, and
-    trans[t - 1, i, j] = S_t(ids[t - 1, i], ids[t, j]) (a parent at position t - 1 is one of its candidates)."""
-    first = cand.scores(0, root.reshape(1).long())[0]  # (a 1-element index: a 0-d one is read on the host)
-    ctx = cand.pred[cand.ids[:-1]] * cand.proj[1:, None, :]  # [L - 1, k, r]: P[a] * W h_t
-    return first, cand.unary[1:, None, :] + ctx @ cand.succ[1:].transpose(1, 2)
+    trans[t - 1, i, j] = S_t(ids[t - 1, i], ids[t, j]) (a parent at position t - 1 is one of its candidates).
+    With a stream dimension (cand's fields [N, L, ...], root [N]): [N, k] and [N, L - 1, k, k], row by row."""
+    # one product for every position: position 0's predecessor the root (repeated over a row of k, one row kept),
+    # position t's the candidates of t - 1 (the same ops with or without streams, so row i is stream i's alone)
+    *lead, L, k = cand.ids.shape
+    prev = torch.cat([root.reshape(*lead, 1, 1).long().expand(*lead, 1, k), cand.ids[..., :-1, :]], dim=-2)
+    ctx = cand.pred[prev] * cand.proj[..., :, None, :]  # [..., L, k, r]: P[a] * W h_t
+    every = cand.unary[..., :, None, :] + ctx @ cand.succ.transpose(-1, -2)  # [..., L, k, k]
+    return every[..., 0, 0, :], every[..., 1:, :, :]
 
 
 def pair_logprobs(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,11 +220,12 @@ def pair_logprobs(cand, root: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     pair scores: log p_t(b | a) = S_t(a, b) - log(sum_c exp S_t(a, c) + sum of exp logit_t(v) over the other tokens v)
     (`cand.rest`: the log of that last sum). The mass beyond the candidates stays in the normaliser, so a position whose
     candidates are unsure costs as much as under marginal scores (normalising over the candidates alone made deep
-    nodes look surer than they are: tau 7.51 against 7.90 at budget 16 on the toy pair, docs/dflash2.md)."""
+    nodes look surer than they are: tau 7.51 against 7.90 at budget 16 on the toy pair, docs/dflash2.md).
+    With a stream dimension as pair_scores."""
     first, trans = pair_scores(cand, root)
-    z0 = torch.logaddexp(first.logsumexp(-1), cand.rest[0])
-    zt = torch.logaddexp(trans.logsumexp(-1), cand.rest[1:, None])  # [L - 1, k]
-    return first - z0, trans - zt[:, :, None]
+    z0 = torch.logaddexp(first.logsumexp(-1), cand.rest[..., 0])
+    zt = torch.logaddexp(trans.logsumexp(-1), cand.rest[..., 1:, None])  # [..., L - 1, k]
+    return first - z0[..., None], trans - zt[..., None]
 
 
 @functools.lru_cache(maxsize=64)
@@ -225,7 +255,18 @@ def pair_tree_tensors(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Te
                       budget: int) -> tuple[torch.Tensor, ...]:
     """(tokens, parents, depths, scores, top1): the best-first tree of `budget` nodes under pair scores, built on the
     scores' device without a host read or a host-to-device copy (shapes fixed by budget, L and k), and per node
-    whether it is its parent's best child (the root: True; ties: the better-ranked candidate, as argmax).
+    whether it is its parent's best child (the root: True; ties: the better-ranked candidate, as argmax): one stream's
+    `batch_pair_tree_tensors`."""
+    first, trans = logprobs
+    out = batch_pair_tree_tensors(root.reshape(1), (first[None], trans[None]), ids[None], budget)
+    return tuple(t[0] for t in out)
+
+
+def batch_pair_tree_tensors(roots: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
+                            budget: int) -> tuple[torch.Tensor, ...]:
+    """pair_tree_tensors of N streams at once (roots [N], logprobs ([N, k], [N, L - 1, k, k]), ids [N, L, k]; every
+    output [N, 1 + tree_size(budget, L, k)]): row i is stream i's tree, node for node (the same float32 sums and
+    stable sorts, row by row); the ops do not depend on N.
 
     A node is (position t, candidate i); its children are position t + 1's candidates, costing -trans[t, i]. Depth by
     depth a beam (five ops: the rows of the beam's candidates, the pairs' costs, a stable sort, parent and child): the
@@ -234,33 +275,49 @@ def pair_tree_tensors(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Te
     equal costs, keeps the first 1 + budget: best first, so parents precede children (a child costs at least its
     parent, and on a tie the shallower comes first). scores: the paths' summed log-probabilities."""
     first, trans = logprobs
-    L, k = ids.shape
+    N, L, k = ids.shape
     dev = first.device
     # costs >= +0.0 (x + 0.0 turns -0.0 into +0.0, which a radix sort would put first); NaN: no candidate
     c0 = torch.nan_to_num(first.float(), nan=-math.inf).neg().clamp(min=0.0) + 0.0
     ct = torch.nan_to_num(trans.float(), nan=-math.inf).neg().clamp(min=0.0) + 0.0
-    cost, cand = c0.sort(stable=True)
-    cost, cand = cost[:budget], cand[:budget]
+    cost, cand = c0.sort(dim=1, stable=True)
+    cost, cand = cost[:, :budget], cand[:, :budget]
     costs, cands, parents = [cost], [cand], [torch.zeros_like(cand)]
+    layout = _beam_layout.__wrapped__ if torch.compiler.is_compiling() else _beam_layout  # (a graph: its constants)
+    # [N, 1]: each stream's row, beside its beam's candidates (made here: a cached one made under inference_mode
+    # could not index a tensor autograd tracks)
+    streams = torch.arange(N, device=dev)[:, None]
     for t in range(1, L):
-        cost, idx = (cost[:, None] + ct[t - 1].index_select(0, cand)).reshape(-1).sort(stable=True)
-        cost, idx = cost[:budget], idx[:budget]
+        rows = ct[:, t - 1][streams, cand]  # [N, beam, k]: each beam's candidates' rows
+        cost, idx = (cost[:, :, None] + rows).reshape(N, -1).sort(dim=1, stable=True)
+        cost, idx = cost[:, :budget], idx[:, :budget]
         parents.append(idx.div(k, rounding_mode="floor"))
         cand = idx.remainder(k)
         costs.append(cost)
         cands.append(cand)
-    layout = _beam_layout.__wrapped__ if torch.compiler.is_compiling() else _beam_layout  # (a graph: its constants)
-    depth, offset, row, best_row, by_parent = layout(tuple(c.shape[0] for c in cands), k, dev)
+    depth, offset, row, best_row, by_parent = layout(tuple(c.shape[1] for c in cands), k, dev)
     n = 1 + min(budget, depth.shape[0] - 1)
-    cand_all = torch.cat(cands)
-    parent_all = torch.cat(parents).add_(offset)  # each entry's parent's place in the list (the root: 0)
-    tok_all = torch.cat([root.reshape(1).long(), ids.reshape(-1)[row + cand_all]])
+    cand_all = torch.cat(cands, dim=1)
+    parent_all = torch.cat(parents, dim=1).add_(offset)  # each entry's parent's place in the list (the root: 0)
+    tok_all = torch.cat([roots.reshape(N, 1).long(), ids.reshape(N, -1).gather(1, row + cand_all)], dim=1)
     # an entry is its parent's best child: position 0's best, or the best of its parent's candidate's row
-    best = torch.cat([first.argmax().reshape(1), trans.argmax(-1).reshape(-1)])
-    pc = torch.cat([cand_all[:1], cand_all])[parent_all]  # (the root's slot: unused, by_parent is 0 there)
-    top_all = torch.cat([torch.ones(1, dtype=torch.bool, device=dev), cand_all == best[best_row + by_parent * pc]])
-    all_cost = torch.cat([torch.zeros(1, device=dev), *costs])
-    sel = all_cost.sort(stable=True).indices[:n]
-    place = torch.zeros(depth.shape[0], dtype=torch.long, device=dev).index_copy_(0, sel, torch.arange(n, device=dev))
-    parent_of = torch.cat([torch.full((1,), -1, dtype=torch.long, device=dev), place[parent_all]])
-    return tok_all[sel], parent_of[sel], depth[sel], all_cost[sel].neg(), top_all[sel]
+    best = torch.cat([first.argmax(-1, keepdim=True), trans.argmax(-1).reshape(N, -1)], dim=1)
+    pc = torch.cat([cand_all[:, :1], cand_all], dim=1).gather(1, parent_all)  # (the root's slot: unused, by_parent 0)
+    top_all = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=dev),
+                         cand_all == best.gather(1, best_row + by_parent * pc)], dim=1)
+    all_cost = torch.cat([torch.zeros(N, 1, device=dev), *costs], dim=1)
+    sel = all_cost.sort(dim=1, stable=True).indices[:, :n]
+    place = torch.zeros(N, depth.shape[0], dtype=torch.long, device=dev).scatter_(
+        1, sel, torch.arange(n, device=dev).expand(N, n))
+    parent_of = torch.cat([torch.full((N, 1), -1, dtype=torch.long, device=dev), place.gather(1, parent_all)], dim=1)
+    return (tok_all.gather(1, sel), parent_of.gather(1, sel), depth[sel], all_cost.gather(1, sel).neg(),
+            top_all.gather(1, sel))
+
+
+def batch_pair_tree(roots: torch.Tensor, cand, budget: int) -> BatchTree:
+    """Every stream's pair tree as a BatchTree (ddtree.engine.batch_tree; the batched round's method=ddtree
+    scoring=pair): row i is `pair_tree(roots[i], pair_logprobs(cand_i, roots[i]), cand_i.ids, budget)`, cand's fields
+    with a stream dimension (the drafter's `candidates` of [N, L, V] logits and [N, L, H] hidden rows). Every row
+    holds the same node count (shapes fixed by budget, L and k), so no padding; no host read."""
+    tokens, parents, depths, scores, _ = batch_pair_tree_tensors(roots, pair_logprobs(cand, roots), cand.ids, budget)
+    return batch_full_trees(tokens, parents, depths, scores, depth_bound=min(cand.ids.shape[1], budget))

@@ -13,6 +13,7 @@ from ddtree.engine.families import family, model_type
 from ddtree.engine.forward import LazyTail, lean_forward_for
 from ddtree.engine.host import allocator_wanted, host_branch, tune_host_allocator
 from ddtree.engine.kv_cache import PreallocatedLayer, new_cache
+from ddtree.engine.options import EngineOptions, scoped
 from ddtree.engine.tree import DraftTree, chain_tree, tree_attention_mask
 from ddtree.errors import ConfigError
 
@@ -101,17 +102,23 @@ class TargetBinding:
     What it changes on the model (its attention implementation, the forwards accelerate's hooks call) `restore()`
     puts back; the GDN class patch (the compat row gdn-tree-forward) is process-wide: held by every binding of a
     hybrid, restored when the last one is restored or collected (ddtree.engine.gdn.hold).
+
+    options: the engine's (ddtree.engine.options.EngineOptions): the CPU-only branches, the allocator, flex compile,
+    auto compile and the compiled round's backend are read from them, here and by the sessions and the compiled round
+    built on this binding (None: resolved now, from the scope or the environment).
     """
 
     def __init__(self, model: PreTrainedModel, feature_layers: list[int] | None = None,
-                 tree_attention: str = "auto", lean: bool = True, tune_allocator: bool | None = None):
+                 tree_attention: str = "auto", lean: bool = True, options: EngineOptions | None = None):
         if tree_attention not in TREE_ATTENTION:
             raise ConfigError("tree_attention", f"unknown value '{tree_attention}'", f"use one of {TREE_ATTENTION}")
         self.model = model
+        self.options = options if options is not None else EngineOptions.resolve()
         self.device, self.dtype = model.device, model.dtype  # (properties that walk the parameters: read once)
         self.cpu = self.device.type == "cpu"
         # process-wide malloc thresholds, only when asked (ddtree.engine.host); what holds, in words
-        self.host_allocator = tune_host_allocator() if self.cpu and allocator_wanted(tune_allocator) else "untouched"
+        self.host_allocator = (tune_host_allocator(self.options) if self.cpu and allocator_wanted(self.options)
+                               else "untouched")
         self.feature_layers = feature_layers
         self.hidden_ids = [i + 1 for i in feature_layers] if feature_layers else None
         dense_ok = attention.base_backend(model.config._attn_implementation) in ("eager", "sdpa")
@@ -122,7 +129,7 @@ class TargetBinding:
         sliding = _has_sliding_layers(model)
         # auto takes the dense path only where one masked call is exact and cheaper
         self.dense_auto = (tree_attention == "auto" and dense_ok and not sliding
-                           and host_branch("dense_attention", self.device))
+                           and host_branch("dense_attention", self.device, self.options))
         self.attn_before = model.config._attn_implementation  # what restore() puts back
         if self.split:
             attention.use_tree_attention(model)
@@ -209,8 +216,13 @@ class TargetSession:
 
     def _forward(self, ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  logits_to_keep: int = 0, lean: bool = False, head: bool = True):
-        """The target on ids; lean: `mask` is the whole story (none: every cached key visible to every query).
-        head=False (lean only): a `WalkRows` instead of (logits, features)."""
+        """The target on ids, under the binding's options (transformers' forward calls code that reads them from
+        the scope: ddtree.engine.options); lean: `mask` is the whole story (none: every cached key visible to every
+        query). head=False (lean only): a `WalkRows` instead of (logits, features)."""
+        with scoped(self.binding.options):
+            return self._call(ids, position_ids, mask, logits_to_keep, lean, head)
+
+    def _call(self, ids, position_ids, mask, logits_to_keep, lean, head):
         if lean and self.lean is not None:
             lazy = "lazy" if ids.shape[1] >= LAZY_TAIL_MIN else False
             out, kept = self.lean(ids, position_ids, mask, self.cache, self.hidden_ids, logits_to_keep,
@@ -258,7 +270,7 @@ class TargetSession:
         The greedy walk reaches a node only through its parent's argmax, so it needs the logits of its own
         path alone: the head then reads a handful of rows in a few small batches instead of all n."""
         return (self.lean is not None and not tree.is_chain and tree._host is not None
-                and len(tree) >= LAZY_HEAD_MIN and host_branch("lazy_head", self.binding.device))
+                and len(tree) >= LAZY_HEAD_MIN and host_branch("lazy_head", self.binding.device, self.binding.options))
 
     @torch.inference_mode()
     def verify(self, tree: DraftTree, head: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -276,9 +288,10 @@ class TargetSession:
             past, lean = self.length, True  # the tree attention is active and builds its own masks
         # else a long chain on split: the causal mask the model builds itself
         # one context for the round: the tree attention (where `past` is given) and the tree-exact GDN read it
-        self._gdn_step_tree = n == 1 and self.gdn and not host_branch("gdn_step", self.binding.device)
+        options = self.binding.options
+        self._gdn_step_tree = n == 1 and self.gdn and not host_branch("gdn_step", self.binding.device, options)
         if n > 1 or self._gdn_step_tree:  # (one token off the CPU branch: the tree-exact GDN too, see commit)
-            context = verification.tree_verification(tree, past)
+            context = verification.tree_verification(tree, past, flex_compile=options.flex_compile)
         else:
             context = verification.tree_verification(None, step=True)
         with context:
@@ -335,6 +348,7 @@ class TargetSession:
             # the device path: no host read. One token (AR) verified as a one-node tree lands here too: its GDN layers
             # dispatch what every other round's do (~30 ops a layer, against ~100 for the upstream step without
             # its optional fused kernels), and this commit updates every layer's state in a handful of ops
-            gdn.commit_linear_states(self.cache, accepted, host_path)
+            gdn.commit_linear_states(self.cache, accepted, host_path,
+                                     host_rows=host_branch("host_tree", self.binding.device, self.binding.options))
         self._gdn_step_tree = False
         self.length += k

@@ -13,7 +13,6 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from ddtree.engine.host import host_branch
 from ddtree.engine.kernels.tree import _ancestor_index, _ancestor_matrix, _tree_build, tree_build
 
 try:  # the host tree build in C (setup.py compiles it where a compiler is found)
@@ -134,12 +133,13 @@ def best_first_tree(root: torch.Tensor, logprobs: torch.Tensor, budget: int, *, 
     value as 0, equal values rank by token id, equal scores prefer the shallower node, then the earlier parent, then the
     lower rank); nodes are in flat depth-major order, best first within a depth.
 
-    host: build with the C extension on the host (the default on a CPU where it is compiled: one call, and the tree
-    carries the host walk's child lists), or with torch ops on the logits' device (`best_first_tensors`: every other
-    device, and a CPU without the extension). Both give the same tree.
+    host: build with the C extension on the host (None: on a CPU where it is compiled: one call, and the tree carries
+    the host walk's child lists; an engine whose options turn the `host_tree` branch off passes False), or with torch
+    ops on the logits' device (`best_first_tensors`: every other device, and a CPU without the extension). Both give
+    the same tree.
     """
     if host is None:
-        host = _hosttree is not None and host_branch("host_tree", logprobs.device)
+        host = _hosttree is not None and logprobs.device.type == "cpu"
     if host:
         if _hosttree is None:
             raise RuntimeError("the C tree build (ddtree/engine/_hosttree.c) is not compiled: rerun `make install`")

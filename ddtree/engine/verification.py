@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ddtree.engine.batch_tree import BatchTree
-from ddtree.engine.options import current
 from ddtree.engine.tree import DraftTree
 
 GDN_METHODS = ("chunk", "recurrent")
@@ -104,13 +103,6 @@ _ACTIVE: contextvars.ContextVar[TreeVerification | None] = contextvars.ContextVa
                                                                                   default=None)
 
 
-def _default_flex_compile(device: torch.device) -> bool:
-    """Compiled flex on CUDA; on CPU the eager reference (a compile costs minutes there) unless asked (the engine's
-    `flex_compile=` option, DDTREE_FLEX_COMPILE outside an engine's call)."""
-    asked = current().flex_compile
-    return asked if asked is not None else device.type == "cuda"
-
-
 def _draft_of(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]) -> tuple[DraftTree | BatchTree,
                                                                                   list[int] | None]:
     """The DraftTree of `tree`; a parents list (tests, the authors' loops) is validated on the host first. A
@@ -150,6 +142,8 @@ def tree_verification(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]
     at index 0; validated on the host), or a BatchTree of N streams (a forward of [N, T] tokens: each stream's
     tree over its own row of the cache; the GDN's `commit_linear_states_batch` commits it). past: the committed length; given, the tree attention is active too.
     method: the GDN's "chunk" or "recurrent". step: one cached token (tree None): the GDN's single-step path.
+    flex_compile: compiled flex attention (the engine's `flex_compile` option, passed by its session); None: on CUDA
+    only (on the CPU the eager reference: a compile costs minutes there).
     """
     if method not in GDN_METHODS:
         raise ValueError(f"tree_verification(method={method!r}): expected one of {GDN_METHODS}")
@@ -157,7 +151,7 @@ def tree_verification(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]
         ctx = TreeVerification(None, step=True)
     else:
         draft, host_parents = _draft_of(tree)
-        compile_flex = _default_flex_compile(draft.tokens.device) if flex_compile is None else flex_compile
+        compile_flex = draft.tokens.device.type == "cuda" if flex_compile is None else flex_compile
         ctx = TreeVerification(draft, past, method, compile_flex, host_parents,
                                streams=draft.tokens.shape[0] if isinstance(draft, BatchTree) else 0)
     if torch.compiler.is_compiling():  # (a compiled round: dynamo traces no ContextVar; `_TRACED` holds it)

@@ -157,10 +157,9 @@ def check_concurrency(rc: RunConfig) -> None:
     if n > 1:  # the methods the batched round runs (ddtree.engine.batch; imported only when asked for)
         from ddtree.engine.batch import BATCH_METHODS
 
-        if rc.method not in BATCH_METHODS or (rc.method == "ddtree" and rc.scoring == "pair"):
-            what = "scoring=pair" if rc.method in BATCH_METHODS else f"method={rc.method}"
-            raise ConfigError("concurrency", f"{what} does not run batched yet (concurrency > 1 runs "
-                              f"{', '.join(BATCH_METHODS)} with marginal scoring)", "use concurrency=1 for it")
+        if rc.method not in BATCH_METHODS:
+            raise ConfigError("concurrency", f"method={rc.method} does not run batched yet (concurrency > 1 runs "
+                              f"{', '.join(BATCH_METHODS)})", "use concurrency=1 for it")
 
 
 def check_validation(rc: RunConfig) -> None:

@@ -86,7 +86,8 @@ def validate_records(target, tokenizer, prompts: list[Prompt], records: list[dic
     calibrations: tolerances already calibrated on this target (the process's model cache), reused by key."""
     import torch
 
-    from ddtree.engine.output_check import JobValidation, Validator, logprob_test
+    from ddtree.engine.output_check import JobValidation, Validator
+    from ddtree.engine.stats import logprob_test
 
     t0 = time.perf_counter()
     validator = Validator(target, rule=rule_of(rc.validation), temperature=rc.temperature, stop_token_ids=stops,

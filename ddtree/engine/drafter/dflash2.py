@@ -141,7 +141,8 @@ class Candidates:
     """One block's selector inputs, float32: position t = 0..L-1 drafts the token after the anchor's t-th successor.
 
     unary [L, k] the candidates' logits (descending), ids [L, k] their tokens, proj [L, r] W h_t,
-    succ [L, k, r] Q of the candidates, rest [L] the other tokens' mass (pair scores' normaliser)."""
+    succ [L, k, r] Q of the candidates, rest [L] the other tokens' mass (pair scores' normaliser). The batched round's
+    (ddtree.engine.batch) carry a leading stream dimension [N, L, ...] on every field but `pred`."""
 
     unary: torch.Tensor
     ids: torch.Tensor
@@ -158,11 +159,6 @@ class Candidates:
     def of_outputs(cls, outputs: tuple[torch.Tensor, ...], pred: torch.Tensor) -> Candidates:
         unary, ids, proj, succ, rest = outputs
         return cls(unary, ids, proj, succ, pred, rest)
-
-    def scores(self, t: int, prev: torch.Tensor) -> torch.Tensor:
-        """S_t(prev, .) over position t's candidates: [k] for a scalar prev, [n, k] for n predecessors."""
-        ctx = self.pred[prev] * self.proj[t]
-        return self.unary[t] + ctx @ self.succ[t].T
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -196,7 +192,8 @@ class DFlash2Drafter(DFlashDrafter):
         return logits
 
     def candidates(self, logits: torch.Tensor, hidden: torch.Tensor) -> Candidates:
-        """The selector's inputs for one block: logits [L, V] (head_logits), hidden [L, H] the rows drafting them."""
+        """The selector's inputs for one block: logits [L, V] (head_logits), hidden [L, H] the rows drafting them
+        (or N streams' blocks: [N, L, V] and [N, L, H], every field but the codebook with that leading dimension)."""
         sel = self.candidate_selector
         unary, ids = logits.topk(sel.top_k, dim=-1)  # sorted: the best candidate first
         proj = sel.hidden_projection(hidden).float()

@@ -342,36 +342,41 @@ class _SimpleModel:
 
 
 def mtp_expand(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, steps: int, step) -> tuple:
-    """MTP's EAGLE-style expansion, every step's frontier k nodes of one depth (the eager proposer's and the compiled
-    head's: ddtree.engine.drafter.mtp_static.StaticMTP). logits [V] and hidden [H]: the head's guess after the root and the
-    output that made it. step(s, f_tok [k], f_src [k, H], f_anc [k, s - 1]) runs the head on the frontier at depth s
-    (its token, the output that predicted it, its ancestors' cache entries) and returns (outputs [k, H], the
-    entries it wrote [k]). Returns the pool (toks, scores, parents, depths: one tensor / int per depth).
+    """MTP's EAGLE-style expansion, every step's frontier k nodes of one depth (the eager proposer's, the compiled
+    head's, ddtree.engine.drafter.mtp_static.StaticMTP, and, with a stream dimension, the batched round's:
+    ddtree.engine.batch). logits [..., V] and hidden [..., H]: the head's guess after the root and the output that
+    made it (leading dimensions: one stream, none, or N streams, [N, V] and [N, H], each expanded alone, row for row
+    as one stream's). step(s, f_tok [..., k], f_src [..., k, H], f_anc [..., k, s - 1]) runs the head on the frontier
+    at depth s (its token, the output that predicted it, its ancestors' cache entries) and returns (outputs
+    [..., k, H], the entries it wrote [..., k]). Returns the pool (toks, scores, parents [..., n] and depths: one
+    tensor / int per depth).
 
     The pool holds every drafted node in creation order (k at depth 1, then k * k children per step); a frontier
     node carries its token, cumulative score, pool index, the head output that predicted it (its input when
     expanded) and the head-cache entries of its ancestors (the entries its query may see). Ties between equal
     scores go to the earlier node (stable sorts), on every device."""
     dev = logits.device
+    lead = logits.shape[:-1]
     vals, idx = torch.log_softmax(logits, -1).topk(k)
-    toks, scores, parents, depths = [idx], [vals], [torch.full((k,), -1, dtype=torch.long, device=dev)], [1]
-    f_tok, f_score, f_pool = idx, vals, torch.arange(k, device=dev)
-    f_src = hidden.expand(k, -1)
-    f_anc = torch.zeros(k, 0, dtype=torch.long, device=dev)  # [k, depth - 1]: the ancestors' cache entries
+    toks, scores, parents, depths = [idx], [vals], [torch.full_like(idx, -1)], [1]
+    f_tok, f_score, f_pool = idx, vals, torch.arange(k, device=dev).expand(*lead, k)
+    f_src = hidden.unsqueeze(-2).expand(*lead, k, hidden.shape[-1])
+    f_anc = torch.zeros(*lead, k, 0, dtype=torch.long, device=dev)  # [..., k, depth - 1]: the ancestors' entries
     size = k
     child = torch.arange(k * k, device=dev) // k  # candidate c's parent, as a row of the frontier
     for s in range(1, steps):  # the frontier is at depth s; token s sits at start + s, read one before
         out, entries = step(s, f_tok, f_src, f_anc)
-        lv, li = torch.log_softmax(head.logits(out).float(), -1).topk(k)  # [k, k]
-        c_tok, c_score = li.reshape(-1), (f_score[:, None] + lv).reshape(-1)
+        lv, li = torch.log_softmax(head.logits(out).float(), -1).topk(k)  # [..., k, k]
+        c_tok, c_score = li.flatten(-2), (f_score[..., None] + lv).flatten(-2)
         toks.append(c_tok)
         scores.append(c_score)
-        parents.append(f_pool[child])
+        parents.append(f_pool[..., child])
         depths.append(s + 1)
-        sel = torch.sort(-c_score, stable=True).indices[:k].sort().values  # the k best, in creation order
-        f_tok, f_score, f_pool = c_tok[sel], c_score[sel], size + sel
-        f_anc = torch.cat([f_anc, entries[:, None]], 1)[child[sel]]
-        f_src = out[child[sel]]
+        sel = torch.sort(-c_score, dim=-1, stable=True).indices[..., :k].sort(dim=-1).values  # the k best, in order
+        up = child[sel]  # [..., k]: each one's parent, as a row of the frontier
+        f_tok, f_score, f_pool = c_tok.gather(-1, sel), c_score.gather(-1, sel), size + sel
+        f_anc = torch.cat([f_anc, entries[..., None]], -1).gather(-2, up[..., None].expand(*up.shape, s))
+        f_src = out.gather(-2, up[..., None].expand(*up.shape, out.shape[-1]))
         size += k * k
     return toks, scores, parents, depths
 
@@ -379,19 +384,21 @@ def mtp_expand(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, steps: 
 def mtp_tree_tensors(root: torch.Tensor, toks: list, scores: list, parents: list, depths: list,
                      budget: int) -> tuple[torch.Tensor, ...]:
     """(tokens, parents, depths, scores) of the `budget` best nodes of an mtp_expand pool, root first: fixed shapes
-    (min(budget, pool) + 1 nodes), no host read."""
+    (min(budget, pool) + 1 nodes), no host read. One stream (root a scalar, the pool's tensors [n]) or N streams
+    (roots [N], the pool's tensors [N, n]: outputs [N, nodes], row i stream i's tree alone)."""
     # cumulative log-probabilities never grow along a path: the best nodes (ties: the earlier) are closed
     # under ancestors; flat order = creation order puts parents first
     dev = root.device
-    tok, score, parent = torch.cat(toks), torch.cat(scores), torch.cat(parents)
-    depth = torch.cat([torch.full((n.shape[0],), d, dtype=torch.long, device=dev)
+    tok, score, parent = torch.cat(toks, -1), torch.cat(scores, -1), torch.cat(parents, -1)
+    lead = tok.shape[:-1]
+    depth = torch.cat([torch.full((n.shape[-1],), d, dtype=torch.long, device=dev)
                        for n, d in zip(toks, depths, strict=True)])
-    size = tok.shape[0]
+    size = tok.shape[-1]
     n = min(budget, size)
-    keep = torch.sort(-score, stable=True).indices[:n].sort().values
-    flat = torch.zeros(size, dtype=torch.long, device=dev)
-    flat[keep] = torch.arange(1, n + 1, device=dev)
-    kp = parent[keep]
-    zero, none = torch.zeros(1, dtype=torch.long, device=dev), torch.full((1,), -1, dtype=torch.long, device=dev)
-    return (torch.cat([root.reshape(1).long(), tok[keep]]), torch.cat([none, torch.where(kp >= 0, flat[kp.clamp(min=0)], 0)]),
-            torch.cat([zero, depth[keep]]), torch.cat([zero.float(), score[keep]]))
+    keep = torch.sort(-score, dim=-1, stable=True).indices[..., :n].sort(dim=-1).values
+    flat = torch.zeros_like(tok).scatter_(-1, keep, torch.arange(1, n + 1, device=dev).expand(*lead, n))
+    kp = parent.gather(-1, keep)
+    zero = torch.zeros(*lead, 1, dtype=torch.long, device=dev)
+    return (torch.cat([root.reshape(*lead, 1).long(), tok.gather(-1, keep)], -1),
+            torch.cat([zero - 1, torch.where(kp >= 0, flat.gather(-1, kp.clamp(min=0)), 0)], -1),
+            torch.cat([zero, depth[keep]], -1), torch.cat([zero.float(), score.gather(-1, keep)], -1))

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.engine.gdn.buffers import _SCRATCH, LayerBuffers
-from ddtree.engine.host import host_branch
 from ddtree.engine.verification import TreeVerification
 
 _PENDING_ATTR = "_ddtree_gdn_tree_pending"
@@ -91,14 +90,16 @@ def path_weights(y_path: torch.Tensor, x_last: torch.Tensor) -> torch.Tensor:
     return (y_path * x_last).sum(-1, keepdim=True).exp_()
 
 
-def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_path: list[int] | None = None) -> None:
+def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_path: list[int] | None = None, *,
+                         host_rows: bool = True) -> None:
     """Set every GDN layer verified under the last tree_verification to prefix + accepted path.
 
     accepted: flat indices of the accepted path, root first (e.g. [0], or [0, 3, 7]). A tree given as
     parents checks that it is a root-to-node path; the engine's DraftTree trusts its walk and keeps a
     device tensor where it is (no host read). Attention layers are not touched (their K/V is the caller's).
-    host_path: the same path as a list, where the caller has it on the host already (a CPU walk): the new conv
-    state's rows are then one small host-built tensor instead of a few device ops.
+    host_path: the same path as a list, where the caller has it on the host already (a CPU walk): on a CPU cache the
+    path's rows are then small host-built tensors instead of a few device ops. host_rows: the new conv state's rows
+    too (the engine's `host_tree` branch, ddtree.engine.host: off on the path a CUDA run takes).
     """
     pending = _pending_of(cache, "commit_linear_states")
     if pending is None:
@@ -117,10 +118,10 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
         # in-place writes into inference tensors are only allowed in inference mode
         inference = (rec.conv_ref if rec.conv_ref is not None else rec.bufs.deltas).is_inference()
         if inference and torch.is_inference_mode_enabled():  # the engine's commit: already in inference mode
-            _commit_group(cache, group, index, host_path)
+            _commit_group(cache, group, index, host_path, host_rows)
             continue
         with torch.no_grad(), torch.inference_mode(inference):
-            _commit_group(cache, group, index, host_path)
+            _commit_group(cache, group, index, host_path, host_rows)
     # a layer with no state yet was given the path through update_conv_state, which counted its tokens
     _count_tokens([cache.layers[i] for i, rec in pending.items() if rec.conv_ref is not None], index.shape[0])
 
@@ -269,11 +270,12 @@ def _count_tokens(layers: list, n: int) -> None:
             torch._foreach_add_(counters, n)
 
 
-def _commit_group(cache, group: list[tuple[int, _Pending]], index: torch.Tensor, host_path: list[int] | None) -> None:
+def _commit_group(cache, group: list[tuple[int, _Pending]], index: torch.Tensor, host_path: list[int] | None,
+                  host_rows: bool = True) -> None:
     if len(group) == 1:
         _commit_layer(cache, group[0][0], group[0][1], index)
     else:
-        _commit_stacked(cache, group, index, host_path)
+        _commit_stacked(cache, group, index, host_path, host_rows)
 
 
 _GROUPS_ATTR = "_ddtree_gdn_commit_groups"
@@ -316,7 +318,7 @@ def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, 
 
 
 def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor,
-                    host_path: list[int] | None = None) -> None:
+                    host_path: list[int] | None = None, host_rows: bool = True) -> None:
     """_commit_layer's arithmetic for several like layers at once: the path's rows of every layer's keys, d, X and Y
     in one gather each where they are slots of the cache's shared buffers (a chain, whose paths are prefixes, takes
     slices), the state update stacked, the new conv state one gather of the forward's `extended` rows (or a slice).
@@ -346,7 +348,7 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
         kept = (shared["extended"][:, :, n: n + k] if shared is not None
                 else torch.stack([r.extended[:, n: n + k] for r in recs]))
     else:
-        if host_path is not None and host_branch("host_tree", first.extended.device):
+        if host_path is not None and host_rows and first.extended.device.type == "cpu":
             rows = torch.tensor(([*range(k)] + [i + k for i in host_path])[-k:])
         else:
             rows = torch.cat([torch.arange(k, device=index.device), index + k])[-k:].to(first.extended.device)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from ddtree.engine.gdn.commit import _count_tokens
 from ddtree.engine.gdn.layer import _activation, _l2norm, _project
 from ddtree.engine.host import host_branch
+from ddtree.engine.options import current
 
 
 def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None, attention_mask=None,
@@ -22,7 +23,8 @@ def _step_forward(module, hidden_states: torch.Tensor | None = None, cache=None,
     """
     cache = cache if cache is not None else cache_params  # the pre-5.24 name
     if (hidden_states is None or cache is None or attention_mask is not None or hidden_states.shape[1] != 1
-            or not host_branch("gdn_step", hidden_states.device) or kwargs.get("cu_seq_lens_q") is not None
+            # transformers' layer calls this forward: the options are the session's scope's (ddtree.engine.options)
+            or not host_branch("gdn_step", hidden_states.device, current()) or kwargs.get("cu_seq_lens_q") is not None
             or hasattr(module.conv1d, "_hf_hook")):
         return None
     layer = module.layer_idx

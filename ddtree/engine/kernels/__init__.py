@@ -10,9 +10,16 @@ each aten op is one launch, and an RMSNorm in the model's float32 arithmetic on 
   every dimension's power-of-two bucket, which the launchers' tiles derive from, and which optional arguments are
   given), so a tile first used late (the GDN solve's 128-node one after its 1-node one) is checked before it is
   trusted (the kernels were validated with Triton's interpreter, `TRITON_INTERPRET=1`, on a CPU); a kernel that fails
-  to build or disagrees logs one WARNING and the composite runs for that key from then on. DDTREE_KERNELS=strict
-  raises there instead (bench/device_all.sh: a GPU check must not pass on the fallback); DDTREE_KERNELS=composite
-  never runs a kernel.
+  to build or disagrees logs one WARNING and the composite runs for that key from then on. kernels=strict
+  (DDTREE_KERNELS=strict) raises there instead (bench/device_all.sh: a GPU check must not pass on the fallback);
+  kernels=composite never runs a kernel.
+
+The checks' results belong to an engine: each `Engine` holds one `KernelChecks` (its `kernels=` setting, and what
+each op's check found under it), and enters it around its own calls (`checking`); the ops are called from code
+transformers' forward calls (the split attention, the GDN layer) as well as the engine's, so they find it in scope
+(a ContextVar), not as an argument. A kernel that failed under one engine (auto: the composite runs there) is
+checked again by the next engine, and raises there under strict. Calls outside any engine (tests, a drafter's
+training) share one process-wide `KernelChecks` with the default setting (auto).
 
 The choice is made in Python on the first tensor argument's device, not by registering an op with torch's
 dispatcher: a dispatcher op with a Python kernel costs ~8 us of host time a call here (argument boxing both ways),
@@ -25,16 +32,17 @@ CUDA implementation is the composite.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ddtree.engine.options import KERNEL_SETTINGS, current
+from ddtree.engine.options import KERNEL_SETTINGS, check_kernels
 
-__all__ = ["FusedOp", "fused", "triton_interpreting"]
+__all__ = ["FusedOp", "KernelChecks", "active", "checking", "fused", "triton_interpreting"]
 
 log = logging.getLogger("ddtree.engine")
 
@@ -52,6 +60,43 @@ def fused(*tensors: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
+class KernelChecks:
+    """One engine's fused-op checks: its `setting` (auto | strict | composite: ddtree.engine.options.EngineOptions.
+    kernels) and, per op name, what the first-call checks found (`checked`: check_key -> passed), the timed ops'
+    choices (`faster`, `timings`) and the op's state ("unchecked", "triton", "composite")."""
+
+    def __init__(self, setting: str = "auto"):
+        self.setting = check_kernels(setting, "kernels")
+        self.checked: dict[str, dict[tuple, bool]] = {}
+        self.faster: dict[str, dict[tuple, bool]] = {}
+        self.timings: dict[str, dict[tuple, tuple[float, float]]] = {}
+        self.state: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        return f"KernelChecks({self.setting!r}, {self.state})"
+
+
+_PROCESS = KernelChecks()  # calls outside any engine
+_NONE: dict = {}  # (read only) an op no check has seen yet
+_ACTIVE: contextvars.ContextVar[KernelChecks | None] = contextvars.ContextVar("ddtree_kernel_checks", default=None)
+
+
+def active() -> KernelChecks:
+    """The checks of the engine whose call is running, else the process-wide ones (calls outside an engine)."""
+    found = _ACTIVE.get()
+    return found if found is not None else _PROCESS
+
+
+@contextlib.contextmanager
+def checking(checks: KernelChecks) -> Iterator[KernelChecks]:
+    """Inside: the fused ops run under `checks` (an engine enters its own around its calls)."""
+    token = _ACTIVE.set(checks)
+    try:
+        yield checks
+    finally:
+        _ACTIVE.reset(token)
+
+
 class FusedOp:
     """One fused op, called as `op(*args)`: `composite(*args)` on the CPU (and the CUDA fallback), `launch(*args)` the
     Triton implementation on CUDA (None: not written for this op). `schema` names it and documents its arguments, in
@@ -63,8 +108,10 @@ class FusedOp:
     kernels): on the first CUDA call with each set of argument shapes and integer arguments (a loop bound), after the
     check, both are timed (`compare`: each from a drained queue, alternating, the median of TIMING_REPEATS) and the
     faster one runs for that key from then on (logged at INFO, `timings`).
+    What the checks found lives in the engine's `KernelChecks` (`active()`); the op's properties read those in scope:
     `checked`: check_key -> whether the kernel passed its check there (False: the composite runs for that key);
-    `state`: "unchecked", "triton" (every key checked so far passed) or "composite" (some key, or the op, fell back)."""
+    `state`: "unchecked", "triton" (every key checked so far passed) or "composite" (some key, or the op, fell back);
+    `faster`, `timings`: a timed op's choices."""
 
     registry: dict[str, FusedOp] = {}
 
@@ -74,12 +121,33 @@ class FusedOp:
         name = schema.split("(", 1)[0]
         self.name, self.schema, self.composite, self.launch = name, schema, composite, launch
         self.mutated, self.atol, self.rtol, self.timed = tuple(mutated), atol, rtol, timed
-        self.state = "unchecked"  # -> "triton" (checked on its first CUDA call) or "composite"
-        self.checked: dict[tuple, bool] = {}  # check_key -> passed its first-call check there
-        self.faster: dict[tuple, bool] = {}  # timed: argument shapes and ints -> whether the kernel was faster there
-        self.timings: dict[tuple, tuple[float, float]] = {}  # timed: that key -> (kernel us, composite us), medians
         self.op = self
         FusedOp.registry[name] = self
+
+    # what the checks in scope found for this op (KernelChecks: the engine's whose call is running)
+    @property
+    def state(self) -> str:
+        """"unchecked" -> "triton" (checked on its first CUDA call) or "composite"."""
+        return active().state.get(self.name, "unchecked")
+
+    @state.setter
+    def state(self, value: str) -> None:
+        active().state[self.name] = value
+
+    @property
+    def checked(self) -> dict[tuple, bool]:
+        """check_key -> passed its first-call check there."""
+        return active().checked.setdefault(self.name, {})
+
+    @property
+    def faster(self) -> dict[tuple, bool]:
+        """timed: argument shapes and ints -> whether the kernel was faster there."""
+        return active().faster.setdefault(self.name, {})
+
+    @property
+    def timings(self) -> dict[tuple, tuple[float, float]]:
+        """timed: that key -> (kernel us, composite us), medians."""
+        return active().timings.setdefault(self.name, {})
 
     def __call__(self, *args):
         if args[0].is_cuda:
@@ -93,22 +161,20 @@ class FusedOp:
         return self.launch(*args)
 
     def _cuda(self, *args):
-        if self.launch is None or _setting() == "composite" or not _has_triton():
-            self.state = "composite"
+        checks = active()  # once a call: the hot path reads its dicts directly
+        if self.launch is None or checks.setting == "composite" or not _has_triton():
+            checks.state[self.name] = "composite"
             return self.composite(*args)
         key = check_key(args)
-        passed = self.checked.get(key)
+        passed = checks.checked.get(self.name, _NONE).get(key)
         if passed is None:
             return self._first_call(key, args)
-        if not passed:  # failed its check in this process (maybe under an engine with kernels=auto)
-            if _setting() == "strict":
-                raise RuntimeError(f"ddtree::{self.name}: the Triton kernel failed its check for {_describe(key)} "
-                                   "earlier in this process (kernels=strict)")
+        if not passed:  # failed its check under these checks (an engine with kernels=auto: strict raised there)
             return self.composite(*args)
         if self.timed:
             shapes = tuple(tuple(a.shape) if isinstance(a, torch.Tensor)
                            else a if isinstance(a, int) and not isinstance(a, bool) else None for a in args)
-            faster = self.faster.get(shapes)
+            faster = checks.faster.get(self.name, _NONE).get(shapes)
             if faster is None:
                 faster = self._timed(key, shapes, args)
             if not faster:
@@ -142,7 +208,7 @@ class FusedOp:
 
     def _fail(self, key: tuple, message: str) -> None:
         if _setting() == "strict":
-            raise RuntimeError(f"ddtree::{self.name}: {message} (DDTREE_KERNELS=strict)")
+            raise RuntimeError(f"ddtree::{self.name}: {message} (kernels=strict)")
         log.warning("ddtree::%s: %s; running the composite ops for %s", self.name, message, _describe(key))
         self.checked[key] = False
         self.state = "composite"
@@ -251,8 +317,8 @@ SETTINGS = KERNEL_SETTINGS
 
 
 def _setting() -> str:
-    """The engine's `kernels=` option (ddtree.engine.options: DDTREE_KERNELS outside an engine's call)."""
-    return current().kernels
+    """The `kernels=` setting of the checks in scope (an engine's; auto outside any engine)."""
+    return active().setting
 
 
 def _has_triton() -> bool:

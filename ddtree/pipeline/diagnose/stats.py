@@ -3,27 +3,14 @@ chain with Wilson intervals, the rank probabilities the prediction models take."
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddtree.engine.diagnostics import NODE_COLUMNS, RANK_CAP
+from ddtree.engine.stats import wilson
 
 COVERAGE_K = (1, 2, 4, 8, 32)
 MIN_OFF = 20  # off-path observations a depth needs before its own statistics replace the pooled ratio
-Z95 = 1.959964
-
-
-
-def wilson(k: int, n: int) -> tuple[float | None, float | None, float | None]:
-    """k of n: the rate and its 95 % Wilson interval (None where n = 0)."""
-    if n <= 0:
-        return None, None, None
-    p = k / n
-    den = 1 + Z95 ** 2 / n
-    mid = (p + Z95 ** 2 / (2 * n)) / den
-    half = Z95 * math.sqrt(p * (1 - p) / n + Z95 ** 2 / (4 * n * n)) / den
-    return p, max(0.0, mid - half), min(1.0, mid + half)
 
 
 @dataclass
