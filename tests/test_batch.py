@@ -426,3 +426,21 @@ def test_the_compiled_batched_round_under_inductor(toy_pure, dynamo_clean):
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     for ids, r in zip(prompts, results, strict=False):
         assert r.round == "compiled" and r.output_ids == hf_greedy(target, ids, 24, STOP)
+
+
+def test_the_compiled_batched_round_with_a_dflash2_drafter(toy_dflash2, dynamo_clean):
+    """A DFlash2 drafter's pair trees (its selector in the graph: the proposer's batch_tree) through the compiled
+    batched round on the hybrid toy: HF greedy, the eager round's drafts, one graph."""
+    from torch._dynamo.utils import counters
+
+    target, drafter, prompts = toy_dflash2
+    kw = dict(concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+        eager = engine.generate_many(prompts, **kw)
+    with _compiled(target, drafter, "ddtree") as engine:
+        assert type(engine.proposer).__name__ == "PairTreeProposer"
+        results = engine.generate_many(prompts, **kw)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for ids, r, e in zip(prompts, results, eager, strict=True):
+        assert r.round == "compiled" and r.output_ids == hf_greedy(target, ids, 32, STOP)
+        assert r.acceptance_lengths == e.acceptance_lengths
