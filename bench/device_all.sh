@@ -18,13 +18,15 @@
 #                      DDTREE_KERNELS=strict, CUDA kernels, one host read a round)
 #   launches           bench_launches.py on CUDA (Qwen3.6-27B structure, eager): ops, syncs, real kernel launches
 #   compiled_tests     pytest -m gpu -k compiled_round (inductor + CUDA graphs: lossless, no recompile, 1 read)
+#   concurrency        device_concurrency.py: generate_many compile=auto (the compiled batched round, CUDA graphs)
+#                      vs compile=false at 1, 8, 32 streams on the toy pair: exact (HF greedy, the eager round), tok/s
 #   compiled_launches  bench_launches.py --compile on CUDA (ops outside graphs, graph calls, CUDA launches)
 #   forward            device_forward.py: the target forward per attention backend and tree size
 #   engines            bench_engines.py: native vs the authors' code (toy pairs)
 #   flex               device_forward.py's flex_attention row (compiles its kernel)
 # Under OUTDIR (8 files at most come back from a call): status.txt (a line per step: exit, seconds, limit),
-# steps.log (every step's output, appended as it runs), preflight.json, launches.json, compiled_launches.json,
-# engines.md. Exit: the preflight's and the tests' status (0 = all passed). Without CUDA it says so and exits 0.
+# steps.log (every step's output, appended as it runs), preflight.json, launches.json, concurrency.json,
+# compiled_launches.json, engines.md. Exit: the preflight's and the tests' status (0 = all passed). Without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUTDIR=${1:?usage: bench/device_all.sh OUTDIR}
@@ -49,7 +51,7 @@ case $? in
 esac
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export DDTREE_KERNELS=${DDTREE_KERNELS:-strict}  # a fused op's kernel that fails its first-call check fails the run
-STEPS=" ${DEVICE_STEPS:-preflight tests launches compiled_tests compiled_launches forward engines flex} "
+STEPS=" ${DEVICE_STEPS:-preflight tests launches compiled_tests concurrency compiled_launches forward engines flex} "
 BUDGET=${DEVICE_BUDGET_S:-480}
 T0=$SECONDS
 : >"$OUTDIR/status.txt"
@@ -85,6 +87,9 @@ step launches 90 "$PY" bench/bench_launches.py --device cuda --rounds 4 --struct
 unset DDTREE_COMPILE
 step compiled_tests 100 "$PY" -m pytest -q -m gpu tests/test_gpu.py -rs -p no:cacheprovider -k compiled_round
 COMPILED_RC=$?
+step concurrency 120 "$PY" bench/device_concurrency.py --concurrency 1,8,32 --methods ar,ddtree:16 --new 64 \
+  --out "$OUTDIR/concurrency.json"
+CONCURRENCY_RC=$?
 step compiled_launches 90 "$PY" bench/bench_launches.py --device cuda --compile --structures qwen3_6_27b \
   --methods ddtree:64,dflash,ar --rounds 4 --drafter-contexts '' --bytes-contexts '' \
   --out "$OUTDIR/compiled_launches.json"
@@ -98,4 +103,5 @@ step flex 50 "$PY" bench/device_forward.py --prefix 4096 --tokens 1,64 --repeats
 echo "device_all: $((SECONDS - T0)) s after the preflight; $OUTDIR: $(ls "$OUTDIR" | tr '\n' ' ')"
 [ "$RC" -eq 0 ] && RC=$TESTS_RC
 [ "$RC" -eq 0 ] && RC=$COMPILED_RC
+[ "$RC" -eq 0 ] && RC=$CONCURRENCY_RC
 exit "$RC"

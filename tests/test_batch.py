@@ -279,3 +279,168 @@ def test_budget_auto_over_a_dflash2_drafter_walks_and_builds_pair_trees(toy_dfla
         assert r.output_ids == hf_greedy(target, ids, 40, STOP)
     chosen = {label for row in results[0].load_budget["loads"].values() for label in row["choices"]}
     assert chosen - {"ar"}, chosen  # drafted rounds (which: the controller's choice, from measured seconds)
+
+
+# ---------------------------------------------------------------- the compiled batched round (compile=true)
+
+def _compiled(target, drafter, method, budget=16, backend="eager", **kw):
+    return Engine(target, None if method == "ar" else drafter, method=method, budget=budget, compile="true",
+                  compile_backend=backend, **kw)
+
+
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 16),
+                                           pytest.param("ddtree", "auto", marks=pytest.mark.slow)])
+def test_the_compiled_batched_round_equals_the_eager_one_and_greedy_decoding(toy_pure, dynamo_clean, method, budget):
+    """compile=true (dynamo tracing, fullgraph): the toy pair's 7 prompts through 3 slots (joins between rounds, stop
+    tokens at different rounds, free slots at the end) give HF greedy decoding of each prompt alone and the eager
+    batched round's acceptance lengths; the round is one graph per plan, none traced again across calls with other
+    prompts (budget=auto: a graph per choice, compiled on its first use, a bounded number), one graph call and one
+    host read a round; results say compiled."""
+    from torch._dynamo.utils import counters
+
+    from ddtree.testing.dispatch import DispatchCount
+
+    target, drafter, prompts = toy_pure
+    kw = dict(concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    with Engine(target, None if method == "ar" else drafter, method=method, budget=budget or 16,
+                compile="false") as engine:
+        eager = engine.generate_many(prompts, **kw)
+    with _compiled(target, drafter, method, budget or 16) as engine:
+        results = engine.generate_many(prompts, **kw)
+        graphs = counters["stats"]["unique_graphs"]
+        assert not counters["graph_break"], dict(counters["graph_break"])
+        if budget == "auto":  # a graph per (choice, the drafter's context width): bounded by the candidates
+            assert 1 <= graphs <= 2 * 7
+            again = engine.generate_many(prompts[::-1], **kw)
+        else:
+            assert graphs == 1  # every round of every stream: one graph
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                again = engine.generate_many(prompts[::-1], **kw)
+                with DispatchCount() as c:  # 3 like streams: the rounds are the batch's
+                    same = engine.generate_many([prompts[0]] * 3, concurrency=3, max_new_tokens=24)
+            assert counters["stats"]["unique_graphs"] == graphs
+            rounds = same[0].rounds
+            assert c.graphs["verify"] == rounds and sum(c.graphs.values()) == rounds  # a round: one graph call
+            assert c.total(c.syncs, exclude=("prefill", "other")) == rounds == c.sync_names["tolist"]  # one read
+    for ids, r, e, a in zip(prompts, results, eager, again[::-1], strict=True):
+        assert r.output_ids == e.output_ids == a.output_ids == hf_greedy(target, ids, 32, STOP)
+        if budget != "auto":  # (auto: the choices follow measured seconds)
+            assert r.acceptance_lengths == e.acceptance_lengths
+        assert (r.round, r.round_note, r.round_fallback) == ("compiled", None, False)
+    if method != "ar":
+        assert sum(r.tau for r in results) / len(results) > 2.5
+
+
+@pytest.mark.parametrize("method,kw", [("ddtree", {}), ("dflash", {}), ("ar", {}),
+                                       ("ddtree", dict(temperature=0.8, seed=3))])
+def test_the_compiled_batched_round_on_a_hybrid_target_and_at_t_above_0(dynamo_clean, method, kw):
+    """The tiny Qwen3.5 hybrid (tree-exact Gated DeltaNet inside the graph: its verification, its commit) compiled:
+    DDTree, DFlash and AR equal HF greedy and the eager batched round's drafts; at T > 0 the compiled round commits
+    the eager round's keyed samples. The backend overwrites each graph's outputs at the next compiled call, as CUDA
+    graph trees reuse their pool: nothing of a round's graph is read after the next one but the clones
+    `CompiledRound` makes under CUDA graphs (on here as on CUDA)."""
+    from test_compile import _pool_backend
+
+    from ddtree.engine import batch
+
+    target = tiny_model("qwen3_5_text", attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 12, 3, 9)]
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    args = dict(concurrency=3, max_new_tokens=20, **kw)
+    with Engine(target, None if method == "ar" else drafter, method=method, budget=8, compile="false") as e:
+        eager = e.generate_many(prompts, **args)
+    with _compiled(target, drafter, method, budget=8) as engine:
+        engine.batch_static = batch.CompiledRound(target.device, backend=_pool_backend())
+        engine.batch_static.cudagraphs = True  # as mode="reduce-overhead" sets it on CUDA
+        results = engine.generate_many(prompts, **args)
+    for ids, r, ref in zip(prompts, results, eager, strict=True):
+        assert r.round == "compiled" and r.round_note is None, r.round_note
+        assert r.output_ids == ref.output_ids and r.acceptance_lengths == ref.acceptance_lengths, method
+        if not kw:
+            assert r.output_ids == hf_greedy(target, ids, 20)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3"])
+def test_the_compiled_batched_round_on_sliding_sinks_mla_and_moe_targets(dynamo_clean, model_type):
+    """The batched round traces targets the one-stream compiled round refuses (the model's own forward: gpt_oss's
+    sliding window with sinks, DeepSeek-V3's MLA and MoE), as compile=auto on CUDA runs it: HF greedy, one graph."""
+    from torch._dynamo.utils import counters
+
+    from ddtree.engine import batch
+
+    target = tiny_model(model_type, attn_implementation="eager" if model_type == "gpt_oss" else "sdpa")
+    drafter = DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 11, 3, 9)]
+    with Engine(target, drafter, method="ddtree", budget=8, compile="false") as engine:
+        engine.binding.ensure()
+        results = batch.generate_many(engine, prompts, 3, 0.0, 20, None, 0, 8,
+                                      compiled=batch.CompiledRound(engine.binding.device, "eager"))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 20)
+
+
+def test_the_compiled_batched_round_falls_back_eagerly_with_its_reason(toy_pure, monkeypatch, caplog):
+    """Where the batched round does not compile (an MTP head's chain), it runs eagerly and says why; compile=auto on
+    a CPU runs it eagerly (as the one-stream round); a compiled round that fails (a fault injected at the graph's
+    call) is logged and the call rerun eagerly, the results exact and marked a fallback, the engine eager from then."""
+    from mtp_support import fitted_head
+
+    from ddtree.engine import batch
+
+    target, drafter, prompts = toy_pure
+    with Engine(target, drafter, method="ddtree", budget=16, compile="auto") as engine:  # (a CPU)
+        r = engine.generate_many(prompts[:2], concurrency=2, max_new_tokens=8)[0]
+        assert r.round == "eager" and "CUDA only" in r.round_note and not r.round_fallback
+    hybrid = tiny_model("qwen3_5_text", attn_implementation="sdpa")
+    with Engine(hybrid, fitted_head(hybrid, steps=2), method="mtp", steps=2, topk=1, compile="true",
+                compile_backend="eager") as engine:
+        r = engine.generate_many([torch.tensor([[5, 6, 7]]), torch.tensor([[9, 8]])], concurrency=2,
+                                 max_new_tokens=6)[0]
+        assert r.round == "eager" and "head" in r.round_note and r.round_fallback
+
+    def broken(self, run, plan):
+        raise RuntimeError("injected: no graph")
+
+    monkeypatch.setattr(batch.CompiledRound, "__call__", broken)
+    with _compiled(target, drafter, "ddtree") as engine:
+        results = engine.generate_many(prompts[:3], concurrency=2, max_new_tokens=16, stop_token_ids=[STOP])
+        assert "compiled batched round failed (RuntimeError: injected: no graph)" in caplog.text
+        for ids, r in zip(prompts, results, strict=False):
+            assert r.output_ids == hf_greedy(target, ids, 16, STOP)
+            assert r.round == "eager" and "injected" in r.round_note and r.round_fallback
+        assert engine.generate_many(prompts[:2], concurrency=2, max_new_tokens=4)[0].round == "eager"
+
+
+@pytest.mark.slow
+def test_the_compiled_batched_round_under_inductor(toy_pure, dynamo_clean):
+    """As a user's compile=true runs it (inductor's generated code, on this CPU: about a minute of compiling): DDTree
+    on the toy pair equals HF greedy and compiles one graph."""
+    from torch._dynamo.utils import counters
+
+    target, drafter, prompts = toy_pure
+    with _compiled(target, drafter, "ddtree", backend=None) as engine:
+        results = engine.generate_many(prompts[:4], concurrency=3, max_new_tokens=24, stop_token_ids=[STOP])
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for ids, r in zip(prompts, results, strict=False):
+        assert r.round == "compiled" and r.output_ids == hf_greedy(target, ids, 24, STOP)
+
+
+def test_the_compiled_batched_round_with_a_dflash2_drafter(toy_dflash2, dynamo_clean):
+    """A DFlash2 drafter's pair trees (its selector in the graph: the proposer's batch_tree) through the compiled
+    batched round on the hybrid toy: HF greedy, the eager round's drafts, one graph."""
+    from torch._dynamo.utils import counters
+
+    target, drafter, prompts = toy_dflash2
+    kw = dict(concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+        eager = engine.generate_many(prompts, **kw)
+    with _compiled(target, drafter, "ddtree") as engine:
+        assert type(engine.proposer).__name__ == "PairTreeProposer"
+        results = engine.generate_many(prompts, **kw)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    for ids, r, e in zip(prompts, results, eager, strict=True):
+        assert r.round == "compiled" and r.output_ids == hf_greedy(target, ids, 32, STOP)
+        assert r.acceptance_lengths == e.acceptance_lengths

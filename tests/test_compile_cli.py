@@ -68,6 +68,21 @@ def test_compile_true_through_the_cli_with_compat_on(cli, tmp_path, monkeypatch,
 
 
 @pytest.mark.slow  # inductor's code generation: minutes on this CPU
+def test_compile_true_with_concurrency_runs_the_compiled_batched_round(cli, tmp_path, monkeypatch):
+    """compile=true concurrency=2 on the hybrid (a sliding-window drafter): the method's and the baseline's streams
+    through the compiled batched round (ddtree.engine.batch.CompiledRound), the AR baseline's tokens (match 1.0),
+    the verdicts, and the summary saying the rounds were compiled."""
+    monkeypatch.setenv("DDTREE_COMPILE_BACKEND", "eager")
+    drafter = _sliding_drafter(tmp_path, "qwen3_5_text")
+    job = tmp_path / "job"
+    _ok(cli("model=tiny_qwen3_5", "drafter=pretrained", f"drafter.name_or_path={drafter}", "method=ddtree",
+            "budget=16", "compile=true", "concurrency=2", *COMMON, f"runs_dir={tmp_path / 'runs'}",
+            f"hydra.run.dir={job}", timeout=600))
+    s = json.loads((job / "summary.json").read_text())
+    assert s["concurrency"] == 2 and s["match_rate"] == 1.0 and s["validation"]["suspect"] == 0
+    assert s["round"] == s["baseline_round"] == {"ran": "compiled", "why": None, "fallback": False}, s["round"]
+
+
 def test_the_issue_command_compiles_the_toy_pair(cli, tmp_path):
     job = tmp_path / "job"
     _ok(cli("method=ddtree", "budget=16", "compile=true", "dataset.max_samples=2", "tracking=none",

@@ -8,7 +8,10 @@ round writes stream i's T tree tokens at rows length_i .. length_i + T - 1 and a
 under a 4-D additive mask (`round_masks`: the committed rows of its own stream and its tree's ancestors; a sliding
 layer's window on top). The DFlash drafter's cache (`SlotDrafterCache`) is its fixed-buffer cache with the slot
 dimension, and so is a head's (method=mtp, eagle3: `hkv`, [2, N, kv heads, rows, d]), which drafts a chain or an
-EAGLE-2 tree of every slot in the same ops (`head_draft`, `head_expand`). docs/concurrency.md has the whole story.
+EAGLE-2 tree of every slot in the same ops (`head_draft`, `head_expand`). Under compile=true (compile=auto on CUDA)
+a round's device work is one fixed-shape graph (`CompiledRound`: every row of the capacity read under the mask, the
+drafter's context padded to a fixed width), the same function the eager round runs (`BatchRun.device_round`).
+docs/concurrency.md has the whole story.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from ddtree.engine import batch_tree as bt
 from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
+from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
@@ -32,7 +36,8 @@ from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import tree_size
 from ddtree.errors import ConfigError
 
-__all__ = ["BATCH_METHODS", "BatchRun", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks"]
+__all__ = ["BATCH_METHODS", "BatchRun", "CompiledRound", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks",
+           "why_not_compiled"]
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
 BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains and EAGLE-2 trees
@@ -116,16 +121,22 @@ class SlotKV:
         self.length_list[slot] = length
         self.lengths[slot] = length
 
-    def begin(self, width: int) -> None:
-        """A round of `width` tokens a slot: its rows, and how far the attention reads."""
+    def begin(self, width: int, fixed: bool = False) -> None:
+        """A round of `width` tokens a slot: its rows, and how far the attention reads (fixed: every row of the
+        capacity, under the round's mask, as the compiled round's fixed shapes want; else the longest slot's rows,
+        a host int)."""
         self.rows = self.lengths[:, None] + torch.arange(width, device=self.device)[None, :]
-        self.read_end = max(self.length_list) + width
-        if self.read_end > self.capacity:
-            raise RuntimeError(f"batched round past its capacity ({self.read_end} > {self.capacity} rows)")
+        self.read_end = self.capacity if fixed else max(self.length_list) + width
 
-    def commit(self, path: torch.Tensor, lengths: torch.Tensor, host_lengths: list[int]) -> None:
+    def check(self, width: int) -> None:
+        """Refuse a round of `width` tokens a slot past the capacity (on the host, before the round's device work)."""
+        if max(self.length_list) + width > self.capacity:
+            raise RuntimeError(f"batched round past its capacity ({max(self.length_list) + width} > "
+                               f"{self.capacity} rows)")
+
+    def commit(self, path: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each slot keeps its committed rows plus its accepted path (`path` [N, K] flat node indices, padded with
-        the path's last node; `lengths` [N] nodes accepted, on the device and on the host)."""
+        the path's last node; `lengths` [N] nodes accepted): device work only (`advance` counts them on the host)."""
         k = path.shape[1]
         src = self.lengths[:, None] + path
         dst = self.lengths[:, None] + torch.arange(k, device=path.device)[None, :]
@@ -135,6 +146,9 @@ class SlotKV:
                 s = src[None, :, None, :, None].expand(layers, n, heads, k, d)
                 buf.scatter_(3, dst[None, :, None, :, None].expand(layers, n, heads, k, d), buf.gather(3, s))
         self.lengths += lengths
+
+    def advance(self, host_lengths: list[int]) -> None:
+        """The round's accepted nodes per slot, read from the walk: the host's copy of `lengths`."""
         self.length_list = [a + b for a, b in zip(self.length_list, host_lengths, strict=True)]
 
 
@@ -255,14 +269,20 @@ def check_batch_method(engine) -> None:
 class BatchRun:
     """One `generate_many` call: the slots, their caches, the queue of prompts and the results.
 
-    A round (`round`): draft every slot's block in one drafter forward (`draft`), build the trees (`trees`), verify
-    them in one target forward (`verify`), walk and commit (`commit`: the round's one host read). A free slot takes
+    A round (`round`): its plan on the host (`plan`), then its device work (`device_round`: draft every slot's block
+    in one drafter forward, `draft`; build the trees, `trees`; verify them in one target forward, `verify`; choose,
+    walk and commit, `commit`), eager or as one compiled graph (`CompiledRound`, where `compiled` is given: fixed
+    shapes, `fixed`), then the walk's one host read (`bt.read_walk`) and each stream's tokens. A free slot takes
     the next prompt between rounds (`join`: its prefill alone, then its keys, values and states seated in its row);
     a slot with no stream left runs along (fixed shapes) and keeps nothing."""
 
     def __init__(self, engine, prompts: list[torch.Tensor], concurrency: int, temperature: float,
-                 max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int, budget: int | None):
+                 max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int, budget: int | None,
+                 compiled: CompiledRound | None = None):
         check_batch_method(engine)
+        # the compiled round (its graphs, kept by the engine across calls) or None: the eager one
+        self.compiled = compiled
+        self.fixed = compiled is not None  # fixed shapes: every row of the capacity read, the context padded
         self.engine, self.model, self.binding, self.proposer = engine, engine.target, engine.binding, engine.proposer
         self.method, self.temperature, self.max_new, self.seed = engine.method, temperature, max_new_tokens, seed
         self.auto = budget == "auto"
@@ -291,13 +311,16 @@ class BatchRun:
         if self.topk > 1 and self.budget is None:
             self.budget = self.proposer.budget
         self.block = self.steps + 1 if self.head is not None else (self.proposer.block_size if self.drafts else 1)
-        vocab = self.model.config.get_text_config().vocab_size
+        text = self.model.config.get_text_config()
+        self.vocab = vocab = text.vocab_size
         most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
         nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
                                            else max(self.block, 1 + tree_size(most, self.block - 1, vocab)))
         if self.topk > 1:  # the head's tree: the budget best of its pool (k at depth 1, then k * k a step)
             nodes = 1 + min(self.budget, self.topk + (self.steps - 1) * self.topk ** 2)
         self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
+        if self.fixed:  # a bucket: calls with other prompt lengths reuse the graphs (ddtree.engine.capacity)
+            self.capacity = capacity_bucket(self.capacity)
         self.windows = _windows(self.model)
         self.timer = StageTimer(dev, engine.sync_timing)
         self.kv: SlotKV | None = None
@@ -306,7 +329,9 @@ class BatchRun:
         self.live = torch.zeros(n, dtype=torch.long, device=dev)  # 1 where a stream holds the slot
         self.seeds = torch.zeros(n, dtype=torch.long, device=dev)
         self.roots = torch.zeros(n, dtype=torch.long, device=dev)
-        self.ctx: torch.Tensor | None = None  # [N, K, F]: each slot's new drafter context (the last accepted path's)
+        # [N, W, F]: each slot's new drafter context (the last accepted path's rows, then padding; an MTP or EAGLE-3
+        # head's: [N, K, F], the path's)
+        self.ctx: torch.Tensor | None = None
         self.ctx_count = torch.zeros(n, dtype=torch.long, device=dev)  # its real rows
         self.ctx_max = 0  # rows queued behind the drafter's last read (budget=auto's AR rounds), at most
         self.results: list[GenerationResult | None] = [None] * len(prompts)
@@ -322,6 +347,8 @@ class BatchRun:
         elif self.drafts:
             self.block_ids = torch.full((n, self.block), self.proposer.drafter.mask_token_id, dtype=torch.long,
                                         device=dev)
+            width = len(self.binding.feature_layers) * text.hidden_size
+            self.ctx = torch.zeros(n, self.block, width, dtype=self.binding.dtype, device=dev)
         self.t_call = time.perf_counter()
 
     # ---- streams
@@ -437,48 +464,88 @@ class BatchRun:
         self.active[slot] = None
         self.live[slot] = 0
 
-    # ---- a round
-    def draft(self) -> torch.Tensor:
-        """Every slot's block [root, mask, ...] through the drafter at once: logits [N, block - 1, V] (float32: the
-        proposer's `head_logits`, a DFlash2 drafter's with its multiplier and soft cap); the rows drafting them kept in
-        `hidden` where a selector reads them."""
+    # ---- a round: its device work (`device_round`: one function of the slots' tensors, eager or one compiled graph
+    # per plan), then the walk's one host read and the host's bookkeeping (`round`)
+    def plan(self, choice: Choice | None) -> tuple:
+        """The round's shape, as host constants (a compiled graph per plan): (drafted, the tree's kind: "root",
+        "chain" or "tree", its budget, the drafter's context rows read)."""
+        drafted = self.drafts and (choice is None or choice.drafted)
+        if not drafted:
+            kind = "root"
+        elif self.head is not None:  # its chain, or its EAGLE-2 tree (topk > 1)
+            kind = "tree" if self.topk > 1 else "chain"
+        elif self.method == "dflash" or (choice is not None and choice.kind == "chain"):
+            kind = "chain"
+        else:
+            kind = "tree"
+        budget = (self.budget if choice is None else choice.budget) if kind == "tree" else None
+        if kind == "tree" and self.head is not None:  # the budget best of the head's pool
+            nodes = 1 + min(budget, self.topk + (self.steps - 1) * self.topk ** 2)
+        else:
+            nodes = {"root": 1, "chain": self.block}.get(kind) or 1 + tree_size(budget, self.block - 1, self.vocab)
+        if nodes == 1:
+            kind, budget = "root", None
+        self.kv.check(nodes)
+        width = 0
+        if self.ctx is not None and self.head is None:
+            # the rows this round may queue (an AR round of budget=auto: behind those the drafter has not read)
+            self._ensure_context(self.block if drafted else self.ctx_max + 1)
+            width = self.ctx.shape[1] if self.fixed else min(self.ctx.shape[1], self.ctx_max)
+        return drafted, kind, budget, width
+
+    def _ensure_context(self, need: int) -> None:
+        """The drafter's context buffer [N, W, F] holds `need` rows (grown by doubling: few widths, few graphs)."""
+        if need > self.ctx.shape[1]:
+            grown = self.ctx.new_zeros(self.slots, max(need, 2 * self.ctx.shape[1]), self.ctx.shape[-1])
+            grown[:, : self.ctx.shape[1]] = self.ctx
+            self.ctx = grown
+
+    def draft(self, width: int) -> torch.Tensor:
+        """Every slot's block [root, mask, ...] through the drafter at once, after the first `width` rows of each
+        slot's context (those past its count: padding, overwritten by the block or never read): logits
+        [N, block - 1, V] (float32: the proposer's `head_logits`, a DFlash2 drafter's with its multiplier and soft
+        cap); the rows drafting them kept in `hidden` where a selector reads them."""
         blk = self.block_ids.clone()
         blk[:, 0] = self.roots
         x = self.proposer.drafter.embed_block(self.embed.weight, blk)
-        ctx, dcache = self.ctx, self.dcache
+        dcache = self.dcache
         dcache.count = self.ctx_count
-        c = 0 if ctx is None else min(ctx.shape[1], self.ctx_max)
-        ctx_pos = dcache.length[:, None] + torch.arange(c, device=self.dev)[None, :] if c else None
-        hidden = self.proposer.drafter(x, ctx[:, :c] if c else None, ctx_pos,
+        ctx_pos = None
+        if width:
+            ctx_pos = dcache.length[:, None] + torch.arange(width, device=self.dev)[None, :]
+            if self.fixed:  # padding rows past the buffer: onto its last row (past every block's end: never read)
+                ctx_pos = ctx_pos.clamp(max=self.capacity - 1)
+        hidden = self.proposer.drafter(x, self.ctx[:, :width] if width else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
         if self.proposer.draft_hidden:
             self.hidden = hidden[:, 1:]
         return self.proposer.head_logits(hidden[:, 1:])
 
-    def trees(self, logits: torch.Tensor | None, choice: Choice | None = None) -> bt.BatchTree:
-        if not self.drafts or (choice is not None and not choice.drafted):
+    def trees(self, logits: torch.Tensor | None, kind: str, budget: int | None) -> bt.BatchTree:
+        if kind == "root":
             return bt.batch_root_trees(self.roots)
         if self.head is not None and self.topk > 1:  # each row the budget best nodes of its head_expand pool: the
             # one-stream proposer's tree, node for node in its flat order (every row the same node count, no padding)
             return bt.batch_full_trees(*mtp_tree_tensors(self.roots, *logits, self.budget), depth_bound=self.steps)
         if self.head is not None:  # (head_draft chose the tokens)
             return bt.batch_chain_trees(self.roots, logits)
-        chain = self.method == "dflash" or (choice is not None and choice.kind == "chain")
-        budget = None if chain else (self.budget if choice is None else choice.budget)
+        chain = kind == "chain"
         # the drafted tokens' positions: a sample's keyed noise (coupled to the target's at the same positions)
         pos = self.kv.lengths[:, None] + self.offsets[:, 1:] if self.temperature > 0 else None
         if self.proposer.batch_tree is not None:  # its own (a DFlash2 selector's walk or pair trees)
-            return self.proposer.batch_tree(self.roots, logits, self.hidden, budget, self.temperature, self.seeds, pos)
+            return self.proposer.batch_tree(self.roots, logits, self.hidden, None if chain else budget,
+                                            self.temperature, self.seeds, pos)
         if chain:
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
-        return bt.batch_best_first(self.roots, torch.log_softmax(logits, dim=-1), budget)
+        return bt.batch_tree_of_tensors(*bt.batch_best_first_tensors(self.roots, torch.log_softmax(logits, dim=-1),
+                                                                     budget))
 
     def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""
         kv = self.kv
-        kv.begin(tree.width)
+        kv.begin(tree.width, self.fixed)
         masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values())
         # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
         mapping = {kind: masks[w] for kind, w in self.windows.items()} if len(self.windows) > 1 else masks[None]
@@ -496,73 +563,85 @@ class BatchRun:
         feats = context_features(out.hidden_states, self.binding.feature_layers) if hidden_ids else None
         return out.logits, feats, pos
 
-    def _append_context(self, rows: torch.Tensor, kept: torch.Tensor, k: int) -> None:
-        """A round without the drafter (budget=auto's AR): its accepted rows queue behind the slot's unread ones."""
-        need = self.ctx_max + k
-        if need > self.ctx.shape[1]:
-            grown = self.ctx.new_zeros(self.slots, max(need, 2 * self.ctx.shape[1]), self.ctx.shape[-1])
-            grown[:, : self.ctx.shape[1]] = self.ctx
-            self.ctx = grown
-        at = self.ctx_count[:, None] + torch.arange(k, device=self.dev)[None, :]
-        self.ctx.scatter_(1, at[:, :, None].expand(-1, -1, rows.shape[-1]), rows)
-        self.ctx_count = self.ctx_count + kept
-
     def commit(self, tree: bt.BatchTree, logits: torch.Tensor, feats: torch.Tensor | None,
-               pos: torch.Tensor, drafted: bool = True) -> bt.BatchWalk:
-        """Choose, walk (the round's one host read), keep each live slot's accepted path, hand the drafter its
-        features."""
+               pos: torch.Tensor, drafted: bool = True) -> tuple[torch.Tensor, ...]:
+        """Choose, walk (its device part: `read_walk` reads it after), keep each live slot's accepted path, hand the
+        drafter its features. The slots' state is written in place (fixed addresses: a compiled round replays on
+        them). Returns batch_walk_tensors' (path, lengths, next_root, packed)."""
         choice = _choose(logits, self.temperature, self.seeds, pos + 1)
-        w = bt.batch_walk(tree, choice)
-        kept = w.lengths * self.live  # a free slot keeps nothing
-        host = [len(t) if s is not None else 0 for t, s in zip(w.tokens, self.active, strict=True)]
-        self.kv.commit(w.path, kept, host)
+        path, lengths, nxt, packed = bt.batch_walk_tensors(tree, choice)
+        kept = lengths * self.live  # a free slot keeps nothing
+        self.kv.commit(path, kept)
         if self.kv.linear:
             from ddtree.engine import gdn  # noqa: PLC0415 (only a hybrid target's rounds need it)
-            gdn.commit_linear_states_batch(self.kv.cache, w.path, kept)
+            gdn.commit_linear_states_batch(self.kv.cache, path, kept)
         if self.drafts:
-            k = w.path.shape[1]
+            k = path.shape[1]
+            rows = feats.gather(1, path[:, :, None].expand(-1, k, feats.shape[-1]))
             if self.head is not None:  # row r: the target's state at r with token r + 1 (the path's next, the root)
                 self.ctx_start = self.kv.lengths - kept
-                ids = torch.cat([tree.tokens.gather(1, w.path[:, 1:]), w.next_root[:, None]], dim=1)
-                self.ctx_ids = ids.scatter(1, (w.lengths - 1)[:, None], w.next_root[:, None])
-            rows = feats.gather(1, w.path[:, :, None].expand(-1, k, feats.shape[-1]))
-            if self.head is None and drafted is False and self.ctx is not None:  # behind what the drafter has not read
-                self._append_context(rows, kept, k)
-            else:
+                ids = torch.cat([tree.tokens.gather(1, path[:, 1:]), nxt[:, None]], dim=1)
+                self.ctx_ids = ids.scatter(1, (lengths - 1)[:, None], nxt[:, None])
                 self.ctx, self.ctx_count = rows, kept
-        self.roots = w.next_root
-        return w
+            elif drafted:  # the drafter read its rows this round: the path's replace them
+                self.ctx[:, :k].copy_(rows)
+                self.ctx_count.copy_(kept)
+            else:  # (budget=auto's AR round) behind the rows the drafter has not read
+                at = self.ctx_count[:, None] + torch.arange(k, device=self.dev)[None, :]
+                self.ctx.scatter_(1, at[:, :, None].expand(-1, -1, rows.shape[-1]), rows)
+                self.ctx_count.add_(kept)
+        self.roots.copy_(nxt)
+        return path, lengths, nxt, packed
+
+    def device_round(self, drafted: bool, kind: str, budget: int | None, width: int) -> tuple[torch.Tensor, ...]:
+        """A round's device work, no host read (`plan`'s arguments): draft, tree, verify, choose, the walk's device
+        part, commit. The eager round calls it; the compiled one is this function traced, one graph per plan
+        (`CompiledRound`). Returns (packed for `read_walk`, path, lengths, the drafter's ranks for budget=auto or
+        None)."""
+        stage = _no_stage if torch.compiler.is_compiling() else self.timer.stage
+        logits = None
+        if drafted:
+            with stage("draft"):
+                logits = self.head_draft() if self.head is not None else self.draft(width)
+        with stage("tree"):
+            tree = self.trees(logits, kind, budget)
+        with stage("verify"):
+            out, feats, pos = self.verify(tree)
+        with stage("commit"):
+            path, lengths, nxt, packed = self.commit(tree, out, feats, pos, drafted)
+        ranks = None
+        if self.load is not None and drafted:  # the round's outcome for the next choice (read after the walk)
+            ranks = target_ranks(logits, tree.tokens, path, lengths, nxt)
+        return packed, path, lengths, ranks
 
     def round(self) -> None:
-        timer = self.timer
         live = [s is not None for s in self.active]
         streams = sum(live)
         choice = self.load.choose(streams) if self.load is not None else None
-        drafted = self.drafts and (choice is None or choice.drafted)
+        plan = self.plan(choice)
+        drafted = plan[0]
         t0 = time.perf_counter()
-        logits = None
-        if drafted:
-            with timer.stage("draft"):
-                logits = self.head_draft() if self.head is not None else self.draft()
-        with timer.stage("tree"):
-            tree = self.trees(logits, choice)
-        with timer.stage("verify"):
-            out, feats, pos = self.verify(tree)
-        with timer.stage("commit"):
-            w = self.commit(tree, out, feats, pos, drafted)
-        self.ctx_max = w.path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
+        traced = False
+        if self.compiled is not None and self.compiled.runs(self, plan):
+            with self.timer.stage("verify"):  # one graph: its draft, tree and commit timed with its verification
+                packed, path, lengths, ranks = self.compiled(self, plan)
+            traced = self.compiled.traced  # (a round that compiled its graph: its seconds are no round's cost)
+        else:
+            packed, path, lengths, ranks = self.device_round(*plan)
+        with self.timer.stage("commit"):
+            tokens = bt.read_walk(packed, self.slots)  # the round's one host read
+        self.kv.advance([len(t) if s else 0 for t, s in zip(tokens, live, strict=True)])
+        self.ctx_max = path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
         now = time.perf_counter()
         if self.load is not None:  # the round's outcome, for the next choice (the ranks: a second read, small)
             idx = [i for i, a in enumerate(live) if a]
-            ranks = None
-            if drafted:
-                ranks = target_ranks(logits, tree.tokens, w.path, w.lengths, w.next_root)[idx].tolist()
-            self.load.observe(choice, streams=streams, seconds=now - t0,
-                              accepted=[len(w.tokens[i]) for i in idx], ranks=ranks)
+            self.load.observe(choice, streams=streams, seconds=0.0 if traced else now - t0,  # (0: not measured)
+                              accepted=[len(tokens[i]) for i in idx],
+                              ranks=None if ranks is None else ranks[idx].tolist())
         for slot, s in enumerate(self.active):
             if s is None:
                 continue
-            new = w.tokens[slot][: self.max_new - len(s.out)]  # never past max_new_tokens
+            new = tokens[slot][: self.max_new - len(s.out)]  # never past max_new_tokens
             for j, t in enumerate(new):
                 if t in self.stops:  # stop at (and including) a stop token
                     new, s.done, s.result.stopped_by = new[: j + 1], True, "stop_token"
@@ -591,10 +670,98 @@ class BatchRun:
 
 def generate_many(engine, prompts: Sequence[torch.Tensor], concurrency: int, temperature: float,
                   max_new_tokens: int, stop_token_ids: Iterable[int] | None, seed: int,
-                  budget: int | None) -> list[GenerationResult]:
-    """Engine.generate_many's body (see there): one BatchRun."""
+                  budget: int | None, compiled: CompiledRound | None = None) -> list[GenerationResult]:
+    """Engine.generate_many's body (see there): one BatchRun (its rounds compiled where `compiled` is given)."""
     return BatchRun(engine, list(prompts), concurrency, temperature, max_new_tokens, stop_token_ids, seed,
-                    budget).run()
+                    budget, compiled).run()
+
+
+# ---------------------------------------------------------------- the compiled round
+
+def why_not_compiled(engine) -> str | None:
+    """Why the batched round cannot run compiled for this engine, in words; None where it can."""
+    if getattr(engine.proposer, "head", None) is not None:
+        return (f"method={engine.method}'s head drafts its chain or tree step by step: its batched round is not compiled "
+                "yet")
+    return None
+
+
+class CompiledRound:
+    """The batched round's device work (`BatchRun.device_round`) as fixed-shape graphs:
+    torch.compile(fullgraph=True, dynamic=False), on CUDA with mode="reduce-overhead" (CUDA graphs). A graph per
+    plan (the round's drafted or not, tree kind and budget, the drafter's context width: budget="auto" compiles a
+    choice on its first use) and per slot shapes (N, the capacity bucket); the engine keeps it across
+    generate_many calls. The slots' state (keys and values, lengths, the drafter's cache and context, the GDN
+    states, roots) is written in place at static addresses (`pin`). Joins (prefill, seating) run eagerly, and the
+    walk's host read (`read_walk`) follows the graph."""
+
+    def __init__(self, device: torch.device, backend: str | None = None):
+        from ddtree.engine.compiled import _TAKES_RECOMPILE_LIMIT, RECOMPILE_LIMIT  # noqa: PLC0415
+
+        opts: dict = {"fullgraph": True, "dynamic": False}
+        if _TAKES_RECOMPILE_LIMIT:
+            opts["recompile_limit"] = RECOMPILE_LIMIT
+        if backend is not None:
+            opts["backend"] = backend
+        elif device.type == "cuda":
+            opts["mode"] = "reduce-overhead"  # CUDA graphs: one launch a graph
+        self.limit = None if _TAKES_RECOMPILE_LIMIT else RECOMPILE_LIMIT
+        self.cudagraphs = opts.get("mode") == "reduce-overhead"
+        self.graph = torch.compile(_device_round, **opts)
+        self.traced = False  # whether the last call compiled a graph
+
+    def runs(self, run: BatchRun, plan: tuple) -> bool:
+        """Whether this round runs compiled (a drafting head's rounds do not: `why_not_compiled`)."""
+        return run.head is None
+
+    def pin(self, run: BatchRun) -> None:
+        """The slots' persistent tensors at static addresses (CUDA graphs replay on them, mutating them in place)."""
+        kv, tensors = run.kv, [run.live, run.seeds, run.roots, run.ctx_count]
+        tensors += [*kv.keys, *kv.values, kv.lengths]
+        if run.ctx is not None:
+            tensors.append(run.ctx)
+        if run.dcache is not None:
+            tensors += [*run.dcache.keys, *run.dcache.values, run.dcache.length]
+        from ddtree.engine.gdn import commit as gdn_commit  # noqa: PLC0415 (a hybrid's states)
+
+        for i in kv.linear:  # the GDN layers' states (per state index), and their stacked form where adopted
+            layer = kv.cache.layers[i]
+            for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
+                found = states.values() if isinstance(states, dict) else states if isinstance(states, list) else ()
+                tensors += [t for t in found if isinstance(t, torch.Tensor)]
+        stacked = kv.cache.__dict__.get(gdn_commit._STATES_ATTR)  # (conv_all, rec_all, ...)
+        if stacked is not None:
+            tensors += [t for t in stacked[1:3] if isinstance(t, torch.Tensor)]
+        for t in tensors:  # (an attribute on the tensor: idempotent, microseconds)
+            torch._dynamo.mark_static_address(t)
+
+    def __call__(self, run: BatchRun, plan: tuple) -> tuple:
+        """The round's graph call; `traced` tells whether this call compiled a graph (its seconds are not a round's)."""
+        from torch._dynamo.utils import counters  # noqa: PLC0415
+
+        self.pin(run)
+        graphs = counters["stats"]["unique_graphs"]
+        out = self._run(self.graph, run, *plan)
+        self.traced = counters["stats"]["unique_graphs"] != graphs
+        return out
+
+    def _run(self, graph, *args):
+        """One call of the compiled graph (the seam ddtree.testing.dispatch counts graph calls at), as
+        ddtree.engine.compiled.StaticRound._run makes it: the recompile limit, outputs out of the CUDA graph pool."""
+        if self.limit is None:
+            out = graph(*args)
+        else:  # (torch 2.11: the limit for this call only)
+            with torch._dynamo.config.patch(recompile_limit=self.limit):
+                out = graph(*args)
+        if self.cudagraphs:  # the next replay reuses the pool
+            from ddtree.engine.compiled import _owned  # noqa: PLC0415
+            out = _owned(out)
+        return out
+
+
+def _device_round(run: BatchRun, drafted: bool, kind: str, budget: int | None, width: int) -> tuple:
+    """What CompiledRound traces: the round's device work, as the eager round runs it."""
+    return run.device_round(drafted, kind, budget, width)
 
 
 def _windows(model) -> dict[str, int | None]:
@@ -613,7 +780,14 @@ def _gdn_context(kv: SlotKV, tree: bt.BatchTree):
     if not kv.linear:
         return contextlib.nullcontext()
     from ddtree.engine import verification  # noqa: PLC0415
-    return verification.tree_verification(tree)
+    # (flex attention: not for a BatchTree, which passes its own mask; stated, so a compiled round reads no option)
+    return verification.tree_verification(tree, flex_compile=False)
+
+
+def _no_stage(name: str):
+    """A compiled round's stages: one graph, timed as a whole (as "verify": BatchRun.round)."""
+    import contextlib  # noqa: PLC0415
+    return contextlib.nullcontext()
 
 
 def _stream_seed(seed: int, index: int) -> int:

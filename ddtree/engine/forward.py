@@ -33,6 +33,7 @@ from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ddtree.engine.families import MROPE_TEXT, ROPE, family, model_type
+from ddtree.engine.gdn.forward import traced_forward
 from ddtree.engine.kernels import fused
 from ddtree.engine.kernels import norm as kernel_norm
 from ddtree.engine.kernels.attention import gate_output, silu_mul
@@ -85,6 +86,8 @@ def _norm_parts(norm: torch.nn.Module) -> tuple[Callable[[], torch.Tensor], floa
     scale: list = [None, None]  # (the weight's identity and version, 1 + weight in float32)
 
     def centred_scale() -> torch.Tensor:
+        if torch.compiler.is_compiling():  # (a graph traces no data pointer: the scale built eagerly, else in it)
+            return scale[1] if scale[1] is not None else 1.0 + weight.detach().float()
         key = (weight.data_ptr(), weight._version)
         if scale[0] != key:
             with torch.no_grad():
@@ -422,8 +425,12 @@ class LeanLayer:
         else:
             h, x = self.add_norm1(pending, x)
         if self.linear:
-            # its forward looked up per call: the GDN patch (ddtree.engine.gdn) may be installed after this was built
-            h = self.layer.linear_attn.forward(hidden_states=h, cache=cache, attention_mask=None)
+            # its forward looked up per call: the GDN patch (ddtree.engine.gdn) may be installed after this was built;
+            # a graph calls the patch's wrapper itself (dynamo does not call through its proxy)
+            if torch.compiler.is_compiling():
+                h = traced_forward(self.layer.linear_attn, h, cache)
+            else:
+                h = self.layer.linear_attn.forward(hidden_states=h, cache=cache, attention_mask=None)
         else:
             h = self._attention(h, rope, mask, cache, position_ids)
         h, x = self.add_norm2(h, x)

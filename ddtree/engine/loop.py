@@ -151,6 +151,9 @@ class Engine:
             TargetSession(target, binding=self.binding).check_method(self.spec)
         # the compiled round (ddtree.engine.compiled), or None: the eager one; `round_note`: why (what) runs eagerly
         self.compile = compile
+        # generate_many's compiled round (ddtree.engine.batch.CompiledRound, built on first use), or why it failed
+        self.batch_static: batch.CompiledRound | None = None
+        self.batch_failed: str | None = None
         unfit = None if proposer.compilable else ("a custom proposer" if custom else f"method={method}")
         self.static, self.round_note = compiled.static_round_for(self.binding, unfit, compile)
         # a fallback: the setting asked for the compiled round here (true; auto on CUDA) and some of it runs eagerly
@@ -225,13 +228,40 @@ class Engine:
         # model itself: ddtree.engine.options)
         with scoped(self.options), checking(self.kernel_checks):
             self.binding.ensure()
-            results = batch.generate_many(self, prompts, concurrency, temperature, max_new_tokens, stop_token_ids,
-                                          seed, budget)
-        note = None if self.static is None else "the batched round runs eagerly (Engine.generate_many)"
+            rounds, note = self._batch_round()
+            args = (self, prompts, concurrency, temperature, max_new_tokens, stop_token_ids, seed, budget)
+            try:
+                results = batch.generate_many(*args, compiled=rounds)
+            except ConfigError:
+                raise
+            except Exception as err:  # noqa: BLE001 (a failure of the compiled round: the eager one is the reference)
+                if rounds is None:
+                    raise
+                why = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:300]}"
+                log.warning("compile=%s: the compiled batched round failed (%s); this engine runs the eager batched "
+                            "round from now on (compile=false skips the attempt)", self.compile, why)
+                self.batch_failed = note = f"compile={self.compile}: the compiled batched round failed ({why})"
+                self.batch_static = rounds = None
+                results = batch.generate_many(*args, compiled=None)
+        fallback = note is not None and (self.compile == "true" or (
+            self.compile == "auto" and compiled.auto_compiles(self.binding)))
         for r in results:
-            r.round, r.round_note = "eager", note or self.round_note
-            r.round_fallback = note is not None and self.compile == "true"
+            r.round, r.round_note, r.round_fallback = ("eager" if rounds is None else "compiled"), note, fallback
         return results
+
+    def _batch_round(self) -> tuple[batch.CompiledRound | None, str | None]:
+        """(the compiled batched round, or None: the eager one; why the eager one runs, in words, or None)."""
+        if self.compile == "false" or (self.compile == "auto" and not compiled.auto_compiles(self.binding)):
+            return None, self.round_note
+        if self.batch_failed is not None:
+            return None, self.batch_failed
+        why = batch.why_not_compiled(self)
+        if why is not None:
+            log.info("compile=%s: the batched round runs eagerly: %s", self.compile, why)
+            return None, f"compile={self.compile}: {why}"
+        if self.batch_static is None:
+            self.batch_static = batch.CompiledRound(self.binding.device, self.options.compile_backend)
+        return self.batch_static, None
 
     def _one_at_a_time(self, prompts: list[torch.Tensor], max_new_tokens: int,
                        stop_token_ids: Iterable[int] | None) -> list[GenerationResult]:

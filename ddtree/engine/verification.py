@@ -5,7 +5,8 @@
 `TreeVerification` through `active()`. It holds the round's tree and, built once per device on first
 use and shared by every layer, the metadata each needs: the attention's masks and block lists (`memo`),
 the GDN's conv-window index and decay maps (`ddtree.engine.gdn.TreeMeta`). Nothing here is process-global:
-the context lives in a ContextVar for the duration of the `with` block only.
+the context lives in a ContextVar for the duration of the `with` block only (while torch.compile traces a graph that
+enters one, in `_TRACED`, which dynamo traces and a ContextVar it does not: the compiled batched round).
 
 Which parts are active:
 * attention: when `past` (the committed length) is given; the split/flex tree attention then builds its own
@@ -153,6 +154,13 @@ def tree_verification(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]
         compile_flex = draft.tokens.device.type == "cuda" if flex_compile is None else flex_compile
         ctx = TreeVerification(draft, past, method, compile_flex, host_parents,
                                streams=draft.tokens.shape[0] if isinstance(draft, BatchTree) else 0)
+    if torch.compiler.is_compiling():  # (a compiled round: dynamo traces no ContextVar; `_TRACED` holds it)
+        _TRACED.append(ctx)
+        try:
+            yield ctx
+        finally:
+            _TRACED.pop()
+        return
     token = _ACTIVE.set(ctx)
     try:
         yield ctx
@@ -160,8 +168,15 @@ def tree_verification(tree: DraftTree | BatchTree | torch.Tensor | Sequence[int]
         _ACTIVE.reset(token)
 
 
+# the verification a compiled graph's trace is inside (torch.compile traces no ContextVar: the compiled batched round,
+# ddtree.engine.batch.CompiledRound, enters its verification inside the graph); empty outside a trace
+_TRACED: list[TreeVerification] = []
+
+
 def active() -> TreeVerification | None:
     """The verification in progress (None outside one)."""
+    if torch.compiler.is_compiling():
+        return _TRACED[-1] if _TRACED else None
     return _ACTIVE.get()
 
 

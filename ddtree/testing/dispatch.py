@@ -248,21 +248,24 @@ class DispatchCount(TorchDispatchMode):
         for owner, attr, real, new in swaps:
             stack.callback(setattr, owner, attr, real)
             setattr(owner, attr, new)
-        run_graph = compiled.StaticRound._run
+        from ddtree.engine import batch
 
-        def counted_graph(static, graph, *a):  # a compiled region: counted as one call, its ops not dispatched here
-            counter.graphs[counter.stage] += 1
-            for owner, attr, real, _ in swaps:  # the real functions: a graph guards on what it traced (torch.tensor)
-                setattr(owner, attr, real)
-            try:
-                with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
-                    return run_graph(static, graph, *a)
-            finally:
-                for owner, attr, _, new in swaps:
-                    setattr(owner, attr, new)
+        def counted(run_graph):
+            def counted_graph(static, graph, *a):  # a compiled region: counted as one call, its ops not dispatched
+                counter.graphs[counter.stage] += 1
+                for owner, attr, real, _ in swaps:  # the real functions: a graph guards on what it traced
+                    setattr(owner, attr, real)
+                try:
+                    with _disable_current_modes():  # (torch.compile refuses to run under a user dispatch mode)
+                        return run_graph(static, graph, *a)
+                finally:
+                    for owner, attr, _, new in swaps:
+                        setattr(owner, attr, new)
+            return counted_graph
 
-        stack.callback(setattr, compiled.StaticRound, "_run", run_graph)
-        compiled.StaticRound._run = counted_graph
+        for cls in (compiled.StaticRound, batch.CompiledRound):  # the one-stream round's graphs, the batched round's
+            stack.callback(setattr, cls, "_run", cls._run)
+            cls._run = counted(cls._run)
         if self._layers:
             from ddtree.engine import forward
 

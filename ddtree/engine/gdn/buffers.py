@@ -254,8 +254,9 @@ def _shared_layer(cache, module, hidden_states: torch.Tensor, channels: int):
 
     The constants are built at the layer's first verification on this cache (a cache lives one generation: its
     weights do not change under it); the buffers are kept across rounds (a commit consumes them before the next
-    verification writes them again) and replaced when the tree's size changes."""
-    if cache is None or not torch.is_inference_mode_enabled():
+    verification writes them again) and replaced when the tree's size changes. None in a compiled graph too (the
+    compiled batched round: each layer's buffers are the graph's own)."""
+    if cache is None or torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
         return None
     shared = cache.__dict__.get(_SHARED_ATTR)
     if shared is None:

@@ -15,8 +15,8 @@ _PENDING_ATTR = "_ddtree_gdn_tree_pending"
 
 
 def _versions(*tensors: torch.Tensor | None) -> tuple[int, ...] | None:
-    """In-place version counters, None where untracked (inference tensors, no state)."""
-    if any(t is None or t.is_inference() for t in tensors):
+    """In-place version counters, None where untracked (inference tensors, no state, a compiled graph's trace)."""
+    if torch.compiler.is_compiling() or any(t is None or t.is_inference() for t in tensors):
         return None
     return tuple(t._version for t in tensors)
 
@@ -111,7 +111,7 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
     index = _checked_path(tree, accepted)
     for layer_idx, rec in pending.items():
         rec.check_unchanged(cache.layers[layer_idx], layer_idx)
-    del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
+    delattr(cache, _PENDING_ATTR)  # a verification commits once; errors above leave it for a retry
 
     for group in _cached_groups(cache, pending):
         rec = group[0][1]
@@ -129,7 +129,7 @@ def commit_linear_states(cache, accepted: torch.Tensor | Sequence[int], host_pat
 def _pending_of(cache, caller: str) -> dict[int, _Pending] | None:
     """The layers' records of the last verification on `cache` (None: nothing verified and no state to commit),
     checked to be whole: every linear-attention layer verified, all under one tree."""
-    pending: dict[int, _Pending] | None = cache.__dict__.get(_PENDING_ATTR)
+    pending: dict[int, _Pending] | None = getattr(cache, _PENDING_ATTR, None)
     linear = [i for i, layer in enumerate(getattr(cache, "layers", ())) if hasattr(layer, "recurrent_states")]
     if not pending:
         if any(cache.layers[i].has_previous_state.get(0, False) for i in linear):
@@ -175,9 +175,12 @@ def commit_linear_states_batch(cache, path: torch.Tensor, lengths: torch.Tensor)
             raise NotImplementedError(f"commit_linear_states_batch: layer {layer_idx}'s conv state keeps "
                                       f"{rec.conv_ref.shape[-1]} columns (record_past?); the batched commit keeps "
                                       f"exactly the kernel's {rec.kernel}")
-    del cache.__dict__[_PENDING_ATTR]  # a verification commits once; errors above leave it for a retry
+    delattr(cache, _PENDING_ATTR)  # a verification commits once; errors above leave it for a retry
     for group in _cached_groups(cache, pending):
         rec = group[0][1]
+        if torch.compiler.is_compiling():  # (the compiled batched round: traced under its inference mode)
+            _commit_batch_group(cache, group, path, lengths)
+            continue
         inference = (rec.conv_ref if rec.conv_ref is not None else rec.bufs.deltas).is_inference()
         if inference and torch.is_inference_mode_enabled():
             _commit_batch_group(cache, group, path, lengths)
@@ -282,6 +285,8 @@ def _cached_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, 
     """_commit_groups, worked out once per cache and kind of commit: a generation's rounds verify trees of one size
     on the same state tensors (updated in place), so the grouping only changes when a state tensor, the layers or the
     tree size do (the shapes it reads depend on nothing else)."""
+    if torch.compiler.is_compiling():  # (a graph: grouped at trace time, nothing kept on the cache)
+        return _commit_groups(cache, pending)
     states = [(i, rec.conv_ref, rec.recurrent_ref) for i, rec in sorted(pending.items())]
     size = next(iter(pending.values())).tree.size
     found = cache.__dict__.get(_GROUPS_ATTR)
@@ -299,7 +304,7 @@ def _commit_groups(cache, pending: dict[int, _Pending]) -> list[list[tuple[int, 
     `extended` then starts with all of it) in the forward's dtype; every other layer alone (_commit_layer).
     In layer order."""
     groups: dict[tuple, list[tuple[int, _Pending]]] = {}
-    for layer_idx, rec in sorted(pending.items()):
+    for layer_idx, rec in sorted(pending.items(), key=lambda item: item[0]):  # (by layer: a graph sorts ints)
         conv = rec.conv_ref
         if conv is None:
             key: tuple = ("fresh", *((t.shape, t.dtype, t.device) for t in (rec.bufs.keys, rec.extended)))
@@ -385,8 +390,8 @@ def _adopt_states(cache, layer_ids: list[int]) -> None:
     states becoming views of them: the next commits of the group update every layer's states with one op each
     (`_stacked_states`). Only for float32 recurrent states (the commit's dtype: else nothing is saved)."""
     layers = [cache.layers[i] for i in layer_ids]
-    if any(layer.recurrent_states[0].dtype != torch.float32 for layer in layers):
-        return
+    if torch.compiler.is_compiling() or any(layer.recurrent_states[0].dtype != torch.float32 for layer in layers):
+        return  # (a graph writes the states in place where they are)
     conv_all = torch.stack([layer.conv_states[0] for layer in layers])
     rec_all = torch.stack([layer.recurrent_states[0] for layer in layers])
     for g, layer in enumerate(layers):

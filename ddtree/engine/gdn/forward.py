@@ -24,6 +24,17 @@ def _active_tree() -> TreeVerification | None:
     return verification.active()
 
 
+def traced_forward(module, hidden_states: torch.Tensor, cache) -> torch.Tensor:
+    """The patched forward of GDN `module` as a compiled graph calls it inside a tree verification (the compiled
+    batched round, ddtree.engine.batch.CompiledRound): dynamo does not call through the patch's wrapt proxy, so the
+    graph calls the tree forward itself."""
+    ctx = _active_tree()
+    if ctx is None or not ctx.gdn:
+        raise RuntimeError(f"{type(module).__name__} (layer {module.layer_idx}): a compiled graph runs a GDN layer "
+                           "inside a tree verification only")
+    return _tree_forward(module, hidden_states, cache, None, ctx)
+
+
 def _forward_wrapper(wrapped, instance, args, kwargs):
     ctx = _active_tree()
     if ctx is None or not ctx.gdn:
@@ -78,7 +89,10 @@ def _tree_forward(module, hidden_states: torch.Tensor, cache, attention_mask, ct
         bufs = new_buffers(module, hidden_states, consts, channels)
     out = tree_layer(module, hidden_states, conv_state, recurrent_state, meta, consts, bufs, ctx.gdn_method)
     if cache is not None:
-        pending = cache.__dict__.setdefault(_PENDING_ATTR, {})
+        pending = getattr(cache, _PENDING_ATTR, None)  # (attributes, not __dict__: a compiled round traces them)
+        if pending is None:
+            pending = {}
+            setattr(cache, _PENDING_ATTR, pending)
         pending[layer] = _Pending(tree=ctx, kernel=kernel, bufs=bufs, conv_ref=conv_state,
                                   recurrent_ref=recurrent_state, versions=_versions(conv_state, recurrent_state),
                                   slot=None if shared is None else _slot_of(cache, layer))

@@ -178,7 +178,7 @@ def meta_tensors(ancestor: torch.Tensor, depth: torch.Tensor, anc: torch.Tensor)
 
 def _token_meta(cache, ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
     """The TreeMeta of a one-node tree (an AR step), the same every round: kept on the cache, not rebuilt."""
-    if cache is None:
+    if cache is None or torch.compiler.is_compiling():  # (a graph: built inside it, nothing kept on the cache)
         return tree_meta(ctx, kernel, device)
     kept = cache.__dict__.setdefault(_TOKEN_META_ATTR, {})
     key = (kernel, device, ctx.streams)
@@ -192,7 +192,8 @@ _META_ATTR = "_ddtree_gdn_meta_buffers"
 
 
 def _meta_store(cache) -> dict | None:
-    """Where a cache keeps its rounds' TreeMeta buffers (None without a cache, or outside inference mode)."""
-    if cache is None or not torch.is_inference_mode_enabled():
+    """Where a cache keeps its rounds' TreeMeta buffers (None without a cache, outside inference mode, or in a
+    compiled graph: its buffers are the graph's own)."""
+    if cache is None or torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
         return None
     return cache.__dict__.setdefault(_META_ATTR, {})
