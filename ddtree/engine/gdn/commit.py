@@ -245,8 +245,15 @@ def _commit_batch_group(cache, items: list[tuple[int, _Pending]], path: torch.Te
             layer.has_previous_state[0] = True
         _adopt_states(cache, [i for i, _ in items])
         return
+    _store_states(cache, items, recs, kept, new_state, decay)
+
+
+def _store_states(cache, items: list, recs: list, kept: torch.Tensor, new_state: torch.Tensor,
+                  decay: torch.Tensor) -> None:
+    """Every committed layer's states: recurrent = old * decay + new, conv = the kept window; in place, one op each
+    where the layers' states are stacked (addition commutes exactly: the same float ops either way)."""
     states = _stacked_states(cache, items)
-    if states is not None and states[1].dtype == new_state.dtype:  # every layer's states in place, one op each
+    if states is not None and states[1].dtype == new_state.dtype:
         conv_all, rec_all = states
         rec_all.mul_(decay).add_(new_state)
         conv_all.copy_(kept)
@@ -355,18 +362,7 @@ def _commit_stacked(cache, items: list[tuple[int, _Pending]], path: torch.Tensor
         kept = (shared["extended"].index_select(2, rows) if shared is not None  # (G, B, K, C)
                 else torch.stack([rec.extended.index_select(1, rows) for rec in recs]))
     kept = kept.transpose(-1, -2)
-    states = _stacked_states(cache, items)
-    if states is not None and states[1].dtype == new_state.dtype:  # one update of all the layers' states in place
-        conv_all, rec_all = states  # (old * decay) + new: the same float ops as below (addition commutes exactly)
-        rec_all.mul_(decay).add_(new_state)
-        conv_all.copy_(kept)
-        return
-    old = torch.stack([r.recurrent_ref for r in recs])
-    new_state = new_state.add_(old.to(new_state) * decay)
-    for i, rec in enumerate(recs):
-        rec.conv_ref.copy_(kept[i])
-        rec.recurrent_ref.copy_(new_state[i])
-    _adopt_states(cache, [i for i, _ in items])
+    _store_states(cache, items, recs, kept, new_state, decay)
 
 
 def _shared_buffers(recs: list[_Pending]) -> dict[str, torch.Tensor] | None:
