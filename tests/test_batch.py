@@ -171,8 +171,12 @@ def test_budget_auto_chooses_per_round_losslessly_and_the_diagnosis_shows_it(toy
     from ddtree.pipeline.diagnose.records import JobData
 
     target, drafter, prompts = toy_pure
-    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+    from ddtree.testing.dispatch import DispatchCount
+
+    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine, DispatchCount() as c:
         results = engine.generate_many(prompts, concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    # one host read a round, the controller's ranks carried by the walk's
+    assert c.total(c.syncs, exclude=("prefill", "other")) == results[0].load_budget["rounds"]
     for ids, r in zip(prompts, results, strict=True):
         assert r.output_ids == hf_greedy(target, ids, 32, STOP)
     load = results[0].load_budget

@@ -16,17 +16,22 @@ docs/concurrency.md has the whole story.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from torch._dynamo.utils import counters
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 
 from ddtree.engine import batch_tree as bt
+from ddtree.engine import gdn, verification
 from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
 from ddtree.engine.capacity import capacity_bucket
+from ddtree.engine.compiled import _TAKES_RECOMPILE_LIMIT, RECOMPILE_LIMIT, _owned
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
@@ -116,7 +121,6 @@ class SlotKV:
             self.keys[g][j, slot, :, :length].copy_(src.keys[0, :, :length])
             self.values[g][j, slot, :, :length].copy_(src.values[0, :, :length])
         if self.linear:
-            from ddtree.engine import gdn  # noqa: PLC0415 (the batched GDN: only a hybrid target needs it)
             gdn.seat_linear_states(self.cache, prefilled, slot, streams=self.slots)
         self.length_list[slot] = length
         self.lengths[slot] = length
@@ -573,7 +577,6 @@ class BatchRun:
         kept = lengths * self.live  # a free slot keeps nothing
         self.kv.commit(path, kept)
         if self.kv.linear:
-            from ddtree.engine import gdn  # noqa: PLC0415 (only a hybrid target's rounds need it)
             gdn.commit_linear_states_batch(self.kv.cache, path, kept)
         if self.drafts:
             k = path.shape[1]
@@ -628,16 +631,21 @@ class BatchRun:
             traced = self.compiled.traced  # (a round that compiled its graph: its seconds are no round's cost)
         else:
             packed, path, lengths, ranks = self.device_round(*plan)
-        with self.timer.stage("commit"):
-            tokens = bt.read_walk(packed, self.slots)  # the round's one host read
+        with self.timer.stage("commit"):  # the round's one host read (budget=auto: the drafter's ranks with it)
+            if ranks is None:
+                tokens, rank_rows = bt.read_walk(packed, self.slots), None
+            else:
+                host = torch.cat([packed.reshape(-1), ranks.reshape(-1).to(packed.dtype)]).tolist()
+                tokens = bt.walk_lists(host[: packed.numel()], self.slots)
+                rank_rows = np.array(host[packed.numel():]).reshape(self.slots, -1)
         self.kv.advance([len(t) if s else 0 for t, s in zip(tokens, live, strict=True)])
         self.ctx_max = path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
         now = time.perf_counter()
-        if self.load is not None:  # the round's outcome, for the next choice (the ranks: a second read, small)
+        if self.load is not None:  # the round's outcome, for the next choice
             idx = [i for i, a in enumerate(live) if a]
             self.load.observe(choice, streams=streams, seconds=0.0 if traced else now - t0,  # (0: not measured)
                               accepted=[len(tokens[i]) for i in idx],
-                              ranks=None if ranks is None else ranks[idx].tolist())
+                              ranks=None if rank_rows is None else rank_rows[idx])
         for slot, s in enumerate(self.active):
             if s is None:
                 continue
@@ -696,8 +704,6 @@ class CompiledRound:
     walk's host read (`read_walk`) follows the graph."""
 
     def __init__(self, device: torch.device, backend: str | None = None):
-        from ddtree.engine.compiled import _TAKES_RECOMPILE_LIMIT, RECOMPILE_LIMIT  # noqa: PLC0415
-
         opts: dict = {"fullgraph": True, "dynamic": False}
         if _TAKES_RECOMPILE_LIMIT:
             opts["recompile_limit"] = RECOMPILE_LIMIT
@@ -722,14 +728,12 @@ class CompiledRound:
             tensors.append(run.ctx)
         if run.dcache is not None:
             tensors += [*run.dcache.keys, *run.dcache.values, run.dcache.length]
-        from ddtree.engine.gdn import commit as gdn_commit  # noqa: PLC0415 (a hybrid's states)
-
         for i in kv.linear:  # the GDN layers' states (per state index), and their stacked form where adopted
             layer = kv.cache.layers[i]
             for states in (getattr(layer, "conv_states", None), getattr(layer, "recurrent_states", None)):
                 found = states.values() if isinstance(states, dict) else states if isinstance(states, list) else ()
                 tensors += [t for t in found if isinstance(t, torch.Tensor)]
-        stacked = kv.cache.__dict__.get(gdn_commit._STATES_ATTR)  # (conv_all, rec_all, ...)
+        stacked = kv.cache.__dict__.get(gdn.commit._STATES_ATTR)  # (conv_all, rec_all, ...)
         if stacked is not None:
             tensors += [t for t in stacked[1:3] if isinstance(t, torch.Tensor)]
         for t in tensors:  # (an attribute on the tensor: idempotent, microseconds)
@@ -737,8 +741,6 @@ class CompiledRound:
 
     def __call__(self, run: BatchRun, plan: tuple) -> tuple:
         """The round's graph call; `traced` tells whether this call compiled a graph (its seconds are not a round's)."""
-        from torch._dynamo.utils import counters  # noqa: PLC0415
-
         self.pin(run)
         graphs = counters["stats"]["unique_graphs"]
         out = self._run(self.graph, run, *plan)
@@ -754,7 +756,6 @@ class CompiledRound:
             with torch._dynamo.config.patch(recompile_limit=self.limit):
                 out = graph(*args)
         if self.cudagraphs:  # the next replay reuses the pool
-            from ddtree.engine.compiled import _owned  # noqa: PLC0415
             out = _owned(out)
         return out
 
@@ -776,17 +777,14 @@ def _windows(model) -> dict[str, int | None]:
 
 
 def _gdn_context(kv: SlotKV, tree: bt.BatchTree):
-    import contextlib  # noqa: PLC0415
     if not kv.linear:
         return contextlib.nullcontext()
-    from ddtree.engine import verification  # noqa: PLC0415
     # (flex attention: not for a BatchTree, which passes its own mask; stated, so a compiled round reads no option)
     return verification.tree_verification(tree, flex_compile=False)
 
 
 def _no_stage(name: str):
     """A compiled round's stages: one graph, timed as a whole (as "verify": BatchRun.round)."""
-    import contextlib  # noqa: PLC0415
     return contextlib.nullcontext()
 
 

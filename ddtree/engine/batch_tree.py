@@ -273,7 +273,11 @@ def batch_walk_tensors(tree: BatchTree, choice: torch.Tensor) -> tuple[torch.Ten
 def read_walk(packed: torch.Tensor, N: int) -> list[list[int]]:
     """The round's one host read: per stream its accepted draft tokens then the bonus token, from
     batch_walk_tensors' packed tensor."""
-    host = packed.tolist()
+    return walk_lists(packed.tolist(), N)
+
+
+def walk_lists(host: list[int], N: int) -> list[list[int]]:
+    """read_walk's lists from the packed tensor's values already on the host (a read that carries more with it)."""
     if len(host) == N:  # the roots alone: the bonus tokens
         return [[t] for t in host]
     m = (len(host) - 2 * N) // N
