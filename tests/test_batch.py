@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from batch_support import per_round_at
 
 from ddtree.engine.drafter.dflash2 import Candidates, DFlash2Drafter
 from ddtree.engine.drafter.model import DFlashDrafter
@@ -75,21 +76,9 @@ def test_sliding_windows_sinks_moe_and_mla_targets_batched(model_type):
 def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
     """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them. And generate_many
     with one slot at T = 0 is the one-stream engine's generate (the same results, its rounds)."""
-    from ddtree.engine import batch
-    from ddtree.testing.dispatch import DispatchCount
-
     target, drafter, prompts = toy_pure
-    per_round = {}
     with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
-        for n in (1, 8):  # (the batched round itself: generate_many runs the one-stream round at one slot, T = 0)
-            run = lambda: batch.generate_many(engine, [prompts[0]] * n, n, 0.0, 24, None, 0, 16)  # noqa: E731, B023
-            run()  # constants cached per shape
-            with DispatchCount() as c:
-                results = run()
-            rounds = results[0].rounds
-            assert all(r.rounds == rounds for r in results)
-            per_round[n] = (c.total(c.kernel_ops, exclude=("prefill", "other")) / rounds,
-                            c.total(c.syncs, exclude=("prefill", "other")) / rounds)
+        per_round = {n: per_round_at(engine, prompts[0], n, 24, 16) for n in (1, 8)}
     assert per_round[8] == per_round[1]
     assert per_round[1][1] == 1  # one host read a round, for every stream together
     with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
@@ -216,22 +205,13 @@ def test_a_dflash2_drafter_batched_drafts_as_it_does_alone(toy_dflash2, method, 
     """DDTree with pair scores (scoring=auto: pair for a DFlash2 drafter) and with marginal scores, and the selector's
     chain (method=dflash), 5 prompts through 3 slots: each stream greedy decoding of its prompt alone, drafted round by
     round as the one-stream engine drafts it (the same acceptance lengths); ops a round the same at 1 and 4 streams."""
-    from ddtree.engine import batch
-    from ddtree.testing.dispatch import DispatchCount
 
     target, drafter, prompts = toy_dflash2
     with Engine(target, drafter, method=method, budget=16, compile="false", scoring=scoring) as engine:
         assert type(engine.proposer).__name__ == proposer
         alone = [engine.generate(p, max_new_tokens=40, stop_token_ids=[STOP]) for p in prompts]
         results = engine.generate_many(prompts, concurrency=3, max_new_tokens=40, stop_token_ids=[STOP])
-        per_round = {}
-        for n in (1, 4):  # batch.generate_many: the batched round itself, also at one slot
-            run = lambda: batch.generate_many(engine, [prompts[1]] * n, n, 0.0, 24, None, 0, 16)  # noqa: E731, B023
-            run()  # constants cached per shape
-            with DispatchCount() as c:
-                rounds = run()[0].rounds
-            per_round[n] = (c.total(c.kernel_ops, exclude=("prefill", "other")) / rounds,
-                            c.total(c.syncs, exclude=("prefill", "other")) / rounds)
+        per_round = {n: per_round_at(engine, prompts[1], n, 24, 16) for n in (1, 4)}
     for ids, one, r in zip(prompts, alone, results, strict=True):
         assert r.output_ids == hf_greedy(target, ids, 40, STOP)
         assert r.acceptance_lengths == one.acceptance_lengths

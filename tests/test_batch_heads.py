@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from batch_support import per_round_at
 
 from ddtree.engine.loop import Engine
 from ddtree.tiny import tiny_model
@@ -79,22 +80,11 @@ def test_a_head_tree_round_dispatches_the_same_ops_at_one_stream_and_at_four(hyb
     """Ops per round (draft, tree, verify, commit) of the MTP tree do not grow with the streams, and one host read a
     round serves them all. (batch.generate_many directly: Engine.generate_many with one slot at T = 0 runs the
     one-stream round.)"""
-    from ddtree.engine import batch
-    from ddtree.testing.dispatch import DispatchCount
 
     target, head = hybrid_head
     prompt = _prompts((6,))[0]
-    per_round = {}
     with Engine(target, head, method="mtp", steps=3, topk=2, budget=8, compile="false") as engine:
-        for n in (1, 4):
-            run = lambda: batch.generate_many(engine, [prompt] * n, n, 0.0, 12, None, 0, 8)  # noqa: E731, B023
-            run()  # constants cached per shape
-            with DispatchCount() as c:
-                results = run()
-            rounds = results[0].rounds
-            assert all(r.rounds == rounds for r in results)
-            per_round[n] = (c.total(c.kernel_ops, exclude=("prefill", "other")) / rounds,
-                            c.total(c.syncs, exclude=("prefill", "other")) / rounds)
+        per_round = {n: per_round_at(engine, prompt, n, 12, 8) for n in (1, 4)}
     assert per_round[4] == per_round[1]
     assert per_round[1][1] == 1
 
