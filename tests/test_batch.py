@@ -97,6 +97,14 @@ def test_refusals_are_one_line(toy_pure):
             engine.generate_many(prompts, concurrency=0)
     with Engine(target, drafter, method="ddtree", budget=16, compile="false", scoring="marginal") as engine:
         assert engine.generate_many(prompts[:1], concurrency=2, max_new_tokens=4)[0].num_new_tokens == 4
+    from ddtree.engine.proposers import ARProposer
+
+    with Engine(target, None, method="ar", proposer=ARProposer(), compile="false") as engine:  # not the method's own
+        with pytest.raises(ConfigError, match="custom proposer"):
+            engine.generate_many(prompts[:2], concurrency=2)
+    with Engine(target, drafter, method="dflash", compile="false") as engine:
+        with pytest.raises(ConfigError, match="budget=auto"):
+            engine.generate_many(prompts[:2], concurrency=2, budget="auto")
 
 
 def test_an_eagle3_chain_batched_drafts_as_it_does_alone():

@@ -41,11 +41,10 @@ from ddtree.engine.timing import StageTimer
 from ddtree.engine.tree import tree_size
 from ddtree.errors import ConfigError
 
-__all__ = ["BATCH_METHODS", "BatchRun", "CompiledRound", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks",
+__all__ = ["BatchRun", "CompiledRound", "SlotDrafterCache", "SlotKV", "generate_many", "round_masks",
            "why_not_compiled"]
 
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
-BATCH_METHODS = ("ar", "dflash", "ddtree", "mtp", "eagle3")  # mtp and eagle3: their chains and EAGLE-2 trees
 # budget="auto" (method=ddtree): the DDTree budgets LoadBudget weighs each round, besides the chain and no draft
 AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 
@@ -258,15 +257,8 @@ class _Stream:
 
 
 def check_batch_method(engine) -> None:
-    """Refuse, in one line, what the batched round does not run (yet)."""
-    method, proposer = engine.method, engine.proposer
-    runs = "ar, dflash, ddtree (marginal and pair scoring), mtp and eagle3"
-    if method not in BATCH_METHODS:
-        raise ConfigError("concurrency", f"method={method} does not run batched yet (concurrency > 1 runs {runs})",
-                          "use concurrency=1 for this method")
-    if type(proposer).__name__ not in ("ARProposer", "DFlashProposer", "DDTreeProposer", "MTPProposer",
-                                       "Eagle3Proposer", "DFlash2ChainProposer", "DFlash2MarginalProposer",
-                                       "PairTreeProposer"):
+    """Refuse, in one line, what the batched round does not run: every method's own proposer runs, a custom one not."""
+    if engine.custom_proposer:
         raise ConfigError("concurrency", "a custom proposer does not run batched", "use concurrency=1")
 
 
@@ -290,7 +282,7 @@ class BatchRun:
         self.engine, self.model, self.binding, self.proposer = engine, engine.target, engine.binding, engine.proposer
         self.method, self.temperature, self.max_new, self.seed = engine.method, temperature, max_new_tokens, seed
         self.auto = budget == "auto"
-        if self.auto and self.method != "ddtree":
+        if self.auto and not engine.spec.auto_budget:
             raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={self.method} has "
                               "none", "use method=ddtree with budget=auto, or a number")
         self.budget = None if self.auto else budget
@@ -306,7 +298,7 @@ class BatchRun:
         self.prompts = prompts
         self.dev = dev = self.binding.device
         self.slots = n = max(1, min(concurrency, len(prompts)))
-        self.drafts = self.method != "ar"
+        self.drafts = engine.spec.tree != "root"
         self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts step by step
         self.steps = self.proposer.steps if self.head is not None else 0
         # a proposer's own trees (a DFlash2 selector's walk and pair trees): from the block's final hidden rows too
@@ -318,8 +310,9 @@ class BatchRun:
         text = self.model.config.get_text_config()
         self.vocab = vocab = text.vocab_size
         most = max(AUTO_CANDIDATES) if self.auto else (self.budget or 1)
-        nodes = 1 if not self.drafts else (self.block if self.method != "ddtree"
-                                           else max(self.block, 1 + tree_size(most, self.block - 1, vocab)))
+        block_tree = self.head is None and engine.spec.tree == "tree"  # DDTree's best-first (a head's: below)
+        nodes = 1 if not self.drafts else (max(self.block, 1 + tree_size(most, self.block - 1, vocab)) if block_tree
+                                           else self.block)
         if self.topk > 1:  # the head's tree: the budget best of its pool (k at depth 1, then k * k a step)
             nodes = 1 + min(self.budget, self.topk + (self.steps - 1) * self.topk ** 2)
         self.capacity = max(p.shape[1] for p in prompts) + max_new_tokens + nodes + self.block + 1
@@ -478,7 +471,7 @@ class BatchRun:
             kind = "root"
         elif self.head is not None:  # its chain, or its EAGLE-2 tree (topk > 1)
             kind = "tree" if self.topk > 1 else "chain"
-        elif self.method == "dflash" or (choice is not None and choice.kind == "chain"):
+        elif self.engine.spec.tree == "chain" or (choice is not None and choice.kind == "chain"):
             kind = "chain"
         else:
             kind = "tree"

@@ -110,7 +110,7 @@ class Engine:
         # budget="auto": the tree chosen every round from the load (ddtree.engine.adaptive, through generate_many);
         # the proposer is built for the largest candidate
         self.load_budget = None  # budget="auto"'s controller (ddtree.engine.adaptive), made by the first batched call
-        self.budget_auto = budget == "auto" and method == "ddtree"
+        self.budget_auto = budget == "auto" and get_method(method).auto_budget
         if budget == "auto":
             if not self.budget_auto and get_method(method).reads_budget:
                 raise ConfigError("budget", f"budget=auto chooses DDTree's tree every round; method={method} has none",
@@ -135,7 +135,7 @@ class Engine:
         if self.spec.reads_budget and budget:  # a tree that cannot fit is refused here, not by the allocator
             check_tree_memory(target.config.get_text_config().to_dict(), budget, target.dtype.itemsize,
                               str(target.device))
-        custom = proposer is not None
+        custom = self.custom_proposer = proposer is not None
         if proposer is None:
             if self.spec.drafter_kind is not None:  # its row's check of the pair (a DFlash drafter's widths, ...)
                 self.spec.drafter_kind.check(target, drafter)

@@ -154,12 +154,6 @@ def check_concurrency(rc: RunConfig) -> None:
     if n > 1 and rc.engine != "native":
         raise ConfigError("concurrency", f"engine={rc.engine} decodes one prompt at a time (the authors' code has no "
                           "batched round)", "use engine=native, or concurrency=1")
-    if n > 1:  # the methods the batched round runs (ddtree.engine.batch; imported only when asked for)
-        from ddtree.engine.batch import BATCH_METHODS
-
-        if rc.method not in BATCH_METHODS:
-            raise ConfigError("concurrency", f"method={rc.method} does not run batched yet (concurrency > 1 runs "
-                              f"{', '.join(BATCH_METHODS)})", "use concurrency=1 for it")
 
 
 def check_validation(rc: RunConfig) -> None:
