@@ -402,6 +402,9 @@ class MeasuredCost(RoundCost):
         # none): a round does not get cheaper with more work; nor below half the fastest round measured
         below = [m for (t, dr2), m in self._by_streams.get(int(streams), {}).items()
                  if t <= choice.tokens and (choice.drafted or not dr2)]
+        own = self._median.get((int(streams), choice.tokens, choice.drafted))
+        if own is not None:  # measured at this load: its median (never below a cheaper draft's)
+            return max(own, *below)
         return max(float(s), 0.5 * self._floor, *below)
 
     def describe(self) -> dict[str, Any]:
@@ -428,9 +431,11 @@ class Prediction:
         return streams * self.tau / self.seconds
 
 
-def predictions(streams: int, taus: Mapping[Choice, float], cost: RoundCost) -> list[Prediction]:
-    """Each option's prediction at `streams` live streams from its tau a stream and the cost."""
-    return [Prediction(c, float(t), cost.seconds(streams, c)) for c, t in taus.items()]
+def predictions(streams: int, taus: Mapping[Choice, float], cost: RoundCost, rows: int | None = None
+                ) -> list[Prediction]:
+    """Each option's prediction at `streams` live streams from its tau a stream and the cost of a round over `rows`
+    batch rows (the slots the round computes, live or free; None: `streams`)."""
+    return [Prediction(c, float(t), cost.seconds(rows or streams, c)) for c, t in taus.items()]
 
 
 def best(streams: int, preds: Sequence[Prediction]) -> Prediction:
@@ -544,28 +549,31 @@ class LoadBudget:
         """tau over the rank model's prediction."""
         return self.tau(choice) / self.raw_taus()[choice]
 
-    def predict(self, streams: int) -> list[Prediction]:
-        """Every option's prediction at `streams` live streams (a measured cost: once calibrated)."""
-        return predictions(streams, {c: self.tau(c) for c in self.options}, self.cost)
+    def predict(self, streams: int, rows: int | None = None) -> list[Prediction]:
+        """Every option's prediction at `streams` live streams in a round over `rows` batch rows (None: `streams`;
+        a measured cost: once calibrated)."""
+        return predictions(streams, {c: self.tau(c) for c in self.options}, self.cost, rows)
 
-    def choose(self, streams: int) -> Choice:
-        """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`."""
+    def choose(self, streams: int, rows: int | None = None) -> Choice:
+        """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`.
+        rows: the batch rows the round computes (its slots, free ones included: the cost's load; None: `streams`)."""
         if streams < 1:
             raise ValueError(f"LoadBudget.choose: streams must be >= 1, not {streams}")
+        rows = max(int(rows or streams), streams)
         n = len(self.history)
         explore, pred = None, None
-        todo = self._calibration(streams)
+        todo = self._calibration(streams, rows)
         if todo:
             pick, explore = todo[0], "calibration"
         else:
-            preds = self.predict(streams)
+            preds = self.predict(streams, rows)
             pred = best(streams, preds)
             floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
             near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
                           key=lambda p: -p.rate(streams))
             # a load above every one measured so far (a run's tail, where streams end, is not explored again)
-            higher = self._band(streams) >= self._top_band
-            fresh = ([p for p in near if (self._band(streams), p.choice) not in self._tried]
+            higher = self._band(rows) >= self._top_band
+            fresh = ([p for p in near if (self._band(rows), p.choice) not in self._tried]
                      if self.cost.measured and higher else [])
             if fresh:
                 pred, explore = fresh[0], "load"
@@ -584,7 +592,7 @@ class LoadBudget:
         """The load band of a stream count (bands 25 % apart: 1, 2, 3, 4, 5, 6-7, 8-9, …)."""
         return round(math.log(streams) / math.log(1.25))
 
-    def _calibration(self, streams: int) -> list[Choice]:
+    def _calibration(self, streams: int, rows: int) -> list[Choice]:
         """The options a measured cost still has to measure at this load, fewest tokens first: those without a
         measured round, less those that cannot win. A round's cost does not fall with more verified tokens, nor from
         drafting, so an option costs at least what any measured option with no more tokens (and no draft where it
@@ -594,8 +602,8 @@ class LoadBudget:
         todo = [c for c in self.options if self.cost.rounds(c) < 1]
         done = [c for c in self.options if self.cost.rounds(c) >= 1]
         if todo and done:
-            taus = {p.choice: p.tau for p in self.predict(streams)}
-            secs = {c: self.cost.seconds(streams, c) for c in done}
+            taus = {p.choice: p.tau for p in self.predict(streams, rows)}
+            secs = {c: self.cost.seconds(rows, c) for c in done}
             top = max(streams * taus[c] / secs[c] for c in done)
             keep = []
             for c in todo:
@@ -607,8 +615,10 @@ class LoadBudget:
         return sorted(todo, key=lambda c: c.tokens)
 
     def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
-                ranks: Sequence[Sequence[int]] | None = None) -> None:
-        """The round's outcome: its wall `seconds`, per stream the tokens committed (the bonus token included) and
+                ranks: Sequence[Sequence[int]] | None = None, rows: int | None = None) -> None:
+        """The round's outcome: its wall `seconds` (of a round over `rows` batch rows: None, `streams`), per stream
+        the tokens it kept (the bonus token included; a stream's output cut at its stop token or its max_new_tokens
+        keeps only those: the rate the rule weighs is of the outputs) and
         per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
         rejected depth (lists, or one array [streams, depths] with -1 past each stream's last depth, as the round's
         host read gives them; None for AR rounds; a drafted round without them still updates its option's correction, so
@@ -623,9 +633,10 @@ class LoadBudget:
         self._pending = None
         self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
         self._runs[choice] += 1
-        self._tried.add((self._band(streams), choice))
-        self._top_band = max(self._top_band, self._band(streams))
-        self.cost.observe(streams, choice, seconds)
+        rows = max(int(rows or streams), streams)
+        self._tried.add((self._band(rows), choice))
+        self._top_band = max(self._top_band, self._band(rows))
+        self.cost.observe(rows, choice, seconds)
         if rec is not None:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
         if not choice.drafted:

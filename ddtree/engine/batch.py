@@ -331,6 +331,7 @@ class BatchRun:
         self.ctx: torch.Tensor | None = None
         self.ctx_count = torch.zeros(n, dtype=torch.long, device=dev)  # its real rows
         self.ctx_max = 0  # rows queued behind the drafter's last read (budget=auto's AR rounds), at most
+        self.unread: dict[int, torch.Tensor] = {}  # slot -> its prompt's features, not yet in its drafter rows
         self.results: list[GenerationResult | None] = [None] * len(prompts)
         self.queue = list(range(len(prompts)))
         self.embed = self.model.get_input_embeddings()
@@ -366,15 +367,12 @@ class BatchRun:
         self.roots[slot] = root
         if self.head is not None:
             self._join_head(slot, ids, feats, root)
-        elif self.drafts:  # the prompt's features into the slot's drafter rows (a forward of the slot alone)
+        elif self.drafts:  # the prompt's features reach the slot's drafter rows before its first drafted round
             if self.dcache is None:
                 self.dcache = SlotDrafterCache.empty(self.proposer.drafter, self.slots, self.capacity, self.block)
-            view = self.dcache.slot(slot)
-            view.length.zero_()
-            view.count = torch.full((1,), p, dtype=torch.long, device=dev)
-            x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:1])
-            self.proposer.drafter(x, feats, torch.arange(p, device=dev)[None], p + self.offsets, cache=view)
+            self.dcache.slot(slot).length.zero_()
             self.ctx_count[slot] = 0
+            self.unread[slot] = feats
         now = time.perf_counter()
         r = GenerationResult(output_ids=[], method=self.method, prompt_len=p, temperature=self.temperature,
                              budget=(self.budget if self.engine.spec.reads_budget else None),
@@ -387,6 +385,18 @@ class BatchRun:
             self.finish(slot, now)
         elif self.max_new <= 1:
             self.finish(slot, now)
+
+    def read_prompts(self) -> None:
+        """The prompts joined since the last drafted round into their slots' drafter rows, a forward of each slot
+        alone (as its prefill): before the next drafted round, so a budget=auto run of AR rounds never pays them. The
+        rows its AR rounds queued (`ctx`) follow them."""
+        for slot, feats in self.unread.items():
+            p = feats.shape[1]
+            view = self.dcache.slot(slot)
+            view.count = torch.full((1,), p, dtype=torch.long, device=self.dev)
+            x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:1])
+            self.proposer.drafter(x, feats, torch.arange(p, device=self.dev)[None], p + self.offsets, cache=view)
+        self.unread.clear()
 
     def _join_head(self, slot: int, ids: torch.Tensor, feats: torch.Tensor, root: torch.Tensor) -> None:
         """A head's rows of the prompt (row r: the target's state at r with token r + 1), all but the last one, which
@@ -460,6 +470,7 @@ class BatchRun:
         self.results[stream.index] = stream.result
         self.active[slot] = None
         self.live[slot] = 0
+        self.unread.pop(slot, None)
 
     # ---- a round: its device work (`device_round`: one function of the slots' tensors, eager or one compiled graph
     # per plan), then the walk's one host read and the host's bookkeeping (`round`)
@@ -613,9 +624,11 @@ class BatchRun:
     def round(self) -> None:
         live = [s is not None for s in self.active]
         streams = sum(live)
-        choice = self.load.choose(streams) if self.load is not None else None
+        choice = self.load.choose(streams, self.slots) if self.load is not None else None
         plan = self.plan(choice)
         drafted = plan[0]
+        if drafted and self.unread:
+            self.read_prompts()  # (a prefill: outside the round's stages and its measured seconds, as a join)
         t0 = time.perf_counter()
         traced = False
         if self.compiled is not None and self.compiled.runs(self, plan):
@@ -634,11 +647,7 @@ class BatchRun:
         self.kv.advance([len(t) if s else 0 for t, s in zip(tokens, live, strict=True)])
         self.ctx_max = path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
         now = time.perf_counter()
-        if self.load is not None:  # the round's outcome, for the next choice
-            idx = [i for i, a in enumerate(live) if a]
-            self.load.observe(choice, streams=streams, seconds=0.0 if traced else now - t0,  # (0: not measured)
-                              accepted=[len(tokens[i]) for i in idx],
-                              ranks=None if rank_rows is None else rank_rows[idx])
+        kept = []
         for slot, s in enumerate(self.active):
             if s is None:
                 continue
@@ -650,8 +659,13 @@ class BatchRun:
             s.out.extend(new)
             s.result.acceptance_lengths.append(len(new))
             s.result.streams = max(s.result.streams, streams)
+            kept.append(len(new))
             if s.done or len(s.out) >= self.max_new:
                 self.finish(slot, now)
+        if self.load is not None:  # the round's outcome, for the next choice: the tokens the outputs kept
+            idx = [i for i, a in enumerate(live) if a]
+            self.load.observe(choice, streams=streams, seconds=0.0 if traced else now - t0,  # (0: not measured)
+                              accepted=kept, ranks=None if rank_rows is None else rank_rows[idx], rows=self.slots)
 
     def run(self) -> list[GenerationResult]:
         with torch.inference_mode():
