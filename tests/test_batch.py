@@ -185,6 +185,46 @@ def test_budget_auto_chooses_per_round_losslessly_and_the_diagnosis_shows_it(toy
     assert sum(r["rounds"] for r in doc["load"]) == load["rounds"]
 
 
+def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_drafter_only_to_draft(toy_pure):
+    """budget="auto"'s bookkeeping, against the outputs: a round's recorded tokens are those the outputs kept (all
+    rounds together: every new token but each stream's first, which its prefill gives); a run of AR rounds never
+    runs the drafter (a joined prompt reaches it before the first drafted round); the first drafted round after AR
+    rounds reads what they queued and is not measured as the round's cost; the outputs stay greedy decoding alone."""
+    from ddtree.engine.adaptive import AR, Choice, LoadBudget
+
+    target, drafter, prompts = toy_pure
+    calls = []
+    hook = drafter.register_forward_hook(lambda *_: calls.append(1))
+    script = [AR, AR, AR, Choice("chain", drafter.block_size - 1), Choice("tree", 8), AR, Choice("tree", 16)]
+
+    class Scripted(LoadBudget):  # the rule's bookkeeping, its choices scripted
+        def choose(self, streams, rows=None):
+            super().choose(streams, rows)
+            rec = self.history[-1]
+            rec.choice = script[rec.round % len(script)]
+            return rec.choice
+
+    try:
+        for controller, drafts in ((LoadBudget([], block_size=drafter.block_size, chain=False), False),
+                                   (Scripted([8, 16], block_size=drafter.block_size), True)):
+            calls.clear()
+            with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+                engine.load_budget = controller
+                results = engine.generate_many(prompts, concurrency=3, max_new_tokens=24, stop_token_ids=[STOP])
+            for ids, r in zip(prompts, results, strict=True):
+                assert r.output_ids == hf_greedy(target, ids, 24, STOP)
+            history = controller.history
+            assert sum(r.tokens for r in history) == sum(len(r.output_ids) - 1 for r in results)
+            assert bool(calls) == drafts
+            if drafts:
+                switch = [r for r in history[1:] if r.choice.drafted and history[r.round - 1].choice == AR]
+                steady = [r for r in history[1:] if r.choice.drafted and history[r.round - 1].choice.drafted]
+                assert switch and steady
+                assert all(r.seconds == 0 for r in switch) and all(r.seconds > 0 for r in steady)
+    finally:
+        hook.remove()
+
+
 TOY = ROOT / "assets" / "toy"
 
 

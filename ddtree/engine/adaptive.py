@@ -616,7 +616,8 @@ class LoadBudget:
 
     def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
                 ranks: Sequence[Sequence[int]] | None = None, rows: int | None = None) -> None:
-        """The round's outcome: its wall `seconds` (of a round over `rows` batch rows: None, `streams`), per stream
+        """The round's outcome: its wall `seconds` (of a round over `rows` batch rows: None, `streams`; 0: not
+        measured, as a drafted round after AR rounds, which reads the rows they queued: a switch's cost), per stream
         the tokens it kept (the bonus token included; a stream's output cut at its stop token or its max_new_tokens
         keeps only those: the rate the rule weighs is of the outputs) and
         per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
@@ -634,7 +635,8 @@ class LoadBudget:
         self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
         self._runs[choice] += 1
         rows = max(int(rows or streams), streams)
-        self._tried.add((self._band(rows), choice))
+        if seconds > 0 or not self.cost.measured:  # (0: a round not measured, e.g. a switch: tried again)
+            self._tried.add((self._band(rows), choice))
         self._top_band = max(self._top_band, self._band(rows))
         self.cost.observe(rows, choice, seconds)
         if rec is not None:

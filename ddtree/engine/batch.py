@@ -332,6 +332,7 @@ class BatchRun:
         self.ctx_count = torch.zeros(n, dtype=torch.long, device=dev)  # its real rows
         self.ctx_max = 0  # rows queued behind the drafter's last read (budget=auto's AR rounds), at most
         self.unread: dict[int, torch.Tensor] = {}  # slot -> its prompt's features, not yet in its drafter rows
+        self.last_drafted = True  # whether the last round drafted (the first one's drafter context: the prompts)
         self.results: list[GenerationResult | None] = [None] * len(prompts)
         self.queue = list(range(len(prompts)))
         self.embed = self.model.get_input_embeddings()
@@ -629,6 +630,9 @@ class BatchRun:
         drafted = plan[0]
         if drafted and self.unread:
             self.read_prompts()  # (a prefill: outside the round's stages and its measured seconds, as a join)
+        # a drafted round after AR rounds reads the rows they queued: a switch's cost, not the round's (budget=auto)
+        switch = drafted and not self.last_drafted
+        self.last_drafted = drafted
         t0 = time.perf_counter()
         traced = False
         if self.compiled is not None and self.compiled.runs(self, plan):
@@ -664,7 +668,7 @@ class BatchRun:
                 self.finish(slot, now)
         if self.load is not None:  # the round's outcome, for the next choice: the tokens the outputs kept
             idx = [i for i, a in enumerate(live) if a]
-            self.load.observe(choice, streams=streams, seconds=0.0 if traced else now - t0,  # (0: not measured)
+            self.load.observe(choice, streams=streams, seconds=0.0 if traced or switch else now - t0,  # 0: unmeasured
                               accepted=kept, ranks=None if rank_rows is None else rank_rows[idx], rows=self.slots)
 
     def run(self) -> list[GenerationResult]:
