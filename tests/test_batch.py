@@ -73,6 +73,37 @@ def test_sliding_windows_sinks_moe_and_mla_targets_batched(model_type):
         assert r.output_ids == hf_greedy(target, ids, 20)
 
 
+@pytest.mark.parametrize("model_type,method", [("qwen3", "ar"), ("gpt_oss", "ddtree")])
+def test_prompts_joining_at_once_prefill_in_one_forward(model_type, method):
+    """Four prompts of different lengths fill the slots in one target forward (left-padded to the longest), the two
+    queued ones join together as their slots free; on a pure and a sliding-window target (window 8 with sinks,
+    prompts past it) every stream is still HF greedy decoding of its prompt alone."""
+    attn = "eager" if model_type == "gpt_oss" else "sdpa"
+    target = tiny_model(model_type, attn_implementation=attn)
+    drafter = None if method == "ar" else DFlashDrafter.random_for_target(target.config, block_size=4, seed=1)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 120, (1, n), generator=gen) for n in (5, 13, 3, 9, 11, 6)]
+    prefills = []  # (batch, width) of each forward that keeps one row of logits: a prefill's
+
+    def seen(module, args, kwargs, out):
+        if kwargs.get("logits_to_keep") == 1:
+            prefills.append(tuple(kwargs["input_ids"].shape))
+
+    hook = target.register_forward_hook(seen, with_kwargs=True)
+    try:
+        with Engine(target, drafter, method=method, budget=8, compile="false") as engine:
+            results = engine.generate_many(prompts, concurrency=4, max_new_tokens=12)
+    finally:
+        hook.remove()
+    assert prefills[0] == (4, 13)
+    assert sum(b for b, _ in prefills) == len(prompts)  # each prompt prefilled once
+    if method == "ar":  # one token a round: the first four streams end together, the last two join at once
+        assert prefills == [(4, 13), (2, 11)]
+    for ids, r in zip(prompts, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 12)
+        assert r.ttft_s > 0 and r.prompt_len == ids.shape[1]
+
+
 def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
     """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them. And generate_many
     with one slot at T = 0 is the one-stream engine's generate (the same results, its rounds)."""

@@ -47,6 +47,9 @@ __all__ = ["BatchRun", "CompiledRound", "SlotDrafterCache", "SlotKV", "generate_
 # the methods the batched round runs (the others are refused with concurrency > 1, in one line)
 # budget="auto" (method=ddtree): the DDTree budgets LoadBudget weighs each round, besides the chain and no draft
 AUTO_CANDIDATES = (4, 8, 16, 32, 64)
+# Prompts joining at once prefill in one target forward of at most this many tokens (padding included: k prompts
+# left-padded to the longest), an attention target's (BatchRun.join)
+JOIN_TOKENS = 8192
 
 
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
@@ -113,12 +116,16 @@ class SlotKV:
         self.rows: torch.Tensor | None = None  # [N, T]: the rows this round writes (lengths + arange(T))
         self.read_end = 0  # rows [0, read_end) the round's attention reads
 
-    def seat(self, slot: int, prefilled: DynamicCache, length: int) -> None:
-        """Slot `slot` takes a stream whose prompt `prefilled` (a TargetSession's cache, batch 1) holds."""
+    def seat(self, slot: int, prefilled: DynamicCache, length: int, row: int = 0, start: int = 0) -> None:
+        """Slot `slot` takes a stream whose prompt `prefilled` (a TargetSession's cache) holds in its batch row `row`,
+        at rows start .. start + length - 1 (a left-padded prefill of several prompts: `TargetSession.prefill_many`;
+        recurrent states only from a prompt prefilled alone)."""
+        if self.linear and (row or start):
+            raise ValueError("SlotKV.seat: a hybrid target's prompt is prefilled alone (row 0, no padding)")
         for i, (g, j) in self.where.items():
             src = prefilled.layers[i]
-            self.keys[g][j, slot, :, :length].copy_(src.keys[0, :, :length])
-            self.values[g][j, slot, :, :length].copy_(src.values[0, :, :length])
+            self.keys[g][j, slot, :, :length].copy_(src.keys[row, :, start: start + length])
+            self.values[g][j, slot, :, :length].copy_(src.values[row, :, start: start + length])
         if self.linear:
             gdn.seat_linear_states(self.cache, prefilled, slot, streams=self.slots)
         self.length_list[slot] = length
@@ -269,7 +276,8 @@ class BatchRun:
     in one drafter forward, `draft`; build the trees, `trees`; verify them in one target forward, `verify`; choose,
     walk and commit, `commit`), eager or as one compiled graph (`CompiledRound`, where `compiled` is given: fixed
     shapes, `fixed`), then the walk's one host read (`bt.read_walk`) and each stream's tokens. A free slot takes
-    the next prompt between rounds (`join`: its prefill alone, then its keys, values and states seated in its row);
+    the next prompt between rounds (`join`: the prompts joining at once prefilled in one forward, a hybrid's each
+    alone, then each one's keys, values and states seated in its row);
     a slot with no stream left runs along (fixed shapes) and keeps nothing."""
 
     def __init__(self, engine, prompts: list[torch.Tensor], concurrency: int, temperature: float,
@@ -319,6 +327,9 @@ class BatchRun:
         if self.fixed:  # a bucket: calls with other prompt lengths reuse the graphs (ddtree.engine.capacity)
             self.capacity = capacity_bucket(self.capacity)
         self.windows = _windows(self.model)
+        # a hybrid target (recurrent layers: Gated DeltaNet): its joining prompts prefill alone (`join`)
+        self.recurrent = any(isinstance(layer, LinearAttentionCacheLayerMixin)
+                             for layer in DynamicCache(config=self.model.config).layers)
         self.timer = StageTimer(dev, engine.sync_timing)
         self.kv: SlotKV | None = None
         self.dcache: SlotDrafterCache | None = None
@@ -351,17 +362,41 @@ class BatchRun:
         self.t_call = time.perf_counter()
 
     # ---- streams
-    def join(self, slot: int) -> None:
-        """The next prompt takes `slot`: its prefill alone (TargetSession), seated in the slot's rows."""
-        i = self.queue.pop(0)
-        ids, dev = self.prompts[i].to(self.dev), self.dev
-        p = ids.shape[1]
-        t0 = time.perf_counter()
-        session = TargetSession(self.model, capacity=p + 1, binding=self.binding)
-        logits, feats = session.prefill(ids)
-        if self.kv is None:
-            self.kv = SlotKV(self.model, self.slots, self.capacity, session.cache)
-        self.kv.seat(slot, session.cache, p)
+    def join(self, slots: list[int]) -> None:
+        """The next prompts take `slots` (one each, in queue order): their prefills, then each seated in its slot's
+        rows. Several prompts joining an attention target at once prefill in one forward, left-padded to the
+        longest (`TargetSession.prefill_many`; up to JOIN_TOKENS padded tokens a forward); a prompt alone, or any
+        prompt of a hybrid target (its recurrent layers' state would read the padding), prefills alone
+        (`TargetSession.prefill`). A stream's ttft: its group's prefill and the seats before its own."""
+        ids = [self.prompts[i].to(self.dev) for i in self.queue[: len(slots)]]
+        at = 0
+        while at < len(ids):
+            n, width = 1, ids[at].shape[1]
+            while (not self.recurrent and at + n < len(ids)
+                   and (n + 1) * max(width, ids[at + n].shape[1]) <= JOIN_TOKENS):
+                width = max(width, ids[at + n].shape[1])
+                n += 1
+            group = [self.queue.pop(0) for _ in range(n)]
+            t0 = time.perf_counter()
+            session = TargetSession(self.model, capacity=width + 1, binding=self.binding)
+            if n == 1:
+                logits, feats = session.prefill(ids[at])
+                logits, rows, pads = logits[None], [feats], [0]
+            else:
+                logits, rows, pads = session.prefill_many(ids[at: at + n], self.windows)
+            if self.kv is None:
+                self.kv = SlotKV(self.model, self.slots, self.capacity, session.cache)
+            for r, i in enumerate(group):
+                self._seat(slots[at + r], i, ids[at + r], session.cache, r, pads[r], logits[r], rows[r], t0)
+            at += n
+
+    def _seat(self, slot: int, i: int, ids: torch.Tensor, cache: DynamicCache, row: int, start: int,
+              logits: torch.Tensor, feats: torch.Tensor | None, t0: float) -> None:
+        """Prompt i, prefilled in `cache`'s batch row `row` from row `start` on (logits [V]: after its last token,
+        feats: its rows' features), takes `slot`: its keys, values and states, seed, root, the drafter's or head's
+        rows, its result."""
+        dev, p = self.dev, ids.shape[1]
+        self.kv.seat(slot, cache, p, row, start)
         self.seeds[slot] = _stream_seed(self.seed, i)
         root = _choose(logits[None, None], self.temperature, self.seeds[slot: slot + 1],
                        torch.full((1, 1), p, device=dev))[0, 0]
@@ -674,9 +709,9 @@ class BatchRun:
     def run(self) -> list[GenerationResult]:
         with torch.inference_mode():
             while self.queue or any(s is not None for s in self.active):
-                for slot in range(self.slots):  # free slots take the next prompts (their prefill: between rounds)
-                    while self.active[slot] is None and self.queue:
-                        self.join(slot)
+                # free slots take the next prompts (their prefills: between rounds; again where one ends at once)
+                while self.queue and (free := [i for i, s in enumerate(self.active) if s is None]):
+                    self.join(free[: len(self.queue)])
                 if any(s is not None for s in self.active):
                     self.round()
         stages = self.timer.finish()

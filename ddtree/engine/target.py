@@ -263,6 +263,47 @@ class TargetSession:
         self.length = n
         return logits[-1], feats
 
+    @torch.inference_mode()
+    def prefill_many(self, prompts: list[torch.Tensor],
+                     windows: dict[str, int | None]) -> tuple[torch.Tensor, list[torch.Tensor | None], list[int]]:
+        """Several prompts ([1, p_i] each) in one forward, left-padded to the longest P: row i's prompt at rows
+        pad_i .. P - 1 of the cache's batch row i, at positions 0 .. p_i - 1 (a row's keys as its prefill alone
+        makes them), every query seeing its own row's prompt up to itself (causal; within the window on a sliding
+        layer: `windows`, the mask kinds of the model's layers and each one's window) and no padding (a padding
+        query sees itself only: no empty softmax). Every row's last token is its prompt's last: logits_to_keep=1.
+        Returns (logits [k, V], each prompt's features [1, p_i, F] or None, pads). A fresh session only; attention
+        targets only (a recurrent layer's state would read the padding): `BatchRun.join` sends hybrids alone.
+        Sliding layers keep every row here (the slots a batched round seats need the whole prompt)."""
+        if self.length or any(isinstance(layer, LinearAttentionCacheLayerMixin) for layer in self.cache.layers):
+            raise ValueError("prefill_many: a fresh session of an attention target only")
+        dev, k = self.binding.device, len(prompts)
+        lengths = [p.shape[1] for p in prompts]
+        width = max(lengths)
+        pads = [width - n for n in lengths]
+        ids = torch.zeros((k, width), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, pads[i]:] = p[0].to(dev)
+        start = torch.tensor(pads, device=dev)[:, None]  # [k, 1]: each row's first real token
+        cols = torch.arange(width, device=dev)
+        pos = (cols[None, :] - start).clamp(min=0)  # [k, P]
+        q, kcol = cols[None, :, None], cols[None, None, :]
+        seen = ((kcol <= q) & (kcol >= start[:, :, None])) | (kcol == q)  # [k, P, P]
+        lowest = torch.finfo(self.dtype).min
+        zero = torch.zeros((), dtype=self.dtype, device=dev)
+        masks = {kind: zero.where(seen if w is None else seen & (q - kcol < w), lowest)[:, None]
+                 for kind, w in windows.items()}  # [k, 1, P, P] by mask kind
+        mapping = masks if len(masks) > 1 else next(iter(masks.values()))
+        self.cache = new_cache(self.model, width + 1, full_sliding=True)
+        self._arena = None
+        kw = {"output_hidden_states": self.hidden_ids} if self.hidden_ids else {}
+        with scoped(self.binding.options):
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mapping, cache=self.cache,
+                             use_cache=True, logits_to_keep=1, **kw)
+        self.length = width
+        feats = context_features(out.hidden_states, self.feature_layers) if self.hidden_ids else None
+        rows = [None if feats is None else feats[i: i + 1, pads[i]:] for i in range(k)]
+        return out.logits[:, -1], rows, pads
+
     def lazy_head(self, tree: DraftTree) -> bool:
         """Whether a greedy round should verify `tree` with head=False and walk with `host_walk`: a
         branching tree of at least LAZY_HEAD_MIN nodes, built on the host, on a CPU lean target.
