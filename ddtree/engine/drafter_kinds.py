@@ -25,13 +25,22 @@ def _check_block_drafter(target: Any, drafter: Any) -> None:
         drafter.check_compatible(target)
 
 
+def _block_selector(drafter: Any) -> Any | None:
+    """A DFlash2 drafter's candidate selector (ddtree.engine.drafter.dflash2), None for a DFlash drafter."""
+    return getattr(drafter, "candidate_selector", None)
+
+
 def _block_pair_scores(drafter: Any) -> bool:
     """A DFlash2 drafter carries a candidate selector: its children can be scored given their parent."""
-    return getattr(drafter, "candidate_selector", None) is not None
+    return _block_selector(drafter) is not None
 
 
 def _never(drafter: Any) -> bool:
     return False
+
+
+def _none(drafter: Any) -> None:
+    return None
 
 
 def _head_tensors(name_or_path: str, revision: str | None) -> None:
@@ -63,7 +72,9 @@ class DrafterKind:
     name for its backend. needs: the docs' "needs a drafter" cell. check(target, drafter): refuse a mismatched pair
     before a proposer is built. pair_scores(drafter): whether this drafter scores children given their parent.
     attention(target backend, attention.drafter): the backend it runs. in_target(name_or_path, revision): where it is
-    read from the target's checkpoint, the preflight's look at it (before any weights load)."""
+    read from the target's checkpoint, the preflight's look at it (before any weights load). selector(drafter): its
+    training hook, the module a drafter adds a training term for beside the block loss (a DFlash2 drafter's
+    candidate selector: ddtree.train.objective.selector_loss), or None."""
 
     name: str
     checkpoint: bool
@@ -78,12 +89,13 @@ class DrafterKind:
     pair_scores: Callable[[Any], bool] = _never
     attention: Callable[[str, str], str] = _own_attention
     in_target: Callable[[str, str | None], None] | None = None
+    selector: Callable[[Any], Any | None] = _none
 
 
 # a DFlash or DFlash2 block drafter checkpoint (drafter=<name>); its block: the checkpoint's or drafter.block_size
 DFLASH = DrafterKind("dflash", checkpoint=True, from_target=False, own_attention=True, block_size=True, curve=True,
                      summary=None, attention_label="drafter", needs="yes", check=_check_block_drafter,
-                     pair_scores=_block_pair_scores)
+                     pair_scores=_block_pair_scores, selector=_block_selector)
 # the target's own MTP head (ddtree.engine.drafter.mtp), read from the target's checkpoint
 OWN_HEAD = DrafterKind("own_head", checkpoint=False, from_target=True, own_attention=False, block_size=False,
                        curve=False, summary="mtp head", attention_label="MTP head", needs="no (its own head)",
@@ -107,3 +119,4 @@ EAGLE3 = DrafterKind("eagle3", checkpoint=True, from_target=False, own_attention
                      attention=_sdpa)
 
 DRAFTER_KINDS: dict[str, DrafterKind] = {k.name: k for k in (DFLASH, OWN_HEAD, EAGLE3)}
+TRAINED_KIND = DFLASH  # the kind `python -m ddtree.train` trains (block diffusion); training asks its row (`selector`)
