@@ -79,11 +79,18 @@ ROOT = Path(__file__).resolve().parents[1]
 # --code DIR: import ddtree from DIR (an export of an older commit, e.g. `git archive main ddtree | tar -x -C DIR`)
 CODE = next((sys.argv[i + 1] for i, v in enumerate(sys.argv[:-1]) if v == "--code"), None)
 sys.path.insert(0, str(Path(CODE).resolve() if CODE else ROOT))
+if CODE:  # _common imported this checkout's ddtree already: forget it, so the import below reads DIR's
+    for _name in [m for m in sys.modules if m == "ddtree" or m.startswith("ddtree.")]:
+        del sys.modules[_name]
 
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import ddtree  # noqa: E402
-from ddtree.engine import batch  # noqa: E402
+
+try:
+    from ddtree.engine import batch  # noqa: E402
+except ImportError:  # code from before the batched round (--code): --concurrency cannot count it
+    batch = None
 from ddtree.engine.drafter import DFlashDrafter  # noqa: E402
 from ddtree.engine.drafter.config import evenly_spaced_layer_ids  # noqa: E402
 from ddtree.engine.families import model_type  # noqa: E402

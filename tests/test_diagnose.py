@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -496,3 +497,25 @@ def test_cli_diagnoses_a_tiny_sweep_and_picks_a_budget(tmp_path):
     # budget=auto is for DDTree at T = 0: one line, exit 2, before model work
     proc = _run([*small, "budget=auto", "method=dflash"], tmp_path)
     assert proc.returncode == 2 and "budget=auto" in proc.stderr and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.slow  # a CLI sweep, ~15 s: make test-slow
+def test_cli_diagnoses_a_dflash_sweep_whose_rounds_stop_short(tmp_path):
+    """A DFlash-only sweep through the CLI where no round reaches the drafter's last position (max_new_tokens=3: the
+    replay's continuation once read past the statistics, an IndexError) and where jobs run no round at all
+    (max_new_tokens=1, as an output that stops on its first token: the cross predictions once took the max of no
+    budgets). Jobs without rounds are not diagnosed; alone, they give the "no diagnosis" verdict."""
+    small = ["model=tiny_qwen3", "dataset=tiny", "dataset.max_samples=2", "tracking=none", "validation=off",
+             "baseline=false", "warmup=false", f"runs_dir={tmp_path}/runs"]
+    sweep = tmp_path / "sweep"
+    proc = _run([*small, "method=dflash", "max_new_tokens=1,3", f"hydra.sweep.dir={sweep}", "-m"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    D.main([str(sweep), "--no-plots"])  # python -m ddtree.diagnose, in this process
+    doc = json.loads((sweep / "diagnosis.json").read_text())
+    assert [m["budget"] for m in doc["measured"]] == [1] and doc["rounds"] > 0
+    assert sorted(j["rounds"] for j in doc["jobs"])[0] == 0
+    zeros = tmp_path / "zeros"  # two jobs that ran no round
+    for name in ("a", "b"):
+        shutil.copytree(sweep / "0", zeros / name)
+    D.main([str(zeros), "--no-plots"])
+    assert json.loads((zeros / "diagnosis.json").read_text())["verdict"].startswith("no diagnosis")

@@ -236,11 +236,10 @@ def test_the_layers_import_only_downward():
 
 
 # where a drafter kind may be named: its row (ddtree/engine/drafter_kinds.py), the methods table, the kinds' own files
-# (drafters, their proposers, the DFlash2 selector), the pipeline's loader table keyed by the rows' names; and, until
-# their hooks are rows too, training's DFlash2 selector loss and the testing references
+# (drafters, their proposers, the DFlash2 selector) and the testing references (independent code a test compares
+# against); the pipeline loads a drafter through its kind's row (`load`), training asks it for its term (`selector`)
 KIND_HOMES = ("ddtree/engine/drafter_kinds.py", "ddtree/engine/methods.py", "ddtree/engine/drafter/",
-              "ddtree/engine/proposers.py", "ddtree/engine/selector.py", "ddtree/pipeline/models.py",
-              "ddtree/train/objective.py", "ddtree/train/trainer.py", "ddtree/testing/")
+              "ddtree/engine/proposers.py", "ddtree/engine/selector.py", "ddtree/testing/")
 KIND_BRANCH = re.compile(r"has_selector\(|candidate_selector|drafter_kind\s*[!=]=|\b(DFLASH|OWN_HEAD)\b|"
                          r"isinstance\([^)]*(DFlashDrafter|MTPHead|DFlash2)")
 

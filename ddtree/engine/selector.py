@@ -251,22 +251,16 @@ def pair_tree(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], i
     return DraftTree(tokens, parents, depths, scores=scores, depth_bound=min(ids.shape[0], budget)), top1
 
 
-def pair_tree_tensors(root: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
+def pair_tree_tensors(roots: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
                       budget: int) -> tuple[torch.Tensor, ...]:
     """(tokens, parents, depths, scores, top1): the best-first tree of `budget` nodes under pair scores, built on the
     scores' device without a host read or a host-to-device copy (shapes fixed by budget, L and k), and per node
-    whether it is its parent's best child (the root: True; ties: the better-ranked candidate, as argmax): one stream's
-    `batch_pair_tree_tensors`."""
-    first, trans = logprobs
-    out = batch_pair_tree_tensors(root.reshape(1), (first[None], trans[None]), ids[None], budget)
-    return tuple(t[0] for t in out)
+    whether it is its parent's best child (the root: True; ties: the better-ranked candidate, as argmax).
 
-
-def batch_pair_tree_tensors(roots: torch.Tensor, logprobs: tuple[torch.Tensor, torch.Tensor], ids: torch.Tensor,
-                            budget: int) -> tuple[torch.Tensor, ...]:
-    """pair_tree_tensors of N streams at once (roots [N], logprobs ([N, k], [N, L - 1, k, k]), ids [N, L, k]; every
-    output [N, 1 + tree_size(budget, L, k)]): row i is stream i's tree, node for node (the same float32 sums and
-    stable sorts, row by row); the ops do not depend on N.
+    One stream (roots [], logprobs ([k], [L - 1, k, k]), ids [L, k]; every output [1 + tree_size(budget, L, k)]) or N
+    at once (a leading stream dimension on each: outputs [N, 1 + tree_size]): row i is stream i's tree, node for node
+    (the same float32 sums and stable sorts, row by row); the ops do not depend on N, and one stream dispatches no
+    more than the stream dimension's absence asks.
 
     A node is (position t, candidate i); its children are position t + 1's candidates, costing -trans[t, i]. Depth by
     depth a beam (five ops: the rows of the beam's candidates, the pairs' costs, a stable sort, parent and child): the
@@ -275,43 +269,44 @@ def batch_pair_tree_tensors(roots: torch.Tensor, logprobs: tuple[torch.Tensor, t
     equal costs, keeps the first 1 + budget: best first, so parents precede children (a child costs at least its
     parent, and on a tie the shallower comes first). scores: the paths' summed log-probabilities."""
     first, trans = logprobs
-    N, L, k = ids.shape
+    *lead, L, k = ids.shape  # lead: [] (one stream) or [N]
     dev = first.device
     # costs >= +0.0 (x + 0.0 turns -0.0 into +0.0, which a radix sort would put first); NaN: no candidate
     c0 = torch.nan_to_num(first.float(), nan=-math.inf).neg().clamp(min=0.0) + 0.0
     ct = torch.nan_to_num(trans.float(), nan=-math.inf).neg().clamp(min=0.0) + 0.0
-    cost, cand = c0.sort(dim=1, stable=True)
-    cost, cand = cost[:, :budget], cand[:, :budget]
+    cost, cand = c0.sort(dim=-1, stable=True)
+    cost, cand = cost[..., :budget], cand[..., :budget]
     costs, cands, parents = [cost], [cand], [torch.zeros_like(cand)]
     layout = _beam_layout.__wrapped__ if torch.compiler.is_compiling() else _beam_layout  # (a graph: its constants)
-    # [N, 1]: each stream's row, beside its beam's candidates (made here: a cached one made under inference_mode
-    # could not index a tensor autograd tracks)
-    streams = torch.arange(N, device=dev)[:, None]
+    # N streams: [N, 1], each stream's row beside its beam's candidates (made here: a cached one made under
+    # inference_mode could not index a tensor autograd tracks); one stream: nothing
+    streams = (torch.arange(lead[0], device=dev)[:, None],) if lead else ()
     for t in range(1, L):
-        rows = ct[:, t - 1][streams, cand]  # [N, beam, k]: each beam's candidates' rows
-        cost, idx = (cost[:, :, None] + rows).reshape(N, -1).sort(dim=1, stable=True)
-        cost, idx = cost[:, :budget], idx[:, :budget]
+        rows = ct[..., t - 1, :, :][(*streams, cand)]  # [..., beam, k]: each beam's candidates' rows
+        cost, idx = (cost[..., None] + rows).reshape(*lead, -1).sort(dim=-1, stable=True)
+        cost, idx = cost[..., :budget], idx[..., :budget]
         parents.append(idx.div(k, rounding_mode="floor"))
         cand = idx.remainder(k)
         costs.append(cost)
         cands.append(cand)
-    depth, offset, row, best_row, by_parent = layout(tuple(c.shape[1] for c in cands), k, dev)
+    depth, offset, row, best_row, by_parent = layout(tuple(c.shape[-1] for c in cands), k, dev)
     n = 1 + min(budget, depth.shape[0] - 1)
-    cand_all = torch.cat(cands, dim=1)
-    parent_all = torch.cat(parents, dim=1).add_(offset)  # each entry's parent's place in the list (the root: 0)
-    tok_all = torch.cat([roots.reshape(N, 1).long(), ids.reshape(N, -1).gather(1, row + cand_all)], dim=1)
+    cand_all = torch.cat(cands, dim=-1)
+    parent_all = torch.cat(parents, dim=-1).add_(offset)  # each entry's parent's place in the list (the root: 0)
+    tok_all = torch.cat([roots.reshape(*lead, 1).long(), ids.reshape(*lead, -1).gather(-1, row + cand_all)], dim=-1)
     # an entry is its parent's best child: position 0's best, or the best of its parent's candidate's row
-    best = torch.cat([first.argmax(-1, keepdim=True), trans.argmax(-1).reshape(N, -1)], dim=1)
-    pc = torch.cat([cand_all[:, :1], cand_all], dim=1).gather(1, parent_all)  # (the root's slot: unused, by_parent 0)
-    top_all = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=dev),
-                         cand_all == best.gather(1, best_row + by_parent * pc)], dim=1)
-    all_cost = torch.cat([torch.zeros(N, 1, device=dev), *costs], dim=1)
-    sel = all_cost.sort(dim=1, stable=True).indices[:, :n]
-    place = torch.zeros(N, depth.shape[0], dtype=torch.long, device=dev).scatter_(
-        1, sel, torch.arange(n, device=dev).expand(N, n))
-    parent_of = torch.cat([torch.full((N, 1), -1, dtype=torch.long, device=dev), place.gather(1, parent_all)], dim=1)
-    return (tok_all.gather(1, sel), parent_of.gather(1, sel), depth[sel], all_cost.gather(1, sel).neg(),
-            top_all.gather(1, sel))
+    best = torch.cat([first.argmax(-1, keepdim=True), trans.argmax(-1).reshape(*lead, -1)], dim=-1)
+    pc = torch.cat([cand_all[..., :1], cand_all], dim=-1).gather(-1, parent_all)  # (the root's slot: by_parent 0)
+    top_all = torch.cat([torch.ones(*lead, 1, dtype=torch.bool, device=dev),
+                         cand_all == best.gather(-1, best_row + by_parent * pc)], dim=-1)
+    all_cost = torch.cat([torch.zeros(*lead, 1, device=dev), *costs], dim=-1)
+    sel = all_cost.sort(dim=-1, stable=True).indices[..., :n]
+    place = torch.zeros(*lead, depth.shape[0], dtype=torch.long, device=dev).scatter_(
+        -1, sel, torch.arange(n, device=dev).expand(*lead, n))
+    parent_of = torch.cat([torch.full((*lead, 1), -1, dtype=torch.long, device=dev), place.gather(-1, parent_all)],
+                          dim=-1)
+    return (tok_all.gather(-1, sel), parent_of.gather(-1, sel), depth[sel], all_cost.gather(-1, sel).neg(),
+            top_all.gather(-1, sel))
 
 
 def batch_pair_tree(roots: torch.Tensor, cand, budget: int) -> BatchTree:
@@ -319,5 +314,5 @@ def batch_pair_tree(roots: torch.Tensor, cand, budget: int) -> BatchTree:
     scoring=pair): row i is `pair_tree(roots[i], pair_logprobs(cand_i, roots[i]), cand_i.ids, budget)`, cand's fields
     with a stream dimension (the drafter's `candidates` of [N, L, V] logits and [N, L, H] hidden rows). Every row
     holds the same node count (shapes fixed by budget, L and k), so no padding; no host read."""
-    tokens, parents, depths, scores, _ = batch_pair_tree_tensors(roots, pair_logprobs(cand, roots), cand.ids, budget)
+    tokens, parents, depths, scores, _ = pair_tree_tensors(roots, pair_logprobs(cand, roots), cand.ids, budget)
     return batch_full_trees(tokens, parents, depths, scores, depth_bound=min(cand.ids.shape[1], budget))

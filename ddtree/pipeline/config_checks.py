@@ -113,7 +113,7 @@ def check_run_settings(rc: RunConfig) -> None:
     method = get_method(rc.method)
     _choice("engine", rc.engine, ENGINES)
     check_scoring(rc.scoring, rc.method)
-    if method.settings:  # mtp.*, eagle3.*
+    if method.settings:  # the method's own settings group (Method.settings, e.g. mtp.*)
         check_mtp_args(method_settings(rc).steps, method_settings(rc).topk, method.settings)
     if rc.engine == "upstream" and not method.authors_code:
         raise ConfigError("engine", f"engine=upstream runs the DDTree authors' DFlash/DDTree, not method={rc.method}",

@@ -114,9 +114,9 @@ def engine_for(ctx: JobContext, method: str):
 
 
 def _draft_settings(rc: RunConfig, spec) -> dict[str, Any]:
-    """The method's own keyword arguments: the drafter's block size, mtp.* / eagle3.* steps and topk."""
+    """The method's own keyword arguments: the drafter's block size, its settings group's steps and topk (mtp.*, ...)."""
     kw = {"block_size": rc.drafter.block_size} if rc.drafter.block_size and spec.reads_block_size else {}
-    if spec.settings:  # mtp.*, eagle3.*
+    if spec.settings:  # its own settings group (Method.settings)
         settings = method_settings(rc)
         kw.update(steps=settings.steps, topk=settings.topk)
     return kw

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ddtree.engine.drafter_kinds import DFLASH, EAGLE3, OWN_HEAD
+from ddtree.engine.drafter_kinds import DrafterKind, DrafterLoad
 from ddtree.engine.methods import METHODS
 from ddtree.errors import ConfigError
 from ddtree.pipeline.schema import AUTO, RunConfig
@@ -201,29 +201,24 @@ def target_context(target) -> int | None:
 
 
 def load_drafter(rc: RunConfig, target, device: str):
-    """The DFlash drafter (None for drafter=none), checked against the target before any generation."""
+    """The job's drafter from a checkpoint (None for drafter=none): its kind's row loads it (DrafterKind.load: random
+    or from its checkpoint, checked against the target); then the scoring it allows, and its quantization."""
     d = rc.drafter
     if d.kind == "none":
         return None
-    from ddtree.engine.drafter import DFlashDrafter
     from ddtree.engine.methods import check_scoring, get_method, resolve_scoring
 
+    method = get_method(rc.method)
+    random = d.kind == "random"
+    dtype = target.dtype if random or d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
     attn = "sdpa" if rc.attention.drafter == AUTO else rc.attention.drafter  # (auto, not resolved by preflight)
-    if d.kind == "random":
-        kw = {"target_layer_ids": list(d.target_layer_ids)} if d.target_layer_ids is not None else {}
-        drafter = DFlashDrafter.random_for_target(target.config, num_layers=d.num_layers,
-                                                  block_size=d.block_size or 16, seed=d.seed,
-                                                  attn_implementation=attn, **kw)
-        drafter = drafter.to(device=device, dtype=target.dtype)
-    else:
-        dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
-        kw = {"revision": d.revision} if d.revision else {}
-        drafter = DFlashDrafter.from_pretrained(d.name_or_path, dtype=dtype, device=device,
-                                                attn_implementation=attn, **kw)
-    drafter.check_compatible(target)
+    spec = DrafterLoad(random=random, name_or_path=d.name_or_path, dtype=dtype, device=device, revision=d.revision,
+                       attention=attn, seed=d.seed, num_layers=d.num_layers, block_size=d.block_size,
+                       target_layer_ids=d.target_layer_ids)
+    drafter = method.drafter_kind.load(target, spec)
     check_scoring(rc.scoring, rc.method, drafter)
-    if get_method(rc.method).reads_scoring:  # auto, where preflight could not read the drafter's config.json
-        rc.scoring = resolve_scoring(rc.scoring, get_method(rc.method).drafter_kind.pair_scores(drafter))
+    if method.reads_scoring:  # auto, where preflight could not read the drafter's config.json
+        rc.scoring = resolve_scoring(rc.scoring, method.drafter_kind.pair_scores(drafter))
     if d.quantization is not None:
         from ddtree.pipeline.quantization import quantize_module
 
@@ -265,7 +260,7 @@ def get_models(rc: RunConfig, device: str, cache: ModelCache):
     kind = METHODS[rc.method].drafter_kind
     if kind is None:
         return cache.target, cache.tokenizer, None
-    dkey, load = DRAFTER_SOURCES[kind.name](rc, cache, device, tkey)
+    dkey, load = drafter_source(kind)(rc, cache, device, tkey)
     if cache.drafter_key != dkey:
         cache.drafter = cache.drafter_key = None  # a load that fails leaves no key naming a drafter not there
         cache.drafter = load()
@@ -273,8 +268,9 @@ def get_models(rc: RunConfig, device: str, cache: ModelCache):
     return cache.target, cache.tokenizer, cache.drafter
 
 
-def _dflash_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
-    """A DFlash drafter: its cache key and loader (engine=upstream: the authors' class holding the same tensors)."""
+def _checkpoint_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
+    """A checkpoint kind's drafter (DrafterKind.checkpoint): its cache key and loader (engine=upstream: the authors'
+    class holding the same tensors)."""
     d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
     if rc.drafter.kind == "pretrained":
         d.pop("block_size")  # applied at generate time, not at load time
@@ -287,43 +283,19 @@ def _dflash_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
             return upstream_drafter(load_upstream(rc), drafter)
         return drafter
 
-    return cache_key(tkey, d, rc.attention.drafter, rc.engine, rc.upstream.path), load
+    kind = METHODS[rc.method].drafter_kind.name
+    return cache_key(tkey, kind, d, rc.attention.drafter, rc.engine, rc.upstream.path), load
 
 
 def _own_head_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
-    """The target's own MTP head: its cache key and loader."""
+    """The target's own MTP head (DrafterKind.from_target): its cache key and loader."""
     return (cache_key(tkey, "mtp", rc.mtp.seed if rc.model.tiny is not None else None),
             lambda: load_mtp_head(rc, cache.target))
 
 
-def load_eagle3(rc: RunConfig, target, device: str):
-    """An EAGLE-3 drafter (drafter=pretrained: a checkpoint in the public layout; drafter=tiny, a tiny model built
-    in code: a random one), bound to the target (its checks) before any generation."""
-    from ddtree.engine.drafter.eagle3 import Eagle3Drafter
-
-    d = rc.drafter
-    if d.kind == "random":
-        drafter = Eagle3Drafter.random_for_target(target, seed=d.seed)
-    else:
-        dtype = target.dtype if d.dtype in (None, "auto") else torch_dtype(d.dtype, tiny=False)
-        drafter = Eagle3Drafter.from_pretrained(d.name_or_path, dtype=dtype, device=device, revision=d.revision)
-        drafter.bind(target)
-    if d.quantization is not None:
-        from ddtree.pipeline.quantization import quantize_module
-
-        quantize_module(drafter, "drafter.quantization", d.quantization)
-    return drafter.eval()
-
-
-def _eagle3_source(rc: RunConfig, cache: ModelCache, device: str, tkey: str):
-    """An EAGLE-3 drafter: its cache key and loader."""
-    d = OmegaConf.to_container(OmegaConf.structured(rc.drafter))
-    return (cache_key(tkey, "eagle3", d),
-            lambda: load_eagle3(rc, cache.target, model_device(cache.target, rc, device)))
-
-
-# how each drafter kind of the methods table (Method.drafter_kind) is keyed and loaded into a job's drafter slot
-DRAFTER_SOURCES = {DFLASH.name: _dflash_source, OWN_HEAD.name: _own_head_source, EAGLE3.name: _eagle3_source}
+def drafter_source(kind: DrafterKind):
+    """How a drafter kind is keyed and loaded into a job's drafter slot: from a checkpoint, or the target's own."""
+    return _checkpoint_source if kind.checkpoint else _own_head_source
 
 
 def load_upstream(rc: RunConfig):

@@ -60,7 +60,7 @@ def decode_shape(rec: dict[str, Any], rc: RunConfig):
     from ddtree.engine.output_check import DecodeShape
 
     spec = METHODS.get(rec.get("method"))
-    own = getattr(rc, spec.settings, None) if spec is not None and spec.settings else None  # rc.mtp, rc.eagle3
+    own = getattr(rc, spec.settings, None) if spec is not None and spec.settings else None  # rc.<Method.settings>, e.g. rc.mtp
     width = verified_rows(rec.get("method"), rec.get("budget"), rec.get("block_size"),
                           getattr(own, "steps", None), getattr(own, "topk", None))
     return DecodeShape(width=width, acceptance_lengths=rec.get("acceptance_lengths"))

@@ -371,7 +371,7 @@ def build_cells(sel: Selection, store: Store | None = None, *, samples: bool = T
         c["_jobs"][(job.method, job.budget)] = job
         if job.method == chain:
             c["dflash"] = _entry(job)
-        elif METHODS[job.method].settings:  # mtp, eagle3: their own settings (steps, topk) name the best shape
+        elif METHODS[job.method].settings:  # a settings group of its own (Method.settings: steps, topk) names the best shape
             group = METHODS[job.method].settings
             c.setdefault("mtp", []).append({**_entry(job), "shape": method_cell(
                 {"method": job.method, group: job.value(group)}) + (f" b{job.budget}" if job.budget else "")})
@@ -412,7 +412,7 @@ def _n(v: float | None) -> str:
 
 def markdown_table(cells: list[dict[str, Any]]) -> str:
     lines = []
-    mtp = any(c.get("mtp") for c in cells)  # a method with its own draft shape ran (mtp, eagle3): columns too
+    mtp = any(c.get("mtp") for c in cells)  # a method with its own draft shape ran (Method.settings): columns too
     shaped = "/".join(sorted({e["shape"].split()[0] for c in cells for e in (*(c.get("mtp") or ()), c.get("mtp_best"))
                               if e and e.get("shape")})).upper()
     for temp in sorted({c["temperature"] for c in cells}):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ddtree.engine.drafter_kinds import TRAINED_KIND
 from ddtree.train.config import SELECTOR_LOSSES
 from ddtree.train.features import Sample
 
@@ -191,7 +192,7 @@ def selector_loss(drafter, hidden: torch.Tensor, lm_head_weight: torch.Tensor, b
     w = position_weights(bs, decay, hidden.device).expand_as(labels)[valid]
     rows, tgt, before = h[valid], labels[valid], prev[valid]
     logits = drafter.head_logits(lambda x: F.linear(x, lm_head_weight.to(x.dtype), lm_head_bias), rows)
-    sel = drafter.candidate_selector
+    sel = TRAINED_KIND.selector(drafter)
     k = sel.top_k
     strict = logits.detach().topk(k, dim=-1).indices  # the serving candidate set
     covered = (strict == tgt[:, None]).any(-1)

@@ -35,6 +35,7 @@ from typing import Protocol
 import torch
 from safetensors.torch import load_file
 
+from ddtree.engine.drafter_kinds import TRAINED_KIND
 from ddtree.errors import ConfigError
 from ddtree.pipeline.distributed import World
 from ddtree.pipeline.tracking import NullRun
@@ -295,7 +296,7 @@ def accumulate(drafter, t: Training, target: FrozenTarget, stream, cfg: OptimCon
             hidden = drafter_hidden(drafter, target.embed_weight, batch, call=t.model)
             loss, stats = block_loss(hidden, target.lm_head_weight, batch.labels, drafter.block_size,
                                      cfg.loss_decay, target.lm_head_bias)
-            if getattr(drafter, "candidate_selector", None) is not None:  # DFlash2: its selector's term too
+            if TRAINED_KIND.selector(drafter) is not None:  # its row's hook (DFlash2): the selector's term too
                 sel = cfg.selector
                 extra, more = selector_loss(drafter, hidden, target.lm_head_weight, batch, cfg.loss_decay,
                                             target.lm_head_bias, rule=sel.loss, alpha=sel.alpha,
@@ -311,7 +312,7 @@ def probe_metrics(drafter, target: FrozenTarget, source: FeatureSource, cfg: Opt
     """A DFlash2 drafter's selector metrics (`objective.selector_metrics`, the block loss's beside them) on a fixed
     probe: the first micro-batch of epoch 0 with anchors of their own seed, the same blocks at every evaluation.
     Empty for a drafter without a selector."""
-    if getattr(drafter, "candidate_selector", None) is None:
+    if TRAINED_KIND.selector(drafter) is None:
         return {}
     shard, idx = epoch_microbatches(source, cfg.batch_size, 0, cfg.seed)[0]
     batch = make_batch(source.samples(shard, idx), drafter.block_size, cfg.anchors_per_seq, drafter.mask_token_id,

@@ -104,7 +104,7 @@ def diagnose(jobs: list[JobData], cost: dict[str, Any] | None = None) -> dict[st
                            "load": load_rows(jobs)}
     if not drafting:
         doc["verdict"] = ("no diagnosis: no DFlash or DDTree job here recorded its rounds (method=ar, engine=upstream, "
-                          "concurrency > 1, or runs older than the recording)")
+                          "concurrency > 1, outputs that stopped before a round, or runs older than the recording)")
         return doc
     st = collect([d for j in drafting for d in j.diagnosed])
     L = st.depth
@@ -247,6 +247,8 @@ def cross_predictions(jobs: list[JobData], L: int) -> list[dict[str, Any]]:
     for cal in jobs:
         targets = [(j.tree_budget, j.tau) for j in jobs if j.tree_budget is not None and j.tau and temp(j) == temp(cal)]
         budgets = tuple(sorted({b for b, _ in targets}))
+        if not budgets:  # no job at its temperature measured a tau
+            continue
         pred, _ = predicted_curves(collect(cal.diagnosed, L), budgets, cal.diagnosed)
         for b, tau in targets:
             rows.append({"calibration": cal.name, "calibration_budget": cal.tree_budget, "budget": b,

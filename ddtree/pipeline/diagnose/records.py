@@ -36,7 +36,9 @@ class JobData:
 
     @property
     def diagnosed(self) -> list[dict[str, Any]]:
-        return [r["diagnosis"] for r in self.records if r.get("diagnosis")]
+        """The records of generations that ran at least one round (an output that stopped on its first token, or
+        max_new_tokens=1, records none: nothing to diagnose, and no tau to predict)."""
+        return [r["diagnosis"] for r in self.records if r.get("diagnosis") and r["diagnosis"].get("depth")]
 
 
 def job_from_dir(d: Path) -> JobData | None:
