@@ -95,6 +95,8 @@ def test_the_issue_command_compiles_the_toy_pair(cli, tmp_path):
     assert s["round"]["ran"] == "compiled" and s["match_rate"] == 1.0
 
 
+@pytest.mark.slow  # fast: the engine's note in process (tests/test_compile.py::test_compile_settings_and_refusals), the
+# summary's round through the CLI (compiled, above); every default CLI job of the fast suite runs compile=auto eagerly
 def test_compile_auto_on_a_cpu_says_why_the_round_is_eager(cli, tmp_path):
     job = tmp_path / "job"
     _ok(cli("model=tiny_qwen3_5", "method=ddtree", "budget=8", *COMMON, f"runs_dir={tmp_path / 'runs'}",
