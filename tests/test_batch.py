@@ -351,7 +351,9 @@ def _compiled(target, drafter, method, budget=16, backend="eager", **kw):
                   compile_backend=backend, **kw)
 
 
-@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 16),
+# (fast: DDTree here; AR and DFlash compiled batched on the hybrid below)
+@pytest.mark.parametrize("method,budget", [pytest.param("ar", None, marks=pytest.mark.slow),
+                                           pytest.param("dflash", None, marks=pytest.mark.slow), ("ddtree", 16),
                                            pytest.param("ddtree", "auto", marks=pytest.mark.slow)])
 def test_the_compiled_batched_round_equals_the_eager_one_and_greedy_decoding(toy_pure, dynamo_clean, method, budget):
     """compile=true (dynamo tracing, fullgraph): the toy pair's 7 prompts through 3 slots (joins between rounds, stop

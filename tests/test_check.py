@@ -500,6 +500,8 @@ def test_the_cli_exits_3_on_a_suspect_output_and_2_on_a_bad_file(toy, tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow  # fast: the rule check's verdicts come from (method_side_verdict) on a tied MoE in process
+# (tests/test_output_check.py::test_a_router_tie_is_a_shape_tie_not_a_suspect), the check's verdicts above
 def test_a_moe_router_tie_is_a_shape_tie_not_a_suspect(tmp_path, monkeypatch, compose):
     """A bf16 MoE checkpoint whose routers tie on purpose (ddtree.testing.tied_routers.tied_router_model): the outputs of
     transformers' own cached greedy decoding lose by many steps in one forward at some positions, where a router

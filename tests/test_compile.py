@@ -134,7 +134,10 @@ def _dflash2_pair(model_type: str):
                                                     selector_rank=8)
 
 
-def test_a_dflash2_drafter_drafts_in_the_compiled_round(dynamo_clean):
+# the marginal tree over DFlash2's rows is DDTree's own tree build (compiled above); make test-slow runs it too
+@pytest.mark.parametrize("method,scoring", [("dflash", None), pytest.param("ddtree", "marginal", marks=pytest.mark.slow),
+                                            ("ddtree", "pair")])
+def test_a_dflash2_drafter_drafts_in_the_compiled_round(dynamo_clean, method, scoring):
     """A DFlash2 drafter (ddtree.engine.drafter.dflash2) in the compiled round, traced by dynamo on the tiny hybrid:
     its forward with the convolutions (StaticDraft, from the second round) and the selector's walk, the marginal tree
     or the pair tree as graphs. The chain and both scorings equal HF greedy and the eager engine (the same drafts:
@@ -143,33 +146,33 @@ def test_a_dflash2_drafter_drafts_in_the_compiled_round(dynamo_clean):
     overwritten at the next compiled call as under CUDA graphs (`_pool_backend`): the round reads the clones."""
     target, drafter = _dflash2_pair("qwen3_5_text")
     prompts = _prompts((5, 17))
-    for method, scoring in DFLASH2_CASES:
-        torch._dynamo.reset()
-        counters.clear()
-        with host.device_path():  # the branches a CUDA run takes (the device tree build)
-            engine = _engine(target, drafter, method, budget=10, backend=_pool_backend(), scoring=scoring)
-            engine.static.cudagraphs = True
-            eager = ddtree.Engine(target, drafter, method=method, budget=10, scoring=scoring, compile="false")
-            engine.generate(prompts[0], max_new_tokens=4)  # warm-up: the graphs are traced here
-            graphs = counters["stats"]["unique_graphs"]
-            with torch._dynamo.config.patch(error_on_recompile=True):
-                for ids in prompts:
-                    res = engine.generate(ids, max_new_tokens=NEW)
-                    assert res.output_ids == hf_greedy(target, ids, NEW), (method, scoring)
-                    ref = eager.generate(ids, max_new_tokens=NEW)
-                    assert res.acceptance_lengths == ref.acceptance_lengths, (method, scoring)
-                    assert _same_records(res.diagnosis, ref.diagnosis), (method, scoring)
-                    assert (res.round, res.round_note, res.round_fallback) == ("compiled", None, False)
-                with DispatchCount() as c:
-                    res = engine.generate(prompts[1], max_new_tokens=NEW)
-        assert graphs == 4 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
-        assert max(res.acceptance_lengths) > 1, (method, scoring)  # drafts accepted: paths through the tree
-        assert c.graphs["tree"] == c.graphs["verify"] == c.graphs["commit"] == res.rounds, (method, scoring)
-        assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
-        assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)  # the walk's, the prefill's token, the records
+    torch._dynamo.reset()
+    counters.clear()
+    with host.device_path():  # the branches a CUDA run takes (the device tree build)
+        engine = _engine(target, drafter, method, budget=10, backend=_pool_backend(), scoring=scoring)
+        engine.static.cudagraphs = True
+        eager = ddtree.Engine(target, drafter, method=method, budget=10, scoring=scoring, compile="false")
+        engine.generate(prompts[0], max_new_tokens=4)  # warm-up: the graphs are traced here
+        graphs = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for ids in prompts:
+                res = engine.generate(ids, max_new_tokens=NEW)
+                assert res.output_ids == hf_greedy(target, ids, NEW), (method, scoring)
+                ref = eager.generate(ids, max_new_tokens=NEW)
+                assert res.acceptance_lengths == ref.acceptance_lengths, (method, scoring)
+                assert _same_records(res.diagnosis, ref.diagnosis), (method, scoring)
+                assert (res.round, res.round_note, res.round_fallback) == ("compiled", None, False)
+            with DispatchCount() as c:
+                res = engine.generate(prompts[1], max_new_tokens=NEW)
+    assert graphs == 4 and counters["stats"]["unique_graphs"] == graphs and not counters["graph_break"]
+    assert max(res.acceptance_lengths) > 1, (method, scoring)  # drafts accepted: paths through the tree
+    assert c.graphs["tree"] == c.graphs["verify"] == c.graphs["commit"] == res.rounds, (method, scoring)
+    assert c.graphs["draft"] == res.rounds - 1  # the first round reads the prompt's features eagerly
+    assert c.total(c.syncs) == res.rounds + 2, dict(c.sync_names)  # the walk's, the prefill's token, the records
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dflash2"])
+# (DFlash2 embeds through the same DFlashDrafter.embed_block; its compiled round: above)
+@pytest.mark.parametrize("kind", ["dflash", pytest.param("dflash2", marks=pytest.mark.slow)])
 def test_the_compiled_drafter_embeds_the_block_times_its_scale(dynamo_clean, kind):
     """input_embedding_scale in the compiled round (StaticDraft embeds the block inside its graph): a drafter declaring
     2.0 drafts there as the eager engine does (the same acceptance lengths and diagnosis records, which carry the
@@ -659,6 +662,7 @@ def test_grouped_attention_equals_masked_gqa_attention():
     torch.testing.assert_close(out, expanded, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # inductor's code generation (~1 min on 2 shared cores); the plan serves the slow test above and bench
 def test_the_plan_counts_an_extern_kernels_view_not_its_whole_buffer(dynamo_clean):
     """A matrix product reading one slot of a stacked buffer (a GDN layer's recurrent state) is counted at the slot's
     bytes, not the stack's (Inductor's dependency is the whole buffer): what the kernel reads."""

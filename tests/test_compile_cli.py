@@ -44,8 +44,10 @@ def _ok(proc) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize(("model", "methods"), [("tiny_qwen3", "ar,dflash,ddtree"),
-                                                 ("tiny_qwen3_5", "ar,dflash,ddtree,mtp")])
+@pytest.mark.parametrize(("model", "methods"), [
+    # the pure target's compiled round through the CLI: tests/test_dflash2.py (slow) and tests/test_compile.py
+    pytest.param("tiny_qwen3", "ar,dflash,ddtree", marks=pytest.mark.slow),
+    ("tiny_qwen3_5", "ar,dflash,ddtree,mtp")])
 def test_compile_true_through_the_cli_with_compat_on(cli, tmp_path, monkeypatch, model, methods):
     monkeypatch.setenv("DDTREE_COMPILE_BACKEND", "eager")  # dynamo's graphs, no code generation (seconds)
     drafter = _sliding_drafter(tmp_path, "qwen3" if model == "tiny_qwen3" else "qwen3_5_text")
@@ -83,6 +85,8 @@ def test_compile_true_with_concurrency_runs_the_compiled_batched_round(cli, tmp_
     assert s["round"] == s["baseline_round"] == {"ran": "compiled", "why": None, "fallback": False}, s["round"]
 
 
+@pytest.mark.slow  # inductor's code generation of the toy pair (~2 min on 2 shared cores); the fast suite's compile=true
+# CLI job is the hybrid one above (dynamo's graphs), inductor's round: tests/test_compile.py (slow)
 def test_the_issue_command_compiles_the_toy_pair(cli, tmp_path):
     job = tmp_path / "job"
     _ok(cli("method=ddtree", "budget=16", "compile=true", "dataset.max_samples=2", "tracking=none",
@@ -91,6 +95,8 @@ def test_the_issue_command_compiles_the_toy_pair(cli, tmp_path):
     assert s["round"]["ran"] == "compiled" and s["match_rate"] == 1.0
 
 
+@pytest.mark.slow  # fast: the engine's note in process (tests/test_compile.py::test_compile_settings_and_refusals), the
+# summary's round through the CLI (compiled, above); every default CLI job of the fast suite runs compile=auto eagerly
 def test_compile_auto_on_a_cpu_says_why_the_round_is_eager(cli, tmp_path):
     job = tmp_path / "job"
     _ok(cli("model=tiny_qwen3_5", "method=ddtree", "budget=8", *COMMON, f"runs_dir={tmp_path / 'runs'}",

@@ -215,6 +215,8 @@ def test_a_concurrency_sweep_is_a_normal_sweep(cli, tmp_path, small):
     assert {"concurrency", "total", "latency"} <= set(table[1].split())
 
 
+@pytest.mark.slow  # the toy hybrid pair at concurrency 4 (~1 min on 2 shared cores); fast: the tiny pair batched
+# through the CLI (above), hybrid targets batched in process (tests/test_batch.py, tests/test_gdn_batch.py)
 def test_the_default_toy_job_batched_is_lossless_through_the_cli(cli, tmp_path):
     """`python -m ddtree.run concurrency=4` with every other setting at its default (the shipped hybrid toy pair,
     method=ddtree, budget 64, fp32): every output exact, both roles' throughput recorded (speed: make bench)."""

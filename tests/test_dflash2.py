@@ -304,6 +304,8 @@ def test_a_soft_cap_of_0_or_null_is_no_cap_and_a_negative_one_is_refused(saved, 
         DFlash2Drafter.from_pretrained(d)
 
 
+@pytest.mark.slow  # fast: the soft cap read from a checkpoint (above), the scale (tests/test_muse_glimmer.py), a
+# DFlash2 checkpoint through the CLI (test_cli_runs_a_dflash2_checkpoint_losslessly)
 def test_cli_runs_checkpoints_with_soft_cap_0_and_an_input_scale(cli, tmp_path, saved):
     """Two published-format checkpoints through `python -m ddtree.run` (default scoring): one declaring
     `final_logit_softcapping: 0`, one `input_embedding_scale: 2.0`; both lossless (the scale changes the drafts:
@@ -319,6 +321,8 @@ def test_cli_runs_checkpoints_with_soft_cap_0_and_an_input_scale(cli, tmp_path, 
     assert len(got) == 4 and all(s["match_rate"] == 1.0 and s["validation"]["suspect"] == 0 for s in got), got
 
 
+@pytest.mark.slow  # a three-job compiled CLI sweep; fast: tests/test_compile.py (the DFlash2 drafter's compiled round)
+# and tests/test_compile_cli.py (compile=true through the CLI)
 def test_cli_compiles_a_dflash2_round(cli, tmp_path, saved, monkeypatch):
     """compile=true through `python -m ddtree.run` (compat on; the graphs traced by dynamo: DDTREE_COMPILE_BACKEND=eager,
     tests/test_compile.py has inductor's): the chain and both scorings lossless, each job's round compiled with
@@ -345,6 +349,8 @@ def test_cli_runs_the_toy_dflash2_drafter(cli, tmp_path):
     assert all(s["tau"] > 2 for s in summaries), [s["tau"] for s in summaries]
 
 
+@pytest.mark.slow  # the toy pair at T = 1 through the CLI; fast: the DFlash2 chain's rejection sampling in process
+# (tests/test_sampling.py) and T > 0 CLI jobs in tests/test_report.py
 def test_cli_samples_the_toy_dflash2_chain(cli, tmp_path):
     """T = 1 through `python -m ddtree.run`: the toy DFlash2 chain sampled and verified by rejection against the
     selector's rows; drafts accepted, every output gets the pipeline's T > 0 verdict (ok: each token probable under
@@ -370,7 +376,9 @@ def test_cli_runs_a_dflash2_checkpoint_on_a_hybrid(cli, tmp_path):
 
 @pytest.mark.parametrize("args,expected", [
     pytest.param(("scoring=joint",), "error: scoring: unknown value 'joint'", marks=pytest.mark.slow),
-    (("drafter=tiny", "scoring=pair"), "error: scoring: pair scores come from a DFlash2 drafter"),
+    # (the engine's refusal: test_pair_scoring_needs_a_selector)
+    pytest.param(("drafter=tiny", "scoring=pair"), "error: scoring: pair scores come from a DFlash2 drafter",
+                 marks=pytest.mark.slow),
     (("CONV7",), "error: drafter.dflash_config.conv_group_size: 7 does not divide hidden_size 64"),
 ])
 def test_cli_refuses_in_one_line(cli, tmp_path, saved, args, expected):
@@ -482,6 +490,8 @@ def test_training_fits_the_selector_and_stays_lossless(tmp_path):
                                scoring=scoring).output_ids == ref
 
 
+@pytest.mark.slow  # fast: the batched pair trees in process (tests/test_batch.py), concurrency through the CLI
+# (tests/test_concurrency_run.py), the toy DFlash2 pair through the CLI (above)
 def test_cli_runs_the_toy_dflash2_pair_batched(cli, tmp_path):
     """`concurrency=3` with the toy DFlash2 drafter and the default scoring (auto: pair): the pair trees of every
     stream in one batched round (ddtree.engine.selector.batch_pair_tree), every output exact, drafts accepted."""

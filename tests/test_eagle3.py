@@ -271,6 +271,8 @@ def test_cli_default_settings_run_a_random_drafter(cli, small, tmp_path):
     assert "EAGLE-3 drafter sdpa" in proc.stdout
 
 
+@pytest.mark.slow  # two CLI jobs; fast: the checkpoint round trip and the malformed ones refused in process (above),
+# EAGLE-3 through the CLI with default settings (test_cli_default_settings_run_a_random_drafter)
 def test_cli_loads_a_checkpoint_and_refuses_a_malformed_one(cli, tmp_path):
     common = ("model=tiny_llama", "dataset=tiny", "dataset.max_samples=2", "max_new_tokens=8", "tracking=none",
               "method=eagle3", "drafter=pretrained", "eagle3.topk=2", "budget=4")

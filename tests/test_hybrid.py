@@ -26,8 +26,13 @@ def _prompts(vocab):
     return [torch.randint(0, vocab, (1, n), generator=g) for n in (3, 14)]
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("model_type", HYBRIDS)
+# the fast suite: each hybrid once, both attentions; the rest of the grid in make test-slow
+FAST_HYBRIDS = {("qwen3_5_text", "sdpa"), ("qwen3_next", "eager"), ("qwen3_5_moe_text", "sdpa")}
+
+
+@pytest.mark.parametrize("model_type,attn", [
+    pytest.param(m, a, marks=() if (m, a) in FAST_HYBRIDS else pytest.mark.slow)
+    for m in HYBRIDS for a in ("eager", "sdpa")])
 def test_hybrid_methods_equal_hf_greedy(model_type, attn):
     vocab = 12  # small vocabulary: random drafts are accepted deep
     target = tiny_model(model_type, seed=6, attn_implementation=attn, vocab_size=vocab)
@@ -136,7 +141,7 @@ def test_hybrid_ddtree_reads_the_device_once_per_round(monkeypatch):
     assert len(reads) - n_plain == 1 + recorded.rounds + 1, reads
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3"])
+@pytest.mark.parametrize("model_type", ["qwen3_5_text", pytest.param("qwen3", marks=pytest.mark.slow)])  # (KV rows too)
 def test_one_engine_over_many_prompts_equals_a_fresh_generate_each(model_type):
     """ddtree.Engine sets up once and starts only a fresh cache per generation: nothing of one prompt's state
     (KV rows, GDN states, the drafter's context, the dense mask buffer) reaches the next. Prompts of several

@@ -12,6 +12,9 @@ from ddtree.testing.reference import hf_greedy
 from ddtree.tiny import tiny_model
 
 CASES = [(t, a) for t in ("qwen3", "llama") for a in ("eager", "sdpa")]
+# the fast suite: both families, both attentions, both vocabularies; the rest of the grid in make test-slow
+FAST = {(12, "qwen3", "eager"), (96, "llama", "sdpa")}
+GRID = [pytest.param(v, t, a, marks=() if (v, t, a) in FAST else pytest.mark.slow) for v in (96, 12) for t, a in CASES]
 
 
 def _prompts(vocab):
@@ -19,8 +22,7 @@ def _prompts(vocab):
     return [torch.randint(0, vocab, (1, n), generator=g) for n in (1, 6, 19)]
 
 
-@pytest.mark.parametrize("model_type,attn", CASES)
-@pytest.mark.parametrize("vocab", [96, 12])
+@pytest.mark.parametrize("vocab,model_type,attn", GRID)
 def test_all_methods_equal_hf_greedy(model_type, attn, vocab):
     target = tiny_model(model_type, seed=2, attn_implementation=attn, vocab_size=vocab)
     drafters = {bs: DFlashDrafter.random_for_target(target.config, block_size=bs, seed=bs, num_layers=1,

@@ -197,6 +197,8 @@ def test_cli_runs_every_method_on_a_tiny_muse_glimmer(cli, tmp_path):
     assert all(_exact(s) for s in got if s["method"] != "ar"), [s["validation"] for s in got]
 
 
+@pytest.mark.slow  # a three-job CLI sweep; fast: every method through the CLI (above), a DFlash2 drafter's scaled
+# rows in process (test_the_drafter_sees_the_raw_rows_times_the_scale)
 def test_cli_runs_a_dflash2_checkpoint_on_a_tiny_muse_glimmer(cli, tmp_path):
     """A DFlash2 checkpoint for the tiny Muse-Glimmer: its chain and DDTree under both scorings (the default, auto:
     pair over a DFlash2 drafter; budget 64)."""

@@ -137,6 +137,7 @@ def _assert_no_suspect(summaries: list[dict]) -> None:
         assert "routing_flips" in v["tolerance"] and "shape_ties" in v  # the MoE evidence is recorded
 
 
+@pytest.mark.slow  # fast: a bf16 job through the CLI (above), router ties in process (tests/test_output_check.py)
 def test_a_bf16_moe_job_through_the_cli_has_no_suspect(cli, tmp_path):
     """MiniMax-M2 (issue 47's target), DDTree with the default budget, 2 prompts, 24 tokens."""
     _assert_no_suspect(_moe_job(cli, tmp_path, "minimax_m2", 0, "dataset.max_samples=2", "max_new_tokens=24"))

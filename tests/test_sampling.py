@@ -30,7 +30,9 @@ def pair(model_type: str = "qwen3"):
 
 @torch.no_grad()
 @pytest.mark.parametrize("model_type,method,budget,path", [
-    ("qwen3", "dflash", None, "cpu"), ("qwen3", "ddtree", 7, "cpu"),
+    # (fast: the DFlash chain by rejection below, the tree on the hybrid's attention and GDN layers)
+    pytest.param("qwen3", "dflash", None, "cpu", marks=pytest.mark.slow),
+    pytest.param("qwen3", "ddtree", 7, "cpu", marks=pytest.mark.slow),
     pytest.param("qwen3", "ddtree", 40, "cpu", marks=pytest.mark.slow),  # a 41-node tree (make test-slow)
     pytest.param("qwen3_5_text", "dflash", None, "cpu", marks=pytest.mark.slow),  # hybrid GDN + attention
     ("qwen3_5_text", "ddtree", 7, "cpu"),

@@ -152,6 +152,7 @@ def _cli_job(cli, small, tmp_path, *overrides: str):
     return proc.stdout, summary
 
 
+@pytest.mark.slow  # fast: attention=auto's choice for gpt-oss and its line in process (above)
 def test_gpt_oss_runs_through_the_cli_with_the_default_attention(cli, small, tmp_path):
     """No attention override: attention=auto picks eager for gpt-oss (sdpa is refused by its class) and says so."""
     out, summary = _cli_job(cli, small, tmp_path, "model.tiny.model_type=gpt_oss", "model.name=tiny_gpt_oss")
@@ -242,6 +243,8 @@ def test_quantization_settings_are_refused_before_model_work(overrides, problem,
     validate(compose("device=cpu", "model.quantization=int8", "drafter.quantization=quanto_int8"))
 
 
+@pytest.mark.slow  # fast: an int8 target through the CLI (the diagnosis sweep below, which checks the same line and
+# summary), the hybrid toy in int8 in process, the refusals in process and quanto_int4's through the CLI
 def test_a_quantized_tiny_target_runs_through_the_cli(cli, small, tmp_path):
     pytest.importorskip("torchao")
     out, summary = _cli_job(cli, small, tmp_path, "model=tiny_qwen3_5", "model.quantization=int8")
@@ -295,6 +298,11 @@ def test_the_diagnosis_shows_a_quantized_job_beside_the_unquantized_one(cli, sma
                f"hydra.sweep.dir={sweep}",
                "-m")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "quantization: target int8, drafter its own precision" in proc.stdout
+    summaries = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/summary.json"))]
+    assert sorted((s["quantization"] for s in summaries), key=lambda q: q["target"] or "") == [
+        {"target": None, "drafter": None}, {"target": "int8", "drafter": None}]
+    assert all(s["match_rate"] == 1.0 for s in summaries)
     import subprocess
     import sys
 
