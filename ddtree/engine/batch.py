@@ -52,24 +52,38 @@ AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
 
 class _SlotLayer(DynamicLayer):
-    """One attention layer of a SlotKV: its keys and values are views of the group's buffers; `update` writes a
-    round's tokens at each slot's rows (SlotKV.rows) and returns the rows every query may read."""
+    """One attention layer of a SlotKV: its keys and values are views of the group's buffers; `update_rows` (the lean
+    forward's, `update` the model's) writes a round's tokens at each slot's rows (SlotKV.rows) in one indexed write a
+    tensor and returns the rows every query may read; `attend` is the lean forward's attention over them (SlotKV's)."""
 
     is_sliding = False
 
     def __init__(self, kv: SlotKV, group: int, index: int):
         super().__init__()
         self.kv, self.group, self.index = kv, group, index
+        self.views = (kv.keys[group][index], kv.values[group][index])  # [N, kv heads, C, d] each: made once
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.update_rows(key_states.transpose(1, 2), value_states.transpose(1, 2))
+
+    def update_rows(self, key_rows: torch.Tensor, value_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() of keys and values [N, T, kv heads, d] (the projections' layout): row t of slot i at the
+        slot's row lengths_i + t, one index_put_ each (the indices: SlotKV.begin's, once a round)."""
         kv = self.kv
-        k, v = kv.keys[self.group][self.index], kv.values[self.group][self.index]
-        rows = kv.rows  # [N, T]
-        k.scatter_(2, rows[:, None, :, None].expand(key_states.shape), key_states.to(k.dtype))
-        v.scatter_(2, rows[:, None, :, None].expand(value_states.shape), value_states.to(v.dtype))
+        # (a graph selects its layer in the graph: its inputs are the group buffers, at static addresses)
+        k, v = (kv.keys[self.group][self.index], kv.values[self.group][self.index]) \
+            if torch.compiler.is_compiling() else self.views
+        slot, rows = kv.slot_col, kv.rows
+        index = [slot, None, rows]  # (the op itself: `k[slot, :, rows] = ...` views the values first)
+        torch.ops.aten.index_put_(k, index, key_rows if key_rows.dtype == k.dtype else key_rows.to(k.dtype))
+        torch.ops.aten.index_put_(v, index, value_rows if value_rows.dtype == v.dtype else value_rows.to(v.dtype))
         end = kv.read_end
         return k[:, :, :end], v[:, :, :end]
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return self.kv.attend(query, key, value, mask, scale)
 
     def get_seq_length(self) -> int:
         return self.kv.read_end
@@ -111,7 +125,9 @@ class SlotKV:
         self.length_list = [0] * slots
         self.lengths = torch.zeros(slots, dtype=torch.long, device=dev)
         self.rows: torch.Tensor | None = None  # [N, T]: the rows this round writes (lengths + arange(T))
+        self.slot_col = torch.arange(slots, device=dev)[:, None]  # [N, 1]: with `rows`, a write's index
         self.read_end = 0  # rows [0, read_end) the round's attention reads
+        self._bias: tuple | None = None  # (the round's mask, groups, its grouped bias): built by the first layer
 
     def seat(self, slot: int, prefilled: DynamicCache, length: int) -> None:
         """Slot `slot` takes a stream whose prompt `prefilled` (a TargetSession's cache, batch 1) holds."""
@@ -130,6 +146,24 @@ class SlotKV:
         a host int)."""
         self.rows = self.lengths[:, None] + torch.arange(width, device=self.device)[None, :]
         self.read_end = self.capacity if fixed else max(self.length_list) + width
+        self._bias = None
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """SDPA of query [N, H, T, d] over a layer's rows (key, value [N, kv heads, K, d]) under the round's mask
+        [N, 1, T, K], each key/value group's queries stacked along the sequence (`grouped_attention`: no key or value
+        copies, where the model's sdpa repeats them per query head); the mask tiled to the stacked rows once a round
+        (a graph: in it). Returns [N, T, H, d]."""
+        n, h, t, d = query.shape
+        groups = h // key.shape[1]
+        memo = self._bias
+        if memo is not None and memo[0] is mask and memo[1] == groups:
+            bias = memo[2]
+        else:
+            bias = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
+            if not torch.compiler.is_compiling():
+                self._bias = (mask, groups, bias)
+        return grouped_attention(query, key, value, bias, scale).transpose(1, 2)
 
     def check(self, width: int) -> None:
         """Refuse a round of `width` tokens a slot past the capacity (on the host, before the round's device work)."""
@@ -192,7 +226,7 @@ class SlotDrafterCache:
                  block: int):
         self.keys, self.values, self.length, self.block = keys, values, length, block
         self.count: torch.Tensor | None = None
-        self.rows: tuple[torch.Tensor, ...] = ()
+        self.rows: tuple = ()  # a write's index (slots, all heads, rows): write_positions'
 
     @classmethod
     def empty(cls, drafter, slots: int, capacity: int, block: int) -> SlotDrafterCache:
@@ -210,24 +244,28 @@ class SlotDrafterCache:
         return view
 
     def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The forward's positions [N, c + block] are the rows it writes; the keys are every row of the buffers."""
-        if position_ids.shape[1] > self.block:
-            self.rows = (position_ids[:, : -self.block], position_ids[:, -self.block:])
-        else:
-            self.rows = (position_ids,)
+        """The forward's positions [N, c + block] are the rows it writes (the context's padding rows: all onto the
+        buffer's last row, never read, so that no row is written twice: `BatchRun.draft`); the keys are every row of
+        the buffers."""
         n = position_ids.shape[0]
+        self.rows = (self.slot_col(n, position_ids.device), None, position_ids)
         return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
+
+    def slot_col(self, n: int, device: torch.device) -> torch.Tensor:
+        """arange(n)[:, None]: the slot index of a write (made once)."""
+        col = self.__dict__.get("_slot_col")
+        if col is None or col.shape[0] != n or torch.compiler.is_compiling():
+            col = torch.arange(n, device=device)[:, None]
+            if not torch.compiler.is_compiling():
+                self._slot_col = col
+        return col
 
     def write_rows(self, layer_idx: int, keys: torch.Tensor,
                    values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [N, n, kv heads, d] (the projections' layout) at their rows, one index_put_ each."""
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        for buf, new in ((k, keys), (v, values)):
-            new = new.transpose(1, 2).to(buf.dtype)  # [N, kv, n, d]
-            start = 0
-            for rows in self.rows:  # the context's, then the block's (over the context's padding)
-                part = new[:, :, start: start + rows.shape[1]]
-                buf.scatter_(2, rows[:, None, :, None].expand(part.shape), part)
-                start += rows.shape[1]
+        torch.ops.aten.index_put_(k, list(self.rows), keys if keys.dtype == k.dtype else keys.to(k.dtype))
+        torch.ops.aten.index_put_(v, list(self.rows), values if values.dtype == v.dtype else values.to(v.dtype))
         return k, v
 
     def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
@@ -520,9 +558,10 @@ class BatchRun:
         dcache.count = self.ctx_count
         ctx_pos = None
         if width:
-            ctx_pos = dcache.length[:, None] + torch.arange(width, device=self.dev)[None, :]
-            if self.fixed:  # padding rows past the buffer: onto its last row (past every block's end: never read)
-                ctx_pos = ctx_pos.clamp(max=self.capacity - 1)
+            at = torch.arange(width, device=self.dev)[None, :]
+            # the padding rows (past each slot's count) onto the buffer's last row (past every block's end: never
+            # read), so that the forward's rows, the block's after them, are written in one op (SlotDrafterCache)
+            ctx_pos = torch.where(at < dcache.count[:, None], dcache.length[:, None] + at, self.capacity - 1)
         hidden = self.proposer.drafter(x, self.ctx[:, :width] if width else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
         if self.proposer.draft_hidden:
