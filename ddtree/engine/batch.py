@@ -174,14 +174,12 @@ class SlotKV:
     def commit(self, path: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each slot keeps its committed rows plus its accepted path (`path` [N, K] flat node indices, padded with
         the path's last node; `lengths` [N] nodes accepted): device work only (`advance` counts them on the host)."""
-        k = path.shape[1]
-        src = self.lengths[:, None] + path
-        dst = self.lengths[:, None] + torch.arange(k, device=path.device)[None, :]
+        start = self.lengths[:, None]
+        src = [None, self.slot_col, None, start + path]  # buf[:, i, :, src_i]: [N, K, layers, heads, d]
+        dst = [None, self.slot_col, None, start + torch.arange(path.shape[1], device=path.device)]
         for bufs in (self.keys, self.values):
-            for buf in bufs:
-                layers, n, heads, _, d = buf.shape
-                s = src[None, :, None, :, None].expand(layers, n, heads, k, d)
-                buf.scatter_(3, dst[None, :, None, :, None].expand(layers, n, heads, k, d), buf.gather(3, s))
+            for buf in bufs:  # (aten's ops: the indexing syntax's own views cost ops too)
+                torch.ops.aten.index_put_(buf, dst, torch.ops.aten.index(buf, src))
         self.lengths += lengths
 
     def advance(self, host_lengths: list[int]) -> None:
@@ -196,20 +194,20 @@ def round_masks(tree: bt.BatchTree, lengths: torch.Tensor, read_end: int, dtype:
     (a key's position: its row below lengths_i, lengths_i + its depth in the tree)."""
     n, t = tree.tokens.shape
     dev = tree.tokens.device
-    cols = torch.arange(read_end, device=dev)[None, :]  # [1, K]
-    rel = cols - lengths[:, None]  # [N, K]: the column's node in the tree, where 0 <= rel < T
-    in_tree = (rel >= 0) & (rel < t)
-    node = rel.clamp(0, t - 1)
-    seen = tree.ancestors.gather(2, node[:, None, :].expand(n, t, read_end)) & in_tree[:, None, :]
-    seen |= (rel < 0)[:, None, :]
+    cols = torch.arange(read_end, device=dev)  # [K]
+    # the committed rows of each slot, then its tree's ancestors written over its tree's rows (lengths_i + a)
+    rows = lengths[:, None] + torch.arange(t, device=dev)  # [N, T]
+    seen = (cols < lengths[:, None])[:, None, :].expand(n, t, read_end).scatter(
+        2, rows[:, None, :].expand(n, t, t), tree.ancestors)
     out: dict[int | None, torch.Tensor] = {}
     lowest = torch.finfo(dtype).min
     zero = torch.zeros((), dtype=dtype, device=dev)
     for window in dict.fromkeys(windows):
         vis = seen
         if window is not None:
+            rel = cols - lengths[:, None]  # [N, K]: the column's node in the tree, where 0 <= rel < T
             qpos = lengths[:, None] + tree.depths  # [N, T]
-            kpos = torch.where(rel < 0, cols, lengths[:, None] + tree.depths.gather(1, node))
+            kpos = torch.where(rel < 0, cols, lengths[:, None] + tree.depths.gather(1, rel.clamp(0, t - 1)))
             vis = seen & ((qpos[:, :, None] - kpos[:, None, :]) < window)
         out[window] = zero.where(vis, lowest)[:, None]
     return out
@@ -769,7 +767,7 @@ class CompiledRound:
     def pin(self, run: BatchRun) -> None:
         """The slots' persistent tensors at static addresses (CUDA graphs replay on them, mutating them in place)."""
         kv, tensors = run.kv, [run.live, run.seeds, run.roots, run.ctx_count]
-        tensors += [*kv.keys, *kv.values, kv.lengths]
+        tensors += [*kv.keys, *kv.values, kv.lengths, kv.slot_col]
         if run.ctx is not None:
             tensors.append(run.ctx)
         if run.dcache is not None:
