@@ -188,15 +188,17 @@ class SlotKV:
 
 
 def round_masks(tree: bt.BatchTree, lengths: torch.Tensor, read_end: int, dtype: torch.dtype,
-                windows: Iterable[int | None]) -> dict[int | None, torch.Tensor]:
+                windows: Iterable[int | None], rows: torch.Tensor | None = None) -> dict[int | None, torch.Tensor]:
     """The round's additive masks [N, 1, T, read_end] by sliding window (None: full attention): query j of slot i
     sees its slot's committed rows and its tree's ancestors (rows lengths_i + a), within the window where one is set
-    (a key's position: its row below lengths_i, lengths_i + its depth in the tree)."""
+    (a key's position: its row below lengths_i, lengths_i + its depth in the tree). rows: lengths[:, None] +
+    arange(T), where the caller has it (SlotKV.rows)."""
     n, t = tree.tokens.shape
     dev = tree.tokens.device
     cols = torch.arange(read_end, device=dev)  # [K]
     # the committed rows of each slot, then its tree's ancestors written over its tree's rows (lengths_i + a)
-    rows = lengths[:, None] + torch.arange(t, device=dev)  # [N, T]
+    if rows is None:
+        rows = lengths[:, None] + torch.arange(t, device=dev)  # [N, T]
     seen = (cols < lengths[:, None])[:, None, :].expand(n, t, read_end).scatter(
         2, rows[:, None, :].expand(n, t, t), tree.ancestors)
     out: dict[int | None, torch.Tensor] = {}
@@ -591,7 +593,7 @@ class BatchRun:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""
         kv = self.kv
         kv.begin(tree.width, self.fixed)
-        masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values())
+        masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values(), kv.rows)
         # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
         mapping = {kind: masks[w] for kind, w in self.windows.items()} if len(self.windows) > 1 else masks[None]
         pos = kv.lengths[:, None] + tree.depths
@@ -613,7 +615,7 @@ class BatchRun:
         """Choose, walk (its device part: `read_walk` reads it after), keep each live slot's accepted path, hand the
         drafter its features. The slots' state is written in place (fixed addresses: a compiled round replays on
         them). Returns batch_walk_tensors' (path, lengths, next_root, packed)."""
-        choice = _choose(logits, self.temperature, self.seeds, pos + 1)
+        choice = _choose(logits, self.temperature, self.seeds, pos + 1 if self.temperature > 0 else None)
         path, lengths, nxt, packed = bt.batch_walk_tensors(tree, choice)
         kept = lengths * self.live  # a free slot keeps nothing
         self.kv.commit(path, kept)
@@ -836,9 +838,9 @@ def _stream_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & 0x7FFFFFFF
 
 
-def _choose(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor):
+def _choose(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor | None):
     """The target's token after each row of `logits` [N, T, V]: argmax at T = 0, else the keyed sample of stream
-    seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice)."""
+    seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice; None at T = 0)."""
     if temperature <= 0:
         return logits.argmax(-1)
     return bt.keyed_choice(logits, temperature, seeds, positions)
