@@ -174,6 +174,9 @@ class SlotKV:
     def commit(self, path: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each slot keeps its committed rows plus its accepted path (`path` [N, K] flat node indices, padded with
         the path's last node; `lengths` [N] nodes accepted): device work only (`advance` counts them on the host)."""
+        if path.shape[1] == 1:  # the root alone (an AR round): its row is where it was written
+            self.lengths += lengths
+            return
         start = self.lengths[:, None]
         src = [None, self.slot_col, None, start + path]  # buf[:, i, :, src_i]: [N, K, layers, heads, d]
         dst = [None, self.slot_col, None, start + torch.arange(path.shape[1], device=path.device)]
