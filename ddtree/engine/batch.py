@@ -274,8 +274,9 @@ class SlotDrafterCache:
     def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
              dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, int]:
         """grouped_attention's additive mask [N, 1, groups * q, Cd] of the rows written up to the block's end."""
-        written = key_positions[:, None, :] <= block_position_ids[:, -1:, None]
-        visible = _visible(block_position_ids, key_positions, window, causal) & written
+        visible = key_positions[:, None, :] <= block_position_ids[:, -1:, None]  # written
+        if window is not None or causal:  # (else every written row is visible)
+            visible = _visible(block_position_ids, key_positions, window, causal) & visible
         return grouped_bias(visible, groups, dtype), 0
 
     @staticmethod
