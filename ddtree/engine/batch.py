@@ -274,9 +274,11 @@ class SlotDrafterCache:
     def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
              dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, int]:
         """grouped_attention's additive mask [N, 1, groups * q, Cd] of the rows written up to the block's end."""
-        visible = key_positions[:, None, :] <= block_position_ids[:, -1:, None]  # written
-        if window is not None or causal:  # (else every written row is visible)
+        visible = key_positions[:, None, :] <= block_position_ids[:, -1:, None]  # written: [N, 1, Cd]
+        if window is not None or causal:
             visible = _visible(block_position_ids, key_positions, window, causal) & visible
+        else:  # every written row, for each of the block's queries
+            visible = visible.expand(-1, block_position_ids.shape[1], -1)
         return grouped_bias(visible, groups, dtype), 0
 
     @staticmethod
