@@ -125,6 +125,7 @@ class SlotKV:
         self.length_list = [0] * slots
         self.lengths = torch.zeros(slots, dtype=torch.long, device=dev)
         self.rows: torch.Tensor | None = None  # [N, T]: the rows this round writes (lengths + arange(T))
+        self.start: torch.Tensor | None = None  # [N, 1]: a view of lengths (read before the commit moves them)
         self.slot_col = torch.arange(slots, device=dev)[:, None]  # [N, 1]: with `rows`, a write's index
         self.read_end = 0  # rows [0, read_end) the round's attention reads
         self._bias: tuple | None = None  # (the round's mask, groups, its grouped bias): built by the first layer
@@ -144,7 +145,8 @@ class SlotKV:
         """A round of `width` tokens a slot: its rows, and how far the attention reads (fixed: every row of the
         capacity, under the round's mask, as the compiled round's fixed shapes want; else the longest slot's rows,
         a host int)."""
-        self.rows = self.lengths[:, None] + torch.arange(width, device=self.device)[None, :]
+        self.start = self.lengths[:, None]  # [N, 1]: each slot's first row this round (the tree's positions too)
+        self.rows = self.start + torch.arange(width, device=self.device)
         self.read_end = self.capacity if fixed else max(self.length_list) + width
         self._bias = None
 
@@ -602,7 +604,7 @@ class BatchRun:
         masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values(), kv.rows)
         # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
         mapping = {kind: masks[w] for kind, w in self.windows.items()} if len(self.windows) > 1 else masks[None]
-        pos = kv.lengths[:, None] + tree.depths
+        pos = kv.start + tree.depths
         hidden_ids = self.binding.hidden_ids if self.drafts else None
         kw = {"output_hidden_states": hidden_ids} if hidden_ids else {}
         lean = self.binding.lean  # the engine's lean forward where the family has one (its fused ops on CUDA)
