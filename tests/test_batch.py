@@ -112,6 +112,15 @@ def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
         per_round = {n: per_round_at(engine, prompts[0], n, 24, 16) for n in (1, 8)}
     assert per_round[8] == per_round[1]
     assert per_round[1][1] == 1  # one host read a round, for every stream together
+    # and at one stream no more kernel ops than the one-stream engine's round, as a GPU runs it (its device path)
+    from ddtree.engine.host import device_path
+    from ddtree.testing.dispatch import DispatchCount
+
+    with device_path(), Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+        engine.generate(prompts[0], max_new_tokens=24)
+        with DispatchCount() as c:
+            res = engine.generate(prompts[0], max_new_tokens=24)
+    assert per_round[1][0] <= c.total(c.kernel_ops, exclude=("prefill", "other")) / res.rounds
     with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
         one = engine.generate_many(prompts[:2], concurrency=1, max_new_tokens=24)
         assert [r.to_dict() | {"queued_s": 0, "ttft_s": 0, "decode_s": 0, "stage_seconds": 0, "total_s": 0,

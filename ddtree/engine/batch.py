@@ -55,24 +55,38 @@ JOIN_TOKENS = 8192
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
 
 class _SlotLayer(DynamicLayer):
-    """One attention layer of a SlotKV: its keys and values are views of the group's buffers; `update` writes a
-    round's tokens at each slot's rows (SlotKV.rows) and returns the rows every query may read."""
+    """One attention layer of a SlotKV: its keys and values are views of the group's buffers; `update_rows` (the lean
+    forward's, `update` the model's) writes a round's tokens at each slot's rows (SlotKV.rows) in one indexed write a
+    tensor and returns the rows every query may read; `attend` is the lean forward's attention over them (SlotKV's)."""
 
     is_sliding = False
 
     def __init__(self, kv: SlotKV, group: int, index: int):
         super().__init__()
         self.kv, self.group, self.index = kv, group, index
+        self.views = (kv.keys[group][index], kv.values[group][index])  # [N, kv heads, C, d] each: made once
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.update_rows(key_states.transpose(1, 2), value_states.transpose(1, 2))
+
+    def update_rows(self, key_rows: torch.Tensor, value_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """update() of keys and values [N, T, kv heads, d] (the projections' layout): row t of slot i at the
+        slot's row lengths_i + t, one index_put_ each (the indices: SlotKV.begin's, once a round)."""
         kv = self.kv
-        k, v = kv.keys[self.group][self.index], kv.values[self.group][self.index]
-        rows = kv.rows  # [N, T]
-        k.scatter_(2, rows[:, None, :, None].expand(key_states.shape), key_states.to(k.dtype))
-        v.scatter_(2, rows[:, None, :, None].expand(value_states.shape), value_states.to(v.dtype))
+        # (a graph selects its layer in the graph: its inputs are the group buffers, at static addresses)
+        k, v = (kv.keys[self.group][self.index], kv.values[self.group][self.index]) \
+            if torch.compiler.is_compiling() else self.views
+        slot, rows = kv.slot_col, kv.rows
+        index = [slot, None, rows]  # (the op itself: `k[slot, :, rows] = ...` views the values first)
+        torch.ops.aten.index_put_(k, index, key_rows if key_rows.dtype == k.dtype else key_rows.to(k.dtype))
+        torch.ops.aten.index_put_(v, index, value_rows if value_rows.dtype == v.dtype else value_rows.to(v.dtype))
         end = kv.read_end
         return k[:, :, :end], v[:, :, :end]
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        return self.kv.attend(query, key, value, mask, scale)
 
     def get_seq_length(self) -> int:
         return self.kv.read_end
@@ -114,7 +128,10 @@ class SlotKV:
         self.length_list = [0] * slots
         self.lengths = torch.zeros(slots, dtype=torch.long, device=dev)
         self.rows: torch.Tensor | None = None  # [N, T]: the rows this round writes (lengths + arange(T))
+        self.start: torch.Tensor | None = None  # [N, 1]: a view of lengths (read before the commit moves them)
+        self.slot_col = torch.arange(slots, device=dev)[:, None]  # [N, 1]: with `rows`, a write's index
         self.read_end = 0  # rows [0, read_end) the round's attention reads
+        self._bias: tuple | None = None  # (the round's mask, groups, its grouped bias): built by the first layer
 
     def seat(self, slot: int, prefilled: DynamicCache, length: int, row: int = 0, start: int = 0) -> None:
         """Slot `slot` takes a stream whose prompt `prefilled` (a TargetSession's cache) holds in its batch row `row`,
@@ -135,8 +152,27 @@ class SlotKV:
         """A round of `width` tokens a slot: its rows, and how far the attention reads (fixed: every row of the
         capacity, under the round's mask, as the compiled round's fixed shapes want; else the longest slot's rows,
         a host int)."""
-        self.rows = self.lengths[:, None] + torch.arange(width, device=self.device)[None, :]
+        self.start = self.lengths[:, None]  # [N, 1]: each slot's first row this round (the tree's positions too)
+        self.rows = self.start + torch.arange(width, device=self.device)
         self.read_end = self.capacity if fixed else max(self.length_list) + width
+        self._bias = None
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """SDPA of query [N, H, T, d] over a layer's rows (key, value [N, kv heads, K, d]) under the round's mask
+        [N, 1, T, K], each key/value group's queries stacked along the sequence (`grouped_attention`: no key or value
+        copies, where the model's sdpa repeats them per query head); the mask tiled to the stacked rows once a round
+        (a graph: in it). Returns [N, T, H, d]."""
+        n, h, t, d = query.shape
+        groups = h // key.shape[1]
+        memo = self._bias
+        if memo is not None and memo[0] is mask and memo[1] == groups:
+            bias = memo[2]
+        else:
+            bias = mask.repeat(1, 1, groups, 1) if groups > 1 else mask
+            if not torch.compiler.is_compiling():
+                self._bias = (mask, groups, bias)
+        return grouped_attention(query, key, value, bias, scale).transpose(1, 2)
 
     def check(self, width: int) -> None:
         """Refuse a round of `width` tokens a slot past the capacity (on the host, before the round's device work)."""
@@ -147,14 +183,15 @@ class SlotKV:
     def commit(self, path: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each slot keeps its committed rows plus its accepted path (`path` [N, K] flat node indices, padded with
         the path's last node; `lengths` [N] nodes accepted): device work only (`advance` counts them on the host)."""
-        k = path.shape[1]
-        src = self.lengths[:, None] + path
-        dst = self.lengths[:, None] + torch.arange(k, device=path.device)[None, :]
+        if path.shape[1] == 1:  # the root alone (an AR round): its row is where it was written
+            self.lengths += lengths
+            return
+        start = self.lengths[:, None]
+        src = [None, self.slot_col, None, start + path]  # buf[:, i, :, src_i]: [N, K, layers, heads, d]
+        dst = [None, self.slot_col, None, start + torch.arange(path.shape[1], device=path.device)]
         for bufs in (self.keys, self.values):
-            for buf in bufs:
-                layers, n, heads, _, d = buf.shape
-                s = src[None, :, None, :, None].expand(layers, n, heads, k, d)
-                buf.scatter_(3, dst[None, :, None, :, None].expand(layers, n, heads, k, d), buf.gather(3, s))
+            for buf in bufs:  # (aten's ops: the indexing syntax's own views cost ops too)
+                torch.ops.aten.index_put_(buf, dst, torch.ops.aten.index(buf, src))
         self.lengths += lengths
 
     def advance(self, host_lengths: list[int]) -> None:
@@ -163,26 +200,28 @@ class SlotKV:
 
 
 def round_masks(tree: bt.BatchTree, lengths: torch.Tensor, read_end: int, dtype: torch.dtype,
-                windows: Iterable[int | None]) -> dict[int | None, torch.Tensor]:
+                windows: Iterable[int | None], rows: torch.Tensor | None = None) -> dict[int | None, torch.Tensor]:
     """The round's additive masks [N, 1, T, read_end] by sliding window (None: full attention): query j of slot i
     sees its slot's committed rows and its tree's ancestors (rows lengths_i + a), within the window where one is set
-    (a key's position: its row below lengths_i, lengths_i + its depth in the tree)."""
+    (a key's position: its row below lengths_i, lengths_i + its depth in the tree). rows: lengths[:, None] +
+    arange(T), where the caller has it (SlotKV.rows)."""
     n, t = tree.tokens.shape
     dev = tree.tokens.device
-    cols = torch.arange(read_end, device=dev)[None, :]  # [1, K]
-    rel = cols - lengths[:, None]  # [N, K]: the column's node in the tree, where 0 <= rel < T
-    in_tree = (rel >= 0) & (rel < t)
-    node = rel.clamp(0, t - 1)
-    seen = tree.ancestors.gather(2, node[:, None, :].expand(n, t, read_end)) & in_tree[:, None, :]
-    seen |= (rel < 0)[:, None, :]
+    cols = torch.arange(read_end, device=dev)  # [K]
+    # the committed rows of each slot, then its tree's ancestors written over its tree's rows (lengths_i + a)
+    if rows is None:
+        rows = lengths[:, None] + torch.arange(t, device=dev)  # [N, T]
+    seen = (cols < lengths[:, None])[:, None, :].expand(n, t, read_end).scatter(
+        2, rows[:, None, :].expand(n, t, t), tree.ancestors)
     out: dict[int | None, torch.Tensor] = {}
     lowest = torch.finfo(dtype).min
     zero = torch.zeros((), dtype=dtype, device=dev)
     for window in dict.fromkeys(windows):
         vis = seen
         if window is not None:
+            rel = cols - lengths[:, None]  # [N, K]: the column's node in the tree, where 0 <= rel < T
             qpos = lengths[:, None] + tree.depths  # [N, T]
-            kpos = torch.where(rel < 0, cols, lengths[:, None] + tree.depths.gather(1, node))
+            kpos = torch.where(rel < 0, cols, lengths[:, None] + tree.depths.gather(1, rel.clamp(0, t - 1)))
             vis = seen & ((qpos[:, :, None] - kpos[:, None, :]) < window)
         out[window] = zero.where(vis, lowest)[:, None]
     return out
@@ -199,7 +238,7 @@ class SlotDrafterCache:
                  block: int):
         self.keys, self.values, self.length, self.block = keys, values, length, block
         self.count: torch.Tensor | None = None
-        self.rows: tuple[torch.Tensor, ...] = ()
+        self.rows: tuple = ()  # a write's index (slots, all heads, rows): write_positions'
 
     @classmethod
     def empty(cls, drafter, slots: int, capacity: int, block: int) -> SlotDrafterCache:
@@ -217,31 +256,38 @@ class SlotDrafterCache:
         return view
 
     def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """The forward's positions [N, c + block] are the rows it writes; the keys are every row of the buffers."""
-        if position_ids.shape[1] > self.block:
-            self.rows = (position_ids[:, : -self.block], position_ids[:, -self.block:])
-        else:
-            self.rows = (position_ids,)
+        """The forward's positions [N, c + block] are the rows it writes (the context's padding rows: all onto the
+        buffer's last row, never read, so that no row is written twice: `BatchRun.draft`); the keys are every row of
+        the buffers."""
         n = position_ids.shape[0]
+        self.rows = (self.slot_col(n, position_ids.device), None, position_ids)
         return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
+
+    def slot_col(self, n: int, device: torch.device) -> torch.Tensor:
+        """arange(n)[:, None]: the slot index of a write (made once)."""
+        col = self.__dict__.get("_slot_col")
+        if col is None or col.shape[0] != n or torch.compiler.is_compiling():
+            col = torch.arange(n, device=device)[:, None]
+            if not torch.compiler.is_compiling():
+                self._slot_col = col
+        return col
 
     def write_rows(self, layer_idx: int, keys: torch.Tensor,
                    values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [N, n, kv heads, d] (the projections' layout) at their rows, one index_put_ each."""
         k, v = self.keys[layer_idx], self.values[layer_idx]
-        for buf, new in ((k, keys), (v, values)):
-            new = new.transpose(1, 2).to(buf.dtype)  # [N, kv, n, d]
-            start = 0
-            for rows in self.rows:  # the context's, then the block's (over the context's padding)
-                part = new[:, :, start: start + rows.shape[1]]
-                buf.scatter_(2, rows[:, None, :, None].expand(part.shape), part)
-                start += rows.shape[1]
+        torch.ops.aten.index_put_(k, list(self.rows), keys if keys.dtype == k.dtype else keys.to(k.dtype))
+        torch.ops.aten.index_put_(v, list(self.rows), values if values.dtype == v.dtype else values.to(v.dtype))
         return k, v
 
     def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
              dtype: torch.dtype, groups: int) -> tuple[torch.Tensor, int]:
         """grouped_attention's additive mask [N, 1, groups * q, Cd] of the rows written up to the block's end."""
-        written = key_positions[:, None, :] <= block_position_ids[:, -1:, None]
-        visible = _visible(block_position_ids, key_positions, window, causal) & written
+        visible = key_positions[:, None, :] <= block_position_ids[:, -1:, None]  # written: [N, 1, Cd]
+        if window is not None or causal:
+            visible = _visible(block_position_ids, key_positions, window, causal) & visible
+        else:  # every written row, for each of the block's queries
+            visible = visible.expand(-1, block_position_ids.shape[1], -1)
         return grouped_bias(visible, groups, dtype), 0
 
     @staticmethod
@@ -556,9 +602,10 @@ class BatchRun:
         dcache.count = self.ctx_count
         ctx_pos = None
         if width:
-            ctx_pos = dcache.length[:, None] + torch.arange(width, device=self.dev)[None, :]
-            if self.fixed:  # padding rows past the buffer: onto its last row (past every block's end: never read)
-                ctx_pos = ctx_pos.clamp(max=self.capacity - 1)
+            at = torch.arange(width, device=self.dev)[None, :]
+            # the padding rows (past each slot's count) onto the buffer's last row (past every block's end: never
+            # read), so that the forward's rows, the block's after them, are written in one op (SlotDrafterCache)
+            ctx_pos = torch.where(at < dcache.count[:, None], dcache.length[:, None] + at, self.capacity - 1)
         hidden = self.proposer.drafter(x, self.ctx[:, :width] if width else None, ctx_pos,
                                        self.kv.lengths[:, None] + self.offsets, cache=dcache)
         if self.proposer.draft_hidden:
@@ -590,10 +637,10 @@ class BatchRun:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""
         kv = self.kv
         kv.begin(tree.width, self.fixed)
-        masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values())
+        masks = round_masks(tree, kv.lengths, kv.read_end, self.binding.dtype, self.windows.values(), kv.rows)
         # a dict where the model has sliding layers (transformers' mask mapping by layer type), else the mask
         mapping = {kind: masks[w] for kind, w in self.windows.items()} if len(self.windows) > 1 else masks[None]
-        pos = kv.lengths[:, None] + tree.depths
+        pos = kv.start + tree.depths
         hidden_ids = self.binding.hidden_ids if self.drafts else None
         kw = {"output_hidden_states": hidden_ids} if hidden_ids else {}
         lean = self.binding.lean  # the engine's lean forward where the family has one (its fused ops on CUDA)
@@ -612,7 +659,7 @@ class BatchRun:
         """Choose, walk (its device part: `read_walk` reads it after), keep each live slot's accepted path, hand the
         drafter its features. The slots' state is written in place (fixed addresses: a compiled round replays on
         them). Returns batch_walk_tensors' (path, lengths, next_root, packed)."""
-        choice = _choose(logits, self.temperature, self.seeds, pos + 1)
+        choice = _choose(logits, self.temperature, self.seeds, pos + 1 if self.temperature > 0 else None)
         path, lengths, nxt, packed = bt.batch_walk_tensors(tree, choice)
         kept = lengths * self.live  # a free slot keeps nothing
         self.kv.commit(path, kept)
@@ -769,7 +816,7 @@ class CompiledRound:
     def pin(self, run: BatchRun) -> None:
         """The slots' persistent tensors at static addresses (CUDA graphs replay on them, mutating them in place)."""
         kv, tensors = run.kv, [run.live, run.seeds, run.roots, run.ctx_count]
-        tensors += [*kv.keys, *kv.values, kv.lengths]
+        tensors += [*kv.keys, *kv.values, kv.lengths, kv.slot_col]
         if run.ctx is not None:
             tensors.append(run.ctx)
         if run.dcache is not None:
@@ -838,9 +885,9 @@ def _stream_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & 0x7FFFFFFF
 
 
-def _choose(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor):
+def _choose(logits: torch.Tensor, temperature: float, seeds: torch.Tensor, positions: torch.Tensor | None):
     """The target's token after each row of `logits` [N, T, V]: argmax at T = 0, else the keyed sample of stream
-    seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice)."""
+    seeds[i] at the chosen token's absolute position (ddtree.engine.batch_tree.keyed_choice; None at T = 0)."""
     if temperature <= 0:
         return logits.argmax(-1)
     return bt.keyed_choice(logits, temperature, seeds, positions)

@@ -361,9 +361,23 @@ class LeanLayer:
         layers, idx = getattr(cache, "layers", None), self.attn.layer_idx
         return getattr(layers[idx], "update_rows", None) if layers is not None and idx < len(layers) else None
 
-    def _attend(self, query, gate, key, value, mask, position_ids) -> torch.Tensor:
-        """The configured attention function over (key, value), the gate, the o projection: [B, T, hidden]."""
+    def _cache_attend(self, cache) -> Callable | None:
+        """The cache layer's own attention over the keys it returned (`attend(query, key, value, mask, scale)` ->
+        [B, T, heads, d]: the batched round's slots, ddtree.engine.batch), else None (the configured function)."""
+        layers = getattr(cache, "layers", None)
+        idx = self.attn.layer_idx
+        return getattr(layers[idx], "attend", None) if layers is not None and idx < len(layers) else None
+
+    def _attend(self, query, gate, key, value, mask, position_ids, cache=None) -> torch.Tensor:
+        """The configured attention function over (key, value) (the cache layer's own where it has one), the gate,
+        the o projection: [B, T, hidden]."""
         attn = self.attn
+        own = self._cache_attend(cache) if cache is not None else None
+        if own is not None:
+            out = own(query, key, value, mask, attn.scaling)  # [B, T, heads, d]
+            if gate is not None:
+                return self.o(gate_output(out, gate))
+            return self.o(out.reshape(*query.shape[:1], query.shape[2], -1))
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, self.eager)
         dropout = 0.0 if not attn.training else attn.attention_dropout
         gated = getattr(attend, "gated", None) if gate is not None else None
@@ -390,14 +404,14 @@ class LeanLayer:
             heads = (*x.shape[:-1], -1, self.attn.head_dim)
             key = norm_rope(self.k(x).view(heads), wk, k_eps, k_centered, cos, sin, perm)
             key, value = write(key, self.v(x).view(heads))
-            return self._attend(query, gate, key, value, mask, position_ids)
+            return self._attend(query, gate, key, value, mask, position_ids, cache)
         query, gate = self._queries(x)
         if write is not None:  # RoPE on the keys' rows (the tables' transposed views), written as they are
             tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
             query = RopeTables.apply(query, tables)
             key, value = self._key_value_rows(x)
             key, value = write(RopeTables.apply(key, self.rope_tables.row_tables(tables)), value)
-            return self._attend(query, gate, key, value, mask, position_ids)
+            return self._attend(query, gate, key, value, mask, position_ids, cache)
         key, value = self._keys_values(x)
         if self.rope_tables is not None and len(rope) == 2:
             tables = self.rope_tables.tables(rope[0], rope[1], query.shape[-1])
@@ -406,7 +420,7 @@ class LeanLayer:
             query, key = self.rotary(query, key, *rope)
         if cache is not None:
             key, value = cache.update(key, value, self.attn.layer_idx, kwargs={"position_ids": position_ids})
-        return self._attend(query, gate, key, value, mask, position_ids)
+        return self._attend(query, gate, key, value, mask, position_ids, cache)
 
     def _feed_forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.mlp(self.norm2(x))

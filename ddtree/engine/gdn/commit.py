@@ -197,18 +197,18 @@ def _batch_path_states(keys: torch.Tensor, deltas: torch.Tensor, xy: torch.Tenso
     g, bsz, heads, two_n, dk = keys.shape
     n, dv, width = two_n // 2, deltas.shape[-1], path.shape[1]
     k_rows, x, y = keys[..., n:, :], xy[..., :3 * n].unflatten(-1, (n, 3)), xy[..., 3 * n:].unflatten(-1, (n + 1, 3))
-    at = path[None, :, None, :, None]
+    at = path.reshape(1, bsz, 1, width, 1)  # (one reshape, not an op for each new dim)
     k_path = k_rows.gather(-2, at.expand(g, bsz, heads, width, dk))
     d_path = deltas.gather(-2, at.expand(g, bsz, heads, width, dv))
-    y_index = torch.cat([path.new_zeros(bsz, 1), path + 1], dim=1)[None, :, None, :, None]
+    y_index = torch.cat([path.new_zeros(bsz, 1), path + 1], dim=1).reshape(1, bsz, 1, width + 1, 1)
     y_path = y.gather(-2, y_index.expand(g, bsz, heads, width + 1, 3))
-    last = path.gather(1, (lengths - 1).clamp(min=0)[:, None])[None, :, None, :, None]
+    last = path.gather(1, (lengths - 1).clamp(min=0).reshape(bsz, 1)).reshape(1, bsz, 1, 1, 1)
     x_last = x.gather(-2, last.expand(g, bsz, heads, 1, 3))
     weights = path_weights(y_path, x_last)  # (G, N, H, L + 1, 1): exp(c_a), then the path's weights
     on = torch.arange(width, device=path.device) < lengths[:, None]  # (N, L): the path's own nodes
-    w = torch.where(on[None, :, None, :, None], weights[..., 1:, :], 0)
+    w = torch.where(on.reshape(1, bsz, 1, width, 1), weights[..., 1:, :], 0)
     added = (k_path * w).transpose(-1, -2) @ d_path
-    decay = torch.where((lengths > 0)[None, :, None, None, None], weights[..., :1, :], 1)
+    decay = torch.where((lengths > 0).reshape(1, bsz, 1, 1, 1), weights[..., :1, :], 1)
     return added, decay
 
 
@@ -218,7 +218,11 @@ def _commit_batch_group(cache, items: list[tuple[int, _Pending]], path: torch.Te
     recs = [rec for _, rec in items]
     first = recs[0]
     dev = first.bufs.deltas.device
-    path, lengths = path.to(dev).long(), lengths.to(dev).long()
+    # (a `.to` that changes nothing is an op still)
+    if path.device != dev or path.dtype != torch.long:
+        path = path.to(dev, torch.long)
+    if lengths.device != dev or lengths.dtype != torch.long:
+        lengths = lengths.to(dev, torch.long)
     shared = _shared_buffers(recs)
     if shared is not None:
         stacked = {name: shared[name] for name in ("keys", "deltas", "xy", "extended")}
@@ -234,7 +238,7 @@ def _commit_batch_group(cache, items: list[tuple[int, _Pending]], path: torch.Te
     seq = lengths[:, None] + torch.arange(k, device=dev)  # (N, K)
     node = path.gather(1, (seq - k).clamp(min=0))
     rows = torch.where(seq < k, seq, node + k)
-    kept = extended.gather(2, rows[None, :, :, None].expand(extended.shape[0], -1, -1, extended.shape[-1]))
+    kept = extended.gather(2, rows.reshape(1, *rows.shape, 1).expand(extended.shape[0], -1, -1, extended.shape[-1]))
     kept = kept.transpose(-1, -2)  # (G, N, C, K)
     if first.conv_ref is None:  # no state yet (an empty cache of N rows): zeros before the path, as the forward read
         for (layer_idx, _), conv, state in zip(items, kept, new_state, strict=True):

@@ -42,37 +42,82 @@ def tree_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: d
     store: a dict kept across rounds (the cache's): the tensors are then rewritten in place in buffers kept there
     (`_MetaBuffers`: ~12 ops a round instead of ~45), not allocated anew."""
     if ctx.streams:
-        return ctx.memo(("gdn", kernel, device), lambda: _batch_meta(ctx, kernel, device))
+        return ctx.memo(("gdn", kernel, device), lambda: _batch_meta(ctx, kernel, device, store))
     return ctx.memo(("gdn", kernel, device), lambda: _build_meta(ctx, kernel, device, store))
 
 
-def _batch_meta(ctx: TreeVerification, kernel: int, device: torch.device) -> TreeMeta:
+def _batch_meta(ctx: TreeVerification, kernel: int, device: torch.device, store: dict | None = None) -> TreeMeta:
     """The TreeMeta of a BatchTree (class docstring): every stream's windows, decay map and mask at once, in batched
-    tensor ops (their number does not grow with the streams; no host read)."""
+    tensor ops (their number does not grow with the streams; no host read). store: as tree_meta's (the tensors
+    rewritten in place in buffers kept there, `_BatchBuffers`: what does not depend on the trees written once)."""
     tree = ctx.draft
-    parents, depth, anc = (t.to(device) for t in (tree.parents, tree.depths, ctx.ancestors))
+    parents, depth, anc = (t if t.device == device else t.to(device) for t in (tree.parents, tree.depths,
+                                                                               ctx.ancestors))
     bsz, n = parents.shape
+    key = ("streams", bsz, n, kernel, device)
+    kept = store.get(key) if store is not None else None
+    if kept is None:
+        kept = _batch_buffers(bsz, n, kernel, device)
+        if store is not None:
+            store[key] = kept
     # node i's hops 0 .. K - 1 back (the root repeats past it), then oldest first
     up = parents.clamp(min=0)
-    hops = [torch.arange(n, device=device).expand(bsz, n)]
+    hops = [kept.nodes]
     for _ in range(kernel - 1):
         hops.append(up.gather(1, hops[-1]))
     ancestor = torch.stack(hops[::-1], dim=-1)  # (N, T, K)
     # the window's rows of [K conv-state columns ++ T tree inputs], as _write_meta's; then the table's rows
-    back = torch.arange(kernel - 1, -1, -1, device=device) - depth[..., None]  # > 0: that many before the root
+    back = kept.hops - depth[..., None]  # > 0: that many before the root
     rows = torch.where(back <= 0, kernel + ancestor, kernel - back)
-    taps = torch.arange(kernel, device=device) * (kernel + n)
-    index = (taps + rows) * bsz + torch.arange(bsz, device=device)[:, None, None]  # (N, T, K)
-    conv_index = index.transpose(0, 1).reshape(-1)  # bags in (node, stream) order
-    offsets = torch.arange(0, n * bsz * kernel, kernel, device=device)
+    index = (kept.taps + rows) * bsz  # (N, T, K); + the stream: its row of the table
+    if store is None:  # fresh: in a graph (dynamo takes no out= into a strided view)
+        conv_index = (index + kept.stream).transpose(0, 1).reshape(-1)  # bags in (node, stream) order
+    else:
+        torch.add(index, kept.stream, out=kept.window.transpose(0, 1))
+        conv_index = kept.conv_index
+    anc_t = anc.transpose(1, 2)
+    kept.x_ancestors.copy_(anc_t)
+    kept.y_ancestors.copy_(anc_t)
+    if store is None:
+        kept.mask_tree.copy_(torch.where(anc, kept.zero, kept.hidden))
+    else:
+        torch.where(anc, kept.zero, kept.hidden, out=kept.mask_tree)
+    return TreeMeta(conv_index, kept.decay_map, kept.decay_mask, depth, up, ctx.depth_bound, kept.offsets,
+                    streams=bsz)
+
+
+@dataclass
+class _BatchBuffers:
+    """_batch_meta's tensors for N streams' trees of one size, a kernel and a device (as _MetaBuffers for one tree):
+    the constants, and the buffers each round rewrites through views made once."""
+
+    nodes: torch.Tensor  # (N, T): arange(T) a stream
+    hops: torch.Tensor  # (K,): K - 1 .. 0
+    taps: torch.Tensor  # (K,): k (K + T)
+    stream: torch.Tensor  # (N, 1, 1): arange(N)
+    offsets: torch.Tensor  # (T N,): 0, K, 2K, ...
+    window: torch.Tensor  # (T, N, K): conv_index's rows
+    conv_index: torch.Tensor  # (T N K,): its flat view
+    decay_map: torch.Tensor  # (N, 2T + 2, 6T + 3)
+    decay_mask: torch.Tensor  # (N, T, T + 1)
+    x_ancestors: torch.Tensor  # views of decay_map's ancestor entries (X's s_i, Y's s_j) and of decay_mask's tree part
+    y_ancestors: torch.Tensor
+    mask_tree: torch.Tensor
+    zero: torch.Tensor
+    hidden: torch.Tensor  # -inf
+
+
+def _batch_buffers(bsz: int, n: int, kernel: int, device: torch.device) -> _BatchBuffers:
     base, _ = _decay_map_consts(n, device)
     decay_map = base.repeat(bsz, 1, 1)
-    anc_t = anc.transpose(1, 2).to(decay_map.dtype)
-    decay_map[:, :n, 0:3 * n:3] = anc_t
-    decay_map[:, :n, 3 * n + 4::3] = anc_t
     decay_mask = torch.zeros(bsz, n, n + 1, device=device)
-    decay_mask[:, :, 1:].masked_fill_(~anc, float("-inf"))
-    return TreeMeta(conv_index, decay_map, decay_mask, depth, up, ctx.depth_bound, offsets, streams=bsz)
+    window = torch.empty(n, bsz, kernel, dtype=torch.long, device=device)
+    return _BatchBuffers(torch.arange(n, device=device).expand(bsz, n), torch.arange(kernel - 1, -1, -1, device=device),
+                         torch.arange(kernel, device=device) * (kernel + n),
+                         torch.arange(bsz, device=device)[:, None, None],
+                         torch.arange(0, n * bsz * kernel, kernel, device=device), window, window.view(-1), decay_map,
+                         decay_mask, decay_map[:, :n, 0:3 * n:3], decay_map[:, :n, 3 * n + 4::3], decay_mask[:, :, 1:],
+                         torch.zeros((), device=device), torch.full((), float("-inf"), device=device))
 
 
 @dataclass

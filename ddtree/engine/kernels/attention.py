@@ -44,7 +44,8 @@ def gate_output(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     contiguous copy (a CPU's vectorised sigmoid takes a scalar tail on short strided rows, AVX-512: 16-wide heads:
     not bitwise the module's, which flattens the gate first)."""
     g = torch.sigmoid(gate.reshape(*gate.shape[:2], -1))
-    return g.mul_(out.reshape(g.shape))
+    g.view(out.shape).mul_(out)  # (out as it is: a strided out multiplied in place, not copied first)
+    return g
 
 
 def _merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor,
