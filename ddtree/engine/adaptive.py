@@ -305,7 +305,10 @@ class MeasuredCost(RoundCost):
     slope b among them: far past the measured rounds a bigger draft looks cheap rather than dear, so it gets chosen
     and its round measures it (the controller's rounds at a new load do the rest: LoadBudget). A prediction is never
     below a round measured at the same stream count with no more tokens (and no draft where it drafts none): a round
-    does not get cheaper with more work, which caps that optimism where the machine has already said otherwise."""
+    does not get cheaper with more work, which caps that optimism where the machine has already said otherwise (a
+    draft measured at least twice: one round may be an outlier). At a (streams, shape) measured twice or more the
+    prediction is its own median; measured once, the lower of that round and the fit (an outlier does not rule an
+    option out: it runs again and its median settles it)."""
 
     measured = True
     source = "measured"
@@ -400,12 +403,16 @@ class MeasuredCost(RoundCost):
         s = a + e * dr + c * streams + f * dr * streams + b * max(0.0, streams * choice.tokens - self._knee)
         # never below a round measured at this stream count with no more tokens (and no draft where this drafts
         # none): a round does not get cheaper with more work; nor below half the fastest round measured
-        below = [m for (t, dr2), m in self._by_streams.get(int(streams), {}).items()
-                 if t <= choice.tokens and (choice.drafted or not dr2)]
-        own = self._median.get((int(streams), choice.tokens, choice.drafted))
-        if own is not None:  # measured at this load: its median (never below a cheaper draft's)
-            return max(own, *below)
-        return max(float(s), 0.5 * self._floor, *below)
+        key = (int(streams), choice.tokens, choice.drafted)
+        runs = self._runs.get(key)
+        if runs is not None and len(runs) >= 2:  # measured at this load: its own median
+            return self._median[key]
+        # a round's cost does not fall with more work: never below a load's cheaper draft measured at least twice
+        # (one round may be an outlier: a first shape, the machine's hiccup), nor below half the fastest round
+        below = [self._median[(key[0], t, dr2)] for (t, dr2) in self._by_streams.get(key[0], {})
+                 if t <= choice.tokens and (choice.drafted or not dr2) and len(self._runs[(key[0], t, dr2)]) >= 2]
+        fit = max(float(s), 0.5 * self._floor, *below)
+        return fit if runs is None else min(self._median[key], fit)  # one round: no dearer than the fit says
 
     def describe(self) -> dict[str, Any]:
         if self._runs:
@@ -573,7 +580,9 @@ class LoadBudget:
                           key=lambda p: -p.rate(streams))
             # a load above every one measured so far (a run's tail, where streams end, is not explored again)
             higher = self._band(rows) >= self._top_band
-            fresh = ([p for p in near if (self._band(rows), p.choice) not in self._tried]
+            # (AR, the floor the rule must never fall below, is cheap to measure: always among them)
+            ar = [p for p in preds if p.choice == AR and p.choice != pred.choice and p not in near]
+            fresh = ([p for p in near + ar if (self._band(rows), p.choice) not in self._tried]
                      if self.cost.measured and higher else [])
             if fresh:
                 pred, explore = fresh[0], "load"

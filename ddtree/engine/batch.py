@@ -710,12 +710,14 @@ class BatchRun:
         choice = self.load.choose(streams, self.slots) if self.load is not None else None
         plan = self.plan(choice)
         drafted = plan[0]
-        if drafted and self.unread:
-            self.read_prompts()  # (a prefill: outside the round's stages and its measured seconds, as a join)
-        # a drafted round after AR rounds reads the rows they queued: a switch's cost, not the round's (budget=auto)
+        # a drafted round after AR rounds reads the rows and the prompts they queued: a switch's cost, not the round's
+        # (budget=auto: not measured)
         switch = drafted and not self.last_drafted
         self.last_drafted = drafted
         t0 = time.perf_counter()
+        if drafted and self.unread:  # (in a drafted round's seconds: the drafter prefill of the prompts that joined
+            self.read_prompts()  # since the last round, what drafting costs a round at this churn; a prefill: outside
+            # the round's stages, as a join's)
         traced = False
         if self.compiled is not None and self.compiled.runs(self, plan):
             with self.timer.stage("verify"):  # one graph: its draft, tree and commit timed with its verification
