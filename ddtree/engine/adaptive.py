@@ -503,7 +503,7 @@ class LoadBudget:
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 16,
-                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 32.0):
+                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 8.0):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
