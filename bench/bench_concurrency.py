@@ -202,8 +202,7 @@ def predicted(args, measured: list[dict], specs: list[str]) -> dict | None:
                              device_tok_s=round(n * tau[spec] / p["device_ms"] * 1e3, 1)))
         mine = {r["method"]: r for r in rows if r["streams"] == n}
         pick = mine[rule_choice(n, tau, fixed, args.context)]
-        rows.append(dict(pick, method="auto", label="auto (the rule's choice)", chosen=pick["label"],
-                         chosen_device=pick["label"], best=max(mine.values(), key=lambda r: r["tok_s"])["label"]))
+        rows.append(dict(pick, method="auto", label="auto (the rule's choice)", chosen=pick["label"], best=max(mine.values(), key=lambda r: r["tok_s"])["label"]))
     weights = 2 * (dims["params"] + dims["drafter"] + dims["head"])
     return dict(
         structure=STRUCTURE, counts_from=f"docs/bench/{path.name} ({label_}, commit {rec.get('commit')})",
@@ -303,7 +302,7 @@ def tables(rec: Record, measured: list[dict], single: list[dict], pred: dict | N
     rec.table("Predicted: the device alone (the host hidden, as a compiled round's graphs would), total tok/s by "
               "streams", ["method", *(f"N={n}" for n in ns)],
               [[label(s) if s != "auto" else "auto (the rule)", *(pby[s, n]["device_tok_s"] for n in ns)] for s in methods]
-              + [["auto picks", *(pby["auto", n]["chosen_device"] for n in ns)]],
+              + [["auto picks", *(pby["auto", n]["chosen"] for n in ns)]],
               formats={f"N={n}": "{:.0f}" for n in ns},
               note="N x tau / max(bytes / bandwidth, FLOPs / (peak x mfu)): the bandwidth-bound round until N x tree "
                    "tokens reaches the compute bound, after which every drafted token costs compute.")

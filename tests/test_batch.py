@@ -5,12 +5,9 @@ baseline of each prompt alone (the keyed noise makes every method's committed to
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from batch_support import per_round_at
+from batch_support import per_round_at, toy_pair
 
 from ddtree.engine.drafter.dflash2 import Candidates, DFlash2Drafter
 from ddtree.engine.drafter.model import DFlashDrafter
@@ -18,23 +15,12 @@ from ddtree.engine.loop import Engine
 from ddtree.errors import ConfigError
 from ddtree.tiny import tiny_model
 
-ROOT = Path(__file__).resolve().parent.parent
-TOY_PURE = ROOT / "assets" / "toy_pure"
 STOP = 2
 
 
 @pytest.fixture(scope="module")
 def toy_pure():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(TOY_PURE / "target", dtype=torch.float32,
-                                                  attn_implementation="sdpa").eval()
-    tok = AutoTokenizer.from_pretrained(TOY_PURE / "target")
-    drafter = DFlashDrafter.from_pretrained(TOY_PURE / "drafter", dtype=torch.float32)
-    rows = [json.loads(line) for line in (TOY_PURE / "prompts.jsonl").read_text().splitlines()][:7]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"] for r in rows]
-    return target, drafter, prompts
+    return toy_pair("toy_pure", prompts=7)
 
 
 @torch.no_grad()
@@ -265,23 +251,11 @@ def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_d
         hook.remove()
 
 
-TOY = ROOT / "assets" / "toy"
-
-
 @pytest.fixture(scope="module")
 def toy_dflash2():
     """The shipped hybrid toy target (Gated DeltaNet + attention) and its trained DFlash2 drafter (assets/toy/drafter2:
     convolutions around both sublayers, a candidate selector), 5 prompts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    target = AutoModelForCausalLM.from_pretrained(TOY / "target", dtype=torch.float32,
-                                                  attn_implementation="sdpa").eval()
-    tok = AutoTokenizer.from_pretrained(TOY / "target")
-    drafter = DFlashDrafter.from_pretrained(TOY / "drafter2", dtype=torch.float32)
-    rows = [json.loads(line) for line in (TOY / "prompts.jsonl").read_text().splitlines()][:5]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"] for r in rows]
-    return target, drafter, prompts
+    return toy_pair("toy", "drafter2", prompts=5)
 
 
 DFLASH2_CASES = [("ddtree", None, "PairTreeProposer"), ("ddtree", "marginal", "DFlash2MarginalProposer"),

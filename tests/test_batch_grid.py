@@ -10,11 +10,11 @@ test-slow`); the fast suite runs the same properties at concurrency 3 (tests/tes
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from batch_support import toy_pair
 
 from ddtree.engine.drafter.model import DFlashDrafter
 from ddtree.engine.loop import Engine
@@ -35,16 +35,7 @@ def hf_greedy(model, ids: torch.Tensor, n: int, stop: int | None) -> list[int]:
 
 
 def _toy(name: str, drafter: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    home = ROOT / "assets" / name
-    target = AutoModelForCausalLM.from_pretrained(home / "target", dtype=torch.float32,
-                                                  attn_implementation="sdpa").eval()
-    tok = AutoTokenizer.from_pretrained(home / "target")
-    rows = [json.loads(line) for line in (home / "prompts.jsonl").read_text().splitlines()][:10]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}], add_generation_prompt=True,
-                                       return_tensors="pt", return_dict=True)["input_ids"] for r in rows]
-    return target, DFlashDrafter.from_pretrained(home / drafter, dtype=torch.float32), prompts, 2
+    return (*toy_pair(name, drafter, prompts=10), 2)
 
 
 def _random_prompts() -> list[torch.Tensor]:
@@ -65,8 +56,8 @@ def pairs():
                 built[name] = _toy("toy", "drafter")
             elif name == "hybrid_dflash2":
                 target, _, prompts, stop = get("hybrid")
-                built[name] = target, DFlashDrafter.from_pretrained(ROOT / "assets" / "toy" / "drafter2",
-                                                                    dtype=torch.float32), prompts, stop
+                built[name] = (target, DFlashDrafter.from_pretrained(ROOT / "assets" / "toy" / "drafter2",
+                                                                     dtype=torch.float32), prompts, stop)
             elif name == "hybrid_mtp":
                 from mtp_support import fitted_head
 
@@ -98,6 +89,7 @@ CASES = [
 def test_every_stream_of_the_grid_is_greedy_decoding_alone(pairs, pair, kw):
     target, draft, prompts, stop = pairs(pair)
     refs = [hf_greedy(target, ids, NEW, stop) for ids in prompts]
+    seen = []
     with Engine(target, None if kw["method"] == "ar" else draft, compile="false", **kw) as engine:
         for conc in CONCURRENCY:
             results = engine.generate_many(prompts, concurrency=conc, max_new_tokens=NEW,
@@ -105,5 +97,6 @@ def test_every_stream_of_the_grid_is_greedy_decoding_alone(pairs, pair, kw):
             for i, (ref, r) in enumerate(zip(refs, results, strict=True)):
                 assert r.output_ids == ref, (pair, kw, conc, i)
             assert max(r.streams for r in results) == conc
-    if kw["method"] != "ar":  # drafts accepted: the trees' paths and their rollback exercised
-        assert max(max(r.acceptance_lengths) for r in results) >= 3
+            seen += results
+    if kw["method"] != "ar":  # drafts accepted (budget=auto: in some call): the paths and their rollback exercised
+        assert max(max(r.acceptance_lengths) for r in seen) >= 3
