@@ -167,8 +167,9 @@ def target_ranks(logits: torch.Tensor, tree_tokens: torch.Tensor, path: torch.Te
 
 class RoundCost:
     """Seconds of one batched round as a function of its batch rows (the slots it computes; LoadBudget passes them
-    as `streams`) and the round's draft. `observe` takes the measured seconds of a round (a stated model ignores them); `measured`: whether it learns from them, so a
-    controller first measures every option (`rounds`: the measured rounds of a draft shape)."""
+    as `streams`) and the round's draft. `observe` takes the measured seconds of a round (a stated model ignores
+    them); `measured`: whether it learns from them, so a controller first measures every option (`rounds`: the
+    measured rounds of a draft shape)."""
 
     measured = False
     source = "given"
