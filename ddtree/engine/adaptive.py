@@ -116,7 +116,7 @@ class AcceptanceEstimate:
         state = (off > 0).astype(np.int64)
         depth = np.broadcast_to(np.arange(r.shape[1]), r.shape)
         idx = ((state * self.depth + depth) * (RANK_CAP + 1) + r)[seen]
-        np.add.at(self.counts.reshape(-1), idx, 1.0)
+        self.counts += np.bincount(idx, minlength=self.counts.size).reshape(self.counts.shape)
         self.observed += int(idx.size)
 
     def tables(self) -> tuple[list[list[float]], list[list[float]]]:
@@ -467,6 +467,7 @@ class RoundRecord:
     explore: str | None = None
     seconds: float | None = None  # measured
     tokens: int | None = None  # committed this round, all streams
+    model_tau: float | None = None  # the rank model's tau a stream for the choice when chosen (its correction's)
 
     @property
     def tok_s(self) -> float | None:
@@ -496,15 +497,21 @@ class LoadBudget:
       round of each option near the best that has not run there, so the fit is measured where the choice is made;
     * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
+    Between those, a choice holds for up to `hold` rounds while the load (its band and the rows) stays: the rule's
+    host arithmetic runs once in `hold` rounds (1: every round).
 
-    An option's tau (`tau`) is its own rounds' committed tokens a stream (exponentially weighted, `halflife` of its
-    rounds) with the rank model's prediction counted as `correction_weight` streams: the prediction until it runs,
-    its measurement once it has run a while. The rank model assumes a tree holds the most likely rank paths, and a
-    round starts where the previous one missed; an option's own rounds take up what that misses."""
+    An option's tau (`tau`) is the rank model's prediction now times the option's correction: its own rounds'
+    committed tokens over what the model predicted for them when they were chosen (exponentially weighted,
+    `correction_halflife` of its rounds), the ratio 1 counted as `correction_weight` streams. The rank model assumes a
+    tree holds the most likely rank paths, and a round starts where the previous one missed; the correction takes up
+    what that misses, a bias of the model's per option, while the model itself follows the text's difficulty for every
+    option at once (a hard stretch lowers them all; it does not make the option that ran through it look worse than
+    one last measured on easy text)."""
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 16,
-                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 8.0):
+                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 8.0,
+                 correction_halflife: float = 128.0, hold: int = 4):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -519,8 +526,12 @@ class LoadBudget:
         self.acceptance = AcceptanceEstimate(block_size - 1, prior=prior, prior_weight=prior_weight, halflife=halflife)
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
-        self.correction_weight = correction_weight
-        self._ratio = {c: [0.0, 0.0] for c in self.options}  # option -> decayed [tokens committed, streams]
+        self.correction_weight, self.hold = correction_weight, max(1, int(hold))
+        self._correction_decay = 0.5 ** (1.0 / correction_halflife) if correction_halflife > 0 else 1.0
+        # option -> decayed [tokens committed, tokens the rank model predicted for them when chosen]
+        self._ratio = {c: [0.0, 0.0] for c in self.options}
+        self._held: tuple[tuple[int, int], int, Prediction] | None = None  # (load key, round, the best) of the last
+        # evaluation
         self._last_run = {c: -1 for c in self.options}  # the last round each option ran
         self._runs = {c: 0 for c in self.options}  # rounds each option ran
         self.refit_every = refit_every
@@ -545,17 +556,19 @@ class LoadBudget:
         return self._taus
 
     def tau(self, choice: Choice) -> float:
-        """The option's tau: its own rounds' committed tokens a stream, with the rank model's prediction counted as
-        `correction_weight` streams of them (AR: 1)."""
+        """The option's tau: the rank model's prediction times the option's correction (AR: 1)."""
         if choice.kind == "ar":
             return 1.0
-        got, streams = self._ratio[choice]
-        w = self.correction_weight
-        return (got + w * self.raw_taus()[choice]) / (streams + w)
+        return self.raw_taus()[choice] * self.correction(choice)
 
     def correction(self, choice: Choice) -> float:
-        """tau over the rank model's prediction."""
-        return self.tau(choice) / self.raw_taus()[choice]
+        """The option's committed tokens over the rank model's predictions for its rounds, the ratio 1 counted as
+        `correction_weight` streams at the model's current tau (AR: 1)."""
+        if choice.kind == "ar":
+            return 1.0
+        got, predicted = self._ratio[choice]
+        prior = self.correction_weight * self.raw_taus()[choice]
+        return (got + prior) / (predicted + prior)
 
     def predict(self, streams: int, rows: int | None = None) -> list[Prediction]:
         """Every option's prediction at `streams` live streams in a round over `rows` batch rows (None: `streams`;
@@ -570,12 +583,19 @@ class LoadBudget:
         rows = max(int(rows or streams), streams)
         n = len(self.history)
         explore, pred = None, None
+        key = (self._band(streams), rows)
+        refresh = bool(self.refresh_every and n and n % self.refresh_every == 0)
         todo = self._calibration(streams, rows)
+        held = self._held
         if todo:
             pick, explore = todo[0], "calibration"
+        elif held is not None and held[0] == key and n - held[1] < self.hold and not refresh:
+            pred = held[2]  # the last evaluation's best, at this load
+            pick = pred.choice
         else:
             preds = self.predict(streams, rows)
             pred = best(streams, preds)
+            self._held = (key, n, pred)
             floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
             near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
                           key=lambda p: -p.rate(streams))
@@ -587,12 +607,15 @@ class LoadBudget:
                      if self.cost.measured and higher else [])
             if fresh:
                 pred, explore = fresh[0], "load"
-            elif near and self.refresh_every and n and n % self.refresh_every == 0:
+            elif near and refresh:
                 pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
+            if explore is not None:  # (an exploring round: the next one evaluates again)
+                self._held = None
             pick = pred.choice
         rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
                           None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
-                          explore)
+                          explore,
+                          model_tau=self.raw_taus()[pick] if pick.drafted else None)
         self.history.append(rec)
         self._pending = rec
         return pick
@@ -653,9 +676,12 @@ class LoadBudget:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
         if not choice.drafted:
             return
-        acc = self._ratio[choice]  # exponentially weighted over this option's own rounds
-        acc[0] = acc[0] * self.acceptance.decay + sum(accepted)
-        acc[1] = acc[1] * self.acceptance.decay + streams
+        # the correction: tokens committed over the model's tau for them when chosen (exponentially weighted over
+        # this option's own rounds)
+        model = rec.model_tau if rec is not None and rec.model_tau is not None else self.raw_taus()[choice]
+        acc, d = self._ratio[choice], self._correction_decay
+        acc[0] = acc[0] * d + sum(accepted)
+        acc[1] = acc[1] * d + streams * model
         if ranks is not None:
             self.acceptance.decay_round()
             if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth
