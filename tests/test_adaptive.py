@@ -10,6 +10,7 @@ import math
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -317,6 +318,28 @@ def test_ranks_as_one_padded_array_count_as_the_lists_do():
         for _ in range(50):
             lb.observe(tree, streams=2, seconds=0.01, accepted=[1, 1], ranks=rows)
         assert lb.predict(2)[0].tau < 0.7 * raw  # one token a round: far below the prior's tau
+
+
+def test_queued_ranks_count_as_a_round_by_round_decay_and_add():
+    """The estimate counts a round's ranks when read; the same counts as decaying and adding every round."""
+    rng = np.random.default_rng(4)
+    est, ref = AcceptanceEstimate(6, halflife=5), np.zeros((2, 6, RANK_CAP + 1))
+    for t in range(40):
+        est.decay_round()
+        ref *= est.decay
+        rows = rng.integers(-1, RANK_CAP + 3, size=(int(rng.integers(1, 5)), int(rng.integers(1, 7))))
+        rows[np.cumsum(rows < 0, axis=1) > 0] = -1  # -1 past a stream's last depth
+        est.add_rows(rows)
+        for row in rows:
+            off = 0
+            for d, r in enumerate(row):
+                if r < 0:
+                    break
+                ref[int(off > 0), d, min(r, RANK_CAP)] += 1
+                off += r != 0
+        if t % 7 == 3:  # read now and then: flushed
+            np.testing.assert_allclose(est.counts, ref, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(est.counts, ref, rtol=1e-12, atol=1e-12)
 
 
 def test_the_toy_taus_on_the_stated_h200_cost_never_fall_below_ar():

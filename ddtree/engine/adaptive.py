@@ -33,6 +33,8 @@ from ddtree.engine.diagnostics import RANK_CAP
 from ddtree.engine.rank_model import chain_tau, predict_taus
 
 KINDS = ("ar", "chain", "tree")
+# the first rounds, where the rule's model is refitted after every round (then every `refit_every`)
+WARM = 32
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ class AcceptanceEstimate:
     Before data, a prior: top-1 acceptance `prior` at every depth, the rest of each row halving rank by rank (the
     remainder "beyond"); it counts as `prior_weight` observations a depth, so data replace it within a few rounds. Off
     the chain, a depth's row shrinks toward the same depth's main-chain row (independence) with the same weight.
-    Counts decay by 2^(-1/halflife) a round (`halflife` in rounds; 0: no decay)."""
+    Counts decay by 2^(-1/halflife) a round (`halflife` in rounds; 0: no decay). A round's ranks are queued and
+    counted, decay included, when the counts are next read (`counts`, `tables`): a round's host work is an append."""
 
     def __init__(self, depth: int, *, prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0):
         if depth < 1:
@@ -96,11 +99,25 @@ class AcceptanceEstimate:
         row = [prior] + [(1 - prior) * 0.5 ** r for r in range(1, RANK_CAP)]
         row.append(max(0.0, 1.0 - sum(row)))
         self.prior = np.asarray(row)
-        self.counts = np.zeros((2, depth, RANK_CAP + 1))  # [state, depth, rank]
-        self.observed = 0  # rank observations so far (undecayed)
+        self._counts = np.zeros((2, depth, RANK_CAP + 1))  # [state, depth, rank], as of the last flush
+        self._observed = 0
+        self._queued: list[tuple[np.ndarray, int]] = []  # (ranks [streams, depths], rounds decayed before them)
+        self._rounds = 0  # decay_round calls since the last flush
+
+    @property
+    def counts(self) -> np.ndarray:
+        """[state, depth, rank]: the exponentially weighted counts."""
+        self._flush()
+        return self._counts
+
+    @property
+    def observed(self) -> int:
+        """Rank observations so far (undecayed)."""
+        self._flush()
+        return self._observed
 
     def decay_round(self) -> None:
-        self.counts *= self.decay
+        self._rounds += 1
 
     def add(self, *streams: Sequence[int]) -> None:
         """Each stream's ranks along its accepted path and at the first rejected depth (depths 1, 2, …)."""
@@ -109,15 +126,35 @@ class AcceptanceEstimate:
 
     def add_rows(self, ranks) -> None:
         """The same for many streams at once: ranks [streams, depths] (an array; -1 past a stream's last depth)."""
-        r = np.asarray(ranks, dtype=np.int64)[:, : self.depth]
-        seen = r >= 0
-        r = np.minimum(r, RANK_CAP)
-        off = np.cumsum(r != 0, axis=1) - (r != 0)  # ranks != 0 above each depth: the path left the top-1 chain
-        state = (off > 0).astype(np.int64)
-        depth = np.broadcast_to(np.arange(r.shape[1]), r.shape)
-        idx = ((state * self.depth + depth) * (RANK_CAP + 1) + r)[seen]
-        self.counts += np.bincount(idx, minlength=self.counts.size).reshape(self.counts.shape)
-        self.observed += int(idx.size)
+        self._queued.append((np.asarray(ranks, dtype=np.int64)[:, : self.depth], self._rounds))
+        if len(self._queued) >= 256:  # (bounded: a reader that never reads)
+            self._flush()
+
+    def _flush(self) -> None:
+        """Counts the queued rounds: rows queued after a decay rounds of the A since the last flush weigh
+        decay^(A - a); the counts before them decay^A."""
+        if not self._queued and not self._rounds:
+            return
+        self._counts *= self.decay ** self._rounds
+        if self._queued:
+            width = max(r.shape[1] for r, _ in self._queued)
+            r = np.full((sum(len(r) for r, _ in self._queued), width), -1, dtype=np.int64)
+            w = np.empty(len(r))
+            at = 0
+            for rows, a in self._queued:
+                r[at: at + len(rows), : rows.shape[1]] = rows
+                w[at: at + len(rows)] = self.decay ** (self._rounds - a)
+                at += len(rows)
+            seen = r >= 0
+            r = np.minimum(r, RANK_CAP)
+            off = np.cumsum(r != 0, axis=1) - (r != 0)  # ranks != 0 above each depth: the path left the top-1 chain
+            state = (off > 0).astype(np.int64)
+            depth = np.broadcast_to(np.arange(width), r.shape)
+            idx = ((state * self.depth + depth) * (RANK_CAP + 1) + r)[seen]
+            weights = np.broadcast_to(w[:, None], r.shape)[seen]
+            self._counts += np.bincount(idx, weights, minlength=self._counts.size).reshape(self._counts.shape)
+            self._observed += int(idx.size)
+        self._queued, self._rounds = [], 0
 
     def tables(self) -> tuple[list[list[float]], list[list[float]]]:
         """(main, off): p_d(r) per depth, ranks 0 … RANK_CAP - 1 then the mass beyond (rank_model's layout)."""
@@ -298,7 +335,7 @@ class MeasuredCost(RoundCost):
     flat in the verified tokens up to a knee k (bandwidth-bound), then linear (compute-bound): k is searched among 0
     and the measured N x tokens, then between the best one's neighbours, by the least weighted squared error with
     b >= 0 (k = 0: linear throughout, as on a CPU). A small ridge keeps the columns the data do not yet separate
-    (one stream count so far) at zero. The fit is redone after new rounds: every round for the first `refit_every` x 4
+    (one stream count so far) at zero. The fit is redone after new rounds: every round for the first WARM (32)
     fits and whenever a round lands on a (streams, shape) not measured before, else every `refit_every` rounds (host
     time).
 
@@ -314,7 +351,7 @@ class MeasuredCost(RoundCost):
     measured = True
     source = "measured"
 
-    def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 8,
+    def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 32,
                  tolerance: float = 0.25):
         self.window, self.warmup, self.shape_warmup = window, warmup, shape_warmup
         self.refit_every, self.tolerance = refit_every, tolerance
@@ -351,7 +388,7 @@ class MeasuredCost(RoundCost):
         return self._measured.get((choice.tokens, choice.drafted), 0)
 
     def _refit(self) -> None:
-        stale = self._new and (self._fits < 4 * self.refit_every or self._new >= self.refit_every or self._new_key)
+        stale = self._new and (self._fits < WARM or self._new >= self.refit_every or self._new_key)
         if self._coef is None or stale:
             self._fit()
 
@@ -485,8 +522,8 @@ class LoadBudget:
     candidates: DDTree node budgets (e.g. 8, 16, 32, 64; empty: the chain and AR only). block_size: the drafter's (a
     chain drafts block_size - 1 tokens, the deepest a tree goes). chain: whether the chain is an option (AR always
     is). cost: a RoundCost (default MeasuredCost). prior, prior_weight, halflife: AcceptanceEstimate's (halflife 0:
-    no decay). refit_every: the taus are recomputed from the estimate after every drafted round for the first
-    refit_every x 4 of them, then every refit_every (host time: the best-first search is ~0.5 ms at budget 64).
+    no decay). refit_every: the taus are recomputed from the estimate after every drafted round for the first WARM
+    (32) of them, then every refit_every (host time: the rank model's best-first search is ~1 ms at budget 64).
 
     Rounds that explore (RoundRecord.explore); load and refresh rounds never run an option the model puts below AR:
     * calibration (a measured cost): first, each round the option with the fewest tokens that has no measured round
@@ -497,8 +534,8 @@ class LoadBudget:
       round of each option near the best that has not run there, so the fit is measured where the choice is made;
     * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
-    Between those, a choice holds for up to `hold` rounds while the load (its band and the rows) stays: the rule's
-    host arithmetic runs once in `hold` rounds (1: every round).
+    Between those, a choice already run at this load holds for up to `hold` rounds while the load (its band and the
+    rows) stays: the rule's host arithmetic runs once in `hold` rounds (1: every round).
 
     An option's tau (`tau`) is the rank model's prediction now times the option's correction: its own rounds'
     committed tokens over what the model predicted for them when they were chosen (exponentially weighted,
@@ -510,7 +547,7 @@ class LoadBudget:
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 16,
-                 refresh_within: float = 0.75, refit_every: int = 8, correction_weight: float = 8.0,
+                 refresh_within: float = 0.75, refit_every: int = 32, correction_weight: float = 8.0,
                  correction_halflife: float = 128.0, hold: int = 4):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
@@ -546,7 +583,7 @@ class LoadBudget:
     # the model
     def raw_taus(self) -> dict[Choice, float]:
         """Each option's tau from the acceptance estimate alone (AR: 1)."""
-        stale = self._stale and (self._drafted <= 4 * self.refit_every or self._stale >= self.refit_every)
+        stale = self._stale and (self._drafted <= WARM or self._stale >= self.refit_every)
         if self._taus is None or stale:
             self._stale = 0
             trees = [c.nodes for c in self.options if c.kind == "tree"]
@@ -609,8 +646,8 @@ class LoadBudget:
                 pred, explore = fresh[0], "load"
             elif near and refresh:
                 pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
-            if explore is not None:  # (an exploring round: the next one evaluates again)
-                self._held = None
+            if explore is not None or (self._band(rows), pred.choice) not in self._tried:
+                self._held = None  # (an exploring round, or a choice not yet run at this load: evaluated again)
             pick = pred.choice
         rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
                           None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
