@@ -214,7 +214,7 @@ class RoundCost:
     def seconds(self, streams: int, choice: Choice) -> float:
         raise NotImplementedError
 
-    def observe(self, streams: int, choice: Choice, seconds: float) -> None:
+    def observe(self, streams: int, choice: Choice, seconds: float, switch: bool = False) -> None:
         return None
 
     def rounds(self, choice: Choice) -> int:
@@ -357,6 +357,7 @@ class MeasuredCost(RoundCost):
         self.refit_every, self.tolerance = refit_every, tolerance
         self._rounds = 0  # rounds observed, warm-ups included
         self._runs: dict[tuple[int, int, bool], deque] = {}
+        self._steady: set[tuple[int, int, bool]] = set()  # keys with a steady round (observe's switch)
         self._median: dict[tuple[int, int, bool], float] = {}
         self._by_streams: dict[int, dict[tuple[int, bool], float]] = {}  # streams -> shape -> median
         self._seen: dict[tuple[int, bool], int] = {}  # rounds per draft shape (tokens, drafted), warm-ups included
@@ -368,7 +369,10 @@ class MeasuredCost(RoundCost):
         self._new_key = False  # a (streams, shape) first measured since the last fit
         self._fits = 0
 
-    def observe(self, streams: int, choice: Choice, seconds: float) -> None:
+    def observe(self, streams: int, choice: Choice, seconds: float, switch: bool = False) -> None:
+        """A measured round (seconds <= 0 or not finite: not measured). switch: the round's draft differs from the
+        round before it (a round of a new shape after others costs more on a CPU: its buffers are new); a key keeps
+        such rounds only until a round of the same draft after its like (a steady round) arrives, then only those."""
         shape = (choice.tokens, choice.drafted)
         self._seen[shape] = self._seen.get(shape, 0) + 1
         self._rounds += 1
@@ -378,6 +382,11 @@ class MeasuredCost(RoundCost):
         key = (int(streams), choice.tokens, choice.drafted)
         self._new_key = self._new_key or key not in self._runs
         runs = self._runs.setdefault(key, deque(maxlen=self.window))
+        if switch and key in self._steady:
+            return  # a steady round measured it: the switch's extra is not the option's cost
+        if not switch and key not in self._steady:
+            self._steady.add(key)
+            runs.clear()  # (the switch rounds it had until now)
         runs.append(float(seconds))
         self._measured[shape] = self._measured.get(shape, 0) + 1
         self._median[key] = statistics.median(runs)
@@ -534,6 +543,10 @@ class LoadBudget:
       round of each option near the best that has not run there, so the fit is measured where the choice is made;
     * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
+    A load or refresh exploration runs two rounds in a row: the first is a switch, which a CPU pays for new buffers
+    (MeasuredCost.observe's switch), the second measures the option's steady cost.
+    An evaluation keeps the current choice unless another's predicted rate beats it by more than `stay_within` (3 %:
+    no switch for what may be the measurements' noise).
     Between those, a choice already run at this load holds for up to `hold` rounds while the load (its band and the
     rows) stays: the rule's host arithmetic runs once in `hold` rounds (1: every round).
 
@@ -548,7 +561,7 @@ class LoadBudget:
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 16,
                  refresh_within: float = 0.75, refit_every: int = 32, correction_weight: float = 8.0,
-                 correction_halflife: float = 128.0, hold: int = 4):
+                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.03):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -563,7 +576,10 @@ class LoadBudget:
         self.acceptance = AcceptanceEstimate(block_size - 1, prior=prior, prior_weight=prior_weight, halflife=halflife)
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
-        self.correction_weight, self.hold = correction_weight, max(1, int(hold))
+        self.correction_weight, self.hold, self.stay_within = correction_weight, max(1, int(hold)), stay_within
+        self._last: Choice | None = None  # the last observed round's choice (a switch: the next one differs)
+        self._current: Choice | None = None  # the last evaluation's choice (kept unless another beats it clearly)
+        self._again: tuple[tuple[int, int], Prediction, str] | None = None  # an exploration's second round
         self._correction_decay = 0.5 ** (1.0 / correction_halflife) if correction_halflife > 0 else 1.0
         # option -> decayed [tokens committed, tokens the rank model predicted for them when chosen]
         self._ratio = {c: [0.0, 0.0] for c in self.options}
@@ -624,14 +640,22 @@ class LoadBudget:
         refresh = bool(self.refresh_every and n and n % self.refresh_every == 0)
         todo = self._calibration(streams, rows)
         held = self._held
+        again, self._again = self._again, None
         if todo:
             pick, explore = todo[0], "calibration"
+        elif again is not None and again[0] == key:  # an exploration's second round: its first was a switch
+            pred, explore = again[1], again[2]
+            pick = pred.choice
         elif held is not None and held[0] == key and n - held[1] < self.hold and not refresh:
             pred = held[2]  # the last evaluation's best, at this load
             pick = pred.choice
         else:
             preds = self.predict(streams, rows)
             pred = best(streams, preds)
+            cur = next((p for p in preds if p.choice == self._current), None)
+            if cur is not None and pred.rate(streams) <= (1 + self.stay_within) * cur.rate(streams):
+                pred = cur  # (within `stay_within` of the best: no switch for what may be noise)
+            self._current = pred.choice
             self._held = (key, n, pred)
             floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
             near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
@@ -648,6 +672,8 @@ class LoadBudget:
                 pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
             if explore is not None or (self._band(rows), pred.choice) not in self._tried:
                 self._held = None  # (an exploring round, or a choice not yet run at this load: evaluated again)
+            if explore is not None:  # run twice: a round after its like measures the option's steady cost
+                self._again = (key, pred, explore)
             pick = pred.choice
         rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
                           None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
@@ -708,7 +734,8 @@ class LoadBudget:
         if seconds > 0 or not self.cost.measured:  # (0: a round not measured, e.g. a switch: tried again)
             self._tried.add((self._band(rows), choice))
         self._top_band = max(self._top_band, self._band(rows))
-        self.cost.observe(rows, choice, seconds)
+        self.cost.observe(rows, choice, seconds, switch=choice != self._last)
+        self._last = choice
         if rec is not None:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
         if not choice.drafted:

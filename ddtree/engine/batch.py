@@ -50,6 +50,8 @@ AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 # Prompts joining at once prefill in one target forward of at most this many tokens (padding included: k prompts
 # left-padded to the longest), an attention target's (BatchRun.join)
 JOIN_TOKENS = 8192
+# budget=auto, eager rounds: one drafted round in RANK_EVERY carries the drafter ranks to the acceptance estimate
+RANK_EVERY = 2
 
 
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
@@ -390,6 +392,8 @@ class BatchRun:
         self.ctx_max = 0  # rows queued behind the drafter's last read (budget=auto's AR rounds), at most
         self.unread: dict[int, torch.Tensor] = {}  # slot -> its prompt's features, not yet in its drafter rows
         self.last_drafted = True  # whether the last round drafted (the first one's drafter context: the prompts)
+        self.drafted_rounds = 0  # (budget=auto: which eager rounds carry the drafter ranks)
+        self.want_ranks = False
         self.results: list[GenerationResult | None] = [None] * len(prompts)
         self.queue = list(range(len(prompts)))
         self.embed = self.model.get_input_embeddings()
@@ -700,7 +704,9 @@ class BatchRun:
         with stage("commit"):
             path, lengths, nxt, packed = self.commit(tree, out, feats, pos, drafted)
         ranks = None
-        if self.load is not None and drafted:  # the round's outcome for the next choice (read after the walk)
+        # the round's outcome for the next choice (read after the walk): in a compiled graph every drafted round's,
+        # eagerly every RANK_EVERY-th drafted round's (a sample of the rounds: a dozen small ops saved a round)
+        if self.load is not None and drafted and (self.want_ranks or torch.compiler.is_compiling()):
             ranks = target_ranks(logits, tree.tokens, path, lengths, nxt)
         return packed, path, lengths, ranks
 
@@ -714,6 +720,8 @@ class BatchRun:
         # (budget=auto: not measured)
         switch = drafted and not self.last_drafted
         self.last_drafted = drafted
+        self.want_ranks = drafted and self.drafted_rounds % RANK_EVERY == 0
+        self.drafted_rounds += drafted
         t0 = time.perf_counter()
         if drafted and self.unread:  # (in a drafted round's seconds: the drafter prefill of the prompts that joined
             self.read_prompts()  # since the last round, what drafting costs a round at this churn; a prefill: outside
