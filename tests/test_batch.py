@@ -75,16 +75,32 @@ def test_prompts_joining_at_once_prefill_in_one_forward(model_type, method):
         if kwargs.get("logits_to_keep") == 1:
             prefills.append(tuple(kwargs["input_ids"].shape))
 
+    reads = []  # (batch, context rows) of each drafter forward
+
+    def read(module, args, kwargs, out):
+        ctx = args[1] if len(args) > 1 else kwargs.get("context_features")
+        reads.append((args[0].shape[0], 0 if ctx is None else ctx.shape[1]))
+
     hook = target.register_forward_hook(seen, with_kwargs=True)
+    dhook = drafter.register_forward_hook(read, with_kwargs=True) if drafter is not None else None
     try:
         with Engine(target, drafter, method=method, budget=8, compile="false") as engine:
             results = engine.generate_many(prompts, concurrency=4, max_new_tokens=12)
     finally:
         hook.remove()
+        if dhook is not None:
+            dhook.remove()
+    if drafter is not None:
+        with Engine(target, drafter, method=method, budget=8, compile="false") as engine:
+            alone = [engine.generate(p, max_new_tokens=12) for p in prompts]
     assert prefills[0] == (4, 13)
     assert sum(b for b, _ in prefills) == len(prompts)  # each prompt prefilled once
     if method == "ar":  # one token a round: the first four streams end together, the last two join at once
         assert prefills == [(4, 13), (2, 11)]
+    else:  # the drafter reads the four prompts in one forward (right-padded to the longest), then drafts as alone
+        assert reads[0] == (4, 13)
+        for one, r in zip(alone, results, strict=True):
+            assert r.acceptance_lengths == one.acceptance_lengths
     for ids, r in zip(prompts, results, strict=True):
         assert r.output_ids == hf_greedy(target, ids, 12)
         assert r.ttft_s > 0 and r.prompt_len == ids.shape[1]

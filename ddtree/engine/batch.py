@@ -241,6 +241,7 @@ class SlotDrafterCache:
         self.keys, self.values, self.length, self.block = keys, values, length, block
         self.count: torch.Tensor | None = None
         self.rows: tuple = ()  # a write's index (slots, all heads, rows): write_positions'
+        self.index: torch.Tensor | None = None  # a subset's slots (`subset`), else every slot
 
     @classmethod
     def empty(cls, drafter, slots: int, capacity: int, block: int) -> SlotDrafterCache:
@@ -251,10 +252,12 @@ class SlotDrafterCache:
         values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
         return cls(keys, values, torch.zeros(slots, dtype=torch.long, device=dev), block)
 
-    def slot(self, i: int) -> SlotDrafterCache:
-        """Slot i alone (views: writes land in the shared buffers): the cache a joining stream's prompt fills."""
-        view = SlotDrafterCache([k[i: i + 1] for k in self.keys], [v[i: i + 1] for v in self.values],
-                                self.length[i: i + 1], self.block)
+    def subset(self, index: torch.Tensor) -> SlotDrafterCache:
+        """The slots `index` (long [n]) as a cache of n rows: writes land in the shared buffers at those slots' rows,
+        attention reads a copy of those rows; `length` is a copy (write it back after the forward): the cache the
+        prompts joining at once fill (`BatchRun.read_prompts`)."""
+        view = SlotDrafterCache(self.keys, self.values, self.length.index_select(0, index), self.block)
+        view.index = index
         return view
 
     def write_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
@@ -262,7 +265,8 @@ class SlotDrafterCache:
         buffer's last row, never read, so that no row is written twice: `BatchRun.draft`); the keys are every row of
         the buffers."""
         n = position_ids.shape[0]
-        self.rows = (self.slot_col(n, position_ids.device), None, position_ids)
+        col = self.slot_col(n, position_ids.device) if self.index is None else self.index[:, None]
+        self.rows = (col, None, position_ids)
         return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
 
     def slot_col(self, n: int, device: torch.device) -> torch.Tensor:
@@ -280,6 +284,8 @@ class SlotDrafterCache:
         k, v = self.keys[layer_idx], self.values[layer_idx]
         torch.ops.aten.index_put_(k, list(self.rows), keys if keys.dtype == k.dtype else keys.to(k.dtype))
         torch.ops.aten.index_put_(v, list(self.rows), values if values.dtype == v.dtype else values.to(v.dtype))
+        if self.index is not None:  # a subset: its slots' rows
+            return k.index_select(0, self.index), v.index_select(0, self.index)
         return k, v
 
     def mask(self, block_position_ids: torch.Tensor, key_positions: torch.Tensor, window: int | None, causal: bool,
@@ -456,7 +462,7 @@ class BatchRun:
         elif self.drafts:  # the prompt's features reach the slot's drafter rows before its first drafted round
             if self.dcache is None:
                 self.dcache = SlotDrafterCache.empty(self.proposer.drafter, self.slots, self.capacity, self.block)
-            self.dcache.slot(slot).length.zero_()
+            self.dcache.length[slot] = 0
             self.ctx_count[slot] = 0
             self.unread[slot] = feats
         now = time.perf_counter()
@@ -473,15 +479,30 @@ class BatchRun:
             self.finish(slot, now)
 
     def read_prompts(self) -> None:
-        """The prompts joined since the last drafted round into their slots' drafter rows, a forward of each slot
-        alone (as its prefill): before the next drafted round, so a budget=auto run of AR rounds never pays them. The
-        rows its AR rounds queued (`ctx`) follow them."""
-        for slot, feats in self.unread.items():
-            p = feats.shape[1]
-            view = self.dcache.slot(slot)
-            view.count = torch.full((1,), p, dtype=torch.long, device=self.dev)
-            x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:1])
-            self.proposer.drafter(x, feats, torch.arange(p, device=self.dev)[None], p + self.offsets, cache=view)
+        """The prompts joined since the last drafted round into their slots' drafter rows: before the next drafted
+        round, so a budget=auto run of AR rounds never pays them (the rows its AR rounds queued, `ctx`, follow them).
+        The prompts read at once go through the drafter in one forward over those slots' rows
+        (`SlotDrafterCache.subset`), right-padded to the longest (up to JOIN_TOKENS padded rows a forward; the
+        padding rows onto the buffer's last row, never read, as `draft` does)."""
+        items = list(self.unread.items())
+        at = 0
+        while at < len(items):
+            n, width = 1, items[at][1].shape[1]
+            while at + n < len(items) and (n + 1) * max(width, items[at + n][1].shape[1]) <= JOIN_TOKENS:
+                width = max(width, items[at + n][1].shape[1])
+                n += 1
+            group = items[at: at + n]
+            index = torch.tensor([slot for slot, _ in group], dtype=torch.long, device=self.dev)
+            count = torch.tensor([f.shape[1] for _, f in group], dtype=torch.long, device=self.dev)
+            feats = torch.nn.utils.rnn.pad_sequence([f[0] for _, f in group], batch_first=True)  # [n, width, F]
+            rows = torch.arange(width, device=self.dev)[None, :]
+            ctx_pos = torch.where(rows < count[:, None], rows, self.capacity - 1)
+            view = self.dcache.subset(index)
+            view.count = count
+            x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:n])
+            self.proposer.drafter(x, feats, ctx_pos, count[:, None] + self.offsets, cache=view)
+            self.dcache.length.index_copy_(0, index, view.length)
+            at += n
         self.unread.clear()
 
     def _join_head(self, slot: int, ids: torch.Tensor, feats: torch.Tensor, root: torch.Tensor) -> None:
