@@ -45,6 +45,26 @@ def test_every_stream_equals_greedy_decoding_of_its_prompt_alone(toy_pure, metho
     assert results[-1].queued_s > results[0].queued_s  # the last prompt waited for a slot
 
 
+def test_the_batched_round_builds_trees_in_c_on_a_cpu_unless_the_options_turn_it_off(toy_pure, monkeypatch):
+    """On a CPU the batched DDTree round builds every stream's tree in one C call (the single-stream engine's host
+    build), and in torch ops (a GPU's code) under device_path="host_tree"; either way each stream is greedy
+    decoding of its prompt alone."""
+    from ddtree.engine import batch_tree, tree
+
+    if not hasattr(tree._hosttree, "batch_best_first"):
+        pytest.skip("the C tree build is not compiled here")
+    target, drafter, prompts = toy_pure
+    calls = []
+    real = batch_tree._batch_best_first_host
+    monkeypatch.setattr(batch_tree, "_batch_best_first_host", lambda *a: calls.append(1) or real(*a))
+    for device_path, in_c in ((False, True), ("host_tree", False)):
+        calls.clear()
+        with Engine(target, drafter, method="ddtree", budget=16, compile="false", device_path=device_path) as engine:
+            results = engine.generate_many(prompts[:3], concurrency=2, max_new_tokens=12)
+        assert [r.output_ids for r in results] == [hf_greedy(target, ids, 12) for ids in prompts[:3]]
+        assert bool(calls) == in_c, device_path
+
+
 @pytest.mark.parametrize("model_type", ["gpt_oss", "deepseek_v3", "qwen3_moe", "llama"])
 def test_sliding_windows_sinks_moe_and_mla_targets_batched(model_type):
     """gpt_oss (sliding window 8 with sinks: contexts run past it), DeepSeek-V3 (MLA, MoE), Qwen3-MoE, Llama."""
@@ -108,9 +128,10 @@ def test_prompts_joining_at_once_prefill_in_one_forward(model_type, method):
 
 def test_a_round_dispatches_the_same_ops_at_one_stream_and_at_eight(toy_pure):
     """Ops per round (draft, tree, verify, commit) do not grow with the streams: no loop over them. And generate_many
-    with one slot at T = 0 is the one-stream engine's generate (the same results, its rounds)."""
+    with one slot at T = 0 is the one-stream engine's generate (the same results, its rounds). Counted on the path a
+    CUDA run takes (device_path="host_tree": a CPU's C tree build reads its logits on the host)."""
     target, drafter, prompts = toy_pure
-    with Engine(target, drafter, method="ddtree", budget=16, compile="false") as engine:
+    with Engine(target, drafter, method="ddtree", budget=16, compile="false", device_path="host_tree") as engine:
         per_round = {n: per_round_at(engine, prompts[0], n, 24, 16) for n in (1, 8)}
     assert per_round[8] == per_round[1]
     assert per_round[1][1] == 1  # one host read a round, for every stream together
@@ -212,9 +233,11 @@ def test_budget_auto_chooses_per_round_losslessly_and_the_diagnosis_shows_it(toy
     target, drafter, prompts = toy_pure
     from ddtree.testing.dispatch import DispatchCount
 
-    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine, DispatchCount() as c:
+    with (Engine(target, drafter, method="ddtree", budget="auto", compile="false", device_path="host_tree") as engine,
+          DispatchCount() as c):
         results = engine.generate_many(prompts, concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
-    # one host read a round, the controller's ranks carried by the walk's
+    # one host read a round, the controller's ranks carried by the walk's (on the path a CUDA run takes: a CPU's C
+    # tree build reads its logits on the host)
     assert c.total(c.syncs, exclude=("prefill", "other")) == results[0].load_budget["rounds"]
     for ids, r in zip(prompts, results, strict=True):
         assert r.output_ids == hf_greedy(target, ids, 32, STOP)
@@ -282,13 +305,17 @@ DFLASH2_CASES = [("ddtree", None, "PairTreeProposer"), ("ddtree", "marginal", "D
 def test_a_dflash2_drafter_batched_drafts_as_it_does_alone(toy_dflash2, method, scoring, proposer):
     """DDTree with pair scores (scoring=auto: pair for a DFlash2 drafter) and with marginal scores, and the selector's
     chain (method=dflash), 5 prompts through 3 slots: each stream greedy decoding of its prompt alone, drafted round by
-    round as the one-stream engine drafts it (the same acceptance lengths); ops a round the same at 1 and 4 streams."""
+    round as the one-stream engine drafts it (the same acceptance lengths); ops a round the same at 1 and 4 streams
+    (counted on the path a CUDA run takes, device_path="host_tree": a CPU's C tree build reads its logits on the
+    host)."""
 
     target, drafter, prompts = toy_dflash2
     with Engine(target, drafter, method=method, budget=16, compile="false", scoring=scoring) as engine:
         assert type(engine.proposer).__name__ == proposer
         alone = [engine.generate(p, max_new_tokens=40, stop_token_ids=[STOP]) for p in prompts]
         results = engine.generate_many(prompts, concurrency=3, max_new_tokens=40, stop_token_ids=[STOP])
+    with Engine(target, drafter, method=method, budget=16, compile="false", scoring=scoring,
+                device_path="host_tree") as engine:
         per_round = {n: per_round_at(engine, prompts[1], n, 24, 16) for n in (1, 4)}
     for ids, one, r in zip(prompts, alone, results, strict=True):
         assert r.output_ids == hf_greedy(target, ids, 40, STOP)

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from ddtree.engine import tree as tree_mod
 from ddtree.engine.batch_tree import (
     BatchTree,
     batch_best_first,
@@ -105,6 +107,114 @@ def test_batch_best_first_with_a_budget_per_stream():
         assert torch.equal(bt.scores[i, : len(ref)], ref.scores)
 
 
+needs_c_batch = pytest.mark.skipif(not hasattr(tree_mod._hosttree, "batch_best_first"),
+                                   reason="the C tree build is not compiled here")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bits (float32 as int32: -0.0 and NaN payloads compared too)."""
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+@needs_c_batch
+@pytest.mark.parametrize("N", [1, 3, 5])
+def test_the_c_batched_build_is_the_torch_build_bit_for_bit(N):
+    """batch_best_first_tensors' one C call (a CPU's default) gives the torch ops' tensors (the composite
+    `_batch_tree_build` after `_ranked_costs`) bit for bit, dtypes and shapes included, and row by row the single-stream
+    C build's tree: ties, -inf, NaN, positive values and signed zeros; trees cut by the depth (V = 5) and by the
+    budget. (Each build is also checked against the reference: here and in tests/test_tree.py.)"""
+    from ddtree.engine.batch_tree import _batch_best_first_host, batch_best_first_tensors
+    from ddtree.engine.kernels.tree import _batch_tree_build
+    from ddtree.engine.tree import _best_first_host, _ranked_costs
+
+    for case, (L, V, kind) in enumerate([(L, V, kind) for L in (1, 3, 15) for V in (5, 300)
+                                         for kind in ("plain", "ties", "inf", "odd", "zeros")]):
+        lp = _logprobs(N, L, V, seed=case, kind="ties" if kind == "zeros" else kind)
+        if kind == "zeros":  # exact zeros of either sign and positive values (read as 0) among ties
+            g = torch.Generator().manual_seed(case)
+            lp[torch.rand(N, L, V, generator=g) < 0.2] = -0.0
+            lp[torch.rand(N, L, V, generator=g) < 0.1] = 0.0
+            lp[torch.rand(N, L, V, generator=g) < 0.1] = 0.25
+        roots = torch.randint(0, V, (N,), generator=torch.Generator().manual_seed(case))
+        for budget in (1, 4, 16, 64):
+            n = 1 + tree_size(budget, L, V)
+            what = (N, L, V, kind, budget)
+            got = batch_best_first_tensors(roots, lp, budget)
+            assert _batch_best_first_host(roots, lp, budget, n) is not None, what  # (the C call, not a fallback)
+            torch_ops = batch_best_first_tensors(roots, lp, budget, host=False)
+            composite = _batch_tree_build(*_ranked_costs(lp, budget), roots, None, n)
+            tokens, parents, depths, valid, sizes, anc, aidx, scores = got
+            for name, a, b in zip(("tokens", "parents", "depths", "scores", "aidx", "anc"),
+                                  (tokens, parents, depths, scores, aidx, anc), composite, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape, (what, name)
+                assert torch.equal(_bits(a), _bits(b)), (what, name)
+            for a, b in zip(got, torch_ops, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b)), what
+            assert valid.all() and sizes.tolist() == [n] * N
+            for i in range(N):
+                one = _best_first_host(roots[i], lp[i], budget)
+                assert len(one) == n, what
+                assert tokens[i].tolist() == one.tokens.tolist() and parents[i].tolist() == one.parents.tolist()
+                assert depths[i].tolist() == one.depths.tolist() and torch.equal(_bits(scores[i]), _bits(one.scores))
+                assert torch.equal(anc[i], one.ancestor_matrix())
+                assert torch.equal(aidx[i, :, : one.depth_bound + 1], one.ancestor_index())
+                assert not aidx[i, :, one.depth_bound + 1:].any()  # past the tree's depth: the root
+
+
+@needs_c_batch
+def test_the_c_batched_build_refuses_wrong_arrays():
+    """Wrong dtypes, shapes and layouts, and outputs of another node count than the tree's: a TypeError / ValueError
+    naming the argument, never a misread."""
+    batch_best_first = tree_mod._hosttree.batch_best_first
+    N, L, V, budget = 2, 3, 4, 6
+    n = 1 + tree_size(budget, L, V)
+    lp = _logprobs(N, L, V, seed=0, kind="plain").numpy()
+    roots = np.arange(N, dtype=np.int64)
+
+    def outs(n=n, W=min(L, n - 1) + 1, **change):
+        arrays = {"tokens": np.empty((N, n), np.int64), "parents": np.empty((N, n), np.int64),
+                  "depths": np.empty((N, n), np.int64), "scores": np.empty((N, n), np.float32),
+                  "aidx": np.empty((N, n, W), np.int64), "anc": np.empty((N, n, n), np.bool_)}
+        arrays.update(change)
+        return list(arrays.values())
+
+    assert batch_best_first(lp, budget, roots, *outs()) is None  # the right arrays
+    bad = [
+        ((lp[0], budget, roots, *outs()), ValueError, "'logprobs' must have 3 dimension"),
+        ((lp.astype(np.float64), budget, roots, *outs()), TypeError, "'logprobs' must be float32"),
+        ((lp, 0, roots, *outs()), ValueError, "budget must be in"),
+        ((lp, budget, roots[:1], *outs()), ValueError, "'roots' must have 2 entries"),
+        ((lp, budget, roots.astype(np.int32), *outs()), TypeError, "'roots' must be int64"),
+        ((lp, budget, roots, *outs(n=budget + 2)), ValueError, "'tokens' must have"),
+        ((lp, budget, roots, *outs(n=n - 1)), ValueError, "row 0's tree has 7 nodes, the outputs 6"),
+        ((lp, budget, roots, *outs(W=L + 2)), ValueError, "'aidx' must have 4 entries along dimension 2"),
+        ((lp, budget, roots, *outs(scores=np.empty((n, N), np.float32).T)), ValueError, "'scores' must be C-contig"),
+        ((lp, budget, roots, *outs(anc=np.empty((N, n, n), np.uint8))), TypeError, "'anc' must be bool"),
+    ]
+    for args, error, message in bad:
+        with pytest.raises(error, match=message):
+            batch_best_first(*args)
+
+
+def test_the_batched_build_takes_the_torch_ops_where_asked_or_where_no_c_build_serves(monkeypatch):
+    """host=False, a budget per stream, and a CPU without the C extension: the torch ops (the same tensors)."""
+    from ddtree.engine import batch_tree
+
+    lp, roots = _logprobs(2, 4, 9, seed=3, kind="ties"), torch.tensor([1, 2])
+    want = batch_tree.batch_best_first_tensors(roots, lp, 12)
+    calls = []
+    real = batch_tree._batch_best_first_host
+    monkeypatch.setattr(batch_tree, "_batch_best_first_host", lambda *a: calls.append(1) or real(*a))
+    for kw in ({"host": False}, {"budgets": torch.tensor([12, 12])}):
+        got = batch_tree.batch_best_first_tensors(roots, lp, 12, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and not calls
+    monkeypatch.setattr(tree_mod, "_hosttree", None)
+    got = batch_tree.batch_best_first_tensors(roots, lp, 12)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and not calls
+    with pytest.raises(RuntimeError, match="make install"):
+        batch_tree.batch_best_first_tensors(roots, lp, 12, host=True)
+
+
 def test_chain_and_root_trees_and_cuts():
     """Chains: root then the row's tokens in a line; roots alone; with_sizes cuts rows to a prefix, padding the rest
     (a chain stays a chain)."""
@@ -187,9 +297,10 @@ def test_batch_walk_is_the_reference_walk_per_stream(N):
 
 def test_best_first_and_walk_ops_do_not_grow_with_streams():
     """A round's tree side (DDTree: batch_best_first, with and without a budget per stream; DFlash: a chain; AR: the
-    roots) and its walk dispatch the same ops at 1 and 8 streams, and read the device once (the walk's)."""
+    roots) and its walk dispatch the same ops at 1 and 8 streams, and read the device once (the walk's): on the path
+    a CUDA run takes (the torch ops; a CPU's C build reads its logits on the host)."""
     L, V, budget = 15, 256, 64
-    builds = {"ddtree": lambda roots, lp: batch_best_first(roots, lp, budget),
+    builds = {"ddtree": lambda roots, lp: batch_best_first(roots, lp, budget, host=False),
               "ddtree-budgets": lambda roots, lp: batch_best_first(roots, lp, budget, roots + 5),
               "chain": lambda roots, lp: batch_chain_trees(roots, lp[:, :, 0].long()),
               "ar": lambda roots, lp: batch_root_trees(roots)}

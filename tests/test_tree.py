@@ -116,13 +116,15 @@ def test_the_c_build_is_the_reference_on_random_blocks_with_nan():
 
 
 def test_the_c_tree_build_is_compiled():
-    """`make install` compiles ddtree/engine/_hosttree.c (setup.py); where a C compiler exists it must be there, or
-    every CPU round pays the torch build (several times slower there) without saying so."""
+    """`make install` compiles ddtree/engine/_hosttree.c (setup.py); where a C compiler exists it must be there, and
+    current (the batched round's `batch_best_first` too), or every CPU round pays the torch build (several times slower
+    there) without saying so."""
     import shutil
 
     if tree_mod._hosttree is None and shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler on this machine: the torch build serves")
     assert tree_mod._hosttree is not None, "ddtree/engine/_hosttree.c is not compiled: rerun `make install`"
+    assert hasattr(tree_mod._hosttree, "batch_best_first"), "an older build of _hosttree.c: rerun `make install`"
 
 
 @needs_c

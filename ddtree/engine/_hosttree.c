@@ -4,8 +4,9 @@
 
    The tree of ddtree.testing.reference.best_first_reference, whose docstring is the definition (ties, NaN and -inf
    included): a value is read as a log-probability (NaN counts as -inf, a positive value as 0); each position's ranks
-   run from its largest value, equal values by token id; scores are float32 sums root to node; the nodes are the first
-   `budget` in the order (score descending, shallower, parent earlier, lower rank); flat layout depth-major.
+   run from its largest value, equal values by token id; scores are float32 sums root to node (a zero as +0.0); the
+   nodes are the first `budget` in the order (score descending, shallower, parent earlier, lower rank); flat layout
+   depth-major.
 
    The search is a best-first heap over candidates (depth d, parent, rank r) keyed (-score, d, parent's pop index, r):
    every key is distinct, so the pop order does not depend on how the heap breaks ties. Each row's ranks are read as the
@@ -23,6 +24,11 @@
    anc      bool    [(budget + 1) ** 2] out, its first n * n: [i, j] = j is i or an ancestor of i
    n = 1 + the number of selected nodes (the root first), bound = the largest depth. Wrong types, dtypes, shapes,
    layouts or sizes raise TypeError / ValueError naming the argument.
+
+   batch_best_first(logprobs, budget, roots, tokens, parents, depths, scores, aidx, anc) -> None
+
+   The same trees for N streams in one call, in the layout of ddtree.engine.batch_tree's batched round (at its
+   definition below).
    */
 
 #define PY_SSIZE_T_CLEAN
@@ -160,25 +166,74 @@ static inline float value_at(Rows *rows, Py_ssize_t d, Py_ssize_t r) {
     return rows->vals[d * rows->k + r];
 }
 
-/* The tree (see the top) into the outputs: (n, bound); NULL with an error. */
-static PyObject *build(Rows *src, Py_ssize_t L, Py_ssize_t budget, long long root, int64_t *ints, float *score,
-                       int64_t *aidx, unsigned char *anc) {
-    PyObject *result = NULL;
-    Py_ssize_t cap = budget + 1, k = src->k;
-    int64_t *tok = ints, *par = ints + cap, *dep = ints + 2 * cap, *first = ints + 3 * cap, *next = ints + 4 * cap;
-    /* per selected node, in pop order */
-    int32_t *count = calloc(L + 2, sizeof(int32_t)); /* per depth: nodes selected so far, then the flat offsets */
-    int32_t *rank = malloc(sizeof(int32_t) * budget); /* its rank within its depth */
-    int32_t *parent_of = malloc(sizeof(int32_t) * budget);
-    int32_t *depth_of = malloc(sizeof(int32_t) * budget);
-    int32_t *child_rank = malloc(sizeof(int32_t) * budget); /* r: its token is toks[d - 1, r] */
-    int32_t *flat = malloc(sizeof(int32_t) * budget);
-    float *score_of = malloc(sizeof(float) * budget);
-    Cand *heap = malloc(sizeof(Cand) * (budget + 2)); /* a pop pushes at most two: budget + 1 entries at most */
-    if (!heap || !count || !rank || !parent_of || !depth_of || !child_rank || !flat || !score_of) {
+/* One tree's scratch, allocated once and reused by every tree of a call: the rows' ranks (`rows`, pointed at each
+   tree's logprobs by `rows_start`) and the search's per-node arrays. */
+typedef struct {
+    Rows rows;
+    int32_t *count; /* [L + 2] per depth: nodes selected so far, then the flat offsets */
+    int32_t *rank, *parent_of, *depth_of, *child_rank, *flat; /* [budget] per selected node, in pop order */
+    float *score_of;
+    Cand *heap; /* [budget + 2]: a pop pushes at most two, so budget + 1 entries at most */
+} Work;
+
+static void work_free(Work *w) {
+    free(w->rows.vals), free(w->rows.toks), free(w->rows.have), free(w->rows.tail), free(w->rows.taken);
+    free(w->rows.head), free(w->rows.head_at), free(w->rows.order);
+    free(w->count), free(w->rank), free(w->parent_of), free(w->depth_of), free(w->child_rank), free(w->flat);
+    free(w->score_of), free(w->heap);
+    memset(w, 0, sizeof(Work));
+}
+
+/* The scratch for trees of `budget` nodes over [L, V] blocks; 0 with a MemoryError (nothing left allocated). */
+static int work_alloc(Work *w, Py_ssize_t L, Py_ssize_t V, Py_ssize_t budget) {
+    Py_ssize_t k = budget < V ? budget : V, nb = (V + BLOCK - 1) / BLOCK;
+    Rows *rows = &w->rows;
+    rows->V = V, rows->blocks = nb, rows->k = k;
+    rows->vals = malloc(sizeof(float) * L * k), rows->toks = malloc(sizeof(int64_t) * L * k);
+    rows->have = malloc(sizeof(int32_t) * L), rows->tail = malloc(sizeof(Py_ssize_t) * L);
+    rows->taken = malloc(sizeof(uint32_t) * L * nb), rows->head = malloc(sizeof(float) * L * nb);
+    rows->head_at = malloc(sizeof(int32_t) * L * nb), rows->order = malloc(sizeof(int32_t) * L * nb);
+    w->count = malloc(sizeof(int32_t) * (L + 2)), w->rank = malloc(sizeof(int32_t) * budget);
+    w->parent_of = malloc(sizeof(int32_t) * budget), w->depth_of = malloc(sizeof(int32_t) * budget);
+    w->child_rank = malloc(sizeof(int32_t) * budget), w->flat = malloc(sizeof(int32_t) * budget);
+    w->score_of = malloc(sizeof(float) * budget), w->heap = malloc(sizeof(Cand) * (budget + 2));
+    if (!rows->vals || !rows->toks || !rows->have || !rows->tail || !rows->taken || !rows->head || !rows->head_at
+        || !rows->order || !w->count || !w->rank || !w->parent_of || !w->depth_of || !w->child_rank || !w->flat
+        || !w->score_of || !w->heap) {
+        work_free(w);
         PyErr_NoMemory();
-        goto done;
+        return 0;
     }
+    return 1;
+}
+
+/* The rows read from `logp` [L, V] from their first rank on (a new tree). */
+static void rows_start(Rows *rows, const float *logp, Py_ssize_t L) {
+    rows->logp = logp;
+    for (Py_ssize_t d = 0; d < L; d++) rows->have[d] = -1;
+}
+
+/* Where a tree goes: its flat fields (n entries each), the ancestor index (n rows of `width`: 0 for the tree's own
+   bound + 1) and matrix (n * n); first and next (the child lists) NULL where not wanted. */
+typedef struct {
+    int64_t *tok, *par, *dep, *first, *next;
+    float *score;
+    int64_t *aidx;
+    Py_ssize_t width;
+    unsigned char *anc;
+} Out;
+
+/* The tree (see the top) of the rows `w` reads (rows_start'ed) into `out`: n, its largest depth in *bound. need > 0:
+   a tree of other than `need` nodes writes nothing and returns its n (the caller's error). */
+static Py_ssize_t build(Work *w, Py_ssize_t L, Py_ssize_t budget, long long root, const Out *out, int32_t *bound_out,
+                        Py_ssize_t need) {
+    Rows *src = &w->rows;
+    Py_ssize_t k = src->k;
+    int32_t *count = w->count, *rank = w->rank, *parent_of = w->parent_of, *depth_of = w->depth_of;
+    int32_t *child_rank = w->child_rank, *flat = w->flat; /* child_rank: r, its token is toks[d - 1, r] */
+    float *score_of = w->score_of;
+    Cand *heap = w->heap;
+    memset(count, 0, sizeof(int32_t) * (L + 2));
 
     Py_ssize_t size = 0, sel = 0;
     push(heap, &size, (Cand){-value_at(src, 0, 0), 1, -1, 0});
@@ -197,6 +252,7 @@ static PyObject *build(Rows *src, Py_ssize_t L, Py_ssize_t budget, long long roo
     }
 
     Py_ssize_t n = sel + 1;
+    if (need > 0 && n != need) return n;
     int32_t bound = 0;
     int32_t offset = 1; /* the root takes index 0 */
     for (Py_ssize_t d = 1; d <= L; d++) {
@@ -205,6 +261,8 @@ static PyObject *build(Rows *src, Py_ssize_t L, Py_ssize_t budget, long long roo
         offset += c;
         if (c) bound = (int32_t)d;
     }
+    int64_t *tok = out->tok, *par = out->par, *dep = out->dep;
+    float *score = out->score;
     for (int32_t v = 0; v < sel; v++) flat[v] = count[depth_of[v]] + rank[v];
     tok[0] = root, par[0] = -1, dep[0] = 0, score[0] = 0.0f;
     for (int32_t v = 0; v < sel; v++) {
@@ -212,38 +270,42 @@ static PyObject *build(Rows *src, Py_ssize_t L, Py_ssize_t budget, long long roo
         tok[i] = src->toks[(size_t)(d - 1) * k + child_rank[v]];
         par[i] = parent_of[v] >= 0 ? flat[parent_of[v]] : 0;
         dep[i] = d;
-        score[i] = score_of[v];
+        score[i] = score_of[v] + 0.0f; /* a zero as +0.0 (minus a cost of +0.0, as the torch build has it) */
     }
-    for (Py_ssize_t i = 0; i < n; i++) first[i] = next[i] = -1;
-    for (Py_ssize_t i = n - 1; i >= 1; i--) { /* backwards: children in flat order */
-        next[i] = first[par[i]];
-        first[par[i]] = i;
+    if (out->first) {
+        int64_t *first = out->first, *next = out->next;
+        for (Py_ssize_t i = 0; i < n; i++) first[i] = next[i] = -1;
+        for (Py_ssize_t i = n - 1; i >= 1; i--) { /* backwards: children in flat order */
+            next[i] = first[par[i]];
+            first[par[i]] = i;
+        }
     }
-    /* parents precede children: row i is i, then its parent's row */
-    Py_ssize_t w = bound + 1;
+    /* parents precede children: row i is i, then its parent's row (the root's: zeros, so the root repeats) */
+    Py_ssize_t wd = out->width > 0 ? out->width : bound + 1;
+    int64_t *aidx = out->aidx;
+    unsigned char *anc = out->anc;
     memset(anc, 0, (size_t)n * n);
-    memset(aidx, 0, sizeof(int64_t) * w);
+    memset(aidx, 0, sizeof(int64_t) * wd);
     anc[0] = 1;
     for (Py_ssize_t i = 1; i < n; i++) {
-        int64_t *row = aidx + i * w;
-        const int64_t *up = aidx + par[i] * w;
+        int64_t *row = aidx + i * wd;
+        const int64_t *up = aidx + par[i] * wd;
         row[0] = i;
-        memcpy(row + 1, up, sizeof(int64_t) * (w - 1));
+        memcpy(row + 1, up, sizeof(int64_t) * (wd - 1));
         for (Py_ssize_t h = 0; h <= dep[i]; h++) anc[i * n + row[h]] = 1;
     }
-    result = Py_BuildValue("nn", n, (Py_ssize_t)bound);
-done:
-    free(heap), free(count), free(rank), free(parent_of), free(depth_of), free(child_rank), free(flat), free(score_of);
-    return result;
+    *bound_out = bound;
+    return n;
 }
 
 /* The buffer of `obj` as an array of `kind` ('f' float32, 'q' int64, '?' bool), C-contiguous, of `ndim` dimensions
-   and the given shape (-1: any, read back into shape); 0 with a TypeError / ValueError naming the argument. */
-static int get_array(PyObject *obj, Py_buffer *view, const char *name, char kind, int ndim, Py_ssize_t *shape,
-                     int writable) {
+   and the given shape (-1: any, read back into shape); 0 with a TypeError / ValueError naming the function `fn` and
+   the argument. */
+static int get_array(const char *fn, PyObject *obj, Py_buffer *view, const char *name, char kind, int ndim,
+                     Py_ssize_t *shape, int writable) {
     if (PyObject_GetBuffer(obj, view, writable ? PyBUF_RECORDS : PyBUF_RECORDS_RO) < 0) {
         PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "best_first: '%s' must be a%s NumPy array (a buffer), got %.80s", name,
+        PyErr_Format(PyExc_TypeError, "%s: '%s' must be a%s NumPy array (a buffer), got %.80s", fn, name,
                      writable ? " writable" : "", Py_TYPE(obj)->tp_name);
         return 0;
     }
@@ -256,24 +318,24 @@ static int get_array(PyObject *obj, Py_buffer *view, const char *name, char kind
                && (f[0] == kind || (kind == 'q' && f[0] == 'l'));
     const char *want = kind == 'f' ? "float32" : kind == 'q' ? "int64" : "bool";
     if (!same) {
-        PyErr_Format(PyExc_TypeError, "best_first: '%s' must be %s, got format '%s' of %zd bytes", name, want,
+        PyErr_Format(PyExc_TypeError, "%s: '%s' must be %s, got format '%s' of %zd bytes", fn, name, want,
                      view->format ? view->format : "B", view->itemsize);
         goto fail;
     }
     if (view->ndim != ndim) {
-        PyErr_Format(PyExc_ValueError, "best_first: '%s' must have %d dimension(s), has %d", name, ndim, view->ndim);
+        PyErr_Format(PyExc_ValueError, "%s: '%s' must have %d dimension(s), has %d", fn, name, ndim, view->ndim);
         goto fail;
     }
     for (int i = 0; i < ndim; i++) {
         if (shape[i] >= 0 && view->shape[i] != shape[i]) {
-            PyErr_Format(PyExc_ValueError, "best_first: '%s' must have %zd entries along dimension %d, has %zd", name,
+            PyErr_Format(PyExc_ValueError, "%s: '%s' must have %zd entries along dimension %d, has %zd", fn, name,
                          shape[i], i, view->shape[i]);
             goto fail;
         }
         shape[i] = view->shape[i];
     }
     if (!PyBuffer_IsContiguous(view, 'C')) {
-        PyErr_Format(PyExc_ValueError, "best_first: '%s' must be C-contiguous", name);
+        PyErr_Format(PyExc_ValueError, "%s: '%s' must be C-contiguous", fn, name);
         goto fail;
     }
     return 1;
@@ -282,7 +344,22 @@ fail:
     return 0;
 }
 
+/* L and V of a logprobs block, and a budget, in range; 0 with a ValueError. */
+static int check_sizes(const char *fn, Py_ssize_t L, Py_ssize_t V, Py_ssize_t budget) {
+    if (L < 1 || L > MAX_L || V < 1 || V > INT32_MAX) { /* int32 token indices */
+        PyErr_Format(PyExc_ValueError, "%s: 'logprobs' must be [L, V] with 1 <= L <= %d and 1 <= V <= %d, "
+                     "is [%zd, %zd]", fn, MAX_L, INT32_MAX, L, V);
+        return 0;
+    }
+    if (budget < 1 || budget > MAX_BUDGET) {
+        PyErr_Format(PyExc_ValueError, "%s: budget must be in [1, %d], is %zd", fn, MAX_BUDGET, budget);
+        return 0;
+    }
+    return 1;
+}
+
 static PyObject *best_first(PyObject *self, PyObject *args) {
+    static const char *fn = "best_first";
     PyObject *ol, *oi, *os, *oa, *om;
     Py_ssize_t budget;
     long long root;
@@ -290,49 +367,113 @@ static PyObject *best_first(PyObject *self, PyObject *args) {
     Py_buffer bl, bi, bs, ba, bm;
     Py_buffer *got[5] = {NULL, NULL, NULL, NULL, NULL};
     PyObject *result = NULL;
-    Rows rows = {0};
+    Work work = {0};
     Py_ssize_t ls[2] = {-1, -1};
-    if (!get_array(ol, &bl, "logprobs", 'f', 2, ls, 0)) goto done;
+    if (!get_array(fn, ol, &bl, "logprobs", 'f', 2, ls, 0)) goto done;
     got[0] = &bl;
     Py_ssize_t L = ls[0], V = ls[1];
-    if (L < 1 || L > MAX_L || V < 1 || V > INT32_MAX) { /* int32 token indices */
-        PyErr_Format(PyExc_ValueError, "best_first: 'logprobs' must be [L, V] with 1 <= L <= %d and 1 <= V <= %d, "
-                     "is [%zd, %zd]", MAX_L, INT32_MAX, L, V);
-        goto done;
-    }
-    if (budget < 1 || budget > MAX_BUDGET) {
-        PyErr_Format(PyExc_ValueError, "best_first: budget must be in [1, %d], is %zd", MAX_BUDGET, budget);
-        goto done;
-    }
+    if (!check_sizes(fn, L, V, budget)) goto done;
     Py_ssize_t cap = budget + 1;
     Py_ssize_t si[2] = {5, cap}, ss[1] = {cap}, sa[1] = {cap * (L + 1)}, sm[1] = {cap * cap}; /* <= 2**45, 2**48 */
-    if (!get_array(oi, &bi, "ints", 'q', 2, si, 1)) goto done;
+    if (!get_array(fn, oi, &bi, "ints", 'q', 2, si, 1)) goto done;
     got[1] = &bi;
-    if (!get_array(os, &bs, "scores", 'f', 1, ss, 1)) goto done;
+    if (!get_array(fn, os, &bs, "scores", 'f', 1, ss, 1)) goto done;
     got[2] = &bs;
-    if (!get_array(oa, &ba, "aidx", 'q', 1, sa, 1)) goto done;
+    if (!get_array(fn, oa, &ba, "aidx", 'q', 1, sa, 1)) goto done;
     got[3] = &ba;
-    if (!get_array(om, &bm, "anc", '?', 1, sm, 1)) goto done;
+    if (!get_array(fn, om, &bm, "anc", '?', 1, sm, 1)) goto done;
     got[4] = &bm;
 
-    Py_ssize_t k = budget < V ? budget : V, nb = (V + BLOCK - 1) / BLOCK;
-    rows.logp = (const float *)bl.buf, rows.V = V, rows.blocks = nb, rows.k = k;
-    rows.vals = malloc(sizeof(float) * L * k), rows.toks = malloc(sizeof(int64_t) * L * k);
-    rows.have = malloc(sizeof(int32_t) * L), rows.tail = malloc(sizeof(Py_ssize_t) * L);
-    rows.taken = malloc(sizeof(uint32_t) * L * nb), rows.head = malloc(sizeof(float) * L * nb);
-    rows.head_at = malloc(sizeof(int32_t) * L * nb), rows.order = malloc(sizeof(int32_t) * L * nb);
-    if (!rows.vals || !rows.toks || !rows.have || !rows.tail || !rows.taken || !rows.head || !rows.head_at
-        || !rows.order) {
-        PyErr_NoMemory();
+    if (!work_alloc(&work, L, V, budget)) goto done;
+    rows_start(&work.rows, (const float *)bl.buf, L);
+    int64_t *ints = (int64_t *)bi.buf;
+    Out out = {ints, ints + cap, ints + 2 * cap, ints + 3 * cap, ints + 4 * cap, (float *)bs.buf, (int64_t *)ba.buf,
+               0, (unsigned char *)bm.buf};
+    int32_t bound;
+    Py_ssize_t n = build(&work, L, budget, root, &out, &bound, 0);
+    result = Py_BuildValue("nn", n, (Py_ssize_t)bound);
+done:
+    work_free(&work);
+    for (int i = 0; i < 5; i++)
+        if (got[i]) PyBuffer_Release(got[i]);
+    return result;
+}
+
+/* batch_best_first(logprobs, budget, roots, tokens, parents, depths, scores, aidx, anc) -> None
+
+   best_first's tree of every stream of a batch (ddtree.engine.batch_tree's batched round on a CPU), in one call:
+   row i is the tree of logprobs[i] with root token roots[i], laid out as ddtree.engine.kernels.tree's
+   `ddtree::batch_tree_build` lays it out (no child lists, no padding: every row has exactly n nodes).
+
+   logprobs float32 [N, L, V], C-contiguous; read only
+   roots    int64   [N]; read only
+   tokens, parents, depths int64 [N, n] out (a root's parent -1); scores float32 [N, n] out
+   aidx     int64   [N, n, W] out, W = min(L, n - 1) + 1: [i, a, h] = the h-th ancestor of node a of row i (the root,
+            index 0, repeats past it)
+   anc      bool    [N, n, n] out: [i, a, b] = b is a or an ancestor of a
+   n (from tokens' shape) must be 1 + ddtree.engine.tree.tree_size(budget, L, V), the nodes every row has; a row of
+   fewer (or more) raises ValueError naming it. Wrong types, dtypes, shapes or layouts raise TypeError / ValueError
+   naming the argument. */
+static PyObject *batch_best_first(PyObject *self, PyObject *args) {
+    static const char *fn = "batch_best_first";
+    PyObject *ol, *or_, *ot, *op, *od, *os, *oa, *om;
+    Py_ssize_t budget;
+    if (!PyArg_ParseTuple(args, "OnOOOOOOO", &ol, &budget, &or_, &ot, &op, &od, &os, &oa, &om)) return NULL;
+    Py_buffer views[8];
+    Py_buffer *got[8] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *result = NULL;
+    Work work = {0};
+    Py_ssize_t ls[3] = {-1, -1, -1};
+    if (!get_array(fn, ol, &views[0], "logprobs", 'f', 3, ls, 0)) goto done;
+    got[0] = &views[0];
+    Py_ssize_t N = ls[0], L = ls[1], V = ls[2];
+    if (!check_sizes(fn, L, V, budget)) goto done;
+    Py_ssize_t sr[1] = {N}, st[2] = {N, -1};
+    if (!get_array(fn, or_, &views[1], "roots", 'q', 1, sr, 0)) goto done;
+    got[1] = &views[1];
+    if (!get_array(fn, ot, &views[2], "tokens", 'q', 2, st, 1)) goto done;
+    got[2] = &views[2];
+    Py_ssize_t n = st[1];
+    if (n < 1 || n > budget + 1) {
+        PyErr_Format(PyExc_ValueError, "%s: 'tokens' must have 1 + tree_size(budget, L, V) <= budget + 1 = %zd "
+                     "columns, has %zd", fn, budget + 1, n);
         goto done;
     }
-    for (Py_ssize_t d = 0; d < L; d++) rows.have[d] = -1;
-    result = build(&rows, L, budget, root, (int64_t *)bi.buf, (float *)bs.buf, (int64_t *)ba.buf,
-                   (unsigned char *)bm.buf);
+    Py_ssize_t W = (L < n - 1 ? L : n - 1) + 1;
+    Py_ssize_t sp[2] = {N, n}, sd[2] = {N, n}, ss[2] = {N, n}, sa[3] = {N, n, W}, sm[3] = {N, n, n};
+    if (!get_array(fn, op, &views[3], "parents", 'q', 2, sp, 1)) goto done;
+    got[3] = &views[3];
+    if (!get_array(fn, od, &views[4], "depths", 'q', 2, sd, 1)) goto done;
+    got[4] = &views[4];
+    if (!get_array(fn, os, &views[5], "scores", 'f', 2, ss, 1)) goto done;
+    got[5] = &views[5];
+    if (!get_array(fn, oa, &views[6], "aidx", 'q', 3, sa, 1)) goto done;
+    got[6] = &views[6];
+    if (!get_array(fn, om, &views[7], "anc", '?', 3, sm, 1)) goto done;
+    got[7] = &views[7];
+
+    if (!work_alloc(&work, L, V, budget)) goto done;
+    const float *logp = (const float *)views[0].buf;
+    const int64_t *roots = (const int64_t *)views[1].buf;
+    for (Py_ssize_t i = 0; i < N; i++) {
+        size_t at = (size_t)i * n;
+        Out out = {(int64_t *)views[2].buf + at, (int64_t *)views[3].buf + at, (int64_t *)views[4].buf + at, NULL,
+                   NULL, (float *)views[5].buf + at, (int64_t *)views[6].buf + at * W, W,
+                   (unsigned char *)views[7].buf + at * n};
+        int32_t bound;
+        rows_start(&work.rows, logp + (size_t)i * L * V, L);
+        Py_ssize_t got_n = build(&work, L, budget, roots[i], &out, &bound, n);
+        if (got_n != n) {
+            PyErr_Format(PyExc_ValueError, "%s: row %zd's tree has %zd nodes, the outputs %zd (n must be "
+                         "1 + tree_size(budget, L, V))", fn, i, got_n, n);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
 done:
-    free(rows.vals), free(rows.toks), free(rows.have), free(rows.tail), free(rows.taken), free(rows.head);
-    free(rows.head_at), free(rows.order);
-    for (int i = 0; i < 5; i++)
+    work_free(&work);
+    for (int i = 0; i < 8; i++)
         if (got[i]) PyBuffer_Release(got[i]);
     return result;
 }
@@ -341,6 +482,9 @@ static PyMethodDef methods[] = {
     {"best_first", best_first, METH_VARARGS,
      "best_first(logprobs, budget, root, ints, scores, aidx, anc) -> (n, bound): the best-first draft tree, its ancestry "
      "and child lists (see the source)."},
+    {"batch_best_first", batch_best_first, METH_VARARGS,
+     "batch_best_first(logprobs, budget, roots, tokens, parents, depths, scores, aidx, anc) -> None: every stream's "
+     "best-first draft tree and its ancestry, in the batched layout (see the source)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -35,6 +35,7 @@ from ddtree.engine.compiled import _TAKES_RECOMPILE_LIMIT, RECOMPILE_LIMIT, _own
 from ddtree.engine.drafter.model import _visible
 from ddtree.engine.drafter.mtp import mtp_expand, mtp_tree_tensors
 from ddtree.engine.fixed_kv import grouped_attention, grouped_bias
+from ddtree.engine.host import host_branch
 from ddtree.engine.result import GenerationResult
 from ddtree.engine.target import TargetSession, context_features
 from ddtree.engine.timing import StageTimer
@@ -655,8 +656,11 @@ class BatchRun:
             if self.temperature > 0:  # the drafter's sample, coupled to the target's by the same keyed noise
                 return bt.batch_chain_trees(self.roots, bt.keyed_choice(logits, self.temperature, self.seeds, pos))
             return bt.batch_chain_trees(self.roots, logits.argmax(-1))
+        # on a CPU one C call for every stream (the single-stream engine's build), unless the options turn the
+        # `host_tree` branch off; a compiled round traces the torch ops
+        host = None if host_branch("host_tree", self.dev, self.binding.options) else False
         return bt.batch_tree_of_tensors(*bt.batch_best_first_tensors(self.roots, torch.log_softmax(logits, dim=-1),
-                                                                     budget))
+                                                                     budget, host=host))
 
     def verify(self, tree: bt.BatchTree) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """One target forward over every slot's tree: (logits [N, T, V], features [N, T, F] or None, positions)."""

@@ -3,7 +3,8 @@ a row per stream, so a round's ops do not grow with the number of streams.
 
 Builders (torch ops on the device, vectorised over streams, no host read): `batch_root_trees` (AR),
 `batch_chain_trees` (DFlash chains), `batch_best_first` (DDTree: row i is `best_first_tree(roots[i], logprobs[i],
-budget)`, node for node, optionally each stream at its own smaller budget; one fused op after the top-k),
+budget)`, node for node, optionally each stream at its own smaller budget; one fused op after the top-k, or on a CPU
+one call of the C extension for every stream),
 `batch_full_trees` (N trees of one node count given as tokens, parents and depths: the head methods' EAGLE-2 trees,
 DDTree's pair trees: ddtree.engine.selector.batch_pair_tree),
 `with_sizes` (cut rows to a prefix). `batch_walk` follows the target's choices in every stream with one host read.
@@ -18,8 +19,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
+from ddtree.engine import tree as _tree  # its _hosttree: the C extension, or None where it is not compiled
 from ddtree.engine.kernels import sampling
 from ddtree.engine.kernels.sampling import _keyed_choice, keyed_uniform
 from ddtree.engine.kernels.tree import _batch_ancestor_index, _batch_tree_build, batch_tree_build
@@ -138,28 +141,45 @@ def batch_full_trees(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.
 
 
 def batch_best_first(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
-                     budgets: torch.Tensor | None = None) -> BatchTree:
+                     budgets: torch.Tensor | None = None, *, host: bool | None = None) -> BatchTree:
     """Every stream's DDTree at once: row i is `ddtree.engine.tree.best_first_tree(roots[i], logprobs[i], budget)`,
     the same nodes in the same flat order (`best_first_tensors`' ops with a stream dimension: one top-k, then
     `ddtree::batch_tree_build`, one launch on CUDA, three ops a depth and the layout elsewhere; no host read, shapes
-    fixed by (N, budget, L, V)). T = 1 + tree_size(budget, L, V).
+    fixed by (N, budget, L, V); on a CPU where the C extension is compiled, one C call instead: `host`).
+    T = 1 + tree_size(budget, L, V).
 
     logprobs: [N, L, V]. budgets: long [N] (each <= budget) or None: row i is then the tree of budgets[i] (its
     1 + tree_size(budgets[i], L, V) nodes in that tree's own flat order, then padding): the first budgets[i] nodes
-    of the best-first order, which the build ranks anyway."""
+    of the best-first order, which the build ranks anyway. host: as batch_best_first_tensors takes it."""
     if 1 + tree_size(budget, *logprobs.shape[1:]) == 1:
         return batch_root_trees(roots)
-    return batch_tree_of_tensors(*batch_best_first_tensors(roots, logprobs, budget, budgets))
+    return batch_tree_of_tensors(*batch_best_first_tensors(roots, logprobs, budget, budgets, host=host))
 
 
 def batch_best_first_tensors(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
-                             budgets: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                             budgets: torch.Tensor | None = None, *, host: bool | None = None) -> tuple[torch.Tensor, ...]:
     """batch_best_first's tensors, as a compiled graph returns them (torch.compile(fullgraph=True): capturable):
     (tokens, parents, depths, valid, sizes, ancestors, aidx, scores); `batch_tree_of_tensors` makes the BatchTree.
-    Needs a tree past the root (budget >= 1, L >= 1)."""
+    Needs a tree past the root (budget >= 1, L >= 1).
+
+    host: build every row with the C extension in one call (`_batch_best_first_host`; None: on a CPU where it is
+    compiled, as `ddtree.engine.tree.best_first_tree` takes it; the batched round passes False where its engine's
+    options turn the `host_tree` branch off), or with the torch ops above. Both give the same tensors, bit for bit.
+    Only a whole-budget build outside a traced graph takes the C call (budgets given, or torch.compile tracing: the
+    torch ops)."""
     N, L, V = logprobs.shape
     n = 1 + tree_size(budget, L, V)
     dev = logprobs.device
+    if budgets is None and not torch.compiler.is_compiling():
+        if host is None:
+            host = dev.type == "cpu" and hasattr(_tree._hosttree, "batch_best_first")
+        if host:
+            if not hasattr(_tree._hosttree, "batch_best_first"):
+                raise RuntimeError("the C tree build (ddtree/engine/_hosttree.c) is not compiled, or is an older "
+                                   "build without batch_best_first: rerun `make install`")
+            built = _batch_best_first_host(roots, logprobs, budget, n)
+            if built is not None:
+                return built
     cost, ranked = _ranked_costs(logprobs, budget)
     sizes = None if budgets is None else budgets.to(dev, torch.long).clamp(0, n - 1) + 1
     build = _batch_tree_build if torch.compiler.is_compiling() else batch_tree_build  # one launch on CUDA
@@ -169,6 +189,28 @@ def batch_best_first_tensors(roots: torch.Tensor, logprobs: torch.Tensor, budget
     else:
         valid = _const(_arange, n, dev) < sizes[:, None]
     return tokens, parents, depths, valid, sizes, anc, aidx, scores
+
+
+def _batch_best_first_host(roots: torch.Tensor, logprobs: torch.Tensor, budget: int,
+                           n: int) -> tuple[torch.Tensor, ...] | None:
+    """batch_best_first_tensors in one C call (`batch_best_first` of ddtree/engine/_hosttree.c: the single-stream C
+    build's search, row by row, into the batched layout), as tensors on the logits' device; None where a row's tree
+    would not have n nodes (the C call's ValueError: the caller takes the torch ops)."""
+    lp = logprobs.detach().cpu().float().contiguous().numpy()
+    N, L, _ = lp.shape
+    ints = np.empty((3, N, n), dtype=np.int64)  # tokens, parents, depths
+    scores = np.empty((N, n), dtype=np.float32)
+    aidx = np.empty((N, n, min(L, n - 1) + 1), dtype=np.int64)
+    anc = np.empty((N, n, n), dtype=np.bool_)
+    try:
+        _tree._hosttree.batch_best_first(lp, budget, roots.detach().cpu().reshape(N).long().contiguous().numpy(),
+                                         ints[0], ints[1], ints[2], scores, aidx, anc)
+    except ValueError:
+        return None
+    dev = logprobs.device
+    t = torch.from_numpy if dev.type == "cpu" else (lambda a: torch.from_numpy(a).to(dev))
+    valid, sizes = _const(_chain_rows, N, n, dev)[2:4]  # every node valid (shared constants, as the torch ops')
+    return t(ints[0]), t(ints[1]), t(ints[2]), valid, sizes, t(anc), t(aidx), t(scores)
 
 
 def batch_tree_of_tensors(tokens, parents, depths, valid, sizes, ancestors, aidx, scores=None,
