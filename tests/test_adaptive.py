@@ -24,6 +24,7 @@ from ddtree.engine.adaptive import (
     RoundCost,
     best,
     predictions,
+    smaller_tree_accepts,
     target_ranks,
 )
 from ddtree.engine.diagnostics import RANK_CAP
@@ -375,3 +376,54 @@ def test_target_ranks_are_the_ranks_of_the_accepted_path_and_the_first_rejected_
             row = logits[i, d].tolist()
             want.append(sum(v > row[t] for v in row))
         assert got[i] == want + [-1] * (L - len(want)), i
+
+
+@pytest.mark.parametrize("host", [True, False])
+def test_smaller_trees_accept_what_their_own_walks_accept(host):
+    """A round's walk on a DDTree tree of budget B tells what each smaller budget's tree, built from the same drafter
+    rows, would have accepted: against building that tree and walking it (a target that follows the drafter's top
+    tokens often, as a function of the prefix)."""
+    from ddtree.engine.batch_tree import batch_best_first_tensors
+
+    gen = torch.Generator().manual_seed(5)
+    N, L, V, B, small = 4, 6, 12, 32, (1, 2, 4, 8, 16)
+    logprobs = torch.log_softmax(2 * torch.randn(N, L, V, generator=gen), dim=-1)
+    logprobs[0, :, 3] = logprobs[0, :, 4]  # equal scores: the build's own order decides
+    roots = torch.tensor([1, 2, 3, 4])
+    rng = random.Random(2)
+    target: dict[tuple, int] = {}
+
+    def next_token(stream: int, prefix: tuple) -> int:  # the target's token after a prefix (fixed once drawn)
+        key = (stream, prefix)
+        if key not in target:
+            d = len(prefix) - 1
+            top = logprobs[stream, d].argsort(descending=True).tolist() if d < L else list(range(V))
+            target[key] = top[0] if rng.random() < 0.8 else (top[1] if rng.random() < 0.6 else rng.randrange(V))
+        return target[key]
+
+    def walk(budget: int) -> list[list[int]]:  # each stream's accepted path (flat indices, root first)
+        tokens, parents = batch_best_first_tensors(roots, logprobs, budget, host=host)[:2]
+        paths = []
+        for i in range(N):
+            node, path, prefix = 0, [0], (int(roots[i]),)
+            while True:
+                want = next_token(i, prefix)
+                child = [c for c in range(tokens.shape[1]) if parents[i, c] == node and tokens[i, c] == want]
+                if not child:
+                    break
+                node = child[0]
+                path.append(node)
+                prefix += (want,)
+            paths.append(path)
+        return paths
+
+    out = batch_best_first_tensors(roots, logprobs, B, host=host)
+    big = walk(B)
+    K = max(map(len, big))
+    path = torch.tensor([p + [p[-1]] * (K - len(p)) for p in big])
+    lengths = torch.tensor([len(p) for p in big])
+    got = smaller_tree_accepts(out[-1], path, lengths, small)
+    want = torch.tensor([[len(p) - 1 for p in walk(b)] for b in small]).T
+    assert torch.equal(got, want), (got, want)
+    assert want.max() >= 3 and (want[:, 0] < want[:, -1]).any()  # deep paths, and budgets that differ
+

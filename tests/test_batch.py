@@ -250,6 +250,40 @@ def test_budget_auto_chooses_per_round_losslessly_and_the_diagnosis_shows_it(toy
     assert sum(r["rounds"] for r in doc["load"]) == load["rounds"]
 
 
+def test_budget_auto_learns_smaller_trees_from_the_rounds_of_a_bigger_one(toy_pure, monkeypatch):
+    """Rounds of DDTree-16 also measure DDTree-4 (its tree is the first 4 pops of the same search): the smaller
+    option's correction learns without one round of its own; per stream it never keeps more than the round did, and
+    its tokens a round come near what a DDTree-4 engine commits on the same prompts (its rounds start elsewhere)."""
+    from ddtree.engine import batch
+    from ddtree.engine.adaptive import Choice, LoadBudget, RooflineCost
+
+    target, drafter, prompts = toy_pure
+    four, sixteen = Choice("tree", 4), Choice("tree", 16)
+    # a stated cost where DDTree-16 is the best of {4, 16, AR} at these loads: only it runs
+    lb = LoadBudget([4, 16], block_size=drafter.config.block_size, chain=False, refresh_every=0,
+                    cost=RooflineCost.stated("qwen3_6_27b", "h200"))
+    seen = []
+    observe = lb.observe
+
+    def spy(choice, **kw):
+        seen.append((kw["accepted"], (kw.get("others") or {}).get(four)))
+        return observe(choice, **kw)
+
+    monkeypatch.setattr(lb, "observe", spy)
+    monkeypatch.setattr(batch, "RANK_EVERY", 1)  # every round carries its ranks
+    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+        engine.load_budget = lb
+        engine.generate_many(prompts, concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    with Engine(target, drafter, method="ddtree", budget=4, compile="false") as engine:
+        alone = engine.generate_many(prompts, concurrency=3, max_new_tokens=32, stop_token_ids=[STOP])
+    assert {r.choice for r in lb.history} == {sixteen} and all(cf is not None for _, cf in seen)
+    assert all(1 <= c <= k for kept, cf in seen for k, c in zip(kept, cf, strict=True))
+    assert lb._ratio[four][1] > 0 and lb.correction(four) != 1.0
+    tau4 = sum(sum(r.acceptance_lengths) for r in alone) / sum(r.rounds for r in alone)
+    measured = [c for _, cf in seen for c in cf]
+    assert sum(measured) / len(measured) == pytest.approx(tau4, rel=0.25)
+
+
 def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_drafter_only_to_draft(toy_pure):
     """budget="auto"'s bookkeeping, against the outputs: a round's recorded tokens are those the outputs kept (all
     rounds together: every new token but each stream's first, which its prefill gives); a run of AR rounds never

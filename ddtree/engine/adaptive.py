@@ -19,11 +19,12 @@ host read carries them.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -198,6 +199,27 @@ def target_ranks(logits: torch.Tensor, tree_tokens: torch.Tensor, path: torch.Te
     own = logits.gather(2, toks[:, :, None])
     rank = (logits > own).sum(-1)
     return torch.where(d <= a, rank, torch.full_like(rank, -1))
+
+
+def smaller_tree_accepts(scores: torch.Tensor, path: torch.Tensor, lengths: torch.Tensor,
+                         budgets: Sequence[int]) -> torch.Tensor:
+    """On the device, long [N, len(budgets)]: per stream, the draft tokens the round's walk would have accepted with
+    the best-first tree of each of `budgets` nodes (each at most the round's budget) built from the same drafter rows.
+
+    Best-first trees are nested (a tree of B' nodes is the first B' pops of the search that built this one), and
+    siblings are distinct, so the smaller tree's accepted path is the longest prefix of this round's accepted path
+    that lies in it: the path nodes to depth j whose pop order (their place in descending score, the flat order's
+    earlier first among equal scores: the shallower) is at most B'. scores float32 [N, T] (the tree's cumulative
+    draft log-probabilities, the root's 0 first: BatchTree.scores); path [N, K] flat node indices root first (padded
+    with its last node), lengths [N] nodes on each path, root included (BatchWalk's). No host read."""
+    n, T = scores.shape
+    dev = scores.device
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    pop = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=dev).expand(n, T))
+    top = torch.cummax(pop.gather(1, path.to(dev)), dim=1).values[:, 1:]  # [N, K - 1]: the latest pop to depth j
+    on = torch.arange(1, path.shape[1], device=dev)[None, :] < lengths.to(dev)[:, None]
+    limit = torch.tensor(list(budgets), dtype=top.dtype, device=dev)
+    return ((top[:, :, None] <= limit) & on[:, :, None]).sum(1)
 
 
 # ----- cost ------------------------------------------------------------------------------------------------------
@@ -513,14 +535,14 @@ class RoundRecord:
     explore: str | None = None
     seconds: float | None = None  # measured
     tokens: int | None = None  # committed this round, all streams
-    model_tau: float | None = None  # the rank model's tau a stream for the choice when chosen (its correction's)
+    model_taus: dict | None = field(default=None, repr=False)  # the rank model's taus when chosen (the corrections')
 
     @property
     def tok_s(self) -> float | None:
         return self.tokens / self.seconds if self.tokens is not None and self.seconds else None
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model_taus"}
         out.update(choice=self.choice.label, kind=self.choice.kind, nodes=self.choice.nodes, tok_s=self.tok_s)
         return out
 
@@ -559,9 +581,9 @@ class LoadBudget:
     one last measured on easy text)."""
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
-                 prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 16,
-                 refresh_within: float = 0.75, refit_every: int = 32, correction_weight: float = 8.0,
-                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.03):
+                 prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 32,
+                 refresh_within: float = 0.85, refit_every: int = 32, correction_weight: float = 8.0,
+                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.05):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -595,6 +617,10 @@ class LoadBudget:
         self._tried: set[tuple[int, Choice]] = set()  # (load band, option) run at least once
         self._top_band = 0  # the highest load band a round has run at
         self._calibrating = cost is None or self.cost.measured  # until the calibration has nothing left to measure
+
+    def smaller_trees(self, choice: Choice) -> list[Choice]:
+        """The tree options a round of `choice` also measures (`observe`'s others): trees of fewer nodes."""
+        return [c for c in self.options if c.kind == "tree" and choice.kind == "tree" and c.nodes < choice.nodes]
 
     # the model
     def raw_taus(self) -> dict[Choice, float]:
@@ -678,12 +704,13 @@ class LoadBudget:
         rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
                           None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
                           explore,
-                          model_tau=self.raw_taus()[pick] if pick.drafted else None)
+                          model_taus=self.raw_taus() if pick.drafted else None)
         self.history.append(rec)
         self._pending = rec
         return pick
 
     @staticmethod
+    @functools.lru_cache(maxsize=1024)
     def _band(streams: int) -> int:
         """The load band of a stream count (bands 25 % apart: 1, 2, 3, 4, 5, 6-7, 8-9, …)."""
         return round(math.log(streams) / math.log(1.25))
@@ -711,7 +738,8 @@ class LoadBudget:
         return sorted(todo, key=lambda c: c.tokens)
 
     def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
-                ranks: Sequence[Sequence[int]] | None = None, rows: int | None = None) -> None:
+                ranks: Sequence[Sequence[int]] | None = None, rows: int | None = None,
+                others: Mapping[Choice, Sequence[float]] | None = None) -> None:
         """The round's outcome: its wall `seconds` (of a round over `rows` batch rows: None, `streams`; 0: not
         measured, as a drafted round after AR rounds, which reads the rows they queued: a switch's cost), per stream
         the tokens it kept (the bonus token included; a stream's output cut at its stop token or its max_new_tokens
@@ -719,7 +747,13 @@ class LoadBudget:
         per stream the drafter ranks of the target's tokens at each depth along the accepted path and at the first
         rejected depth (lists, or one array [streams, depths] with -1 past each stream's last depth, as the round's
         host read gives them; None for AR rounds; a drafted round without them still updates its option's correction, so
-        a loop that cannot carry the ranks gets each option's measured tau on the prior's shape)."""
+        a loop that cannot carry the ranks gets each option's measured tau on the prior's shape).
+        others: for a DDTree round, the smaller tree options -> per stream the tokens each would have kept from this
+        round's drafter rows (`smaller_tree_accepts`: the bonus token included, cut as the outputs were); their
+        corrections learn from the round as their own rounds would, without running. (Not the chain: its rounds start
+        after its own misses, harder positions than a tree's rounds start at; on the toy, the chain read off DDTree-16
+        rounds' ranks kept 5.0 tokens a round where DFlash's own rounds keep 4.2, while DDTree-4 read off the same
+        rounds kept 3.22 against its own 3.21.)"""
         if choice not in self._ratio:
             raise ValueError(f"LoadBudget.observe: {choice} is not one of this controller's options")
         if len(accepted) != streams:
@@ -742,10 +776,12 @@ class LoadBudget:
             return
         # the correction: tokens committed over the model's tau for them when chosen (exponentially weighted over
         # this option's own rounds)
-        model = rec.model_tau if rec is not None and rec.model_tau is not None else self.raw_taus()[choice]
-        acc, d = self._ratio[choice], self._correction_decay
-        acc[0] = acc[0] * d + sum(accepted)
-        acc[1] = acc[1] * d + streams * model
+        taus = rec.model_taus if rec is not None and rec.model_taus is not None else self.raw_taus()
+        d = self._correction_decay
+        for option, kept in ((choice, accepted), *(others or {}).items()):
+            acc = self._ratio[option]
+            acc[0] = acc[0] * d + float(sum(kept))
+            acc[1] = acc[1] * d + streams * taus[option]
         if ranks is not None:
             self.acceptance.decay_round()
             if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth

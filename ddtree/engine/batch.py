@@ -29,7 +29,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, Li
 
 from ddtree.engine import batch_tree as bt
 from ddtree.engine import gdn, verification
-from ddtree.engine.adaptive import Choice, LoadBudget, target_ranks
+from ddtree.engine.adaptive import Choice, LoadBudget, smaller_tree_accepts, target_ranks
 from ddtree.engine.capacity import capacity_bucket
 from ddtree.engine.compiled import _TAKES_RECOMPILE_LIMIT, RECOMPILE_LIMIT, _owned
 from ddtree.engine.drafter.model import _visible
@@ -52,7 +52,7 @@ AUTO_CANDIDATES = (4, 8, 16, 32, 64)
 # left-padded to the longest), an attention target's (BatchRun.join)
 JOIN_TOKENS = 8192
 # budget=auto, eager rounds: one drafted round in RANK_EVERY carries the drafter ranks to the acceptance estimate
-RANK_EVERY = 2
+RANK_EVERY = 4
 
 
 # ---------------------------------------------------------------- the target's keys and values, a row per slot
@@ -733,7 +733,20 @@ class BatchRun:
         # eagerly every RANK_EVERY-th drafted round's (a sample of the rounds: a dozen small ops saved a round)
         if self.load is not None and drafted and (self.want_ranks or torch.compiler.is_compiling()):
             ranks = target_ranks(logits, tree.tokens, path, lengths, nxt)
+            smaller = self.smaller(kind, budget)
+            if smaller:  # (after the ranks' L columns: each smaller tree's accepted draft tokens)
+                ranks = torch.cat([ranks, smaller_tree_accepts(tree.scores, path, lengths,
+                                                               [c.nodes for c in smaller])], dim=1)
         return packed, path, lengths, ranks
+
+    def measures_others(self, kind: str) -> bool:
+        """budget=auto: whether a round of this kind measures the smaller trees too: a DDTree round of the drafter's
+        own best-first trees (nested: `smaller_tree_accepts`), not a proposer's own trees (a DFlash2 selector's)."""
+        return self.load is not None and kind == "tree" and self.proposer.batch_tree is None and self.head is None
+
+    def smaller(self, kind: str, budget: int | None) -> list[Choice]:
+        """The smaller trees a DDTree round measures as well (`measures_others`)."""
+        return self.load.smaller_trees(Choice("tree", budget)) if self.measures_others(kind) else []
 
     def round(self) -> None:
         live = [s is not None for s in self.active]
@@ -765,17 +778,20 @@ class BatchRun:
                 host = torch.cat([packed.reshape(-1), ranks.reshape(-1).to(packed.dtype)]).tolist()
                 tokens = bt.walk_lists(host[: packed.numel()], self.slots)
                 rank_rows = np.array(host[packed.numel():]).reshape(self.slots, -1)
+        smaller = self.smaller(plan[1], plan[2]) if rank_rows is not None else []
         self.kv.advance([len(t) if s else 0 for t, s in zip(tokens, live, strict=True)])
         self.ctx_max = path.shape[1] + (0 if drafted else self.ctx_max)  # rows the drafter has not read, at most
         now = time.perf_counter()
-        kept = []
+        kept, cut = [], []
         for slot, s in enumerate(self.active):
             if s is None:
                 continue
             new = tokens[slot][: self.max_new - len(s.out)]  # never past max_new_tokens
+            cut.append(len(new) < len(tokens[slot]))
             for j, t in enumerate(new):
                 if t in self.stops:  # stop at (and including) a stop token
                     new, s.done, s.result.stopped_by = new[: j + 1], True, "stop_token"
+                    cut[-1] = True
                     break
             s.out.extend(new)
             s.result.acceptance_lengths.append(len(new))
@@ -785,8 +801,16 @@ class BatchRun:
                 self.finish(slot, now)
         if self.load is not None:  # the round's outcome, for the next choice: the tokens the outputs kept
             idx = [i for i, a in enumerate(live) if a]
+            rows = None if rank_rows is None else rank_rows[idx]
+            width = self.block - 1  # the ranks' columns; then each smaller tree's accepted draft tokens
+            # a smaller tree keeps its accepted tokens and the bonus token, no more than the output kept where it
+            # was cut (a stop token, max_new_tokens)
+            also = {c: [min(int(a) + 1, k) if x else int(a) + 1 for a, k, x in zip(rows[:, width + i], kept, cut,
+                                                                                  strict=True)]
+                    for i, c in enumerate(smaller)}
             self.load.observe(choice, streams=streams, seconds=0.0 if traced or switch else now - t0,  # 0: unmeasured
-                              accepted=kept, ranks=None if rank_rows is None else rank_rows[idx], rows=self.slots)
+                              accepted=kept, ranks=None if rows is None else rows[:, :width], rows=self.slots,
+                              others=also)
 
     def run(self) -> list[GenerationResult]:
         with torch.inference_mode():
