@@ -243,6 +243,7 @@ class SlotDrafterCache:
         self.count: torch.Tensor | None = None
         self.rows: tuple = ()  # a write's index (slots, all heads, rows): write_positions'
         self.index: torch.Tensor | None = None  # a subset's slots (`subset`), else every slot
+        self.read_end: int | None = None  # rows [0, read_end) a forward's attention reads (None: every row)
 
     @classmethod
     def empty(cls, drafter, slots: int, capacity: int, block: int) -> SlotDrafterCache:
@@ -268,7 +269,7 @@ class SlotDrafterCache:
         n = position_ids.shape[0]
         col = self.slot_col(n, position_ids.device) if self.index is None else self.index[:, None]
         self.rows = (col, None, position_ids)
-        return torch.arange(self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
+        return torch.arange(self.read_end or self.keys[0].shape[-2], device=position_ids.device)[None].expand(n, -1)
 
     def slot_col(self, n: int, device: torch.device) -> torch.Tensor:
         """arange(n)[:, None]: the slot index of a write (made once)."""
@@ -285,6 +286,8 @@ class SlotDrafterCache:
         k, v = self.keys[layer_idx], self.values[layer_idx]
         torch.ops.aten.index_put_(k, list(self.rows), keys if keys.dtype == k.dtype else keys.to(k.dtype))
         torch.ops.aten.index_put_(v, list(self.rows), values if values.dtype == v.dtype else values.to(v.dtype))
+        if self.read_end is not None:  # the rows written so far (an eager forward: rows past them hold nothing)
+            k, v = k[:, :, : self.read_end], v[:, :, : self.read_end]
         if self.index is not None:  # a subset: its slots' rows
             return k.index_select(0, self.index), v.index_select(0, self.index)
         return k, v
@@ -500,6 +503,7 @@ class BatchRun:
             ctx_pos = torch.where(rows < count[:, None], rows, self.capacity - 1)
             view = self.dcache.subset(index)
             view.count = count
+            view.read_end = min(self.capacity, width + self.block)
             x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:n])
             self.proposer.drafter(x, feats, ctx_pos, count[:, None] + self.offsets, cache=view)
             self.dcache.length.index_copy_(0, index, view.length)
@@ -626,6 +630,9 @@ class BatchRun:
         x = self.proposer.drafter.embed_block(self.embed.weight, blk)
         dcache = self.dcache
         dcache.count = self.ctx_count
+        # eager: the attention reads the rows up to the longest stream's block (its context rows are committed
+        # positions, below its target length); a compiled round's every row (fixed shapes)
+        dcache.read_end = None if self.fixed else min(self.capacity, max(self.kv.length_list) + self.block)
         ctx_pos = None
         if width:
             at = torch.arange(width, device=self.dev)[None, :]
