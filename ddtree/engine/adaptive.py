@@ -600,7 +600,8 @@ class LoadBudget:
         self.history: list[RoundRecord] = []
         self.correction_weight, self.hold, self.stay_within = correction_weight, max(1, int(hold)), stay_within
         self._last: Choice | None = None  # the last observed round's choice (a switch: the next one differs)
-        self._current: Choice | None = None  # the last evaluation's choice (kept unless another beats it clearly)
+        # (load key, the last evaluation's choice there): kept unless another beats it clearly
+        self._current: tuple[tuple[int, int] | None, Choice | None] = (None, None)
         self._again: tuple[tuple[int, int], Prediction, str] | None = None  # an exploration's second round
         self._correction_decay = 0.5 ** (1.0 / correction_halflife) if correction_halflife > 0 else 1.0
         # option -> decayed [tokens committed, tokens the rank model predicted for them when chosen]
@@ -678,10 +679,11 @@ class LoadBudget:
         else:
             preds = self.predict(streams, rows)
             pred = best(streams, preds)
-            cur = next((p for p in preds if p.choice == self._current), None)
+            # (the current choice at this load; at another load the choice is made afresh)
+            cur = next((p for p in preds if p.choice == self._current[1]), None) if self._current[0] == key else None
             if cur is not None and pred.rate(streams) <= (1 + self.stay_within) * cur.rate(streams):
                 pred = cur  # (within `stay_within` of the best: no switch for what may be noise)
-            self._current = pred.choice
+            self._current = (key, pred.choice)
             self._held = (key, n, pred)
             floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
             near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
