@@ -562,7 +562,9 @@ class LoadBudget:
       each), fewer where a cheap option's measured rate rules bigger ones out;
     * load (a measured cost): at a load band not seen before and at least the highest one run so far (stream counts
       25 % apart; the tail of a batch, where streams end one by one, is predicted from the fit, not explored), one
-      round of each option near the best that has not run there, so the fit is measured where the choice is made;
+      round of each option near the best that has not run there, so the fit is measured where the choice is made,
+      and where no drafted round has run there, of the best drafted option (even below AR: the fit's extrapolation
+      from other loads must not rule drafting out unmeasured);
     * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
     A load or refresh exploration runs two rounds in a row: the first is a switch, which a CPU pays for new buffers
@@ -692,7 +694,13 @@ class LoadBudget:
             higher = self._band(rows) >= self._top_band
             # (AR, the floor the rule must never fall below, is cheap to measure: always among them)
             ar = [p for p in preds if p.choice == AR and p.choice != pred.choice and p not in near]
-            fresh = ([p for p in near + ar if (self._band(rows), p.choice) not in self._tried]
+            # (and, where no drafted round has run at this load, the best drafted option: the fit's extrapolation
+            # from other loads does not rule drafting out before one round here measures it)
+            band = self._band(rows)
+            probe = ([max((p for p in preds if p.choice.drafted), key=lambda p: p.rate(streams))]
+                     if not any((band, c) in self._tried for c in self.options if c.drafted)
+                     and any(c.drafted for c in self.options) else [])
+            fresh = ([p for p in near + ar + probe if (band, p.choice) not in self._tried]
                      if self.cost.measured and higher else [])
             if fresh:
                 pred, explore = fresh[0], "load"
