@@ -556,7 +556,8 @@ class LoadBudget:
     no decay). refit_every: the taus are recomputed from the estimate after every drafted round for the first WARM
     (32) of them, then every refit_every (host time: the rank model's best-first search is ~1 ms at budget 64).
 
-    Rounds that explore (RoundRecord.explore); load and refresh rounds never run an option the model puts below AR:
+    Rounds that explore (RoundRecord.explore); refresh rounds, and load rounds but one a load, never run an option the
+    model puts below AR:
     * calibration (a measured cost): first, each round the option with the fewest tokens that has no measured round
       and could still win by the bound in `_calibration`: at most 1 + options rounds (the run's warm-up, then one
       each), fewer where a cheap option's measured rate rules bigger ones out;
@@ -569,8 +570,8 @@ class LoadBudget:
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
     A load or refresh exploration runs two rounds in a row: the first is a switch, which a CPU pays for new buffers
     (MeasuredCost.observe's switch), the second measures the option's steady cost.
-    An evaluation keeps the current choice unless another's predicted rate beats it by more than `stay_within` (3 %:
-    no switch for what may be the measurements' noise).
+    An evaluation keeps the current choice at an unchanged load unless another's predicted rate beats it by more than
+    `stay_within` (5 %: no switch for what may be the measurements' noise).
     Between those, a choice already run at this load holds for up to `hold` rounds while the load (its band and the
     rows) stays: the rule's host arithmetic runs once in `hold` rounds (1: every round).
 
