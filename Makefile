@@ -49,7 +49,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_engines.py --out runs/bench_engines.md
 	OMP_NUM_THREADS=1 $(PY) bench/bench_launches.py --out runs/bench_launches.json
 	OMP_NUM_THREADS=1 $(PY) bench/bench_launches.py --concurrency 1,8,32 --structures qwen3_6_27b,qwen3_8b --rounds 4
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_concurrency.py
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) bench/bench_concurrency.py --runs 5 --new 64
 
 # the wheels the GPU machine's image lacks, for its Python 3.12, in .kit/ (docs/gpu.md: one `device` run)
 device-kit: $(STAMP)
