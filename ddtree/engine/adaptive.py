@@ -581,7 +581,9 @@ class LoadBudget:
     tree holds the most likely rank paths, and a round starts where the previous one missed; the correction takes up
     what that misses, a bias of the model's per option, while the model itself follows the text's difficulty for every
     option at once (a hard stretch lowers them all; it does not make the option that ran through it look worse than
-    one last measured on easy text)."""
+    one last measured on easy text). A DDTree round corrects every smaller tree option too, from what each would have
+    accepted on the round's own drafter rows (`smaller_tree_accepts`, observe's `others`), so a tree run at a load
+    teaches the smaller ones without running them."""
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 32,
