@@ -569,3 +569,29 @@ def test_the_compiled_batched_round_with_a_dflash2_drafter(toy_dflash2, dynamo_c
     for ids, r, e in zip(prompts, results, eager, strict=True):
         assert r.round == "compiled" and r.output_ids == hf_greedy(target, ids, 32, STOP)
         assert r.acceptance_lengths == e.acceptance_lengths
+
+
+@pytest.mark.parametrize("method", ["ar", "ddtree"])
+def test_the_batch_tail_drops_its_free_slots_losslessly(toy_pure, method, monkeypatch):
+    """Once no prompt is left and at most half the slots hold a stream, the live slots close up (every slot tensor
+    keeps their rows): each stream still greedy decoding of its prompt alone, drafted round by round as alone."""
+    from ddtree.engine import batch
+
+    target, drafter, prompts = toy_pure
+    seen = []
+    compact = batch.BatchRun.compact
+
+    def spy(self):
+        before = self.slots
+        compact(self)
+        seen.append((before, self.slots))
+
+    monkeypatch.setattr(batch.BatchRun, "compact", spy)
+    draft = drafter if method != "ar" else None
+    with Engine(target, draft, method=method, budget=8, compile="false") as engine:
+        results = engine.generate_many(prompts, concurrency=6, max_new_tokens=32, stop_token_ids=[STOP])
+        alone = [engine.generate(p, max_new_tokens=32, stop_token_ids=[STOP]) for p in prompts]
+    assert seen and all(after < before for before, after in seen)
+    for ids, one, r in zip(prompts, alone, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 32, STOP)
+        assert r.acceptance_lengths == one.acceptance_lengths

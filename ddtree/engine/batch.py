@@ -151,6 +151,19 @@ class SlotKV:
         self.length_list[slot] = length
         self.lengths[slot] = length
 
+    def compact(self, keep: torch.Tensor, host: list[int]) -> None:
+        """Keep the slots `keep` (long [n], ascending; `host` the same as ints), in that order, as slots 0 … n - 1:
+        each group's buffers and the lengths (an attention target's: BatchRun.compact)."""
+        self.keys = [k.index_select(1, keep) for k in self.keys]
+        self.values = [v.index_select(1, keep) for v in self.values]
+        self.slots = len(host)
+        self.length_list = [self.length_list[i] for i in host]
+        self.lengths = self.lengths.index_select(0, keep)
+        self.slot_col = torch.arange(self.slots, device=self.device)[:, None]
+        self._bias = None
+        for i, (g, j) in self.where.items():
+            self.cache.layers[i].views = (self.keys[g][j], self.values[g][j])
+
     def begin(self, width: int, fixed: bool = False) -> None:
         """A round of `width` tokens a slot: its rows, and how far the attention reads (fixed: every row of the
         capacity, under the round's mask, as the compiled round's fixed shapes want; else the longest slot's rows,
@@ -253,6 +266,13 @@ class SlotDrafterCache:
         keys = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
         values = [torch.zeros(shape, dtype=dtype, device=dev) for _ in range(cfg.num_hidden_layers)]
         return cls(keys, values, torch.zeros(slots, dtype=torch.long, device=dev), block)
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep the slots `keep` (long [n], ascending) as slots 0 … n - 1 (BatchRun.compact)."""
+        self.keys = [k.index_select(0, keep) for k in self.keys]
+        self.values = [v.index_select(0, keep) for v in self.values]
+        self.length = self.length.index_select(0, keep)
+        self.__dict__.pop("_slot_col", None)
 
     def subset(self, index: torch.Tensor) -> SlotDrafterCache:
         """The slots `index` (long [n]) as a cache of n rows: writes land in the shared buffers at those slots' rows,
@@ -819,12 +839,39 @@ class BatchRun:
                               accepted=kept, ranks=None if rows is None else rows[:, :width], rows=self.slots,
                               others=also)
 
+    def compacts(self) -> bool:
+        """Whether the batch's tail drops its free slots: no prompt left to take them, at most half the slots live,
+        an eager round (a compiled one keeps its fixed shapes), an attention target (a hybrid's GDN states are
+        committed through views made once) and a drafter that is not a head."""
+        live = sum(s is not None for s in self.active)
+        return (not self.queue and 0 < live <= self.slots // 2 and not self.fixed and self.kv is not None
+                and not self.kv.linear and self.head is None)
+
+    def compact(self) -> None:
+        """The live slots become slots 0 … n - 1 (their order kept) and the free ones go: every slot tensor keeps
+        those rows. A round computes every slot, so the tail of a batch, where streams end and nothing takes their
+        slots, would otherwise pay full rows for a few streams."""
+        host = [i for i, s in enumerate(self.active) if s is not None]
+        keep = torch.tensor(host, dtype=torch.long, device=self.dev)
+        self.kv.compact(keep, host)
+        if self.dcache is not None:
+            self.dcache.compact(keep)
+        for name in ("live", "seeds", "roots", "ctx", "ctx_count", "block_ids"):
+            value = getattr(self, name, None)
+            if value is not None:
+                setattr(self, name, value.index_select(0, keep))
+        self.unread = {host.index(i): f for i, f in self.unread.items() if i in host}
+        self.active = [self.active[i] for i in host]
+        self.slots = len(host)
+
     def run(self) -> list[GenerationResult]:
         with torch.inference_mode():
             while self.queue or any(s is not None for s in self.active):
                 # free slots take the next prompts (their prefills: between rounds; again where one ends at once)
                 while self.queue and (free := [i for i, s in enumerate(self.active) if s is None]):
                     self.join(free[: len(self.queue)])
+                if self.compacts():
+                    self.compact()
                 if any(s is not None for s in self.active):
                     self.round()
         stages = self.timer.finish()
