@@ -384,6 +384,7 @@ class BatchRun:
         self.prompts = prompts
         self.dev = dev = self.binding.device
         self.slots = n = max(1, min(concurrency, len(prompts)))
+        self.rows = n  # the slots the call started with (`compact` drops free ones in the batch's tail)
         self.drafts = engine.spec.tree != "root"
         self.head = getattr(self.proposer, "head", None)  # mtp, eagle3: a head that drafts step by step
         self.steps = self.proposer.steps if self.head is not None else 0
@@ -778,7 +779,8 @@ class BatchRun:
     def round(self) -> None:
         live = [s is not None for s in self.active]
         streams = sum(live)
-        choice = self.load.choose(streams, self.slots) if self.load is not None else None
+        # (budget=auto: the batch's rows as it started; a tail that dropped its free slots is not a load of its own)
+        choice = self.load.choose(streams, self.rows) if self.load is not None else None
         plan = self.plan(choice)
         drafted = plan[0]
         # a drafted round after AR rounds reads the rows and the prompts they queued: a switch's cost, not the round's
@@ -835,8 +837,10 @@ class BatchRun:
             also = {c: [min(int(a) + 1, k) if x else int(a) + 1 for a, k, x in zip(rows[:, width + i], kept, cut,
                                                                                   strict=True)]
                     for i, c in enumerate(smaller)}
-            self.load.observe(choice, streams=streams, seconds=0.0 if traced or switch else now - t0,  # 0: unmeasured
-                              accepted=kept, ranks=None if rows is None else rows[:, :width], rows=self.slots,
+            # (0: unmeasured: a round that compiled, a switch from AR, a tail round over fewer rows than the load's)
+            measured = not (traced or switch or self.slots < self.rows)
+            self.load.observe(choice, streams=streams, seconds=now - t0 if measured else 0.0,
+                              accepted=kept, ranks=None if rows is None else rows[:, :width], rows=self.rows,
                               others=also)
 
     def compacts(self) -> bool:
