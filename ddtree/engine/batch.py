@@ -450,13 +450,7 @@ class BatchRun:
         prompt of a hybrid target (its recurrent layers' state would read the padding), prefills alone
         (`TargetSession.prefill`). A stream's ttft: its group's prefill and the seats before its own."""
         ids = [self.prompts[i].to(self.dev) for i in self.queue[: len(slots)]]
-        at = 0
-        while at < len(ids):
-            n, width = 1, ids[at].shape[1]
-            while (not self.recurrent and at + n < len(ids)
-                   and (n + 1) * max(width, ids[at + n].shape[1]) <= JOIN_TOKENS):
-                width = max(width, ids[at + n].shape[1])
-                n += 1
+        for at, n, width in _groups([x.shape[1] for x in ids], alone=self.recurrent):
             group = [self.queue.pop(0) for _ in range(n)]
             t0 = time.perf_counter()
             session = TargetSession(self.model, capacity=width + 1, binding=self.binding)
@@ -469,7 +463,6 @@ class BatchRun:
                 self.kv = SlotKV(self.model, self.slots, self.capacity, session.cache)
             for r, i in enumerate(group):
                 self._seat(slots[at + r], i, ids[at + r], session.cache, r, pads[r], logits[r], rows[r], t0)
-            at += n
 
     def _seat(self, slot: int, i: int, ids: torch.Tensor, cache: DynamicCache, row: int, start: int,
               logits: torch.Tensor, feats: torch.Tensor | None, t0: float) -> None:
@@ -510,12 +503,7 @@ class BatchRun:
         (`SlotDrafterCache.subset`), right-padded to the longest (up to JOIN_TOKENS padded rows a forward; the
         padding rows onto the buffer's last row, never read, as `draft` does)."""
         items = list(self.unread.items())
-        at = 0
-        while at < len(items):
-            n, width = 1, items[at][1].shape[1]
-            while at + n < len(items) and (n + 1) * max(width, items[at + n][1].shape[1]) <= JOIN_TOKENS:
-                width = max(width, items[at + n][1].shape[1])
-                n += 1
+        for at, n, width in _groups([f.shape[1] for _, f in items]):
             group = items[at: at + n]
             index = torch.tensor([slot for slot, _ in group], dtype=torch.long, device=self.dev)
             count = torch.tensor([f.shape[1] for _, f in group], dtype=torch.long, device=self.dev)
@@ -528,7 +516,6 @@ class BatchRun:
             x = self.proposer.drafter.embed_block(self.embed.weight, self.block_ids[:n])
             self.proposer.drafter(x, feats, ctx_pos, count[:, None] + self.offsets, cache=view)
             self.dcache.length.index_copy_(0, index, view.length)
-            at += n
         self.unread.clear()
 
     def _join_head(self, slot: int, ids: torch.Tensor, feats: torch.Tensor, root: torch.Tensor) -> None:
@@ -767,14 +754,13 @@ class BatchRun:
                                                                [c.nodes for c in smaller])], dim=1)
         return packed, path, lengths, ranks
 
-    def measures_others(self, kind: str) -> bool:
-        """budget=auto: whether a round of this kind measures the smaller trees too: a DDTree round of the drafter's
-        own best-first trees (nested: `smaller_tree_accepts`), not a proposer's own trees (a DFlash2 selector's)."""
-        return self.load is not None and kind == "tree" and self.proposer.batch_tree is None and self.head is None
-
     def smaller(self, kind: str, budget: int | None) -> list[Choice]:
-        """The smaller trees a DDTree round measures as well (`measures_others`)."""
-        return self.load.smaller_trees(Choice("tree", budget)) if self.measures_others(kind) else []
+        """budget=auto: the smaller tree options a round of this kind measures as well: a DDTree round of the
+        drafter's own best-first trees (nested: `smaller_tree_accepts`), not a proposer's own trees (a DFlash2
+        selector's)."""
+        if self.load is None or kind != "tree" or self.proposer.batch_tree is not None or self.head is not None:
+            return []
+        return self.load.smaller_trees(Choice("tree", budget))
 
     def round(self) -> None:
         live = [s is not None for s in self.active]
@@ -996,6 +982,21 @@ def _gdn_context(kv: SlotKV, tree: bt.BatchTree):
 def _no_stage(name: str):
     """A compiled round's stages: one graph, timed as a whole (as "verify": BatchRun.round)."""
     return contextlib.nullcontext()
+
+
+def _groups(lengths: list[int], alone: bool = False) -> list[tuple[int, int, int]]:
+    """Consecutive prompts (their `lengths`) grouped for one padded forward each: (first, count, longest), each
+    group as long as count x longest stays within JOIN_TOKENS (alone: one prompt a group)."""
+    out, at = [], 0
+    while at < len(lengths):
+        n, width = 1, lengths[at]
+        while (not alone and at + n < len(lengths)
+               and (n + 1) * max(width, lengths[at + n]) <= JOIN_TOKENS):
+            width = max(width, lengths[at + n])
+            n += 1
+        out.append((at, n, width))
+        at += n
+    return out
 
 
 def _stream_seed(seed: int, index: int) -> int:
