@@ -427,3 +427,61 @@ def test_smaller_trees_accept_what_their_own_walks_accept(host):
     assert torch.equal(got, want), (got, want)
     assert want.max() >= 3 and (want[:, 0] < want[:, -1]).any()  # deep paths, and budgets that differ
 
+
+
+def test_a_measured_cost_follows_the_machine_and_never_prices_a_draft_above_a_bigger_one():
+    """An option run again after a long pause is priced by its new rounds (the machine's speed drifts), and at a
+    load no option costs more than one with more tokens measured there (nor AR more than a draft): a smaller tree
+    last measured when the machine was slower must not look dearer than the bigger one running now, or the rule never
+    runs it again."""
+    cost = MeasuredCost(warmup=0, horizon=16)
+    d16, d32 = Choice("tree", 16), Choice("tree", 32)
+    for _ in range(8):
+        cost.observe(1, d16, 10e-3)
+    for _ in range(8):
+        cost.observe(1, d32, 9e-3)
+    assert cost.seconds(1, d16) == pytest.approx(9e-3)  # (its own median, 10 ms: above DDTree-32's)
+    assert cost.seconds(1, AR) <= 9e-3
+    for _ in range(16):
+        cost.observe(1, d32, 9e-3)
+    cost.observe(1, d16, 7e-3)  # after more than `horizon` rounds: its old rounds go
+    assert cost.seconds(1, d16) == pytest.approx(7e-3)
+    cost.observe(1, d16, 20e-3)
+    cost.observe(1, d16, 8e-3)  # within the horizon: the median of its rounds
+    assert cost.seconds(1, d16) == pytest.approx(8e-3)
+
+
+class Fixed(RoundCost):
+    """Round seconds by option (any load)."""
+
+    def __init__(self, table: dict):
+        self.table = table
+
+    def seconds(self, streams: int, choice: Choice) -> float:
+        return self.table[choice]
+
+
+def test_joins_count_where_prompts_wait():
+    """Where prompts wait, each stream a round ends takes a prompt's prefill: the rule counts each option's joins per
+    committed token (what its joins took over what its rounds committed while prompts waited). A draft that ends more
+    streams at once joins them in fewer, larger forwards; here that turns the choice, and only while prompts wait."""
+    tree = Choice("tree", 8)
+    cost = Fixed({AR: 10e-3, tree: 30e-3})
+    lb = LoadBudget([8], block_size=6, chain=False, cost=cost, refresh_every=0)
+    for _ in range(300):  # AR: 16 tokens a round, a join of 8 ms after each; the tree: 48 tokens, 12 ms
+        lb.observe(AR, streams=16, seconds=10e-3, accepted=[1] * 16, rows=16, queued=True)
+        lb.joined(AR, 8e-3, rows=16)
+        lb.observe(tree, streams=16, seconds=30e-3, accepted=[3] * 16, rows=16, queued=True)
+        lb.joined(tree, 12e-3, rows=16)
+        lb.observe(AR, streams=16, seconds=10e-3, accepted=[1] * 16, rows=16)  # (no prompt waits: not counted)
+    band = lb._band(16)
+    assert lb.join_cost(band, AR) == pytest.approx(8e-3 / 16, rel=0.05)
+    assert lb.join_cost(band, tree) == pytest.approx(12e-3 / 48, rel=0.05)
+    assert lb.join_cost(lb._band(2), AR) == 0.0  # (a load with no join yet)
+    tau = lb.tau(tree)
+    cost.table[tree] = 16 * tau / (0.9 * 1600)  # without joins: the tree at 0.9x AR's 1,600 tok/s
+    plain = {p.choice: p for p in lb.predict(16, 16)}
+    waiting = {p.choice: p for p in lb.predict(16, 16, queued=True)}
+    assert plain[AR].joins == 0 and waiting[AR].joins == pytest.approx(16 * lb.join_cost(band, AR))
+    assert waiting[tree].joins == pytest.approx(16 * tau * lb.join_cost(band, tree))
+    assert lb.choose(16, 16) == AR and lb.choose(16, 16, queued=True) == tree

@@ -297,8 +297,8 @@ def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_d
     script = [AR, AR, AR, Choice("chain", drafter.block_size - 1), Choice("tree", 8), AR, Choice("tree", 16)]
 
     class Scripted(LoadBudget):  # the rule's bookkeeping, its choices scripted
-        def choose(self, streams, rows=None):
-            super().choose(streams, rows)
+        def choose(self, streams, rows=None, queued=False):
+            super().choose(streams, rows, queued)
             rec = self.history[-1]
             rec.choice = script[rec.round % len(script)]
             return rec.choice
@@ -322,6 +322,41 @@ def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_d
                 assert all(r.seconds == 0 for r in switch) and all(r.seconds > 0 for r in steady)
     finally:
         hook.remove()
+
+
+def test_budget_auto_charges_joins_to_the_round_that_freed_the_slots_and_prices_the_tail_at_its_rows(toy_pure):
+    """budget="auto" with a queue: rounds run while prompts wait are told so (their joins are counted); a round's
+    joins (the target's prefills, the drafter's read of them) are charged to the option whose round freed the slots,
+    never the call's first fill; the tail, once it dropped its free slots, is weighed at the rows it computes."""
+    from ddtree.engine.adaptive import LoadBudget
+
+    target, drafter, prompts = toy_pure
+    seen, joins = [], []
+
+    class Spy(LoadBudget):
+        def choose(self, streams, rows=None, queued=False):
+            seen.append((streams, rows, queued))
+            return super().choose(streams, rows, queued)
+
+        def joined(self, choice, seconds, *, rows):
+            joins.append((len(self.history), choice, seconds, rows))
+            super().joined(choice, seconds, rows=rows)
+
+    controller = Spy([8], block_size=drafter.block_size)
+    with Engine(target, drafter, method="ddtree", budget="auto", compile="false") as engine:
+        engine.load_budget = controller
+        results = engine.generate_many(prompts * 2, concurrency=4, max_new_tokens=24, stop_token_ids=[STOP])
+    for ids, r in zip(prompts * 2, results, strict=True):
+        assert r.output_ids == hf_greedy(target, ids, 24, STOP)
+    assert seen[0] == (4, 4, True) and seen[-1][2] is False  # the queue ran dry before the last round
+    queued = [q for _, _, q in seen]
+    assert queued == sorted(queued, reverse=True)  # (waiting, then not)
+    assert any(rows < 4 for _, rows, _ in seen)  # the tail, at its rows
+    charged = [j for j in joins if j[2] > 0]
+    assert charged and all(n >= 1 and rows == 4 for n, _, _, rows in charged)  # (never before the first round)
+    # (the last round's option; the drafter's read: the drafted round's own, chosen just before it)
+    assert all(c == controller.history[n - 1].choice for n, c, _, _ in charged)
+    assert any(controller.join_cost(controller._band(4), c) > 0 for c in controller.options)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 `LoadBudget.choose(streams)` weighs, for the round's live streams, each option: no draft (AR: the target's one token
 a stream), DFlash's chain (block_size - 1 drafted tokens) and a DDTree tree of each candidate budget B. Its rate is
 
-    rate(option) = streams x tau(option) / seconds(streams, option)
+    rate(option) = streams x tau(option) / (seconds(rows, option) + its joins' seconds where prompts wait)
 
 tau from the acceptance estimate (`AcceptanceEstimate`: the rank model of ddtree.engine.rank_model, kept online by
 depth from the ranks each round's one host read carries), seconds from a `RoundCost`: measured on the machine
@@ -36,6 +36,8 @@ from ddtree.engine.rank_model import chain_tau, predict_taus
 KINDS = ("ar", "chain", "tree")
 # the first rounds, where the rule's model is refitted after every round (then every `refit_every`)
 WARM = 32
+# the committed tokens the band's mean join cost counts as in an option's own (LoadBudget.join_cost)
+JOIN_PRIOR = 64.0
 
 
 @dataclass(frozen=True)
@@ -347,7 +349,11 @@ class RooflineCost(RoundCost):
 class MeasuredCost(RoundCost):
     """Round seconds calibrated on the machine from the rounds themselves.
 
-    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds. Left out: the
+    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds, those within
+    `horizon` rounds (all keys') of its newest: an option run again after a long pause is its new rounds, not the
+    ones from before (the machine's speed drifts: on the toy's CPU, DDTree-16's rounds at one stream measured in a
+    first call stayed 10.1 ms for good, while DDTree-32's, run since, cost 8.8 ms, and the rule kept DDTree-32
+    where DDTree-16 was faster). Left out: the
     run's first `warmup` rounds (allocator growth, first kernels) and the first `shape_warmup` rounds of each draft
     shape (0 by default: an eager round's first run at a shape costs what the next do, and it is the one that says a
     new shape is dear; 1 where each new shape compiles). The fit, weighted by observations:
@@ -368,14 +374,16 @@ class MeasuredCost(RoundCost):
     does not get cheaper with more work, which caps that optimism where the machine has already said otherwise (a
     draft measured at least twice: one round may be an outlier). At a (streams, shape) measured twice or more the
     prediction is its own median; measured once, the lower of that round and the fit (an outlier does not rule an
-    option out: it runs again and its median settles it)."""
+    option out: it runs again and its median settles it). Either way never above a draft's with more tokens measured
+    twice at the same stream count (and a draft where it drafts one): an option not run for a while must not look
+    dearer than a bigger one running now, or the rule's refresh (LoadBudget) never runs it again to see."""
 
     measured = True
     source = "measured"
 
     def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 32,
-                 tolerance: float = 0.25):
-        self.window, self.warmup, self.shape_warmup = window, warmup, shape_warmup
+                 tolerance: float = 0.25, horizon: int = 128):
+        self.window, self.warmup, self.shape_warmup, self.horizon = window, warmup, shape_warmup, horizon
         self.refit_every, self.tolerance = refit_every, tolerance
         self._rounds = 0  # rounds observed, warm-ups included
         self._runs: dict[tuple[int, int, bool], deque] = {}
@@ -409,9 +417,11 @@ class MeasuredCost(RoundCost):
         if not switch and key not in self._steady:
             self._steady.add(key)
             runs.clear()  # (the switch rounds it had until now)
-        runs.append(float(seconds))
+        runs.append((self._rounds, float(seconds)))
+        while runs[0][0] < self._rounds - self.horizon:  # (a key run again after a long pause: its old rounds go)
+            runs.popleft()
         self._measured[shape] = self._measured.get(shape, 0) + 1
-        self._median[key] = statistics.median(runs)
+        self._median[key] = statistics.median(x for _, x in runs)
         self._by_streams.setdefault(key[0], {})[key[1:]] = self._median[key]
         self._new += 1
 
@@ -474,13 +484,19 @@ class MeasuredCost(RoundCost):
         # none): a round does not get cheaper with more work; nor below half the fastest round measured
         key = (int(streams), choice.tokens, choice.drafted)
         runs = self._runs.get(key)
+        # a round's cost does not fall with more work: never above a draft's with more tokens at this load, measured
+        # at least twice (one round may be an outlier: a first shape, the machine's hiccup): an option not run for a
+        # while keeps its old rounds, which the machine's drift may have left dearer than the one running now
+        shapes = [(t, dr2) for (t, dr2) in self._by_streams.get(key[0], {})
+                  if len(self._runs[(key[0], t, dr2)]) >= 2 and (t, dr2) != key[1:]]
+        above = min((self._median[(key[0], t, dr2)] for (t, dr2) in shapes
+                     if t >= choice.tokens and (dr2 or not choice.drafted)), default=math.inf)
         if runs is not None and len(runs) >= 2:  # measured at this load: its own median
-            return self._median[key]
-        # a round's cost does not fall with more work: never below a load's cheaper draft measured at least twice
-        # (one round may be an outlier: a first shape, the machine's hiccup), nor below half the fastest round
-        below = [self._median[(key[0], t, dr2)] for (t, dr2) in self._by_streams.get(key[0], {})
-                 if t <= choice.tokens and (choice.drafted or not dr2) and len(self._runs[(key[0], t, dr2)]) >= 2]
-        fit = max(float(s), 0.5 * self._floor, *below)
+            return min(self._median[key], above)
+        # nor below a cheaper one's, nor below half the fastest round
+        below = [self._median[(key[0], t, dr2)] for (t, dr2) in shapes
+                 if t <= choice.tokens and (choice.drafted or not dr2)]
+        fit = min(max(float(s), 0.5 * self._floor, *below), above)
         return fit if runs is None else min(self._median[key], fit)  # one round: no dearer than the fit says
 
     def describe(self) -> dict[str, Any]:
@@ -496,15 +512,18 @@ class MeasuredCost(RoundCost):
 
 @dataclass(frozen=True)
 class Prediction:
-    """One option's prediction at a stream count: tau a stream (corrected), round seconds."""
+    """One option's prediction at a stream count: tau a stream (corrected), round seconds, and the seconds of the
+    joins a round of it brings where prompts wait (`LoadBudget.join_cost`: the prefills of the prompts that take the
+    slots its streams free)."""
 
     choice: Choice
     tau: float
     seconds: float
+    joins: float = 0.0
 
     def rate(self, streams: int) -> float:
-        """The batch's committed tokens per second."""
-        return streams * self.tau / self.seconds
+        """The batch's committed tokens per second (its joins' seconds counted)."""
+        return streams * self.tau / (self.seconds + self.joins)
 
 
 def predictions(streams: int, taus: Mapping[Choice, float], cost: RoundCost, rows: int | None = None
@@ -530,8 +549,8 @@ class RoundRecord:
     streams: int
     choice: Choice
     predicted_tau: float | None
-    predicted_seconds: float | None
-    predicted_tok_s: float | None
+    predicted_seconds: float | None  # the round's (its joins' not counted)
+    predicted_tok_s: float | None  # its joins' seconds counted (Prediction.rate)
     explore: str | None = None
     seconds: float | None = None  # measured
     tokens: int | None = None  # committed this round, all streams
@@ -583,7 +602,12 @@ class LoadBudget:
     option at once (a hard stretch lowers them all; it does not make the option that ran through it look worse than
     one last measured on easy text). A DDTree round corrects every smaller tree option too, from what each would have
     accepted on the round's own drafter rows (`smaller_tree_accepts`, observe's `others`), so a tree run at a load
-    teaches the smaller ones without running them."""
+    teaches the smaller ones without running them.
+
+    Where prompts wait (choose's `queued`), an option's rate counts its joins: every stream a round ends takes a
+    prompt, whose prefill the batch waits for. `join_cost` is what they took a committed token under that option at
+    the load (`joined` charges each join to the option whose round freed the slots; observe's `queued` counts the
+    tokens), so a draft that ends many streams at once, joined in one larger forward, is credited for it."""
 
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 32,
@@ -623,6 +647,9 @@ class LoadBudget:
         self._tried: set[tuple[int, Choice]] = set()  # (load band, option) run at least once
         self._top_band = 0  # the highest load band a round has run at
         self._calibrating = cost is None or self.cost.measured  # until the calibration has nothing left to measure
+        # (load band, option) -> decayed [seconds its joins took, tokens its rounds committed while prompts waited]
+        self._joins: dict[tuple[int, Choice], list[float]] = {}
+        self._join_decay = 0.5 ** (1.0 / 64)
 
     def smaller_trees(self, choice: Choice) -> list[Choice]:
         """The tree options a round of `choice` also measures (`observe`'s others): trees of fewer nodes."""
@@ -655,20 +682,46 @@ class LoadBudget:
         prior = self.correction_weight * self.raw_taus()[choice]
         return (got + prior) / (predicted + prior)
 
-    def predict(self, streams: int, rows: int | None = None) -> list[Prediction]:
+    def predict(self, streams: int, rows: int | None = None, queued: bool = False) -> list[Prediction]:
         """Every option's prediction at `streams` live streams in a round over `rows` batch rows (None: `streams`;
-        a measured cost: once calibrated)."""
-        return predictions(streams, {c: self.tau(c) for c in self.options}, self.cost, rows)
+        a measured cost: once calibrated); queued: prompts wait for slots (a round's joins counted)."""
+        preds = predictions(streams, {c: self.tau(c) for c in self.options}, self.cost, rows)
+        if not queued:
+            return preds
+        band = self._band(max(int(rows or streams), streams))
+        return [Prediction(p.choice, p.tau, p.seconds, self.join_cost(band, p.choice) * streams * p.tau)
+                for p in preds]
 
-    def choose(self, streams: int, rows: int | None = None) -> Choice:
+    def join_cost(self, band: int, choice: Choice) -> float:
+        """Join seconds a committed token brings at a load band, for an option's rounds: what its joins took over
+        what its rounds committed while prompts waited (each stream that ends takes a prompt's prefill; rounds that
+        commit more tokens end more streams at once, which join in fewer, larger forwards), the band's mean over every
+        option counted as JOIN_PRIOR tokens (0 where the band has no join yet)."""
+        here = [v for (b, _), v in self._joins.items() if b == band]
+        tokens = sum(v[1] for v in here)
+        if not tokens:
+            return 0.0
+        pooled = sum(v[0] for v in here) / tokens
+        secs, toks = self._joins.get((band, choice), (0.0, 0.0))
+        return (secs + JOIN_PRIOR * pooled) / (toks + JOIN_PRIOR)
+
+    def joined(self, choice: Choice, seconds: float, *, rows: int) -> None:
+        """Prompts joined for `seconds` (their prefills: the target's, or the drafter's read of them), charged to
+        `choice` at the load of `rows` batch rows: the option whose round freed their slots (or, for the drafter's
+        read, the drafted option that read them)."""
+        acc = self._joins.setdefault((self._band(max(1, int(rows))), choice), [0.0, 0.0])
+        acc[0] += float(seconds)
+
+    def choose(self, streams: int, rows: int | None = None, queued: bool = False) -> Choice:
         """The draft for this round's `streams` live streams (host arithmetic); appends its record to `history`.
-        rows: the batch rows the round computes (its slots, free ones included: the cost's load; None: `streams`)."""
+        rows: the batch rows the round computes (its slots, free ones included: the cost's load; None: `streams`).
+        queued: prompts wait for slots (the streams this round ends are refilled: its joins are counted)."""
         if streams < 1:
             raise ValueError(f"LoadBudget.choose: streams must be >= 1, not {streams}")
         rows = max(int(rows or streams), streams)
         n = len(self.history)
         explore, pred = None, None
-        key = (self._band(streams), rows)
+        key = (self._band(streams), rows, queued)
         refresh = bool(self.refresh_every and n and n % self.refresh_every == 0)
         todo = self._calibration(streams, rows)
         held = self._held
@@ -682,7 +735,7 @@ class LoadBudget:
             pred = held[2]  # the last evaluation's best, at this load
             pick = pred.choice
         else:
-            preds = self.predict(streams, rows)
+            preds = self.predict(streams, rows, queued)
             pred = best(streams, preds)
             # (the current choice at this load; at another load the choice is made afresh)
             cur = next((p for p in preds if p.choice == self._current[1]), None) if self._current[0] == key else None
@@ -752,7 +805,7 @@ class LoadBudget:
 
     def observe(self, choice: Choice, *, streams: int, seconds: float, accepted: Sequence[int],
                 ranks: Sequence[Sequence[int]] | None = None, rows: int | None = None,
-                others: Mapping[Choice, Sequence[float]] | None = None) -> None:
+                others: Mapping[Choice, Sequence[float]] | None = None, queued: bool = False) -> None:
         """The round's outcome: its wall `seconds` (of a round over `rows` batch rows: None, `streams`; 0: not
         measured, as a drafted round after AR rounds, which reads the rows they queued: a switch's cost), per stream
         the tokens it kept (the bonus token included; a stream's output cut at its stop token or its max_new_tokens
@@ -766,7 +819,8 @@ class LoadBudget:
         corrections learn from the round as their own rounds would, without running. (Not the chain: its rounds start
         after its own misses, harder positions than a tree's rounds start at; on the toy, the chain read off DDTree-16
         rounds' ranks kept 5.0 tokens a round where DFlash's own rounds keep 4.2, while DDTree-4 read off the same
-        rounds kept 3.22 against its own 3.21.)"""
+        rounds kept 3.22 against its own 3.21.)
+        queued: prompts waited when the round ran (its tokens count in its option's `join_cost`)."""
         if choice not in self._ratio:
             raise ValueError(f"LoadBudget.observe: {choice} is not one of this controller's options")
         if len(accepted) != streams:
@@ -785,6 +839,10 @@ class LoadBudget:
         self._last = choice
         if rec is not None:
             rec.seconds, rec.tokens = float(seconds), int(sum(accepted))
+        if queued:  # (its joins, `joined`, are over the tokens of its rounds that ran while prompts waited)
+            acc = self._joins.setdefault((self._band(rows), choice), [0.0, 0.0])
+            acc[0] *= self._join_decay
+            acc[1] = acc[1] * self._join_decay + float(sum(accepted))
         if not choice.drafted:
             return
         # the correction: tokens committed over the model's tau for them when chosen (exponentially weighted over

@@ -424,6 +424,7 @@ class BatchRun:
         self.unread: dict[int, torch.Tensor] = {}  # slot -> its prompt's features, not yet in its drafter rows
         self.last_drafted = True  # whether the last round drafted (the first one's drafter context: the prompts)
         self.drafted_rounds = 0  # (budget=auto: which eager rounds carry the drafter ranks)
+        self.last_choice: Choice | None = None  # (budget=auto: the last round's option, which its joins are charged to)
         self.want_ranks = False
         self.results: list[GenerationResult | None] = [None] * len(prompts)
         self.queue = list(range(len(prompts)))
@@ -765,8 +766,9 @@ class BatchRun:
     def round(self) -> None:
         live = [s is not None for s in self.active]
         streams = sum(live)
-        # (budget=auto: the batch's rows as it started; a tail that dropped its free slots is not a load of its own)
-        choice = self.load.choose(streams, self.rows) if self.load is not None else None
+        # (budget=auto: the rows the round computes, a tail's that dropped its free slots too; whether prompts wait)
+        queued = bool(self.queue)
+        choice = self.load.choose(streams, self.slots, queued) if self.load is not None else None
         plan = self.plan(choice)
         drafted = plan[0]
         # a drafted round after AR rounds reads the rows and the prompts they queued: a switch's cost, not the round's
@@ -775,10 +777,13 @@ class BatchRun:
         self.last_drafted = drafted
         self.want_ranks = drafted and self.drafted_rounds % RANK_EVERY == 0
         self.drafted_rounds += drafted
+        if drafted and self.unread:  # the drafter prefill of the prompts that joined since its last drafted round
+            # (a prefill: outside the round's stages, as a join's; budget=auto: a join's cost of the drafted option)
+            t0 = time.perf_counter()
+            self.read_prompts()
+            if self.load is not None:
+                self.load.joined(choice, time.perf_counter() - t0, rows=self.rows)
         t0 = time.perf_counter()
-        if drafted and self.unread:  # (in a drafted round's seconds: the drafter prefill of the prompts that joined
-            self.read_prompts()  # since the last round, what drafting costs a round at this churn; a prefill: outside
-            # the round's stages, as a join's)
         traced = False
         if self.compiled is not None and self.compiled.runs(self, plan):
             with self.timer.stage("verify"):  # one graph: its draft, tree and commit timed with its verification
@@ -827,7 +832,8 @@ class BatchRun:
             measured = not (traced or switch or self.slots < self.rows)
             self.load.observe(choice, streams=streams, seconds=now - t0 if measured else 0.0,
                               accepted=kept, ranks=None if rows is None else rows[:, :width], rows=self.rows,
-                              others=also)
+                              others=also, queued=queued)
+            self.last_choice = choice
 
     def compacts(self) -> bool:
         """Whether the batch's tail drops its free slots: no prompt left to take them, at most half the slots live,
@@ -858,8 +864,12 @@ class BatchRun:
         with torch.inference_mode():
             while self.queue or any(s is not None for s in self.active):
                 # free slots take the next prompts (their prefills: between rounds; again where one ends at once)
+                t0 = time.perf_counter()
                 while self.queue and (free := [i for i, s in enumerate(self.active) if s is None]):
                     self.join(free[: len(self.queue)])
+                if self.last_choice is not None and self.load is not None:  # (budget=auto: charged to the round
+                    # whose streams freed the slots; the call's first joins fill its empty slots: nobody's)
+                    self.load.joined(self.last_choice, time.perf_counter() - t0, rows=self.rows)
                 if self.compacts():
                     self.compact()
                 if any(s is not None for s in self.active):
