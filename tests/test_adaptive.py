@@ -430,25 +430,30 @@ def test_smaller_trees_accept_what_their_own_walks_accept(host):
 
 
 def test_a_measured_cost_follows_the_machine_and_never_prices_a_draft_above_a_bigger_one():
-    """An option run again after a long pause is priced by its new rounds (the machine's speed drifts), and at a
-    load no option costs more than one with more tokens measured there (nor AR more than a draft): a smaller tree
-    last measured when the machine was slower must not look dearer than the bigger one running now, or the rule never
-    runs it again."""
-    cost = MeasuredCost(warmup=0, horizon=16)
+    """Options measured at different times compare at one speed: the machine slows by 1.3x while DDTree-32 runs, and
+    DDTree-16, measured before and then once at the new speed, keeps its cost ratio to DDTree-32 (a raw median would
+    mix its fast rounds with the slow one's). And at a load no option costs more than one with more tokens measured
+    there (nor AR more than a draft)."""
     d16, d32 = Choice("tree", 16), Choice("tree", 32)
+    cost = MeasuredCost(warmup=0)
     for _ in range(8):
         cost.observe(1, d16, 10e-3)
     for _ in range(8):
-        cost.observe(1, d32, 9e-3)
-    assert cost.seconds(1, d16) == pytest.approx(9e-3)  # (its own median, 10 ms: above DDTree-32's)
-    assert cost.seconds(1, AR) <= 9e-3
-    for _ in range(16):
-        cost.observe(1, d32, 9e-3)
-    cost.observe(1, d16, 7e-3)  # after more than `horizon` rounds: its old rounds go
-    assert cost.seconds(1, d16) == pytest.approx(7e-3)
-    cost.observe(1, d16, 20e-3)
-    cost.observe(1, d16, 8e-3)  # within the horizon: the median of its rounds
-    assert cost.seconds(1, d16) == pytest.approx(8e-3)
+        cost.observe(1, d32, 12e-3)
+    for _ in range(30):
+        cost.observe(1, d32, 15.6e-3)  # the machine, 1.3x slower
+    assert cost.seconds(1, d32) == pytest.approx(15.6e-3, rel=0.02)
+    assert cost.seconds(1, d16) == pytest.approx(13e-3, rel=0.05)  # (its raw median: 10 ms)
+    cost.observe(1, d16, 13e-3, switch=True)
+    cost.observe(1, d16, 13e-3)
+    assert cost.seconds(1, d16) / cost.seconds(1, d32) == pytest.approx(10 / 12, rel=0.05)
+    capped = MeasuredCost(warmup=0)
+    for _ in range(4):
+        capped.observe(1, d16, 10e-3)
+    for _ in range(4):
+        capped.observe(1, d32, 9e-3)
+    assert capped.seconds(1, d16) == pytest.approx(capped.seconds(1, d32))  # (its own median: above DDTree-32's)
+    assert capped.seconds(1, AR) <= capped.seconds(1, d32)
 
 
 class Fixed(RoundCost):

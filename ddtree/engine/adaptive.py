@@ -349,11 +349,13 @@ class RooflineCost(RoundCost):
 class MeasuredCost(RoundCost):
     """Round seconds calibrated on the machine from the rounds themselves.
 
-    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds, those within
-    `horizon` rounds (all keys') of its newest: an option run again after a long pause is its new rounds, not the
-    ones from before (the machine's speed drifts: on the toy's CPU, DDTree-16's rounds at one stream measured in a
-    first call stayed 10.1 ms for good, while DDTree-32's, run since, cost 8.8 ms, and the rule kept DDTree-32
-    where DDTree-16 was faster). Left out: the
+    Each (streams, tokens a stream, drafted) keeps the median of its last `window` measured rounds, each divided by
+    the machine's drift when it ran: the machine's speed moves (on the toy's CPU by 10-30 % within seconds), and the
+    options are measured at different times, the one chosen all along and the others in a few exploration rounds,
+    so their raw medians compare a fast moment with a slow one (DDTree-8 at one stream measured at 0.80x DDTree-16's
+    cost where it runs at 0.91x, and the rule ran it). The drift is the log of round seconds over the key's median,
+    followed at `drift_rate` a round (steady rounds of keys measured 3 times or more); a prediction is the
+    reference-speed cost times the drift now, so options compare at one speed. Left out: the
     run's first `warmup` rounds (allocator growth, first kernels) and the first `shape_warmup` rounds of each draft
     shape (0 by default: an eager round's first run at a shape costs what the next do, and it is the one that says a
     new shape is dear; 1 where each new shape compiles). The fit, weighted by observations:
@@ -382,8 +384,9 @@ class MeasuredCost(RoundCost):
     source = "measured"
 
     def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 32,
-                 tolerance: float = 0.25, horizon: int = 128):
-        self.window, self.warmup, self.shape_warmup, self.horizon = window, warmup, shape_warmup, horizon
+                 tolerance: float = 0.25, drift_rate: float = 0.5):
+        self.window, self.warmup, self.shape_warmup, self.drift_rate = window, warmup, shape_warmup, drift_rate
+        self._drift = 0.0  # log of the machine's speed now against its reference (observe)
         self.refit_every, self.tolerance = refit_every, tolerance
         self._rounds = 0  # rounds observed, warm-ups included
         self._runs: dict[tuple[int, int, bool], deque] = {}
@@ -417,11 +420,11 @@ class MeasuredCost(RoundCost):
         if not switch and key not in self._steady:
             self._steady.add(key)
             runs.clear()  # (the switch rounds it had until now)
-        runs.append((self._rounds, float(seconds)))
-        while runs[0][0] < self._rounds - self.horizon:  # (a key run again after a long pause: its old rounds go)
-            runs.popleft()
+        if not switch and len(runs) >= 3:  # the machine's speed now, against this key's median
+            self._drift += self.drift_rate * (math.log(seconds) - self._drift - math.log(self._median[key]))
+        runs.append(float(seconds) * math.exp(-self._drift))  # (at the machine's reference speed)
         self._measured[shape] = self._measured.get(shape, 0) + 1
-        self._median[key] = statistics.median(x for _, x in runs)
+        self._median[key] = statistics.median(runs)
         self._by_streams.setdefault(key[0], {})[key[1:]] = self._median[key]
         self._new += 1
 
@@ -480,13 +483,15 @@ class MeasuredCost(RoundCost):
         a, e, c, f, b = self._coef
         dr = float(choice.drafted)
         s = a + e * dr + c * streams + f * dr * streams + b * max(0.0, streams * choice.tokens - self._knee)
-        # never below a round measured at this stream count with no more tokens (and no draft where this drafts
-        # none): a round does not get cheaper with more work; nor below half the fastest round measured
-        key = (int(streams), choice.tokens, choice.drafted)
+        return self._reference(int(streams), choice, s) * math.exp(self._drift)
+
+    def _reference(self, streams: int, choice: Choice, s: float) -> float:
+        """The round's seconds at the machine's reference speed (`s`: the fit's)."""
+        key = (streams, choice.tokens, choice.drafted)
         runs = self._runs.get(key)
         # a round's cost does not fall with more work: never above a draft's with more tokens at this load, measured
-        # at least twice (one round may be an outlier: a first shape, the machine's hiccup): an option not run for a
-        # while keeps its old rounds, which the machine's drift may have left dearer than the one running now
+        # at least twice (one round may be an outlier: a first shape, the machine's hiccup), nor below one's with
+        # no more tokens (and no draft where this drafts none)
         shapes = [(t, dr2) for (t, dr2) in self._by_streams.get(key[0], {})
                   if len(self._runs[(key[0], t, dr2)]) >= 2 and (t, dr2) != key[1:]]
         above = min((self._median[(key[0], t, dr2)] for (t, dr2) in shapes
@@ -504,7 +509,7 @@ class MeasuredCost(RoundCost):
             self._refit()
         coef = None if self._coef is None else dict(zip(("a", "drafted", "stream", "drafted_stream", "token"),
                                                         map(float, self._coef), strict=True))
-        return {"source": self.source, "coef": coef, "knee_tokens": self._knee,
+        return {"source": self.source, "coef": coef, "knee_tokens": self._knee, "drift": math.exp(self._drift),
                 "shapes": sorted({(t, dr) for (_, t, dr) in self._runs})}
 
 
