@@ -864,11 +864,12 @@ class BatchRun:
         with torch.inference_mode():
             while self.queue or any(s is not None for s in self.active):
                 # free slots take the next prompts (their prefills: between rounds; again where one ends at once)
-                t0 = time.perf_counter()
+                t0, waiting = time.perf_counter(), len(self.queue)
                 while self.queue and (free := [i for i, s in enumerate(self.active) if s is None]):
                     self.join(free[: len(self.queue)])
-                if self.last_choice is not None and self.load is not None:  # (budget=auto: charged to the round
-                    # whose streams freed the slots; the call's first joins fill its empty slots: nobody's)
+                if len(self.queue) < waiting and self.last_choice is not None and self.load is not None:
+                    # (budget=auto: charged to the round whose streams freed the slots; the call's first joins fill
+                    # its empty slots: nobody's)
                     self.load.joined(self.last_choice, time.perf_counter() - t0, rows=self.rows)
                 if self.compacts():
                     self.compact()
