@@ -490,3 +490,23 @@ def test_joins_count_where_prompts_wait():
     assert plain[AR].joins == 0 and waiting[AR].joins == pytest.approx(16 * lb.join_cost(band, AR))
     assert waiting[tree].joins == pytest.approx(16 * tau * lb.join_cost(band, tree))
     assert lb.choose(16, 16) == AR and lb.choose(16, 16, queued=True) == tree
+
+
+def test_a_refresh_goes_to_what_the_running_tree_does_not_measure():
+    """A DDTree round measures every smaller tree's tau (observe's others), so the periodic refresh runs first and most
+    the options it cannot measure (the chain, AR), the smaller trees only once those were measured since."""
+    t4, t8, t16 = Choice("tree", 4), Choice("tree", 8), Choice("tree", 16)
+    chain = Choice("chain", 5)
+    cost = Fixed({t4: 10e-3, t8: 10e-3, t16: 10e-3, chain: 10e-3, AR: 4e-3})
+    lb = LoadBudget([4, 8, 16], block_size=6, cost=cost, refresh_every=2, refresh_within=0.0)
+    refreshed = []
+    for _ in range(40):
+        choice = lb.choose(4)
+        if lb.history[-1].explore == "refresh":
+            refreshed.append(choice)
+        others = {c: [3] * 4 for c in lb.smaller_trees(choice)}
+        lb.observe(choice, streams=4, seconds=cost.seconds(4, choice), accepted=[4 if choice == t16 else 3] * 4,
+                   others=others)
+    labels = [c.label for c in refreshed]
+    assert refreshed[:4] == [chain, chain, AR, AR], labels  # (each exploration: two rounds)
+    assert sum(c in (chain, AR) for c in refreshed) > 2 * sum(c in (t4, t8) for c in refreshed), labels

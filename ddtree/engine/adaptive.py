@@ -590,7 +590,8 @@ class LoadBudget:
       round of each option near the best that has not run there, so the fit is measured where the choice is made,
       and where no drafted round has run there, of the best drafted option (even below AR: the fit's extrapolation
       from other loads must not rule drafting out unmeasured);
-    * refresh: every `refresh_every` rounds (0: never), one round of the near option run least recently;
+    * refresh: every `refresh_every` rounds (0: never), one round of the near option measured least recently (a
+      smaller tree is measured by a bigger one's rounds: the refresh goes to the bigger trees, the chain, AR);
     near: a predicted rate within `refresh_within` of the best's and not below AR's.
     A load or refresh exploration runs two rounds in a row: the first is a switch, which a CPU pays for new buffers
     (MeasuredCost.observe's switch), the second measures the option's steady cost.
@@ -642,7 +643,8 @@ class LoadBudget:
         self._ratio = {c: [0.0, 0.0] for c in self.options}
         self._held: tuple[tuple[int, int], int, Prediction] | None = None  # (load key, round, the best) of the last
         # evaluation
-        self._last_run = {c: -1 for c in self.options}  # the last round each option ran
+        self._last_run = {c: -1 for c in self.options}  # the last round that measured each option (ran it, or a
+        # bigger tree's that measured its tau: observe's others)
         self._runs = {c: 0 for c in self.options}  # rounds each option ran
         self.refit_every = refit_every
         self._taus: dict[Choice, float] | None = None
@@ -835,6 +837,9 @@ class LoadBudget:
         rec = self._pending if self._pending is not None and self._pending.choice == choice else None
         self._pending = None
         self._last_run[choice] = rec.round if rec is not None else len(self.history) - 1
+        for option in others or {}:  # (its tau measured by this round too: a refresh goes to the options it did not
+            # measure, the bigger trees, which a smaller one's rounds cannot)
+            self._last_run[option] = self._last_run[choice]
         self._runs[choice] += 1
         rows = max(int(rows or streams), streams)
         if seconds > 0 or not self.cost.measured:  # (0: a round not measured, e.g. a switch: tried again)
