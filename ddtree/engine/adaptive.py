@@ -554,11 +554,12 @@ class RoundRecord:
     streams: int
     choice: Choice
     predicted_tau: float | None
-    predicted_seconds: float | None  # the round's (its joins' not counted)
-    predicted_tok_s: float | None  # its joins' seconds counted (Prediction.rate)
+    predicted_seconds: float | None  # the round's
+    predicted_tok_s: float | None  # the round's (as `tok_s`: its joins not counted)
     explore: str | None = None
     seconds: float | None = None  # measured
     tokens: int | None = None  # committed this round, all streams
+    predicted_join_s: float | None = None  # the joins' seconds the rule counted for it (0: no prompt waited)
     model_taus: dict | None = field(default=None, repr=False)  # the rank model's taus when chosen (the corrections')
 
     @property
@@ -775,8 +776,9 @@ class LoadBudget:
                 self._again = (key, pred, explore)
             pick = pred.choice
         rec = RoundRecord(n, int(streams), pick, None if pred is None else pred.tau,
-                          None if pred is None else pred.seconds, None if pred is None else pred.rate(streams),
-                          explore,
+                          None if pred is None else pred.seconds,
+                          None if pred is None else streams * pred.tau / pred.seconds, explore,
+                          predicted_join_s=None if pred is None else pred.joins,
                           model_taus=self.raw_taus() if pick.drafted else None)
         self.history.append(rec)
         self._pending = rec
