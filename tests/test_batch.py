@@ -296,12 +296,19 @@ def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_d
     hook = drafter.register_forward_hook(lambda *_: calls.append(1))
     script = [AR, AR, AR, Choice("chain", drafter.block_size - 1), Choice("tree", 8), AR, Choice("tree", 16)]
 
+    reads = []  # (the drafter's read of joined prompts, charged as a join: the round's previous round)
+
     class Scripted(LoadBudget):  # the rule's bookkeeping, its choices scripted
         def choose(self, streams, rows=None, queued=False):
             super().choose(streams, rows, queued)
             rec = self.history[-1]
             rec.choice = script[rec.round % len(script)]
             return rec.choice
+
+        def joined(self, choice, seconds, *, rows):
+            if self.history[-1].tokens is None:  # (within a round: its drafter read)
+                reads.append(self.history[-2].choice)
+            super().joined(choice, seconds, rows=rows)
 
     try:
         for controller, drafts in ((LoadBudget([], block_size=drafter.block_size, chain=False), False),
@@ -320,6 +327,8 @@ def test_budget_auto_weighs_the_tokens_outputs_keep_and_reads_prompts_into_the_d
                 steady = [r for r in history[1:] if r.choice.drafted and history[r.round - 1].choice.drafted]
                 assert switch and steady
                 assert all(r.seconds == 0 for r in switch) and all(r.seconds > 0 for r in steady)
+                # a read after drafted rounds is a join's cost; after AR rounds, of what they queued: the switch's
+                assert reads and all(c.drafted for c in reads)
     finally:
         hook.remove()
 
@@ -339,7 +348,7 @@ def test_budget_auto_charges_joins_to_the_round_that_freed_the_slots_and_prices_
             return super().choose(streams, rows, queued)
 
         def joined(self, choice, seconds, *, rows):
-            joins.append((len(self.history), choice, seconds, rows))
+            joins.append((len(self.history), choice, seconds, rows, sum(r.tokens is not None for r in self.history)))
             super().joined(choice, seconds, rows=rows)
 
     controller = Spy([8], block_size=drafter.block_size)
@@ -353,9 +362,10 @@ def test_budget_auto_charges_joins_to_the_round_that_freed_the_slots_and_prices_
     assert queued == sorted(queued, reverse=True)  # (waiting, then not)
     assert any(rows < 4 for _, rows, _ in seen)  # the tail, at its rows
     charged = [j for j in joins if j[2] > 0]
-    assert charged and all(n >= 1 and rows == 4 for n, _, _, rows in charged)  # (never before the first round)
+    assert charged and all(rows == 4 for _, _, _, rows, _ in charged)
+    assert all(observed >= 1 for *_, observed in charged)  # (never the call's first fill)
     # (the last round's option; the drafter's read: the drafted round's own, chosen just before it)
-    assert all(c == controller.history[n - 1].choice for n, c, _, _ in charged)
+    assert all(c == controller.history[n - 1].choice for n, c, *_ in charged)
     assert any(controller.join_cost(controller._band(4), c) > 0 for c in controller.options)
 
 

@@ -778,10 +778,11 @@ class BatchRun:
         self.want_ranks = drafted and self.drafted_rounds % RANK_EVERY == 0
         self.drafted_rounds += drafted
         if drafted and self.unread:  # the drafter prefill of the prompts that joined since its last drafted round
-            # (a prefill: outside the round's stages, as a join's; budget=auto: a join's cost of the drafted option)
+            # (a prefill: outside the round's stages, as a join's; budget=auto: a join's cost of the drafted option
+            # after drafted rounds; after AR rounds, the prompts their joins queued: the switch's cost)
             t0 = time.perf_counter()
             self.read_prompts()
-            if self.load is not None:
+            if self.load is not None and not switch and self.last_choice is not None:  # (not the call's first fill)
                 self.load.joined(choice, time.perf_counter() - t0, rows=self.rows)
         t0 = time.perf_counter()
         traced = False
