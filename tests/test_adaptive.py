@@ -510,3 +510,14 @@ def test_a_refresh_goes_to_what_the_running_tree_does_not_measure():
     labels = [c.label for c in refreshed]
     assert refreshed[:4] == [chain, chain, AR, AR], labels  # (each exploration: two rounds)
     assert sum(c in (chain, AR) for c in refreshed) > 2 * sum(c in (t4, t8) for c in refreshed), labels
+
+
+@pytest.mark.parametrize("edge,drafts", [(1.03, False), (1.10, True)])
+def test_a_draft_must_beat_ar_clearly(edge, drafts):
+    """A draft predicted within 5 % of AR's rate does not run (AR is the floor; a draft's rate is an estimate); one
+    10 % above does."""
+    tree = Choice("tree", 8)
+    cost = Fixed({AR: 10e-3, tree: 10e-3})
+    lb = LoadBudget([8], block_size=6, chain=False, cost=cost, refresh_every=0)
+    cost.table[tree] = 8 * lb.tau(tree) / (edge * 800)  # its rate: edge x AR's 800 tok/s at 8 streams
+    assert (lb.choose(8) == tree) == drafts
