@@ -521,3 +521,36 @@ def test_a_draft_must_beat_ar_clearly(edge, drafts):
     lb = LoadBudget([8], block_size=6, chain=False, cost=cost, refresh_every=0)
     cost.table[tree] = 8 * lb.tau(tree) / (edge * 800)  # its rate: edge x AR's 800 tok/s at 8 streams
     assert (lb.choose(8) == tree) == drafts
+
+
+def test_a_persistent_small_advantage_switches_and_noise_does_not():
+    """Within the 5 % margin the current choice stays, unless the same option comes out ahead at `persist`
+    evaluations in a row (a 3 % advantage that lasts is real; one that flips with the measurements' noise is not)."""
+    t8, t16 = Choice("tree", 8), Choice("tree", 16)
+
+    def run(edges):
+        cost = Fixed({AR: 100e-3, t8: 10e-3, t16: 10e-3})
+        lb = LoadBudget([8, 16], block_size=6, chain=False, cost=cost, refresh_every=0, hold=1)
+        lb._current = ((lb._band(4), 4, False), t8)  # (DDTree-8 runs at this load)
+        picks = []
+        for edge in edges:  # DDTree-16's rate over DDTree-8's at this evaluation
+            cost.table[t16] = cost.table[t8] * lb.tau(t16) / (lb.tau(t8) * edge)
+            picks.append(lb.choose(4))
+        return picks
+
+    assert run([1.03] * 6) == [t8, t8, t8, t16, t16, t16]
+    assert run([1.03, 0.98] * 6) == [t8] * 12  # (ahead, then behind: noise)
+    assert run([1.08]) == [t16]  # (beyond the margin: at once)
+
+
+def test_a_bigger_tree_is_never_predicted_below_a_smaller_one():
+    """Best-first trees are nested, so a tree's tau is at least a smaller tree's: a correction learnt on DDTree-16's
+    rounds (which accept more than the model says) must not leave DDTree-32, not run yet, below it."""
+    t16, t32 = Choice("tree", 16), Choice("tree", 32)
+    lb = LoadBudget([16, 32], block_size=6, chain=False, cost=Fixed({AR: 1e-3, t16: 2e-3, t32: 2e-3}))
+    for _ in range(50):
+        lb.observe(t16, streams=4, seconds=2e-3, accepted=[6] * 4)
+    raw = lb.raw_taus()
+    assert lb.correction(t16) * raw[t16] > raw[t32] * lb.correction(t32)  # (the options' own estimates: inverted)
+    assert lb.tau(t32) == lb.tau(t16) == pytest.approx(raw[t16] * lb.correction(t16))
+    assert list(lb.taus()) == lb.options  # (AR last: the rule reads it there)

@@ -597,7 +597,8 @@ class LoadBudget:
     A load or refresh exploration runs two rounds in a row: the first is a switch, which a CPU pays for new buffers
     (MeasuredCost.observe's switch), the second measures the option's steady cost.
     An evaluation keeps the current choice at an unchanged load unless another's predicted rate beats it by more than
-    `stay_within` (5 %: no switch for what may be the measurements' noise), and a draft is chosen over AR only where
+    `stay_within` (5 %: no switch for what may be the measurements' noise) or the same option has beaten it at each
+    of the last `persist` (4) evaluations there (an advantage that persists is not noise), and a draft is chosen over AR only where
     its predicted rate beats AR's by more than that too (the floor the rule must not fall below: a draft's tau and
     cost are estimates, AR's tau is 1; on the toy at 32 streams AR and DDTree-4/8 were predicted within 1 % of each
     other, and the drafts' calls ran at 0.89x AR's).
@@ -622,7 +623,7 @@ class LoadBudget:
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 32,
                  refresh_within: float = 0.85, refit_every: int = 32, correction_weight: float = 8.0,
-                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.05):
+                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.05, persist: int = 4):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -638,6 +639,9 @@ class LoadBudget:
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
         self.correction_weight, self.hold, self.stay_within = correction_weight, max(1, int(hold)), stay_within
+        self.persist = max(1, int(persist))
+        # (load key, option, evaluations in a row it came out ahead of the current choice there, within stay_within)
+        self._ahead: tuple[tuple | None, Choice | None, int] = (None, None, 0)
         self._last: Choice | None = None  # the last observed round's choice (a switch: the next one differs)
         # (load key, the last evaluation's choice there): kept unless another beats it clearly
         self._current: tuple[tuple[int, int] | None, Choice | None] = (None, None)
@@ -679,10 +683,21 @@ class LoadBudget:
         return self._taus
 
     def tau(self, choice: Choice) -> float:
-        """The option's tau: the rank model's prediction times the option's correction (AR: 1)."""
-        if choice.kind == "ar":
-            return 1.0
-        return self.raw_taus()[choice] * self.correction(choice)
+        """The option's tau: the rank model's prediction times the option's correction (AR: 1), a tree's at least
+        every smaller tree's (`taus`)."""
+        return self.taus()[choice]
+
+    def taus(self) -> dict[Choice, float]:
+        """Every option's tau (`tau`). Best-first trees from the same drafter rows are nested, so a tree's walk
+        accepts at least what a smaller one's accepts: a tree's tau is at least every smaller tree's (a correction
+        learnt on a tree that ran must not put a bigger one that has not run below it)."""
+        out, floor = {}, 0.0
+        for c in sorted(self.options, key=lambda c: (c.kind != "tree", c.nodes)):
+            t = 1.0 if c.kind == "ar" else self.raw_taus()[c] * self.correction(c)
+            if c.kind == "tree":
+                t = floor = max(t, floor)
+            out[c] = t
+        return {c: out[c] for c in self.options}  # (in the options' order: AR last)
 
     def correction(self, choice: Choice) -> float:
         """The option's committed tokens over the rank model's predictions for its rounds, the ratio 1 counted as
@@ -696,7 +711,7 @@ class LoadBudget:
     def predict(self, streams: int, rows: int | None = None, queued: bool = False) -> list[Prediction]:
         """Every option's prediction at `streams` live streams in a round over `rows` batch rows (None: `streams`;
         a measured cost: once calibrated); queued: prompts wait for slots (a round's joins counted)."""
-        preds = predictions(streams, {c: self.tau(c) for c in self.options}, self.cost, rows)
+        preds = predictions(streams, self.taus(), self.cost, rows)
         if not queued:
             return preds
         band = self._band(max(int(rows or streams), streams))
@@ -751,7 +766,13 @@ class LoadBudget:
             # (the current choice at this load; at another load the choice is made afresh)
             cur = next((p for p in preds if p.choice == self._current[1]), None) if self._current[0] == key else None
             if cur is not None and pred.rate(streams) <= (1 + self.stay_within) * cur.rate(streams):
-                pred = cur  # (within `stay_within` of the best: no switch for what may be noise)
+                # (within `stay_within` of the best: no switch for what may be noise, unless the same option has come
+                # out ahead at every one of the last `persist` evaluations at this load: noise does not persist)
+                ahead = pred.choice != cur.choice and pred.rate(streams) > cur.rate(streams)
+                count = self._ahead[2] + 1 if ahead and self._ahead[:2] == (key, pred.choice) else int(ahead)
+                self._ahead = (key, pred.choice, count) if ahead else (None, None, 0)
+                if not ahead or count < self.persist:
+                    pred = cur
             plain = preds[-1]  # AR (last)
             if pred.choice.drafted and pred.rate(streams) <= (1 + self.stay_within) * plain.rate(streams):
                 pred = plain  # (a draft must beat AR clearly: its tau and cost are estimates, AR's tau is 1)
