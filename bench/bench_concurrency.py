@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -88,13 +89,18 @@ def engines(pair, specs: list[str]) -> dict[str, tuple[ddtree.Engine, int | str 
 
 def one_call(engine, budget, prompts, c: int, args, stops) -> dict:
     kw = {"budget": budget} if budget == "auto" else {}
+    controller = getattr(engine, "load_budget", None) if budget == "auto" else None
+    since = len(controller.history) if controller is not None else 0
     t = time.perf_counter()
     results = engine.generate_many(prompts, concurrency=c, max_new_tokens=args.new, stop_token_ids=stops, **kw)
     wall = time.perf_counter() - t
     new = sum(r.num_new_tokens for r in results)
     lat = [r.total_s for r in results]
-    return dict(tok_s=new / wall, wall_s=wall, tokens=new, latency_median=statistics.median(lat), latency_p90=p90(lat),
-                tau=sum(sum(r.acceptance_lengths) for r in results) / max(1, sum(r.rounds for r in results)))
+    out = dict(tok_s=new / wall, wall_s=wall, tokens=new, latency_median=statistics.median(lat), latency_p90=p90(lat),
+               tau=sum(sum(r.acceptance_lengths) for r in results) / max(1, sum(r.rounds for r in results)))
+    if budget == "auto":  # the rule's choices this call: rounds by option (the controller outlives calls)
+        out["choices"] = dict(Counter(r.choice.label for r in engine.load_budget.history[since:]).most_common())
+    return out
 
 
 def measure(args, pair, specs: list[str]) -> tuple[list[dict], list[dict]]:
@@ -116,7 +122,7 @@ def measure(args, pair, specs: list[str]) -> tuple[list[dict], list[dict]]:
                 runs.setdefault((spec, c), []).append(m)
                 print(f"run {run + 1}/{args.runs} c={c:>2} {label(spec):>11}: {m['tok_s']:7.1f} tok/s, latency "
                       f"{m['latency_median']:.3f} / {m['latency_p90']:.3f} s, tau {m['tau']:.2f} ({n} prompts, "
-                      f"{m['wall_s']:.1f} s)", flush=True)
+                      f"{m['wall_s']:.1f} s){'  ' + str(m['choices']) if 'choices' in m else ''}", flush=True)
                 if c == 1 and args.single and budget != "auto":  # today's engine, one prompt after another
                     t = time.perf_counter()
                     new = sum(engine.generate(p, max_new_tokens=args.new, stop_token_ids=pair.stops).num_new_tokens
@@ -132,6 +138,8 @@ def measure(args, pair, specs: list[str]) -> tuple[list[dict], list[dict]]:
                          latency_median_s=Spread.of([m["latency_median"] for m in ms]).cell(3),
                          latency_p90_s=Spread.of([m["latency_p90"] for m in ms]).cell(3),
                          tau=round(statistics.median(m["tau"] for m in ms), 3)))
+        if "choices" in ms[0]:  # budget=auto: the rounds each option ran, all runs together
+            rows[-1]["choices"] = dict(sum((Counter(m["choices"]) for m in ms), Counter()).most_common())
     return rows, [dict(method=spec, label=label(spec), tok_s=Spread.of(g).cell(1)) for spec, g in single.items()]
 
 

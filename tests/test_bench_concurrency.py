@@ -36,6 +36,9 @@ def test_quick_run_writes_a_record_the_docs_render(tmp_path):
         assert m["tok_s"]["median"] > 0 and m["tau"] >= 1.0 and m["prompts"] >= m["concurrency"]
         assert m["latency_median_s"]["median"] <= m["latency_p90_s"]["median"] + 1e-9
     assert got["ar", 1]["tau"] == pytest.approx(1.0, abs=0.2)  # the prefill's token is not a round
+    if auto:  # the rule's choices: rounds by option, all runs together
+        for c in cs:
+            assert sum(got["ddtree:auto", c]["choices"].values()) > 0 and "choices" not in got["ar", c]
     assert {g["method"] for g in rec["measured_single"]} == {"ar", "ddtree:16"}  # Engine.generate at c=1
     assert all(g["tok_s"]["median"] > 0 for g in rec["measured_single"])
     titles = [t["title"] for t in rec["tables"]]
