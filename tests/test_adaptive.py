@@ -554,3 +554,30 @@ def test_a_bigger_tree_is_never_predicted_below_a_smaller_one():
     assert lb.correction(t16) * raw[t16] > raw[t32] * lb.correction(t32)  # (the options' own estimates: inverted)
     assert lb.tau(t32) == lb.tau(t16) == pytest.approx(raw[t16] * lb.correction(t16))
     assert list(lb.taus()) == lb.options  # (AR last: the rule reads it there)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_option_priced_on_a_bad_first_round_is_measured_again(seed):
+    """DDTree-16's first rounds land on a slow moment of the machine (and a switch): 1.9x its cost, so it looks 0.6x
+    DDTree-8's rate and the rule moves to DDTree-8. Its cost is not settled (no two steady rounds), so the refresh
+    runs it again from that far below (`young_within`) and it takes over, as it must (4 tokens in 10.5 ms against
+    3 in 10 ms). With only the near options refreshed it never runs again."""
+    t8, t16 = Choice("tree", 8), Choice("tree", 16)
+
+    def share_of_d16(**kw) -> float:
+        rng = random.Random(seed)
+        true, acc = {AR: 8e-3, t8: 10e-3, t16: 10.5e-3}, {AR: 1, t8: 3, t16: 4}
+        lb = LoadBudget([8, 16], block_size=6, chain=False, cost=MeasuredCost(warmup=0), **kw)
+        last, picks = None, []
+        for _ in range(600):
+            c = lb.choose(1)
+            slow = 1.4 if c == t16 and picks.count(t16) < 3 else 1.0
+            s = true[c] * (1.35 if c != last else 1.0) * slow * (1 + 0.05 * rng.uniform(-1, 1))
+            lb.observe(c, streams=1, seconds=s, accepted=[acc[c]], others={t8: [acc[t8]]} if c == t16 else None)
+            last = c
+            picks.append(c)
+        assert picks.count(t16) >= 1 and picks[3:20].count(t8) >= 10  # (it did look worse)
+        return picks[-200:].count(t16) / 200
+
+    assert share_of_d16() >= 0.9
+    assert share_of_d16(young_within=0.85) == 0.0

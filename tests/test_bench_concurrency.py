@@ -39,8 +39,9 @@ def test_quick_run_writes_a_record_the_docs_render(tmp_path):
     if auto:  # the rule's choices: rounds by option, all runs together
         for c in cs:
             assert sum(got["ddtree:auto", c]["choices"].values()) > 0 and "choices" not in got["ar", c]
-    assert {g["method"] for g in rec["measured_single"]} == {"ar", "ddtree:16"}  # Engine.generate at c=1
-    assert all(g["tok_s"]["median"] > 0 for g in rec["measured_single"])
+    # at c=1: the batched round with one slot and Engine.generate
+    assert {g["method"] for g in rec["measured_single"]} == {"ar", "ddtree:16"}
+    assert all(g["tok_s"]["median"] > 0 and g["batched_tok_s"]["median"] > 0 for g in rec["measured_single"])
     titles = [t["title"] for t in rec["tables"]]
     assert titles[0].startswith("Measured") and any(t.startswith("Predicted") for t in titles)
     pred = rec["predicted"]

@@ -244,6 +244,10 @@ class RoundCost:
     def rounds(self, choice: Choice) -> int:
         return 0
 
+    def settled(self, streams: int, choice: Choice) -> bool:
+        """Whether the cost of `choice` at `streams` rows is known as well as it will be (a stated model: always)."""
+        return True
+
     def describe(self) -> dict[str, Any]:
         return {"source": self.source}
 
@@ -431,6 +435,12 @@ class MeasuredCost(RoundCost):
     def rounds(self, choice: Choice) -> int:
         return self._measured.get((choice.tokens, choice.drafted), 0)
 
+    def settled(self, streams: int, choice: Choice) -> bool:
+        """Measured at these rows by two rounds or more, steady ones (a round after its like: a switch round, and a
+        key's first rounds, cost more on a CPU, by up to a quarter on the toy)."""
+        key = (int(streams), choice.tokens, choice.drafted)
+        return key in self._steady and len(self._runs[key]) >= 2
+
     def _refit(self) -> None:
         stale = self._new and (self._fits < WARM or self._new >= self.refit_every or self._new_key)
         if self._coef is None or stale:
@@ -593,7 +603,8 @@ class LoadBudget:
       from other loads must not rule drafting out unmeasured);
     * refresh: every `refresh_every` rounds (0: never), one round of the near option measured least recently (a
       smaller tree is measured by a bigger one's rounds: the refresh goes to the bigger trees, the chain, AR);
-    near: a predicted rate within `refresh_within` of the best's and not below AR's.
+    near: a predicted rate within `refresh_within` of the best's and not below AR's; for a refresh, also an option
+    measured too little to rule out (`_young`) within `young_within` (0.5) of the best's.
     A load or refresh exploration runs two rounds in a row: the first is a switch, which a CPU pays for new buffers
     (MeasuredCost.observe's switch), the second measures the option's steady cost.
     An evaluation keeps the current choice at an unchanged load unless another's predicted rate beats it by more than
@@ -623,7 +634,8 @@ class LoadBudget:
     def __init__(self, candidates: Sequence[int], *, block_size: int, chain: bool = True, cost: RoundCost | None = None,
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 32,
                  refresh_within: float = 0.85, refit_every: int = 32, correction_weight: float = 8.0,
-                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.05, persist: int = 4):
+                 correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.05, persist: int = 4,
+                 young_within: float = 0.5):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -639,7 +651,7 @@ class LoadBudget:
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
         self.correction_weight, self.hold, self.stay_within = correction_weight, max(1, int(hold)), stay_within
-        self.persist = max(1, int(persist))
+        self.persist, self.young_within = max(1, int(persist)), young_within
         # (load key, option, evaluations in a row it came out ahead of the current choice there, within stay_within)
         self._ahead: tuple[tuple | None, Choice | None, int] = (None, None, 0)
         self._last: Choice | None = None  # the last observed round's choice (a switch: the next one differs)
@@ -795,8 +807,14 @@ class LoadBudget:
                      if self.cost.measured and higher else [])
             if fresh:
                 pred, explore = fresh[0], "load"
-            elif near and refresh:
-                pred, explore = min(near, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
+            elif refresh:
+                # (an option measured little is refreshed from further below: one or two rounds, a switch's among
+                # them, can price it a quarter too dear on a CPU, and then it would never run again to say otherwise)
+                young = [p for p in preds if p.choice != pred.choice and p not in near and self._young(p.choice, rows)
+                         and p.rate(streams) >= max(self.young_within * pred.rate(streams), preds[-1].rate(streams))]
+                if near or young:
+                    pred = min(near + young, key=lambda p: (self._last_run[p.choice], -p.choice.tokens))
+                    explore = "refresh"
             if explore is not None or (self._band(rows), pred.choice) not in self._tried:
                 self._held = None  # (an exploring round, or a choice not yet run at this load: evaluated again)
             if explore is not None:  # run twice: a round after its like measures the option's steady cost
@@ -810,6 +828,13 @@ class LoadBudget:
         self.history.append(rec)
         self._pending = rec
         return pick
+
+    def _young(self, choice: Choice, rows: int) -> bool:
+        """Measured too little to rule out: its cost at these rows not settled (RoundCost.settled), or, a draft, its
+        correction from fewer than correction_weight streams' rounds (decayed)."""
+        if not self.cost.settled(rows, choice):
+            return True
+        return choice.drafted and self._ratio[choice][1] < self.correction_weight * self.raw_taus()[choice]
 
     @staticmethod
     @functools.lru_cache(maxsize=1024)
