@@ -8,7 +8,8 @@ on the toy pair and predicted for Qwen3.6-27B bf16 on an H200 by the cost model.
 
 Measured, on the shipped pure toy pair (assets/toy_pure: a Qwen3 target and its trained DFlash drafter, fp32, greedy,
 the stop tokens `python -m ddtree.run` uses): one `ddtree.Engine` per method, a warm-up call, then per run, for each
-concurrency c and each method in turn (interleaved, so the machine's load hits every method alike), one
+concurrency c and each method in turn (interleaved, so the machine's load hits every method alike; each run starts
+one method later in the list), one
 `generate_many` call over max(--prompts, --per-slot x c) prompts (the toy's held-out prompts, the list repeated: every
 slot stays busy until the queue runs dry). Per call:
   total tok/s   every stream's new tokens over the call's wall seconds (prefills and joins included);
@@ -117,7 +118,8 @@ def measure(args, pair, specs: list[str]) -> tuple[list[dict], list[dict]]:
         for c in args.concurrency:
             n = max(args.prompts, args.per_slot * c)
             prompts = (pair.prompts * math.ceil(n / len(pair.prompts)))[:n]
-            for spec in specs:
+            for spec in specs[run % len(specs):] + specs[:run % len(specs)]:  # (each run starts one method later:
+                # none always runs after the same one, on a machine whose speed drifts)
                 engine, budget = built[spec]
                 m = one_call(engine, budget, prompts, c, args, pair.stops)
                 m["prompts"] = n
