@@ -480,8 +480,9 @@ def test_joins_count_where_prompts_wait():
         lb.joined(tree, 12e-3, rows=16)
         lb.observe(AR, streams=16, seconds=10e-3, accepted=[1] * 16, rows=16)  # (no prompt waits: not counted)
     band = lb._band(16)
-    assert lb.join_cost(band, AR) == pytest.approx(8e-3 / 16, rel=0.05)
-    assert lb.join_cost(band, tree) == pytest.approx(12e-3 / 48, rel=0.05)
+    pooled = (8e-3 + 12e-3) / (16 + 48)  # (the band's mean, which each option's own shrinks toward)
+    assert pooled < lb.join_cost(band, AR) < 8e-3 / 16 and 12e-3 / 48 < lb.join_cost(band, tree) < pooled
+    assert lb.join_cost(band, AR) / lb.join_cost(band, tree) > 1.5  # (their own: 2)
     assert lb.join_cost(lb._band(2), AR) == 0.0  # (a load with no join yet)
     tau = lb.tau(tree)
     cost.table[tree] = 16 * tau / (0.9 * 1600)  # without joins: the tree at 0.9x AR's 1,600 tok/s
@@ -581,3 +582,21 @@ def test_an_option_priced_on_a_bad_first_round_is_measured_again(seed):
 
     assert share_of_d16() >= 0.9
     assert share_of_d16(young_within=0.85) == 0.0
+
+
+def test_a_few_joins_at_one_stream_do_not_price_an_option():
+    """At one stream every stream's end brings one prefill whatever ran: the join cost a token is the same for every
+    option, and an option run in a few rounds that happened to take a join must not look dearer for it (a join is a
+    lump of seconds; the band's mean counts as JOIN_PRIOR tokens in each option's own)."""
+    t8, t16 = Choice("tree", 8), Choice("tree", 16)
+    lb = LoadBudget([8, 16], block_size=6, chain=False, cost=Fixed({AR: 1e-3, t8: 5e-3, t16: 5e-3}), refresh_every=0)
+    for i in range(300):  # DDTree-8 runs, 5 tokens a round, a 10 ms prefill every 13 rounds (a 64-token output)
+        lb.observe(t8, streams=1, seconds=5e-3, accepted=[5], queued=True)
+        if i % 13 == 12:
+            lb.joined(t8, 10e-3, rows=1)
+        if i == 290:  # DDTree-16's two refresh rounds, a stream's end among them
+            lb.observe(t16, streams=1, seconds=5e-3, accepted=[6], queued=True)
+            lb.joined(t16, 10e-3, rows=1)
+            lb.observe(t16, streams=1, seconds=5e-3, accepted=[6], queued=True)
+    band = lb._band(1)
+    assert lb.join_cost(band, t16) == pytest.approx(lb.join_cost(band, t8), rel=0.25)

@@ -36,8 +36,11 @@ from ddtree.engine.rank_model import chain_tau, predict_taus
 KINDS = ("ar", "chain", "tree")
 # the first rounds, where the rule's model is refitted after every round (then every `refit_every`)
 WARM = 32
-# the committed tokens the band's mean join cost counts as in an option's own (LoadBudget.join_cost)
-JOIN_PRIOR = 64.0
+# the committed tokens the band's mean join cost counts as in an option's own (LoadBudget.join_cost): a join is a
+# lump (a prompt's prefill), few at low loads, where the cost a token is the same for every option (at one stream each
+# output's end brings one prefill, whatever ran); at 16 streams and more an option's own rounds outweigh it in a few
+# dozen rounds
+JOIN_PRIOR = 512.0
 
 
 @dataclass(frozen=True)
