@@ -18,8 +18,9 @@ slot stays busy until the queue runs dry). Per call:
   tau           tokens committed per round over every stream's rounds (the bonus token included).
 At concurrency 1, for each fixed method, the batched round with one slot (ddtree.engine.batch.generate_many: at one
 slot and a fixed budget generate_many itself runs the one-stream engine) and Engine.generate over the same prompts one
-after another (today's single-stream engine), right after the call (--no-single to leave them out). The cells are medians over --runs (with their range). `ddtree:auto` (budget="auto": ddtree.engine.adaptive) runs
-where that module exists, and is left out, with a note, where it does not.
+after another (today's single-stream engine), right after the call (--no-single to leave them out). The cells are
+medians over --runs (with their range). `ddtree:auto` (budget="auto": ddtree.engine.adaptive) runs where that module
+exists, and is left out, with a note, where it does not.
 
 Predicted, for the real Qwen3.6-27B in bf16 on one H200, by the cost model of bench/_costmodel.py (docs/gpu.md): the
 batched round's ops, kernel ops and host reads per round counted by `bench/bench_launches.py --concurrency` (--counts;

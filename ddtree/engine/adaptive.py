@@ -612,10 +612,10 @@ class LoadBudget:
     (MeasuredCost.observe's switch), the second measures the option's steady cost.
     An evaluation keeps the current choice at an unchanged load unless another's predicted rate beats it by more than
     `stay_within` (5 %: no switch for what may be the measurements' noise) or the same option has beaten it at each
-    of the last `persist` (4) evaluations there (an advantage that persists is not noise), and a draft is chosen over AR only where
-    its predicted rate beats AR's by more than that too (the floor the rule must not fall below: a draft's tau and
-    cost are estimates, AR's tau is 1; on the toy at 32 streams AR and DDTree-4/8 were predicted within 1 % of each
-    other, and the drafts' calls ran at 0.89x AR's).
+    of the last `persist` (4) evaluations there (an advantage that persists is not noise), and a draft is chosen over
+    AR only where its predicted rate beats AR's by more than that too (the floor the rule must not fall below: a
+    draft's tau and cost are estimates, AR's tau is 1; on the toy at 32 streams AR and DDTree-4/8 were predicted
+    within 1 % of each other, and the drafts' calls ran at 0.89x AR's).
     Between those, a choice already run at this load holds for up to `hold` rounds while the load (its band and the
     rows) stays: the rule's host arithmetic runs once in `hold` rounds (1: every round).
 
