@@ -313,3 +313,23 @@ def test_the_gdn_fused_ops_run_their_triton_kernels_on_cuda(dtype):
     tol = {"rtol": 1e-3, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
     for a, b in zip(got["cuda"], got["cpu"], strict=True):  # (the prefix's state too came from two devices)
         torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_5_text"])
+def test_the_eager_batched_round_on_cuda_is_each_streams_greedy_decoding(model_type):
+    """generate_many on CUDA, eager (compile=false): prompts of different lengths at 3 streams (joins, a tail, free
+    slots), every method and budget=auto (the rule's choice every round), each stream equal to HF greedy decoding of
+    its prompt alone (fp32); and the batched round reads the device once a round at 1 and at 4 streams."""
+    from batch_support import per_round_at
+
+    target, drafter = _pair(model_type, "sdpa", torch.float32)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, VOCAB, (1, n), generator=g).to("cuda") for n in (3, 17, 9, 5, 12)]
+    refs = [hf_greedy(target, ids, NEW) for ids in prompts]
+    for method, budget in [*RUNS, ("ddtree", "auto")]:
+        with ddtree.Engine(target, drafter if method != "ar" else None, method=method, budget=budget,
+                           compile="false") as engine:
+            results = engine.generate_many(prompts, concurrency=3, max_new_tokens=NEW)
+            assert [r.output_ids for r in results] == refs, (method, budget)
+            reads = {n: per_round_at(engine, prompts[1], n, NEW, budget)[1] for n in (1, 4)}
+            assert reads == {1: 1.0, 4: 1.0}, (method, budget, reads)  # (auto: the ranks ride along)
