@@ -240,11 +240,9 @@ def _simulate(lb: LoadBudget, cost: RoundCost, trees: dict, loads, rounds: int, 
     return out
 
 
-@pytest.mark.parametrize("knee", [1, 40, 170])
-def test_a_measured_cost_calibrates_in_the_first_rounds_and_follows_the_load(knee):
-    """No cost given: the controller measures the rounds. At each load its choices' true rate (the true taus by Monte
-    Carlo over the enumerated trees, the true cost) is near the best option's; knee 1: compute-bound from the first
-    token (AR is best at every load), 170: flat up to 170 verified tokens."""
+def _simulated_options() -> tuple[list[Choice], dict, dict]:
+    """DDTree-4/8/16, the chain and AR over the known rank model: (options, the enumerated trees, true taus by a Monte
+    Carlo of 20,000 rounds)."""
     options = [Choice("tree", b) for b in (4, 8, 16)] + [Choice("chain", 5), AR]
     trees = {c: _best_first(MAIN, OFF, c.nodes) for c in options if c.kind == "tree"}
     trees[Choice("chain", 5)] = {tuple([0] * k) for k in range(1, 6)}
@@ -252,6 +250,15 @@ def test_a_measured_cost_calibrates_in_the_first_rounds_and_follows_the_load(kne
     samples = [_draw(mc_rng, MAIN, OFF) for _ in range(20000)]
     true_tau = {c: 1 + sum(_accepted(x, trees[c]) for x in samples) / len(samples) for c in trees}
     true_tau[AR] = 1.0
+    return options, trees, true_tau
+
+
+@pytest.mark.parametrize("knee", [1, 40, 170])
+def test_a_measured_cost_calibrates_in_the_first_rounds_and_follows_the_load(knee):
+    """No cost given: the controller measures the rounds. At each load its choices' true rate (the true taus by Monte
+    Carlo over the enumerated trees, the true cost) is near the best option's; knee 1: compute-bound from the first
+    token (AR is best at every load), 170: flat up to 170 verified tokens."""
+    options, trees, true_tau = _simulated_options()
     cost = Roofline(flat=10e-3, knee=knee)
     lb = LoadBudget([4, 8, 16], block_size=6)
     loads = (1, 4, 16, 64)
@@ -271,13 +278,7 @@ def test_the_simulated_machine_over_ten_seeds_a_knee():
     """The simulation above over 10 seeds of each knee (120 seed x knee x load cells): the choices' true rate is at
     least 0.85 of the best option's in every cell, 0.98 or more in at least 100, and never below AR's (docs/
     concurrency.md states the record: 0.87, 106 of 120)."""
-    options = [Choice("tree", b) for b in (4, 8, 16)] + [Choice("chain", 5), AR]
-    trees = {c: _best_first(MAIN, OFF, c.nodes) for c in options if c.kind == "tree"}
-    trees[Choice("chain", 5)] = {tuple([0] * k) for k in range(1, 6)}
-    mc_rng = random.Random(9)
-    samples = [_draw(mc_rng, MAIN, OFF) for _ in range(20000)]
-    true_tau = {c: 1 + sum(_accepted(x, trees[c]) for x in samples) / len(samples) for c in trees}
-    true_tau[AR] = 1.0
+    options, trees, true_tau = _simulated_options()
     cells = []
     for knee in (1, 40, 170):
         for seed in range(10):
