@@ -777,47 +777,12 @@ class LoadBudget:
             pick = pred.choice
         else:
             preds = self.predict(streams, rows, queued)
-            pred = best(streams, preds)
-            # (the current choice at this load; at another load the choice is made afresh)
-            cur = next((p for p in preds if p.choice == self._current[1]), None) if self._current[0] == key else None
-            if cur is not None and pred.rate(streams) <= (1 + self.stay_within) * cur.rate(streams):
-                # (within `stay_within` of the best: no switch for what may be noise, unless the same option has come
-                # out ahead at every one of the last `persist` evaluations at this load: noise does not persist)
-                ahead = pred.choice != cur.choice and pred.rate(streams) > cur.rate(streams)
-                count = self._ahead[2] + 1 if ahead and self._ahead[:2] == (key, pred.choice) else int(ahead)
-                self._ahead = (key, pred.choice, count) if ahead else (None, None, 0)
-                if not ahead or count < self.persist:
-                    pred = cur
-            plain = preds[-1]  # AR (last)
-            if pred.choice.drafted and pred.rate(streams) <= (1 + self.stay_within) * plain.rate(streams):
-                pred = plain  # (a draft must beat AR clearly: its tau and cost are estimates, AR's tau is 1)
+            pred = self._settle(key, streams, preds)
             self._current = (key, pred.choice)
             self._held = (key, n, pred)
-            floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
-            near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
-                          key=lambda p: -p.rate(streams))
-            # a load above every one measured so far (a run's tail, where streams end, is not explored again)
-            higher = self._band(rows) >= self._top_band
-            # (AR, the floor the rule must never fall below, is cheap to measure: always among them)
-            ar = [p for p in preds if p.choice == AR and p.choice != pred.choice and p not in near]
-            # (and, where no drafted round has run at this load, the best drafted option: the fit's extrapolation
-            # from other loads does not rule drafting out before one round here measures it)
-            band = self._band(rows)
-            probe = ([max((p for p in preds if p.choice.drafted), key=lambda p: p.rate(streams))]
-                     if not any((band, c) in self._tried for c in self.options if c.drafted)
-                     and any(c.drafted for c in self.options) else [])
-            fresh = ([p for p in near + ar + probe if (band, p.choice) not in self._tried]
-                     if self.cost.measured and higher else [])
-            if fresh:
-                pred, explore = fresh[0], "load"
-            elif refresh:
-                # (an option measured little is refreshed from further below: one or two rounds, a switch's among
-                # them, can price it a quarter too dear on a CPU, and then it would never run again to say otherwise)
-                young = [p for p in preds if p.choice != pred.choice and p not in near and self._young(p.choice, rows)
-                         and p.rate(streams) >= max(self.young_within * pred.rate(streams), preds[-1].rate(streams))]
-                if near or young:
-                    pred = min(near + young, key=lambda p: (self._last_run[p.choice], -p.choice.tokens))
-                    explore = "refresh"
+            explored = self._explore(streams, rows, preds, pred, refresh)
+            if explored is not None:
+                pred, explore = explored
             if explore is not None or (self._band(rows), pred.choice) not in self._tried:
                 self._held = None  # (an exploring round, or a choice not yet run at this load: evaluated again)
             if explore is not None:  # run twice: a round after its like measures the option's steady cost
@@ -831,6 +796,55 @@ class LoadBudget:
         self.history.append(rec)
         self._pending = rec
         return pick
+
+    def _settle(self, key: tuple, streams: int, preds: list[Prediction]) -> Prediction:
+        """An evaluation's choice at `key` (its load): the best predicted rate, but the current choice while the best
+        is within `stay_within` of it (unless the same option has come out ahead at every one of the last `persist`
+        evaluations there: noise does not persist), and AR unless a draft beats it by more than `stay_within` (a
+        draft's tau and cost are estimates, AR's tau is 1)."""
+        pred = best(streams, preds)
+        # (the current choice at this load; at another load the choice is made afresh)
+        cur = next((p for p in preds if p.choice == self._current[1]), None) if self._current[0] == key else None
+        if cur is not None and pred.rate(streams) <= (1 + self.stay_within) * cur.rate(streams):
+            ahead = pred.choice != cur.choice and pred.rate(streams) > cur.rate(streams)
+            count = self._ahead[2] + 1 if ahead and self._ahead[:2] == (key, pred.choice) else int(ahead)
+            self._ahead = (key, pred.choice, count) if ahead else (None, None, 0)
+            if not ahead or count < self.persist:
+                pred = cur
+        plain = preds[-1]  # AR (last)
+        if pred.choice.drafted and pred.rate(streams) <= (1 + self.stay_within) * plain.rate(streams):
+            pred = plain
+        return pred
+
+    def _explore(self, streams: int, rows: int, preds: list[Prediction], pred: Prediction,
+                 refresh: bool) -> tuple[Prediction, str] | None:
+        """A load or refresh exploration round instead of the evaluation's choice `pred` (the class docstring), as
+        (its prediction, "load" or "refresh"), or None."""
+        floor = max(self.refresh_within * pred.rate(streams), preds[-1].rate(streams))  # never below AR (last)
+        near = sorted((p for p in preds if p.choice != pred.choice and p.rate(streams) >= floor),
+                      key=lambda p: -p.rate(streams))
+        band = self._band(rows)
+        # a load above every one measured so far (a run's tail, where streams end, is not explored again)
+        if self.cost.measured and band >= self._top_band:
+            # (AR, the floor the rule must never fall below, is cheap to measure: always among them)
+            ar = [p for p in preds if p.choice == AR and p.choice != pred.choice and p not in near]
+            # (and, where no drafted round has run at this load, the best drafted option: the fit's extrapolation
+            # from other loads does not rule drafting out before one round here measures it)
+            probe = ([max((p for p in preds if p.choice.drafted), key=lambda p: p.rate(streams))]
+                     if not any((band, c) in self._tried for c in self.options if c.drafted)
+                     and any(c.drafted for c in self.options) else [])
+            fresh = [p for p in near + ar + probe if (band, p.choice) not in self._tried]
+            if fresh:
+                return fresh[0], "load"
+        if not refresh:
+            return None
+        # (an option measured little is refreshed from further below: one or two rounds, a switch's among them, can
+        # price it a quarter too dear on a CPU, and then it would never run again to say otherwise)
+        young = [p for p in preds if p.choice != pred.choice and p not in near and self._young(p.choice, rows)
+                 and p.rate(streams) >= max(self.young_within * pred.rate(streams), preds[-1].rate(streams))]
+        if not near and not young:
+            return None
+        return min(near + young, key=lambda p: (self._last_run[p.choice], -p.choice.tokens)), "refresh"
 
     def _young(self, choice: Choice, rows: int) -> bool:
         """Measured too little to rule out: its cost at these rows not settled (RoundCost.settled), or, a draft, its
