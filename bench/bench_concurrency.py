@@ -9,9 +9,8 @@ on the toy pair and predicted for Qwen3.6-27B bf16 on an H200 by the cost model.
 Measured, on the shipped pure toy pair (assets/toy_pure: a Qwen3 target and its trained DFlash drafter, fp32, greedy,
 the stop tokens `python -m ddtree.run` uses): one `ddtree.Engine` per method, a warm-up call, then per run, for each
 concurrency c and each method in turn (interleaved, so the machine's load hits every method alike; each run starts
-one method later in the list), one
-`generate_many` call over max(--prompts, --per-slot x c) prompts (the toy's held-out prompts, the list repeated: every
-slot stays busy until the queue runs dry). Per call:
+one method later in the list), one `generate_many` call over max(--prompts, --per-slot x c) prompts (the toy's
+held-out prompts, the list repeated: every slot stays busy until the queue runs dry). Per call:
   total tok/s   every stream's new tokens over the call's wall seconds (prefills and joins included);
   latency       each stream's own seconds, its prefill to its last token (GenerationResult.total_s; the wait for a
                 slot, queued_s, left out): median and p90 over the call's streams;
