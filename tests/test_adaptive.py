@@ -626,3 +626,16 @@ def test_a_few_joins_at_one_stream_do_not_price_an_option():
             lb.observe(t16, streams=1, seconds=5e-3, accepted=[6], queued=True)
     band = lb._band(1)
     assert lb.join_cost(band, t16) == pytest.approx(lb.join_cost(band, t8), rel=0.25)
+
+
+def test_a_cost_settles_on_three_steady_rounds():
+    """A key's cost is settled (no longer refreshed from further below) by three steady rounds, whose median outlives
+    one slow moment of the machine; a switch round and two steady rounds do not settle it."""
+    t16 = Choice("tree", 16)
+    cost = MeasuredCost(warmup=0)
+    cost.observe(1, t16, 14e-3, switch=True)
+    for _ in range(2):
+        cost.observe(1, t16, 10e-3)
+    assert not cost.settled(1, t16) and not cost.settled(2, t16)
+    cost.observe(1, t16, 10e-3)
+    assert cost.settled(1, t16) and not cost.settled(2, t16)

@@ -389,6 +389,7 @@ class MeasuredCost(RoundCost):
 
     measured = True
     source = "measured"
+    settle_rounds = 3  # steady rounds that settle a key's cost (`settled`): a median robust to one outlier
 
     def __init__(self, *, window: int = 8, warmup: int = 1, shape_warmup: int = 0, refit_every: int = 32,
                  tolerance: float = 0.25, drift_rate: float = 0.5):
@@ -439,10 +440,11 @@ class MeasuredCost(RoundCost):
         return self._measured.get((choice.tokens, choice.drafted), 0)
 
     def settled(self, streams: int, choice: Choice) -> bool:
-        """Measured at these rows by two rounds or more, steady ones (a round after its like: a switch round, and a
-        key's first rounds, cost more on a CPU, by up to a quarter on the toy)."""
+        """Measured at these rows by `settle_rounds` (3) steady rounds or more (a round after its like: a switch
+        round, and a key's first rounds, cost more on a CPU, by up to a quarter on the toy; the median of 3 outlives
+        one slow moment of the machine, that of 2 does not)."""
         key = (int(streams), choice.tokens, choice.drafted)
-        return key in self._steady and len(self._runs[key]) >= 2
+        return key in self._steady and len(self._runs[key]) >= self.settle_rounds
 
     def _refit(self) -> None:
         stale = self._new and (self._fits < WARM or self._new >= self.refit_every or self._new_key)
