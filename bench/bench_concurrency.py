@@ -92,8 +92,7 @@ def engines(pair, specs: list[str]) -> dict[str, tuple[ddtree.Engine, int | str 
 
 def one_call(engine, budget, prompts, c: int, args, stops) -> dict:
     kw = {"budget": budget} if budget == "auto" else {}
-    controller = getattr(engine, "load_budget", None) if budget == "auto" else None
-    since = len(controller.history) if controller is not None else 0
+    since = len(engine.load_budget.history) if budget == "auto" and engine.load_budget is not None else 0
     t = time.perf_counter()
     results = engine.generate_many(prompts, concurrency=c, max_new_tokens=args.new, stop_token_ids=stops, **kw)
     wall = time.perf_counter() - t

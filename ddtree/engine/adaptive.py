@@ -670,7 +670,6 @@ class LoadBudget:
         # evaluation
         self._last_run = {c: -1 for c in self.options}  # the last round that measured each option (ran it, or a
         # bigger tree's that measured its tau: observe's others)
-        self._runs = {c: 0 for c in self.options}  # rounds each option ran
         self.refit_every = refit_every
         self._taus: dict[Choice, float] | None = None
         self._stale = 0  # drafted rounds observed since the taus were computed
@@ -732,21 +731,26 @@ class LoadBudget:
         if not queued:
             return preds
         band = self._band(max(int(rows or streams), streams))
-        return [Prediction(p.choice, p.tau, p.seconds, self.join_cost(band, p.choice) * streams * p.tau)
-                for p in preds]
+        joins = self.join_costs(band)
+        return [Prediction(p.choice, p.tau, p.seconds, joins[p.choice] * streams * p.tau) for p in preds]
 
     def join_cost(self, band: int, choice: Choice) -> float:
-        """Join seconds a committed token brings at a load band, for an option's rounds: what its joins took over
-        what its rounds committed while prompts waited (each stream that ends takes a prompt's prefill; rounds that
-        commit more tokens end more streams at once, which join in fewer, larger forwards), the band's mean over every
-        option counted as JOIN_PRIOR tokens (0 where the band has no join yet)."""
+        """Join seconds a committed token brings at a load band, for an option's rounds (`join_costs`)."""
+        return self.join_costs(band)[choice]
+
+    def join_costs(self, band: int) -> dict[Choice, float]:
+        """Every option's join seconds a committed token at a load band: what its joins took over what its rounds
+        committed while prompts waited (each stream that ends takes a prompt's prefill; rounds that commit more
+        tokens end more streams at once, which join in fewer, larger forwards), the band's mean over every option
+        counted as JOIN_PRIOR tokens (0 where the band has no join yet)."""
         here = [v for (b, _), v in self._joins.items() if b == band]
         tokens = sum(v[1] for v in here)
-        if not tokens:
-            return 0.0
-        pooled = sum(v[0] for v in here) / tokens
-        secs, toks = self._joins.get((band, choice), (0.0, 0.0))
-        return (secs + JOIN_PRIOR * pooled) / (toks + JOIN_PRIOR)
+        pooled = sum(v[0] for v in here) / tokens if tokens else 0.0
+        out = {}
+        for c in self.options:
+            secs, toks = self._joins.get((band, c), (0.0, 0.0))
+            out[c] = (secs + JOIN_PRIOR * pooled) / (toks + JOIN_PRIOR) if tokens else 0.0
+        return out
 
     def joined(self, choice: Choice, seconds: float, *, rows: int) -> None:
         """Prompts joined for `seconds` (their prefills: the target's, or the drafter's read of them), charged to
@@ -913,7 +917,6 @@ class LoadBudget:
         for option in others or {}:  # (its tau measured by this round too: a refresh goes to the options it did not
             # measure, the bigger trees, which a smaller one's rounds cannot)
             self._last_run[option] = self._last_run[choice]
-        self._runs[choice] += 1
         rows = max(int(rows or streams), streams)
         if seconds > 0 or not self.cost.measured:  # (0: a round not measured, e.g. a switch: tried again)
             self._tried.add((self._band(rows), choice))
