@@ -42,6 +42,16 @@ def test_quick_run_writes_a_record_the_docs_render(tmp_path):
     # at c=1: the batched round with one slot and Engine.generate
     assert {g["method"] for g in rec["measured_single"]} == {"ar", "ddtree:16"}
     assert all(g["tok_s"]["median"] > 0 and g["batched_tok_s"]["median"] > 0 for g in rec["measured_single"])
+    # the targets: ratios within each run (here one), from every call's own tok/s
+    assert all(len(m["tok_s_runs"]) == rec["params"]["runs"] for m in got.values())
+    [targets] = [t for t in rec["tables"] if t["title"].startswith("Measured: the issue's targets")]
+    cell = {row[0]: row[1] for row in targets["rows"]}
+    if auto:
+        ratio = got["ddtree:auto", 2]["tok_s_runs"][0] / got["ar", 2]["tok_s_runs"][0]
+        assert cell["c=2: auto / AR"]["median"] == pytest.approx(ratio, rel=2e-3)
+    g = {g["method"]: g for g in rec["measured_single"]}["ddtree:16"]
+    assert cell["c=1: the batched round (one slot) / Engine.generate (DDTree-16)"]["median"] == pytest.approx(
+        g["batched_tok_s"]["median"] / g["tok_s"]["median"], rel=2e-3)
     titles = [t["title"] for t in rec["tables"]]
     assert titles[0].startswith("Measured") and any(t.startswith("Predicted") for t in titles)
     pred = rec["predicted"]
