@@ -623,8 +623,10 @@ class LoadBudget:
 
     An option's tau (`tau`) is the rank model's prediction now times the option's correction: its own rounds'
     committed tokens over what the model predicted for them when they were chosen (exponentially weighted,
-    `correction_halflife` of its rounds), the ratio 1 counted as `correction_weight` streams. The rank model assumes a
-    tree holds the most likely rank paths, and a round starts where the previous one missed; the correction takes up
+    `correction_halflife` of its rounds), the ratio 1 counted as `correction_weight` streams; a tree's shrunk toward
+    the trees' common correction (`correction`, `tree_weight`). The rank model reads the trees' rounds only (`ranked`:
+    a chain's rounds, which start after the chain's own misses, would move it with the option that runs). It assumes
+    a tree holds the most likely rank paths, and a round starts where the previous one missed; the correction takes up
     what that misses, a bias of the model's per option, while the model itself follows the text's difficulty for every
     option at once (a hard stretch lowers them all; it does not make the option that ran through it look worse than
     one last measured on easy text). A DDTree round corrects every smaller tree option too, from what each would have
@@ -640,7 +642,7 @@ class LoadBudget:
                  prior: float = 0.7, prior_weight: float = 4.0, halflife: float = 64.0, refresh_every: int = 32,
                  refresh_within: float = 0.85, refit_every: int = 32, correction_weight: float = 8.0,
                  correction_halflife: float = 128.0, hold: int = 4, stay_within: float = 0.05, persist: int = 4,
-                 young_within: float = 0.5):
+                 young_within: float = 0.5, tree_weight: float = 32.0):
         if block_size < 2:
             raise ValueError(f"LoadBudget: block_size must be >= 2 (the drafter's block), not {block_size}")
         bad = [b for b in candidates if int(b) < 1]
@@ -656,7 +658,7 @@ class LoadBudget:
         self.refresh_every, self.refresh_within, self.prior_weight = refresh_every, refresh_within, prior_weight
         self.history: list[RoundRecord] = []
         self.correction_weight, self.hold, self.stay_within = correction_weight, max(1, int(hold)), stay_within
-        self.persist, self.young_within = max(1, int(persist)), young_within
+        self.persist, self.young_within, self.tree_weight = max(1, int(persist)), young_within, tree_weight
         # (load key, option, evaluations in a row it came out ahead of the current choice there, within stay_within)
         self._ahead: tuple[tuple | None, Choice | None, int] = (None, None, 0)
         self._last: Choice | None = None  # the last observed round's choice (a switch: the next one differs)
@@ -666,6 +668,7 @@ class LoadBudget:
         self._correction_decay = 0.5 ** (1.0 / correction_halflife) if correction_halflife > 0 else 1.0
         # option -> decayed [tokens committed, tokens the rank model predicted for them when chosen]
         self._ratio = {c: [0.0, 0.0] for c in self.options}
+        self._trees_ratio = [0.0, 0.0]  # the same over every tree round (its own option's tokens)
         self._held: tuple[tuple[int, int], int, Prediction] | None = None  # (load key, round, the best) of the last
         # evaluation
         self._last_run = {c: -1 for c in self.options}  # the last round that measured each option (ran it, or a
@@ -681,6 +684,17 @@ class LoadBudget:
         # (load band, option) -> decayed [seconds its joins took, tokens its rounds committed while prompts waited]
         self._joins: dict[tuple[int, Choice], list[float]] = {}
         self._join_decay = 0.5 ** (1.0 / 64)
+        # the options whose rounds feed the rank model their ranks: the trees where there are any (`observe`)
+        self._feeds = {c for c in self.options if c.kind == "tree"} or {c for c in self.options if c.drafted}
+
+    def ranked(self, choice: Choice) -> bool:
+        """Whether a round of `choice` feeds the rank model its drafter ranks (`observe`): a tree's, or, where no tree
+        is an option, the chain's. A chain's rounds run the chain's own dynamics (each starts right after a chain's
+        miss) and leave its rank statistics elsewhere than a tree's rounds do: fed by them, the model moved with
+        whichever option ran, and every other option's correction, learnt against the model as it was, went stale
+        (on the toy at one stream the chain, at 0.86x DDTree-16's rate, then held 545-931 of ~1,300 rounds in some
+        engines). A chain's rounds still teach the chain's own correction."""
+        return choice in self._feeds
 
     def smaller_trees(self, choice: Choice) -> list[Choice]:
         """The tree options a round of `choice` also measures (`observe`'s others): trees of fewer nodes."""
@@ -716,13 +730,23 @@ class LoadBudget:
         return {c: out[c] for c in self.options}  # (in the options' order: AR last)
 
     def correction(self, choice: Choice) -> float:
-        """The option's committed tokens over the rank model's predictions for its rounds, the ratio 1 counted as
-        `correction_weight` streams at the model's current tau (AR: 1)."""
+        """The option's committed tokens over the rank model's predictions for its rounds (AR: 1). The chain's: the
+        ratio 1 counted as `correction_weight` streams at the model's current tau. A tree's: shrunk toward the trees'
+        common correction (every tree round's own tokens, the ratio 1 counted as `correction_weight` streams), that
+        counted as `tree_weight` (32) streams: the trees share most of the model's bias (on the toy at one stream
+        DDTree-8/16/32 ran at 1.06-1.07), and a few dozen rounds of one tree say little of its own part (a round's
+        tokens vary by half their mean: on a simulated machine whose rank model is exact, DDTree-16's correction from
+        its own rounds alone stood at 0.91, and the rule ran DDTree-8 and the chain at 0.87 of DDTree-16's rate)."""
         if choice.kind == "ar":
             return 1.0
         got, predicted = self._ratio[choice]
         prior = self.correction_weight * self.raw_taus()[choice]
-        return (got + prior) / (predicted + prior)
+        if choice.kind != "tree":
+            return (got + prior) / (predicted + prior)
+        g, q = self._trees_ratio  # the trees' common correction, then this tree's own toward it
+        common = (g + prior) / (q + prior)
+        prior = self.tree_weight * self.raw_taus()[choice]
+        return (got + common * prior) / (predicted + prior)
 
     def predict(self, streams: int, rows: int | None = None, queued: bool = False) -> list[Prediction]:
         """Every option's prediction at `streams` live streams in a round over `rows` batch rows (None: `streams`;
@@ -939,7 +963,11 @@ class LoadBudget:
             acc = self._ratio[option]
             acc[0] = acc[0] * d + float(sum(kept))
             acc[1] = acc[1] * d + streams * taus[option]
-        if ranks is not None:
+        if choice.kind == "tree":
+            acc = self._trees_ratio
+            acc[0] = acc[0] * d + float(sum(accepted))
+            acc[1] = acc[1] * d + streams * taus[choice]
+        if ranks is not None and self.ranked(choice):
             self.acceptance.decay_round()
             if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth
                 self.acceptance.add_rows(ranks)

@@ -747,7 +747,8 @@ class BatchRun:
         ranks = None
         # the round's outcome for the next choice (read after the walk): in a compiled graph every drafted round's,
         # eagerly every RANK_EVERY-th drafted round's (a sample of the rounds: a dozen small ops saved a round)
-        if self.load is not None and drafted and (self.want_ranks or torch.compiler.is_compiling()):
+        if (self.load is not None and drafted and (self.want_ranks or torch.compiler.is_compiling())
+                and self.load.ranked(Choice(kind, self.block - 1 if kind == "chain" else budget))):
             ranks = target_ranks(logits, tree.tokens, path, lengths, nxt)
             smaller = self.smaller(kind, budget)
             if smaller:  # (after the ranks' L columns: each smaller tree's accepted draft tokens)
