@@ -160,8 +160,7 @@ def paired(a: dict, b: dict) -> dict:
     record without the runs (before tok_s_runs): the ratio of the medians, n 1."""
     if "tok_s_runs" in a and "tok_s_runs" in b:
         return Spread.of([x / y for x, y in zip(a["tok_s_runs"], b["tok_s_runs"], strict=True)]).cell(3)
-    r = round(a["tok_s"]["median"] / b["tok_s"]["median"], 3)
-    return {"median": r, "min": r, "max": r, "n": 1}
+    return Spread.of([a["tok_s"]["median"] / b["tok_s"]["median"]]).cell(3)
 
 
 # ---------------------------------------------------------------- predicted
@@ -360,10 +359,7 @@ def tables(rec: Record, measured: list[dict], single: list[dict], pred: dict | N
 
 def one_slot(g: dict) -> dict:
     """The batched round with one slot over Engine.generate, run by run (a record from before: of the medians)."""
-    if "ratio" in g:
-        return g["ratio"]
-    r = round(g["batched_tok_s"]["median"] / g["tok_s"]["median"], 3)
-    return {"median": r, "min": r, "max": r, "n": 1}
+    return g["ratio"] if "ratio" in g else Spread.of([g["batched_tok_s"]["median"] / g["tok_s"]["median"]]).cell(3)
 
 
 def main() -> None:

@@ -692,8 +692,8 @@ class LoadBudget:
         is an option, the chain's. A chain's rounds run the chain's own dynamics (each starts right after a chain's
         miss) and leave its rank statistics elsewhere than a tree's rounds do: fed by them, the model moved with
         whichever option ran, and every other option's correction, learnt against the model as it was, went stale
-        (on the toy at one stream the chain, at 0.86x DDTree-16's rate, then held 545-931 of ~1,300 rounds in some
-        engines). A chain's rounds still teach the chain's own correction."""
+        (on the toy at one stream the chain, at 0.86x DDTree-16's rate, then held 545-931 of ~1,300 rounds in 2 of
+        7 engines). A chain's rounds still teach the chain's own correction."""
         return choice in self._feeds
 
     def smaller_trees(self, choice: Choice) -> list[Choice]:
