@@ -956,17 +956,15 @@ class LoadBudget:
         if not choice.drafted:
             return
         # the correction: tokens committed over the model's tau for them when chosen (exponentially weighted over
-        # this option's own rounds)
+        # this option's own rounds; a tree's round also over every tree's: the trees' common correction)
         taus = rec.model_taus if rec is not None and rec.model_taus is not None else self.raw_taus()
         d = self._correction_decay
-        for option, kept in ((choice, accepted), *(others or {}).items()):
-            acc = self._ratio[option]
-            acc[0] = acc[0] * d + float(sum(kept))
-            acc[1] = acc[1] * d + streams * taus[option]
+        sums = [(self._ratio[o], kept, taus[o]) for o, kept in ((choice, accepted), *(others or {}).items())]
         if choice.kind == "tree":
-            acc = self._trees_ratio
-            acc[0] = acc[0] * d + float(sum(accepted))
-            acc[1] = acc[1] * d + streams * taus[choice]
+            sums.append((self._trees_ratio, accepted, taus[choice]))
+        for acc, kept, tau in sums:
+            acc[0] = acc[0] * d + float(sum(kept))
+            acc[1] = acc[1] * d + streams * tau
         if ranks is not None and self.ranked(choice):
             self.acceptance.decay_round()
             if hasattr(ranks, "shape"):  # an array [streams, depths], -1 past each stream's last depth
